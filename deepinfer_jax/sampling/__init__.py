@@ -1,0 +1,25 @@
+"""On-device token sampling (vLLM semantics). Imports nothing else from deepinfer_jax.
+
+Public API:
+  SamplingTensors, SampleOutput, sample(logits, st, *, max_logprobs)  -- jittable
+  apply_penalties, apply_suppression, apply_truncation, token_counts  -- stages (testing)
+  make_key_data(seed, step), make_key_data_batch(seeds, steps)        -- host key helpers
+"""
+
+from deepinfer_jax.sampling.keys import make_key_data, make_key_data_batch, threefry2x32
+from deepinfer_jax.sampling.sampler import (
+    GREEDY_EPS,
+    SampleOutput,
+    SamplingTensors,
+    apply_penalties,
+    apply_suppression,
+    apply_truncation,
+    sample,
+    token_counts,
+)
+
+__all__ = [
+    "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_penalties", "apply_suppression",
+    "apply_truncation", "make_key_data", "make_key_data_batch", "sample", "threefry2x32",
+    "token_counts",
+]

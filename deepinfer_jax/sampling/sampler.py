@@ -1,0 +1,180 @@
+"""On-device token sampler (vLLM semantics), meant to run inside the model's jitted step.
+
+Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
+  1. logits -> f32; ``raw_logprobs = log_softmax(logits)`` (returned logprobs use these).
+  2. ``apply_penalties``: repetition (tokens in prompt or output: positive logits / rp,
+     negative * rp), then frequency (- freq * output_count), then presence
+     (- pres * [output_count > 0]).
+  3. suppressed ids -> -inf.
+  4. greedy rows (temperature < 1e-5): exact argmax of the result of 3.
+  5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
+     renormalised distribution, then min-p), then ``jax.random.categorical`` with the row key.
+
+Invariants:
+  * Rows are independent: the output of a row depends only on that row's logits and
+    tensors, never on padding rows (which may hold any values) nor on the row's position.
+  * The random draw depends only on ``rng_key_data[b]`` and the row's masked logits, so
+    equal keys give equal tokens in any batch.
+  * Ids < 0 (padding, -1) or >= V in the id tensors are ignored (never counted/suppressed).
+  * With all knobs off (T>0, top_k<=0, top_p=1, min_p=0, pres=freq=0, rp=1) the sampled
+    distribution is exactly softmax(logits / T); the optional stages are skipped at run
+    time (``lax.cond``) when no row of the batch uses them, without changing results.
+  * Ties at a top-k / top-p cutoff value are all kept (thresholding by value).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+GREEDY_EPS = 1e-5  # temperature below this => greedy (vLLM's _SAMPLING_EPS)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingTensors:
+    """Per-row sampling parameters; B = padded batch rows (padding rows: any values)."""
+    temperature: jax.Array         # f32[B]    < 1e-5 => greedy
+    top_k: jax.Array               # i32[B]    <= 0 or >= V => off
+    top_p: jax.Array               # f32[B]    >= 1.0 => off
+    min_p: jax.Array               # f32[B]    0.0 => off
+    presence_penalty: jax.Array    # f32[B]    0.0 => off
+    frequency_penalty: jax.Array   # f32[B]    0.0 => off
+    repetition_penalty: jax.Array  # f32[B]    1.0 => off
+    prompt_token_ids: jax.Array    # i32[B, Lp] padded with -1 (repetition only)
+    output_token_ids: jax.Array    # i32[B, Lo] padded with -1 (all three penalties)
+    suppress_token_ids: jax.Array  # i32[B, S]  padded with -1 (logit -> -inf)
+    rng_key_data: jax.Array        # u32[B, 2]  threefry key data (see keys.make_key_data)
+
+    @classmethod
+    def defaults(cls, batch: int, prompt_len: int = 0, output_len: int = 0,
+                 suppress_len: int = 0) -> "SamplingTensors":
+        """Host (numpy) tensors with every knob off, temperature 1, keys zero, ids -1."""
+        f = lambda v: np.full((batch,), v, np.float32)
+        ids = lambda n: np.full((batch, n), -1, np.int32)
+        return cls(temperature=f(1.0), top_k=np.zeros((batch,), np.int32), top_p=f(1.0),
+                   min_p=f(0.0), presence_penalty=f(0.0), frequency_penalty=f(0.0),
+                   repetition_penalty=f(1.0), prompt_token_ids=ids(prompt_len),
+                   output_token_ids=ids(output_len), suppress_token_ids=ids(suppress_len),
+                   rng_key_data=np.zeros((batch, 2), np.uint32))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SampleOutput:
+    token_ids: jax.Array        # i32[B]
+    logprob: jax.Array          # f32[B]     raw log_softmax(logits)[token]
+    top_logprob_ids: jax.Array  # i32[B, K]  K = max_logprobs (may be 0)
+    top_logprobs: jax.Array     # f32[B, K]  raw log-softmax top-K, sorted descending
+
+
+def _id_mask_scatter(ids: jax.Array, vocab: int, dtype) -> jax.Array:
+    """ids i32[B, L] -> [B, V] counts (int32) or presence (bool); ids outside [0, V) dropped."""
+    b, l = ids.shape
+    valid = (ids >= 0) & (ids < vocab)
+    col = jnp.where(valid, ids, vocab)                     # vocab => out of bounds => dropped
+    row = jnp.broadcast_to(jnp.arange(b, dtype=jnp.int32)[:, None], (b, l))
+    out = jnp.zeros((b, vocab), dtype)
+    if dtype == jnp.bool_:
+        return out.at[row, col].set(True, mode="drop")
+    return out.at[row, col].add(valid.astype(dtype), mode="drop")
+
+
+def token_counts(ids: jax.Array, vocab: int) -> jax.Array:
+    """i32[B, L] (-1 padded) -> i32[B, V] occurrence counts, via an on-device scatter-add."""
+    return _id_mask_scatter(ids, vocab, jnp.int32)
+
+
+def apply_penalties(logits: jax.Array, st: SamplingTensors) -> jax.Array:
+    """f32[B, V] -> f32[B, V]: repetition, then frequency, then presence (vLLM formulas)."""
+    vocab = logits.shape[-1]
+    out_counts = token_counts(st.output_token_ids, vocab)              # i32[B, V]
+    out_seen = out_counts > 0                                          # bool[B, V]
+    seen = out_seen | _id_mask_scatter(st.prompt_token_ids, vocab, jnp.bool_)
+    rp = st.repetition_penalty.astype(jnp.float32)[:, None]            # f32[B, 1]
+    penalised = jnp.where(logits > 0, logits / rp, logits * rp)
+    logits = jnp.where(seen, penalised, logits)
+    logits = logits - st.frequency_penalty.astype(jnp.float32)[:, None] * out_counts
+    return logits - st.presence_penalty.astype(jnp.float32)[:, None] * out_seen
+
+
+def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
+    """f32[B, V], i32[B, S] -> f32[B, V] with listed ids set to -inf."""
+    mask = _id_mask_scatter(suppress_ids, logits.shape[-1], jnp.bool_)
+    return jnp.where(mask, -jnp.inf, logits)
+
+
+def _sorted_cutoff(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """f32[B, V] -> f32[B, 1]: smallest logit kept by top-k then top-p (one sort per row)."""
+    vocab = logits.shape[-1]
+    srt = jnp.flip(jnp.sort(logits, axis=-1), axis=-1)                 # f32[B, V] descending
+    k = jnp.where((top_k <= 0) | (top_k >= vocab), vocab, top_k)
+    k = jnp.clip(k, 1, vocab).astype(jnp.int32)[:, None]               # i32[B, 1]
+    pos = jnp.arange(vocab, dtype=jnp.int32)[None, :]                  # i32[1, V]
+    probs = jax.nn.softmax(jnp.where(pos < k, srt, -jnp.inf), axis=-1)  # top-k renormalised
+    cum = jnp.cumsum(probs, axis=-1)
+    mass_before = jnp.concatenate([jnp.zeros_like(cum[:, :1]), cum[:, :-1]], axis=-1)
+    # Keep position i iff the mass strictly above it is < p: the smallest prefix whose
+    # cumulative prob >= p (always >= 1 token). Equals vLLM's ascending "cumsum <= 1-p".
+    n_p = jnp.sum(mass_before < top_p[:, None], axis=-1, keepdims=True, dtype=jnp.int32)
+    n_p = jnp.where(top_p[:, None] >= 1.0, vocab, n_p)
+    n_keep = jnp.clip(jnp.minimum(k, n_p), 1, vocab)                   # i32[B, 1]
+    return jnp.take_along_axis(srt, n_keep - 1, axis=-1)
+
+
+def apply_truncation(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                     min_p: jax.Array) -> jax.Array:
+    """f32[B, V] (already temperature-scaled) -> f32[B, V] with dropped ids at -inf.
+
+    top-k, then top-p over the top-k renormalised distribution, then min-p (drop ids with
+    prob < min_p * max_prob; ratio-based, so independent of renormalisation). The argmax
+    is always kept. Rows with all three off are returned unchanged.
+    """
+    top_k = top_k.astype(jnp.int32)
+    top_p = top_p.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    need_sort = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
+    cutoff = jax.lax.cond(need_sort, _sorted_cutoff,
+                          lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
+                          logits, top_k, top_p)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # p_i / p_max
+    return jnp.where(ratio < min_p.astype(jnp.float32)[:, None], -jnp.inf, logits)
+
+
+def _any_penalty(st: SamplingTensors) -> jax.Array:
+    return jnp.any((st.presence_penalty != 0) | (st.frequency_penalty != 0)
+                   | (st.repetition_penalty != 1))
+
+
+def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int) -> SampleOutput:
+    """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs`` must be static."""
+    logits = logits.astype(jnp.float32)                                # f32[B, V]
+    batch, vocab = logits.shape
+    raw_logprobs = jax.nn.log_softmax(logits, axis=-1)                 # f32[B, V]
+
+    x = jax.lax.cond(_any_penalty(st), apply_penalties, lambda l, _: l, logits, st)
+    if st.suppress_token_ids.shape[-1] > 0:
+        x = apply_suppression(x, st.suppress_token_ids)
+    greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
+
+    temp = st.temperature.astype(jnp.float32)
+    is_greedy = temp < GREEDY_EPS                                      # bool[B]
+    scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
+    masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p)
+    keys = jax.random.wrap_key_data(st.rng_key_data.astype(jnp.uint32), impl="threefry2x32")
+    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
+    token_ids = jnp.where(is_greedy, greedy_ids, drawn.astype(jnp.int32))
+
+    logprob = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
+    k = min(max(max_logprobs, 0), vocab)
+    top_lp, top_ids = jax.lax.top_k(raw_logprobs, k) if k > 0 else (
+        jnp.zeros((batch, 0), jnp.float32), jnp.zeros((batch, 0), jnp.int32))
+    if max_logprobs > k:                                               # pad: -inf, id -1
+        top_lp = jnp.pad(top_lp, ((0, 0), (0, max_logprobs - k)), constant_values=-jnp.inf)
+        top_ids = jnp.pad(top_ids, ((0, 0), (0, max_logprobs - k)), constant_values=-1)
+    return SampleOutput(token_ids=token_ids, logprob=logprob,
+                        top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
