@@ -1,0 +1,255 @@
+"""Engine-facing data types: SamplingParams, Request, and the outputs. Plain Python, no JAX.
+
+Names follow vLLM (`vllm/sampling_params.py`, `vllm/v1/request.py`, `vllm/outputs.py`) so that code
+and habits carry over.
+
+Invariants:
+- A `SamplingParams` is validated once in `__post_init__`; every rejection is a `ValueError` whose
+  message starts with the offending field's name ("temperature must be ..., got -1"). After
+  construction `stop` and `stop_token_ids` are lists (possibly empty), `top_k` is 0 when off.
+- A `Request` is owned by the engine loop thread. `num_computed_tokens <= num_tokens` always;
+  `num_tokens - num_computed_tokens` is the work left before the next token can be sampled.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_LOGPROBS = 20
+_SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling knobs (vLLM names). Frozen; `stop` normalised to a list of strings.
+
+    temperature 0 means greedy; top_k 0 or -1 means off (stored as 0); max_tokens None means "up to
+    max_model_len" (the scheduler resolves it); logprobs None means none, 0 means only the sampled
+    token's, k means the sampled token's plus the top k. min_tokens holds back EOS and
+    stop_token_ids (the sampler should mask them; the scheduler never stops before min_tokens).
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def __post_init__(self) -> None:
+        def bad(name: str, what: str) -> ValueError:
+            return ValueError(f"{name} must be {what}, got {getattr(self, name)!r}")
+
+        if not _is_int(self.n) or self.n < 1:
+            raise bad("n", "an integer >= 1")
+        if not _is_num(self.temperature):
+            raise bad("temperature", "a finite number")
+        if self.temperature < 0:
+            raise bad("temperature", "non-negative")
+        if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise bad("top_p", "in (0, 1]")
+        if not _is_int(self.top_k) or (self.top_k < -1):
+            raise bad("top_k", "-1 or 0 (off) or a positive integer")
+        if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise bad("min_p", "in [0, 1]")
+        if self.seed is not None and not _is_int(self.seed):
+            raise bad("seed", "an integer or None")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not -2.0 <= v <= 2.0:
+                raise bad(name, "in [-2, 2]")
+        if not _is_num(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise bad("repetition_penalty", "a positive number")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            raise bad("max_tokens", "an integer >= 1 or None")
+        if not _is_int(self.min_tokens) or self.min_tokens < 0:
+            raise bad("min_tokens", "a non-negative integer")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be <= max_tokens={self.max_tokens}, got {self.min_tokens}"
+            )
+        stop = self.stop
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        elif isinstance(stop, (list, tuple)) and all(isinstance(s, str) for s in stop):
+            stop = list(stop)
+        else:
+            raise bad("stop", "a string, a list of strings or None")
+        if any(s == "" for s in stop):
+            raise bad("stop", "free of empty strings")
+        object.__setattr__(self, "stop", stop)
+        ids = self.stop_token_ids
+        if ids is None:
+            ids = []
+        elif isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids):
+            ids = list(ids)
+        else:
+            raise bad("stop_token_ids", "a list of non-negative integers or None")
+        object.__setattr__(self, "stop_token_ids", ids)
+        for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise bad(name, "a bool")
+        if self.logprobs is not None and (
+            not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.top_k == -1:
+            object.__setattr__(self, "top_k", 0)
+
+    def is_greedy(self) -> bool:
+        """True when sampling reduces to argmax (temperature 0, up to vLLM's 1e-5 epsilon)."""
+        return self.temperature < _SAMPLING_EPS
+
+
+class RequestStatus(enum.IntEnum):
+    """Life cycle: WAITING -> RUNNING <-> PREEMPTED (back in the waiting queue) -> FINISHED_*."""
+
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def is_finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+    @property
+    def finish_reason(self) -> str | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+@dataclass(eq=False)
+class Request:
+    """One sequence being generated. Mutable; owned by the engine loop thread.
+
+    `num_computed_tokens` counts tokens whose KV is in the cache (prompt and outputs alike; chunked
+    prefill and decode are the same "catch up with num_tokens" motion). After a preemption it drops
+    to 0 and prompt + outputs so far are recomputed. `num_cached_tokens` is the prefix-cache hit of
+    the first schedule (what usage reports as cached prompt tokens). `stop_reason` is the matched
+    stop token id or stop string; None for EOS, length and abort.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.time)
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = list(self.prompt_token_ids)
+        self.eos_token_ids = tuple(self.eos_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by outputs (a new list each call)."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_ids_slice(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole concatenation."""
+        p = len(self.prompt_token_ids)
+        if end <= p:
+            return self.prompt_token_ids[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p : end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - p]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        """Finish reason: "stop", "length", "abort", or None while unfinished."""
+        return self.status.finish_reason
+
+
+@dataclass
+class Logprob:
+    """One candidate's log probability, its 1-based rank in the vocabulary, its text if decoded."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+@dataclass
+class CompletionOutput:
+    """One of the `n` completions of a request (vLLM's CompletionOutput).
+
+    `logprobs[i]` maps token id -> Logprob for output position i (the sampled token plus the top-k).
+    """
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    cumulative_logprob: float | None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """What the engine hands back per request per step (cumulative or delta, the engine decides)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_cached_tokens: int
+    outputs: list[CompletionOutput]
+    finished: bool
