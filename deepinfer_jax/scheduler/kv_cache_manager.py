@@ -1,0 +1,153 @@
+"""KV cache manager: which pages each request holds, prefix-cache lookups, and block caching.
+
+Protocol (vLLM v1's, with caching moved after the compute):
+1. `get_computed_blocks(req)` for a request that holds no blocks: the prefix-cache hit as
+   (block ids, hit tokens). It takes no references and records nothing.
+2. `allocate_slots(req, n, hit_blocks)`: make room for `n` more tokens after
+   `req.num_computed_tokens` (+ the hit). All or nothing: False leaves every state unchanged.
+   The caller then sets `req.num_computed_tokens` to the hit tokens (new requests).
+3. After the step has written the KV, the caller advances `req.num_computed_tokens` and calls
+   `cache_blocks(req)`, which hashes every block that became full. Blocks are cached only once their
+   KV exists, so a same-step hit on a block still being written is impossible.
+4. `free(req)` returns its blocks in reverse order (sequence tail evicted first).
+
+Invariants: a request's block list covers exactly cdiv(tokens with KV slots, page_size) pages, in
+sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Block hashes of a
+request are kept across preemption (token ids never change) and dropped when it finishes.
+Counters `prefix_cache_queries` / `prefix_cache_hits` are in tokens, counted once per successful
+first allocation (a re-admission after preemption counts again), as vLLM's metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from deepinfer_jax.scheduler.block_pool import BlockPool
+from deepinfer_jax.scheduler.prefix_cache import (
+    BlockHash,
+    PrefixCache,
+    extend_block_hashes,
+    max_hit_blocks,
+)
+from deepinfer_jax.types import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Per-request page lists on top of a BlockPool (and a PrefixCache when caching is on)."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        self.block_pool = BlockPool(num_pages, self.prefix_cache)
+        self._blocks: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_cached: dict[str, int] = {}
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def usage(self) -> float:
+        """Fraction of usable pages held by requests."""
+        return self.block_pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.num_free_blocks
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        """The request's page table (a live list: copy before handing it out)."""
+        return self._blocks.get(request_id, [])
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        if len(hashes) < request.num_tokens // self.page_size:
+            extend_block_hashes(hashes, request.all_token_ids, self.page_size)
+        return hashes
+
+    # ---- protocol ------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """Longest cached prefix of the request's tokens: (block ids, number of tokens).
+
+        Never covers the last token, so at most (num_tokens - 1) // page_size blocks.
+        """
+        if self.prefix_cache is None:
+            return [], 0
+        hashes = self._block_hashes(request)
+        n = min(len(hashes), max_hit_blocks(request.num_tokens, self.page_size))
+        hit = self.prefix_cache.lookup(hashes[:n])
+        return hit, len(hit) * self.page_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Reserve pages for `num_new_tokens` tokens after the computed ones; False if short.
+
+        `new_computed_blocks` (prefix hits, only for a request holding no blocks) are taken with
+        one more reference each and count as computed tokens not yet in `num_computed_tokens`.
+        """
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if new_computed_blocks and blocks:
+            raise ValueError(f"request {rid} already holds blocks; prefix hits only on admission")
+        num_hit = len(new_computed_blocks)
+        total = request.num_computed_tokens + num_hit * self.page_size + num_new_tokens
+        if num_new_tokens <= 0 or total > request.num_tokens:
+            raise ValueError(
+                f"request {rid}: cannot schedule {num_new_tokens} new tokens "
+                f"({request.num_computed_tokens} computed + {num_hit} hit blocks, "
+                f"{request.num_tokens} known)"
+            )
+        have = (len(blocks) if blocks else 0) + num_hit
+        num_new_blocks = max(cdiv(total, self.page_size) - have, 0)
+        pool = self.block_pool
+        # Hits sitting in the free queue stop being free once touched.
+        evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_count(b) == 0)
+        if num_new_blocks + evictable_hits > pool.num_free_blocks:
+            return False
+        if blocks is None:
+            blocks = self._blocks[rid] = []
+            self._num_cached[rid] = num_hit
+            if self.prefix_cache is not None:
+                self.prefix_cache_queries += request.num_tokens
+                self.prefix_cache_hits += num_hit * self.page_size
+        pool.touch(new_computed_blocks)  # before allocating, so hits are not evicted by it
+        blocks.extend(new_computed_blocks)
+        blocks.extend(pool.get_new_blocks(num_new_blocks))
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        """Hash the blocks made full by the computed tokens (call after the step ran)."""
+        if self.prefix_cache is None:
+            return
+        rid = request.request_id
+        blocks = self._blocks.get(rid)
+        if not blocks:
+            return
+        num_full = min(request.num_computed_tokens // self.page_size, len(blocks))
+        start = self._num_cached[rid]
+        if num_full <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, num_full):
+            self.block_pool.cache_block(blocks[i], hashes[i])
+        self._num_cached[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's pages, tail first. Drops its hashes too if it is finished."""
+        rid = request.request_id
+        blocks = self._blocks.pop(rid, None)
+        self._num_cached.pop(rid, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))
+        if request.is_finished:
+            self._hashes.pop(rid, None)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all cached blocks; only possible when no request holds pages."""
+        return self.block_pool.reset_prefix_cache()
