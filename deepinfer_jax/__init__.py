@@ -1,0 +1,22 @@
+"""deepinfer-jax: a JAX/XLA-compiled inference engine for DeepSeek models.
+
+`from deepinfer_jax import LLM, SamplingParams` is the offline API; the pure model functions live in
+`deepinfer_jax.models.deepseek`, checkpoint loading in `deepinfer_jax.weights`.
+"""
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy, so `import deepinfer_jax` (and the JAX-free rooms) stay cheap.
+    if name == "LLM":
+        from deepinfer_jax.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from deepinfer_jax.types import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'deepinfer_jax' has no attribute {name!r}")

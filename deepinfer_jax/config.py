@@ -1,0 +1,297 @@
+"""Frozen configuration dataclasses. No JAX here (ARCHITECTURE.md rule 2).
+
+`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2` or `deepseek_v3`
+and carries every field the DeepSeek forward needs. Unknown model types and unsupported options raise
+`ConfigError` naming the field, never a silent default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
+SCORING_FUNCS = ("softmax", "sigmoid")
+
+
+class ConfigError(ValueError):
+    """An HF config that this engine cannot serve, with the offending field named."""
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN parameters (DeepSeek's `rope_scaling` / HF v5's `rope_parameters` with type yarn)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Static model hyper-parameters; hashable so it can be a static jit argument."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    n_group: int
+    topk_group: int
+    topk_method: str
+    scoring_func: str
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    first_k_dense_replace: int
+    moe_layer_freq: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: RopeScaling | None
+    max_position_embeddings: int
+    num_nextn_predict_layers: int = 0
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    # HF builds q_a_layernorm / kv_a_layernorm with a fixed 1e-6 whatever rms_norm_eps says.
+    latent_norm_eps: float = 1e-6
+
+    # ---- derived sizes -------------------------------------------------------------------------
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one token's latent cache entry: c_kv (kv_lora_rank) + k_pe (qk_rope_head_dim)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def has_e_score_correction_bias(self) -> bool:
+        return self.topk_method == "noaux_tc"
+
+    @property
+    def num_dense_layers(self) -> int:
+        return min(self.first_k_dense_replace, self.num_hidden_layers)
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (
+            self.n_routed_experts > 0
+            and layer_idx >= self.first_k_dense_replace
+            and layer_idx % self.moe_layer_freq == 0
+        )
+
+    @property
+    def softmax_scale(self) -> float:
+        """(qk_nope + qk_rope)^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2 when YaRN is on."""
+        scale = self.qk_head_dim**-0.5
+        rs = self.rope_scaling
+        if rs is not None and rs.mscale_all_dim:
+            m = yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+            scale = scale * m * m
+        return scale
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        if self.eos_token_id is None:
+            return ()
+        if isinstance(self.eos_token_id, int):
+            return (self.eos_token_id,)
+        return tuple(self.eos_token_id)
+
+    # ---- construction --------------------------------------------------------------------------
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        model_type = d.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
+            )
+
+        def req(key: str) -> Any:
+            if d.get(key) is None:
+                raise ConfigError(f"config.json of a {model_type} model needs {key!r}")
+            return d[key]
+
+        n_routed = int(d.get("n_routed_experts") or 0)
+        topk_method = d.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3" else "greedy")
+        scoring = d.get("scoring_func") or ("sigmoid" if model_type == "deepseek_v3" else "softmax")
+        if topk_method not in TOPK_METHODS:
+            raise ConfigError(f"topk_method {topk_method!r} is not supported; expected one of {TOPK_METHODS}")
+        if scoring not in SCORING_FUNCS:
+            raise ConfigError(f"scoring_func {scoring!r} is not supported; expected one of {SCORING_FUNCS}")
+        n_group = int(d.get("n_group") or 1)
+        topk_group = int(d.get("topk_group") or 1)
+        k = int(req("num_experts_per_tok")) if n_routed else 0
+        if n_routed:
+            if n_routed % n_group:
+                raise ConfigError(f"n_routed_experts {n_routed} is not divisible by n_group {n_group}")
+            if topk_group > n_group:
+                raise ConfigError(f"topk_group {topk_group} exceeds n_group {n_group}")
+            if k > topk_group * (n_routed // n_group):
+                raise ConfigError(
+                    f"num_experts_per_tok {k} exceeds the experts in topk_group groups "
+                    f"({topk_group} x {n_routed // n_group})"
+                )
+        if d.get("attention_bias"):
+            raise ConfigError("attention_bias=true is not supported by DeepSeek checkpoints")
+        if d.get("hidden_act", "silu") != "silu":
+            raise ConfigError(f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
+
+        q_lora_rank = d.get("q_lora_rank")
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = tuple(int(e) for e in eos)
+        return cls(
+            model_type=model_type,
+            vocab_size=int(req("vocab_size")),
+            hidden_size=int(req("hidden_size")),
+            intermediate_size=int(req("intermediate_size")),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            num_hidden_layers=int(req("num_hidden_layers")),
+            num_attention_heads=int(req("num_attention_heads")),
+            q_lora_rank=None if q_lora_rank is None else int(q_lora_rank),
+            kv_lora_rank=int(req("kv_lora_rank")),
+            qk_nope_head_dim=int(req("qk_nope_head_dim")),
+            qk_rope_head_dim=int(req("qk_rope_head_dim")),
+            v_head_dim=int(req("v_head_dim")),
+            n_routed_experts=n_routed,
+            n_shared_experts=int(d.get("n_shared_experts") or 0),
+            num_experts_per_tok=k,
+            n_group=n_group,
+            topk_group=topk_group,
+            topk_method=topk_method,
+            scoring_func=scoring,
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            routed_scaling_factor=float(d.get("routed_scaling_factor", 1.0)),
+            first_k_dense_replace=int(d.get("first_k_dense_replace") or 0),
+            moe_layer_freq=int(d.get("moe_layer_freq") or 1),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(_rope_dict(d).get("rope_theta", d.get("rope_theta", 10000.0))),
+            rope_scaling=_parse_rope_scaling(d),
+            max_position_embeddings=int(req("max_position_embeddings")),
+            num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json_file(cls, path: str | os.PathLike) -> "ModelConfig":
+        with open(path) as f:
+            return cls.from_hf_dict(json.load(f))
+
+    @classmethod
+    def from_model_dir(cls, model_dir: str | os.PathLike) -> "ModelConfig":
+        path = os.path.join(model_dir, "config.json")
+        if not os.path.isfile(path):
+            raise ConfigError(f"{model_dir} has no config.json")
+        return cls.from_json_file(path)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _rope_dict(d: dict[str, Any]) -> dict[str, Any]:
+    """HF v5 writes `rope_parameters`; older configs `rope_scaling`. Both may be absent."""
+    rp = d.get("rope_parameters")
+    if isinstance(rp, dict):
+        return rp
+    rs = d.get("rope_scaling")
+    return rs if isinstance(rs, dict) else {}
+
+
+def _parse_rope_scaling(d: dict[str, Any]) -> RopeScaling | None:
+    rs = _rope_dict(d)
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind in (None, "default"):
+        return None
+    if kind != "yarn":
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (only yarn or none)")
+    if "factor" not in rs or "original_max_position_embeddings" not in rs:
+        raise ConfigError("yarn rope_scaling needs 'factor' and 'original_max_position_embeddings'")
+    return RopeScaling(
+        factor=float(rs["factor"]),
+        original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
+        beta_fast=float(rs.get("beta_fast") or 32.0),
+        beta_slow=float(rs.get("beta_slow") or 1.0),
+        mscale=float(rs.get("mscale") or 1.0),
+        mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
+    )
+
+
+def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
+    """DeepSeek's m(f, s) = 0.1 * s * ln(f) + 1, and 1 when f <= 1."""
+    if scale <= 1.0:
+        return 1.0
+    return 0.1 * mscale * math.log(scale) + 1.0
+
+
+# ------------------------------------------------------------------------------------------------
+# Engine configs. Plain data; the engine fills them from LLM(...) / CLI flags.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged latent KV cache: `num_pages` pages of `page_size` tokens, 576 values per token per layer."""
+
+    page_size: int = 64
+    num_pages: int | None = None  # None: sized from gpu_memory_utilization at start
+    gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
+
+    def __post_init__(self) -> None:
+        if self.page_size <= 0 or self.page_size & (self.page_size - 1):
+            raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.num_pages is not None and self.num_pages < 2:
+            raise ValueError(f"num_pages must be at least 2, got {self.num_pages}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Per-step limits of the continuous-batching scheduler."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    long_prefill_token_threshold: int = 0  # 0: a single prompt may take the whole step budget
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    """Implementation choices of the device step. `attn_impl` / `moe_impl` pick kernels or references."""
+
+    dtype: str = "bfloat16"
+    attn_impl: str = "reference"  # "reference" | "pallas"
+    moe_impl: str = "reference"  # "reference" | "ragged" | "pallas"
+    token_buckets: tuple[int, ...] = field(default_factory=tuple)
+    seq_buckets: tuple[int, ...] = field(default_factory=tuple)
+    compilation_cache_dir: str | None = None
+    seed: int = 0

@@ -1,0 +1,52 @@
+"""The paged latent KV cache and the metadata of one ragged step.
+
+Layout: `kv_cache[num_layers, num_pages, page_size, kv_lora_rank + qk_rope_head_dim]`: per layer and
+token the normalised latent c_kv followed by the roped k_pe. Page 0 is the *null page*: the scheduler
+never hands it to a sequence; padding tokens write into it and padded page-table entries point at it.
+
+A ragged step flattens the scheduled tokens of S sequences into T slots (T and S padded to buckets).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import ModelConfig
+
+NULL_PAGE = 0
+
+
+def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+    return (cfg.num_hidden_layers, num_pages, page_size, cfg.kv_cache_dim)
+
+
+def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
+    return cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * jnp.dtype(dtype).itemsize
+
+
+def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> jax.Array:
+    return jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepMetadata:
+    """Where each flattened token sits and where its sequence's cache lives.
+
+    token_ids [T], positions [T]: absolute position of each token in its sequence.
+    seq_ids [T]: row of `page_table` the token belongs to (padding tokens: any valid row).
+    slot_mapping [T]: flat cache slot page * page_size + offset the token's latent is written to
+        (padding tokens: a slot of the null page).
+    page_table [S, max_pages]: the pages of each sequence in order, padded with the null page.
+    logits_indices [S]: index into T of the token whose logits each sequence samples from.
+    """
+
+    token_ids: jax.Array
+    positions: jax.Array
+    seq_ids: jax.Array
+    slot_mapping: jax.Array
+    page_table: jax.Array
+    logits_indices: jax.Array

@@ -1,0 +1,132 @@
+"""DeepSeek-V2 / V3 decoder as pure functions over the params pytree (see params.py for its layout).
+
+Two entry points, both usable under `jax.jit`; `forward` also under `jax.grad`:
+
+- `forward(params, cfg, token_ids[B, S])` -> logits [B, S, V]: the whole sequence at once, no cache,
+  expanded (or absorbed) MLA with a causal mask. The reference every other path is checked against.
+- `forward_paged(params, cfg, kv_cache, meta)` -> (logits [S, V], kv_cache): one ragged engine step.
+  Writes each token's latent into its cache slot, then attends in the absorbed form over the paged
+  cache. Prefill, chunked prefill and decode are the same call, so prefill followed by token-by-token
+  decode equals one full forward (tested).
+
+Each decoder layer is pre-norm: h += attn(norm(h)); h += mlp_or_moe(norm(h)). Layers of one kind are
+stacked per segment and run under `lax.scan`, so compile time does not grow with depth.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
+from deepinfer_jax.models import mla
+from deepinfer_jax.models.cache import StepMetadata
+from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
+from deepinfer_jax.models.moe import moe_block
+from deepinfer_jax.models.params import layer_segments
+
+
+def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> jax.Array:
+    """x: [T, D] -> [T, D] through the dense MLP or the MoE block of this layer."""
+    if kind == "dense":
+        return swiglu_mlp(x, lp["mlp"])
+    return moe_block(lp["moe"], cfg, x, moe_impl)
+
+
+def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V]."""
+    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return linear(h, params["lm_head"]).astype(jnp.float32)
+
+
+def forward(
+    params: dict,
+    cfg: ModelConfig,
+    token_ids: jax.Array,  # [B, S] int32
+    *,
+    moe_impl: str = "ragged",
+    mla_form: str = "expanded",
+    attention_mask: jax.Array | None = None,  # [B, S] bool, False for padding (right padding)
+) -> jax.Array:  # [B, S, V] fp32
+    B, S = token_ids.shape
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    cos, sin = rope_cos_sin(cfg, positions)  # [B, S, dr/2]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, :]
+    attend = {"expanded": mla.attend_expanded, "absorbed": mla.attend_absorbed_dense}[mla_form]
+    h = params["embed"][token_ids]  # [B, S, D]
+
+    for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+
+        def body(h, lp, kind=seg.kind):
+            x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
+            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, mask)  # [B, S, H, dv]
+            h = h + mla.output_projection(lp["attn"], a)
+            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            m = _mlp(lp, cfg, kind, x.reshape(B * S, -1), moe_impl).reshape(B, S, -1)
+            return h + m, None
+
+        h, _ = jax.lax.scan(body, h, seg_params)
+    return _logits(params, cfg, h)
+
+
+def paged_attention(
+    q_lat, q_pe, layer_cache, meta: StepMetadata, scale: float, attn_impl: str
+) -> jax.Array:
+    """Dispatch the absorbed paged attention to a kernel or its reference (same semantics)."""
+    if attn_impl == "reference":
+        return paged_mla_attention_reference(
+            q_lat, q_pe, layer_cache, meta.seq_ids, meta.positions, meta.page_table, scale
+        )
+    if attn_impl in ("pallas", "pallas_interpret"):
+        from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+
+        return paged_mla_attention(
+            q_lat, q_pe, layer_cache, meta.seq_ids, meta.positions, meta.page_table, scale,
+            interpret=attn_impl == "pallas_interpret",
+        )
+    raise ValueError(f"attn_impl {attn_impl!r} is not one of 'reference', 'pallas', 'pallas_interpret'")
+
+
+def forward_paged(
+    params: dict,
+    cfg: ModelConfig,
+    kv_cache: jax.Array,  # [L, P, page_size, R + dr]
+    meta: StepMetadata,
+    *,
+    moe_impl: str = "ragged",
+    attn_impl: str = "reference",
+) -> tuple[jax.Array, jax.Array]:  # logits [S, V] fp32, updated kv_cache
+    page_size = kv_cache.shape[2]
+    cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
+    page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
+    h = params["embed"][meta.token_ids]  # [T, D]
+
+    for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+
+        def body(carry, xs, kind=seg.kind):
+            h, cache = carry
+            lp, li = xs
+            x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
+            latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
+            cache = cache.at[li, page, offset].set(latent)
+            q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
+            o_lat = paged_attention(q_lat, q_pe, cache[li], meta, cfg.softmax_scale, attn_impl)
+            a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+            h = h + mla.output_projection(lp["attn"], a)
+            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            return (h + _mlp(lp, cfg, kind, x, moe_impl), cache), None
+
+        layer_ids = jnp.arange(seg.start, seg.stop, dtype=jnp.int32)
+        (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (seg_params, layer_ids))
+    return _logits(params, cfg, h[meta.logits_indices]), kv_cache
+
+
+def num_params(params: Any) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))

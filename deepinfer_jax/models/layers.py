@@ -1,0 +1,123 @@
+"""Small pure building blocks of the DeepSeek forward: RMSNorm, YaRN RoPE, SwiGLU, linear.
+
+Every function is pure (arguments in, arrays out) and works under `jax.jit`, `jax.grad` and `vmap`.
+Weights are stored JAX-style `[in, out]` (the converter transposes HF's `[out, in]`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig, yarn_get_mscale
+from deepinfer_jax.models.quant import dequantize, flatten_out_dims, is_quantized, quantized_matmul
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
+    """HF's arithmetic: normalise in fp32, cast back to x's dtype, then multiply by the weight.
+
+    x: [..., D], weight: [D] -> [..., D] in the promoted dtype of (weight, x).
+    """
+    xf = x.astype(jnp.float32)
+    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    normed = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
+    return weight * normed
+
+
+def linear(x: jax.Array, w) -> jax.Array:
+    """x: [..., in] @ w: [in, out] -> [..., out]. `w` may be a quantized weight (see models/quant.py)."""
+    if is_quantized(w):
+        return quantized_matmul(x, w)
+    return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
+
+
+def weight(w, dtype) -> jax.Array:
+    """A weight leaf as a float array of `dtype` (dequantizing a QuantizedWeight)."""
+    return dequantize(w, dtype) if is_quantized(w) else w.astype(dtype)
+
+
+def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
+    """SwiGLU's activation: silu(gate) * up."""
+    return jax.nn.silu(gate) * up
+
+
+def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
+    """down(silu(gate(x)) * up(x)). p: gate_up [D, 2, I], down [I, D]. x: [T, D] -> [T, D]."""
+    gu = linear(x, _flatten_gate_up(p["gate_up"]))  # [T, 2I]
+    inter = gu.shape[-1] // 2
+    return linear(silu_mul(gu[..., :inter], gu[..., inter:]), p["down"])
+
+
+def _flatten_gate_up(w):
+    """[D, 2, I] -> [D, 2I] (gate columns first); quantized weights carry the same layout."""
+    if is_quantized(w):
+        return flatten_out_dims(w)
+    return w.reshape(w.shape[0], -1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Rotary embeddings
+# ------------------------------------------------------------------------------------------------
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+    """Inverse frequencies [qk_rope_head_dim // 2] (fp32), YaRN-blended when rope_scaling is set.
+
+    Follows HF `_compute_yarn_parameters` (= official `precompute_freqs_cis`): dims below `low`
+    keep the base frequency, dims above `high` are divided by `factor`, linear ramp between.
+    """
+    d = cfg.qk_rope_head_dim
+    base = cfg.rope_theta
+    freqs = 1.0 / (base ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    rs = cfg.rope_scaling
+    if rs is None:
+        return freqs.astype(np.float32)
+
+    def corr_dim(num_rot: float) -> float:
+        return d * math.log(rs.original_max_position_embeddings / (num_rot * 2 * math.pi)) / (
+            2 * math.log(base)
+        )
+
+    low = max(math.floor(corr_dim(rs.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(rs.beta_slow)), d - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(d // 2, dtype=np.float64) - low) / (high - low), 0.0, 1.0)
+    inv = freqs / rs.factor * ramp + freqs * (1.0 - ramp)
+    return inv.astype(np.float32)
+
+
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    """Amplitude applied to cos/sin (HF's `attention_factor`); 1.0 for every released DeepSeek config."""
+    rs = cfg.rope_scaling
+    if rs is None:
+        return 1.0
+    if rs.mscale and rs.mscale_all_dim:
+        return yarn_get_mscale(rs.factor, rs.mscale) / yarn_get_mscale(rs.factor, rs.mscale_all_dim)
+    return yarn_get_mscale(rs.factor)
+
+
+def rope_cos_sin(cfg: ModelConfig, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """positions: [...] int -> cos, sin: [..., qk_rope_head_dim // 2] fp32 (times the attention factor)."""
+    inv = jnp.asarray(rope_inv_freq(cfg))
+    angles = positions.astype(jnp.float32)[..., None] * inv  # [..., d/2]
+    amp = rope_attention_factor(cfg)
+    return jnp.cos(angles) * amp, jnp.sin(angles) * amp
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Pairwise (interleaved) rotation, DeepSeek's official layout.
+
+    x: [*lead, *mid, d] with pairs (x[2i], x[2i+1]); cos/sin: [*lead, d/2], broadcast over `mid` (heads).
+    y[2i] = x[2i] c - x[2i+1] s,  y[2i+1] = x[2i] s + x[2i+1] c. Computed in fp32, cast back.
+    """
+    xf = x.astype(jnp.float32).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+    extra = x.ndim - cos.ndim
+    c = cos.reshape(cos.shape[:-1] + (1,) * extra + cos.shape[-1:])
+    s = sin.reshape(sin.shape[:-1] + (1,) * extra + sin.shape[-1:])
+    x0, x1 = xf[..., 0], xf[..., 1]
+    y = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1)
+    return y.reshape(x.shape).astype(x.dtype)

@@ -1,0 +1,170 @@
+"""Load a Hugging Face DeepSeek directory (config.json + *.safetensors) into the params pytree.
+
+Streaming: tensors are read one at a time from memory-mapped files, transformed into the engine's
+layout, and written into device leaves with donated in-place updates, so host memory holds at most
+one tensor (never a second copy of the model). Supports bf16 / fp16 / fp32 tensors, per-expert and
+HF v5 fused expert layouts, and DeepSeek-V3 FP8 e4m3 weights with `weight_scale_inv` blocks
+(dequantized at load to the engine dtype).
+
+Every expected tensor must be present with its exact shape and a float dtype; otherwise a
+CheckpointError names it. Nothing is ever left randomly initialised.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.params import ParamSpec, is_spec, param_specs, spec_dtype
+from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
+from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+FP8_DTYPES = ("F8_E4M3",)
+
+
+def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int] = (128, 128)) -> np.ndarray:
+    """W[i, j] = float(Wq[i, j]) * scale_inv[i // bm, j // bn]; edge blocks may be partial. -> fp32."""
+    bm, bn = block
+    m, n = w.shape
+    if scale_inv.shape != (math.ceil(m / bm), math.ceil(n / bn)):
+        raise CheckpointError(
+            f"weight_scale_inv shape {scale_inv.shape} does not fit a {w.shape} weight with {block} blocks"
+        )
+    s = np.repeat(np.repeat(scale_inv.astype(np.float32), bm, axis=0), bn, axis=1)[:m, :n]
+    return w.astype(np.float32) * s
+
+
+def _fp8_block(model_dir_config: dict | None) -> tuple[int, int]:
+    qc = (model_dir_config or {}).get("quantization_config") or {}
+    b = qc.get("weight_block_size") or [128, 128]
+    return int(b[0]), int(b[1])
+
+
+def read_rule_tensor(rule: TensorRule, tensors: dict[str, TensorInfo], fp8_block: tuple[int, int]) -> np.ndarray:
+    """The HF tensor for `rule`, checked, FP8-dequantized and transformed into the engine layout."""
+    info = tensors.get(rule.hf_name)
+    if info is None:
+        raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name}")
+    if info.shape != rule.hf_shape:
+        raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
+    w = load_tensor(info)
+    if info.dtype in FP8_DTYPES:
+        scale = tensors.get(rule.hf_name + "_scale_inv")
+        if not rule.quantizable or scale is None or w.ndim != 2:
+            raise CheckpointError(f"tensor {rule.hf_name} is {info.dtype} without a usable weight_scale_inv")
+        w = dequantize_fp8_blocks(w, load_tensor(scale), fp8_block)
+    elif info.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {FLOAT_DTYPES + FP8_DTYPES}")
+    return rule.transform(w)
+
+
+def fused_moe_layers(tensors: dict[str, TensorInfo]) -> frozenset[int]:
+    pat = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
+    return frozenset(int(m.group(1)) for n in tensors if (m := pat.match(n)))
+
+
+def effective_config(cfg: ModelConfig, tensors: dict[str, TensorInfo]) -> ModelConfig:
+    """MTP layers are kept only when the checkpoint has them (HF's save_pretrained drops them)."""
+    if cfg.num_nextn_predict_layers:
+        first = f"model.layers.{cfg.num_hidden_layers}."
+        if not any(n.startswith(first) for n in tensors):
+            log.info("config names %d MTP layer(s) but the checkpoint has none; loading without MTP",
+                     cfg.num_nextn_predict_layers)
+            return dataclasses.replace(cfg, num_nextn_predict_layers=0)
+    return cfg
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _set(tree: Any, path: tuple, value: Any) -> None:
+    for k in path[:-1]:
+        tree = tree[k]
+    tree[path[-1]] = value
+
+
+def _update(leaf: jax.Array, value: jax.Array, starts: tuple) -> jax.Array:
+    return jax.lax.dynamic_update_slice(leaf, value.astype(leaf.dtype), starts)
+
+
+_update_donated = jax.jit(_update, donate_argnums=0)
+
+
+def _write(leaf: jax.Array, index: tuple, value: np.ndarray) -> jax.Array:
+    """leaf[index] = value, in place (donated). index: ints then slices/ints (gate/up half)."""
+    full = [slice(None)] * leaf.ndim
+    for i, ix in enumerate(index):
+        full[i] = ix
+    starts, shape = [], []
+    for ix, dim in zip(full, leaf.shape):
+        if isinstance(ix, slice):
+            starts.append(0)
+            shape.append(dim)
+        else:
+            starts.append(ix)
+            shape.append(1)
+    value = np.asarray(value).reshape(shape)
+    return _update_donated(leaf, jnp.asarray(value), tuple(np.int32(s) for s in starts))
+
+
+def load_hf_checkpoint(
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: Any = jnp.bfloat16,
+    shardings: Any = None,
+    progress: bool = True,
+    hf_config: dict | None = None,
+) -> tuple[ModelConfig, dict]:
+    """Returns (config actually loaded, params). `shardings`: optional pytree of jax.sharding.Sharding
+    matching the params, so each leaf is created straight on its devices."""
+    tensors = index_checkpoint(model_dir)
+    cfg = effective_config(cfg, tensors)
+    rules = expected_tensors(cfg, fused_moe_layers(tensors))
+    specs = param_specs(cfg)
+    fp8_block = _fp8_block(hf_config)
+
+    # Fail fast, naming the first missing or mis-shaped tensor, before any device work.
+    for rule in rules:
+        info = tensors.get(rule.hf_name)
+        if info is None:
+            raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name}")
+        if info.shape != rule.hf_shape:
+            raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
+    known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
+    unused = [n for n in tensors if n not in known and not is_ignored(cfg, n)]
+    if unused:
+        log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
+
+    def alloc(path, spec: ParamSpec):
+        sh = None if shardings is None else _get(shardings, tuple(_key(k) for k in path))
+        return jnp.zeros(spec.shape, spec_dtype(spec, dtype), device=sh)
+
+    params = jax.tree_util.tree_map_with_path(alloc, specs, is_leaf=is_spec)
+    it = rules
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(rules, desc="loading weights", unit="tensor", leave=False)
+    for rule in it:
+        value = read_rule_tensor(rule, tensors, fp8_block)
+        _set(params, rule.path, _write(_get(params, rule.path), rule.index, value))
+    return cfg, params
+
+
+def _key(k) -> Any:
+    """A tree path entry (DictKey / SequenceKey) back to the plain key."""
+    return getattr(k, "key", getattr(k, "idx", k))

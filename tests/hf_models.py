@@ -1,0 +1,93 @@
+"""Tiny random DeepSeek checkpoints built with HF transformers (the numerics reference).
+
+Each builder makes an fp32 HF model, randomises norms, router weights and correction biases so
+routing is not flat, saves it with `save_pretrained` (safetensors, per-expert names on disk) and
+returns the directory. Three cases, as the foundation issue lists them:
+  (a) deepseek_v2, no q-LoRA, greedy softmax routing, YaRN with mscale 0.707;
+  (b) deepseek_v3, q-LoRA, grouped noaux_tc sigmoid routing with random non-negative biases, YaRN;
+  (c) deepseek_v3 with n_group 1, no YaRN, rms_norm_eps 1e-5.
+"""
+
+from __future__ import annotations
+
+import os
+
+YARN_V2 = {
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
+}
+YARN_V3 = {
+    "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0,
+}
+
+COMMON = dict(
+    vocab_size=320, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, first_k_dense_replace=1,
+    max_position_embeddings=512, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
+    initializer_range=0.1,
+)
+
+CASES = {
+    "v2_greedy_yarn": dict(
+        model_type="deepseek_v2", q_lora_rank=None, n_routed_experts=8, n_shared_experts=2,
+        num_experts_per_tok=3, topk_method="greedy", n_group=1, topk_group=1,
+        routed_scaling_factor=1.0, norm_topk_prob=False, rope_parameters=YARN_V2, rms_norm_eps=1e-6,
+    ),
+    "v3_grouped_noaux": dict(
+        model_type="deepseek_v3", q_lora_rank=24, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, topk_method="noaux_tc",
+        routed_scaling_factor=2.5, norm_topk_prob=True, rope_parameters=YARN_V3, rms_norm_eps=1e-6,
+    ),
+    "v3_flat_plain_rope": dict(
+        model_type="deepseek_v3", q_lora_rank=None, n_routed_experts=8, n_shared_experts=1,
+        num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
+        routed_scaling_factor=2.446, norm_topk_prob=True,
+        rope_parameters={"rope_type": "default", "rope_theta": 50000.0}, rms_norm_eps=1e-5,
+    ),
+}
+
+
+def build_hf_model(case: str, seed: int = 0, **overrides):
+    """An fp32 eval-mode HF model for `case` with randomised norms / router / biases."""
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+
+    kw = {**COMMON, **CASES[case], **overrides}
+    model_type = kw.pop("model_type")
+    torch.manual_seed(seed)
+    if model_type == "deepseek_v2":
+        cfg = DeepseekV2Config(**kw)
+        model = DeepseekV2ForCausalLM(cfg)
+    else:
+        kw.setdefault("num_nextn_predict_layers", 0)
+        cfg = DeepseekV3Config(**kw)
+        model = DeepseekV3ForCausalLM(cfg)
+    model = model.float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.rand(b.shape, generator=g))  # non-negative (HF masks with 0.0)
+    model.config._attn_implementation = "eager"
+    return model
+
+
+def save_hf_model(model, path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def hf_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
+    import torch
+
+    with torch.no_grad():
+        out = model(torch.tensor(token_ids, dtype=torch.long), use_cache=False)
+    return out.logits.float().numpy()
