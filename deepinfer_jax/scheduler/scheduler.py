@@ -1,0 +1,362 @@
+"""Continuous-batching scheduler (vLLM v1 style): one StepPlan per engine step.
+
+One vocabulary for prefill and decode: each request has `num_tokens` (prompt + outputs) and
+`num_computed_tokens` (KV in the cache); a step schedules some of the difference. When a request's
+computed tokens reach `num_tokens` after the step, the step samples its next token (`sample=True`).
+
+Per step, under `max_num_batched_tokens` (token budget) and `max_num_seqs`:
+1. running requests with one token left (decodes), oldest first;
+2. running requests mid-prefill (chunked prefill continues), oldest first;
+3. waiting requests, FCFS, with a prefix-cache lookup on admission; stopped at the first one that
+   does not fit, and skipped entirely in a step that preempted.
+A prompt longer than the remaining budget takes what is left and continues next step (capped per
+step by `long_prefill_token_threshold` when > 0). Decodes are scheduled before any prefill chunk, so
+a long prompt never stalls them.
+
+Preemption: when a running request cannot get pages, the newest running request not already in
+this step's plan is preempted (pages freed, status PREEMPTED, num_computed_tokens = 0, put at the
+front of the waiting queue) and allocation is retried; if the newest is the request itself, it is
+the one preempted. On re-admission it recomputes prompt + outputs so far (prefix hits allowed).
+
+Protocol: `schedule()` and `update_from_output()` strictly alternate (an empty plan needs no update).
+`num_computed_tokens` advances in `update_from_output`, after the step ran; full blocks are
+prefix-cached there too. Requests finished or aborted in between are skipped by the update.
+
+Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
+request never computes more than max_model_len tokens, so the oldest running request (or, if none,
+the waiting head) can always be scheduled: every step with unfinished requests makes progress.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from deepinfer_jax.config import CacheConfig, SchedulerConfig
+from deepinfer_jax.scheduler.kv_cache_manager import KVCacheManager, cdiv
+from deepinfer_jax.types import Request, RequestStatus, SamplingParams
+
+_REASONS = {
+    "stop": RequestStatus.FINISHED_STOPPED,
+    "length": RequestStatus.FINISHED_LENGTH,
+    "abort": RequestStatus.FINISHED_ABORTED,
+}
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work in a step.
+
+    token_ids: the tokens to compute, at positions start_pos .. start_pos + len(token_ids) - 1.
+    page_ids: the sequence's full page table (covers every computed and scheduled position; the
+    runner pads it with the null page 0). sample: a token is sampled from the last position.
+    num_output_tokens: outputs generated before this step (seeded sampling, penalties).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    start_pos: int
+    page_ids: list[int]
+    sample: bool
+    num_output_tokens: int
+    sampling_params: SamplingParams | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """One query token (the decode path); longer chunks are prefill."""
+        return len(self.token_ids) == 1
+
+
+@dataclass
+class StepPlan:
+    """What the runner computes this step: decodes first, then prefill chunks.
+
+    preempted_ids: requests preempted while planning this step (their pages are free now).
+    finished_ids: requests that finished (any reason, aborts included) since the previous plan; the
+    runner may drop per-request state for them.
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_scheduled_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.seqs if s.is_decode)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the KV cache manager. Not thread-safe."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_pages: int | None = None,
+    ) -> None:
+        num_pages = cache_config.num_pages if num_pages is None else num_pages
+        if num_pages is None:
+            raise ValueError("num_pages must be given (cache_config.num_pages is None)")
+        self.config = scheduler_config
+        self.page_size = cache_config.page_size
+        need = cdiv(scheduler_config.max_model_len, self.page_size)
+        if need > num_pages - 1:
+            raise ValueError(
+                f"num_pages must be at least {need + 1} (max_model_len "
+                f"{scheduler_config.max_model_len} / page_size {self.page_size} + the null page), "
+                f"got {num_pages}"
+            )
+        self.kv_cache_manager = KVCacheManager(
+            num_pages, self.page_size, cache_config.enable_prefix_caching
+        )
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_ids: list[str] = []
+        self._inflight: StepPlan | None = None
+
+    # ---- requests in and out -------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self.requests:
+            raise ValueError(f"request_id {rid!r} is already scheduled")
+        if request.status != RequestStatus.WAITING or request.num_computed_tokens:
+            raise ValueError(f"request {rid!r} must be new (WAITING, nothing computed)")
+        if not request.prompt_token_ids:
+            raise ValueError(f"prompt_token_ids of request {rid!r} must not be empty")
+        if request.num_tokens > self.config.max_model_len:
+            raise ValueError(
+                f"prompt_token_ids of request {rid!r} has {request.num_tokens} tokens, more than "
+                f"max_model_len {self.config.max_model_len}"
+            )
+        self.requests[rid] = request
+        self.waiting.append(request)
+
+    def finish_request(
+        self, request_id: str, reason: str, stop_reason: int | str | None = None
+    ) -> bool:
+        """Finish a request from outside ("stop" on a stop string, "length", "abort").
+
+        Frees its pages at once; False if the id is unknown or already finished.
+        """
+        if reason not in _REASONS:
+            raise ValueError(f"reason must be one of {sorted(_REASONS)}, got {reason!r}")
+        request = self.requests.get(request_id)
+        if request is None:
+            return False
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            self.waiting.remove(request)
+        request.status = _REASONS[reason]
+        if stop_reason is not None:
+            request.stop_reason = stop_reason
+        self._release(request)
+        return True
+
+    def abort_request(self, request_id: str) -> bool:
+        return self.finish_request(request_id, "abort")
+
+    def _release(self, request: Request) -> None:
+        """A finished request leaves: pages freed, forgotten, reported in the next plan."""
+        self.kv_cache_manager.free(request)
+        del self.requests[request.request_id]
+        self._finished_ids.append(request.request_id)
+
+    # ---- counts --------------------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def stats(self) -> SchedulerStats:
+        kv = self.kv_cache_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_cache_usage=kv.usage,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ---- planning ------------------------------------------------------------------------------
+    def _chunk(self, remaining: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < remaining:
+            remaining = threshold
+        return min(remaining, budget)
+
+    def _seq(self, request: Request, start: int, n: int) -> ScheduledSeq:
+        return ScheduledSeq(
+            request_id=request.request_id,
+            token_ids=request.token_ids_slice(start, start + n),
+            start_pos=start,
+            page_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
+            sample=start + n == request.num_tokens,
+            num_output_tokens=request.num_output_tokens,
+            sampling_params=request.sampling_params,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _allocate_or_preempt(
+        self, request: Request, n: int, scheduled: set[str], preempted: list[str]
+    ) -> bool:
+        """Allocate for a running request, preempting the newest unscheduled ones as needed."""
+        while not self.kv_cache_manager.allocate_slots(request, n):
+            victim = next(r for r in reversed(self.running) if r.request_id not in scheduled)
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def schedule(self) -> StepPlan:
+        if self._inflight is not None:
+            raise RuntimeError("schedule() called again before update_from_output() of its plan")
+        budget = self.config.max_num_batched_tokens
+        decodes: list[ScheduledSeq] = []
+        prefills: list[ScheduledSeq] = []
+        scheduled: set[str] = set()
+        preempted: list[str] = []
+
+        for want_decode in (True, False):
+            for request in list(self.running):
+                if budget == 0:
+                    break
+                if request.status != RequestStatus.RUNNING or request.request_id in scheduled:
+                    continue  # preempted earlier in this loop, or already planned
+                remaining = request.num_tokens - request.num_computed_tokens
+                if (remaining == 1) != want_decode:
+                    continue
+                n = self._chunk(remaining, budget)
+                if self._allocate_or_preempt(request, n, scheduled, preempted):
+                    seq = self._seq(request, request.num_computed_tokens, n)
+                    (decodes if seq.is_decode else prefills).append(seq)
+                    scheduled.add(request.request_id)
+                    budget -= n
+
+        while (
+            not preempted
+            and self.waiting
+            and budget > 0
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            n = self._chunk(request.num_tokens - num_hit, budget)
+            if not self.kv_cache_manager.allocate_slots(request, n, hit_blocks):
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            seq = self._seq(request, num_hit, n)
+            (decodes if seq.is_decode else prefills).append(seq)
+            scheduled.add(request.request_id)
+            budget -= n
+
+        plan = StepPlan(
+            seqs=decodes + prefills,
+            num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
+            preempted_ids=preempted,
+            finished_ids=self._finished_ids,
+        )
+        self._finished_ids = []
+        if plan.seqs:
+            self._inflight = plan
+        return plan
+
+    # ---- results -------------------------------------------------------------------------------
+    def update_from_output(
+        self, plan: StepPlan, sampled: dict[str, int]
+    ) -> list[tuple[Request, list[int], bool]]:
+        """Apply a finished step: advance computed tokens, cache full blocks, append sampled tokens,
+        check stop conditions, free finished requests.
+
+        Returns (request, newly appended token ids, finished?) for every request that sampled.
+        `sampled` must hold a token for every live `sample=True` sequence; extra keys are ignored.
+        """
+        if not plan.seqs:
+            return []
+        if plan is not self._inflight:
+            raise RuntimeError("update_from_output() needs the plan of the last schedule()")
+        live = [s for s in plan.seqs if s.request_id in self.requests]
+        missing = [s.request_id for s in live if s.sample and s.request_id not in sampled]
+        if missing:
+            raise KeyError(f"no sampled token for requests {missing}")
+        self._inflight = None
+        results: list[tuple[Request, list[int], bool]] = []
+        any_finished = False
+        for seq in live:
+            request = self.requests[seq.request_id]
+            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            self.kv_cache_manager.cache_blocks(request)
+            if not seq.sample:
+                continue
+            token = int(sampled[seq.request_id])
+            request.output_token_ids.append(token)
+            if self._check_stop(request):
+                any_finished = True
+                self._release(request)
+            results.append((request, [token], request.is_finished))
+        if any_finished:
+            self.running = [r for r in self.running if not r.is_finished]
+        return results
+
+    def _check_stop(self, request: Request) -> bool:
+        """vLLM's order: length (max_tokens, max_model_len) first, then, once min_tokens outputs
+        exist, EOS (unless ignore_eos; stop_reason None) and stop_token_ids (stop_reason = id)."""
+        sp = request.sampling_params
+        if request.num_tokens >= self.config.max_model_len or (
+            sp.max_tokens is not None and request.num_output_tokens >= sp.max_tokens
+        ):
+            request.status = RequestStatus.FINISHED_LENGTH
+            return True
+        if request.num_output_tokens < sp.min_tokens:
+            return False
+        token = request.output_token_ids[-1]
+        if not sp.ignore_eos and token in request.eos_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+        if token in sp.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            request.stop_reason = token
+            return True
+        return False
