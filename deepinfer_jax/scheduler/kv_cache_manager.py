@@ -56,10 +56,6 @@ class KVCacheManager:
         """Fraction of usable pages held by requests."""
         return self.block_pool.usage
 
-    @property
-    def num_free_blocks(self) -> int:
-        return self.block_pool.num_free_blocks
-
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's page table (a live list: copy before handing it out)."""
         return self._blocks.get(request_id, [])

@@ -69,9 +69,6 @@ class PrefixCache:
     def __len__(self) -> int:
         return len(self._map)
 
-    def __contains__(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._map
-
     def get(self, block_hash: BlockHash) -> int | None:
         return self._map.get(block_hash)
 

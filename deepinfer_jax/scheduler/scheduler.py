@@ -62,10 +62,6 @@ class ScheduledSeq:
     sampling_params: SamplingParams | None = None
 
     @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
     def is_decode(self) -> bool:
         """One query token (the decode path); longer chunks are prefill."""
         return len(self.token_ids) == 1

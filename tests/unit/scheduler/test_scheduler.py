@@ -282,3 +282,24 @@ def test_empty_plan_needs_no_update():
     assert plan.is_empty and plan.num_scheduled_tokens == 0
     assert s.update_from_output(plan, {}) == []
     assert s.schedule().is_empty
+
+
+def test_rooms_import_no_jax():
+    """ARCHITECTURE rule 2: types.py and scheduler/ are plain Python (checked on the source)."""
+    import ast
+    import pathlib
+
+    import deepinfer_jax.scheduler as pkg
+    import deepinfer_jax.types as types_mod
+
+    files = [pathlib.Path(types_mod.__file__), *pathlib.Path(pkg.__file__).parent.glob("*.py")]
+    for f in files:
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            for name in names:
+                assert name.split(".")[0] not in ("jax", "jaxlib", "numpy", "flax"), (f.name, name)
