@@ -11,7 +11,8 @@ Per step, under `max_num_batched_tokens` (token budget) and `max_num_seqs`:
    does not fit, and skipped entirely in a step that preempted.
 A prompt longer than the remaining budget takes what is left and continues next step (capped per
 step by `long_prefill_token_threshold` when > 0). Decodes are scheduled before any prefill chunk, so
-a long prompt never stalls them.
+a long prompt never stalls them (keep max_num_batched_tokens >= max_num_seqs, or the newest decodes
+wait a step).
 
 Preemption: when a running request cannot get pages, the newest running request not already in
 this step's plan is preempted (pages freed, status PREEMPTED, num_computed_tokens = 0, put at the
@@ -20,7 +21,9 @@ the one preempted. On re-admission it recomputes prompt + outputs so far (prefix
 
 Protocol: `schedule()` and `update_from_output()` strictly alternate (an empty plan needs no update).
 `num_computed_tokens` advances in `update_from_output`, after the step ran; full blocks are
-prefix-cached there too. Requests finished or aborted in between are skipped by the update.
+prefix-cached there too, so a hit only ever names pages whose KV was written by an earlier step
+(identical prompts admitted in the same step share nothing until their next re-admission).
+Requests finished or aborted in between are skipped by the update.
 
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
 request never computes more than max_model_len tokens, so the oldest running request (or, if none,
