@@ -22,7 +22,7 @@ the one preempted. On re-admission it recomputes prompt + outputs so far (prefix
 Protocol: `schedule()` and `update_from_output()` strictly alternate (an empty plan needs no update).
 `num_computed_tokens` advances in `update_from_output`, after the step ran; full blocks are
 prefix-cached there too, so a hit only ever names pages whose KV was written by an earlier step
-(identical prompts admitted in the same step share nothing until their next re-admission).
+(identical prompts admitted in the same step each compute the whole prompt).
 Requests finished or aborted in between are skipped by the update.
 
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
