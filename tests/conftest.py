@@ -1,0 +1,34 @@
+"""Shared fixtures: tiny HF DeepSeek checkpoints written once per session (see tests/hf_models.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+from hf_models import CASES, build_hf_model, save_hf_model  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_case(tmp_path_factory):
+    """hf_case(name) -> (hf_model, checkpoint_dir), cached per session."""
+    cache: dict[str, tuple] = {}
+
+    def get(name: str):
+        if name not in cache:
+            model = build_hf_model(name)
+            path = save_hf_model(model, str(tmp_path_factory.mktemp(name)))
+            cache[name] = (model, path)
+        return cache[name]
+
+    return get
+
+
+@pytest.fixture(params=sorted(CASES))
+def case_name(request):
+    return request.param

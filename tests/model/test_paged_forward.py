@@ -1,0 +1,87 @@
+"""The engine's paged forward: chunked prefill then token-by-token decode equals one full forward."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
+from deepinfer_jax.models.deepseek import forward, forward_paged
+from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
+
+PAGE = 8
+
+
+def _step(params, cfg, cache, ids, pages, chunks, pad_to=None):
+    """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded."""
+    tid, pos, sid, slot, last = [], [], [], [], []
+    for s, (start, n) in enumerate(chunks):
+        for p in range(start, start + n):
+            tid.append(ids[s][p])
+            pos.append(p)
+            sid.append(s)
+            slot.append(pages[s][p // PAGE] * PAGE + p % PAGE)
+        last.append(len(tid) - 1)
+    while pad_to and len(tid) < pad_to:  # padding tokens write into the null page 0
+        tid.append(0)
+        pos.append(0)
+        sid.append(0)
+        slot.append(len(tid) % PAGE)
+    table = np.zeros((len(pages), max(map(len, pages)) + 1), np.int32)
+    for s, pg in enumerate(pages):
+        table[s, : len(pg)] = pg
+    arr = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
+    meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
+    return forward_paged(params, cfg, cache, meta)
+
+
+def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
+    _, path = hf_case(case_name)
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, cfg.vocab_size, (3, 40))
+    full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
+    # Non-contiguous, interleaved pages; page 0 is never used by a sequence.
+    pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]]
+    cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
+    # Step 1: chunks of different lengths, one of them a single token; padded batch.
+    logits, cache = _step(params, cfg, cache, ids, pages, [(0, 17), (0, 1), (0, 9)], pad_to=32)
+    np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [16, 0, 8]], atol=2e-5)
+    # Step 2: second prefill chunks mixed with a decode.
+    logits, cache = _step(params, cfg, cache, ids, pages, [(17, 12), (1, 1), (9, 20)])
+    np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [28, 1, 28]], atol=2e-5)
+    # Decode steps.
+    for t in range(6):
+        logits, cache = _step(params, cfg, cache, ids, pages, [(29 + t, 1), (2 + t, 1), (29 + t, 1)], pad_to=8)
+        np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [29 + t, 2 + t, 29 + t]], atol=2e-5)
+
+
+def test_paged_forward_under_jit_with_donation(hf_case):
+    _, path = hf_case("v2_greedy_yarn")
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    ids = np.random.default_rng(5).integers(0, cfg.vocab_size, (1, 12))
+    full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
+    step = jax.jit(lambda p, c, m: forward_paged(p, cfg, c, m), donate_argnums=1)
+    cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+    pages = [[1, 2]]
+    meta_fn = lambda s, n: _meta(ids, pages, s, n)  # noqa: E731
+    logits, cache = step(params, cache, meta_fn(0, 11))
+    np.testing.assert_allclose(np.asarray(logits)[0], full[0, 10], atol=2e-5)
+    logits, cache = step(params, cache, meta_fn(11, 1))
+    np.testing.assert_allclose(np.asarray(logits)[0], full[0, 11], atol=2e-5)
+
+
+def _meta(ids, pages, start, n, width=16):
+    tid = np.zeros(width, np.int32)
+    pos = np.zeros(width, np.int32)
+    slot = (np.arange(width) % PAGE).astype(np.int32)  # padding -> null page
+    for i, p in enumerate(range(start, start + n)):
+        tid[i], pos[i], slot[i] = ids[0][p], p, pages[0][p // PAGE] * PAGE + p % PAGE
+    table = np.zeros((1, 4), np.int32)
+    table[0, : len(pages[0])] = pages[0]
+    return StepMetadata(
+        jnp.asarray(tid), jnp.asarray(pos), jnp.zeros(width, jnp.int32), jnp.asarray(slot),
+        jnp.asarray(table), jnp.asarray([n - 1], jnp.int32),
+    )
