@@ -1,0 +1,57 @@
+"""Text room: tokenizers, chat templates, streaming detokenization, stop strings, and the
+DeepSeek reasoning / tool-call parsers. Pure Python (tokenizers, sentencepiece, jinja2); no JAX.
+
+Typical server flow for one chat request (see README.md in this folder):
+    tok = load_tokenizer(model_dir, chat_template=args.chat_template)
+    prompt_ids = tok.apply_chat_template(messages, tools=tools, tokenize=True)
+    reasoning = get_reasoning_parser("deepseek_r1")(prompt_opens_reasoning(prompt_text))
+    tools_p = get_tool_parser("deepseek_v3")()
+    detok = IncrementalDetokenizer(tok, prompt_ids, skip_special_tokens=True,
+                                   keep_special_tokens=reasoning.special_tokens + tools_p.special_tokens)
+    stop = StopStringMatcher(stop_strings)
+    for ids in engine_steps: text = stop.feed(detok.add(ids)); r, c = reasoning.feed(text); tools_p.feed(c) ...
+"""
+
+from __future__ import annotations
+
+from .chat_template import ChatTemplateError, render_chat_template
+from .builtin_templates import BUILTIN_TEMPLATES
+from .detokenizer import IncrementalDetokenizer
+from .reasoning import DeepSeekR1ReasoningParser, prompt_opens_reasoning
+from .stop import StopChecker, StopStringMatcher, truncate_at_stop
+from .tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer
+from .tool_parsers import DeepSeekV31ToolParser, DeepSeekV3ToolParser
+from .types import (ContentDelta, ToolCall, ToolCallDelta, ToolStreamDelta, collect_tool_stream,
+                    deltas_to_openai)
+
+REASONING_PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1ReasoningParser}
+TOOL_PARSERS: dict[str, type] = {"deepseek_v3": DeepSeekV3ToolParser,
+                                 "deepseek_v31": DeepSeekV31ToolParser}
+
+
+def get_reasoning_parser(name: str) -> type:
+    """Reasoning parser class by name; ValueError lists the valid names."""
+    try:
+        return REASONING_PARSERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown reasoning parser {name!r}; valid: "
+                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
+
+
+def get_tool_parser(name: str) -> type:
+    """Tool-call parser class by name; ValueError lists the valid names."""
+    try:
+        return TOOL_PARSERS[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown tool parser {name!r}; valid: "
+                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
+
+
+__all__ = [
+    "BUILTIN_TEMPLATES", "ChatTemplateError", "ContentDelta", "DeepSeekR1ReasoningParser",
+    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "IncrementalDetokenizer",
+    "REASONING_PARSERS", "StopChecker", "StopStringMatcher", "TOOL_PARSERS", "Tokenizer",
+    "TokenizerNotFoundError", "ToolCall", "ToolCallDelta", "ToolStreamDelta",
+    "collect_tool_stream", "deltas_to_openai", "get_reasoning_parser", "get_tool_parser",
+    "load_tokenizer", "prompt_opens_reasoning", "render_chat_template", "truncate_at_stop",
+]
