@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import BOS
+from text_helpers import BOS
 from deepinfer_jax.text import BUILTIN_TEMPLATES, ChatTemplateError, load_tokenizer
 from deepinfer_jax.text.builtin_templates import TOOLS_PREAMBLE
 

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from conftest import BOS, DEEPSEEK_SPECIALS, EOS
+from text_helpers import BOS, DEEPSEEK_SPECIALS, EOS
 from deepinfer_jax.text import Tokenizer, TokenizerNotFoundError, load_tokenizer
 
 TEXTS = ["Hello world!", "你好，世界！", "Emoji 😀🎉👍 ok", "  two  spaces\nnew line", "こんにちは"]
@@ -113,7 +113,7 @@ def test_missing_tokenizer_files_raise_clearly(tmp_path):
 def sp_dir(tmp_path_factory):
     import sentencepiece as spm
 
-    from conftest import CORPUS
+    from text_helpers import CORPUS
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
