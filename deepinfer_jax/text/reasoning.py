@@ -1,0 +1,113 @@
+"""Reasoning parser `deepseek_r1`: `<think>…</think>` -> reasoning_content, the rest -> content.
+
+`DeepSeekR1ReasoningParser(starts_in_reasoning=True)`:
+- whole text: `extract(text) -> (reasoning, content)`;
+- streaming: `feed(delta) -> (reasoning_delta, content_delta)`, then `flush()` at the end.
+`extract(text)` is by definition `feed(text)` followed by `flush()` on a fresh parser, so for
+every split of a text into deltas the concatenated stream equals the whole-text result.
+
+Rules:
+- Output that begins with `<think>` (exactly at offset 0): the tag is dropped and what follows
+  is reasoning until the first `</think>`; the tag is dropped and the rest is content.
+- starts_in_reasoning=True (default, vLLM's behaviour for R1): the output is reasoning from its
+  first character until `</think>`. This covers prompts that end with `<think>` (the later R1
+  template), outputs with `</think>` but no `<think>`, and outputs cut off before `</think>`
+  (then everything is reasoning and content is "").
+- starts_in_reasoning=False (the prompt does not open reasoning, e.g. thinking disabled, or the
+  January R1 template whose outputs begin with `<think>` themselves): output not starting with
+  `<think>` is content, and a stray `</think>` in it stays content.
+- After `</think>`, everything (including further tags) is content, verbatim.
+- Streaming never emits part of a tag: a suffix that may still become `<think>` (at the start)
+  or `</think>` (inside reasoning) is held until decided; flush() releases it as text.
+Whitespace is kept verbatim (content after `</think>` usually starts with "\n\n").
+Use `prompt_opens_reasoning(prompt_text)` to pick `starts_in_reasoning` from the prompt.
+"""
+
+from __future__ import annotations
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+
+_START, _REASONING, _CONTENT = "start", "reasoning", "content"
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool:
+    """True when the rendered prompt ends inside an open `<think>` (e.g. R1's `<think>\\n`)."""
+    tail = prompt_text.rstrip()
+    return tail.endswith(THINK_START)
+
+
+def _partial_suffix_len(text: str, token: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `token`."""
+    for n in range(min(len(text), len(token) - 1), 0, -1):
+        if token.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class DeepSeekR1ReasoningParser:
+    """Splits one output stream into reasoning and content (see module docstring)."""
+
+    #: token strings the detokenizer must keep for this parser to work
+    special_tokens = (THINK_START, THINK_END)
+
+    def __init__(self, starts_in_reasoning: bool = True):
+        self.starts_in_reasoning = starts_in_reasoning
+        self._state = _START
+        self._buf = ""
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether text fed now would still count as reasoning (False once content began)."""
+        return self._state == _REASONING or (self._state == _START and self.starts_in_reasoning)
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """True once `</think>` was seen or the output turned out to be plain content."""
+        return self._state == _CONTENT
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        """Add text; return (reasoning_delta, content_delta), either possibly ""."""
+        self._buf += delta
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            buf = self._buf
+            if self._state == _START:
+                if buf.startswith(THINK_START):
+                    self._buf, self._state = buf[len(THINK_START):], _REASONING
+                    continue
+                if THINK_START.startswith(buf):  # empty, or may still become "<think>"
+                    break
+                self._state = _REASONING if self.starts_in_reasoning else _CONTENT
+                continue
+            if self._state == _REASONING:
+                i = buf.find(THINK_END)
+                if i >= 0:
+                    reasoning.append(buf[:i])
+                    self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
+                    continue
+                keep = _partial_suffix_len(buf, THINK_END)
+                reasoning.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                break
+            content.append(buf)
+            self._buf = ""
+            break
+        return "".join(reasoning), "".join(content)
+
+    def flush(self) -> tuple[str, str]:
+        """End of stream: release held text into the field it was held for."""
+        held, self._buf = self._buf, ""
+        if self._state == _START:
+            self._state = _REASONING if self.starts_in_reasoning else _CONTENT
+        if self._state == _REASONING:
+            return held, ""
+        return "", held
+
+    def extract(self, text: str) -> tuple[str, str]:
+        """Whole-text split -> (reasoning, content); does not touch this parser's stream state."""
+        p = type(self)(starts_in_reasoning=self.starts_in_reasoning)
+        r1, c1 = p.feed(text)
+        r2, c2 = p.flush()
+        return r1 + r2, c1 + c2
