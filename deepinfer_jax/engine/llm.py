@@ -1,0 +1,153 @@
+"""The offline API, in vLLM's convention: `LLM(model=DIR, ...).generate(prompts, sampling_params)`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
+from deepinfer_jax.engine.llm_engine import LLMEngine
+from deepinfer_jax.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def resolve_dtype(dtype: str, model_dir: str) -> str:
+    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    with open(os.path.join(model_dir, "config.json")) as f:
+        d = json.load(f)
+    t = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+    return "float16" if t == "float16" else "bfloat16"
+
+
+class LLM:
+    """Load a model directory (HF safetensors or converted) and generate offline.
+
+    Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
+    skip_tokenizer_init, seed. Ours: num_pages (fix the KV pool size), attn_impl / moe_impl
+    (kernels or references), chat_template, progress.
+    """
+
+    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
+                 gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
+                 skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
+                 data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 num_pages: int | None = None, attn_impl: str = "reference", moe_impl: str = "ragged",
+                 chat_template: str | None = None, compilation_cache_dir: str | None = "default",
+                 progress: bool = True):
+        import jax.numpy as jnp
+
+        from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+        from deepinfer_jax.weights.loader import load_model
+
+        if tensor_parallel_size * data_parallel_size != 1 or enable_expert_parallel:
+            raise ValueError("tensor_parallel_size / data_parallel_size / enable_expert_parallel > 1 are not "
+                             "supported yet: this build runs on one device")
+        if not os.path.isdir(model):
+            raise ValueError(f"model directory {model!r} does not exist")
+        enable_compilation_cache(compilation_cache_dir)
+        t0 = time.time()
+        self.dtype = resolve_dtype(dtype, model)
+        self.model_config, params = load_model(model, jnp.dtype(self.dtype), progress=progress)
+        cfg = self.model_config
+        max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+        if max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's max_position_embeddings "
+                             f"{cfg.max_position_embeddings}")
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            from deepinfer_jax.text import load_tokenizer
+
+            self.tokenizer = load_tokenizer(model, chat_template=chat_template)
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs,
+                                max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
+                                max_model_len=max_model_len)
+        cache = CacheConfig(page_size=page_size, num_pages=num_pages,
+                            gpu_memory_utilization=gpu_memory_utilization,
+                            enable_prefix_caching=enable_prefix_caching)
+        runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed)
+        self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
+                                runner_config=runner, num_pages=num_pages, progress=progress)
+        self.startup_seconds = time.time() - t0
+        log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # ---- generation ------------------------------------------------------------------------------
+    def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return list(prompt["prompt_token_ids"]), prompt.get("prompt")
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer; pass {'prompt_token_ids': [...]} "
+                                 "with skip_tokenizer_init=True")
+            return self.tokenizer.encode(prompt), prompt
+        raise ValueError(f"a prompt must be a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
+        encoded = [self._prompt_ids(p) for p in prompts]
+        return self._run(encoded, params, use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: SamplingParams | None = None, *, tools: list | None = None,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             use_tqdm: bool = False) -> list[RequestOutput]:
+        """One conversation (a list of {role, content}) or a list of them, through the chat template."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=False)")
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        encoded = []
+        for conv in convs:
+            text = self.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=False, **(chat_template_kwargs or {}))
+            ids = self.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True, **(chat_template_kwargs or {}))
+            encoded.append((ids, text))
+        sp = sampling_params or SamplingParams()
+        return self._run(encoded, [sp] * len(encoded), use_tqdm)
+
+    def _run(self, encoded, params, use_tqdm: bool) -> list[RequestOutput]:
+        eng = self.engine
+        ids = []
+        for (tok_ids, text), sp in zip(encoded, params):
+            rid = eng.new_request_id()
+            eng.add_request(rid, tok_ids, sp, prompt=text)
+            ids.append(rid)
+        done: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(ids), desc="generating", unit="req")
+        while eng.has_unfinished_requests():
+            for out in eng.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [done[r] for r in ids]

@@ -1,0 +1,219 @@
+"""LLMEngine: add / step / abort over the scheduler, the runner and the text layer.
+
+One engine owns one scheduler and one runner; it is not thread-safe (the async engine runs it on one
+loop thread). `step()` plans, runs one device step, appends the sampled tokens, detokenizes, applies
+stop strings and returns a RequestOutput for every request that progressed.
+
+n > 1: a user request becomes n child requests ("{id}#{i}") sharing the prompt (the prefix cache
+shares its pages); outputs are gathered under the parent id with CompletionOutput.index = i.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from deepinfer_jax.runner.inputs import Shapes, token_buckets
+from deepinfer_jax.runner.model_runner import ModelRunner
+from deepinfer_jax.scheduler import Scheduler
+from deepinfer_jax.scheduler.kv_cache_manager import cdiv
+from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Child:
+    """Text-side state of one sampled sequence."""
+
+    request: Request
+    index: int
+    detok: Any = None
+    stopper: Any = None
+    text: str = ""
+    logprobs: list | None = None
+    cumulative_logprob: float | None = None
+    reported_finished: bool = False
+
+
+@dataclass
+class _Parent:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[_Child] = field(default_factory=list)
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Any, *, scheduler_config: SchedulerConfig,
+                 cache_config: CacheConfig, runner_config: RunnerConfig, num_pages: int | None = None,
+                 progress: bool = True, max_logprobs: int = 20):
+        self.cfg, self.tokenizer = cfg, tokenizer
+        self.scheduler_config, self.cache_config = scheduler_config, cache_config
+        self.max_model_len = scheduler_config.max_model_len
+        ps = cache_config.page_size
+        max_pages = cdiv(self.max_model_len, ps)
+        if num_pages is None:
+            fallback = scheduler_config.max_num_seqs * max_pages + 1
+            num_pages, how = ModelRunner.pages_for_memory(
+                cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback)
+        else:
+            how = f"{num_pages} pages (set explicitly)"
+        log.info("KV cache: %s", how)
+        self.kv_cache_report = how
+        self.shapes = Shapes(token_buckets(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
+                             scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len)
+        self.scheduler = Scheduler(scheduler_config, cache_config, num_pages)
+        self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs)
+        self.num_warmup_compiles = self.runner.warmup(progress=progress)
+        self._rng = np.random.default_rng(runner_config.seed)
+        self._seeds: dict[str, int] = {}
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, str] = {}
+        self._counter = itertools.count()
+        self.eos_token_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
+        if tokenizer is not None and getattr(tokenizer, "eos_token_ids", None):
+            self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(tokenizer.eos_token_ids)))
+
+    # ---- requests --------------------------------------------------------------------------------
+    def new_request_id(self) -> str:
+        return str(next(self._counter))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    prompt: str | None = None, arrival_time: float | None = None,
+                    keep_special_tokens: tuple[str, ...] = ()) -> None:
+        """Queue a request. `keep_special_tokens`: special tokens kept in the text even when
+        skip_special_tokens is set (the reasoning / tool-call parsers need their markers)."""
+        if request_id in self._parents:
+            raise ValueError(f"request_id {request_id!r} is already in flight")
+        if not prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        vocab = self.cfg.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        max_tokens = params.max_tokens
+        if max_tokens is None:
+            max_tokens = self.max_model_len - len(prompt_token_ids)
+        if len(prompt_token_ids) + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({max_tokens}) exceeds "
+                f"max_model_len ({self.max_model_len})")
+        if max_tokens < 1:
+            raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate "
+                             f"within max_model_len ({self.max_model_len})")
+        arrival = time.time() if arrival_time is None else arrival_time
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival_time=arrival)
+        child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens)
+        for i in range(params.n):
+            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+            req = Request(cid, list(prompt_token_ids), child_params, arrival_time=arrival,
+                          eos_token_ids=self.eos_token_ids)
+            seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**63))
+            self._seeds[cid] = seed
+            child = _Child(req, i, logprobs=[] if params.logprobs is not None else None,
+                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+            if self.tokenizer is not None:
+                from deepinfer_jax.text import IncrementalDetokenizer, StopStringMatcher
+
+                child.detok = IncrementalDetokenizer(self.tokenizer, prompt_token_ids,
+                                                     skip_special_tokens=params.skip_special_tokens,
+                                                     keep_special_tokens=keep_special_tokens)
+                child.stopper = StopStringMatcher(params.stop or [], params.include_stop_str_in_output)
+            parent.children.append(child)
+            self._child_parent[cid] = request_id
+        self._parents[request_id] = parent
+        for child in parent.children:
+            self.scheduler.add_request(child.request)
+
+    def abort_request(self, request_id: str) -> bool:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return False
+        for child in parent.children:
+            self.scheduler.abort_request(child.request.request_id)
+            self._forget(child.request.request_id)
+        return True
+
+    def _forget(self, cid: str) -> None:
+        self._seeds.pop(cid, None)
+        self._child_parent.pop(cid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._parents)
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
+        result = self.runner.execute(plan.seqs, requests, self._seeds)
+        updates = self.scheduler.update_from_output(plan, result.token_ids)
+        now = time.time()
+        touched: dict[str, None] = {}
+        for req, new_ids, _finished in updates:
+            pid = self._child_parent.get(req.request_id)
+            if pid is None:
+                continue
+            parent = self._parents[pid]
+            if parent.first_token_time is None:
+                parent.first_token_time = now
+            child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
+            self._append(child, new_ids, result.logprobs.get(req.request_id))
+            touched[pid] = None
+        return [self._output(pid) for pid in touched if pid in self._parents]
+
+    def _append(self, child: _Child, new_ids: list[int], lp) -> None:
+        req = child.request
+        if child.logprobs is not None and lp is not None:
+            sampled_lp, top_ids, top_lps = lp
+            k = req.sampling_params.logprobs or 0
+            token = new_ids[-1]
+            # The sampled token first (vLLM's order), then the top-k alternatives with their ranks.
+            entry = {token: Logprob(sampled_lp, rank=1 + sum(1 for v in top_lps if v > sampled_lp))}
+            for rank, (tid, tlp) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
+                entry.setdefault(tid, Logprob(tlp, rank=rank))
+            child.logprobs.append(entry)
+            child.cumulative_logprob += sampled_lp
+        if child.detok is None:
+            return
+        delta = child.stopper.feed(child.detok.add(new_ids))
+        child.text += delta
+        if child.stopper.stopped and not req.is_finished:
+            self.scheduler.finish_request(req.request_id, "stop", stop_reason=child.stopper.matched)
+        if req.is_finished and not child.stopper.stopped:
+            child.text += child.stopper.feed(child.detok.flush())
+            child.text += child.stopper.flush()
+
+    def _output(self, pid: str) -> RequestOutput:
+        parent = self._parents[pid]
+        outs = []
+        for c in parent.children:
+            r = c.request
+            outs.append(CompletionOutput(
+                index=c.index, text=c.text, token_ids=list(r.output_token_ids),
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
+                cumulative_logprob=c.cumulative_logprob))
+        finished = all(c.request.is_finished for c in parent.children)
+        out = RequestOutput(pid, parent.prompt, parent.prompt_token_ids,
+                            parent.children[0].request.num_cached_tokens, outs, finished)
+        if finished:
+            del self._parents[pid]
+            for c in parent.children:
+                self._forget(c.request.request_id)
+        return out
+
+    # ---- stats -----------------------------------------------------------------------------------
+    def stats(self):
+        return self.scheduler.stats()

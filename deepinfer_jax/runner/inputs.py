@@ -1,0 +1,128 @@
+"""StepPlan -> padded host arrays for one jitted step (numpy only: no device work, no compiles).
+
+Buckets: one dimension. A step of T scheduled tokens is padded to the smallest token bucket >= T,
+and its sequence rows to `seq_rows(bucket)` = min(bucket, max_num_seqs rounded to a power of two).
+The page table is always `max_pages = cdiv(max_model_len, page_size)` wide. So the jitted step has
+exactly one shape per token bucket (and per sampling variant, see model_runner.py).
+
+Padding: padding tokens read token 0 at position 0 of sequence row 0 and write into the null page;
+padding sequence rows sample from token 0 and their results are ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
+from deepinfer_jax.sampling import SamplingTensors, make_key_data_batch
+from deepinfer_jax.types import Request
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def token_buckets(max_num_batched_tokens: int, max_num_seqs: int, min_bucket: int = 16) -> tuple[int, ...]:
+    """Powers of two from `min_bucket` up to a bucket that holds max(max_num_batched_tokens, max_num_seqs)."""
+    top = next_pow2(max(max_num_batched_tokens, max_num_seqs))
+    out, b = [], min(min_bucket, top)
+    while b < top:
+        out.append(b)
+        b *= 2
+    out.append(top)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class Shapes:
+    """Static shape facts shared by input building and warm-up."""
+
+    buckets: tuple[int, ...]
+    max_num_seqs: int
+    max_pages: int
+    page_size: int
+    max_model_len: int
+    max_suppress: int = 8
+
+    def bucket_for(self, num_tokens: int) -> int:
+        for b in self.buckets:
+            if b >= num_tokens:
+                return b
+        raise ValueError(f"step of {num_tokens} tokens exceeds the largest bucket {self.buckets[-1]}")
+
+    def seq_rows(self, bucket: int) -> int:
+        return min(bucket, next_pow2(self.max_num_seqs))
+
+
+@dataclass
+class HostStep:
+    """A padded step on the host, plus which plan rows sample."""
+
+    meta: StepMetadata  # numpy leaves
+    sampling: SamplingTensors  # numpy leaves
+    request_ids: list[str]  # row -> request id (real rows only)
+    sample_rows: list[int]  # rows whose sampled token is used
+    bucket: int
+    penalties: bool
+
+
+def build_metadata(plan_seqs, shapes: Shapes, bucket: int) -> StepMetadata:
+    S = shapes.seq_rows(bucket)
+    ps = shapes.page_size
+    token_ids = np.zeros(bucket, np.int32)
+    positions = np.zeros(bucket, np.int32)
+    seq_ids = np.zeros(bucket, np.int32)
+    slot_mapping = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)
+    page_table = np.full((S, shapes.max_pages), NULL_PAGE, np.int32)
+    logits_indices = np.zeros(S, np.int32)
+    t = 0
+    for row, seq in enumerate(plan_seqs):
+        n = len(seq.token_ids)
+        pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
+        pages = np.asarray(seq.page_ids, np.int32)
+        token_ids[t : t + n] = seq.token_ids
+        positions[t : t + n] = pos
+        seq_ids[t : t + n] = row
+        slot_mapping[t : t + n] = pages[pos // ps] * ps + pos % ps
+        page_table[row, : len(pages)] = pages
+        logits_indices[row] = t + n - 1
+        t += n
+    return StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
+
+
+def uses_penalties(req: Request) -> bool:
+    sp = req.sampling_params
+    return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
+
+
+def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
+                   bucket: int, penalties: bool) -> SamplingTensors:
+    """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty variant, else [S, 0]."""
+    S = shapes.seq_rows(bucket)
+    L = shapes.max_model_len if penalties else 0
+    st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress)
+    row_seeds, row_steps = np.zeros(S, np.uint64), np.zeros(S, np.uint64)
+    for row, seq in enumerate(plan_seqs):
+        req = requests[seq.request_id]
+        sp = req.sampling_params
+        st.temperature[row] = sp.temperature
+        st.top_k[row] = sp.top_k if sp.top_k and sp.top_k > 0 else 0
+        st.top_p[row] = sp.top_p
+        st.min_p[row] = sp.min_p
+        if penalties:
+            st.presence_penalty[row] = sp.presence_penalty
+            st.frequency_penalty[row] = sp.frequency_penalty
+            st.repetition_penalty[row] = sp.repetition_penalty
+            p, o = req.prompt_token_ids, req.output_token_ids
+            st.prompt_token_ids[row, : len(p)] = p
+            st.output_token_ids[row, : len(o)] = o
+        if req.num_output_tokens < sp.min_tokens:
+            banned = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
+            banned = banned[: shapes.max_suppress]
+            st.suppress_token_ids[row, : len(banned)] = banned
+        row_seeds[row] = seeds[seq.request_id]
+        row_steps[row] = seq.num_output_tokens
+    key_data = make_key_data_batch(row_seeds, row_steps)
+    return SamplingTensors(**{**st.__dict__, "rng_key_data": key_data.astype(np.uint32)})

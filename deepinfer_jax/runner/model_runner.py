@@ -1,0 +1,162 @@
+"""The device side of a step: params and the paged KV cache, one jitted function per shape bucket.
+
+`ModelRunner.execute(plan, requests, seeds)` pads the plan (runner/inputs.py), runs forward + sampling
+in one jit (logits never leave the device; the KV cache is donated and updated in place) and returns
+the sampled token ids (and logprobs) for the rows that sample.
+
+Variants: for each token bucket, a base variant (no penalties, no top logprobs) and a full variant
+(penalty history arrays + top `max_logprobs` logprobs). `warmup()` compiles all of them; afterwards
+`CompileCounter` sees every backend compile (or persistent-cache load) during this runner's steps, and
+`compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig, RunnerConfig
+from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page
+from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, uses_penalties
+from deepinfer_jax.sampling import sample
+
+log = logging.getLogger(__name__)
+
+
+class CompileCounter:
+    """Counts XLA backend compilations process-wide (jax.monitoring duration events)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration: float, **kw: Any) -> None:
+                if event == "/jax/compilation_cache/compile_time_saved_sec" or event.endswith("backend_compile_duration"):
+                    with cls._lock:
+                        cls._count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count
+
+
+@dataclass
+class StepResult:
+    token_ids: dict[str, int]
+    logprobs: dict[str, tuple[float, list[int], list[float]]]  # rid -> (sampled lp, top ids, top lps)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, params: Any, runner_cfg: RunnerConfig, shapes: Shapes,
+                 num_pages: int, max_logprobs: int = 20, kv_sharding: Any = None):
+        CompileCounter.install()
+        self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
+        self.num_pages = num_pages
+        self.max_logprobs = max_logprobs
+        self.kv_dtype = jnp.dtype(runner_cfg.dtype)
+        self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
+        if kv_sharding is not None:
+            self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
+        self._fns: dict[bool, Any] = {}
+        self._warm = False
+        self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
+
+    # ---- compiled step ---------------------------------------------------------------------------
+    def _step_fn(self, full: bool):
+        if full not in self._fns:
+            cfg, rc, k = self.cfg, self.runner_cfg, self.max_logprobs if full else 0
+
+            def step(params, kv_cache, meta, st):
+                logits, kv_cache = forward_paged(params, cfg, kv_cache, meta,
+                                                 moe_impl=rc.moe_impl, attn_impl=rc.attn_impl)
+                return sample(logits, st, max_logprobs=k), kv_cache
+
+            self._fns[full] = jax.jit(step, donate_argnums=(1,))
+        return self._fns[full]
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile every (bucket, variant) by running it on padding. Returns the number compiled."""
+        combos = [(b, full) for b in self.shapes.buckets for full in (False, True)]
+        it = combos
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(combos, desc=f"compiling {len(combos)} step shapes", unit="shape", leave=False)
+        for bucket, full in it:
+            host = HostStep(build_metadata([], self.shapes, bucket),
+                            build_sampling([], {}, {}, self.shapes, bucket, full), [], [], bucket, full)
+            out = self._run(host)
+            jax.block_until_ready(out)
+        self._warm = True
+        return len(combos)
+
+    # ---- execution -------------------------------------------------------------------------------
+    def prepare(self, plan_seqs, requests, seeds) -> HostStep:
+        bucket = self.shapes.bucket_for(sum(len(s.token_ids) for s in plan_seqs))
+        want_full = any(uses_penalties(requests[s.request_id]) or requests[s.request_id].sampling_params.logprobs is not None
+                        for s in plan_seqs)
+        meta = build_metadata(plan_seqs, self.shapes, bucket)
+        st = build_sampling(plan_seqs, requests, seeds, self.shapes, bucket, want_full)
+        rows = [i for i, s in enumerate(plan_seqs) if s.sample]
+        return HostStep(meta, st, [s.request_id for s in plan_seqs], rows, bucket, want_full)
+
+    def _run(self, host: HostStep):
+        fn = self._step_fn(host.penalties)
+        out, self.kv_cache = fn(self.params, self.kv_cache, host.meta, host.sampling)
+        return out
+
+    def execute(self, plan_seqs, requests, seeds) -> StepResult:
+        host = self.prepare(plan_seqs, requests, seeds)
+        before = CompileCounter.count()
+        out = self._run(host)
+        if self._warm and CompileCounter.count() != before:
+            self.compiles_after_warmup += CompileCounter.count() - before
+            log.warning("compiled a new step shape after warm-up (bucket %d, full=%s)", host.bucket, host.penalties)
+        return self.collect(host, out)
+
+    def collect(self, host: HostStep, out) -> StepResult:
+        ids = np.asarray(out.token_ids)
+        result = StepResult({}, {})
+        lp = np.asarray(out.logprob) if host.penalties else None
+        top_ids = np.asarray(out.top_logprob_ids) if host.penalties else None
+        top_lps = np.asarray(out.top_logprobs) if host.penalties else None
+        for row in host.sample_rows:
+            rid = host.request_ids[row]
+            result.token_ids[rid] = int(ids[row])
+            if lp is not None:
+                result.logprobs[rid] = (float(lp[row]), top_ids[row].tolist(), top_lps[row].tolist())
+        return result
+
+    # ---- memory ----------------------------------------------------------------------------------
+    @staticmethod
+    def pages_for_memory(cfg: ModelConfig, page_size: int, dtype, gpu_memory_utilization: float,
+                         fallback_pages: int) -> tuple[int, str]:
+        """KV pages that fit in the device memory left after weights; CPU has no stats -> fallback."""
+        per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
+        stats = None
+        try:
+            stats = jax.devices()[0].memory_stats()
+        except Exception:  # noqa: BLE001 - backends without stats
+            stats = None
+        if not stats or "bytes_limit" not in stats:
+            return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
+        free = stats["bytes_limit"] * gpu_memory_utilization - stats.get("bytes_in_use", 0)
+        pages = int(free // per_page)
+        return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
+                       f"({pages * per_page / 2**30:.2f} GiB of {stats['bytes_limit'] / 2**30:.1f} GiB)")

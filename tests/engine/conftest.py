@@ -1,0 +1,37 @@
+"""Engine fixtures: HF greedy references computed once per session, a session-wide XLA cache."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _xla_cache(tmp_path_factory):
+    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache(str(tmp_path_factory.mktemp("xla_cache")))
+
+
+@pytest.fixture(scope="session")
+def hf_greedy():
+    """hf_greedy(model, prompt_ids, n) -> HF transformers' greedy continuation (memoised)."""
+    import torch
+
+    memo: dict = {}
+
+    def run(model, prompt, n):
+        key = (id(model), tuple(prompt), n)
+        if key not in memo:
+            with torch.no_grad():
+                out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0, use_cache=True)
+            memo[key] = out[0, len(prompt):].tolist()
+        return memo[key]
+
+    return run
+
+
+def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(lo, vocab, int(n)).tolist() for n in lengths]

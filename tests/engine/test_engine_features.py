@@ -1,0 +1,117 @@
+"""Engine behaviour beyond greedy: seeds, n, stop tokens, min_tokens, logprobs, aborts, bad input,
+and the recompile guard."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.runner.inputs import HostStep, build_metadata, build_sampling
+
+
+@pytest.fixture(scope="module")
+def llm(hf_case):
+    _, path = hf_case("v3_grouped_noaux")
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
+               max_num_batched_tokens=64, page_size=8, progress=False)
+
+
+def _gen(llm, prompts, **kw):
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**kw))
+
+
+def test_seed_reproduces_across_batch_compositions(llm):
+    p = random_prompts(20, [12], 320)[0]
+    others = random_prompts(21, [5, 40, 3], 320)
+    alone = _gen(llm, [p], temperature=1.0, seed=1234, max_tokens=12)[0].outputs[0].token_ids
+    batch = llm.generate([{"prompt_token_ids": q} for q in [others[0], p, others[1], others[2]]],
+                         [SamplingParams(temperature=1.0, max_tokens=12)] * 1
+                         + [SamplingParams(temperature=1.0, seed=1234, max_tokens=12)]
+                         + [SamplingParams(temperature=0.8, max_tokens=7)] * 2)
+    assert batch[1].outputs[0].token_ids == alone
+    other_seed = _gen(llm, [p], temperature=1.0, seed=99, max_tokens=12)[0].outputs[0].token_ids
+    assert other_seed != alone
+
+
+def test_n_children_share_prompt_and_differ(llm):
+    p = random_prompts(22, [30], 320)[0]
+    out = _gen(llm, [p], n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    seqs = [tuple(c.token_ids) for c in out.outputs]
+    assert len(set(seqs)) > 1 and all(len(s) == 10 for s in seqs)
+    again = _gen(llm, [p], n=3, temperature=1.0, seed=7, max_tokens=10, ignore_eos=True)[0]
+    assert [tuple(c.token_ids) for c in again.outputs] == seqs
+
+
+def test_stop_token_ids_and_min_tokens(llm):
+    p = random_prompts(23, [9], 320)[0]
+    free = _gen(llm, [p], temperature=0.0, max_tokens=12, ignore_eos=True)[0].outputs[0].token_ids
+    stop_at = free[3]
+    first = free.index(stop_at)
+    out = _gen(llm, [p], temperature=0.0, max_tokens=12, stop_token_ids=[stop_at], ignore_eos=True)[0].outputs[0]
+    assert out.token_ids == free[: first + 1] and out.finish_reason == "stop" and out.stop_reason == stop_at
+    # min_tokens suppresses the stop id until enough tokens are out.
+    late = _gen(llm, [p], temperature=0.0, max_tokens=12, min_tokens=first + 2, stop_token_ids=[stop_at],
+                ignore_eos=True)[0].outputs[0]
+    assert stop_at not in late.token_ids[: first + 2]
+
+
+def test_logprobs_are_raw_log_softmax(llm, hf_case):
+    import torch
+
+    model, _ = hf_case("v3_grouped_noaux")
+    p = random_prompts(24, [15], 320)[0]
+    out = _gen(llm, [p], temperature=0.0, max_tokens=3, logprobs=5, ignore_eos=True)[0].outputs[0]
+    assert len(out.logprobs) == 3
+    with torch.no_grad():
+        logits = model(torch.tensor([p + out.token_ids])).logits[0].float()
+    ref = torch.log_softmax(logits, -1)[len(p) - 1: len(p) + 2].numpy()
+    for step, entry in enumerate(out.logprobs):
+        tok = out.token_ids[step]
+        assert entry[tok].rank == 1
+        assert entry[tok].logprob == pytest.approx(ref[step, tok], abs=1e-4)
+        top5 = np.argsort(-ref[step])[:5]
+        assert set(top5.tolist()) <= set(entry)
+    assert out.cumulative_logprob == pytest.approx(sum(e[t].logprob for e, t in zip(out.logprobs, out.token_ids)))
+
+
+def test_abort_frees_blocks(llm):
+    eng = llm.engine
+    p = random_prompts(25, [100], 320)[0]
+    eng.add_request("abort-me", p, SamplingParams(max_tokens=50, ignore_eos=True))
+    eng.step()
+    assert eng.scheduler.kv_cache_manager.usage > 0
+    assert eng.abort_request("abort-me")
+    assert not eng.has_unfinished_requests()
+    eng.step()
+    assert eng.scheduler.kv_cache_manager.usage == 0.0
+
+
+@pytest.mark.parametrize(
+    "prompt, kw, message",
+    [
+        ([5] * 250, dict(max_tokens=10), "exceeds max_model_len"),
+        ([], dict(), "at least one token"),
+        ([3, 999], dict(), "out of range"),
+    ],
+)
+def test_bad_requests_raise(llm, prompt, kw, message):
+    with pytest.raises(ValueError, match=message):
+        _gen(llm, [prompt], **kw)
+    assert not llm.engine.has_unfinished_requests()
+
+
+def test_recompile_guard_notices_a_new_shape(llm):
+    runner = llm.engine.runner
+    before = runner.compiles_after_warmup
+    shapes = runner.shapes
+    odd = shapes.buckets[-1] * 2  # a shape warm-up never saw
+    host = HostStep(build_metadata([], shapes, odd), build_sampling([], {}, {}, shapes, odd, False), [], [], odd, False)
+    from deepinfer_jax.runner.model_runner import CompileCounter
+
+    c0 = CompileCounter.count()
+    runner._run(host)
+    assert CompileCounter.count() > c0
+    assert runner.compiles_after_warmup == before  # _run is below the guard; execute() counts

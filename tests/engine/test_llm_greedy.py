@@ -1,0 +1,78 @@
+"""Greedy LLM.generate equals HF transformers' greedy generate, token for token, under every
+scheduling regime: prefix caching on and off, a pool small enough to preempt, a token budget small
+enough to chunk prompts, and prompts sharing long prefixes. No compilation after warm-up."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+
+LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
+MAX_TOKENS = [4, 9, 16, 12] * 5
+MODEL_LEN = 512
+
+
+def _llm(path, **kw):
+    args = dict(dtype="float32", skip_tokenizer_init=True, max_model_len=MODEL_LEN, max_num_seqs=16,
+                max_num_batched_tokens=256, page_size=8, progress=False)
+    args.update(kw)
+    return LLM(path, **args)
+
+
+def _check(llm, model, hf_greedy, prompts, max_tokens):
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for p, n, o in zip(prompts, max_tokens, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, n), f"prompt of {len(p)} tokens"
+        assert o.outputs[0].finish_reason == "length"
+    assert llm.engine.runner.compiles_after_warmup == 0
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
+    return outs
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
+@pytest.mark.parametrize("caching", [True, False])
+def test_greedy_matches_hf(hf_case, hf_greedy, case, caching):
+    model, path = hf_case(case)
+    prompts = random_prompts(10, LENGTHS, model.config.vocab_size)
+    _check(_llm(path, enable_prefix_caching=caching), model, hf_greedy, prompts, MAX_TOKENS)
+
+
+def test_greedy_with_preemption(hf_case, hf_greedy):
+    model, path = hf_case("v3_flat_plain_rope")
+    prompts = random_prompts(11, LENGTHS, model.config.vocab_size)
+    llm = _llm(path, num_pages=80)  # ~640 token slots for ~2,000 prompt tokens in flight
+    _check(llm, model, hf_greedy, prompts, MAX_TOKENS)
+    assert llm.engine.stats().num_preemptions > 0
+
+
+def test_greedy_with_chunked_prefill(hf_case, hf_greedy):
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(12, LENGTHS, model.config.vocab_size)
+    llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8)  # prompts of up to 300 tokens: 10+ chunks
+    _check(llm, model, hf_greedy, prompts, MAX_TOKENS)
+
+
+def test_shared_prefixes_hit_the_cache(hf_case, hf_greedy):
+    model, path = hf_case("v3_grouped_noaux")
+    vocab = model.config.vocab_size
+    system = random_prompts(13, [200], vocab)[0]
+    tails = random_prompts(14, [1, 3, 8, 9, 20, 40, 57, 64, 70, 90, 5, 16, 31, 33, 2, 100], vocab)
+    prompts = [system + t for t in tails]
+    n = [6] * len(prompts)
+    cached = _llm(path, enable_prefix_caching=True)
+    uncached = _llm(path, enable_prefix_caching=False)
+    first = _check(cached, model, hf_greedy, prompts, n)
+    again = _check(cached, model, hf_greedy, prompts, n)  # everything but partial blocks is cached now
+    plain = _check(uncached, model, hf_greedy, prompts, n)
+    for p, o in zip(prompts, again):
+        assert o.num_cached_tokens == ((len(p) - 1) // 8) * 8
+    assert all(o.num_cached_tokens == 0 for o in plain)
+    assert sum(o.num_cached_tokens for o in first) > 0  # later admissions hit the shared system prompt
+    for a, b in zip(again, plain):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    stats = cached.engine.stats()
+    assert stats.prefix_cache_hits > 0 and stats.prefix_cache_queries >= stats.prefix_cache_hits
