@@ -4,8 +4,8 @@ Loading (`load_tokenizer(model_dir, chat_template=None)`):
 - `tokenizer.json` is loaded with `tokenizers`; otherwise `tokenizer.model` with
   `sentencepiece`; otherwise `TokenizerNotFoundError` (a FileNotFoundError) names the directory
   and the files looked for.
-- `tokenizer_config.json` (optional): `added_tokens_decoder` (tokens missing from the backend are
-  added), `bos_token` / `eos_token` / `pad_token` / `unk_token` (a string or a dict with
+- `tokenizer_config.json` (optional): `added_tokens_decoder` (registered as added tokens at their
+  declared ids, matched whole in text; its `special` flags win), `bos_token` / `eos_token` / `pad_token` / `unk_token` (a string or a dict with
   "content"), `add_bos_token` / `add_eos_token`, `chat_template`. `special_tokens_map.json` is a
   fallback for the token strings.
 - `config.json` / `generation_config.json` (optional): `bos_token_id`, `eos_token_id` (an int or
@@ -247,7 +247,8 @@ def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Tokenize
 
 
 def _add_config_tokens(backend: HFBackend | SPBackend, decoder: Mapping[str, Any]) -> None:
-    """Add tokenizer_config.json `added_tokens_decoder` entries the backend lacks."""
+    """Register tokenizer_config.json `added_tokens_decoder` entries as added tokens (matched
+    whole in text, as transformers does), keeping their declared ids."""
     wanted: dict[int, tuple[str, bool]] = {}
     for key, entry in decoder.items():
         content = _token_str(entry)
@@ -255,9 +256,10 @@ def _add_config_tokens(backend: HFBackend | SPBackend, decoder: Mapping[str, Any
             continue
         wanted[int(key)] = (content, bool(entry.get("special", False)) if isinstance(entry, Mapping) else False)
     if isinstance(backend, SPBackend):
-        backend.add_tokens_with_ids({i: t for i, t in wanted.items() if backend.token_to_id(t[0]) != i})
+        backend.add_tokens_with_ids(wanted)
         return
-    missing = [(i, t) for i, t in sorted(wanted.items()) if backend.token_to_id(t[0]) is None]
+    have = {c for c, _ in backend.added_tokens().values()}
+    missing = [(i, t) for i, t in sorted(wanted.items()) if t[0] not in have]
     if missing:
         backend.add_tokens([t for _, t in missing])
         wrong = [(t[0], i, backend.token_to_id(t[0])) for i, t in missing if backend.token_to_id(t[0]) != i]

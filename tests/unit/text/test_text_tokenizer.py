@@ -101,6 +101,13 @@ def test_added_tokens_decoder_adds_missing_tokens(make_dir, bpe_json):
     assert tok.decode(tok.encode("<think>x<｜new▁marker｜>"), skip_special_tokens=True) == "<think>x"
 
 
+def test_added_token_ids_must_match_the_vocabulary(make_dir, bpe_json):
+    n = len(json.loads(bpe_json)["model"]["vocab"])
+    tc = {"added_tokens_decoder": {str(n + 5): {"content": "<｜gap｜>", "special": True}}}
+    with pytest.raises(ValueError, match="do not follow"):
+        load_tokenizer(make_dir("gap", tokenizer_config=tc))
+
+
 def test_missing_tokenizer_files_raise_clearly(tmp_path):
     with pytest.raises(TokenizerNotFoundError, match="tokenizer.json.*tokenizer.model"):
         load_tokenizer(str(tmp_path))
