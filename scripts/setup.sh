@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Create .venv with Python 3.12 and install deepinfer-jax from this checkout.
+#   bash scripts/setup.sh          runtime only (CPU jax; add the cuda12/cuda13 extra on a GPU machine)
+#   bash scripts/setup.sh --test   plus the test extra (pytest, torch, transformers, openai)
+# Idempotent: a second run only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+extras=""
+[[ "${1:-}" == "--test" ]] && extras="[test]"
+
+want="$(cat .python-version)"
+py=""
+if command -v pyenv >/dev/null 2>&1 && pyenv prefix "$want" >/dev/null 2>&1; then
+  py="$(pyenv prefix "$want")/bin/python"
+elif command -v "python${want%.*}" >/dev/null 2>&1; then
+  py="$(command -v "python${want%.*}")"
+elif command -v python3.12 >/dev/null 2>&1; then
+  py="$(command -v python3.12)"
+else
+  echo "setup: Python 3.12 is required (pyenv install $want, or a python3.12 on PATH)" >&2
+  exit 1
+fi
+
+if [[ ! -x .venv/bin/python ]]; then
+  "$py" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".${extras}"
+echo "setup: ready ($(.venv/bin/python --version), extras: ${extras:-none})"
