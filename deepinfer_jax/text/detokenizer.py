@@ -37,18 +37,22 @@ class IncrementalDetokenizer:
         self._tok = tokenizer
         self._skip = (tokenizer.skipped_ids(keep_special_tokens) if skip_special_tokens
                       else frozenset())
-        self._ids: list[int] = [i for i in (prompt_ids or ()) if i not in self._skip]
+        self._ids: list[int] = [i for i in map(int, prompt_ids if prompt_ids is not None else ())
+                                if i not in self._skip]
         self._read = len(self._ids)
         self._prefix = max(self._read - INITIAL_PREFIX_TOKENS, 0)
         self.text = ""  # everything emitted so far
 
     def add(self, token_ids: int | Iterable[int]) -> str:
-        """Append generated ids; return the text that became complete (maybe "")."""
-        if isinstance(token_ids, int):
-            token_ids = (token_ids,)
+        """Append generated ids (an int, or any iterable of ints such as a NumPy array);
+        return the text that became complete (maybe "")."""
+        try:
+            ids = iter(token_ids)  # type: ignore[arg-type]
+        except TypeError:
+            ids = iter((token_ids,))
         skip = self._skip
         before = len(self._ids)
-        self._ids.extend(i for i in token_ids if i not in skip)
+        self._ids.extend(i for i in map(int, ids) if i not in skip)
         if len(self._ids) == before:
             return ""
         return self._step(final=False)

@@ -173,7 +173,8 @@ class Tokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
                keep_special_tokens: Iterable[str] = ()) -> str:
-        """Ids -> text. Ids outside the vocabulary decode to nothing."""
+        """Ids -> text (ints or NumPy integers). Ids outside the vocabulary decode to nothing."""
+        ids = [int(i) for i in ids]
         if skip_special_tokens:
             skip = self.skipped_ids(keep_special_tokens)
             ids = [i for i in ids if i not in skip]

@@ -141,3 +141,11 @@ def test_sentencepiece_streaming(tmp_path):
         got, deltas = stream(tok, ids, random_chunks(rng, len(ids)), skip_special_tokens=skip)
         assert got == tok.decode(ids, skip_special_tokens=skip), ids
         assert all(not d.endswith(REPLACEMENT) for d in deltas)
+
+
+def test_numpy_ids_are_accepted(tok_v3: Tokenizer):
+    np = pytest.importorskip("numpy")
+    ids = np.array(tok_v3.encode("你好 world 😀", add_special_tokens=False), dtype=np.int32)
+    det = IncrementalDetokenizer(tok_v3, prompt_ids=np.array([0], dtype=np.int64))
+    text = det.add(ids[:3]) + det.add(np.int64(ids[3])) + det.add(ids[4:]) + det.flush()
+    assert text == tok_v3.decode(ids) == "你好 world 😀"
