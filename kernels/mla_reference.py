@@ -25,7 +25,8 @@ MASK_VALUE = -1e30
 def paged_mla_attention_reference(
     q_lat: jax.Array,  # [T, H, R]   query folded through W_UK
     q_pe: jax.Array,  # [T, H, dr]  roped query part
-    kv_cache: jax.Array,  # [P, page_size, R + dr] one layer's latent cache
+    kv_cache: jax.Array,  # [L, P, page_size, R + dr] the whole latent cache
+    layer: jax.Array,  # int32 scalar: which layer to read
     seq_ids: jax.Array,  # [T] int32, index into page_table
     positions: jax.Array,  # [T] int32, absolute position of each token
     page_table: jax.Array,  # [S, max_pages] int32
@@ -33,12 +34,12 @@ def paged_mla_attention_reference(
     token_block: int = 128,
 ) -> jax.Array:  # [T, H, R] in q_lat's dtype
     T, H, R = q_lat.shape
-    _, page_size, width = kv_cache.shape
+    _, _, page_size, width = kv_cache.shape
     max_len = page_table.shape[1] * page_size
 
     def block(args):
         ql, qp, sid, pos = args  # [B, H, R], [B, H, dr], [B], [B]
-        kv = kv_cache[page_table[sid]].reshape(sid.shape[0], max_len, width)  # [B, L, R + dr]
+        kv = kv_cache[layer, page_table[sid]].reshape(sid.shape[0], max_len, width)  # [B, L, R + dr]
         s = jnp.einsum("bhr,blr->bhl", ql, kv[..., :R], preferred_element_type=jnp.float32)
         s = s + jnp.einsum("bhd,bld->bhl", qp, kv[..., R:], preferred_element_type=jnp.float32)
         s = s * scale

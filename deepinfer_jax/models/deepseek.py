@@ -76,18 +76,19 @@ def forward(
 
 
 def paged_attention(
-    q_lat, q_pe, layer_cache, meta: StepMetadata, scale: float, attn_impl: str
+    q_lat, q_pe, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str
 ) -> jax.Array:
-    """Dispatch the absorbed paged attention to a kernel or its reference (same semantics)."""
+    """Dispatch the absorbed paged attention to a kernel or its reference (same semantics).
+    The whole cache goes in with a layer index: slicing one layer out would copy it."""
     if attn_impl == "reference":
         return paged_mla_attention_reference(
-            q_lat, q_pe, layer_cache, meta.seq_ids, meta.positions, meta.page_table, scale
+            q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale
         )
     if attn_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.mla_decode import paged_mla_attention
 
         return paged_mla_attention(
-            q_lat, q_pe, layer_cache, meta.seq_ids, meta.positions, meta.page_table, scale,
+            q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
             interpret=attn_impl == "pallas_interpret",
         )
     raise ValueError(f"attn_impl {attn_impl!r} is not one of 'reference', 'pallas', 'pallas_interpret'")
@@ -117,7 +118,7 @@ def forward_paged(
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
             cache = cache.at[li, page, offset].set(latent)
             q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
-            o_lat = paged_attention(q_lat, q_pe, cache[li], meta, cfg.softmax_scale, attn_impl)
+            o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
             a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)

@@ -16,6 +16,7 @@ Router (HF's arithmetic, in fp32):
 Expert implementations (`moe_impl`):
 - "ragged": sort token copies by expert, grouped GEMM with `jax.lax.ragged_dot`, scatter-add back.
 - "dense": every token through every expert, weighted by a [T, E] combine matrix (reference, tiny models).
+- "pallas": block-aligned grouped GEMM kernels (kernels/moe_gmm.py); "pallas_interpret" runs them on CPU.
 """
 
 from __future__ import annotations
@@ -90,8 +91,14 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged")
         out = experts_dense(p["experts"], x, w, idx)
     elif moe_impl == "ragged":
         out = experts_ragged(p["experts"], x, w, idx)
+    elif moe_impl in ("pallas", "pallas_interpret"):
+        from deepinfer_jax.kernels.moe_gmm import moe_experts
+
+        ex = p["experts"]
+        out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,
+                          interpret=moe_impl == "pallas_interpret")
     else:
-        raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense'")
+        raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     if "shared" in p:
         out = out + swiglu_mlp(x, p["shared"])
     return out

@@ -1,69 +1,180 @@
 """Weight-only quantized linear weights: INT8 per output channel, INT4 grouped along the input dim.
 
-A `QuantizedWeight` replaces a float `[in, out]` (or `[E, in, out]`) leaf in the params pytree. The
-model's `linear` dequantizes inside the matmul path, so the same forward serves float and quantized
-checkpoints. Invariants:
-- int8: `q` int8 `[..., in, out]`, `scale` `[..., 1, out]`; w ~= q * scale.
-- int4: `q` uint8 `[..., in // 2, out]` holding two 4-bit values per byte (low nibble = even input row,
-  high nibble = odd row, each stored as value + 8 in [0, 15]); `scale` `[..., in // group, out]`.
+A `QuantizedWeight` replaces a float weight leaf of logical shape `[*lead, *in, *out]` in the params
+pytree (`lead`: stacked layers L and/or experts E; `in`: contracted axes; `out`: output axes, the last
+`n_out` axes). The model dequantizes inside its matmul path (`layers.linear` / `layers.weight`), so one
+forward serves float and quantized checkpoints. Invariants (w = the float weight):
+
+- int8: `q` int8, same shape as w, values in [-127, 127]; `scale` fp32 `[*lead, 1 (per in axis), *out]`
+  = amax over the in axes / 127, so every output channel of every layer and expert has its own scale;
+  w ~= q * scale with |w - q * scale| <= scale / 2 elementwise.
+- int4: `q` uint8 `[*lead, *in[:-1], in[-1] // 2, *out]` packing two 4-bit values per byte along the last
+  input axis (low nibble = even row, high nibble = odd row, each stored as value + 8 in [1, 15]);
+  `scale` fp32 `[*lead, *in[:-1], in[-1] // group_size, *out]` = amax of the group / 7. `group_size` is
+  the largest divisor of in[-1] not above the requested size (so DeepSeek-V2-Lite's I = 10944 gets 114),
+  and is stored per leaf. For o_proj [H, dv, D] groups run along dv within each head.
+- `bits`, `group_size` (0 for int8) and `n_out` are static pytree fields: `lax.scan` over the stacked
+  layer axis and `jit` see only `q` and `scale` as arrays.
+
+Which leaves are quantized is `QUANTIZED_LEAVES` (keyed by the leaf's own name): the MLA projections,
+the dense MLP, the routed and shared experts. Embeddings, lm_head, norms, the router gate and its
+correction bias stay in the model dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+# leaf name -> (n_in, n_out): how many axes before the outputs are contracted, how many are outputs.
+QUANTIZED_LEAVES: dict[str, tuple[int, int]] = {
+    "q_proj": (1, 2),  # [D, H, dqk]
+    "q_a_proj": (1, 1),  # [D, Rq]
+    "q_b_proj": (1, 2),  # [Rq, H, dqk]
+    "kv_a_proj_with_mqa": (1, 1),  # [D, R + dr]
+    "kv_b_proj": (1, 2),  # [R, H, dn + dv]
+    "o_proj": (2, 1),  # [H, dv, D]
+    "gate_up": (1, 2),  # [D, 2, I] (mlp, shared) / [E, D, 2, I] (experts)
+    "down": (1, 1),  # [I, D] / [E, I, D]
+}
+METHODS = {"none": 0, "int8": 8, "int4": 4}
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight:
-    q: jax.Array
-    scale: jax.Array
+    q: Any
+    scale: Any
     bits: int = dataclasses.field(metadata=dict(static=True), default=8)
     group_size: int = dataclasses.field(metadata=dict(static=True), default=0)
+    n_out: int = dataclasses.field(metadata=dict(static=True), default=1)
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The float weight's logical shape."""
+        s = tuple(self.q.shape)
         if self.bits == 4:
-            return self.q.shape[:-2] + (self.q.shape[-2] * 2, self.q.shape[-1])
-        return self.q.shape
+            ax = len(s) - self.n_out - 1
+            s = s[:ax] + (2 * s[ax],) + s[ax + 1:]
+        return s
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        return len(self.q.shape)
 
 
 def is_quantized(w) -> bool:
     return isinstance(w, QuantizedWeight)
 
 
+def quant_layout(path: tuple) -> tuple[int, int] | None:
+    """(n_in, n_out) when the leaf at `path` (keys into the params tree) is quantizable, else None."""
+    return QUANTIZED_LEAVES.get(path[-1]) if path and isinstance(path[-1], str) else None
+
+
+def int4_group(in_len: int, group_size: int) -> int:
+    """The largest divisor of `in_len` that is <= group_size (the INT4 group actually used)."""
+    g = max(1, min(group_size, in_len))
+    while in_len % g:
+        g -= 1
+    return g
+
+
+def quantized_shapes(shape: tuple[int, ...], bits: int, n_in: int, n_out: int, group_size: int
+                     ) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(q shape, scale shape, effective group size) for a float weight of `shape`."""
+    shape = tuple(shape)
+    ax = len(shape) - n_out - 1  # the last input axis
+    lead_in, out = shape[:ax + 1], shape[ax + 1:]
+    if bits == 8:
+        return shape, shape[: len(shape) - n_out - n_in] + (1,) * n_in + out, 0
+    if bits != 4:
+        raise ValueError(f"bits must be 4 or 8, got {bits}")
+    if shape[ax] % 2:
+        raise ValueError(f"INT4 packs pairs along the input axis; {shape} has odd length {shape[ax]} there")
+    g = int4_group(shape[ax], group_size)
+    return lead_in[:-1] + (shape[ax] // 2,) + out, lead_in[:-1] + (shape[ax] // g,) + out, g
+
+
+def quantize(w: np.ndarray, bits: int, n_in: int, n_out: int, group_size: int = 128) -> QuantizedWeight:
+    """Host-side (numpy) symmetric quantization of a float weight [*lead, *in, *out]; see module doc."""
+    w = np.asarray(w, np.float32)
+    q_shape, s_shape, g = quantized_shapes(w.shape, bits, n_in, n_out, group_size)
+    ax = w.ndim - n_out - 1
+    if bits == 8:
+        in_axes = tuple(range(w.ndim - n_out - n_in, w.ndim - n_out))
+        scale = np.max(np.abs(w), axis=in_axes, keepdims=True) / 127.0  # [*lead, 1.., *out]
+        scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+        q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
+        return QuantizedWeight(q, scale, 8, 0, n_out)
+    grouped = w.reshape(w.shape[:ax] + (w.shape[ax] // g, g) + w.shape[ax + 1:])  # [.., in/g, g, *out]
+    scale = np.max(np.abs(grouped), axis=ax + 1, keepdims=True) / 7.0
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    v = np.clip(np.rint(grouped / scale), -8, 7).astype(np.int16).reshape(w.shape) + 8  # [1, 15]
+    even = np.take(v, np.arange(0, w.shape[ax], 2), axis=ax)
+    odd = np.take(v, np.arange(1, w.shape[ax], 2), axis=ax)
+    q = (even | (odd << 4)).astype(np.uint8)
+    assert q.shape == q_shape and scale.squeeze(ax + 1).shape == s_shape, (q.shape, scale.shape)
+    return QuantizedWeight(q, scale.squeeze(ax + 1), 4, g, n_out)
+
+
 def dequantize(w: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
-    """Back to a float `[..., in, out]` array."""
+    """Back to a float array of the logical shape [*lead, *in, *out] (computed in fp32, cast to dtype)."""
     if w.bits == 8:
         return (w.q.astype(jnp.float32) * w.scale.astype(jnp.float32)).astype(dtype)
+    ax = w.q.ndim - w.n_out - 1  # packed input axis
     lo = (w.q & 0x0F).astype(jnp.int32) - 8  # even input rows
     hi = (w.q >> 4).astype(jnp.int32) - 8  # odd input rows
-    vals = jnp.stack([lo, hi], axis=-2)  # [..., in/2, 2, out]
-    vals = vals.reshape(*w.q.shape[:-2], w.q.shape[-2] * 2, w.q.shape[-1]).astype(jnp.float32)
+    vals = jnp.stack([lo, hi], axis=ax + 1)  # [.., in/2, 2, *out]
+    n_in_last = 2 * w.q.shape[ax]
     g = w.group_size
-    grouped = vals.reshape(*vals.shape[:-2], vals.shape[-2] // g, g, vals.shape[-1])
-    out = grouped * w.scale.astype(jnp.float32)[..., :, None, :]
-    return out.reshape(vals.shape).astype(dtype)
+    grouped = vals.reshape(w.q.shape[:ax] + (n_in_last // g, g) + w.q.shape[ax + 1:])  # [.., in/g, g, *out]
+    out = grouped.astype(jnp.float32) * jnp.expand_dims(w.scale.astype(jnp.float32), ax + 1)
+    return out.reshape(w.shape).astype(dtype)
 
 
 def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
-    """x: [..., in] @ dequant(w): [in, out] -> [..., out]. INT8 folds the scale after the matmul."""
+    """x: [..., in] @ dequant(w): [in, out] -> [..., out] for a 2-D weight. INT8 folds the per-channel
+    scale in after the matmul (q is exact in bf16); INT4 dequantizes the grouped weight first."""
+    if w.q.ndim != 2 or w.n_out != 1:
+        raise ValueError(f"quantized_matmul needs a 2-D [in, out] weight, got q {w.q.shape} n_out {w.n_out}")
     if w.bits == 8:
-        y = jnp.einsum("...i,io->...o", x, w.q.astype(x.dtype))
-        return (y.astype(jnp.float32) * w.scale[0].astype(jnp.float32)).astype(x.dtype)
+        y = jnp.einsum("...i,io->...o", x, w.q.astype(x.dtype), preferred_element_type=jnp.float32)
+        return (y * w.scale[0].astype(jnp.float32)).astype(x.dtype)
     return jnp.einsum("...i,io->...o", x, dequantize(w, x.dtype))
 
 
 def flatten_out_dims(w: QuantizedWeight) -> QuantizedWeight:
-    """[in, *out] -> [in, prod(out)] for a 2-D-input quantized weight (e.g. gate_up [D, 2, I] -> [D, 2I])."""
-    return QuantizedWeight(
-        w.q.reshape(w.q.shape[0], -1), w.scale.reshape(w.scale.shape[0], -1), w.bits, w.group_size
-    )
+    """Merge the output axes into one: [.., in, *out] -> [.., in, prod(out)] (gate_up [D, 2, I] -> [D, 2I])."""
+    if w.n_out == 1:
+        return w
+    q = w.q.reshape(w.q.shape[: w.q.ndim - w.n_out] + (-1,))
+    scale = w.scale.reshape(w.scale.shape[: w.scale.ndim - w.n_out] + (-1,))
+    return QuantizedWeight(q, scale, w.bits, w.group_size, 1)
+
+
+def quantize_params(params: Any, method: str, group_size: int = 128) -> Any:
+    """A float params tree with every `QUANTIZED_LEAVES` leaf quantized (on the host, leaf by leaf);
+    other leaves are returned unchanged. method: "none" | "int8" | "int4"."""
+    bits = METHODS[method]
+    if not bits:
+        return params
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        lay = quant_layout(keys)
+        if lay is None:
+            return leaf
+        qw = quantize(np.asarray(jnp.asarray(leaf, jnp.float32)), bits, lay[0], lay[1], group_size)
+        return QuantizedWeight(jnp.asarray(qw.q), jnp.asarray(qw.scale), qw.bits, qw.group_size, qw.n_out)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def weights_nbytes(params: Any) -> int:
+    """Bytes held by every array in the params tree (q and scale of quantized leaves included)."""
+    return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(params))

@@ -1,0 +1,116 @@
+"""Paged MLA attention (absorbed form) in Pallas (Triton backend), split over the context.
+
+Semantics are `mla_reference.paged_mla_attention_reference`: for each query token t (any mix of
+decode tokens and prefill-chunk tokens), MQA of its H absorbed query heads against the 576-wide
+latent keys of its own sequence up to its position, fp32 online softmax, 512-wide latent values.
+
+Grid: (token, head block, context split). A program walks its share of the sequence's pages through
+the page table, one page (`page_size` keys) per step, keeping the running max / sum / accumulator in
+registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
+backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
+still fill the GPU (flash-decoding).
+
+`interpret=True` runs the same kernel on the CPU (tests); the reference defines correctness.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+NEG = -1e30
+
+
+def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
+            page_size, pages_per_split, rank, scale):
+    t, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    layer, seq, pos = layer_ref[0], seq_ref[t], pos_ref[t]
+    n_pages = pos // page_size + 1  # pages holding keys 0..pos
+    first = sp * pages_per_split
+    last = jnp.minimum(first + pages_per_split, n_pages)
+    bh = ql_ref.shape[2]
+    q_lat = ql_ref[0, 0]  # [bh, R]
+    q_pe = qp_ref[0, 0]  # [bh, dr]
+    dr = q_pe.shape[-1]
+
+    def body(i, carry):
+        acc, m, l = carry
+        page = pt_ref[seq, i]
+        kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
+        pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
+        s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32)
+        s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32)
+        key_pos = i * page_size + jnp.arange(page_size)
+        s = jnp.where((key_pos <= pos)[None, :], s * scale, NEG)  # [bh, ps]
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l = l * corr + p.sum(axis=-1)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        return acc, m_new, l
+
+    init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    acc, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
+    o_ref[0, 0, 0] = acc
+    m_ref[0, 0, 0] = m
+    l_ref[0, 0, 0] = l
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages", "interpret"))
+def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=4,
+                        block_h=16, num_warps=4, num_stages=2, interpret=False):
+    """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
+    would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype)."""
+    T, H, R = q_lat.shape
+    dr = q_pe.shape[-1]
+    _, _, ps, _ = kv_cache.shape
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    max_pages = page_table.shape[1]
+    bh = min(block_h, H)
+    assert H % bh == 0, (H, bh)
+    nh = H // bh
+    splits = max(1, min(num_splits, max_pages))
+    pps = math.ceil(max_pages / splits)
+    # [T, H, R] -> [T, nh, bh, R] so a program's query block is one contiguous slab.
+    ql = q_lat.reshape(T, nh, bh, R)
+    qp = q_pe.reshape(T, nh, bh, dr)
+    kernel = functools.partial(_kernel, page_size=ps, pages_per_split=pps, rank=R, scale=scale)
+    out_shape = (
+        jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
+        jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
+        jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
+    )
+    full = lambda a: pl.BlockSpec(a.shape, lambda t, h, s: (0,) * a.ndim)  # noqa: E731
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(T, nh, splits),
+        in_specs=[
+            full(layer), full(seq_ids), full(positions), full(page_table),
+            pl.BlockSpec((1, 1, bh, R), lambda t, h, s: (t, h, 0, 0)),
+            pl.BlockSpec((1, 1, bh, dr), lambda t, h, s: (t, h, 0, 0)),
+            full(kv_cache),
+        ],
+        out_specs=[
+            pl.BlockSpec((1, 1, 1, bh, R), lambda t, h, s: (t, h, s, 0, 0)),
+            pl.BlockSpec((1, 1, 1, bh), lambda t, h, s: (t, h, s, 0)),
+            pl.BlockSpec((1, 1, 1, bh), lambda t, h, s: (t, h, s, 0)),
+        ],
+        out_shape=out_shape,
+        compiler_params=params,
+        interpret=interpret,
+    )(layer, seq_ids, positions, page_table, ql, qp, kv_cache)
+    # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+    M = m.max(axis=2, keepdims=True)  # [T, nh, 1, bh]
+    w = jnp.exp(m - M)  # [T, nh, splits, bh]; empty splits have l = 0 and contribute nothing
+    num = jnp.einsum("tnsb,tnsbr->tnbr", w, o)
+    den = jnp.einsum("tnsb,tnsb->tnb", w, l)
+    return (num / den[..., None]).reshape(T, H, R).astype(q_lat.dtype)

@@ -1,0 +1,133 @@
+"""Fused MoE expert computation: block-aligned grouped GEMMs in Pallas (Triton backend).
+
+The layout is vLLM's fused-MoE one. Token copies (token t, choice j) are sorted by expert and each
+expert's group is padded to a multiple of `block_m` rows, so every row block belongs to exactly one
+expert (`block_expert[b]`, -1 for unused blocks). Two kernels then run over (row block, column tile):
+
+1. `gate_up`: h[r] = silu(x[r] @ W_gate[e]) * (x[r] @ W_up[e])    [M_pad, D] x [E, D, 2, I] -> [M_pad, I]
+2. `down`:    y[r] = h[r] @ W_down[e]                               [M_pad, I] x [E, I, D]    -> [M_pad, D]
+
+Each program reads one [K, block_n] tile of its expert's weights once, so at decode sizes (a few rows
+per expert) the kernels stream the touched experts' weights, which is the whole cost. The weighted
+combine back to tokens is a scatter-add in JAX.
+
+Three parts (ARCHITECTURE.md rule 6): `moe_experts` (kernel; `interpret=True` runs it on the CPU) and
+`moe_experts_reference` (pure JAX, same result). Invariants: rows of padding carry token index -1 and
+contribute nothing; K dims must be multiples of `block_k`, N dims of `block_n`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+
+def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
+    """idx [T, k] expert ids -> (row_copy [M_pad] int32: copy index t*k+j or -1,
+    block_expert [M_pad // block_m] int32: the expert of each row block or -1).
+    M_pad = round_up(T*k + E*(block_m - 1), block_m), a static upper bound."""
+    n = idx.size
+    flat = idx.reshape(-1)
+    m_pad = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
+    counts = jnp.bincount(flat, length=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    starts = jnp.cumsum(padded) - padded  # [E] first padded row of each expert
+    order = jnp.argsort(flat, stable=True)  # [n] copies sorted by expert
+    sorted_e = flat[order]
+    group_first = jnp.cumsum(counts) - counts  # first sorted position of each expert
+    rank = jnp.arange(n) - group_first[sorted_e]
+    dest = starts[sorted_e] + rank  # [n] padded row of each sorted copy
+    row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    block_start = jnp.arange(m_pad // block_m) * block_m
+    ends = jnp.cumsum(padded)  # [E]
+    block_expert = jnp.searchsorted(ends, block_start, side="right").astype(jnp.int32)
+    block_expert = jnp.where(block_start < ends[-1], block_expert, -1)
+    return row_copy, block_expert
+
+
+def _gate_up_kernel(be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+    b, n = pl.program_id(0), pl.program_id(1)
+    e = be_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = pl.ds(b * block_m, block_m)
+        cols = pl.ds(n * block_n, block_n)
+
+        def body(i, acc):
+            g, u = acc
+            ks = pl.ds(i * block_k, block_k)
+            x = x_ref[rows, ks]  # [bm, bk]
+            g = g + jnp.dot(x, w_ref[e, ks, 0, cols], preferred_element_type=jnp.float32)  # [bk, bn]
+            u = u + jnp.dot(x, w_ref[e, ks, 1, cols], preferred_element_type=jnp.float32)
+            return g, u
+
+        zero = jnp.zeros((block_m, block_n), jnp.float32)
+        g, u = jax.lax.fori_loop(0, K // block_k, body, (zero, zero))
+        o_ref[rows, cols] = (jax.nn.silu(g) * u).astype(o_ref.dtype)
+
+
+def _down_kernel(be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+    b, n = pl.program_id(0), pl.program_id(1)
+    e = be_ref[b]
+
+    @pl.when(e >= 0)
+    def _():
+        rows = pl.ds(b * block_m, block_m)
+        cols = pl.ds(n * block_n, block_n)
+
+        def body(i, acc):
+            ks = pl.ds(i * block_k, block_k)
+            return acc + jnp.dot(h_ref[rows, ks], w_ref[e, ks, cols], preferred_element_type=jnp.float32)
+
+        acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
+        o_ref[rows, cols] = acc.astype(o_ref.dtype)
+
+
+def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw):
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(
+        functools.partial(kernel, **kw), grid=grid, out_shape=out_shape,
+        compiler_params=params, interpret=interpret,
+    )(*args)
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def moe_experts(x, w_gate_up, w_down, weights, idx, *, block_m=16, block_n=64, block_k=64, num_warps=4,
+                num_stages=3, interpret=False):
+    """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype)."""
+    T, D = x.shape
+    E, _, _, I = w_gate_up.shape
+    k = idx.shape[-1]
+    row_copy, block_expert = align_tokens(idx, E, block_m)
+    m_pad, nb = row_copy.shape[0], block_expert.shape[0]
+    token = jnp.where(row_copy >= 0, row_copy // k, 0)
+    xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
+    bn1, bn2 = min(block_n, I), min(block_n, D)
+    h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
+              (block_expert, xs, w_gate_up.astype(x.dtype)), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn1, block_k=min(block_k, D), K=D)
+    y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
+              (block_expert, h, w_down.astype(x.dtype)), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn2, block_k=min(block_k, I), K=I)
+    wrow = jnp.where(row_copy >= 0, weights.reshape(-1)[jnp.maximum(row_copy, 0)], 0.0)  # [M_pad]
+    dest = jnp.where(row_copy >= 0, token, T)  # padding rows scatter out of range (dropped)
+    out = jnp.zeros((T, D), jnp.float32).at[dest].add(y.astype(jnp.float32) * wrow[:, None], mode="drop")
+    return out.astype(x.dtype)
+
+
+def moe_experts_reference(x, w_gate_up, w_down, weights, idx):
+    """Pure JAX: each token copy through its expert, weighted, summed (fp32 accumulation)."""
+    wg = w_gate_up[idx]  # [T, k, D, 2, I]
+    g = jnp.einsum("td,tkdi->tki", x, wg[..., 0, :], preferred_element_type=jnp.float32)
+    u = jnp.einsum("td,tkdi->tki", x, wg[..., 1, :], preferred_element_type=jnp.float32)
+    h = (jax.nn.silu(g) * u).astype(x.dtype)
+    y = jnp.einsum("tki,tkid->tkd", h, w_down[idx], preferred_element_type=jnp.float32)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32)).astype(x.dtype)
