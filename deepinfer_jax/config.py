@@ -295,3 +295,7 @@ class RunnerConfig:
     seq_buckets: tuple[int, ...] = field(default_factory=tuple)
     compilation_cache_dir: str | None = None
     seed: int = 0
+    # Compile the penalties / logprobs variant of every bucket at warm-up (else it is compiled on first use).
+    warmup_full_variant: bool = True
+    # Return the routed expert ids of every step (benchmarks: distinct experts per layer per step).
+    collect_routing: bool = False

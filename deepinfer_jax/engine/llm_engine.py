@@ -68,10 +68,21 @@ class LLMEngine:
                 cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback)
         else:
             how = f"{num_pages} pages (set explicitly)"
+        if runner_config.attn_impl.startswith("pallas"):
+            # The Triton-backend kernel indexes the whole cache with 32-bit offsets.
+            cap = (2**31 - 1) // (cfg.num_hidden_layers * ps * cfg.kv_cache_dim)
+            if num_pages > cap:
+                how += f"; capped at {cap} pages (32-bit offsets of the Pallas attention kernel)"
+                num_pages = cap
         log.info("KV cache: %s", how)
         self.kv_cache_report = how
-        self.shapes = Shapes(token_buckets(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs),
-                             scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len)
+        buckets = tuple(sorted(runner_config.token_buckets)) or token_buckets(
+            scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs)
+        need = max(scheduler_config.max_num_batched_tokens, scheduler_config.max_num_seqs)
+        if buckets[-1] < need:
+            raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
+                             f"max_num_seqs) = {need}")
+        self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len)
         self.scheduler = Scheduler(scheduler_config, cache_config, num_pages)
         self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)

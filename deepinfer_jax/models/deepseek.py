@@ -102,11 +102,15 @@ def forward_paged(
     *,
     moe_impl: str = "ragged",
     attn_impl: str = "reference",
-) -> tuple[jax.Array, jax.Array]:  # logits [S, V] fp32, updated kv_cache
+    return_routing: bool = False,
+):
+    """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
+    every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic)."""
     page_size = kv_cache.shape[2]
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
     h = params["embed"][meta.token_ids]  # [T, D]
+    routing: list[jax.Array] = []
 
     for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
 
@@ -122,11 +126,19 @@ def forward_paged(
             a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            if kind == "moe" and return_routing:
+                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True)
+                return (h + m, cache), idx
             return (h + _mlp(lp, cfg, kind, x, moe_impl), cache), None
 
         layer_ids = jnp.arange(seg.start, seg.stop, dtype=jnp.int32)
-        (h, kv_cache), _ = jax.lax.scan(body, (h, kv_cache), (seg_params, layer_ids))
-    return _logits(params, cfg, h[meta.logits_indices]), kv_cache
+        (h, kv_cache), ys = jax.lax.scan(body, (h, kv_cache), (seg_params, layer_ids))
+        if ys is not None:
+            routing.append(ys)
+    logits = _logits(params, cfg, h[meta.logits_indices])
+    if return_routing:
+        return logits, kv_cache, jnp.concatenate(routing, axis=0)
+    return logits, kv_cache
 
 
 def num_params(params: Any) -> int:

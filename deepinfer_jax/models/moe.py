@@ -84,8 +84,8 @@ def experts_dense(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Ar
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
 
 
-def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged") -> jax.Array:
-    """x: [T, D] -> [T, D]: routed experts plus the shared experts."""
+def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False):
+    """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked)."""
     w, idx = route(p, cfg, x)
     if moe_impl == "dense":
         out = experts_dense(p["experts"], x, w, idx)
@@ -101,4 +101,4 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged")
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     if "shared" in p:
         out = out + swiglu_mlp(x, p["shared"])
-    return out
+    return (out, idx) if return_routing else out

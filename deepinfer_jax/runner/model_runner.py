@@ -75,6 +75,8 @@ class ModelRunner:
             self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
         self._fns: dict[bool, Any] = {}
         self._warm = False
+        self.last_routing = None
+        self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
 
     # ---- compiled step ---------------------------------------------------------------------------
@@ -83,16 +85,19 @@ class ModelRunner:
             cfg, rc, k = self.cfg, self.runner_cfg, self.max_logprobs if full else 0
 
             def step(params, kv_cache, meta, st):
-                logits, kv_cache = forward_paged(params, cfg, kv_cache, meta,
-                                                 moe_impl=rc.moe_impl, attn_impl=rc.attn_impl)
-                return sample(logits, st, max_logprobs=k), kv_cache
+                out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
+                                    return_routing=rc.collect_routing)
+                logits, kv_cache = out[0], out[1]
+                sampled = sample(logits, st, max_logprobs=k)
+                return (sampled, out[2]) if rc.collect_routing else (sampled, None), kv_cache
 
             self._fns[full] = jax.jit(step, donate_argnums=(1,))
         return self._fns[full]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile every (bucket, variant) by running it on padding. Returns the number compiled."""
-        combos = [(b, full) for b in self.shapes.buckets for full in (False, True)]
+        variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
+        combos = [(b, full) for b in self.shapes.buckets for full in variants]
         it = combos
         if progress:
             from tqdm import tqdm
@@ -118,11 +123,13 @@ class ModelRunner:
 
     def _run(self, host: HostStep):
         fn = self._step_fn(host.penalties)
-        out, self.kv_cache = fn(self.params, self.kv_cache, host.meta, host.sampling)
+        (out, routing), self.kv_cache = fn(self.params, self.kv_cache, host.meta, host.sampling)
+        self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 
     def execute(self, plan_seqs, requests, seeds) -> StepResult:
         host = self.prepare(plan_seqs, requests, seeds)
+        self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
         out = self._run(host)
         if self._warm and CompileCounter.count() != before:

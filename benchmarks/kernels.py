@@ -1,0 +1,155 @@
+"""Per-kernel checks and timings on the GPU: each kernel against its reference, then achieved bytes/s
+and FLOP/s against the measured ceilings (GPU.md: 4.3 TB/s copy, 587 TFLOP/s bf16 matmul).
+
+    python benchmarks/kernels.py [--quick]
+
+MoE (V2-Lite expert shape: 64 experts, 2048 -> 1408, top-6): the Pallas block-aligned grouped GEMM
+(several tile configs), `jax.lax.ragged_dot`, and Mosaic GPU `ragged_dot_mgpu` when present, at
+decode and prefill token counts. MLA decode (16 heads, 576-wide latent, page 64): the Pallas kernel
+at several context splits and the XLA reference, batch 1 to 256, context 512 to 32K.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HBM = 4.3e12
+MXU = 587e12
+
+
+def bench(fn, *args, iters=20):
+    import jax
+
+    out = fn(*args)
+    jax.block_until_ready(out)
+    ts = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        ts.append(time.perf_counter() - t)
+    return float(np.median(ts)), out
+
+
+def moe_tables(quick: bool):
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.moe_gmm import moe_experts, moe_experts_reference
+
+    E, D, I, k = 64, 2048, 1408, 6
+    key = jax.random.key(0)
+    wgu = jax.random.uniform(key, (E, D, 2, I), jnp.bfloat16, -0.05, 0.05)
+    wd = jax.random.uniform(jax.random.fold_in(key, 1), (E, I, D), jnp.bfloat16, -0.05, 0.05)
+    wbytes = (wgu.size + wd.size) * 2
+    print("\n## MoE experts (V2-Lite shape, bf16): time, weight bytes/s, FLOP/s")
+    print("| tokens | impl | config | us | TB/s (weights touched) | TFLOP/s | max err vs ref |")
+    print("|---|---|---|---|---|---|---|")
+    for T in ([32, 2048] if quick else [1, 8, 32, 64, 128, 256, 2048, 16384]):
+        x = jax.random.normal(jax.random.fold_in(key, 2), (T, D), jnp.bfloat16)
+        logits = jax.random.normal(jax.random.fold_in(key, 3), (T, E), jnp.float32)
+        w, idx = jax.lax.top_k(jax.nn.softmax(logits), k)
+        idx = idx.astype(jnp.int32)
+        touched = len(np.unique(np.asarray(idx)))
+        flops = 2 * T * k * D * I * 3
+        moved = wbytes * touched / E
+        ref = None
+        if T <= 64:  # the reference gathers a weight copy per token; beyond that compare against ragged_dot
+            ref = np.asarray(jax.jit(moe_experts_reference)(x, wgu, wd, w, idx).astype(jnp.float32))
+        configs = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 128, 128, 8, 3), (16, 64, 128, 4, 4)]
+        if T >= 1024:
+            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 3)]
+        last = None
+        for bm, bn, bk, nw, ns in configs:
+            fn = jax.jit(lambda x, a, b, w, i, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns: moe_experts(
+                x, a, b, w, i, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
+            try:
+                t, out = bench(fn, x, wgu, wd, w, idx)
+                last = np.asarray(out.astype(jnp.float32))
+                err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+                print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} w{nw} s{ns} | {t*1e6:.0f} | {moved/t/1e12:.2f} | "
+                      f"{flops/t/1e12:.1f} | {err} |", flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+
+        def ragged(x, wgu, wd, w, idx):
+            from deepinfer_jax.models.moe import experts_ragged
+
+            return experts_ragged({"gate_up": wgu, "down": wd}, x, w, idx)
+
+        t, out = bench(jax.jit(ragged), x, wgu, wd, w, idx)
+        err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+        ragged_out = np.asarray(out.astype(jnp.float32))
+        if ref is None and last is not None:
+            err = f"(pallas vs ragged) {np.abs(last - ragged_out).max():.3g}"
+        print(f"| {T} | lax.ragged_dot | - | {t*1e6:.0f} | {moved/t/1e12:.2f} | {flops/t/1e12:.1f} | {err} |", flush=True)
+
+
+def mla_tables(quick: bool):
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+    from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
+
+    H, R, dr, ps = 16, 512, 64, 64
+    key = jax.random.key(1)
+    print("\n## Paged MLA decode attention (16 heads, 576-wide latent, page 64, bf16)")
+    print("| batch | context | impl | us | TB/s of cache read | max err vs ref |")
+    print("|---|---|---|---|---|---|")
+    shapes = [(32, 768), (256, 2048)] if quick else [(1, 512), (1, 32768), (8, 4096), (32, 768), (32, 4096),
+                                                     (128, 2048), (256, 512), (256, 2048)]
+    for B, ctx in shapes:
+        pages_per_seq = -(-ctx // ps)
+        P = B * pages_per_seq + 1
+        kv = jax.random.normal(key, (1, P, ps, R + dr), jnp.bfloat16)
+        pt = (1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq).astype(np.int32)
+        ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), jnp.bfloat16)
+        qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), jnp.bfloat16)
+        sid = jnp.arange(B, dtype=jnp.int32)
+        pos = jnp.full((B,), ctx - 1, jnp.int32)
+        pt = jnp.asarray(pt)
+        moved = B * ctx * (R + dr) * 2
+        ref = None
+        if B * ctx <= 256 * 2048:
+            ref = np.asarray(jax.jit(lambda *a: paged_mla_attention_reference(*a, 0.1147))(
+                ql, qp, kv, 0, sid, pos, pt).astype(jnp.float32))
+        for splits in ([1, 4, 16] if B < 64 else [1, 2]):
+            for bh, nw in ((16, 4), (16, 8)):
+                fn = jax.jit(lambda *a, s=splits, bh=bh, nw=nw: paged_mla_attention(
+                    *a, 0.1147, num_splits=s, block_h=bh, num_warps=nw))
+                try:
+                    t, out = bench(fn, ql, qp, kv, 0, sid, pos, pt)
+                    err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+                    print(f"| {B} | {ctx} | pallas splits{splits} bh{bh} w{nw} | {t*1e6:.0f} | {moved/t/1e12:.2f} | {err} |",
+                          flush=True)
+                except Exception as e:  # noqa: BLE001
+                    print(f"| {B} | {ctx} | pallas splits{splits} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+        if ref is not None:
+            t, _ = bench(jax.jit(lambda *a: paged_mla_attention_reference(*a, 0.1147)), ql, qp, kv, 0, sid, pos, pt)
+            print(f"| {B} | {ctx} | xla reference | {t*1e6:.0f} | {moved/t/1e12:.2f} | 0 |", flush=True)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--only", choices=["moe", "mla"], default=None)
+    args = ap.parse_args(argv)
+    import jax
+
+    print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
+    if args.only in (None, "moe"):
+        moe_tables(args.quick)
+    if args.only in (None, "mla"):
+        mla_tables(args.quick)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Protocol A (BENCHMARKS.md): offline generation, batch 32, 512 random prompt ids, 256 output tokens,
+ignore EOS, greedy and temperature 1.0; the V2-Lite shape with random weights on a GPU, a tiny preset
+on a CPU.
+
+    python benchmarks/offline.py                       # GPU: deepseek-v2-lite shape
+    python benchmarks/offline.py --preset tiny-deepseek-v2 --batch 8 --prompt-len 64 --output-len 16   # CPU
+
+Prints start-up time (weights + warm-up compiles), batch prefill time (1 output token), Protocol A
+output tokens/s with the roofline beside it, peak device memory, the mean number of distinct experts
+touched per MoE layer per decode step and the number of distinct output tokens (collapsed routing
+would make both small and the speed meaningless).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
+from deepinfer_jax.types import SamplingParams  # noqa: E402
+
+HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (GPU.md)
+BF16_FLOPS = 587e12  # measured XLA bf16 matmul on the H200
+
+
+def weight_bytes_per_decode_step(cfg: ModelConfig, distinct_experts: float, itemsize: int = 2) -> float:
+    """Bytes a decode step must read: every weight except unused experts and all but `batch` embedding rows."""
+    from deepinfer_jax.models.params import is_spec, param_specs
+    import jax
+
+    total = 0
+    for path, spec in jax.tree.flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]:
+        name = jax.tree_util.keystr(path)
+        n = int(np.prod(spec.shape))
+        if "'embed'" in name and "segments" not in name:
+            continue
+        if "experts" in name:
+            n = n * distinct_experts / cfg.n_routed_experts
+        total += n * itemsize
+    return total
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deepseek-v2-lite")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attn-impl", default="pallas")
+    ap.add_argument("--moe-impl", default="pallas")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--max-model-len", type=int, default=1024)
+    ap.add_argument("--buckets", default="", help="comma-separated token buckets (default: powers of two)")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--json", default="", help="write the figures to this file")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+    from deepinfer_jax.weights.random_init import random_params
+
+    enable_compilation_cache("default")
+    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
+    dev = jax.devices()[0]
+    print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    t0 = time.time()
+    params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
+    jax.block_until_ready(params)
+    t_weights = time.time() - t0
+    buckets = tuple(int(b) for b in args.buckets.split(",") if b) or ()
+    eng = LLMEngine(
+        cfg, params, None,
+        scheduler_config=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+                                         max_model_len=args.max_model_len),
+        cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
+        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
+                                   token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
+        progress=False)
+    t_ready = time.time() - t0
+    print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
+          f"KV cache {eng.kv_cache_report}", flush=True)
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(100, min(cfg.vocab_size, 100000), args.prompt_len).tolist() for _ in range(args.batch)]
+    counter = [0]
+
+    def run(n_out: int, temp: float):
+        experts = []
+        for p in prompts:
+            counter[0] += 1
+            eng.add_request(f"r{counter[0]}", p, SamplingParams(temperature=temp, max_tokens=n_out, ignore_eos=True,
+                                                                 seed=counter[0]))
+        outs = {}
+        t = time.time()
+        while eng.has_unfinished_requests():
+            plan_tokens = None
+            for o in eng.step():
+                if o.finished:
+                    outs[o.request_id] = o
+            routing = eng.runner.last_routing
+            plan_tokens = eng.runner.last_num_tokens
+            if routing is not None and plan_tokens == len(prompts) and n_out > 1:
+                r = np.asarray(routing)[:, :plan_tokens]  # [L, T, k] decode step of the whole batch
+                experts.append(np.mean([len(np.unique(r[layer])) for layer in range(r.shape[0])]))
+        dt = time.time() - t
+        toks = [o.outputs[0].token_ids for o in outs.values()]
+        assert all(len(x) == n_out for x in toks)
+        distinct = len({x for t in toks for x in t[-64:]})
+        return dt, (float(np.mean(experts)) if experts else float("nan")), distinct
+
+    run(4, 0.0)  # touch every path once more after warm-up
+    results = {"preset": args.preset, "startup_s": t_ready, "compiles_after_warmup": 0}
+    t_prefill = min(run(1, 0.0)[0] for _ in range(2))
+    results["prefill_ms"] = t_prefill * 1e3
+    active = 2 * 2.4e9 if args.preset == "deepseek-v2-lite" else None
+    line = f"prefill {args.batch}x{args.prompt_len}: {t_prefill * 1e3:.0f} ms"
+    if active:
+        line += f" (compute floor {active * args.batch * args.prompt_len / BF16_FLOPS * 1e3:.0f} ms)"
+    print(line, flush=True)
+    for temp in [float(t) for t in args.temperatures.split(",")]:
+        runs = [run(args.output_len, temp) for _ in range(args.runs)]
+        best = min(r[0] for r in runs)
+        experts, distinct = runs[0][1], runs[0][2]
+        tps = args.batch * args.output_len / best
+        floor_step = weight_bytes_per_decode_step(cfg, experts) / HBM_BYTES_PER_S
+        limit = args.batch / floor_step
+        print(f"Protocol A temp={temp}: {best:.2f}s -> {tps:,.0f} output tok/s (decode-only limit {limit:,.0f}; "
+              f"runs {', '.join(f'{r[0]:.2f}' for r in runs)}); distinct experts/layer/step {experts:.1f} of "
+              f"{cfg.n_routed_experts}; distinct tokens (last 64 steps) {distinct}", flush=True)
+        results[f"temp{temp}"] = {"seconds": best, "tok_s": tps, "limit_tok_s": limit, "experts": experts,
+                                  "distinct_tokens": distinct}
+    results["compiles_after_warmup"] = eng.runner.compiles_after_warmup
+    stats = dev.memory_stats() or {}
+    if "peak_bytes_in_use" in stats:
+        results["peak_gib"] = stats["peak_bytes_in_use"] / 2**30
+        print(f"peak device memory {results['peak_gib']:.1f} GiB", flush=True)
+    print(f"compiles after warm-up: {results['compiles_after_warmup']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
