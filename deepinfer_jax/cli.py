@@ -1,0 +1,76 @@
+"""The `deepinfer` command: serve, chat, generate, bench, convert.
+
+    deepinfer serve [--model DIR] [--host 127.0.0.1] [--port 8000] [--config FILE.yaml] ...
+    deepinfer chat [--model DIR]                    interactive, streaming, reasoning shown dimmed
+    deepinfer generate [--model DIR] --prompt TEXT  one-shot generation
+    deepinfer bench serve --base-url URL ...        Protocol B / C against a running server
+    deepinfer bench offline [--model DIR] ...       Protocol A (offline batch)
+    deepinfer convert ...                           deepinfer_jax.weights.convert
+
+Without --model, the small embedded demo model (random weights) is used, so every command works on a
+fresh machine without downloads. Heavy imports (JAX) happen only inside the subcommands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+
+def _serve_parser() -> argparse.ArgumentParser:
+    from deepinfer_jax.server.args import add_engine_args, add_server_args
+
+    p = argparse.ArgumentParser(prog="deepinfer serve", description="OpenAI-compatible HTTP server")
+    add_server_args(p)
+    add_engine_args(p)
+    return p
+
+
+def _convert(argv: list[str]) -> int:
+    try:
+        mod = importlib.import_module("deepinfer_jax.weights.convert")
+    except ModuleNotFoundError as e:
+        if e.name not in ("deepinfer_jax.weights.convert",):
+            raise
+        print("error: weight conversion is not available in this build "
+              "(the module deepinfer_jax.weights.convert is missing)", file=sys.stderr)
+        return 2
+    return int(mod.main(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = ("serve", "chat", "generate", "bench", "convert")
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        if argv and argv[0] in ("--version", "-V"):
+            from deepinfer_jax import __version__
+
+            print(f"deepinfer {__version__}")
+            return 0
+        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            return 2
+        return 0 if argv else 2
+    cmd, rest = argv[0], argv[1:]
+    if cmd == "convert":
+        return _convert(rest)
+    if cmd == "bench":
+        from deepinfer_jax.server import bench
+
+        return bench.main(rest)
+    if cmd == "serve":
+        from deepinfer_jax.server.args import parse_with_config
+
+        ns = parse_with_config(_serve_parser(), rest)
+        from deepinfer_jax.server.app import serve
+
+        return serve(ns)
+    from deepinfer_jax.server import terminal
+
+    return terminal.main(cmd, rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

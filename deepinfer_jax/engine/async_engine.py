@@ -1,0 +1,324 @@
+"""AsyncEngine: one LLMEngine on one loop thread, per-request asyncio queues for the server.
+
+The loop thread owns every piece of engine state (scheduler, runner, detokenizers). The asyncio side
+talks to it only through commands (add, abort, stop) put in a list under a condition variable; the
+thread sleeps on that condition while it has nothing to do (no polling). After each step it pushes the
+new output of every request onto that request's asyncio.Queue with one `loop.call_soon_threadsafe`
+per step (ARCHITECTURE.md rule 7).
+
+`submit(...)` returns a `RequestStream`: an async iterator of RequestOutput *deltas* -- each
+CompletionOutput carries only the text, token ids and logprobs that are new since the previous item
+(finish_reason set on the last one); the final item has `finished=True`. Leaving the iteration early
+(break, exception, task cancelled by a client disconnect) aborts the request, which frees its KV blocks
+before the next step.
+
+Admission: requests are refused with QueueFullError when the sequences in flight would exceed
+`max_num_seqs + max_queue_len` (the ones that cannot run at once wait; this bounds the waiting
+count). An engine step that raises fails every request in flight with EngineStepError and aborts
+them; the engine keeps serving, and `healthy` is False until a step succeeds again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import threading
+import time
+from typing import Any, Callable
+
+from deepinfer_jax.types import CompletionOutput, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class EngineNotReadyError(RuntimeError):
+    """The engine is still loading / compiling, failed to start, or is shutting down."""
+
+
+class QueueFullError(RuntimeError):
+    """Too many requests are waiting (max_queue_len)."""
+
+
+class EngineStepError(RuntimeError):
+    """An engine step raised; the requests in flight were aborted."""
+
+
+@dataclasses.dataclass
+class _ChildCursor:
+    text: int = 0
+    tokens: int = 0
+    logprobs: int = 0
+    finished: bool = False
+
+
+class RequestStream:
+    """Async iterator of RequestOutput deltas for one request (see module docstring).
+
+    Timing facts (time.time() seconds) for metrics: `arrival_time`; `scheduled_time` (start of the
+    step that produced the first output; for a prompt prefilled in several chunks it is the last
+    chunk's step); `first_token_time`; `finish_time`.
+    """
+
+    def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, loop: asyncio.AbstractEventLoop):
+        self._engine, self.request_id, self.num_seqs = engine, request_id, num_seqs
+        self._loop = loop
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._cursors: dict[int, _ChildCursor] = {}
+        self.finished = False
+        self.arrival_time = time.time()
+        self.scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    # -- consumer side (event loop) ----------------------------------------------------------------
+    def __aiter__(self) -> "RequestStream":
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished and self._queue.empty():
+            raise StopAsyncIteration
+        try:
+            item = await self._queue.get()
+        except BaseException:
+            self.abort()
+            raise
+        if isinstance(item, BaseException):
+            self.finished = True
+            self._engine._forget(self)
+            raise item
+        if item.finished:
+            self.finished = True
+            self._engine._forget(self)
+        return item
+
+    def abort(self) -> None:
+        """Abort the request unless it already finished (idempotent)."""
+        if not self.finished:
+            self.finished = True
+            self._engine.abort(self.request_id)
+
+    # -- producer side (loop thread) ---------------------------------------------------------------
+    def _delta(self, out: RequestOutput, step_start: float, now: float) -> RequestOutput | None:
+        """Turn the engine's cumulative output into a delta; None when nothing is new."""
+        outs = []
+        for c in out.outputs:
+            cur = self._cursors.setdefault(c.index, _ChildCursor())
+            new_tokens = c.token_ids[cur.tokens:]
+            done = c.finish_reason is not None
+            if not new_tokens and len(c.text) == cur.text and (not done or cur.finished):
+                continue
+            lps = None if c.logprobs is None else c.logprobs[cur.logprobs:]
+            outs.append(CompletionOutput(c.index, c.text[cur.text:], list(new_tokens), lps, c.finish_reason,
+                                         c.stop_reason, c.cumulative_logprob))
+            cur.text, cur.tokens, cur.finished = len(c.text), len(c.token_ids), done
+            cur.logprobs = 0 if c.logprobs is None else len(c.logprobs)
+        if not outs and not out.finished:
+            return None
+        if self.first_token_time is None and any(o.token_ids for o in outs):
+            self.scheduled_time, self.first_token_time = step_start, now
+        if out.finished:
+            self.finish_time = now
+        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, out.num_cached_tokens, outs,
+                             out.finished)
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on a daemon thread; see the module docstring.
+
+    `build` returns the LLMEngine (called on the loop thread, so loading and warm-up happen there
+    while the server already answers /health with 503). `max_num_seqs` defaults to the engine's.
+    """
+
+    def __init__(self, build: Callable[[], Any], *, max_queue_len: int | None = None,
+                 max_num_seqs: int | None = None):
+        self._build = build
+        self.max_queue_len = max_queue_len
+        self.max_num_seqs = max_num_seqs
+        self.engine: Any = None
+        self.ready = False
+        self.startup_error: BaseException | None = None
+        self.healthy = True
+        self.last_error: str | None = None
+        self.stats: Any = None  # the latest SchedulerStats snapshot, written by the loop thread
+        self._cond = threading.Condition()
+        self._adds: list[tuple] = []
+        self._aborts: list[str] = []
+        self._stopping = False
+        self._streams: dict[str, RequestStream] = {}
+        self._seqs_in_flight = 0
+        self._ready_event = threading.Event()
+        self._ready_callbacks: list[Callable[[], None]] = []
+        self._thread = threading.Thread(target=self._run, name="deepinfer-engine", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> "AsyncEngine":
+        self._thread.start()
+        return self
+
+    def add_ready_callback(self, fn: Callable[[], None]) -> None:
+        """Call `fn()` on the loop thread once the engine is built or failed to build."""
+        with self._cond:
+            if not self._ready_event.is_set():
+                self._ready_callbacks.append(fn)
+                return
+        fn()
+
+    @property
+    def thread_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until the engine is built (or failed to build); True when ready."""
+        self._ready_event.wait(timeout)
+        return self.ready
+
+    def shutdown(self, timeout: float | None = 10.0) -> None:
+        """Abort everything in flight and stop the loop thread."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    @property
+    def num_requests_in_flight(self) -> int:
+        return len(self._streams)
+
+    # ---- requests (event-loop side) --------------------------------------------------------------
+    def submit(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *,
+               prompt: str | None = None, keep_special_tokens: tuple[str, ...] = ()) -> RequestStream:
+        """Queue a request; returns its stream. Raises EngineNotReadyError, QueueFullError, ValueError."""
+        if self._stopping:
+            raise EngineNotReadyError("the server is shutting down")
+        if not self.ready:
+            raise EngineNotReadyError("the engine failed to start" if self.startup_error else
+                                      "the engine is still starting (loading weights / compiling)")
+        n = params.n
+        if self.max_queue_len is not None:
+            cap = (self.max_num_seqs or 0) + self.max_queue_len
+            if self._seqs_in_flight + n > cap:
+                raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting allowed)")
+        loop = asyncio.get_running_loop()
+        with self._cond:
+            if request_id in self._streams:
+                raise ValueError(f"request id {request_id!r} is already in flight")
+            stream = RequestStream(self, request_id, n, loop)
+            self._streams[request_id] = stream
+            self._seqs_in_flight += n
+            self._adds.append((stream, list(prompt_token_ids), params, prompt, tuple(keep_special_tokens)))
+            self._cond.notify()
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        with self._cond:
+            stream = self._streams.pop(request_id, None)
+            if stream is None:
+                return
+            self._seqs_in_flight -= stream.num_seqs
+            self._aborts.append(request_id)
+            self._cond.notify()
+
+    def _forget(self, stream: RequestStream) -> None:
+        with self._cond:
+            if self._streams.get(stream.request_id) is stream:
+                del self._streams[stream.request_id]
+                self._seqs_in_flight -= stream.num_seqs
+
+    # ---- the loop thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.engine = self._build()
+            if self.max_num_seqs is None:
+                self.max_num_seqs = self.engine.scheduler_config.max_num_seqs
+            self.stats = self.engine.stats()
+            self.ready = True
+        except BaseException as e:  # noqa: BLE001 - reported through /health and the log
+            log.exception("engine failed to start")
+            self.startup_error = e
+            return
+        finally:
+            with self._cond:
+                self._ready_event.set()
+                callbacks, self._ready_callbacks = self._ready_callbacks, []
+            for fn in callbacks:
+                try:
+                    fn()
+                except Exception:  # noqa: BLE001
+                    log.exception("ready callback failed")
+        eng = self.engine
+        while True:
+            with self._cond:
+                while not (self._adds or self._aborts or self._stopping or eng.has_unfinished_requests()):
+                    self._cond.wait()
+                adds, self._adds = self._adds, []
+                aborts, self._aborts = self._aborts, []
+                stopping = self._stopping
+            pushes: dict[asyncio.AbstractEventLoop, list] = {}
+            for stream, ids, params, prompt, keep in adds:
+                try:
+                    eng.add_request(stream.request_id, ids, params, prompt=prompt, keep_special_tokens=keep)
+                except Exception as e:  # noqa: BLE001 - bad input reaches the client, not the loop
+                    self._push(pushes, stream, ValueError(str(e)) if isinstance(e, ValueError) else e)
+            for rid in aborts:
+                eng.abort_request(rid)
+            if stopping:
+                with self._cond:
+                    streams = list(self._streams.values())
+                for stream in streams:
+                    eng.abort_request(stream.request_id)
+                    self._push(pushes, stream, EngineNotReadyError("the server is shutting down"))
+                self._flush(pushes)
+                self.stats = eng.stats()
+                return
+            if eng.has_unfinished_requests():
+                self._step(eng, pushes)
+            self._flush(pushes)
+            self.stats = eng.stats()
+
+    def _step(self, eng, pushes) -> None:
+        t0 = time.time()
+        try:
+            outputs = eng.step()
+        except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            self.healthy, self.last_error = False, f"{type(e).__name__}: {e}"
+            err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+            with self._cond:
+                streams = list(self._streams.values())
+            for stream in streams:
+                try:
+                    eng.abort_request(stream.request_id)
+                except Exception:  # noqa: BLE001
+                    log.exception("abort after a failed step failed")
+                self._push(pushes, stream, err)
+            return
+        self.healthy = True
+        now = time.time()
+        with self._cond:
+            streams = dict(self._streams)
+        for out in outputs:
+            stream = streams.get(out.request_id)
+            if stream is None:  # aborted by the client in the meantime
+                continue
+            delta = stream._delta(out, t0, now)
+            if delta is not None:
+                self._push(pushes, stream, delta)
+
+    @staticmethod
+    def _push(pushes, stream: RequestStream, item) -> None:
+        pushes.setdefault(stream._loop, []).append((stream._queue, item))
+
+    @staticmethod
+    def _flush(pushes) -> None:
+        for loop, items in pushes.items():
+            try:
+                loop.call_soon_threadsafe(_deliver, items)
+            except RuntimeError:  # the event loop is closed (shutting down)
+                pass
+        pushes.clear()
+
+
+def _deliver(items) -> None:
+    for queue, item in items:
+        queue.put_nowait(item)

@@ -1,0 +1,289 @@
+"""The aiohttp application: routes, the error / auth / request-id middleware, start-up and shutdown.
+
+Start-up: the HTTP port opens at once and the engine loads and compiles on its loop thread; until it
+is ready /health answers 503 and generation endpoints 503 with Retry-After. Shutdown (SIGTERM or
+SIGINT): /health turns 503, the listening socket closes, in-flight requests get up to
+--shutdown-timeout seconds to finish, the rest are cancelled (which aborts them), and the process
+exits 0.
+
+Every error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import os
+import re
+import signal
+import sys
+import time
+import uuid
+from typing import Any, Callable
+
+from aiohttp import web
+
+from deepinfer_jax import __version__
+from deepinfer_jax.engine.async_engine import AsyncEngine
+from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from deepinfer_jax.server.protocol import APIError, error_body
+from deepinfer_jax.server.serving import Serving, ServingConfig, json_response
+from deepinfer_jax.server.serving_chat import ChatHandler
+from deepinfer_jax.server.serving_completion import CompletionHandler
+
+log = logging.getLogger("deepinfer_jax.server")
+
+_SERVING = web.AppKey("serving", Serving)
+_REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
+                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+
+
+def _error_response(request: web.Request, e: APIError) -> web.Response:
+    resp = json_response(request, e.body(), status=e.status)
+    resp.headers.update(e.headers)
+    return resp
+
+
+def _middleware(api_key: str | None):
+    expected = f"Bearer {api_key}".encode() if api_key else None
+
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        rid = request.headers.get("X-Request-Id", "")
+        request["request_id"] = rid if _REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
+        try:
+            if expected is not None and request.path.startswith("/v1/"):
+                got = request.headers.get("Authorization", "").encode()
+                if not hmac.compare_digest(got, expected):
+                    raise APIError("Invalid or missing API key (send 'Authorization: Bearer KEY').", 401,
+                                   code="invalid_api_key")
+            resp = await handler(request)
+        except APIError as e:
+            resp = _error_response(request, e)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            msg = e.text if e.status != 413 else f"request body too large: {e.text}"
+            resp = _error_response(request, APIError(msg, e.status, type=_STATUS_TYPES.get(e.status, "server_error"),
+                                                     code=e.status))
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - no input may crash the server
+            log.exception("unhandled error on %s %s", request.method, request.path)
+            resp = _error_response(request, APIError(f"internal server error: {type(e).__name__}: {e}", 500,
+                                                     type="server_error", code="internal_error"))
+        if not resp.prepared:
+            resp.headers["X-Request-Id"] = request["request_id"]
+        return resp
+
+    return middleware
+
+
+async def read_json(request: web.Request) -> Any:
+    try:
+        raw = await request.read()
+    except web.HTTPRequestEntityTooLarge as e:
+        raise APIError(f"request body too large: {e.text}", 413, code="request_too_large") from None
+    if not raw.strip():
+        raise APIError("the request body is empty; send a JSON object")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}") from None
+
+
+# ---- handlers ------------------------------------------------------------------------------------
+def _handlers(s: Serving):
+    chat, completion = ChatHandler(s), CompletionHandler(s)
+    started = int(time.time())
+
+    async def chat_completions(request):
+        return await chat(request, await read_json(request))
+
+    async def completions(request):
+        return await completion(request, await read_json(request))
+
+    async def models(request):
+        mml = s.engine.engine.max_model_len if s.engine.ready else s.config.max_model_len
+        data = [{"id": name, "object": "model", "created": started, "owned_by": "deepinfer",
+                 "root": s.config.model_path, "parent": None, "max_model_len": mml}
+                for name in s.config.served_model_names]
+        return json_response(request, {"object": "list", "data": data})
+
+    async def health(request):
+        eng = s.engine
+        if s.draining:
+            status = "draining"
+        elif eng.startup_error is not None:
+            status = f"failed: {type(eng.startup_error).__name__}: {eng.startup_error}"
+        elif not eng.ready:
+            status = "starting"
+        elif not eng.healthy:
+            status = f"unhealthy: {eng.last_error}"
+        else:
+            return json_response(request, {"status": "ok"})
+        return json_response(request, {"status": status}, status=503)
+
+    async def metrics(request):
+        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight)
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def version(request):
+        return json_response(request, {"version": __version__})
+
+    async def tokenize(request):
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        s.check_model(body.get("model"))
+        if "messages" in body:
+            from deepinfer_jax.server.protocol import parse_chat_request
+
+            req = parse_chat_request({"messages": body["messages"], "tools": body.get("tools"),
+                                      "add_generation_prompt": body.get("add_generation_prompt"),
+                                      "chat_template_kwargs": body.get("chat_template_kwargs")})
+            try:
+                ids = s.tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=True,
+                                                      add_generation_prompt=req.add_generation_prompt,
+                                                      **req.chat_template_kwargs)
+            except Exception as e:  # noqa: BLE001
+                raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        else:
+            prompt = body.get("prompt")
+            if not isinstance(prompt, str):
+                raise APIError("'prompt' (a string) or 'messages' is required", param="prompt")
+            add = body.get("add_special_tokens", True)
+            if not isinstance(add, bool):
+                raise APIError("'add_special_tokens' must be a boolean", param="add_special_tokens")
+            ids = s.tokenizer.encode(prompt, add_special_tokens=add)
+        mml = s.engine.engine.max_model_len if s.engine.ready else s.config.max_model_len
+        out = {"count": len(ids), "max_model_len": mml, "tokens": ids}
+        if body.get("return_token_strs"):
+            out["token_strs"] = [s.token_str(t) for t in ids]
+        return json_response(request, out)
+
+    async def detokenize(request):
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise APIError("the request body must be a JSON object")
+        s.check_model(body.get("model"))
+        ids = body.get("tokens")
+        vocab = s.tokenizer.vocab_size
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError("'tokens' must be a list of token ids", param="tokens")
+        bad = next((t for t in ids if not 0 <= t < max(vocab, s.vocab_size or 0)), None)
+        if bad is not None:
+            raise APIError(f"token id {bad} is out of vocabulary", param="tokens")
+        return json_response(request, {"prompt": s.tokenizer.decode(ids)})
+
+    return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions),
+            web.get("/v1/models", models), web.get("/health", health), web.get("/ping", health),
+            web.get("/metrics", metrics), web.get("/version", version), web.post("/tokenize", tokenize),
+            web.post("/detokenize", detokenize)]
+
+
+def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size: int = 16 * 2**20) -> web.Application:
+    app = web.Application(client_max_size=max_payload_size, middlewares=[_middleware(api_key)])
+    app[_SERVING] = serving
+    app.add_routes(_handlers(serving))
+    return app
+
+
+# ---- running -------------------------------------------------------------------------------------
+class RunningServer:
+    """An app listening on (host, port) with its engine; `shutdown()` drains and stops both."""
+
+    def __init__(self, runner: web.AppRunner, site: web.TCPSite, serving: Serving):
+        self.runner, self.site, self.serving = runner, site, serving
+        self.engine = serving.engine
+        sock = site._server.sockets[0]  # type: ignore[union-attr]
+        self.host, self.port = sock.getsockname()[:2]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    async def shutdown(self) -> None:
+        self.serving.draining = True
+        n = self.engine.num_requests_in_flight
+        if n:
+            log.info("shutting down: letting %d in-flight request(s) finish", n)
+        await self.runner.cleanup()  # stop listening, wait up to shutdown_timeout, cancel the rest
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+
+
+async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer: Any = None) -> RunningServer:
+    """Open the port and start loading the engine (in the background) from parsed flags `ns`."""
+    from deepinfer_jax.server.args import engine_kwargs, resolve_model
+
+    model_dir, default_name = resolve_model(ns)
+    if tokenizer is None:
+        from deepinfer_jax.text import load_tokenizer
+
+        tokenizer = load_tokenizer(model_dir, chat_template=ns.chat_template)
+    if build is None:
+        kw = engine_kwargs(ns)
+
+        def build():
+            from deepinfer_jax.engine.llm import LLM
+
+            log.info("loading %s", model_dir)
+            llm = LLM(model_dir, **kw)
+            log.info("engine ready in %.1f s (%d step shapes compiled); KV cache: %s", llm.startup_seconds,
+                     llm.engine.num_warmup_compiles, llm.engine.kv_cache_report)
+            return llm.engine
+
+    names = list(ns.served_model_name or [default_name])
+    engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
+    config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
+                           reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser)
+    serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
+    app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size)
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ns.shutdown_timeout, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, ns.host, ns.port, reuse_address=True)
+    await site.start()
+    server = RunningServer(runner, site, serving)
+    engine.start()
+    log.info("listening on %s (model %s served as %s); /health is 503 until the engine is ready",
+             server.url, model_dir, names[0])
+    return server
+
+
+def serve(ns) -> int:
+    """`deepinfer serve`: run until SIGTERM / SIGINT, then drain and exit 0."""
+    logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+    holder: list[RunningServer] = []
+
+    async def main() -> int:
+        server = await start_server(ns)
+        holder.append(server)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+
+        def announce():
+            if server.engine.ready:
+                log.info("ready: serving at %s", server.url)
+            else:
+                log.error("the engine failed to start; /health reports why (stop with SIGTERM)")
+
+        server.engine.add_ready_callback(lambda: loop.call_soon_threadsafe(announce))
+        await stop.wait()
+        log.info("signal received; draining")
+        await server.shutdown()
+        return 0
+
+    rc = asyncio.run(main())
+    log.info("stopped")
+    if holder and holder[0].engine.thread_alive:
+        # the engine thread is still loading / compiling: do not wait for it at interpreter exit
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(rc)
+    return rc

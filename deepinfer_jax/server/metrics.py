@@ -1,0 +1,93 @@
+"""Prometheus metrics with vLLM's names under the `deepinfer:` prefix, one CollectorRegistry per app.
+
+Gauges (num_requests_running / waiting, kv_cache_usage_perc) and the prefix-cache counters are read
+from the engine's latest SchedulerStats snapshot at scrape time; the per-request histograms and token
+counters are fed by the serving layer as outputs arrive. Every series has a `model_name` label.
+`deepinfer:num_requests_in_flight` (ours) counts requests the server is handling, queued ones included.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401 - re-exported for the app
+
+disable_created_metrics()  # no `_created` series (vLLM does the same)
+
+P = "deepinfer:"
+# vLLM's buckets (seconds)
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.model_name = model_name
+        self.registry = r = CollectorRegistry()
+        L = ["model_name"]
+        self.running = Gauge(P + "num_requests_running", "Sequences running in the engine.", L, registry=r)
+        self.waiting = Gauge(P + "num_requests_waiting", "Sequences waiting to be scheduled.", L, registry=r)
+        self.in_flight = Gauge(P + "num_requests_in_flight", "Requests the server is handling.", L, registry=r)
+        self.kv_usage = Gauge(P + "kv_cache_usage_perc", "Fraction of KV cache blocks in use (0..1).", L,
+                              registry=r)
+        self.prefix_queries = Counter(P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                                      L, registry=r)
+        self.prefix_hits = Counter(P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.", L,
+                                   registry=r)
+        self.preemptions = Counter(P + "num_preemptions", "Sequences preempted by the scheduler.", L, registry=r)
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "Time to first token.", L,
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram(P + "inter_token_latency_seconds", "Time between streamed outputs.", L,
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "Request latency, arrival to finish.", L,
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram(P + "request_queue_time_seconds", "Time from arrival to first schedule.", L,
+                               buckets=LATENCY_BUCKETS, registry=r)
+        self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens processed.", L, registry=r)
+        self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", L, registry=r)
+        self.success = Counter(P + "request_success", "Finished sequences by finish reason.",
+                               L + ["finished_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.success.labels(model_name, reason)
+        for m in (self.running, self.waiting, self.in_flight, self.kv_usage, self.prefix_queries, self.prefix_hits,
+                  self.preemptions, self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens,
+                  self.generation_tokens):
+            m.labels(model_name)  # every series exists from the first scrape
+        self._last = (0, 0, 0)
+
+    def _l(self, metric):
+        return metric.labels(self.model_name)
+
+    # ---- scrape ----------------------------------------------------------------------------------
+    def render(self, stats, in_flight: int) -> bytes:
+        if stats is not None:
+            self._l(self.running).set(stats.num_running)
+            self._l(self.waiting).set(stats.num_waiting)
+            self._l(self.kv_usage).set(stats.kv_cache_usage)
+            now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
+            for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._last):
+                if new > old:
+                    self._l(counter).inc(new - old)
+            self._last = now
+        self._l(self.in_flight).set(in_flight)
+        return generate_latest(self.registry)
+
+    # ---- per request -----------------------------------------------------------------------------
+    def first_token(self, seconds: float) -> None:
+        self._l(self.ttft).observe(max(seconds, 0.0))
+
+    def inter_token(self, seconds: float) -> None:
+        self._l(self.itl).observe(max(seconds, 0.0))
+
+    def finished(self, *, e2e: float, queue: float | None, prompt_tokens: int, generation_tokens: int,
+                 reasons: list[str]) -> None:
+        self._l(self.e2e).observe(max(e2e, 0.0))
+        if queue is not None:
+            self._l(self.queue).observe(max(queue, 0.0))
+        self._l(self.prompt_tokens).inc(prompt_tokens)
+        self._l(self.generation_tokens).inc(generation_tokens)
+        for reason in reasons:
+            self.success.labels(self.model_name, reason or "abort").inc()

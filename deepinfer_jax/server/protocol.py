@@ -1,0 +1,306 @@
+"""OpenAI request parsing and response shapes. Plain Python: no JAX, no aiohttp (ARCHITECTURE rule 2).
+
+Parsing turns a decoded JSON body into a `ChatRequest` / `CompletionRequest` holding validated fields
+and a `SamplingParams`; every rejection is an `APIError` (status 400 unless said otherwise) whose
+`param` names the offending field. Unknown fields are ignored, as vLLM does. Field names and defaults
+follow OpenAI, with vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
+stop_token_ids, skip_special_tokens, include_stop_str_in_output, include_reasoning,
+chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer_jax.types import MAX_LOGPROBS, SamplingParams
+
+MAX_N = 128
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+_SEED_MOD = 1 << 63  # the engine derives child seeds as seed + i; keep them inside uint64
+
+
+class APIError(Exception):
+    """An error returned to the client as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ---- field readers -------------------------------------------------------------------------------
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _opt(body: dict, key: str, kinds: tuple, what: str, default: Any = None) -> Any:
+    v = body.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, kinds) or (isinstance(v, bool) and bool not in kinds):
+        raise APIError(f"'{key}' must be {what}, got {v!r}", param=key)
+    return v
+
+
+_NUM = (int, float)
+
+
+@dataclass
+class _Common:
+    model: str | None
+    stream: bool
+    include_usage: bool
+    params: SamplingParams
+    request_id: str | None = None
+
+
+def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None, logprobs: int | None,
+              max_tokens_key: str = "max_tokens") -> SamplingParams:
+    """Build SamplingParams from OpenAI/vLLM fields; SamplingParams' ValueError -> 400 naming the field."""
+    n = _opt(body, "n", (int,), "an integer", n_default)
+    if _is_int(n) and n > MAX_N:
+        raise APIError(f"'n' must be at most {MAX_N}, got {n}", param="n")
+    max_tokens = _opt(body, max_tokens_key, (int,), "an integer", None)
+    if max_tokens is None and max_tokens_key != "max_tokens":
+        max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
+    if max_tokens is None:
+        max_tokens = max_tokens_default
+    seed = _opt(body, "seed", (int,), "an integer", None)
+    if seed is not None:
+        if not -(1 << 63) <= seed < (1 << 64):
+            raise APIError(f"'seed' must fit in 64 bits, got {seed}", param="seed")
+        seed %= _SEED_MOD
+    stop = body.get("stop")
+    if stop is not None and not isinstance(stop, (str, list)):
+        raise APIError(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop")
+    kw = dict(
+        n=n,
+        temperature=_opt(body, "temperature", _NUM, "a number", 1.0),
+        top_p=_opt(body, "top_p", _NUM, "a number", 1.0),
+        top_k=_opt(body, "top_k", (int,), "an integer", 0),
+        min_p=_opt(body, "min_p", _NUM, "a number", 0.0),
+        seed=seed,
+        presence_penalty=_opt(body, "presence_penalty", _NUM, "a number", 0.0),
+        frequency_penalty=_opt(body, "frequency_penalty", _NUM, "a number", 0.0),
+        repetition_penalty=_opt(body, "repetition_penalty", _NUM, "a number", 1.0),
+        max_tokens=max_tokens,
+        min_tokens=_opt(body, "min_tokens", (int,), "an integer", 0),
+        stop=stop,
+        stop_token_ids=body.get("stop_token_ids"),
+        include_stop_str_in_output=_opt(body, "include_stop_str_in_output", (bool,), "a boolean", False),
+        ignore_eos=_opt(body, "ignore_eos", (bool,), "a boolean", False),
+        logprobs=logprobs,
+        skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
+    )
+    if kw["temperature"] > 2.0:
+        raise APIError(f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
+    try:
+        return SamplingParams(**kw)
+    except ValueError as e:
+        msg = str(e)
+        name = msg.split(" ", 1)[0]
+        param = name if name in kw else None
+        if param == "max_tokens" and max_tokens_key != "max_tokens" and body.get(max_tokens_key) is not None:
+            param = max_tokens_key
+        raise APIError(msg, param=param) from None
+
+
+def _common(body: Any, params_fn) -> tuple[dict, _Common]:
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    model = _opt(body, "model", (str,), "a string", None)
+    stream = _opt(body, "stream", (bool,), "a boolean", False)
+    so = _opt(body, "stream_options", (dict,), "an object", {})
+    include_usage = _opt(so, "include_usage", (bool,), "a boolean", False)
+    if so and not stream:
+        raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    lb = body.get("logit_bias")
+    if lb:
+        raise APIError("'logit_bias' is not supported", param="logit_bias")
+    rf = body.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        raise APIError("'response_format' other than {'type': 'text'} is not supported", param="response_format")
+    return body, _Common(model, stream, include_usage, params_fn(body))
+
+
+# ---- chat ----------------------------------------------------------------------------------------
+@dataclass
+class ChatRequest(_Common):
+    messages: list[dict] = field(default_factory=list)
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "none"
+    named_tool: str | None = None
+    top_logprobs: int | None = None
+    include_reasoning: bool = True
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict = field(default_factory=dict)
+
+
+def parse_chat_request(body: Any) -> ChatRequest:
+    if isinstance(body, dict):
+        lp = _opt(body, "logprobs", (bool,), "a boolean", False)
+        top = _opt(body, "top_logprobs", (int,), "an integer", None)
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise APIError(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", param="top_logprobs")
+        if top is not None and top > 0 and not lp:
+            raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+    body, c = _common(body, lambda b: _sampling(
+        b, max_tokens_default=None, max_tokens_key="max_completion_tokens",
+        logprobs=(b.get("top_logprobs") or 0) if b.get("logprobs") else None))
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError("'messages' must be a non-empty list", param="messages")
+    clean = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise APIError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        if m["role"] not in _ROLES:
+            raise APIError(f"messages[{i}].role must be one of {list(_ROLES)}, got {m['role']!r}", param="messages")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list)):
+            raise APIError(f"messages[{i}].content must be a string, a list of parts or null", param="messages")
+        m = dict(m)
+        if m["role"] == "developer":
+            m["role"] = "system"
+        if m.get("reasoning_content") is None and m.get("reasoning") is not None:
+            m["reasoning_content"] = m["reasoning"]
+        clean.append(m)
+    tools = body.get("tools")
+    if tools is not None:
+        if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
+            raise APIError("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", param="tools")
+        tools = tools or None
+    choice = body.get("tool_choice")
+    named = None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(choice, str):
+        if choice not in ("none", "auto", "required"):
+            raise APIError(f"'tool_choice' must be 'none', 'auto', 'required' or a named function, got {choice!r}",
+                           param="tool_choice")
+    elif isinstance(choice, dict) and isinstance(choice.get("function"), dict) and \
+            isinstance(choice["function"].get("name"), str):
+        named = choice["function"]["name"]
+        if not tools or named not in [t["function"]["name"] for t in tools]:
+            raise APIError(f"tool_choice names function {named!r}, which is not in 'tools'", param="tool_choice")
+    else:
+        raise APIError("'tool_choice' must be a string or {'type': 'function', 'function': {'name': ...}}",
+                       param="tool_choice")
+    if choice == "required" and not tools:
+        raise APIError("tool_choice 'required' needs 'tools'", param="tool_choice")
+    kwargs = _opt(body, "chat_template_kwargs", (dict,), "an object", {})
+    return ChatRequest(
+        c.model, c.stream, c.include_usage, c.params, messages=clean, tools=tools, tool_choice=choice,
+        named_tool=named, top_logprobs=c.params.logprobs,
+        include_reasoning=_opt(body, "include_reasoning", (bool,), "a boolean", True),
+        add_generation_prompt=_opt(body, "add_generation_prompt", (bool,), "a boolean", True),
+        chat_template_kwargs=dict(kwargs))
+
+
+# ---- completions ---------------------------------------------------------------------------------
+@dataclass
+class CompletionRequest(_Common):
+    prompts: list[str | list[int]] = field(default_factory=list)
+    echo: bool = False
+
+
+def parse_completion_request(body: Any) -> CompletionRequest:
+    if isinstance(body, dict):
+        lp = body.get("logprobs")
+        if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise APIError(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", param="logprobs")
+        best_of = body.get("best_of")
+        if best_of is not None and best_of != body.get("n", 1):
+            raise APIError("'best_of' other than n is not supported", param="best_of")
+        if body.get("suffix"):
+            raise APIError("'suffix' is not supported", param="suffix")
+    body, c = _common(body, lambda b: _sampling(b, max_tokens_default=16, logprobs=b.get("logprobs")))
+    echo = _opt(body, "echo", (bool,), "a boolean", False)
+    if echo and c.params.logprobs is not None:
+        raise APIError("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
+                       param="echo")
+    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=parse_prompt(body.get("prompt")),
+                             echo=echo)
+
+
+def parse_prompt(p: Any) -> list[str | list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+    err = APIError("'prompt' must be a string, a list of strings, a list of token ids or a list of "
+                   "token-id lists", param="prompt")
+    if isinstance(p, str):
+        prompts: list = [p]
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        prompts = [list(p)]
+    elif isinstance(p, list) and p and all(isinstance(s, str) for s in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(isinstance(s, list) and s and all(_is_int(t) for t in s) for s in p):
+        prompts = [list(s) for s in p]
+    else:
+        raise err
+    if any(x == "" for x in prompts):
+        raise APIError("'prompt' must not be empty", param="prompt")
+    return prompts
+
+
+# ---- responses -----------------------------------------------------------------------------------
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def envelope(rid: str, obj: str, model: str, created: int | None = None, **rest: Any) -> dict[str, Any]:
+    return {"id": rid, "object": obj, "created": int(time.time()) if created is None else created,
+            "model": model, **rest}
+
+
+def chat_logprobs(token_ids: list[int], entries: list[dict], k: int, token_str) -> dict[str, Any]:
+    """OpenAI chat `logprobs` ({"content": [...]}) for the sampled ids and their Logprob dicts."""
+    content = []
+    for tid, entry in zip(token_ids, entries):
+        s = token_str(tid)
+        lp = entry[tid].logprob if tid in entry else float("nan")
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
+        content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8")),
+                        "top_logprobs": [{"token": token_str(t), "logprob": _finite(v.logprob),
+                                          "bytes": list(token_str(t).encode("utf-8"))} for t, v in top]})
+    return {"content": content}
+
+
+def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, token_str,
+                        text_offset: int = 0) -> dict[str, Any]:
+    """OpenAI legacy completions `logprobs` (tokens / token_logprobs / top_logprobs / text_offset)."""
+    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, entry in zip(token_ids, entries):
+        s = token_str(tid)
+        out["tokens"].append(s)
+        out["token_logprobs"].append(_finite(entry[tid].logprob) if tid in entry else None)
+        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:max(k, 1)]
+        out["top_logprobs"].append({token_str(t): _finite(v.logprob) for t, v in top})
+        out["text_offset"].append(text_offset)
+        text_offset += len(s)
+    return out
+
+
+def _finite(x: float) -> float:
+    # JSON has no -inf; OpenAI clients expect a number (vLLM clamps to -9999.0 the same way)
+    return max(float(x), -9999.0) if x == x else -9999.0

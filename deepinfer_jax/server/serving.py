@@ -1,0 +1,221 @@
+"""What the chat and completions handlers share: admission checks, submitting to the AsyncEngine with
+metrics, merging several requests' streams, SSE writing and the disconnect rule.
+
+Disconnects: a streaming client that goes away makes the next write raise ConnectionResetError; a
+non-streaming one gets its handler task cancelled (the app runs with handler_cancellation). Both
+leave `tracked()` early, whose `finally` aborts the engine request, freeing its blocks before the
+next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError,
+                                               QueueFullError, RequestStream)
+from deepinfer_jax.server.metrics import ServerMetrics
+from deepinfer_jax.server.protocol import APIError, error_body
+from deepinfer_jax.types import RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ServingConfig:
+    served_model_names: list[str]
+    model_path: str
+    max_model_len: int
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    retry_after_s: int = 1
+    extra: dict = field(default_factory=dict)
+
+
+class Serving:
+    """Shared state of the OpenAI handlers (one per app)."""
+
+    def __init__(self, engine: AsyncEngine, tokenizer: Any, config: ServingConfig, metrics: ServerMetrics):
+        self.engine, self.tokenizer, self.config, self.metrics = engine, tokenizer, config, metrics
+        self.model_name = config.served_model_names[0]
+        self.draining = False
+        self._ids = itertools.count()
+        self._tok_str: dict[int, str] = {}
+
+    # ---- checks ----------------------------------------------------------------------------------
+    def check_model(self, model: str | None) -> str:
+        if model is not None and model not in self.config.served_model_names:
+            raise APIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
+        return self.model_name
+
+    def check_available(self) -> None:
+        if self.draining:
+            raise APIError("the server is shutting down", 503, type="server_error", code="shutting_down")
+        if not self.engine.ready:
+            msg = ("the engine failed to start" if self.engine.startup_error is not None
+                   else "the model is still loading; retry shortly")
+            raise APIError(msg, 503, type="server_error", code="engine_not_ready",
+                           headers={"Retry-After": str(self.config.retry_after_s)})
+
+    @property
+    def vocab_size(self) -> int | None:
+        eng = self.engine.engine
+        return getattr(getattr(eng, "cfg", None), "vocab_size", None)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams, *, what: str = "messages") -> None:
+        n = len(ids)
+        mml = self.config.max_model_len
+        if n == 0:
+            raise APIError("the prompt is empty", param="prompt")
+        vocab = self.vocab_size
+        if vocab is not None:
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"token id {bad} is out of vocabulary [0, {vocab})", param="prompt")
+        want = params.max_tokens
+        if want is None:
+            if n >= mml:
+                raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "
+                               f"has {n} tokens, which leaves no room for the completion.", param=what)
+        elif n + want > mml:
+            raise APIError(f"This model's maximum context length is {mml} tokens. However, you requested "
+                           f"{n + want} tokens ({n} in the {what}, {want} in the completion). Please reduce "
+                           f"the length of the {what} or completion.", param="max_tokens")
+
+    # ---- submitting --------------------------------------------------------------------------------
+    def new_engine_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def submit(self, rid: str, ids: list[int], params: SamplingParams, prompt: str | None,
+               keep: tuple[str, ...] = ()) -> RequestStream:
+        try:
+            return self.engine.submit(rid, ids, params, prompt=prompt, keep_special_tokens=keep)
+        except QueueFullError as e:
+            raise APIError(str(e), 429, type="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except EngineNotReadyError as e:
+            raise APIError(str(e), 503, type="server_error", code="engine_not_ready",
+                           headers={"Retry-After": str(self.config.retry_after_s)}) from None
+        except ValueError as e:
+            raise APIError(str(e)) from None
+
+    async def tracked(self, stream: RequestStream, prompt_len: int) -> AsyncIterator[RequestOutput]:
+        """Iterate a stream, feeding the latency metrics; abort the request if left early."""
+        last = None
+        gen = 0
+        reasons: dict[int, str | None] = {}
+        ok = False
+        try:
+            async for out in stream:
+                now = time.time()
+                new = sum(len(c.token_ids) for c in out.outputs)
+                if new:
+                    if last is None:
+                        self.metrics.first_token(now - stream.arrival_time)
+                    else:
+                        self.metrics.inter_token(now - last)
+                    last = now
+                    gen += new
+                for c in out.outputs:
+                    if c.finish_reason is not None:
+                        reasons[c.index] = c.finish_reason
+                yield out
+            ok = True
+        except EngineStepError:
+            reasons = {i: "error" for i in range(stream.num_seqs)}
+            raise
+        finally:
+            stream.abort()
+            q = None if stream.scheduled_time is None else stream.scheduled_time - stream.arrival_time
+            if not ok:
+                reasons = {i: reasons.get(i) or "abort" for i in range(stream.num_seqs)}
+            self.metrics.finished(e2e=time.time() - stream.arrival_time, queue=q, prompt_tokens=prompt_len,
+                                  generation_tokens=gen, reasons=[reasons.get(i) or "abort"
+                                                                  for i in range(stream.num_seqs)])
+
+    async def merged(self, iters: list[AsyncIterator]) -> AsyncIterator[tuple[int, Any]]:
+        """Interleave several async iterators: yields (iterator index, item) in arrival order."""
+        if len(iters) == 1:
+            async for item in iters[0]:
+                yield 0, item
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i, it):
+            try:
+                async for item in it:
+                    await queue.put((i, item))
+                await queue.put((i, done))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
+                await queue.put((i, e))
+
+        tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(iters)]
+        left = len(iters)
+        try:
+            while left:
+                i, item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for it in iters:
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    try:
+                        await aclose()
+                    except BaseException:  # noqa: BLE001
+                        pass
+
+    # ---- output helpers --------------------------------------------------------------------------
+    def token_str(self, tid: int) -> str:
+        s = self._tok_str.get(tid)
+        if s is None:
+            s = self.tokenizer.decode([tid]) if self.tokenizer is not None else f"token_id:{tid}"
+            if len(self._tok_str) < 1_000_000:
+                self._tok_str[tid] = s
+        return s
+
+
+class SSE:
+    """A text/event-stream response; `send` raises ConnectionResetError once the client is gone."""
+
+    def __init__(self, request: web.Request):
+        self.request = request
+        self.resp = web.StreamResponse(headers={
+            "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+            "X-Request-Id": request.get("request_id", "")})
+
+    async def start(self) -> None:
+        await self.resp.prepare(self.request)
+
+    async def send(self, obj: Any) -> None:
+        data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+        await self.resp.write(f"data: {data}\n\n".encode())
+
+    async def error(self, message: str, status: int = 500, type: str = "server_error") -> None:
+        body = error_body(message, type, None, status)
+        await self.send(body)
+
+    async def done(self) -> web.StreamResponse:
+        await self.send("[DONE]")
+        await self.resp.write_eof()
+        return self.resp
+
+
+def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
+    return web.Response(text=json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json",
+                        headers={"X-Request-Id": request.get("request_id", "")})

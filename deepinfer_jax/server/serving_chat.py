@@ -1,0 +1,224 @@
+"""POST /v1/chat/completions: template rendering, reasoning split, tool calls, streaming and not.
+
+Per choice, the engine's text deltas go through the reasoning parser (`--reasoning-parser`) and then,
+when tools are in play, the tool-call parser (`--tool-call-parser`), as text/README.md describes.
+Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` (vLLM's newer name).
+
+tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" -> parsed, finish_reason
+"tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
+block markers, so the model must name a function; a named function -> the turn is started with the
+whole call head (markers, name, and for deepseek_v3 the ```json fence), so the model writes only the
+arguments (finish_reason "stop", as OpenAI reports forced calls). No grammar is enforced.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
+                                           random_id, usage)
+from deepinfer_jax.server.serving import SSE, Serving, json_response
+from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
+                                get_tool_parser, prompt_opens_reasoning)
+from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
+
+log = logging.getLogger(__name__)
+
+
+def forced_tool_prefix(parser: str, named: str | None) -> str:
+    """Assistant-turn prefix that commits the model to a tool call (see the module docstring)."""
+    if parser == "deepseek_v31":
+        return CALLS_BEGIN + CALL_BEGIN + (named + TOOL_SEP if named else "")
+    return CALLS_BEGIN + CALL_BEGIN + "function" + TOOL_SEP + (named + "\n```json\n" if named else "")
+
+
+class _Choice:
+    """Parser state and accumulated output of one choice."""
+
+    def __init__(self, index: int, rp, tp, pending: list, include_reasoning: bool, named: bool):
+        self.index, self.rp, self.tp = index, rp, tp
+        self.pending, self.include_reasoning, self.named = pending, include_reasoning, named
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.tool_deltas: list[ToolCallDelta] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+    def feed(self, text: str, final: bool) -> dict[str, Any]:
+        r, c = self.rp.feed(text) if self.rp is not None else ("", text)
+        if final and self.rp is not None:
+            r2, c2 = self.rp.flush()
+            r, c = r + r2, c + c2
+        tool_calls: list = []
+        if self.tp is not None:
+            ds, self.pending = self.pending + self.tp.feed(c), []
+            if final:
+                ds += self.tp.flush()
+            merged = deltas_to_openai(ds)
+            c, tool_calls = merged.get("content", ""), merged.get("tool_calls", [])
+            self.tool_deltas.extend(d for d in ds if isinstance(d, ToolCallDelta))
+        delta: dict[str, Any] = {}
+        if r and self.include_reasoning:
+            self.reasoning.append(r)
+            delta["reasoning_content"] = delta["reasoning"] = r
+        if c:
+            self.content.append(c)
+            delta["content"] = c
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
+        return delta
+
+    def finish(self, reason: str | None, stop_reason: Any) -> str | None:
+        if reason == "stop" and self.tp is not None and self.tp.num_tool_calls > 0 and not self.named:
+            reason = "tool_calls"
+        self.finish_reason, self.stop_reason = reason, stop_reason
+        return reason
+
+    def message(self) -> dict[str, Any]:
+        reasoning = "".join(self.reasoning) if self.rp is not None and self.include_reasoning else ""
+        content = "".join(self.content)
+        calls = collect_tool_stream(self.tool_deltas)[1]
+        msg: dict[str, Any] = {"role": "assistant", "content": None if (calls and not content) else content}
+        if self.rp is not None:
+            msg["reasoning_content"] = msg["reasoning"] = reasoning or None
+        if calls:
+            msg["tool_calls"] = [c.to_openai() for c in calls]
+        return msg
+
+
+class ChatHandler:
+    def __init__(self, serving: Serving):
+        self.s = serving
+
+    def _prepare(self, req: ChatRequest):
+        s = self.s
+        tools_on = req.tools is not None and req.tool_choice != "none"
+        parser = s.config.tool_call_parser
+        if tools_on and not parser:
+            raise APIError(f"tool_choice {req.tool_choice!r} needs the server started with --tool-call-parser",
+                           param="tool_choice")
+        try:
+            text = s.tokenizer.apply_chat_template(req.messages, tools=req.tools,
+                                                   add_generation_prompt=req.add_generation_prompt,
+                                                   tokenize=False, **req.chat_template_kwargs)
+        except Exception as e:  # noqa: BLE001 - any template failure is the request's fault
+            raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        prefix = ""
+        if tools_on and (req.named_tool or req.tool_choice == "required"):
+            head = "</think>\n\n" if prompt_opens_reasoning(text) else ""
+            prefix = head + forced_tool_prefix(parser, req.named_tool)
+        ids = s.tokenizer.encode(text + prefix, add_special_tokens=False)
+        s.check_prompt(ids, req.params)
+        rp_cls = get_reasoning_parser(s.config.reasoning_parser) if s.config.reasoning_parser else None
+        tp_cls = get_tool_parser(parser) if tools_on else None
+        keep = (rp_cls.special_tokens if rp_cls else ()) + (tp_cls.special_tokens if tp_cls else ())
+        opens = prompt_opens_reasoning(text + prefix)
+        choices = []
+        for i in range(req.params.n):
+            tp = tp_cls() if tp_cls else None
+            pending = tp.feed(prefix[prefix.index(CALLS_BEGIN):]) if (tp and prefix) else []
+            choices.append(_Choice(i, rp_cls(starts_in_reasoning=opens) if rp_cls else None, tp, pending,
+                                   req.include_reasoning, bool(req.named_tool)))
+        return text + prefix, ids, keep, choices
+
+    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+        s = self.s
+        req = parse_chat_request(body)
+        model = s.check_model(req.model)
+        s.check_available()
+        prompt, ids, keep, choices = self._prepare(req)
+        stream = s.submit(s.new_engine_id("chat"), ids, req.params, prompt, keep)
+        cid, created = random_id("chatcmpl"), int(time.time())
+        k = req.params.logprobs
+        if req.stream:
+            return await self._stream(request, req, stream, ids, choices, cid, created, model, k)
+        cached = 0
+        try:
+            async with aclosing(s.tracked(stream, len(ids))) as it:
+                async for out in it:
+                    cached = out.num_cached_tokens
+                    for c in out.outputs:
+                        ch = choices[c.index]
+                        final = c.finish_reason is not None
+                        ch.feed(c.text, final)
+                        ch.token_ids += c.token_ids
+                        ch.logprobs += c.logprobs or []
+                        if final:
+                            ch.finish(c.finish_reason, c.stop_reason)
+        except EngineStepError as e:
+            raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        finally:
+            stream.abort()
+        out_choices = [{"index": ch.index, "message": ch.message(),
+                        "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None else None,
+                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+        n_out = sum(len(ch.token_ids) for ch in choices)
+        return json_response(request, envelope(cid, "chat.completion", model, created, choices=out_choices,
+                                               usage=usage(len(ids), n_out, cached)))
+
+    async def _stream(self, request, req, stream, ids, choices, cid, created, model, k) -> web.StreamResponse:
+        s = self.s
+        sse = SSE(request)
+
+        def chunk(chs: list, **extra) -> dict:
+            return envelope(cid, "chat.completion.chunk", model, created, choices=chs, **extra)
+
+        cached = 0
+        try:
+            await sse.start()
+            for ch in choices:
+                await sse.send(chunk([{"index": ch.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+                first = ch.feed("", False)
+                if first:
+                    await sse.send(chunk([{"index": ch.index, "delta": first, "logprobs": None,
+                                           "finish_reason": None}]))
+            async with aclosing(s.tracked(stream, len(ids))) as it:
+                async for out in it:
+                    cached = out.num_cached_tokens
+                    for c in out.outputs:
+                        ch = choices[c.index]
+                        final = c.finish_reason is not None
+                        delta = ch.feed(c.text, final)
+                        ch.token_ids += c.token_ids
+                        lp = None
+                        if k is not None and c.logprobs:
+                            lp = chat_logprobs(c.token_ids, c.logprobs, k, s.token_str)
+                        if not (delta or lp or final):
+                            continue
+                        item = {"index": ch.index, "delta": delta, "logprobs": lp, "finish_reason": None}
+                        if final:
+                            item["finish_reason"] = ch.finish(c.finish_reason, c.stop_reason)
+                            item["stop_reason"] = c.stop_reason
+                        await sse.send(chunk([item]))
+            if req.include_usage:
+                n_out = sum(len(ch.token_ids) for ch in choices)
+                await sse.send(chunk([], usage=usage(len(ids), n_out, cached)))
+        except ConnectionResetError:
+            return sse.resp  # the client left; tracked() aborted the request
+        except EngineStepError as e:
+            await _send_error(sse, str(e))
+        except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+            log.exception("chat stream failed")
+            await _send_error(sse, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            stream.abort()
+        try:
+            return await sse.done()
+        except ConnectionResetError:
+            return sse.resp
+
+
+async def _send_error(sse: SSE, message: str) -> None:
+    try:
+        await sse.error(message)
+    except ConnectionResetError:
+        pass

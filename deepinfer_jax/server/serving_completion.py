@@ -1,0 +1,155 @@
+"""POST /v1/completions: one engine request per prompt, choices numbered prompt_index * n + i.
+
+Prompts may be a string, a list of strings, token ids or a list of token-id lists. Text prompts get
+the tokenizer's BOS (once); token-id prompts are used as given. `echo` prepends the prompt text
+(token-id prompts are decoded). If one prompt of a batch is refused (429, 400), the ones already
+submitted are aborted and the whole request fails.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import aclosing
+from typing import Any
+
+from aiohttp import web
+
+from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.server.protocol import (APIError, completion_logprobs, envelope, parse_completion_request,
+                                           random_id, usage)
+from deepinfer_jax.server.serving import SSE, Serving, json_response
+
+log = logging.getLogger(__name__)
+
+
+class _Choice:
+    def __init__(self, index: int, echo: str):
+        self.index = index
+        self.echo = echo
+        self.text: list[str] = [echo] if echo else []
+        self.offset = len(echo)
+        self.token_ids: list[int] = []
+        self.logprobs: list[dict] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: Any = None
+
+
+class CompletionHandler:
+    def __init__(self, serving: Serving):
+        self.s = serving
+
+    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+        s = self.s
+        req = parse_completion_request(body)
+        model = s.check_model(req.model)
+        s.check_available()
+        params = req.params
+        encoded: list[tuple[list[int], str | None]] = []
+        for p in req.prompts:
+            ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            s.check_prompt(ids, params, what="prompt")
+            encoded.append((ids, p if isinstance(p, str) else None))
+        streams = []
+        try:
+            for ids, text in encoded:
+                streams.append(s.submit(s.new_engine_id("cmpl"), ids, params, text))
+        except BaseException:
+            for st in streams:
+                st.abort()
+            raise
+        n = params.n
+        choices = []
+        for ids, text in encoded:
+            echo = (text if text is not None else s.tokenizer.decode(ids)) if req.echo else ""
+            choices += [_Choice(len(choices) + i, echo) for i in range(n)]
+        cached = [0] * len(encoded)
+        iters = [s.tracked(st, len(ids)) for st, (ids, _) in zip(streams, encoded)]
+        cid, created = random_id("cmpl"), int(time.time())
+        k = params.logprobs
+        prompt_tokens = sum(len(ids) for ids, _ in encoded)
+
+        def n_out() -> int:
+            return sum(len(ch.token_ids) for ch in choices)
+
+        if req.stream:
+            return await self._stream(request, req, iters, streams, choices, cached, cid, created, model, k,
+                                      prompt_tokens, n_out)
+        try:
+            async with aclosing(s.merged(iters)) as it:
+                async for pi, out in it:
+                    cached[pi] = out.num_cached_tokens
+                    for c in out.outputs:
+                        ch = choices[pi * n + c.index]
+                        ch.text.append(c.text)
+                        ch.token_ids += c.token_ids
+                        ch.logprobs += c.logprobs or []
+                        if c.finish_reason is not None:
+                            ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
+        except EngineStepError as e:
+            raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        finally:
+            for st in streams:
+                st.abort()
+        out_choices = [{"index": ch.index, "text": "".join(ch.text),
+                        "logprobs": (completion_logprobs(ch.token_ids, ch.logprobs, k, s.token_str, ch.offset)
+                                     if k is not None else None),
+                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+        return json_response(request, envelope(cid, "text_completion", model, created, choices=out_choices,
+                                               usage=usage(prompt_tokens, n_out(), sum(cached))))
+
+    async def _stream(self, request, req, iters, streams, choices, cached, cid, created, model, k,
+                      prompt_tokens, n_out) -> web.StreamResponse:
+        s = self.s
+        sse = SSE(request)
+        n = req.params.n
+
+        def chunk(chs: list, **extra) -> dict:
+            return envelope(cid, "text_completion", model, created, choices=chs, **extra)
+
+        try:
+            await sse.start()
+            for ch in choices:
+                if ch.echo:
+                    await sse.send(chunk([{"index": ch.index, "text": ch.echo, "logprobs": None,
+                                           "finish_reason": None}]))
+            async with aclosing(s.merged(iters)) as it:
+                async for pi, out in it:
+                    cached[pi] = out.num_cached_tokens
+                    for c in out.outputs:
+                        ch = choices[pi * n + c.index]
+                        ch.token_ids += c.token_ids
+                        final = c.finish_reason is not None
+                        lp = None
+                        if k is not None and c.logprobs:
+                            lp = completion_logprobs(c.token_ids, c.logprobs, k, s.token_str, ch.offset)
+                            ch.offset += sum(len(t) for t in lp["tokens"])
+                        if not (c.text or lp or final):
+                            continue
+                        item = {"index": ch.index, "text": c.text, "logprobs": lp, "finish_reason": None}
+                        if final:
+                            item["finish_reason"], item["stop_reason"] = c.finish_reason, c.stop_reason
+                        await sse.send(chunk([item]))
+            if req.include_usage:
+                await sse.send(chunk([], usage=usage(prompt_tokens, n_out(), sum(cached))))
+        except ConnectionResetError:
+            return sse.resp
+        except EngineStepError as e:
+            await _send_error(sse, str(e))
+        except Exception as e:  # noqa: BLE001 - headers are out: report in-band
+            log.exception("completion stream failed")
+            await _send_error(sse, f"internal error: {type(e).__name__}: {e}")
+        finally:
+            for st in streams:
+                st.abort()
+        try:
+            return await sse.done()
+        except ConnectionResetError:
+            return sse.resp
+
+
+async def _send_error(sse: SSE, message: str) -> None:
+    try:
+        await sse.error(message)
+    except ConnectionResetError:
+        pass

@@ -1,0 +1,106 @@
+"""/v1/completions through the openai client (every prompt form, echo, logprobs, streaming, usage), and
+the small endpoints: /v1/models, /health, /version, /tokenize, /detokenize, /metrics."""
+
+from __future__ import annotations
+
+import aiohttp
+import asyncio
+import pytest
+
+from conftest import MODEL, parse_metrics
+from scripted import CONTENT, REASONING
+
+ASSISTANT = "<｜Assistant｜>"
+EXPECTED = "<think>" + REASONING + "</think>" + CONTENT  # the first 4 script tokens after <｜Assistant｜>
+
+
+def test_string_prompt(client, tokenizer):
+    r = client.completions.create(model=MODEL, prompt="Hi" + ASSISTANT, max_tokens=4)
+    c = r.choices[0]
+    assert c.text == EXPECTED and c.finish_reason == "length" and r.object == "text_completion"
+    n = len(tokenizer.encode("Hi" + ASSISTANT))
+    assert r.usage.completion_tokens == 4 and r.usage.prompt_tokens == n
+    assert r.usage.prompt_tokens_details.cached_tokens == 0
+
+
+def test_prompt_forms_and_choice_order(client, scripted_model):
+    _, ids = scripted_model
+    a = ids[ASSISTANT]
+    r = client.completions.create(model=MODEL, prompt=[ASSISTANT, "x" + ASSISTANT], max_tokens=2, n=2)
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    assert all(c.text == "<think>" + REASONING for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt=[0, a], max_tokens=1)
+    assert r.choices[0].text == "<think>" and r.usage.prompt_tokens == 2
+    r = client.completions.create(model=MODEL, prompt=[[0, a], [a]], max_tokens=1)
+    assert [c.text for c in r.choices] == ["<think>", "<think>"] and r.usage.prompt_tokens == 3
+
+
+def test_echo_and_stop_and_ignore_eos(client):
+    r = client.completions.create(model=MODEL, prompt="Hi" + ASSISTANT, max_tokens=4, echo=True)
+    assert r.choices[0].text == "Hi" + ASSISTANT + EXPECTED  # the prompt text comes back as written
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=40, stop=["check"])
+    assert r.choices[0].text == "<think>Let me " and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=40, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 40 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=40)
+    assert r.usage.completion_tokens == 15 and r.choices[0].finish_reason == "stop"  # EOS ends the script
+
+
+def test_logprobs(client):
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3, logprobs=2)
+    lp = r.choices[0].logprobs
+    assert lp.tokens == ["<think>", REASONING, "</think>"]
+    assert all(v == pytest.approx(0.0, abs=1e-3) for v in lp.token_logprobs)
+    assert all(len(t) == 2 and list(t.values())[0] == pytest.approx(0.0, abs=1e-3) for t in lp.top_logprobs)
+    assert lp.text_offset == [0, 7, 7 + len(REASONING)]
+
+
+def test_streaming(client):
+    chunks = list(client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=4, stream=True, logprobs=0,
+                                            stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == EXPECTED
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
+    toks = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
+    assert toks == ["<think>", REASONING, "</think>", CONTENT]
+    echo = list(client.completions.create(model=MODEL, prompt="Hi" + ASSISTANT, max_tokens=1, stream=True,
+                                          echo=True))
+    assert "".join(c.choices[0].text for c in echo) == "Hi" + ASSISTANT + "<think>"
+
+
+def test_models_health_version(client, server, tokenizer):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL, "other-name"]
+    assert models[0].model_extra["max_model_len"] == 512
+
+    async def go():
+        async with aiohttp.ClientSession(server.url) as s:
+            async with s.get("/health") as r:
+                assert r.status == 200
+            async with s.get("/version") as r:
+                assert (await r.json())["version"]
+            async with s.post("/tokenize", json={"prompt": "Hi" + ASSISTANT}) as r:
+                tok = await r.json()
+                assert tok["tokens"] == tokenizer.encode("Hi" + ASSISTANT) and tok["tokens"][0] == 0
+                assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+            async with s.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}) as r:
+                chat = await r.json()
+                assert chat["tokens"][0] == 0 and chat["count"] == len(chat["tokens"]) >= 3
+            async with s.post("/detokenize", json={"tokens": tok["tokens"]}) as r:
+                assert (await r.json())["prompt"] == "<｜begin▁of▁sentence｜>Hi" + ASSISTANT
+            async with s.get("/metrics") as r:
+                body = await r.text()
+                assert r.headers["Content-Type"].startswith("text/plain")
+        return body
+
+    m = parse_metrics(asyncio.run(go()))
+    label = (("model_name", MODEL),)
+    for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "prefix_cache_queries_total",
+                 "prefix_cache_hits_total", "inter_token_latency_seconds_sum", "time_to_first_token_seconds_count",
+                 "e2e_request_latency_seconds_count", "request_queue_time_seconds_count", "prompt_tokens_total",
+                 "generation_tokens_total"):
+        assert ("deepinfer:" + name, label) in m, name
+    assert m[("deepinfer:time_to_first_token_seconds_count", label)] > 0
+    assert m[("deepinfer:generation_tokens_total", label)] > 0
+    assert m[("deepinfer:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))] > 0
