@@ -9,8 +9,11 @@ forward serves float and quantized checkpoints. Invariants (w = the float weight
   = amax over the in axes / 127, so every output channel of every layer and expert has its own scale;
   w ~= q * scale with |w - q * scale| <= scale / 2 elementwise.
 - int4: `q` uint8 `[*lead, *in[:-1], in[-1] // 2, *out]` packing two 4-bit values per byte along the last
-  input axis (low nibble = even row, high nibble = odd row, each stored as value + 8 in [1, 15]);
-  `scale` fp32 `[*lead, *in[:-1], in[-1] // group_size, *out]` = amax of the group / 7. `group_size` is
+  input axis (low nibble = even row, high nibble = odd row, each stored as value + 8, values in [-8, 7]);
+  `scale` fp32 `[*lead, *in[:-1], in[-1] // group_size, *out]`, one per group of each output channel:
+  alpha * (-m / 8) with m the group's largest-magnitude (signed) value, so m maps onto -8 and all 16
+  levels are used, and alpha in `INT4_ALPHAS` the shrink (outlier clipping) that minimises the group's
+  squared error (scales may be negative; w ~= q * scale). `group_size` is
   the largest divisor of in[-1] not above the requested size (so DeepSeek-V2-Lite's I = 10944 gets 114),
   and is stored per leaf. For o_proj [H, dv, D] groups run along dv within each head.
 - `bits`, `group_size` (0 for int8) and `n_out` are static pytree fields: `lax.scan` over the stacked
@@ -100,26 +103,49 @@ def quantized_shapes(shape: tuple[int, ...], bits: int, n_in: int, n_out: int, g
     return lead_in[:-1] + (shape[ax] // 2,) + out, lead_in[:-1] + (shape[ax] // g,) + out, g
 
 
+INT4_ALPHAS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7)
+
+
 def quantize(w: np.ndarray, bits: int, n_in: int, n_out: int, group_size: int = 128) -> QuantizedWeight:
-    """Host-side (numpy) symmetric quantization of a float weight [*lead, *in, *out]; see module doc."""
-    w = np.asarray(w, np.float32)
+    """Host-side (numpy) symmetric quantization of a float weight [*lead, *in, *out]; see module doc.
+    Leading axes (layers, experts) are quantized one slice at a time to bound the fp32 temporaries."""
+    w = np.asarray(w)
     q_shape, s_shape, g = quantized_shapes(w.shape, bits, n_in, n_out, group_size)
-    ax = w.ndim - n_out - 1
+    if w.ndim > n_in + n_out:
+        q = np.empty(q_shape, np.int8 if bits == 8 else np.uint8)
+        scale = np.empty(s_shape, np.float32)
+        for i in range(w.shape[0]):
+            sub = quantize(w[i], bits, n_in, n_out, g or group_size)
+            q[i], scale[i] = sub.q, sub.scale
+        return QuantizedWeight(q, scale, bits, g, n_out)
+    w = w.astype(np.float32, copy=False)
     if bits == 8:
-        in_axes = tuple(range(w.ndim - n_out - n_in, w.ndim - n_out))
-        scale = np.max(np.abs(w), axis=in_axes, keepdims=True) / 127.0  # [*lead, 1.., *out]
+        scale = np.max(np.abs(w), axis=tuple(range(n_in)), keepdims=True) / 127.0  # [1.., *out]
         scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
         q = np.clip(np.rint(w / scale), -127, 127).astype(np.int8)
         return QuantizedWeight(q, scale, 8, 0, n_out)
+    ax = n_in - 1  # the last input axis: packed and grouped
     grouped = w.reshape(w.shape[:ax] + (w.shape[ax] // g, g) + w.shape[ax + 1:])  # [.., in/g, g, *out]
-    scale = np.max(np.abs(grouped), axis=ax + 1, keepdims=True) / 7.0
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    v = np.clip(np.rint(grouped / scale), -8, 7).astype(np.int16).reshape(w.shape) + 8  # [1, 15]
+    # Start from the group's largest-magnitude value m mapped onto -8 (all 16 levels used), then
+    # shrink the scale (clipping outliers) while that lowers the group's squared error.
+    big = np.expand_dims(np.argmax(np.abs(grouped), axis=ax + 1), ax + 1)
+    base = -np.take_along_axis(grouped, big, axis=ax + 1) / 8.0  # [.., in/g, 1, *out]
+    best_s, best_err = None, None
+    for alpha in INT4_ALPHAS:
+        s = np.where(base != 0, base * alpha, 1.0).astype(np.float32)
+        err = np.sum(np.square(np.clip(np.rint(grouped / s), -8, 7) * s - grouped), axis=ax + 1, keepdims=True)
+        if best_s is None:
+            best_s, best_err = s, err
+        else:
+            better = err < best_err
+            best_s, best_err = np.where(better, s, best_s), np.where(better, err, best_err)
+    v = np.clip(np.rint(grouped / best_s), -8, 7).astype(np.int16).reshape(w.shape) + 8  # [0, 15]
     even = np.take(v, np.arange(0, w.shape[ax], 2), axis=ax)
     odd = np.take(v, np.arange(1, w.shape[ax], 2), axis=ax)
     q = (even | (odd << 4)).astype(np.uint8)
-    assert q.shape == q_shape and scale.squeeze(ax + 1).shape == s_shape, (q.shape, scale.shape)
-    return QuantizedWeight(q, scale.squeeze(ax + 1), 4, g, n_out)
+    scale = best_s.squeeze(ax + 1)
+    assert q.shape == q_shape and scale.shape == s_shape, (q.shape, scale.shape)
+    return QuantizedWeight(q, scale, 4, g, n_out)
 
 
 def dequantize(w: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:

@@ -1,0 +1,290 @@
+"""The converted checkpoint format: one orbax checkpoint of per-layer *units*, plus a metadata file.
+
+Layout of a converted directory (written by weights/convert.py):
+
+  deepinfer_checkpoint.json   metadata (format, converter version, dtype, quantization, units); written
+                              last, so its presence marks a complete conversion
+  config.json                 the HF config.json, verbatim; tokenizer files beside it
+  params/                     an orbax checkpoint (OCDBT + zarr3, uncompressed, chunks <= 64 MiB),
+                              pytree under params/state/
+
+The pytree has one top-level key per unit: "top" (embed, final_norm, lm_head), "layer_NNN" (decoder
+layer NNN, global index, with the unstacked `layer_specs` structure) and "mtp_J". Stacked leaves
+([L, ...] per segment) are therefore stored as per-layer entries and stacked at load time. Units are
+written one orbax partial save at a time (so conversion holds about one layer on the host) and
+restored one at a time straight onto their target shardings, then placed into the stacked device
+leaf with a donated in-place update (so loading holds the model plus about one layer on device).
+A quantized leaf is stored as {"q": ..., "scale": ...}; its bits / group size / n_out follow from
+the metadata's quantization and the param specs (`expected_unit`), and are checked against the
+stored shapes before anything is read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.params import is_spec, layer_segments, layer_specs, param_specs, spec_dtype
+from deepinfer_jax.models.quant import METHODS, QuantizedWeight, is_quantized, quant_layout, quantized_shapes
+from deepinfer_jax.weights.safetensors_io import CheckpointError
+
+log = logging.getLogger(__name__)
+
+META_FILE = "deepinfer_checkpoint.json"
+PARAMS_DIR = "params"
+PYTREE_SUBDIR = "state"  # where orbax's partial save puts the pytree (v1 layout)
+FORMAT = "deepinfer-orbax"
+CONVERTER_VERSION = 1
+CHUNK_BYTES = 64 << 20
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One stored entry of the checkpoint: a subtree written and restored as a whole.
+
+    `path`: where its leaves live in the params tree (() for "top"); `index`: the layer's offset along
+    the stacked axis of its segment, None when the unit's leaves are not stacked."""
+
+    name: str
+    path: tuple
+    index: int | None
+    specs: dict
+
+
+def checkpoint_units(cfg: ModelConfig) -> list[Unit]:
+    specs = param_specs(cfg)
+    units = [Unit("top", (), None, {k: specs[k] for k in ("embed", "final_norm", "lm_head")})]
+    for si, seg in enumerate(layer_segments(cfg)):
+        for layer in range(seg.start, seg.stop):
+            units.append(Unit(f"layer_{layer:03d}", ("segments", si), layer - seg.start,
+                              layer_specs(cfg, seg.kind, None)))
+    for j, mtp in enumerate(specs.get("mtp", [])):
+        units.append(Unit(f"mtp_{j}", ("mtp", j), None, mtp))
+    return units
+
+
+def unit_name_of(cfg: ModelConfig, path: tuple, index: tuple) -> tuple[str, tuple, tuple]:
+    """A name-table rule's (path, index) -> (unit name, path inside the unit, index inside the unit)."""
+    if path[0] == "segments":
+        seg = layer_segments(cfg)[path[1]]
+        return f"layer_{seg.start + index[0]:03d}", path[2:], index[1:]
+    if path[0] == "mtp":
+        return f"mtp_{path[1]}", path[2:], index
+    return "top", path, index
+
+
+def _keys(path) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
+def expected_unit(unit: Unit, dtype: Any, method: str, group_size: int) -> dict:
+    """The unit's stored tree: ShapeDtypeStruct per float leaf, QuantizedWeight(ShapeDtypeStruct q,
+    ShapeDtypeStruct scale, ...) per quantized leaf."""
+    bits = METHODS[method]
+
+    def one(path, spec):
+        lay = quant_layout(_keys(path))
+        if not bits or lay is None:
+            return jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, dtype))
+        q_shape, s_shape, g = quantized_shapes(spec.shape, bits, lay[0], lay[1], group_size)
+        q_dt = jnp.int8 if bits == 8 else jnp.uint8
+        return QuantizedWeight(jax.ShapeDtypeStruct(q_shape, q_dt), jax.ShapeDtypeStruct(s_shape, jnp.float32),
+                               bits, g, lay[1])
+
+    return jax.tree_util.tree_map_with_path(one, unit.specs, is_leaf=is_spec)
+
+
+def to_stored(tree: Any) -> Any:
+    """QuantizedWeight nodes -> {"q", "scale"} dicts (what orbax sees)."""
+    return jax.tree.map(lambda x: {"q": x.q, "scale": x.scale} if is_quantized(x) else x, tree, is_leaf=is_quantized)
+
+
+@contextlib.contextmanager
+def _quiet_orbax() -> Iterator[None]:
+    """orbax logs absl warnings about step metadata we do not use; keep the CLI output readable."""
+    absl = logging.getLogger("absl")
+    old = absl.level
+    absl.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        absl.setLevel(old)
+
+
+class UnitWriter:
+    """Writes units into `<dir>/params` with orbax partial saves; `finalize()` makes it one checkpoint."""
+
+    def __init__(self, directory: str):
+        import orbax.checkpoint.experimental.v1 as ocp1
+
+        self._ocp1 = ocp1
+        self.path = os.path.join(directory, PARAMS_DIR)
+        self._ctx = ocp1.Context()
+        self._ctx.array.saving.use_compression = False  # weights do not compress; reads stay cheap
+        self._ctx.array.saving.storage_options.chunk_byte_size = CHUNK_BYTES  # sharded reads touch less
+
+    def save(self, name: str, tree: Any) -> None:
+        with _quiet_orbax(), self._ctx:
+            self._ocp1.partial.save(self.path, {name: to_stored(tree)})
+
+    def finalize(self) -> None:
+        with _quiet_orbax(), self._ctx:
+            self._ocp1.partial.finalize(self.path)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------------
+
+
+def is_converted(model_dir: str) -> bool:
+    return os.path.isfile(os.path.join(model_dir, META_FILE))
+
+
+def read_meta(model_dir: str) -> dict:
+    with open(os.path.join(model_dir, META_FILE)) as f:
+        meta = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise CheckpointError(f"{model_dir}/{META_FILE} is not a {FORMAT} metadata file")
+    if meta.get("converter_version", 0) > CONVERTER_VERSION:
+        raise CheckpointError(f"{model_dir} was written by converter version {meta['converter_version']}; "
+                              f"this engine reads up to {CONVERTER_VERSION}")
+    return meta
+
+
+def _fit_sharding(s: Any, shape: tuple, drop_first: bool) -> Any:
+    """The sharding for an array of `shape` derived from its (stacked, float) leaf's sharding `s`:
+    without the stacked axis when `drop_first`, and unsplit along axes of length 1 (int8 scales)."""
+    if isinstance(s, jax.sharding.NamedSharding):
+        spec = tuple(s.spec) + (None,) * (len(shape) + drop_first - len(s.spec))
+        spec = spec[1:] if drop_first else spec
+        spec = tuple(None if n == 1 else a for a, n in zip(spec, shape))
+        return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
+    return s
+
+
+def _place(seg_tree: Any, unit_tree: Any, i: jax.Array) -> Any:
+    """seg_tree[leaf][i] = unit_tree[leaf] for every leaf; jitted with seg_tree donated (in place), so one
+    compile serves every layer of a segment and each stacked leaf keeps its buffer and sharding."""
+    return jax.tree.map(lambda leaf, v: jax.lax.dynamic_update_index_in_dim(leaf, v.astype(leaf.dtype), i, 0),
+                        seg_tree, unit_tree)
+
+
+_place_donated = jax.jit(_place, donate_argnums=0)
+
+
+def _get(tree: Any, path: tuple) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _check_stored(unit: Unit, expected: dict, stored_meta: dict) -> None:
+    stored = stored_meta.get(unit.name)
+    if stored is None:
+        raise CheckpointError(f"converted checkpoint has no entry {unit.name!r}")
+    flat_exp = jax.tree_util.tree_flatten_with_path(to_stored(expected))[0]
+    for path, sds in flat_exp:
+        name = unit.name + jax.tree_util.keystr(path)
+        try:
+            m = _get(stored, _keys(path))
+        except (KeyError, TypeError):
+            raise CheckpointError(f"converted checkpoint is missing {name}") from None
+        if tuple(m.shape) != tuple(sds.shape):
+            raise CheckpointError(f"{name} is stored with shape {tuple(m.shape)}, expected {tuple(sds.shape)}")
+        if (jnp.dtype(m.dtype).kind in "iu") != (jnp.dtype(sds.dtype).kind in "iu"):
+            raise CheckpointError(f"{name} is stored as {m.dtype}, expected {sds.dtype}")
+
+
+def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
+                   ) -> tuple[ModelConfig, dict]:
+    """(ModelConfig, params) from a converted directory; every array restored straight onto its
+    sharding (`shardings`: params-shaped tree of Sharding, float-leaf shaped at quantized leaves or a
+    QuantizedWeight of shardings; None: the default device)."""
+    import orbax.checkpoint as ocp
+
+    meta = read_meta(model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))
+    qmeta = meta["quantization"]
+    method, group = qmeta["method"], int(qmeta.get("group_size", 0))
+    tree_dir = os.path.join(model_dir, PARAMS_DIR, PYTREE_SUBDIR)
+    if not os.path.isdir(tree_dir):
+        raise CheckpointError(f"{model_dir} has no orbax checkpoint at {PARAMS_DIR}/{PYTREE_SUBDIR}")
+    ckptr = ocp.PyTreeCheckpointer()
+    with _quiet_orbax():
+        stored_meta = ckptr.metadata(tree_dir).item_metadata.tree
+    default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    units = checkpoint_units(cfg)
+    expected = {u.name: expected_unit(u, dtype, method, group) for u in units}
+    for u in units:  # fail before any device work, naming the first bad entry
+        _check_stored(u, expected[u.name], stored_meta)
+
+    def leaf_sharding(unit: Unit, path: tuple) -> Any:
+        return default if shardings is None else _get(shardings, unit.path + path)
+
+    # Stacked leaves are allocated once, on their full shardings, and filled layer by layer.
+    params: dict = {"segments": [None] * len(layer_segments(cfg))}
+    if cfg.num_nextn_predict_layers:
+        params["mtp"] = [None] * cfg.num_nextn_predict_layers
+    for si, seg in enumerate(layer_segments(cfg)):
+        u = next(x for x in units if x.path == ("segments", si))
+
+        def alloc(path, sds, u=u, n=seg.num_layers):
+            s = leaf_sharding(u, _keys(path))
+            if is_quantized(sds):
+                sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
+                shp_q, shp_s = (n,) + sds.q.shape, (n,) + sds.scale.shape
+                return QuantizedWeight(jnp.zeros(shp_q, sds.q.dtype, device=_fit_sharding(sq, shp_q, False)),
+                                       jnp.zeros(shp_s, sds.scale.dtype, device=_fit_sharding(ss, shp_s, False)),
+                                       sds.bits, sds.group_size, sds.n_out)
+            return jnp.zeros((n,) + sds.shape, sds.dtype, device=_fit_sharding(s, (n,) + sds.shape, False))
+
+        params["segments"][si] = jax.tree_util.tree_map_with_path(alloc, expected[u.name], is_leaf=is_quantized)
+
+    it = units
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(units, desc="loading converted weights", unit="unit", leave=False)
+    for u in it:
+        stacked = u.index is not None
+
+        def restore_arg(path, sds, u=u):
+            s = leaf_sharding(u, _keys(path))
+
+            def arg(sh, x):
+                return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=x.dtype,
+                                            global_shape=x.shape)
+
+            if is_quantized(sds):
+                sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
+                return {"q": arg(sq, sds.q), "scale": arg(ss, sds.scale)}
+            return arg(s, sds)
+
+        stored = to_stored(expected[u.name])
+        args = jax.tree_util.tree_map_with_path(restore_arg, expected[u.name], is_leaf=is_quantized)
+        with _quiet_orbax():
+            got = ckptr.restore(tree_dir, args=ocp.args.PyTreeRestore(
+                item={u.name: jax.tree.map(lambda _: 0, stored)}, restore_args={u.name: args},
+                partial_restore=True))[u.name]
+        got = jax.tree.map(lambda sds, x: QuantizedWeight(x["q"], x["scale"], sds.bits, sds.group_size, sds.n_out)
+                           if is_quantized(sds) else x, expected[u.name], got, is_leaf=is_quantized)
+        if not stacked:
+            if u.path:
+                params[u.path[0]][u.path[1]] = got
+            else:
+                params.update(got)
+            continue
+        params["segments"][u.path[1]] = _place_donated(params["segments"][u.path[1]], got, np.int32(u.index))
+    return cfg, params
