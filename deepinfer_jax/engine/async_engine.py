@@ -195,14 +195,15 @@ class AsyncEngine:
             raise EngineNotReadyError("the engine failed to start" if self.startup_error else
                                       "the engine is still starting (loading weights / compiling)")
         n = params.n
-        if self.max_queue_len is not None:
-            cap = (self.max_num_seqs or 0) + self.max_queue_len
-            if self._seqs_in_flight + n > cap:
-                raise QueueFullError(f"the request queue is full ({self.max_queue_len} waiting allowed)")
         loop = asyncio.get_running_loop()
         with self._cond:
             if request_id in self._streams:
                 raise ValueError(f"request id {request_id!r} is already in flight")
+            if self.max_queue_len is not None:
+                cap = (self.max_num_seqs or 0) + self.max_queue_len
+                if self._seqs_in_flight + n > cap:
+                    raise QueueFullError(f"the request queue is full ({self.max_queue_len} sequences may wait "
+                                         f"beyond the {self.max_num_seqs} running)")
             stream = RequestStream(self, request_id, n, loop)
             self._streams[request_id] = stream
             self._seqs_in_flight += n

@@ -29,7 +29,7 @@ from deepinfer_jax import __version__
 from deepinfer_jax.engine.async_engine import AsyncEngine
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from deepinfer_jax.server.protocol import APIError, error_body
-from deepinfer_jax.server.serving import Serving, ServingConfig, json_response
+from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
 from deepinfer_jax.server.serving_chat import ChatHandler
 from deepinfer_jax.server.serving_completion import CompletionHandler
 
@@ -53,7 +53,7 @@ def _middleware(api_key: str | None):
     @web.middleware
     async def middleware(request: web.Request, handler):
         rid = request.headers.get("X-Request-Id", "")
-        request["request_id"] = rid if _REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
+        request[REQUEST_ID] = rid if _REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
         try:
             if expected is not None and request.path.startswith("/v1/"):
                 got = request.headers.get("Authorization", "").encode()
@@ -76,7 +76,7 @@ def _middleware(api_key: str | None):
             resp = _error_response(request, APIError(f"internal server error: {type(e).__name__}: {e}", 500,
                                                      type="server_error", code="internal_error"))
         if not resp.prepared:
-            resp.headers["X-Request-Id"] = request["request_id"]
+            resp.headers["X-Request-Id"] = request[REQUEST_ID]
         return resp
 
     return middleware
@@ -220,6 +220,8 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
     from deepinfer_jax.server.args import engine_kwargs, resolve_model
 
     model_dir, default_name = resolve_model(ns)
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"{model_dir!r} is not a model directory (no config.json)")
     if tokenizer is None:
         from deepinfer_jax.text import load_tokenizer
 
@@ -260,9 +262,14 @@ def serve(ns) -> int:
     holder: list[RunningServer] = []
 
     async def main() -> int:
-        server = await start_server(ns)
+        try:
+            server = await start_server(ns)
+        except (OSError, ValueError) as e:
+            log.error("cannot start: %s", e)
+            return 2
         holder.append(server)
         stop = asyncio.Event()
+        rc = [0]
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -271,13 +278,16 @@ def serve(ns) -> int:
             if server.engine.ready:
                 log.info("ready: serving at %s", server.url)
             else:
-                log.error("the engine failed to start; /health reports why (stop with SIGTERM)")
+                log.error("the engine failed to start: %s", server.engine.startup_error)
+                rc[0] = 1
+                stop.set()
 
         server.engine.add_ready_callback(lambda: loop.call_soon_threadsafe(announce))
         await stop.wait()
-        log.info("signal received; draining")
+        if rc[0] == 0:
+            log.info("signal received; draining")
         await server.shutdown()
-        return 0
+        return rc[0]
 
     rc = asyncio.run(main())
     log.info("stopped")

@@ -27,6 +27,8 @@ from deepinfer_jax.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
+REQUEST_ID = web.RequestKey("request_id", str)
+
 
 @dataclass
 class ServingConfig:
@@ -80,11 +82,11 @@ class Serving:
             if bad is not None:
                 raise APIError(f"token id {bad} is out of vocabulary [0, {vocab})", param="prompt")
         want = params.max_tokens
-        if want is None:
-            if n >= mml:
-                raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "
-                               f"has {n} tokens, which leaves no room for the completion.", param=what)
-        elif n + want > mml:
+        if n >= mml:
+            raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "
+                           f"has {n} tokens, which leaves no room for the completion.",
+                           param="messages" if what == "messages" else "prompt")
+        if want is not None and n + want > mml:
             raise APIError(f"This model's maximum context length is {mml} tokens. However, you requested "
                            f"{n + want} tokens ({n} in the {what}, {want} in the completion). Please reduce "
                            f"the length of the {what} or completion.", param="max_tokens")
@@ -197,7 +199,7 @@ class SSE:
         self.request = request
         self.resp = web.StreamResponse(headers={
             "Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-            "X-Request-Id": request.get("request_id", "")})
+            "X-Request-Id": request.get(REQUEST_ID, "")})
 
     async def start(self) -> None:
         await self.resp.prepare(self.request)
@@ -218,4 +220,4 @@ class SSE:
 
 def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json",
-                        headers={"X-Request-Id": request.get("request_id", "")})
+                        headers={"X-Request-Id": request.get(REQUEST_ID, "")})

@@ -1,0 +1,128 @@
+"""The `deepinfer` command as a user runs it (subprocesses): `serve` with no --model serves the embedded
+default model, takes a YAML config that flags override, and on SIGTERM stops accepting, finishes the
+stream in flight and exits 0; `generate`; `bench serve` against the live test server."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import aiohttp
+import pytest
+
+from conftest import API_KEY, MODEL
+
+ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
+
+
+def _deepinfer(*args) -> list[str]:
+    return [sys.executable, "-m", "deepinfer_jax.cli", *args]
+
+
+class Proc:
+    """A subprocess whose stderr is collected on a thread; `wait_for(pattern)` returns the first match."""
+
+    def __init__(self, argv):
+        self.p = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.t = threading.Thread(target=self._read, daemon=True)
+        self.t.start()
+
+    def _read(self):
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float = 240) -> re.Match:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            for line in list(self.lines):
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            if self.p.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{pattern!r} not seen; output:\n{''.join(self.lines)[-3000:]}")
+
+
+def test_serve_default_model_yaml_and_sigterm(tmp_path, xla_cache_dir):
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text("max_model_len: 1024\nmax_num_seqs: 8\nmax_num_batched_tokens: 64\nport: 1\n"
+                   "enable_prefix_caching: false\nserved_model_name: [from-yaml]\nshutdown_timeout: 60\n")
+    proc = Proc(_deepinfer("serve", "--config", str(cfg), "--port", "0", "--served-model-name", "demo"))
+    try:
+        url = proc.wait_for(r"listening on (http://127\.0\.0\.1:\d+)").group(1)
+        proc.wait_for(r"ready: serving at")
+
+        async def go():
+            async with aiohttp.ClientSession(url) as s:
+                async with s.get("/health") as r:
+                    assert r.status == 200
+                async with s.get("/v1/models") as r:
+                    [m] = (await r.json())["data"]
+                    assert m["id"] == "demo" and m["max_model_len"] == 1024  # flag beats YAML; YAML beats default
+                async with s.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 8}) as r:
+                    body = await r.json()
+                    assert r.status == 200 and body["choices"][0]["message"]["role"] == "assistant"
+                # a long stream is in flight when SIGTERM arrives: it must still finish
+                r = await s.post("/v1/completions", json={"prompt": "The", "max_tokens": 1000, "ignore_eos": True,
+                                                          "stream": True})
+                await r.content.readline()
+                proc.p.send_signal(signal.SIGTERM)
+                await asyncio.sleep(0.3)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    async with aiohttp.ClientSession(url) as s2:
+                        await s2.get("/health")
+                rest = (await r.read()).decode()
+                assert rest.rstrip().endswith("data: [DONE]")
+                finals = [json.loads(e[6:]) for e in rest.split("\n\n") if e.startswith("data: {")]
+                assert finals[-1]["choices"][0]["finish_reason"] == "length"
+
+        asyncio.run(go())
+        assert proc.p.wait(timeout=60) == 0
+        assert any("signal received" in line for line in proc.lines)
+    finally:
+        if proc.p.poll() is None:
+            proc.p.kill()
+
+
+def test_generate_command(xla_cache_dir):
+    out = subprocess.run(_deepinfer("generate", "--prompt", "The value of", "--max-tokens", "6", "--ignore-eos",
+                                    *ENGINE_FLAGS), capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip()
+
+
+def test_bench_serve_against_live_server(server):
+    from deepinfer_jax.server.bench import run_serving
+
+    res = asyncio.run(run_serving(server.url, api_key=API_KEY, input_len=12, output_len=6, concurrencies=[1, 4],
+                                  num_prompts=6, log=lambda s: None))
+    assert res["model"] == MODEL and len(res["levels"]) == 2
+    for lv in res["levels"]:
+        assert lv["completed"] == 6 and lv["failed"] == 0 and lv["total_output_tokens"] == 36
+        assert lv["total_input_tokens"] == 72 and lv["output_throughput"] > 0
+        assert 0 < lv["ttft_ms"]["median"] <= lv["e2e_ms"]["p99"]
+    prefix = asyncio.run(run_serving(server.url, api_key=API_KEY, input_len=4, output_len=2, concurrencies=[2],
+                                     num_prompts=4, dataset="shared-prefix", shared_prefix_len=24,
+                                     log=lambda s: None))
+    assert prefix["levels"][0]["total_input_tokens"] == 4 * 28
+
+
+def test_convert_and_unknown_command():
+    out = subprocess.run(_deepinfer("frobnicate"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and "unknown command" in out.stderr
+    out = subprocess.run(_deepinfer("--help"), capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "deepinfer serve" in out.stdout
+    env = {**os.environ}
+    out = subprocess.run(_deepinfer("serve", "--model", "/no/such/dir", "--port", "0"), capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 2 and "/no/such/dir" in out.stderr and "Traceback" not in out.stderr

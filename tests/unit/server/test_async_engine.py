@@ -1,0 +1,204 @@
+"""AsyncEngine over a fake LLMEngine: deltas, n, abort, admission, step failures, idle sleeping, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError,
+                                               QueueFullError)
+from deepinfer_jax.types import SamplingParams
+from fake_engine import FakeEngine
+
+
+def _engine(**kw):
+    fake = FakeEngine(**{k: v for k, v in kw.items() if k != "max_queue_len"})
+    eng = AsyncEngine(lambda: fake, max_queue_len=kw.get("max_queue_len")).start()
+    assert eng.wait_ready(5)
+    return eng, fake
+
+
+def test_deltas_concatenate_to_the_whole_output():
+    eng, _ = _engine()
+
+    async def go():
+        outs = [o async for o in eng.submit("a", [5], SamplingParams(max_tokens=4, logprobs=1))]
+        return outs
+
+    outs = asyncio.run(go())
+    assert outs[-1].finished and not any(o.finished for o in outs[:-1])
+    text = "".join(o.outputs[0].text for o in outs)
+    ids = sum((o.outputs[0].token_ids for o in outs), [])
+    lps = sum((o.outputs[0].logprobs for o in outs), [])
+    assert text == "t6 t7 t8 t9 " and ids == [6, 7, 8, 9] and len(lps) == 4
+    assert outs[-1].outputs[0].finish_reason == "length"
+    eng.shutdown()
+
+
+def test_n_children_and_stop_token():
+    eng, _ = _engine()
+
+    async def go():
+        return [o async for o in eng.submit("a", [5], SamplingParams(n=2, max_tokens=9, stop_token_ids=[8]))]
+
+    outs = asyncio.run(go())
+    by_index: dict[int, list] = {}
+    for o in outs:
+        for c in o.outputs:
+            by_index.setdefault(c.index, []).append(c)
+    assert sorted(by_index) == [0, 1]
+    for cs in by_index.values():
+        assert sum((c.token_ids for c in cs), []) == [6, 7, 8] and cs[-1].finish_reason == "stop"
+    eng.shutdown()
+
+
+def test_leaving_early_aborts_and_frees():
+    eng, fake = _engine(step_delay=0.005)
+
+    async def go():
+        stream = eng.submit("a", [5], SamplingParams(max_tokens=60))
+        async for _ in stream:
+            break
+        stream.abort()
+        for _ in range(200):
+            if not fake.reqs:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert fake.reqs == {} and "a" in fake.aborted and eng.num_requests_in_flight == 0
+    eng.shutdown()
+
+
+def test_cancelled_consumer_aborts():
+    eng, fake = _engine(step_delay=0.01)
+
+    async def go():
+        stream = eng.submit("a", [5], SamplingParams(max_tokens=60))
+
+        async def consume():
+            async for _ in stream:
+                pass
+
+        task = asyncio.create_task(consume())
+        await asyncio.sleep(0.05)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(200):
+            if not fake.reqs:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(go())
+    assert fake.reqs == {} and fake.aborted == ["a"]
+    eng.shutdown()
+
+
+def test_queue_bound():
+    eng, fake = _engine(max_num_seqs=2, max_queue_len=1, step_delay=0.01)
+
+    async def go():
+        s1 = eng.submit("a", [1], SamplingParams(max_tokens=50))
+        s2 = eng.submit("b", [1], SamplingParams(max_tokens=50))
+        s3 = eng.submit("c", [1], SamplingParams(max_tokens=50))
+        with pytest.raises(QueueFullError):
+            eng.submit("d", [1], SamplingParams(max_tokens=50))
+        with pytest.raises(ValueError):
+            eng.submit("a", [1], SamplingParams(max_tokens=5))
+        s3.abort()
+        s4 = eng.submit("d", [1], SamplingParams(max_tokens=2))  # room again
+        outs = [o async for o in s4]
+        s1.abort()
+        s2.abort()
+        return outs
+
+    assert asyncio.run(go())[-1].finished
+    eng.shutdown()
+
+
+def test_bad_request_reaches_the_stream_and_the_loop_survives():
+    eng, fake = _engine()
+
+    async def go():
+        fake.add_request("dup", [1], SamplingParams(max_tokens=50))  # the engine already holds this id
+        with pytest.raises(ValueError, match="already in flight"):
+            async for _ in eng.submit("dup", [1], SamplingParams(max_tokens=2)):
+                pass
+        return [o async for o in eng.submit("ok", [1], SamplingParams(max_tokens=2))]
+
+    assert asyncio.run(go())[-1].finished
+    eng.shutdown()
+
+
+def test_step_failure_fails_in_flight_requests_then_recovers():
+    eng, fake = _engine(step_delay=0.01)
+
+    async def go():
+        s1 = eng.submit("a", [1], SamplingParams(max_tokens=40))
+        s2 = eng.submit("b", [1], SamplingParams(max_tokens=40))
+        await asyncio.sleep(0.05)
+        fake.fail_next_step = True
+        for s in (s1, s2):
+            with pytest.raises(EngineStepError, match="injected"):
+                async for _ in s:
+                    pass
+        assert not eng.healthy
+        outs = [o async for o in eng.submit("c", [1], SamplingParams(max_tokens=2))]
+        return outs
+
+    assert asyncio.run(go())[-1].finished
+    assert eng.healthy and fake.reqs == {}
+    eng.shutdown()
+
+
+def test_idle_loop_sleeps():
+    eng, fake = _engine()
+    time.sleep(0.2)
+    checks = fake.idle_checks
+    time.sleep(0.3)
+    assert fake.idle_checks == checks and fake.steps == 0
+    eng.shutdown()
+    assert not eng.thread_alive
+
+
+def test_not_ready_and_startup_failure():
+    import threading
+
+    gate = threading.Event()
+
+    def slow_build():
+        gate.wait(5)
+        raise RuntimeError("no weights")
+
+    eng = AsyncEngine(slow_build).start()
+
+    async def submit():
+        eng.submit("a", [1], SamplingParams())
+
+    with pytest.raises(EngineNotReadyError, match="still starting"):
+        asyncio.run(submit())
+    calls = []
+    eng.add_ready_callback(lambda: calls.append(1))
+    gate.set()
+    assert eng.wait_ready(5) is False and isinstance(eng.startup_error, RuntimeError)
+    assert calls == [1]
+    with pytest.raises(EngineNotReadyError, match="failed to start"):
+        asyncio.run(submit())
+
+
+def test_shutdown_ends_open_streams():
+    eng, fake = _engine(step_delay=0.01)
+
+    async def go():
+        s = eng.submit("a", [1], SamplingParams(max_tokens=60))
+        await asyncio.sleep(0.03)
+        await asyncio.get_running_loop().run_in_executor(None, eng.shutdown)
+        with pytest.raises(EngineNotReadyError):
+            async for _ in s:
+                pass
+
+    asyncio.run(go())
+    assert fake.reqs == {}
