@@ -62,9 +62,11 @@ def moe_tables(quick: bool):
         ref = None
         if T <= 64:  # the reference gathers a weight copy per token; beyond that compare against ragged_dot
             ref = np.asarray(jax.jit(moe_experts_reference)(x, wgu, wd, w, idx).astype(jnp.float32))
-        configs = [(16, 64, 64, 4, 3), (16, 128, 64, 4, 3), (16, 128, 128, 8, 3), (16, 64, 128, 4, 4)]
+        configs = [(16, 128, 64, 4, 3), (16, 256, 64, 4, 3), (16, 128, 64, 4, 5), (16, 128, 32, 4, 6),
+                   (16, 256, 64, 8, 4)]
         if T >= 1024:
-            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (64, 64, 64, 4, 3)]
+            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
+                       (64, 256, 64, 8, 3)]
         last = None
         for bm, bn, bk, nw, ns in configs:
             fn = jax.jit(lambda x, a, b, w, i, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns: moe_experts(

@@ -289,8 +289,8 @@ class RunnerConfig:
     """Implementation choices of the device step. `attn_impl` / `moe_impl` pick kernels or references."""
 
     dtype: str = "bfloat16"
-    attn_impl: str = "reference"  # "reference" | "pallas"
-    moe_impl: str = "reference"  # "reference" | "ragged" | "pallas"
+    attn_impl: str = "reference"  # "reference" | "pallas" | "pallas_interpret"
+    moe_impl: str = "ragged"  # "ragged" | "dense" | "pallas" | "pallas_interpret"
     token_buckets: tuple[int, ...] = field(default_factory=tuple)
     seq_buckets: tuple[int, ...] = field(default_factory=tuple)
     compilation_cache_dir: str | None = None
@@ -299,3 +299,5 @@ class RunnerConfig:
     warmup_full_variant: bool = True
     # Return the routed expert ids of every step (benchmarks: distinct experts per layer per step).
     collect_routing: bool = False
+    # lax.scan unroll over layers (True: fully unrolled).
+    scan_unroll: int | bool = 1

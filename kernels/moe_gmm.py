@@ -48,9 +48,9 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     return row_copy, block_expert
 
 
-def _gate_up_kernel(be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
     b, n = pl.program_id(0), pl.program_id(1)
-    e = be_ref[b]
+    layer, e = layer_ref[0], be_ref[b]
 
     @pl.when(e >= 0)
     def _():
@@ -61,8 +61,8 @@ def _gate_up_kernel(be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K
             g, u = acc
             ks = pl.ds(i * block_k, block_k)
             x = x_ref[rows, ks]  # [bm, bk]
-            g = g + jnp.dot(x, w_ref[e, ks, 0, cols], preferred_element_type=jnp.float32)  # [bk, bn]
-            u = u + jnp.dot(x, w_ref[e, ks, 1, cols], preferred_element_type=jnp.float32)
+            g = g + jnp.dot(x, w_ref[layer, e, ks, 0, cols], preferred_element_type=jnp.float32)  # [bk, bn]
+            u = u + jnp.dot(x, w_ref[layer, e, ks, 1, cols], preferred_element_type=jnp.float32)
             return g, u
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
@@ -70,9 +70,9 @@ def _gate_up_kernel(be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K
         o_ref[rows, cols] = (jax.nn.silu(g) * u).astype(o_ref.dtype)
 
 
-def _down_kernel(be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+def _down_kernel(layer_ref, be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
     b, n = pl.program_id(0), pl.program_id(1)
-    e = be_ref[b]
+    layer, e = layer_ref[0], be_ref[b]
 
     @pl.when(e >= 0)
     def _():
@@ -81,7 +81,7 @@ def _down_kernel(be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
 
         def body(i, acc):
             ks = pl.ds(i * block_k, block_k)
-            return acc + jnp.dot(h_ref[rows, ks], w_ref[e, ks, cols], preferred_element_type=jnp.float32)
+            return acc + jnp.dot(h_ref[rows, ks], w_ref[layer, e, ks, cols], preferred_element_type=jnp.float32)
 
         acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
@@ -100,23 +100,33 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
-def moe_experts(x, w_gate_up, w_down, weights, idx, *, block_m=16, block_n=64, block_k=64, num_warps=4,
-                num_stages=3, interpret=False):
-    """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype)."""
+def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=16, block_n=128, block_k=64,
+                num_warps=4, num_stages=3, interpret=False):
+    """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
+
+    With `layer` (int32 scalar), the weights are stacked over layers ([L, E, D, 2, I], [L, E, I, D])
+    and the kernels read layer `layer` in place (no copy of the slice)."""
+    if layer is None:
+        w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
     T, D = x.shape
-    E, _, _, I = w_gate_up.shape
+    _, E, _, _, I = w_gate_up.shape
     k = idx.shape[-1]
     row_copy, block_expert = align_tokens(idx, E, block_m)
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     token = jnp.where(row_copy >= 0, row_copy // k, 0)
     xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = min(block_n, I), min(block_n, D)
+    bk1, bk2 = min(block_k, D), min(block_k, I)
+    for what, dim, blk in (("I", I, bn1), ("D", D, bn2), ("D", D, bk1), ("I", I, bk2)):
+        if dim % blk:
+            raise ValueError(f"block size {blk} does not divide {what} = {dim}")
     h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
-              (block_expert, xs, w_gate_up.astype(x.dtype)), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn1, block_k=min(block_k, D), K=D)
+              (layer, block_expert, xs, w_gate_up.astype(x.dtype)), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn1, block_k=bk1, K=D)
     y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-              (block_expert, h, w_down.astype(x.dtype)), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn2, block_k=min(block_k, I), K=I)
+              (layer, block_expert, h, w_down.astype(x.dtype)), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn2, block_k=bk2, K=I)
     wrow = jnp.where(row_copy >= 0, weights.reshape(-1)[jnp.maximum(row_copy, 0)], 0.0)  # [M_pad]
     dest = jnp.where(row_copy >= 0, token, T)  # padding rows scatter out of range (dropped)
     out = jnp.zeros((T, D), jnp.float32).at[dest].add(y.astype(jnp.float32) * wrow[:, None], mode="drop")

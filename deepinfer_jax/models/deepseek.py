@@ -103,9 +103,12 @@ def forward_paged(
     moe_impl: str = "ragged",
     attn_impl: str = "reference",
     return_routing: bool = False,
+    unroll: int | bool = 1,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
-    every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic)."""
+    every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
+    `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
+    command buffer on GPU at the cost of compile time)."""
     page_size = kv_cache.shape[2]
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
@@ -113,10 +116,16 @@ def forward_paged(
     routing: list[jax.Array] = []
 
     for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+        # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
+        # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
+        experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
+        scanned = seg_params
+        if experts is not None:
+            scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k != "experts"}}
 
-        def body(carry, xs, kind=seg.kind):
+        def body(carry, xs, kind=seg.kind, experts=experts):
             h, cache = carry
-            lp, li = xs
+            lp, li, j = xs
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
@@ -126,13 +135,14 @@ def forward_paged(
             a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-            if kind == "moe" and return_routing:
-                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True)
-                return (h + m, cache), idx
-            return (h + _mlp(lp, cfg, kind, x, moe_impl), cache), None
+            if kind == "dense":
+                return (h + swiglu_mlp(x, lp["mlp"]), cache), None
+            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j)
+            return (h + m, cache), (idx if return_routing else None)
 
         layer_ids = jnp.arange(seg.start, seg.stop, dtype=jnp.int32)
-        (h, kv_cache), ys = jax.lax.scan(body, (h, kv_cache), (seg_params, layer_ids))
+        local_ids = jnp.arange(seg.num_layers, dtype=jnp.int32)
+        (h, kv_cache), ys = jax.lax.scan(body, (h, kv_cache), (scanned, layer_ids, local_ids), unroll=unroll)
         if ys is not None:
             routing.append(ys)
     logits = _logits(params, cfg, h[meta.logits_indices])

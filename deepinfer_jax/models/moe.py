@@ -84,21 +84,31 @@ def experts_dense(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Ar
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
 
 
-def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False):
-    """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked)."""
+def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
+              experts: dict | None = None, layer: jax.Array | None = None):
+    """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
+
+    Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
+    index to use (the kernel reads the stacked array in place; the XLA paths slice it)."""
     w, idx = route(p, cfg, x)
-    if moe_impl == "dense":
-        out = experts_dense(p["experts"], x, w, idx)
-    elif moe_impl == "ragged":
-        out = experts_ragged(p["experts"], x, w, idx)
-    elif moe_impl in ("pallas", "pallas_interpret"):
+    ex = p["experts"] if experts is None else experts
+    if moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm import moe_experts
 
-        ex = p["experts"]
         out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,
-                          interpret=moe_impl == "pallas_interpret")
+                          layer=layer, interpret=moe_impl == "pallas_interpret")
+        return (_plus_shared(p, x, out), idx) if return_routing else _plus_shared(p, x, out)
+    if experts is not None:
+        ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
+    if moe_impl == "dense":
+        out = experts_dense(ex, x, w, idx)
+    elif moe_impl == "ragged":
+        out = experts_ragged(ex, x, w, idx)
     else:
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
-    if "shared" in p:
-        out = out + swiglu_mlp(x, p["shared"])
+    out = _plus_shared(p, x, out)
     return (out, idx) if return_routing else out
+
+
+def _plus_shared(p: dict, x: jax.Array, out: jax.Array) -> jax.Array:
+    return out + swiglu_mlp(x, p["shared"]) if "shared" in p else out

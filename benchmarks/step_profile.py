@@ -1,0 +1,124 @@
+"""Where a decode step's time goes: the device time of one isolated step (same inputs, repeated) next
+to the host time of preparing it, for implementation variants. The V2-Lite shape, random weights.
+
+    python benchmarks/step_profile.py --batch 32 --context 640 [--unroll] [--moe-impl ragged]
+Run it under different XLA_FLAGS (e.g. command buffers for while loops) to compare lowering choices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="deepseek-v2-lite")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--context", type=int, default=640)
+    ap.add_argument("--attn-impl", default="pallas")
+    ap.add_argument("--moe-impl", default="pallas")
+    ap.add_argument("--unroll", action="store_true")
+    ap.add_argument("--label", default="")
+    ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import ModelConfig, RunnerConfig
+    from deepinfer_jax.runner.inputs import Shapes
+    from deepinfer_jax.runner.model_runner import ModelRunner
+    from deepinfer_jax.scheduler.scheduler import ScheduledSeq
+    from deepinfer_jax.types import Request, SamplingParams
+    from deepinfer_jax.weights.random_init import random_params
+
+    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
+    params = random_params(cfg, jnp.bfloat16)
+    ps, max_len = 64, 1024
+    B = args.batch
+    pages_per = -(-max_len // ps)
+    num_pages = B * pages_per + 1
+    shapes = Shapes((B,), B, pages_per, ps, max_len)
+    rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
+                      scan_unroll=True if args.unroll else 1)
+    t0 = time.time()
+    runner = ModelRunner(cfg, params, rc, shapes, num_pages)
+    runner.kv_cache = jax.random.normal(jax.random.key(3), runner.kv_cache.shape, runner.kv_cache.dtype)
+    rng = np.random.default_rng(0)
+    seqs, reqs, seeds = [], {}, {}
+    for b in range(B):
+        rid = f"r{b}"
+        pages = list(range(1 + b * pages_per, 1 + (b + 1) * pages_per))
+        seqs.append(ScheduledSeq(rid, [int(rng.integers(100, 90000))], args.context, pages, True, 1))
+        reqs[rid] = Request(rid, [1] * args.context, SamplingParams(temperature=0.0, max_tokens=8))
+        seeds[rid] = b
+    host = runner.prepare(seqs, reqs, seeds)
+    jax.block_until_ready(runner._run(host))
+    compile_s = time.time() - t0
+    for _ in range(3):
+        jax.block_until_ready(runner._run(host))
+    ts = []
+    for _ in range(20):
+        t = time.perf_counter()
+        jax.block_until_ready(runner._run(host))
+        ts.append(time.perf_counter() - t)
+    hs = []
+    for _ in range(20):
+        t = time.perf_counter()
+        runner.prepare(seqs, reqs, seeds)
+        hs.append(time.perf_counter() - t)
+    dev = float(np.median(ts))
+    if args.trace:
+        top_kernels(runner, host, args.trace)
+    print(f"{args.label or 'variant'}: attn={args.attn_impl} moe={args.moe_impl} unroll={args.unroll} "
+          f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
+          f"({B/dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
+          flush=True)
+    return 0
+
+
+def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> None:
+    """Trace `steps` steps and print GPU time per kernel name (perfetto JSON from jax.profiler)."""
+    import glob
+    import gzip
+    import json
+    from collections import defaultdict
+
+    import jax
+
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(steps):
+            jax.block_until_ready(runner._run(host))
+    files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        print("no perfetto trace written")
+        return
+    with gzip.open(files[0]) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
+    total, count = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            total[e["name"]] += e.get("dur", 0.0)
+            count[e["name"]] += 1
+    grand = sum(total.values())
+    print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:4d}  {name[:110]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
