@@ -86,7 +86,7 @@ class ModelRunner:
 
             def step(params, kv_cache, meta, st):
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                    return_routing=rc.collect_routing)
+                                    return_routing=rc.collect_routing, unroll=rc.scan_unroll)
                 logits, kv_cache = out[0], out[1]
                 sampled = sample(logits, st, max_logprobs=k)
                 return (sampled, out[2]) if rc.collect_routing else (sampled, None), kv_cache
