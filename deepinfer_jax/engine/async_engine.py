@@ -256,55 +256,66 @@ class AsyncEngine:
                 aborts, self._aborts = self._aborts, []
                 stopping = self._stopping
             pushes: dict[asyncio.AbstractEventLoop, list] = {}
-            for stream, ids, params, prompt, keep in adds:
-                try:
-                    eng.add_request(stream.request_id, ids, params, prompt=prompt, keep_special_tokens=keep)
-                except Exception as e:  # noqa: BLE001 - bad input reaches the client, not the loop
-                    self._push(pushes, stream, ValueError(str(e)) if isinstance(e, ValueError) else e)
-            for rid in aborts:
-                eng.abort_request(rid)
-            if stopping:
-                with self._cond:
-                    streams = list(self._streams.values())
-                for stream in streams:
-                    eng.abort_request(stream.request_id)
-                    self._push(pushes, stream, EngineNotReadyError("the server is shutting down"))
+            try:
+                if not self._iteration(eng, adds, aborts, stopping, pushes):
+                    return
+            except Exception as e:  # noqa: BLE001 - a bug outside step(): fail what is in flight, keep going
+                self._fail_all(eng, pushes, e, "engine loop error")
+            finally:
                 self._flush(pushes)
-                self.stats = eng.stats()
-                return
-            if eng.has_unfinished_requests():
-                self._step(eng, pushes)
-            self._flush(pushes)
-            self.stats = eng.stats()
+                try:
+                    self.stats = eng.stats()
+                except Exception:  # noqa: BLE001
+                    log.exception("engine stats failed")
 
-    def _step(self, eng, pushes) -> None:
-        t0 = time.time()
-        try:
-            outputs = eng.step()
-        except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
-            log.exception("engine step failed; aborting %d requests", len(self._streams))
-            self.healthy, self.last_error = False, f"{type(e).__name__}: {e}"
-            err = EngineStepError(f"engine step failed: {type(e).__name__}: {e}")
+    def _iteration(self, eng, adds, aborts, stopping: bool, pushes) -> bool:
+        """Apply the commands and run one step; False once the loop should end."""
+        for stream, ids, params, prompt, keep in adds:
+            try:
+                eng.add_request(stream.request_id, ids, params, prompt=prompt, keep_special_tokens=keep)
+            except Exception as e:  # noqa: BLE001 - bad input reaches the client, not the loop
+                self._push(pushes, stream, ValueError(str(e)) if isinstance(e, ValueError) else e)
+        for rid in aborts:
+            eng.abort_request(rid)
+        if stopping:
             with self._cond:
                 streams = list(self._streams.values())
             for stream in streams:
-                try:
-                    eng.abort_request(stream.request_id)
-                except Exception:  # noqa: BLE001
-                    log.exception("abort after a failed step failed")
-                self._push(pushes, stream, err)
-            return
-        self.healthy = True
-        now = time.time()
+                eng.abort_request(stream.request_id)
+                self._push(pushes, stream, EngineNotReadyError("the server is shutting down"))
+            return False
+        if eng.has_unfinished_requests():
+            t0 = time.time()
+            try:
+                outputs = eng.step()
+            except Exception as e:  # noqa: BLE001 - fail the requests, keep the server up
+                self._fail_all(eng, pushes, e, "engine step failed")
+                return True
+            self.healthy = True
+            now = time.time()
+            with self._cond:
+                streams = dict(self._streams)
+            for out in outputs:
+                stream = streams.get(out.request_id)
+                if stream is None:  # aborted by the client in the meantime
+                    continue
+                delta = stream._delta(out, t0, now)
+                if delta is not None:
+                    self._push(pushes, stream, delta)
+        return True
+
+    def _fail_all(self, eng, pushes, e: Exception, what: str) -> None:
         with self._cond:
-            streams = dict(self._streams)
-        for out in outputs:
-            stream = streams.get(out.request_id)
-            if stream is None:  # aborted by the client in the meantime
-                continue
-            delta = stream._delta(out, t0, now)
-            if delta is not None:
-                self._push(pushes, stream, delta)
+            streams = list(self._streams.values())
+        log.exception("%s; aborting %d requests", what, len(streams))
+        self.healthy, self.last_error = False, f"{type(e).__name__}: {e}"
+        err = EngineStepError(f"{what}: {type(e).__name__}: {e}")
+        for stream in streams:
+            try:
+                eng.abort_request(stream.request_id)
+            except Exception:  # noqa: BLE001
+                log.exception("abort after a failure failed")
+            self._push(pushes, stream, err)
 
     @staticmethod
     def _push(pushes, stream: RequestStream, item) -> None:

@@ -212,7 +212,9 @@ class RunningServer:
         if n:
             log.info("shutting down: letting %d in-flight request(s) finish", n)
         await self.runner.cleanup()  # stop listening, wait up to shutdown_timeout, cancel the rest
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown)
+        # a thread still loading / compiling cannot be interrupted: do not wait for it (serve() exits anyway)
+        wait = 10.0 if self.engine.ready else 0.0
+        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown, wait)
 
 
 async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer: Any = None) -> RunningServer:

@@ -17,7 +17,7 @@ import time
 import aiohttp
 import pytest
 
-from conftest import API_KEY, MODEL
+from e2e_helpers import API_KEY, MODEL
 
 ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024"]
 

@@ -8,7 +8,7 @@ import time
 
 import aiohttp
 
-from conftest import API_KEY, MODEL, parse_metrics, wait_idle
+from e2e_helpers import API_KEY, MODEL, parse_metrics, wait_idle
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 LABEL = (("model_name", MODEL),)

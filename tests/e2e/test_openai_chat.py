@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from conftest import MODEL, wait_idle
+from e2e_helpers import MODEL, wait_idle
 from scripted import ARGS, CONTENT, REASONING, TOOL_NAME, TOOLS
 
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]

@@ -7,7 +7,7 @@ import aiohttp
 import asyncio
 import pytest
 
-from conftest import MODEL, parse_metrics
+from e2e_helpers import MODEL, parse_metrics
 from scripted import CONTENT, REASONING
 
 ASSISTANT = "<｜Assistant｜>"
