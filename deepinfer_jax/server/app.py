@@ -107,7 +107,7 @@ def _handlers(s: Serving):
         return await completion(request, await read_json(request))
 
     async def models(request):
-        mml = s.engine.engine.max_model_len if s.engine.ready else s.config.max_model_len
+        mml = s.max_model_len
         data = [{"id": name, "object": "model", "created": started, "owned_by": "deepinfer",
                  "root": s.config.model_path, "parent": None, "max_model_len": mml}
                 for name in s.config.served_model_names]
@@ -159,7 +159,7 @@ def _handlers(s: Serving):
             if not isinstance(add, bool):
                 raise APIError("'add_special_tokens' must be a boolean", param="add_special_tokens")
             ids = s.tokenizer.encode(prompt, add_special_tokens=add)
-        mml = s.engine.engine.max_model_len if s.engine.ready else s.config.max_model_len
+        mml = s.max_model_len
         out = {"count": len(ids), "max_model_len": mml, "tokens": ids}
         if body.get("return_token_strs"):
             out["token_strs"] = [s.token_str(t) for t in ids]

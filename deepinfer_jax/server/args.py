@@ -15,6 +15,10 @@ from typing import Any
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                  "default-model")
 DEFAULT_MODEL_NAME = "deepinfer-default"
+# Engine sizes used when a flag is not given: the general defaults (vLLM's), and smaller ones for the
+# embedded demo model so that its first start (which compiles every step shape) stays short on a CPU.
+GENERAL_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None}
+DEMO_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_len": 2048}
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False) -> None:
@@ -24,10 +28,12 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                         "embedded demo model shipped in the package (random weights)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (prompt + output); default min(max_position_embeddings, 4096)")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per engine step")
+                   help="context length (prompt + output); default min(max_position_embeddings, 4096) "
+                        "(2048 for the embedded demo model)")
+    g.add_argument("--max-num-seqs", type=int, default=None,
+                   help="sequences per engine step (default 256; 32 for the embedded demo model)")
     g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (default max(2048, max_num_seqs))")
+                   help="tokens per engine step (default max(2048, max_num_seqs); 256 for the demo model)")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
                    help="fraction of device memory for weights + KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
@@ -119,9 +125,10 @@ def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
 
 def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str, Any]:
     """Keyword arguments for `LLM(model, **kw)` from the engine flags."""
+    sizes = {k: getattr(ns, k) if getattr(ns, k) is not None else d
+             for k, d in (GENERAL_DEFAULTS if ns.model else DEMO_DEFAULTS).items()}
     kw: dict[str, Any] = dict(
-        dtype=ns.dtype, max_model_len=ns.max_model_len, max_num_seqs=ns.max_num_seqs,
-        max_num_batched_tokens=ns.max_num_batched_tokens, page_size=ns.page_size,
+        dtype=ns.dtype, **sizes, page_size=ns.page_size,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress,

@@ -34,7 +34,7 @@ REQUEST_ID = web.RequestKey("request_id", str)
 class ServingConfig:
     served_model_names: list[str]
     model_path: str
-    max_model_len: int
+    max_model_len: int | None  # the flag; None until the engine has resolved it
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     retry_after_s: int = 1
@@ -67,13 +67,19 @@ class Serving:
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
     @property
+    def max_model_len(self) -> int | None:
+        """The engine's context length once it is built (the --max-model-len flag before that)."""
+        eng = self.engine.engine
+        return eng.max_model_len if self.engine.ready and eng is not None else self.config.max_model_len
+
+    @property
     def vocab_size(self) -> int | None:
         eng = self.engine.engine
         return getattr(getattr(eng, "cfg", None), "vocab_size", None)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, *, what: str = "messages") -> None:
         n = len(ids)
-        mml = self.config.max_model_len
+        mml = self.max_model_len
         if n == 0:
             raise APIError("the prompt is empty", param="prompt")
         vocab = self.vocab_size

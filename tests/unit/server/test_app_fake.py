@@ -33,7 +33,7 @@ class FakeTokenizer:
 def _serving(fake=None, build=None, **kw):
     fake = fake or FakeEngine(**kw)
     eng = AsyncEngine(build or (lambda: fake)).start()
-    cfg = ServingConfig(served_model_names=["m"], model_path="/nowhere", max_model_len=fake.max_model_len)
+    cfg = ServingConfig(served_model_names=["m"], model_path="/nowhere", max_model_len=None)  # as with no flag
     return Serving(eng, FakeTokenizer(), cfg, ServerMetrics("m")), fake
 
 
@@ -72,6 +72,13 @@ def test_503_until_ready_then_200():
         async with s.post("/v1/completions", json={"prompt": "ab", "max_tokens": 3}) as r:
             body = await r.json()
             assert r.status == 200 and body["choices"][0]["text"] == "t99 t0 t1 "
+        async with s.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "ab"}]}) as r:
+            body = await r.json()  # max_tokens: what fits in the engine's max_model_len (64)
+            assert r.status == 200 and body["usage"]["completion_tokens"] == 62
+        async with s.post("/v1/completions", json={"prompt": "ab", "max_tokens": 63}) as r:
+            assert r.status == 400 and "maximum context length is 64" in (await r.json())["error"]["message"]
+        async with s.get("/v1/models") as r:
+            assert (await r.json())["data"][0]["max_model_len"] == 64
 
     asyncio.run(_with_server(serving, fn))
 

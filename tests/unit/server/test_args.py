@@ -15,9 +15,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.a
 
 def test_defaults_and_vllm_names():
     ns = parse_with_config(_serve_parser(), [])
-    assert (ns.host, ns.port, ns.max_num_seqs, ns.enable_prefix_caching, ns.page_size) == ("127.0.0.1", 8000, 256,
-                                                                                          True, 64)
+    assert (ns.host, ns.port, ns.enable_prefix_caching, ns.page_size) == ("127.0.0.1", 8000, True, 64)
     assert resolve_model(ns) == (DEFAULT_MODEL_DIR, "deepinfer-default")
+    kw = engine_kwargs(ns)  # the embedded demo model gets small sizes unless flags say otherwise
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (32, 256, 2048)
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--max-num-seqs", "4"]))
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (4, 256)
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m"]))
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (256, None, None)
     ns = parse_with_config(_serve_parser(), ["--block-size", "16", "--no-enable-prefix-caching", "-tp", "1",
                                              "--served-model-name", "a", "b", "--model", "/m"])
     assert ns.page_size == 16 and not ns.enable_prefix_caching and ns.served_model_name == ["a", "b"]
