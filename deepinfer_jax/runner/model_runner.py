@@ -25,6 +25,7 @@ from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page
 from deepinfer_jax.models.deepseek import forward_paged
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, uses_penalties
+from deepinfer_jax.runner.packing import Layout, pack, unpack
 from deepinfer_jax.sampling import sample
 
 log = logging.getLogger(__name__)
@@ -73,26 +74,28 @@ class ModelRunner:
         self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
         if kv_sharding is not None:
             self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
-        self._fns: dict[bool, Any] = {}
+        self._fns: dict[Any, Any] = {}
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
 
     # ---- compiled step ---------------------------------------------------------------------------
-    def _step_fn(self, full: bool):
-        if full not in self._fns:
+    def _step_fn(self, full: bool, layout: Layout):
+        key = (full, layout)
+        if key not in self._fns:
             cfg, rc, k = self.cfg, self.runner_cfg, self.max_logprobs if full else 0
 
-            def step(params, kv_cache, meta, st):
+            def step(params, kv_cache, ints, floats):
+                meta, st = unpack(ints, floats, layout)
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                     return_routing=rc.collect_routing, unroll=rc.scan_unroll)
                 logits, kv_cache = out[0], out[1]
                 sampled = sample(logits, st, max_logprobs=k)
                 return (sampled, out[2]) if rc.collect_routing else (sampled, None), kv_cache
 
-            self._fns[full] = jax.jit(step, donate_argnums=(1,))
-        return self._fns[full]
+            self._fns[key] = jax.jit(step, donate_argnums=(1,))
+        return self._fns[key]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile every (bucket, variant) by running it on padding. Returns the number compiled."""
@@ -122,8 +125,9 @@ class ModelRunner:
         return HostStep(meta, st, [s.request_id for s in plan_seqs], rows, bucket, want_full)
 
     def _run(self, host: HostStep):
-        fn = self._step_fn(host.penalties)
-        (out, routing), self.kv_cache = fn(self.params, self.kv_cache, host.meta, host.sampling)
+        ints, floats, layout = pack((host.meta, host.sampling))  # two host->device copies per step
+        fn = self._step_fn(host.penalties, layout)
+        (out, routing), self.kv_cache = fn(self.params, self.kv_cache, ints, floats)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 
