@@ -55,16 +55,23 @@ class _ChildCursor:
 class RequestStream:
     """Async iterator of RequestOutput deltas for one request (see module docstring).
 
-    Timing facts (time.time() seconds) for metrics: `arrival_time`; `scheduled_time` (start of the
-    step that produced the first output; for a prompt prefilled in several chunks it is the last
-    chunk's step); `first_token_time`; `finish_time`.
+    When the consumer falls behind, the deltas waiting in its queue are merged into one item, so a
+    slow client costs one write per wake-up rather than one per engine step.
+
+    Timing facts (time.time() seconds, taken on the loop thread) for metrics: `arrival_time`;
+    `scheduled_time` (start of the step that produced the first output; for a prompt prefilled in
+    several chunks it is the last chunk's step); `first_token_time`; `finish_time`; and
+    `take_token_gaps()`, the gaps between the steps that produced tokens since the last call.
     """
 
     def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, loop: asyncio.AbstractEventLoop):
         self._engine, self.request_id, self.num_seqs = engine, request_id, num_seqs
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._held: BaseException | None = None
         self._cursors: dict[int, _ChildCursor] = {}
+        self._gaps: list[float] = []
+        self._last_token_time: float | None = None
         self.finished = False
         self.arrival_time = time.time()
         self.scheduled_time: float | None = None
@@ -76,17 +83,26 @@ class RequestStream:
         return self
 
     async def __anext__(self) -> RequestOutput:
-        if self.finished and self._queue.empty():
-            raise StopAsyncIteration
-        try:
-            item = await self._queue.get()
-        except BaseException:
-            self.abort()
-            raise
+        if self._held is not None:
+            item, self._held = self._held, None
+        else:
+            if self.finished and self._queue.empty():
+                raise StopAsyncIteration
+            try:
+                item = await self._queue.get()
+            except BaseException:
+                self.abort()
+                raise
         if isinstance(item, BaseException):
             self.finished = True
             self._engine._forget(self)
             raise item
+        while not item.finished and not self._queue.empty():
+            nxt = self._queue.get_nowait()
+            if isinstance(nxt, BaseException):
+                self._held = nxt
+                break
+            item = _merge(item, nxt)
         if item.finished:
             self.finished = True
             self._engine._forget(self)
@@ -97,6 +113,10 @@ class RequestStream:
         if not self.finished:
             self.finished = True
             self._engine.abort(self.request_id)
+
+    def take_token_gaps(self) -> list[float]:
+        gaps, self._gaps = self._gaps, []
+        return gaps
 
     # -- producer side (loop thread) ---------------------------------------------------------------
     def _delta(self, out: RequestOutput, step_start: float, now: float) -> RequestOutput | None:
@@ -115,12 +135,31 @@ class RequestStream:
             cur.logprobs = 0 if c.logprobs is None else len(c.logprobs)
         if not outs and not out.finished:
             return None
-        if self.first_token_time is None and any(o.token_ids for o in outs):
-            self.scheduled_time, self.first_token_time = step_start, now
+        if any(o.token_ids for o in outs):
+            if self.first_token_time is None:
+                self.scheduled_time, self.first_token_time = step_start, now
+            else:
+                self._gaps.append(now - self._last_token_time)
+            self._last_token_time = now
         if out.finished:
             self.finish_time = now
         return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, out.num_cached_tokens, outs,
                              out.finished)
+
+
+def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one."""
+    by = {c.index: c for c in a.outputs}
+    for c in b.outputs:
+        p = by.get(c.index)
+        if p is None:
+            by[c.index] = c
+            continue
+        lps = None if p.logprobs is None and c.logprobs is None else (p.logprobs or []) + (c.logprobs or [])
+        by[c.index] = CompletionOutput(c.index, p.text + c.text, p.token_ids + c.token_ids, lps, c.finish_reason,
+                                       c.stop_reason, c.cumulative_logprob)
+    return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, b.num_cached_tokens,
+                         [by[i] for i in sorted(by)], b.finished)
 
 
 class AsyncEngine:

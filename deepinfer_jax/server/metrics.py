@@ -57,9 +57,13 @@ class ServerMetrics:
                   self.generation_tokens):
             m.labels(model_name)  # every series exists from the first scrape
         self._last = (0, 0, 0)
+        self._children: dict[int, object] = {}
 
     def _l(self, metric):
-        return metric.labels(self.model_name)
+        child = self._children.get(id(metric))
+        if child is None:
+            child = self._children[id(metric)] = metric.labels(self.model_name)
+        return child
 
     # ---- scrape ----------------------------------------------------------------------------------
     def render(self, stats, in_flight: int) -> bytes:

@@ -115,23 +115,22 @@ class Serving:
             raise APIError(str(e)) from None
 
     async def tracked(self, stream: RequestStream, prompt_len: int) -> AsyncIterator[RequestOutput]:
-        """Iterate a stream, feeding the latency metrics; abort the request if left early."""
-        last = None
+        """Iterate a stream, feeding the latency metrics; abort the request if left early.
+
+        TTFT and inter-token gaps come from the engine thread's timestamps, so they do not depend on
+        how quickly this event loop gets to each output."""
         gen = 0
         reasons: dict[int, str | None] = {}
-        ok = False
+        ok = first = False
         try:
             async for out in stream:
-                now = time.time()
-                new = sum(len(c.token_ids) for c in out.outputs)
-                if new:
-                    if last is None:
-                        self.metrics.first_token(now - stream.arrival_time)
-                    else:
-                        self.metrics.inter_token(now - last)
-                    last = now
-                    gen += new
+                if not first and stream.first_token_time is not None:
+                    first = True
+                    self.metrics.first_token(stream.first_token_time - stream.arrival_time)
+                for gap in stream.take_token_gaps():
+                    self.metrics.inter_token(gap)
                 for c in out.outputs:
+                    gen += len(c.token_ids)
                     if c.finish_reason is not None:
                         reasons[c.index] = c.finish_reason
                 yield out

@@ -202,3 +202,22 @@ def test_shutdown_ends_open_streams():
 
     asyncio.run(go())
     assert fake.reqs == {}
+
+
+def test_a_slow_consumer_gets_merged_deltas():
+    eng, fake = _engine()
+
+    async def go():
+        stream = eng.submit("a", [5], SamplingParams(max_tokens=6, logprobs=1))
+        for _ in range(200):  # let the engine finish before the first read
+            if not fake.reqs:
+                break
+            await asyncio.sleep(0.005)
+        return [o async for o in stream]
+
+    outs = asyncio.run(go())
+    assert len(outs) == 1 and outs[0].finished
+    c = outs[0].outputs[0]
+    assert c.text == "t6 t7 t8 t9 t10 t11 " and c.token_ids == [6, 7, 8, 9, 10, 11] and len(c.logprobs) == 6
+    assert c.finish_reason == "length"
+    eng.shutdown()
