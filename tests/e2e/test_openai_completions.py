@@ -104,3 +104,12 @@ def test_models_health_version(client, server, tokenizer):
     assert m[("deepinfer:time_to_first_token_seconds_count", label)] > 0
     assert m[("deepinfer:generation_tokens_total", label)] > 0
     assert m[("deepinfer:request_success_total", (("finished_reason", "length"), ("model_name", MODEL)))] > 0
+
+
+def test_stop_token_ids(client, scripted_model):
+    _, ids = scripted_model
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=40,
+                                  extra_body={"stop_token_ids": [ids["</think>"]]})
+    c = r.choices[0]
+    assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == ids["</think>"]
+    assert c.text == "<think>" + REASONING + "</think>" and r.usage.completion_tokens == 3
