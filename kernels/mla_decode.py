@@ -62,7 +62,7 @@ def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=4,
-                        block_h=16, num_warps=4, num_stages=2, interpret=False):
+                        block_h=16, num_warps=8, num_stages=2, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype)."""
     T, H, R = q_lat.shape
