@@ -38,6 +38,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="fraction of device memory for weights + KV cache")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true", help="experts sharded over TP x DP")
     g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64,
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", type=int, default=None, help="fix the KV cache size in pages")
@@ -130,7 +132,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
     kw: dict[str, Any] = dict(
         dtype=ns.dtype, **sizes, page_size=ns.page_size,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
-        seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, num_pages=ns.num_pages,
+        seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
+        enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir)
     if ns.attn_impl:
