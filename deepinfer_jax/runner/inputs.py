@@ -103,7 +103,7 @@ def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int
     S = shapes.seq_rows(bucket)
     L = shapes.max_model_len if penalties else 0
     st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress)
-    row_seeds, row_steps = np.zeros(S, np.uint64), np.zeros(S, np.uint64)
+    row_seeds, row_steps = [0] * S, [0] * S  # Python ints: any seed (negative, >= 2**64) reduces mod 2**64
     for row, seq in enumerate(plan_seqs):
         req = requests[seq.request_id]
         sp = req.sampling_params

@@ -115,3 +115,11 @@ def test_recompile_guard_notices_a_new_shape(llm):
     runner._run(host)
     assert CompileCounter.count() > c0
     assert runner.compiles_after_warmup == before  # _run is below the guard; execute() counts
+
+
+@pytest.mark.parametrize("seed", [-5, 2**64 + 3])
+def test_any_integer_seed_is_accepted(llm, seed):
+    p = random_prompts(26, [6], 320)[0]
+    a = _gen(llm, [p], temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
+    b = _gen(llm, [p], temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
+    assert a == b and len(a) == 4
