@@ -226,9 +226,14 @@ def _replace(tmp: str, dst: str) -> None:
     if os.path.lexists(dst):
         old = f"{tmp}.old"
         os.rename(dst, old)
-    os.rename(tmp, dst)
+    try:
+        os.rename(tmp, dst)
+    except BaseException:
+        if old is not None:
+            os.rename(old, dst)  # put the previous checkpoint back
+        raise
     if old is not None:
-        shutil.rmtree(old) if os.path.isdir(old) else os.remove(old)
+        shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -262,15 +262,18 @@ def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = N
 
         def restore_arg(path, sds, u=u):
             s = leaf_sharding(u, _keys(path))
+            m = _get(stored_meta[u.name], _keys(path))
 
-            def arg(sh, x):
-                return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=x.dtype,
+            def arg(sh, x, m):
+                # A cast only where the stored dtype differs (tensorstore's cast driver costs time).
+                cast = None if jnp.dtype(m.dtype) == jnp.dtype(x.dtype) else x.dtype
+                return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=cast,
                                             global_shape=x.shape)
 
             if is_quantized(sds):
                 sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
-                return {"q": arg(sq, sds.q), "scale": arg(ss, sds.scale)}
-            return arg(s, sds)
+                return {"q": arg(sq, sds.q, m["q"]), "scale": arg(ss, sds.scale, m["scale"])}
+            return arg(s, sds, m)
 
         stored = to_stored(expected[u.name])
         args = jax.tree_util.tree_map_with_path(restore_arg, expected[u.name], is_leaf=is_quantized)
