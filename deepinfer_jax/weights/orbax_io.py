@@ -164,11 +164,17 @@ def read_meta(model_dir: str) -> dict:
 
 def _fit_sharding(s: Any, shape: tuple, drop_first: bool) -> Any:
     """The sharding for an array of `shape` derived from its (stacked, float) leaf's sharding `s`:
-    without the stacked axis when `drop_first`, and unsplit along axes of length 1 (int8 scales)."""
+    without the stacked axis when `drop_first`, and unsplit along axes the mesh does not divide (int8
+    scales' length-1 input axes, an INT4 scale axis of in / group rows such as 1408 / 128 = 11)."""
     if isinstance(s, jax.sharding.NamedSharding):
         spec = tuple(s.spec) + (None,) * (len(shape) + drop_first - len(s.spec))
         spec = spec[1:] if drop_first else spec
-        spec = tuple(None if n == 1 else a for a, n in zip(spec, shape))
+
+        def ways(a) -> int:
+            names = (a,) if isinstance(a, str) else tuple(a or ())
+            return int(np.prod([s.mesh.shape[n] for n in names]))
+
+        spec = tuple(a if a is None or n % ways(a) == 0 else None for a, n in zip(spec, shape))
         return jax.sharding.NamedSharding(s.mesh, jax.sharding.PartitionSpec(*spec), memory_kind=s.memory_kind)
     return s
 

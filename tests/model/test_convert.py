@@ -326,6 +326,10 @@ assert spec(o.q) == (None, "tp", None, None) and spec(o.scale) == (None,) * 4, (
 assert {s.data.shape for s in gu.q.addressable_shards} == {(2, 4, 64, 2, 32)}
 assert {s.data.shape for s in o.scale.addressable_shards} == {o.scale.shape}
 assert spec(p["embed"]) == (None, None) and len(p["embed"].sharding.device_set) == 2
+from deepinfer_jax.weights.orbax_io import _fit_sharding
+fit = _fit_sharding(NamedSharding(mesh, P(None, None, "tp", None)), (2, 8, 11, 64), False)  # 11 rows: kept whole
+assert tuple(fit.spec) == (None, None, None, None), fit
+assert tuple(_fit_sharding(NamedSharding(mesh, P(None, "tp", None)), (8, 6), True).spec) == ("tp", None)
 ids = jnp.asarray(np.arange(24).reshape(2, 12) % cfg.vocab_size, jnp.int32)
 np.testing.assert_allclose(np.asarray(forward(p, cfg, ids)), np.asarray(forward(ref, cfg, ids)), atol=1e-5, rtol=0)
 print("OK")
