@@ -9,6 +9,12 @@ Two entry points, both usable under `jax.jit`; `forward` also under `jax.grad`:
   cache. Prefill, chunked prefill and decode are the same call, so prefill followed by token-by-token
   decode equals one full forward (tested).
 
+Sharding: with `mesh_rules` (models/parallel.py), the cache write + paged attention of each layer runs
+under `jax.shard_map`: tokens, sequence rows and cache pages split over the "tokens"/"seqs"/"pages" mesh
+axes (data-parallel attention: each rank's tokens only touch its own pages, and the step metadata are
+rank-local), heads over the "heads" axes (tensor parallel). Everything else is left to XLA's SPMD
+partitioner, which follows the param shardings. Without mesh_rules the single-device code runs.
+
 Each decoder layer is pre-norm: h += attn(norm(h)); h += mlp_or_moe(norm(h)). Layers of one kind are
 stacked per segment and run under `lax.scan`, so compile time does not grow with depth.
 """
@@ -19,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
@@ -26,6 +33,7 @@ from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
 from deepinfer_jax.models.moe import moe_block
+from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 
 
@@ -94,6 +102,33 @@ def paged_attention(
     raise ValueError(f"attn_impl {attn_impl!r} is not one of 'reference', 'pallas', 'pallas_interpret'")
 
 
+def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str):
+    """Write this step's latents [T, R + dr] into their cache slots, then attend over the paged cache.
+    -> (o_lat [T, H, R], kv_cache)."""
+    page_size = kv_cache.shape[2]
+    page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
+    kv_cache = kv_cache.at[layer, page, offset].set(latent)
+    return paged_attention(q_lat, q_pe, kv_cache, layer, meta, scale, attn_impl), kv_cache
+
+
+def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata,
+                             scale: float, attn_impl: str):
+    """write_and_attend per device under shard_map: each data rank sees its own tokens, sequence rows
+    and cache pages (the metadata are rank-local: page ids and seq_ids index the local shards), each
+    tensor rank its own heads. The latent cache is one head wide, so it is replicated over the heads
+    axes and every head rank writes the same latents."""
+    tok = mr.spec(("tokens",))[0]
+    heads = mr.spec(("tokens", "heads", None))
+    meta_specs = StepMetadata(token_ids=P(tok), positions=P(tok), seq_ids=P(tok), slot_mapping=P(tok),
+                              page_table=mr.spec(("seqs", None)), logits_indices=mr.spec(("seqs",)))
+    cache = mr.spec(("layers", "pages", None, "kv_latent"))
+    fn = jax.shard_map(
+        lambda ql, qp, lat, c, li, m: write_and_attend(ql, qp, lat, c, li, m, scale, attn_impl),
+        mesh=mr.mesh, in_specs=(heads, heads, mr.spec(("tokens", None)), cache, P(), meta_specs),
+        out_specs=(heads, cache), check_vma=attn_impl == "reference")
+    return fn(q_lat, q_pe, latent, kv_cache, layer, meta)
+
+
 def forward_paged(
     params: dict,
     cfg: ModelConfig,
@@ -104,14 +139,13 @@ def forward_paged(
     attn_impl: str = "reference",
     return_routing: bool = False,
     unroll: int | bool = 1,
+    mesh_rules: MeshRules | None = None,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
     `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
-    command buffer on GPU at the cost of compile time)."""
-    page_size = kv_cache.shape[2]
+    command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
-    page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
     h = params["embed"][meta.token_ids]  # [T, D]
     routing: list[jax.Array] = []
 
@@ -129,15 +163,19 @@ def forward_paged(
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
-            cache = cache.at[li, page, offset].set(latent)
             q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
-            o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+            if mesh_rules is None:
+                o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale, attn_impl)
+            else:
+                o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                        cfg.softmax_scale, attn_impl)
             a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
-            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j)
+            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                               mesh_rules=mesh_rules)
             return (h + m, cache), (idx if return_routing else None)
 
         layer_ids = jnp.arange(seg.start, seg.stop, dtype=jnp.int32)

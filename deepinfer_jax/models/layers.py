@@ -46,9 +46,15 @@ def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
 
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     """down(silu(gate(x)) * up(x)). p: gate_up [D, 2, I], down [I, D]. x: [T, D] -> [T, D]."""
-    gu = linear(x, _flatten_gate_up(p["gate_up"]))  # [T, 2I]
-    inter = gu.shape[-1] // 2
-    return linear(silu_mul(gu[..., :inter], gu[..., inter:]), p["down"])
+    w = p["gate_up"]
+    if is_quantized(w):
+        gu = linear(x, _flatten_gate_up(w))  # [T, 2I]
+        inter = gu.shape[-1] // 2
+        return linear(silu_mul(gu[..., :inter], gu[..., inter:]), p["down"])
+    # No [D, 2, I] -> [D, 2I] reshape: with I split over devices (tensor parallel) the merged axis
+    # could not keep the split, and XLA would reshuffle the weight every step. Same GEMM otherwise.
+    gu = jnp.einsum("...d,dgi->...gi", x, w.astype(x.dtype))  # [T, 2, I]
+    return linear(silu_mul(gu[..., 0, :], gu[..., 1, :]), p["down"])
 
 
 def _flatten_gate_up(w):

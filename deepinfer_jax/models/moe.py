@@ -17,15 +17,25 @@ Expert implementations (`moe_impl`):
 - "ragged": sort token copies by expert, grouped GEMM with `jax.lax.ragged_dot`, scatter-add back.
 - "dense": every token through every expert, weighted by a [T, E] combine matrix (reference, tiny models).
 - "pallas": block-aligned grouped GEMM kernels (kernels/moe_gmm.py); "pallas_interpret" runs them on CPU.
+
+Sharded (`mesh_rules` given and the "expert" or "moe_mlp" axis split over the mesh): `experts_sharded`
+runs the chosen implementation under `jax.shard_map` on each device's slice of the experts (expert
+parallel) and/or of their intermediate dim (tensor parallel). Tokens sharded over the same mesh axes
+(data-parallel attention) are all-gathered first; each device computes the token copies routed to its
+local experts, and the partial sums are reduce-scattered back to the token owners (psum over the
+other axes). A first version, "soft all-to-all" as in sglang-jax: every device sees every token.
+Without `mesh_rules` the single-device code runs unchanged.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.layers import silu_mul, swiglu_mlp, weight
+from deepinfer_jax.models.parallel import MeshRules
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -55,15 +65,37 @@ def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array
     return w * cfg.routed_scaling_factor, idx.astype(jnp.int32)
 
 
+def route_sharded(mr: MeshRules, p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`route` on each device's own tokens (x split over "tokens"; the router weights replicated).
+    Left to XLA, the group mask's scatter over token rows makes it all-gather the [T, E] scores."""
+    router = {k: p[k] for k in ("gate", "e_score_correction_bias") if k in p}
+    tspec = mr.spec(("tokens", None))
+    return jax.shard_map(lambda r, x: route(r, cfg, x), mesh=mr.mesh, in_specs=(jax.tree.map(lambda _: P(), router), tspec),
+                         out_specs=(tspec, tspec))(router, x)
+
+
 def experts_ragged(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """Grouped GEMM over expert-sorted token copies. x [T, D], w/idx [T, k] -> [T, D]."""
+    return _experts_ragged_f32(p, x, w, idx).astype(x.dtype)
+
+
+def _experts_ragged_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                        first_expert: jax.Array | None = None) -> jax.Array:
+    """experts_ragged before the final cast (fp32 [T, D]). With `first_expert`, `p` holds only the
+    experts first_expert .. first_expert + E_local - 1 (this device's slice): copies routed elsewhere
+    sort after every local group, fall outside the ragged groups and contribute nothing."""
     T, D = x.shape
     k = idx.shape[-1]
     E = p["gate_up"].shape[0]
     flat = idx.reshape(-1)  # [T*k]
+    valid = None
+    if first_expert is not None:
+        local = flat - first_expert
+        valid = (local >= 0) & (local < E)  # [T*k] copies routed to this device's experts
+        flat = jnp.where(valid, local, E)  # others sort last, in the (E+1)-th group
     order = jnp.argsort(flat, stable=True)  # [T*k] copies sorted by expert
     token_of = order // k
-    group_sizes = jnp.bincount(flat, length=E).astype(jnp.int32)  # [E]
+    group_sizes = jnp.bincount(flat, length=E + 1)[:E].astype(jnp.int32)  # [E]
     xs = x[token_of]  # [T*k, D]
     gate_up = weight(p["gate_up"], x.dtype).reshape(E, D, -1)  # [E, D, 2I]
     h = jax.lax.ragged_dot(xs, gate_up, group_sizes)  # [T*k, 2I]
@@ -71,27 +103,109 @@ def experts_ragged(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.A
     a = silu_mul(h[:, :inter], h[:, inter:])
     y = jax.lax.ragged_dot(a, weight(p["down"], x.dtype), group_sizes)  # [T*k, D]
     y = y.astype(jnp.float32) * w.reshape(-1)[order][:, None]
-    return jnp.zeros((T, D), jnp.float32).at[token_of].add(y).astype(x.dtype)
+    if valid is not None:
+        y = jnp.where(valid[order][:, None], y, 0.0)
+    return jnp.zeros((T, D), jnp.float32).at[token_of].add(y)
 
 
 def experts_dense(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Array:
     """Every token through every expert, combined with a [T, E] weight matrix (zero off the top-k)."""
+    return _experts_dense_f32(p, x, w, idx).astype(x.dtype)
+
+
+def _experts_dense_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                       first_expert: jax.Array | None = None) -> jax.Array:
+    """experts_dense before the final cast; `first_expert` as in _experts_ragged_f32."""
     E = p["gate_up"].shape[0]
-    combine = jnp.zeros((x.shape[0], E), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(w)
+    if first_expert is not None:
+        local = idx - first_expert
+        idx = jnp.where((local >= 0) & (local < E), local, E)  # E: out of range, dropped below
+    combine = jnp.zeros((x.shape[0], E), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(w, mode="drop")
     gu = jnp.einsum("td,edgi->tegi", x, weight(p["gate_up"], x.dtype))  # [T, E, 2, I]
     a = silu_mul(gu[:, :, 0], gu[:, :, 1])  # [T, E, I]
     y = jnp.einsum("tei,eid->ted", a, weight(p["down"], x.dtype))  # [T, E, D]
-    return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine).astype(x.dtype)
+    return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
+
+
+EXPERT_AXES = {"gate_up": ("expert", "embed", None, "moe_mlp"), "down": ("expert", "moe_mlp", "embed")}
+
+
+def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:
+    """The PartitionSpec of an expert weight leaf; a quantized leaf's int8 scale keeps length-1 axes
+    (one scale shared along a contracted axis) unsplit."""
+    spec = tuple(mr.spec(axes)) + (None,) * (leaf.ndim - len(axes))
+    return P(*[None if n == 1 else a for a, n in zip(spec, leaf.shape)])
+
+
+def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                    layer: jax.Array | None) -> jax.Array:
+    """Routed experts with the expert weights split over the mesh (see the module docstring).
+    ex: {gate_up [(L,) E, D, 2, I], down [(L,) E, I, D]} (stacked when `layer` is given); x [T, D],
+    w/idx [T, k] -> [T, D]. The same arithmetic per token copy as the single-device path; only the
+    order of the final sums over experts and intermediate slices differs."""
+    lead = ("layers",) if layer is not None else ()
+    tok = mr.mesh_axes("tokens")
+    exp_axes, mlp_axes = mr.mesh_axes("expert"), mr.mesh_axes("moe_mlp")
+    reduce_axes = tuple(a for a in mr.mesh.axis_names if a in exp_axes or a in mlp_axes)
+    # Token shards that devices holding other experts need (a size-1 axis needs no gather).
+    gather = tuple(a for a in tok if a in reduce_axes and mr.mesh.shape[a] > 1)
+    rest = tuple(a for a in reduce_axes if a not in gather)
+    ex_specs = {k: jax.tree.map(lambda leaf, k=k: _leaf_spec(mr, lead + EXPERT_AXES[k], leaf), ex[k])
+                for k in ("gate_up", "down")}
+    tspec = mr.spec(("tokens", None))
+
+    def local(ex_l, x, w, idx, layer):
+        out_dtype = x.dtype
+        if gather:
+            x, w, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, idx))
+        E_local = jax.tree.leaves(ex_l["down"])[0].shape[len(lead)]
+        first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
+        if moe_impl in ("pallas", "pallas_interpret"):
+            from deepinfer_jax.kernels.moe_gmm import moe_experts
+
+            # Copies routed to other devices go to local expert 0 with weight 0 (the kernel has no
+            # "skip" id yet), so each device computes every copy: correct, not yet efficient.
+            loc = idx - first
+            ok = (loc >= 0) & (loc < E_local)
+            y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype),
+                            jnp.where(ok, w, 0.0), jnp.where(ok, loc, 0), layer=layer,
+                            interpret=moe_impl == "pallas_interpret").astype(jnp.float32)
+        else:
+            if layer is not None:
+                ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
+            f = {"dense": _experts_dense_f32, "ragged": _experts_ragged_f32}[moe_impl]
+            y = f(ex_l, x, w, idx, first)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if rest:
+            y = jax.lax.psum(y, rest)
+        return y.astype(out_dtype)
+
+    if moe_impl not in ("dense", "ragged", "pallas", "pallas_interpret"):
+        raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
+    layer_arg = jnp.int32(0) if layer is None else layer
+    fn = jax.shard_map(lambda e, x, w, i, l: local(e, x, w, i, None if layer is None else l), mesh=mr.mesh,
+                       in_specs=(ex_specs, tspec, tspec, tspec, P()), out_specs=tspec,
+                       check_vma=not moe_impl.startswith("pallas"))
+    return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx, layer_arg)
 
 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
-              experts: dict | None = None, layer: jax.Array | None = None):
+              experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
-    index to use (the kernel reads the stacked array in place; the XLA paths slice it)."""
-    w, idx = route(p, cfg, x)
+    index to use (the kernel reads the stacked array in place; the XLA paths slice it). With
+    `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded)."""
+    if mesh_rules is not None and mesh_rules.size("tokens") > 1:
+        w, idx = route_sharded(mesh_rules, p, cfg, x)
+    else:
+        w, idx = route(p, cfg, x)
     ex = p["experts"] if experts is None else experts
+    if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
+        out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
+                                                 None if experts is None else layer))
+        return (out, idx) if return_routing else out
     if moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm import moe_experts
 
