@@ -34,8 +34,10 @@ class LLM:
 
     Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
-    skip_tokenizer_init, seed. Ours: num_pages (fix the KV pool size), attn_impl / moe_impl
-    (kernels or references), chat_template, progress.
+    skip_tokenizer_init, seed, tensor_parallel_size, data_parallel_size, enable_expert_parallel
+    (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
+    and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
+    KV pool size), attn_impl / moe_impl (kernels or references), chat_template, progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -51,15 +53,22 @@ class LLM:
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
         from deepinfer_jax.weights.loader import load_model
 
-        if tensor_parallel_size * data_parallel_size != 1 or enable_expert_parallel:
-            raise ValueError("tensor_parallel_size / data_parallel_size / enable_expert_parallel > 1 are not "
-                             "supported yet: this build runs on one device")
+        from deepinfer_jax.config import ModelConfig
+        from deepinfer_jax.sharding import ParallelConfig, build_sharding
+
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
         enable_compilation_cache(compilation_cache_dir)
         t0 = time.time()
         self.dtype = resolve_dtype(dtype, model)
-        self.model_config, params = load_model(model, jnp.dtype(self.dtype), progress=progress)
+        # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
+        self.sharding, shardings = None, None
+        if not parallel.is_single_device:
+            cfg0 = ModelConfig.from_model_dir(model)
+            self.sharding = build_sharding(cfg0, parallel)
+            shardings = self.sharding.param_shardings(cfg0)
+        self.model_config, params = load_model(model, jnp.dtype(self.dtype), shardings=shardings, progress=progress)
         cfg = self.model_config
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:
@@ -78,7 +87,8 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
-                                runner_config=runner, num_pages=num_pages, progress=progress)
+                                runner_config=runner, num_pages=num_pages, progress=progress,
+                                sharding=self.sharding)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
 

@@ -6,6 +6,10 @@ stop strings and returns a RequestOutput for every request that progressed.
 
 n > 1: a user request becomes n child requests ("{id}#{i}") sharing the prompt (the prefix cache
 shares its pages); outputs are gathered under the parent id with CompletionOutput.index = i.
+
+Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the runner places everything on the mesh;
+with data-parallel attention each rank gets its own scheduler and page pool (sharding/data_parallel.py),
+`num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ class _Parent:
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Any, *, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, runner_config: RunnerConfig, num_pages: int | None = None,
-                 progress: bool = True, max_logprobs: int = 20):
+                 progress: bool = True, max_logprobs: int = 20, sharding: Any = None):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -74,6 +78,8 @@ class LLMEngine:
             if num_pages > cap:
                 how += f"; capped at {cap} pages (32-bit offsets of the Pallas attention kernel)"
                 num_pages = cap
+        if sharding is not None and sharding.num_ranks > 1:
+            how += f" per data-parallel rank, {sharding.num_ranks} ranks"
         log.info("KV cache: %s", how)
         self.kv_cache_report = how
         buckets = tuple(sorted(runner_config.token_buckets)) or token_buckets(
@@ -83,8 +89,14 @@ class LLMEngine:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len)
-        self.scheduler = Scheduler(scheduler_config, cache_config, num_pages)
-        self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs)
+        if sharding is not None and sharding.num_ranks > 1:
+            from deepinfer_jax.sharding.data_parallel import DPScheduler
+
+            self.scheduler = DPScheduler([Scheduler(scheduler_config, cache_config, num_pages)
+                                          for _ in range(sharding.num_ranks)])
+        else:
+            self.scheduler = Scheduler(scheduler_config, cache_config, num_pages)
+        self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
         self._rng = np.random.default_rng(runner_config.seed)
         self._seeds: dict[str, int] = {}
@@ -168,7 +180,7 @@ class LLMEngine:
         if plan.is_empty:
             return []
         requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-        result = self.runner.execute(plan.seqs, requests, self._seeds)
+        result = self.runner.execute(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
         updates = self.scheduler.update_from_output(plan, result.token_ids)
         now = time.time()
         touched: dict[str, None] = {}

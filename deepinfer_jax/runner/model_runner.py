@@ -8,6 +8,12 @@ Variants: for each token bucket, a base variant (no penalties, no top logprobs) 
 (penalty history arrays + top `max_logprobs` logprobs). `warmup()` compiles all of them; afterwards
 `CompileCounter` sees every backend compile (or persistent-cache load) during this runner's steps, and
 `compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
+
+Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
+their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
+the data axis) and the model gets the mesh rules. With data-parallel attention (`sharding.num_ranks`
+> 1) `num_pages` is per rank, the cache holds num_ranks x num_pages pages, and a step lays the ranks'
+shares out rank after rank (sharding/data_parallel.py); `execute` then needs each seq's rank.
 """
 
 from __future__ import annotations
@@ -22,11 +28,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
-from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page
+from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, uses_penalties
 from deepinfer_jax.runner.packing import Layout, pack, unpack
 from deepinfer_jax.sampling import sample
+from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
 log = logging.getLogger(__name__)
 
@@ -65,13 +72,20 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, runner_cfg: RunnerConfig, shapes: Shapes,
-                 num_pages: int, max_logprobs: int = 20, kv_sharding: Any = None):
+                 num_pages: int, max_logprobs: int = 20, kv_sharding: Any = None, sharding: Any = None):
         CompileCounter.install()
         self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
         self.num_pages = num_pages
         self.max_logprobs = max_logprobs
         self.kv_dtype = jnp.dtype(runner_cfg.dtype)
-        self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
+        self.sharding = sharding
+        self.num_ranks = 1 if sharding is None else sharding.num_ranks
+        if sharding is not None:  # a no-op for params already loaded onto their shardings
+            self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
+            shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
+            self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
+        else:
+            self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
         if kv_sharding is not None:
             self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
         self._fns: dict[Any, Any] = {}
@@ -84,13 +98,19 @@ class ModelRunner:
     def _step_fn(self, full: bool, layout: Layout):
         key = (full, layout)
         if key not in self._fns:
-            cfg, rc, k = self.cfg, self.runner_cfg, self.max_logprobs if full else 0
+            cfg, rc, k, sh = self.cfg, self.runner_cfg, self.max_logprobs if full else 0, self.sharding
 
             def step(params, kv_cache, ints, floats):
                 meta, st = unpack(ints, floats, layout)
+                if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
+                    meta, st = jax.lax.with_sharding_constraint((meta, st), sh.step_shardings(meta, st))
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                    return_routing=rc.collect_routing, unroll=rc.scan_unroll)
+                                    return_routing=rc.collect_routing, unroll=rc.scan_unroll,
+                                    mesh_rules=None if sh is None else sh.mesh_rules)
                 logits, kv_cache = out[0], out[1]
+                if sh is not None:
+                    logits = jax.lax.with_sharding_constraint(logits, sh.logits)
+                    kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
                 sampled = sample(logits, st, max_logprobs=k)
                 return (sampled, out[2]) if rc.collect_routing else (sampled, None), kv_cache
 
@@ -107,22 +127,37 @@ class ModelRunner:
 
             it = tqdm(combos, desc=f"compiling {len(combos)} step shapes", unit="shape", leave=False)
         for bucket, full in it:
-            host = HostStep(build_metadata([], self.shapes, bucket),
-                            build_sampling([], {}, {}, self.shapes, bucket, full), [], [], bucket, full)
-            out = self._run(host)
+            out = self._run(self._host_step([[]] * self.num_ranks, {}, {}, bucket, full))
             jax.block_until_ready(out)
         self._warm = True
         return len(combos)
 
     # ---- execution -------------------------------------------------------------------------------
-    def prepare(self, plan_seqs, requests, seeds) -> HostStep:
-        bucket = self.shapes.bucket_for(sum(len(s.token_ids) for s in plan_seqs))
+    def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
+        """`ranks[i]`: the data-parallel rank of plan_seqs[i] (needed when num_ranks > 1)."""
+        if self.num_ranks == 1:
+            groups = [plan_seqs]
+        elif ranks is None:
+            raise ValueError(f"a step over {self.num_ranks} data-parallel ranks needs each seq's rank")
+        else:
+            groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
+        bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
         want_full = any(uses_penalties(requests[s.request_id]) or requests[s.request_id].sampling_params.logprobs is not None
                         for s in plan_seqs)
-        meta = build_metadata(plan_seqs, self.shapes, bucket)
-        st = build_sampling(plan_seqs, requests, seeds, self.shapes, bucket, want_full)
-        rows = [i for i, s in enumerate(plan_seqs) if s.sample]
-        return HostStep(meta, st, [s.request_id for s in plan_seqs], rows, bucket, want_full)
+        return self._host_step(groups, requests, seeds, bucket, want_full)
+
+    def _host_step(self, groups, requests, seeds, bucket: int, full: bool) -> HostStep:
+        """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
+        if self.num_ranks == 1:
+            (seqs,) = groups
+            meta = build_metadata(seqs, self.shapes, bucket)
+            st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full)
+            rows = [i for i, s in enumerate(seqs) if s.sample]
+            return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full)
+        metas = [build_metadata(g, self.shapes, bucket) for g in groups]
+        sts = [build_sampling(g, requests, seeds, self.shapes, bucket, full) for g in groups]
+        meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
+        return HostStep(meta, st, rids, rows, bucket, full)
 
     def _run(self, host: HostStep):
         ints, floats, layout = pack((host.meta, host.sampling))  # two host->device copies per step
@@ -131,8 +166,8 @@ class ModelRunner:
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 
-    def execute(self, plan_seqs, requests, seeds) -> StepResult:
-        host = self.prepare(plan_seqs, requests, seeds)
+    def execute(self, plan_seqs, requests, seeds, ranks=None) -> StepResult:
+        host = self.prepare(plan_seqs, requests, seeds, ranks)
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
         out = self._run(host)

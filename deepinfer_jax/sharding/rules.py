@@ -1,0 +1,130 @@
+"""Logical-axis rules: which mesh axes split each logical axis of the params, the cache and the step.
+
+Changing a layout means editing these rules, never the model. A rule maps a logical axis name (from
+models/params.py, plus "tokens", "seqs", "pages" for the step and the cache) to a tuple of mesh axes;
+an axis not named, or named with (), is replicated. `default_rules` is vLLM's layout on the
+("data", "tensor") mesh of mesh.py:
+
+- attention: heads over "tensor" (TP); tokens, sequence rows and KV cache pages over "data" (DP
+  attention: the latent cache is one head wide, so it is split by pages, never by heads);
+- dense MLP and shared experts: intermediate dim ("mlp") over "tensor";
+- routed experts: the "expert" axis over ("data", "tensor") with enable_expert_parallel (EP = TP x DP),
+  otherwise their intermediate dim ("moe_mlp") over ("data", "tensor");
+- vocab (embedding rows, lm_head columns) over "tensor"; everything else replicated.
+
+`check_rules` refuses, with a ValueError naming the model dimension, any mesh that does not divide a
+split dimension (no padding: 5 heads on TP = 2 is refused, not padded).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.parallel import logical_to_spec
+from deepinfer_jax.models.params import is_spec, param_specs
+from deepinfer_jax.sharding.mesh import DATA, TENSOR, ParallelConfig
+
+Rules = tuple[tuple[str, tuple[str, ...]], ...]
+
+# The cache [L, P, page_size, R + dr] in logical axes.
+KV_CACHE_AXES = ("layers", "pages", None, "kv_latent")
+
+# The model dimension behind each logical axis, for error messages.
+DIMENSION_NAMES = {
+    "vocab": "vocab_size", "embed": "hidden_size", "heads": "num_attention_heads",
+    "mlp": "intermediate_size", "moe_mlp": "moe_intermediate_size", "expert": "n_routed_experts",
+    "q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "kv_latent": "kv_lora_rank + qk_rope_head_dim",
+    "qk_head": "qk_nope_head_dim + qk_rope_head_dim", "kv_head": "qk_nope_head_dim + v_head_dim",
+    "v_head": "v_head_dim", "layers": "num_hidden_layers",
+}
+
+
+def default_rules(pc: ParallelConfig) -> Rules:
+    moe = (DATA, TENSOR)
+    return (
+        ("vocab", (TENSOR,)),
+        ("embed", ()),
+        ("heads", (TENSOR,)),
+        ("qk_head", ()), ("kv_head", ()), ("v_head", ()),
+        ("q_lora", ()), ("kv_lora", ()), ("kv_latent", ()),
+        ("mlp", (TENSOR,)),
+        ("expert", moe if pc.enable_expert_parallel else ()),
+        ("moe_mlp", () if pc.enable_expert_parallel else moe),
+        ("layers", ()),
+        ("tokens", (DATA,)), ("seqs", (DATA,)), ("pages", (DATA,)),
+    )
+
+
+def _size(axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:
+    n = 1
+    for a in axes:
+        n *= mesh_shape[a]
+    return n
+
+
+def _dimension_name(logical: str, path: str) -> str:
+    if logical == "mlp" and "shared" in path:
+        return "moe_intermediate_size x n_shared_experts"
+    return DIMENSION_NAMES.get(logical, logical)
+
+
+def check_rules(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules) -> None:
+    """Raise ValueError unless `rules` on a mesh of `mesh_shape` ({axis: size}) splits every param
+    evenly and keeps the data-parallel attention consistent."""
+    import jax
+
+    table = dict(rules)
+    for logical, axes in rules:
+        for a in axes:
+            if a not in mesh_shape:
+                raise ValueError(f"rule {logical!r} -> {axes} names mesh axis {a!r}, not one of {tuple(mesh_shape)}")
+    tok, seqs, pages = table.get("tokens", ()), table.get("seqs", ()), table.get("pages", ())
+    if not (tok == seqs == pages):
+        raise ValueError(f"'tokens' {tok}, 'seqs' {seqs} and 'pages' {pages} must be split over the same mesh "
+                         "axes (each data-parallel rank owns its requests and their cache pages)")
+    for logical in ("kv_latent", "kv_lora"):
+        if _size(table.get(logical, ()), mesh_shape) > 1:
+            raise ValueError(f"{logical!r} must stay replicated: the MLA latent cache is one head wide")
+    if set(table.get("heads", ())) & set(tok):
+        raise ValueError(f"'heads' {table.get('heads')} and 'tokens' {tok} share a mesh axis")
+
+    def check(path, spec) -> None:
+        name = jax.tree_util.keystr(path)
+        used: list[str] = []
+        for dim, logical in zip(spec.shape, spec.axes):
+            axes = table.get(logical, ()) if logical else ()
+            n = _size(axes, mesh_shape)
+            if set(axes) & set(used):
+                raise ValueError(f"param {name}: mesh axes {axes} split two of its dimensions")
+            used.extend(axes)
+            if n > 1 and dim % n:
+                raise ValueError(
+                    f"{_dimension_name(logical, name)} = {dim} is not divisible by {n} (logical axis "
+                    f"{logical!r} split over mesh axes {axes}, param {name}); choose a mesh that divides it")
+
+    jax.tree_util.tree_map_with_path(check, param_specs(cfg), is_leaf=is_spec)
+
+
+def param_partition_specs(cfg: ModelConfig, rules: Rules) -> Any:
+    """Pytree of PartitionSpec with the structure of param_specs(cfg)."""
+    import jax
+
+    return jax.tree.map(lambda s: logical_to_spec(s.axes, rules), param_specs(cfg), is_leaf=is_spec)
+
+
+def param_shardings(cfg: ModelConfig, mesh, rules: Rules) -> Any:
+    """Pytree of NamedSharding matching param_specs(cfg) (checked with check_rules first)."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    check_rules(cfg, dict(mesh.shape), rules)
+    return jax.tree.map(lambda p: NamedSharding(mesh, p), param_partition_specs(cfg, rules),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def kv_cache_sharding(mesh, rules: Rules):
+    """NamedSharding of the paged latent cache [L, P, page_size, R + dr]: pages over the data axes."""
+    from jax.sharding import NamedSharding
+
+    return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, rules))

@@ -1,0 +1,106 @@
+"""Run one mixed greedy batch on a model directory under several mesh layouts; print JSON.
+
+    python tests/sharding/run_case.py MODEL_DIR [LAYOUT ...]
+
+LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep; environment
+DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference). Runs in its own
+process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
+"RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens": [[...] per request],
+"compiles_after_warmup", "seconds", "steps", "kv_usage_after", "ranks", "mesh", "kv_cache_spec"}}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+# Prompts of mixed lengths: several longer than the 32-token step budget (chunked prefill), more
+# requests than max_num_seqs (queueing), one-token prompts.
+PROMPT_LENGTHS = [3, 17, 40, 75, 1, 9, 33, 60, 5, 24]
+MAX_TOKENS = [8, 6, 10, 5, 9, 7, 6, 8, 4, 7]
+BUDGET, MAX_SEQS, MODEL_LEN, PAGE = 32, 4, 128, 8
+
+
+def parse_layout(name: str):
+    from deepinfer_jax.sharding import ParallelConfig
+
+    ep = name.endswith("ep")
+    tp, dp = (int(x) for x in name.removesuffix("ep").split("x"))
+    return ParallelConfig(tp, dp, ep)
+
+
+def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_impl: str = "reference") -> dict:
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.sharding import build_sharding
+    from deepinfer_jax.types import SamplingParams
+    from deepinfer_jax.weights.loader import load_model
+
+    t0 = time.time()
+    pc = parse_layout(layout)
+    sharding = None
+    shardings = None
+    if not pc.is_single_device:
+        cfg0 = ModelConfig.from_model_dir(model_dir)
+        sharding = build_sharding(cfg0, pc)
+        shardings = sharding.param_shardings(cfg0)
+    cfg, params = load_model(model_dir, jnp.float32, shardings=shardings, progress=False)
+    eng = LLMEngine(
+        cfg, params, None,
+        scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, max_model_len=MODEL_LEN),
+        cache_config=CacheConfig(page_size=PAGE, enable_prefix_caching=True),
+        runner_config=RunnerConfig(dtype="float32", moe_impl=moe_impl, attn_impl=attn_impl, token_buckets=(BUDGET,),
+                                   warmup_full_variant=False),
+        progress=False, sharding=sharding)
+    ids = []
+    for p, n in zip(prompts, MAX_TOKENS):
+        rid = eng.new_request_id()
+        eng.add_request(rid, p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+        ids.append(rid)
+    ranks = [getattr(eng.scheduler, "rank_of", lambda _: 0)(r) for r in ids]
+    done = {}
+    steps = 0
+    while eng.has_unfinished_requests():
+        steps += 1
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    sched = eng.scheduler
+    pools = [s.kv_cache_manager.usage for s in getattr(sched, "ranks", [sched])]
+    return {"tokens": [done[r] for r in ids], "compiles_after_warmup": eng.runner.compiles_after_warmup,
+            "seconds": round(time.time() - t0, 2), "steps": steps, "kv_usage_after": pools, "ranks": ranks,
+            "mesh": None if sharding is None else dict(sharding.mesh.shape),
+            "kv_cache_spec": None if sharding is None else _spec(eng.runner.kv_cache)}
+
+
+def _spec(x) -> list:
+    spec = list(x.sharding.spec)
+    return spec + [None] * (x.ndim - len(spec))
+
+
+def main() -> None:
+    model_dir, layouts = sys.argv[1], sys.argv[2:] or ["1x1"]
+    from deepinfer_jax.config import ModelConfig
+
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, vocab, n).tolist() for n in PROMPT_LENGTHS]
+    impls = dict(moe_impl=os.environ.get("DEEPINFER_MOE_IMPL", "ragged"),
+                 attn_impl=os.environ.get("DEEPINFER_ATTN_IMPL", "reference"))
+    results = {layout: run(model_dir, layout, prompts, **impls) for layout in layouts}
+    print("RESULT " + json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "layouts": results}))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()
