@@ -14,8 +14,9 @@ forward serves float and quantized checkpoints. Invariants (w = the float weight
   alpha * (-m / 8) with m the group's largest-magnitude (signed) value, so m maps onto -8 and all 16
   levels are used, and alpha in `INT4_ALPHAS` the shrink (outlier clipping) that minimises the group's
   squared error (scales may be negative; w ~= q * scale). `group_size` is
-  the largest divisor of in[-1] not above the requested size (so DeepSeek-V2-Lite's I = 10944 gets 114),
-  and is stored per leaf. For o_proj [H, dv, D] groups run along dv within each head.
+  `int4_group(in[-1], requested)`: a divisor of in[-1] at most the requested size, chosen so the group
+  count splits evenly over up to 8 devices where it can (V2-Lite's Im = 1408 gets 88); it is stored
+  per leaf. For o_proj [H, dv, D] groups run along dv within each head.
 - `bits`, `group_size` (0 for int8) and `n_out` are static pytree fields: `lax.scan` over the stacked
   layer axis and `jit` see only `q` and `scale` as arrays.
 
@@ -79,12 +80,20 @@ def quant_layout(path: tuple) -> tuple[int, int] | None:
     return QUANTIZED_LEAVES.get(path[-1]) if path and isinstance(path[-1], str) else None
 
 
+TP_ALIGN = 8  # INT4 group counts are kept multiples of this where possible (see int4_group)
+
+
 def int4_group(in_len: int, group_size: int) -> int:
-    """The largest divisor of `in_len` that is <= group_size (the INT4 group actually used)."""
-    g = max(1, min(group_size, in_len))
-    while in_len % g:
-        g -= 1
-    return g
+    """The INT4 group actually used along an input axis of `in_len` rows, `group_size` the upper bound.
+
+    The largest divisor g of in_len in [group_size / 2, group_size] whose group count in_len / g is a
+    multiple of TP_ALIGN, so tensor parallelism up to 8 ways over a contracted axis (down_proj's I)
+    splits on group boundaries (DeepSeek-V2-Lite: Im 1408 -> 88, 16 groups; I 10944 -> 114, 96 groups);
+    otherwise the largest divisor <= group_size (7168 -> 128; 64 -> 64)."""
+    top = max(1, min(group_size, in_len))
+    divisors = [g for g in range(top, 0, -1) if in_len % g == 0]
+    aligned = [g for g in divisors if 2 * g >= top and (in_len // g) % TP_ALIGN == 0]
+    return aligned[0] if aligned else divisors[0]
 
 
 def quantized_shapes(shape: tuple[int, ...], bits: int, n_in: int, n_out: int, group_size: int

@@ -163,7 +163,7 @@ def test_quantized_conversion_loads_quantized_leaves(hf_case, tmp_path, method):
     if method == "int8":
         assert qw.q.dtype == jnp.int8 and qw.scale.shape == (L, E, 1, 2, I)
     else:
-        assert qw.q.dtype == jnp.uint8 and qw.q.shape == (L, E, D // 2, 2, I) and qw.scale.shape == (L, E, D // 16, 2, I)
+        assert qw.q.dtype == jnp.uint8 and qw.q.shape == (L, E, D // 2, 2, I) and qw.scale.shape == (L, E, D // 8, 2, I)  # 64 rows: 8 groups of 8
     assert is_quantized(seg["attn"]["o_proj"]) and not is_quantized(seg["moe"]["gate"])
     assert not is_quantized(p["embed"]) and p["embed"].dtype == jnp.bfloat16
     ids = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (1, 16)), jnp.int32)

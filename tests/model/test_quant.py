@@ -60,11 +60,10 @@ def test_int4_packing_is_exact_on_the_grid(name, shape, n_in, n_out):
     """Weights already on a 4-bit grid (largest magnitude -8 per group) come back exactly, and the
     nibble order is low = even input row, high = odd input row."""
     rng = np.random.default_rng(1)
-    g = 16
     n_lead = len(shape) - n_in - n_out
     ax = n_lead + n_in - 1
-    q_shape, s_shape, g_eff = quantized_shapes(shape, 4, n_in, n_out, g)
-    assert g_eff == g
+    q_shape, s_shape, g = quantized_shapes(shape, 4, n_in, n_out, 16)
+    assert g == (8 if shape[ax] == 64 else 16)  # 64 rows: 8 groups of 8 (TP-aligned), 32 rows: 2 of 16
     ints = rng.integers(-7, 8, shape)
     grouped = ints.reshape(shape[:ax] + (shape[ax] // g, g) + shape[ax + 1:])
     grouped[(slice(None),) * (ax + 1) + (0,)] = -8  # the group's extreme sits on -8
@@ -82,9 +81,12 @@ def test_int4_packing_is_exact_on_the_grid(name, shape, n_in, n_out):
 
 
 def test_int4_group_choice_and_errors():
-    assert int4_group(7168, 128) == 128
-    assert int4_group(10944, 128) == 114  # DeepSeek-V2-Lite's dense intermediate size
-    assert int4_group(32, 128) == 32
+    assert int4_group(7168, 128) == 128  # 56 groups
+    assert int4_group(18432, 128) == 128  # 144 groups
+    assert int4_group(10944, 128) == 114  # DeepSeek-V2-Lite's dense intermediate size: 96 groups
+    assert int4_group(1408, 128) == 88  # its expert intermediate size: 16 groups, not 11 of 128
+    assert int4_group(512, 128) == 64  # 8 groups
+    assert int4_group(32, 128) == 32 and int4_group(256, 128) == 128  # nothing aligned in range
     with pytest.raises(ValueError, match="odd length"):
         quantized_shapes((7, 16), 4, 1, 1, 128)
     # The clipping search is never worse than plain round-to-nearest with amax / 7.
