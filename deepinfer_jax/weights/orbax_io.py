@@ -212,6 +212,26 @@ def _check_stored(unit: Unit, expected: dict, stored_meta: dict) -> None:
             raise CheckpointError(f"{name} is stored as {m.dtype}, expected {sds.dtype}")
 
 
+def _stored_groups(expected: dict, stored: Any) -> dict:
+    """INT4 group sizes as the checkpoint stores them (read off each scale's row count), so a change
+    of the group rule never misreads an older checkpoint; other leaves unchanged."""
+    def one(path, sds):
+        if not is_quantized(sds) or sds.bits != 4 or stored is None:
+            return sds
+        try:
+            rows = tuple(_get(stored, _keys(path))["scale"].shape)[sds.scale.ndim - sds.n_out - 1]
+        except (KeyError, TypeError, IndexError):
+            return sds  # reported by _check_stored
+        ax = sds.q.ndim - sds.n_out - 1
+        n_in = 2 * sds.q.shape[ax]
+        if rows < 1 or n_in % rows:
+            return sds
+        s_shape = sds.scale.shape[:ax] + (rows,) + sds.scale.shape[ax + 1:]
+        return QuantizedWeight(sds.q, jax.ShapeDtypeStruct(s_shape, sds.scale.dtype), 4, n_in // rows, sds.n_out)
+
+    return jax.tree_util.tree_map_with_path(one, expected, is_leaf=is_quantized)
+
+
 def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
                    ) -> tuple[ModelConfig, dict]:
     """(ModelConfig, params) from a converted directory; every array restored straight onto its
@@ -232,7 +252,8 @@ def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = N
         stored_meta = ckptr.metadata(tree_dir).item_metadata.tree
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     units = checkpoint_units(cfg)
-    expected = {u.name: expected_unit(u, dtype, method, group) for u in units}
+    expected = {u.name: _stored_groups(expected_unit(u, dtype, method, group), stored_meta.get(u.name))
+                for u in units}
     for u in units:  # fail before any device work, naming the first bad entry
         _check_stored(u, expected[u.name], stored_meta)
 

@@ -171,6 +171,20 @@ def test_quantized_conversion_loads_quantized_leaves(hf_case, tmp_path, method):
     assert np.isfinite(out).all() and out.shape == (1, 16, cfg.vocab_size)
 
 
+def test_int4_group_sizes_are_read_from_the_checkpoint(hf_case, tmp_path, monkeypatch):
+    """A checkpoint written under another group rule loads with its own groups (from the scales)."""
+    from deepinfer_jax.models import quant
+
+    _, src = hf_case("v3_grouped_noaux")
+    dst = str(tmp_path / "g4")
+    with monkeypatch.context() as m:
+        m.setattr(quant, "int4_group", lambda n, g: 4)
+        convert(src, dst, "float32", "int4", 16, progress=False)
+    _, p = load_model(dst, jnp.float32, progress=False)
+    qw = p["segments"][1]["moe"]["experts"]["gate_up"]  # [L, E, D, 2, I], D = 64
+    assert qw.group_size == 4 and qw.scale.shape == (2, 16, 16, 2, 32)
+
+
 def test_cli_wrapper_from_a_clone(hf_case, tmp_path):
     _, src = hf_case("v2_greedy_yarn")
     dst = tmp_path / "out"
