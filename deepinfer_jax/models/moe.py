@@ -36,6 +36,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.layers import silu_mul, swiglu_mlp, weight
 from deepinfer_jax.models.parallel import MeshRules
+from deepinfer_jax.models.quant import is_quantized
 
 
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -137,6 +138,21 @@ def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:
     return P(*[None if n == 1 else a for a, n in zip(spec, leaf.shape)])
 
 
+def _check_int4_groups(mr: MeshRules, name: str, leaf, specs) -> None:
+    """An INT4 weight split along a grouped (contracted) axis needs whole groups on every device."""
+    if not is_quantized(leaf) or leaf.bits != 4:
+        return
+    for ax, (a, n_q, n_s) in enumerate(zip(specs.q, leaf.q.shape, leaf.scale.shape)):
+        n = 1
+        for m in (() if a is None else (a,) if isinstance(a, str) else a):
+            n *= mr.mesh.shape[m]
+        if n > 1 and n_s % n:
+            raise ValueError(
+                f"INT4 expert weight {name!r}: {n_s} quantization group(s) along axis {ax} cannot be split over "
+                f"{n} devices (group size {leaf.group_size}); use enable_expert_parallel, a smaller group "
+                f"size, or fewer devices")
+
+
 def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
                     layer: jax.Array | None) -> jax.Array:
     """Routed experts with the expert weights split over the mesh (see the module docstring).
@@ -152,6 +168,8 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
     rest = tuple(a for a in reduce_axes if a not in gather)
     ex_specs = {k: jax.tree.map(lambda leaf, k=k: _leaf_spec(mr, lead + EXPERT_AXES[k], leaf), ex[k])
                 for k in ("gate_up", "down")}
+    for k in ("gate_up", "down"):
+        _check_int4_groups(mr, k, ex[k], ex_specs[k])
     tspec = mr.spec(("tokens", None))
 
     def local(ex_l, x, w, idx, layer):

@@ -156,3 +156,27 @@ def test_merge_rank_steps_lays_ranks_out_in_blocks():
     assert rids == ["a", None, None, None, "b", "c", None, None] and rows == [0, 4]
     np.testing.assert_array_equal(meta.page_table[4], [3, 0, 0, 0])
     assert dataclasses.is_dataclass(meta)
+
+
+def test_int4_experts_split_inside_a_group_are_refused():
+    """Splitting an INT4 expert weight along its grouped input axis needs whole groups per device."""
+    from jax.sharding import AbstractMesh
+
+    from deepinfer_jax.models.moe import EXPERT_AXES, _check_int4_groups, _leaf_spec
+    from deepinfer_jax.models.parallel import MeshRules
+    from deepinfer_jax.models.quant import QuantizedWeight
+
+    E, Im, D = 4, 32, 64
+    down = lambda groups: QuantizedWeight(np.zeros((E, Im // 2, D), np.uint8), np.zeros((E, groups, D), np.float32),  # noqa: E731
+                                          bits=4, group_size=Im // groups, n_out=1)
+    for ep, groups, ok in [(False, 1, False), (False, 4, True), (True, 1, True)]:
+        pc = ParallelConfig(2, 1, ep)
+        mr = MeshRules(AbstractMesh((1, 2), ("data", "tensor")), default_rules(pc))
+        leaf = down(groups)
+        specs = QuantizedWeight(_leaf_spec(mr, EXPERT_AXES["down"], leaf.q), _leaf_spec(mr, EXPERT_AXES["down"], leaf.scale),
+                                bits=4, group_size=leaf.group_size, n_out=1)
+        if ok:
+            _check_int4_groups(mr, "down", leaf, specs)
+        else:
+            with pytest.raises(ValueError, match="1 quantization group.*cannot be split over 2 devices"):
+                _check_int4_groups(mr, "down", leaf, specs)
