@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from deepinfer_jax.runner.inputs import Shapes, token_buckets
+from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
@@ -103,6 +103,7 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, str] = {}
         self._counter = itertools.count()
+        self._pending = None  # (in-flight step, [(request, placeholder index)]) not yet fetched
         self.eos_token_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_ids", None):
             self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(tokenizer.eos_token_ids)))
@@ -172,29 +173,82 @@ class LLMEngine:
         self._child_parent.pop(cid, None)
 
     def has_unfinished_requests(self) -> bool:
+        # A pending step holding only aborted requests needs no more steps (the next one drops it).
         return bool(self._parents)
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Plan and dispatch step N, then finish step N-1 while N runs on the device.
+
+        Step N is planned before step N-1's ids are known: each sampled id first enters the request
+        as a placeholder (runner/inputs.py `placeholder`) that the device resolves from N-1's output,
+        and the host patches the real id in once N-1 is fetched. EOS, stop ids and stop strings are
+        checked at that point, so a request that stopped at N-1 may still be computed once in N: that
+        work is dropped (the scheduler skips finished requests). Outputs are those of step N-1."""
         plan = self.scheduler.schedule()
-        if plan.is_empty:
+        inflight = None
+        if not plan.is_empty:
+            requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
+            try:
+                inflight = self.runner.dispatch(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
+            except Exception:
+                self._fail_plan(plan)
+                raise
+        outputs = self._resolve_pending()
+        if inflight is not None:
+            host = inflight[0]
+            row_of = {host.request_ids[r]: r for r in host.sample_rows}
+            sampled = {rid: placeholder(row) for rid, row in row_of.items()}
+            updates = self.scheduler.update_from_output(plan, sampled)
+            # (request, index of its placeholder) for every request that sampled this step.
+            self._pending = (inflight, [(req, len(req.output_token_ids) - 1) for req, _, _ in updates])
+        return outputs
+
+    def _resolve_pending(self) -> list[RequestOutput]:
+        """Fetch the last dispatched step, patch its ids into the requests, apply token stops and
+        text, and return the outputs of the requests that progressed."""
+        if self._pending is None:
             return []
-        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-        result = self.runner.execute(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
-        updates = self.scheduler.update_from_output(plan, result.token_ids)
+        inflight, patches = self._pending
+        self._pending = None
+        result = self.runner.fetch(inflight)
         now = time.time()
         touched: dict[str, None] = {}
-        for req, new_ids, _finished in updates:
+        for req, index in patches:
+            token = result.token_ids[req.request_id]
+            req.output_token_ids[index] = token
             pid = self._child_parent.get(req.request_id)
-            if pid is None:
+            if pid is None:  # aborted meanwhile
                 continue
+            if not req.is_finished:
+                self._check_token_stop(req)
             parent = self._parents[pid]
             if parent.first_token_time is None:
                 parent.first_token_time = now
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
-            self._append(child, new_ids, result.logprobs.get(req.request_id))
+            self._append(child, [token], result.logprobs.get(req.request_id))
             touched[pid] = None
         return [self._output(pid) for pid in touched if pid in self._parents]
+
+    def _check_token_stop(self, req: Request) -> None:
+        """EOS (unless ignore_eos) and stop_token_ids, once min_tokens outputs exist (vLLM's rules;
+        the scheduler already applied the length limits when the placeholder went in)."""
+        sp = req.sampling_params
+        if req.num_output_tokens < sp.min_tokens:
+            return
+        token = req.output_token_ids[-1]
+        if not sp.ignore_eos and token in req.eos_token_ids:
+            self.scheduler.finish_request(req.request_id, "stop")
+        elif sp.stop_token_ids and token in sp.stop_token_ids:
+            self.scheduler.finish_request(req.request_id, "stop", stop_reason=token)
+
+    def _fail_plan(self, plan) -> None:
+        """A step that could not run: abort its requests so the scheduler is consistent again."""
+        for seq in plan.seqs:
+            pid = self._child_parent.get(seq.request_id)
+            if pid is not None:
+                self.abort_request(pid)
+        self.scheduler.update_from_output(plan, {})
 
     def _append(self, child: _Child, new_ids: list[int], lp) -> None:
         req = child.request

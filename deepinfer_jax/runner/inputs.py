@@ -20,6 +20,12 @@ from deepinfer_jax.sampling import SamplingTensors, make_key_data_batch
 from deepinfer_jax.types import Request
 
 
+def placeholder(row: int) -> int:
+    """The id standing for "what row `row` of the previous dispatched step samples" (always <= -2;
+    -1 stays the padding of id arrays). The runner resolves it on the device."""
+    return -row - 2
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 

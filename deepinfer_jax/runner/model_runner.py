@@ -18,6 +18,7 @@ shares out rank after rank (sharding/data_parallel.py); `execute` then needs eac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from dataclasses import dataclass
@@ -30,12 +31,22 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged
-from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, uses_penalties
+from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, next_pow2, uses_penalties
 from deepinfer_jax.runner.packing import Layout, pack, unpack
 from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
 log = logging.getLogger(__name__)
+
+
+def resolve_placeholders(meta, st, prev_tokens):
+    """Replace placeholder ids (<= -2, see ModelRunner.dispatch) with the previous step's samples."""
+    def sub(ids):
+        return jnp.where(ids <= -2, prev_tokens[jnp.maximum(-ids - 2, 0)], ids)
+
+    meta = dataclasses.replace(meta, token_ids=sub(meta.token_ids))
+    st = dataclasses.replace(st, output_token_ids=sub(st.output_token_ids))
+    return meta, st
 
 
 class CompileCounter:
@@ -89,6 +100,12 @@ class ModelRunner:
         if kv_sharding is not None:
             self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
         self._fns: dict[Any, Any] = {}
+        # The previous step's sampled ids stay on the device: the next step's placeholders read them.
+        self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
+        self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
+        if sharding is not None:  # placed like the step's output, so the first step compiles the same shape
+            self._prev_tokens = jax.device_put(
+                self._prev_tokens, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0
@@ -100,8 +117,11 @@ class ModelRunner:
         if key not in self._fns:
             cfg, rc, k, sh = self.cfg, self.runner_cfg, self.max_logprobs if full else 0, self.sharding
 
-            def step(params, kv_cache, ints, floats):
+            rows = self.max_rows
+
+            def step(params, kv_cache, prev_tokens, ints, floats):
                 meta, st = unpack(ints, floats, layout)
+                meta, st = resolve_placeholders(meta, st, prev_tokens)
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta, st = jax.lax.with_sharding_constraint((meta, st), sh.step_shardings(meta, st))
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
@@ -112,7 +132,11 @@ class ModelRunner:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
                 sampled = sample(logits, st, max_logprobs=k)
-                return (sampled, out[2]) if rc.collect_routing else (sampled, None), kv_cache
+                nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
+                if sh is not None:
+                    nxt = jax.lax.with_sharding_constraint(
+                        nxt, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
+                return (sampled, out[2] if rc.collect_routing else None, nxt), kv_cache
 
             self._fns[key] = jax.jit(step, donate_argnums=(1,))
         return self._fns[key]
@@ -162,11 +186,17 @@ class ModelRunner:
     def _run(self, host: HostStep):
         ints, floats, layout = pack((host.meta, host.sampling))  # two host->device copies per step
         fn = self._step_fn(host.penalties, layout)
-        (out, routing), self.kv_cache = fn(self.params, self.kv_cache, ints, floats)
+        (out, routing, self._prev_tokens), self.kv_cache = fn(self.params, self.kv_cache, self._prev_tokens,
+                                                               ints, floats)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 
-    def execute(self, plan_seqs, requests, seeds, ranks=None) -> StepResult:
+    def dispatch(self, plan_seqs, requests, seeds, ranks=None) -> tuple[HostStep, Any]:
+        """Queue one step on the device and return at once (JAX dispatch is asynchronous).
+
+        Token ids <= -2 in the plan (and in the penalty histories) are placeholders for ids the
+        previous dispatched step samples: -(row + 2) reads row `row` of its output on the device, so
+        the host can plan step N+1 before step N's ids come back. `fetch` waits for the results."""
         host = self.prepare(plan_seqs, requests, seeds, ranks)
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
@@ -174,7 +204,13 @@ class ModelRunner:
         if self._warm and CompileCounter.count() != before:
             self.compiles_after_warmup += CompileCounter.count() - before
             log.warning("compiled a new step shape after warm-up (bucket %d, full=%s)", host.bucket, host.penalties)
-        return self.collect(host, out)
+        return host, out
+
+    def fetch(self, inflight: tuple[HostStep, Any]) -> StepResult:
+        return self.collect(*inflight)
+
+    def execute(self, plan_seqs, requests, seeds, ranks=None) -> StepResult:
+        return self.fetch(self.dispatch(plan_seqs, requests, seeds, ranks))
 
     def collect(self, host: HostStep, out) -> StepResult:
         ids = np.asarray(out.token_ids)

@@ -123,3 +123,26 @@ def test_any_integer_seed_is_accepted(llm, seed):
     a = _gen(llm, [p], temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
     b = _gen(llm, [p], temperature=1.0, seed=seed, max_tokens=4, ignore_eos=True)[0].outputs[0].token_ids
     assert a == b and len(a) == 4
+
+
+def test_penalties_see_the_latest_token(llm, hf_case):
+    """Greedy with penalties equals a step-by-step reference on HF logits: the history the sampler
+    penalises includes the token sampled one step earlier (resolved on the device)."""
+    import torch
+
+    model, _ = hf_case("v3_grouped_noaux")
+    p = random_prompts(27, [7], 320)[0]
+    kw = dict(temperature=0.0, max_tokens=8, ignore_eos=True, repetition_penalty=1.3, frequency_penalty=0.7,
+              presence_penalty=0.4)
+    got = _gen(llm, [p], **kw)[0].outputs[0].token_ids
+    out: list[int] = []
+    for _ in range(8):
+        with torch.no_grad():
+            logits = model(torch.tensor([p + out])).logits[0, -1].double().numpy()
+        seen = set(p) | set(out)
+        for t in seen:
+            logits[t] = logits[t] / 1.3 if logits[t] > 0 else logits[t] * 1.3
+        for t in set(out):
+            logits[t] -= 0.7 * out.count(t) + 0.4
+        out.append(int(np.argmax(logits)))
+    assert got == out
