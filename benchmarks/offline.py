@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     args = ap.parse_args(argv)
 
     import jax
@@ -77,14 +80,22 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     dev = jax.devices()[0]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
+    from deepinfer_jax.sharding import ParallelConfig, build_sharding
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
+    sharding = None if parallel.is_single_device else build_sharding(cfg, parallel)
+    dp = args.data_parallel_size
     t0 = time.time()
-    params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
+    params = random_params(cfg, jnp.dtype(args.dtype), seed=0,
+                           shardings=None if sharding is None else sharding.param_shardings(cfg))
     jax.block_until_ready(params)
     t_weights = time.time() - t0
-    buckets = tuple(int(b) for b in args.buckets.split(",") if b) or ()
+    # With data-parallel attention the scheduler limits and buckets hold per rank.
+    buckets = tuple(int(b) // dp for b in args.buckets.split(",") if b) or ()
     eng = LLMEngine(
-        cfg, params, None,
-        scheduler_config=SchedulerConfig(max_num_seqs=args.batch, max_num_batched_tokens=args.max_num_batched_tokens,
+        cfg, params, None, sharding=sharding,
+        scheduler_config=SchedulerConfig(max_num_seqs=args.batch // dp,
+                                         max_num_batched_tokens=args.max_num_batched_tokens // dp,
                                          max_model_len=args.max_model_len),
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
@@ -123,7 +134,9 @@ def main(argv=None) -> int:
         return dt, (float(np.mean(experts)) if experts else float("nan")), distinct
 
     run(4, 0.0)  # touch every path once more after warm-up
-    results = {"preset": args.preset, "startup_s": t_ready, "compiles_after_warmup": 0}
+    results = {"preset": args.preset, "startup_s": t_ready, "compiles_after_warmup": 0,
+               "parallel": [args.tensor_parallel_size, dp, args.enable_expert_parallel]}
+    print(f"layout: TP={args.tensor_parallel_size} DP={dp} EP={args.enable_expert_parallel}", flush=True)
     t_prefill = min(run(1, 0.0)[0] for _ in range(2))
     results["prefill_ms"] = t_prefill * 1e3
     active = 2 * 2.4e9 if args.preset == "deepseek-v2-lite" else None
