@@ -87,6 +87,16 @@ def _down_kernel(layer_ref, be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, bl
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
 
 
+def _fit(block: int, dim: int) -> int:
+    """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64)."""
+    b = min(block, dim)
+    while b > 16 and dim % b:
+        b //= 2
+    if dim % b:
+        raise ValueError(f"no tile of at least 16 divides the dimension {dim}")
+    return b
+
+
 def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw):
     params = None
     if not interpret:
@@ -116,11 +126,8 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=16, b
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     token = jnp.where(row_copy >= 0, row_copy // k, 0)
     xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
-    bn1, bn2 = min(block_n, I), min(block_n, D)
-    bk1, bk2 = min(block_k, D), min(block_k, I)
-    for what, dim, blk in (("I", I, bn1), ("D", D, bn2), ("D", D, bk1), ("I", I, bk2)):
-        if dim % blk:
-            raise ValueError(f"block size {blk} does not divide {what} = {dim}")
+    bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
+    bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
     h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, w_gate_up.astype(x.dtype)), num_warps, num_stages, interpret,
               block_m=block_m, block_n=bn1, block_k=bk1, K=D)
