@@ -18,14 +18,19 @@ DTYPES = ("auto", "bfloat16", "float16", "float32")
 
 
 def resolve_dtype(dtype: str, model_dir: str) -> str:
-    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16."""
+    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16;
+    a converted checkpoint is served in the dtype it was converted to."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if dtype != "auto":
         return dtype
+    meta = os.path.join(model_dir, "deepinfer_checkpoint.json")
+    if os.path.isfile(meta):  # a converted checkpoint was written in the dtype its user chose
+        with open(meta) as f:
+            return json.load(f)["dtype"]
     with open(os.path.join(model_dir, "config.json")) as f:
         d = json.load(f)
-    t = d.get("torch_dtype") or d.get("dtype") or "bfloat16"
+    t = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
     return "float16" if t == "float16" else "bfloat16"
 
 

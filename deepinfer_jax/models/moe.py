@@ -227,6 +227,10 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     if moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm import moe_experts
 
+        if experts is not None and is_quantized(ex["gate_up"]):
+            # Dequantize this layer only (the kernel reads float weights), not every layer's experts.
+            ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
+            layer = None
         out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,
                           layer=layer, interpret=moe_impl == "pallas_interpret")
         return (_plus_shared(p, x, out), idx) if return_routing else _plus_shared(p, x, out)

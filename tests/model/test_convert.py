@@ -360,3 +360,13 @@ def test_load_onto_shardings(hf_case, tmp_path):
     r = subprocess.run([sys.executable, "-c", SHARDED_LOAD, dst], capture_output=True, text=True, env=env,
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip().endswith("OK"), r.stderr[-3000:]
+
+
+def test_auto_dtype_of_a_converted_checkpoint(hf_case, tmp_path):
+    from deepinfer_jax.engine.llm import resolve_dtype
+
+    _, src = hf_case("v2_greedy_yarn")
+    dst = str(tmp_path / "f32")
+    convert(src, dst, "float32", "none", progress=False)
+    assert resolve_dtype("auto", dst) == "float32"
+    assert resolve_dtype("auto", src) == "bfloat16"  # vLLM's rule for an fp32 HF checkpoint
