@@ -27,7 +27,7 @@ NEG = -1e30
 
 def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
             page_size, pages_per_split, rank, scale):
-    t, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos = layer_ref[0], seq_ref[t], pos_ref[t]
     n_pages = pos // page_size + 1  # pages holding keys 0..pos
     first = sp * pages_per_split

@@ -106,6 +106,11 @@ class ModelRunner:
         if sharding is not None:  # placed like the step's output, so the first step compiles the same shape
             self._prev_tokens = jax.device_put(
                 self._prev_tokens, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
+        else:  # committed like the step's outputs: with committed params (a converted checkpoint) an
+            # uncommitted first cache / prev_tokens made the first real step compile again
+            self._prev_tokens = jax.device_put(self._prev_tokens, jax.devices()[0])
+            if kv_sharding is None:
+                self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0

@@ -226,3 +226,11 @@ class SSE:
 def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
     return web.Response(text=json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json",
                         headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+
+
+async def send_error(sse: SSE, message: str) -> None:
+    """An error event inside a stream whose headers are out (a client that left is fine)."""
+    try:
+        await sse.error(message)
+    except ConnectionResetError:
+        pass

@@ -23,7 +23,7 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
@@ -205,20 +205,13 @@ class ChatHandler:
         except ConnectionResetError:
             return sse.resp  # the client left; tracked() aborted the request
         except EngineStepError as e:
-            await _send_error(sse, str(e))
+            await send_error(sse, str(e))
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")
-            await _send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
         finally:
             stream.abort()
         try:
             return await sse.done()
         except ConnectionResetError:
             return sse.resp
-
-
-async def _send_error(sse: SSE, message: str) -> None:
-    try:
-        await sse.error(message)
-    except ConnectionResetError:
-        pass

@@ -18,7 +18,7 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineStepError
 from deepinfer_jax.server.protocol import (APIError, completion_logprobs, envelope, parse_completion_request,
                                            random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 
 log = logging.getLogger(__name__)
 
@@ -135,10 +135,10 @@ class CompletionHandler:
         except ConnectionResetError:
             return sse.resp
         except EngineStepError as e:
-            await _send_error(sse, str(e))
+            await send_error(sse, str(e))
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")
-            await _send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
         finally:
             for st in streams:
                 st.abort()
@@ -146,10 +146,3 @@ class CompletionHandler:
             return await sse.done()
         except ConnectionResetError:
             return sse.resp
-
-
-async def _send_error(sse: SSE, message: str) -> None:
-    try:
-        await sse.error(message)
-    except ConnectionResetError:
-        pass

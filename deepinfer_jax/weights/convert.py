@@ -36,10 +36,10 @@ from deepinfer_jax.config import ConfigError, ModelConfig
 from deepinfer_jax.models.quant import METHODS, is_quantized, quant_layout, quantize
 from deepinfer_jax.weights import orbax_io
 from deepinfer_jax.weights.hf_loader import (
-    FLOAT_DTYPES, FP8_DTYPES, _fp8_block, effective_config, fused_moe_layers, read_rule_tensor,
+    FP8_DTYPES, _fp8_block, check_tensors, effective_config, fused_moe_layers, read_rule_tensor,
 )
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
-from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint
+from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -76,22 +76,6 @@ def _read_hf_config(src: str) -> dict:
             return json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{path} is not valid JSON ({e})") from None
-
-
-def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo]) -> None:
-    """Presence, shape and dtype of every expected tensor, naming the first bad one."""
-    for rule in rules:
-        info = tensors.get(rule.hf_name)
-        if info is None:
-            raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name}")
-        if info.shape != rule.hf_shape:
-            raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
-        if info.dtype in FP8_DTYPES:
-            if not rule.quantizable or rule.hf_name + "_scale_inv" not in tensors:
-                raise CheckpointError(f"tensor {rule.hf_name} is {info.dtype} without a usable weight_scale_inv")
-        elif info.dtype not in FLOAT_DTYPES:
-            raise CheckpointError(
-                f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {FLOAT_DTYPES + FP8_DTYPES}")
 
 
 def _assign(buf: np.ndarray, index: tuple, value: np.ndarray) -> int:

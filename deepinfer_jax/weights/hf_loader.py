@@ -69,6 +69,22 @@ def read_rule_tensor(rule: TensorRule, tensors: dict[str, TensorInfo], fp8_block
     return rule.transform(w)
 
 
+def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo]) -> None:
+    """Presence, shape and dtype of every expected tensor, naming the first bad one."""
+    for rule in rules:
+        info = tensors.get(rule.hf_name)
+        if info is None:
+            raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name}")
+        if info.shape != rule.hf_shape:
+            raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
+        if info.dtype in FP8_DTYPES:
+            if not rule.quantizable or rule.hf_name + "_scale_inv" not in tensors:
+                raise CheckpointError(f"tensor {rule.hf_name} is {info.dtype} without a usable weight_scale_inv")
+        elif info.dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {FLOAT_DTYPES + FP8_DTYPES}")
+
+
 def fused_moe_layers(tensors: dict[str, TensorInfo]) -> frozenset[int]:
     pat = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
     return frozenset(int(m.group(1)) for n in tensors if (m := pat.match(n)))
@@ -137,13 +153,7 @@ def load_hf_checkpoint(
     specs = param_specs(cfg)
     fp8_block = _fp8_block(hf_config)
 
-    # Fail fast, naming the first missing or mis-shaped tensor, before any device work.
-    for rule in rules:
-        info = tensors.get(rule.hf_name)
-        if info is None:
-            raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name}")
-        if info.shape != rule.hf_shape:
-            raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
+    check_tensors(rules, tensors)  # fail fast, naming the first bad tensor, before any device work
     known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
     unused = [n for n in tensors if n not in known and not is_ignored(cfg, n)]
     if unused:
