@@ -28,21 +28,25 @@ from jax.experimental import pallas as pl
 def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
     """idx [T, k] expert ids -> (row_copy [M_pad] int32: copy index t*k+j or -1,
     block_expert [M_pad // block_m] int32: the expert of each row block or -1).
-    M_pad = round_up(T*k + E*(block_m - 1), block_m), a static upper bound."""
+    An id outside [0, E) (e.g. -1: a copy another device's experts handle under expert parallelism)
+    gets no row at all. M_pad = round_up(T*k + E*(block_m - 1), block_m), a static upper bound."""
     n = idx.size
     flat = idx.reshape(-1)
+    valid = (flat >= 0) & (flat < num_experts)
+    flat = jnp.where(valid, flat, num_experts)  # skipped copies go to a pseudo-expert with no blocks
     m_pad = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = jnp.bincount(flat, length=num_experts)  # [E]
-    padded = (counts + block_m - 1) // block_m * block_m
-    starts = jnp.cumsum(padded) - padded  # [E] first padded row of each expert
-    order = jnp.argsort(flat, stable=True)  # [n] copies sorted by expert
+    counts = jnp.bincount(flat, length=num_experts + 1)  # [E + 1]
+    padded = ((counts + block_m - 1) // block_m * block_m).at[num_experts].set(0)
+    starts = jnp.cumsum(padded) - padded  # [E + 1] first padded row of each expert
+    order = jnp.argsort(flat, stable=True)  # [n] copies sorted by expert, skipped ones last
     sorted_e = flat[order]
     group_first = jnp.cumsum(counts) - counts  # first sorted position of each expert
     rank = jnp.arange(n) - group_first[sorted_e]
-    dest = starts[sorted_e] + rank  # [n] padded row of each sorted copy
-    row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32))
+    keep = sorted_e < num_experts
+    dest = jnp.where(keep, starts[sorted_e] + rank, m_pad)  # skipped copies scatter out of range
+    row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     block_start = jnp.arange(m_pad // block_m) * block_m
-    ends = jnp.cumsum(padded)  # [E]
+    ends = jnp.cumsum(padded[:num_experts])  # [E]
     block_expert = jnp.searchsorted(ends, block_start, side="right").astype(jnp.int32)
     block_expert = jnp.where(block_start < ends[-1], block_expert, -1)
     return row_copy, block_expert
@@ -113,6 +117,7 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
 def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=16, block_n=128, block_k=64,
                 num_warps=4, num_stages=3, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
+    Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
 
     With `layer` (int32 scalar), the weights are stacked over layers ([L, E, D, 2, I], [L, E, I, D])
     and the kernels read layer `layer` in place (no copy of the slice)."""

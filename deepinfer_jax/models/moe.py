@@ -181,12 +181,11 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
         if moe_impl in ("pallas", "pallas_interpret"):
             from deepinfer_jax.kernels.moe_gmm import moe_experts
 
-            # Copies routed to other devices go to local expert 0 with weight 0 (the kernel has no
-            # "skip" id yet), so each device computes every copy: correct, not yet efficient.
+            # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
             loc = idx - first
             ok = (loc >= 0) & (loc < E_local)
             y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype),
-                            jnp.where(ok, w, 0.0), jnp.where(ok, loc, 0), layer=layer,
+                            jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1), layer=layer,
                             interpret=moe_impl == "pallas_interpret").astype(jnp.float32)
         else:
             if layer is not None:

@@ -45,3 +45,18 @@ def test_kernel_bf16():
     ref = moe_experts_reference(x, wgu, wd, w, idx).astype(jnp.float32)
     out = moe_experts(x, wgu, wd, w, idx, block_m=16, block_n=32, block_k=32, interpret=True)
     np.testing.assert_allclose(np.asarray(out.astype(jnp.float32)), np.asarray(ref), atol=2e-2, rtol=2e-2)
+
+
+def test_skipped_copies_cost_nothing_and_add_nothing():
+    """Ids outside [0, E) (copies another device's experts handle) get no rows and no output."""
+    x, wgu, wd, w, idx = _case(3, 20)
+    skip = np.random.default_rng(1).random(idx.shape) < 0.4
+    idx_s = jnp.where(jnp.asarray(skip), -1, idx)
+    w_s = jnp.where(jnp.asarray(skip), 0.0, w)
+    ref = moe_experts_reference(x, wgu, wd, w_s, jnp.where(jnp.asarray(skip), 0, idx))
+    out = moe_experts(x, wgu, wd, w_s, idx_s, block_m=16, block_n=16, block_k=32, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    row_copy, block_expert = align_tokens(idx_s, num_experts=8, block_m=16)
+    placed = set(np.asarray(row_copy)[np.asarray(row_copy) >= 0].tolist())
+    assert placed == set(np.flatnonzero(~skip.ravel()).tolist())
+    assert (np.asarray(block_expert) >= 0).sum() <= -(-(~skip).sum() // 16) + 8
