@@ -146,3 +146,21 @@ def test_penalties_see_the_latest_token(llm, hf_case):
             logits[t] -= 0.7 * out.count(t) + 0.4
         out.append(int(np.argmax(logits)))
     assert got == out
+
+
+def test_a_failed_step_aborts_its_requests_and_the_engine_recovers(llm, monkeypatch):
+    eng = llm.engine
+    p = random_prompts(28, [20], 320)[0]
+    eng.add_request("doomed", p, SamplingParams(max_tokens=5, ignore_eos=True))
+
+    def boom(*a, **k):
+        raise RuntimeError("device fell over")
+
+    monkeypatch.setattr(eng.runner, "dispatch", boom)
+    with pytest.raises(RuntimeError, match="fell over"):
+        eng.step()
+    monkeypatch.undo()
+    assert not eng.has_unfinished_requests()
+    assert eng.scheduler.kv_cache_manager.usage == 0.0
+    out = _gen(llm, [p], temperature=0.0, max_tokens=5, ignore_eos=True)[0].outputs[0]  # works again
+    assert len(out.token_ids) == 5
