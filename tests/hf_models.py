@@ -91,3 +91,28 @@ def hf_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
     with torch.no_grad():
         out = model(torch.tensor(token_ids, dtype=torch.long), use_cache=False)
     return out.logits.float().numpy()
+
+
+def read_tensors(path: str) -> dict:
+    """Every tensor of a checkpoint directory as numpy arrays (bf16 / fp8 through ml_dtypes)."""
+    import numpy as np
+
+    from deepinfer_jax.weights.safetensors_io import index_checkpoint, load_tensor
+
+    return {n: np.array(load_tensor(i)) for n, i in index_checkpoint(path).items()}
+
+
+def rewrite_checkpoint(src: str, dst: str, tensors: dict, extra_config: dict | None = None) -> str:
+    """A copy of `src`'s config.json (updated with `extra_config`) and `tensors` as one safetensors file."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    os.makedirs(dst, exist_ok=True)
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg.update(extra_config or {})
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    return dst

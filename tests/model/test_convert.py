@@ -20,33 +20,23 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from safetensors.numpy import save_file
 
 from hf_models import build_hf_model, save_hf_model
+from hf_models import read_tensors as _tensors
+from hf_models import rewrite_checkpoint as _rewrite
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek import forward
 from deepinfer_jax.models.quant import is_quantized
 from deepinfer_jax.weights import convert as convert_mod
 from deepinfer_jax.weights.convert import convert, main
-from deepinfer_jax.weights.hf_loader import dequantize_fp8_blocks, load_hf_checkpoint
+from deepinfer_jax.weights.hf_loader import dequantize_fp8_blocks
 from deepinfer_jax.weights.loader import load_model
 from deepinfer_jax.weights.orbax_io import META_FILE
-from deepinfer_jax.weights.safetensors_io import index_checkpoint, load_tensor
+from deepinfer_jax.weights.safetensors_io import index_checkpoint
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _tensors(path):
-    return {n: np.array(load_tensor(i)) for n, i in index_checkpoint(path).items()}
-
-
-def _rewrite(src, dst, tensors, extra_config=None):
-    os.makedirs(dst, exist_ok=True)
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg.update(extra_config or {})
-    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 def _leaves_equal(a, b):

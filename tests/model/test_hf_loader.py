@@ -13,10 +13,12 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
+from hf_models import read_tensors as _tensors
+from hf_models import rewrite_checkpoint as _rewrite
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek import forward
 from deepinfer_jax.weights.hf_loader import dequantize_fp8_blocks, load_hf_checkpoint
-from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint, load_tensor
+from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint
 
 E4M3_MAX = 448.0
 
@@ -53,17 +55,6 @@ def test_fp8_block_dequantization_round_trip(shape):
         dequantize_fp8_blocks(q, s[:, :-1] if s.shape[1] > 1 else s[:-1])
 
 
-def _tensors(path):
-    return {n: np.array(load_tensor(i)) for n, i in index_checkpoint(path).items()}
-
-
-def _rewrite(src, dst, tensors, extra_config=None):
-    os.makedirs(dst, exist_ok=True)
-    cfg = json.load(open(os.path.join(src, "config.json")))
-    cfg.update(extra_config or {})
-    json.dump(cfg, open(os.path.join(dst, "config.json"), "w"))
-    save_file(tensors, os.path.join(dst, "model.safetensors"))
-    return dst
 
 
 def _load(path, dtype=jnp.float32):
