@@ -291,9 +291,7 @@ class RunnerConfig:
     dtype: str = "bfloat16"
     attn_impl: str = "reference"  # "reference" | "pallas" | "pallas_interpret"
     moe_impl: str = "ragged"  # "ragged" | "dense" | "pallas" | "pallas_interpret"
-    token_buckets: tuple[int, ...] = field(default_factory=tuple)
-    seq_buckets: tuple[int, ...] = field(default_factory=tuple)
-    compilation_cache_dir: str | None = None
+    token_buckets: tuple[int, ...] = field(default_factory=tuple)  # () = powers of two (runner/inputs.py)
     seed: int = 0
     # Compile the penalties / logprobs variant of every bucket at warm-up (else it is compiled on first use).
     warmup_full_variant: bool = True

@@ -34,6 +34,18 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
     return "float16" if t == "float16" else "bfloat16"
 
 
+def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
+    """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
+    import jax
+
+    gpu = jax.default_backend() == "gpu"
+    if attn_impl == "auto":
+        attn_impl = "pallas" if gpu else "reference"
+    if moe_impl == "auto":
+        moe_impl = "pallas" if gpu else "ragged"
+    return attn_impl, moe_impl
+
+
 class LLM:
     """Load a model directory (HF safetensors or converted) and generate offline.
 
@@ -42,7 +54,8 @@ class LLM:
     skip_tokenizer_init, seed, tensor_parallel_size, data_parallel_size, enable_expert_parallel
     (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
-    KV pool size), attn_impl / moe_impl (kernels or references), chat_template, progress.
+    KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
+    elsewhere), chat_template, progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -50,7 +63,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 num_pages: int | None = None, attn_impl: str = "reference", moe_impl: str = "ragged",
+                 num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
                  progress: bool = True):
         import jax.numpy as jnp
@@ -90,6 +103,7 @@ class LLM:
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization,
                             enable_prefix_caching=enable_prefix_caching)
+        attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
