@@ -139,9 +139,12 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=16, b
     y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, w_down.astype(x.dtype)), num_warps, num_stages, interpret,
               block_m=block_m, block_n=bn2, block_k=bk2, K=I)
-    wrow = jnp.where(row_copy >= 0, weights.reshape(-1)[jnp.maximum(row_copy, 0)], 0.0)  # [M_pad]
-    dest = jnp.where(row_copy >= 0, token, T)  # padding rows scatter out of range (dropped)
-    out = jnp.zeros((T, D), jnp.float32).at[dest].add(y.astype(jnp.float32) * wrow[:, None], mode="drop")
+    # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
+    # copy c, or M_pad for a skipped copy, which reads zeros.
+    row_of = jnp.full((T * k,), m_pad, jnp.int32).at[jnp.where(row_copy >= 0, row_copy, T * k)].set(
+        jnp.arange(m_pad, dtype=jnp.int32), mode="drop")
+    yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, k, D)  # [T, k, D]
+    out = jnp.einsum("tkd,tk->td", yc.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)
 
 
