@@ -116,3 +116,10 @@ def rewrite_checkpoint(src: str, dst: str, tensors: dict, extra_config: dict | N
         json.dump(cfg, f)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
     return dst
+
+
+def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [rng.integers(lo, vocab, int(n)).tolist() for n in lengths]

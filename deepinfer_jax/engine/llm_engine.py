@@ -53,8 +53,6 @@ class _Parent:
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
-    arrival_time: float = 0.0
-    first_token_time: float | None = None
 
 
 class LLMEngine:
@@ -136,7 +134,7 @@ class LLMEngine:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate "
                              f"within max_model_len ({self.max_model_len})")
         arrival = time.time() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, prompt, list(prompt_token_ids), arrival_time=arrival)
+        parent = _Parent(request_id, prompt, list(prompt_token_ids))
         child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens)
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
@@ -212,7 +210,6 @@ class LLMEngine:
         inflight, patches = self._pending
         self._pending = None
         result = self.runner.fetch(inflight)
-        now = time.time()
         touched: dict[str, None] = {}
         for req, index in patches:
             token = result.token_ids[req.request_id]
@@ -223,8 +220,6 @@ class LLMEngine:
             if not req.is_finished:
                 self._check_token_stop(req)
             parent = self._parents[pid]
-            if parent.first_token_time is None:
-                parent.first_token_time = now
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
             self._append(child, [token], result.logprobs.get(req.request_id))
             touched[pid] = None

@@ -21,8 +21,6 @@ stacked per segment and run under `lax.scan`, so compile time does not grow with
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -187,7 +185,3 @@ def forward_paged(
     if return_routing:
         return logits, kv_cache, jnp.concatenate(routing, axis=0)
     return logits, kv_cache
-
-
-def num_params(params: Any) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))

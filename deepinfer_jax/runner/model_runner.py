@@ -83,7 +83,7 @@ class StepResult:
 
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, runner_cfg: RunnerConfig, shapes: Shapes,
-                 num_pages: int, max_logprobs: int = 20, kv_sharding: Any = None, sharding: Any = None):
+                 num_pages: int, max_logprobs: int = 20, sharding: Any = None):
         CompileCounter.install()
         self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
         self.num_pages = num_pages
@@ -97,8 +97,6 @@ class ModelRunner:
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         else:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
-        if kv_sharding is not None:
-            self.kv_cache = jax.device_put(self.kv_cache, kv_sharding)
         self._fns: dict[Any, Any] = {}
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
@@ -109,8 +107,7 @@ class ModelRunner:
         else:  # committed like the step's outputs: with committed params (a converted checkpoint) an
             # uncommitted first cache / prev_tokens made the first real step compile again
             self._prev_tokens = jax.device_put(self._prev_tokens, jax.devices()[0])
-            if kv_sharding is None:
-                self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
+            self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0

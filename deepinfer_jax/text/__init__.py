@@ -29,22 +29,21 @@ TOOL_PARSERS: dict[str, type] = {"deepseek_v3": DeepSeekV3ToolParser,
                                  "deepseek_v31": DeepSeekV31ToolParser}
 
 
+def _lookup(registry: dict[str, type], kind: str, name: str) -> type:
+    try:
+        return registry[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown {kind} parser {name!r}; valid: {', '.join(sorted(registry))}") from None
+
+
 def get_reasoning_parser(name: str) -> type:
     """Reasoning parser class by name; ValueError lists the valid names."""
-    try:
-        return REASONING_PARSERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown reasoning parser {name!r}; valid: "
-                         f"{', '.join(sorted(REASONING_PARSERS))}") from None
+    return _lookup(REASONING_PARSERS, "reasoning", name)
 
 
 def get_tool_parser(name: str) -> type:
     """Tool-call parser class by name; ValueError lists the valid names."""
-    try:
-        return TOOL_PARSERS[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"unknown tool parser {name!r}; valid: "
-                         f"{', '.join(sorted(TOOL_PARSERS))}") from None
+    return _lookup(TOOL_PARSERS, "tool", name)
 
 
 __all__ = [

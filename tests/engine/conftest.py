@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 
@@ -30,8 +29,3 @@ def hf_greedy():
         return memo[key]
 
     return run
-
-
-def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(lo, vocab, int(n)).tolist() for n in lengths]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from conftest import random_prompts
+from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.runner.inputs import HostStep, build_metadata, build_sampling
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import random_prompts
+from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
