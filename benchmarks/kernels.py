@@ -37,7 +37,7 @@ def bench(fn, *args, iters=20):
     return float(np.median(ts)), out
 
 
-def moe_tables(quick: bool):
+def moe_tables(quick: bool, tokens: list[int] | None = None):
     import jax
     import jax.numpy as jnp
 
@@ -51,7 +51,7 @@ def moe_tables(quick: bool):
     print("\n## MoE experts (V2-Lite shape, bf16): time, weight bytes/s, FLOP/s")
     print("| tokens | impl | config | us | TB/s (weights touched) | TFLOP/s | max err vs ref |")
     print("|---|---|---|---|---|---|---|")
-    for T in ([32, 2048] if quick else [1, 8, 32, 64, 128, 256, 2048, 16384]):
+    for T in tokens or ([32, 2048] if quick else [1, 8, 32, 64, 128, 256, 2048, 8192, 16384]):
         x = jax.random.normal(jax.random.fold_in(key, 2), (T, D), jnp.bfloat16)
         logits = jax.random.normal(jax.random.fold_in(key, 3), (T, E), jnp.float32)
         w, idx = jax.lax.top_k(jax.nn.softmax(logits), k)
@@ -65,8 +65,8 @@ def moe_tables(quick: bool):
         configs = [(16, 128, 64, 4, 3), (16, 256, 64, 4, 3), (16, 128, 64, 4, 5), (16, 128, 32, 4, 6),
                    (16, 256, 64, 8, 4)]
         if T >= 1024:
-            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 8, 4),
-                       (64, 256, 64, 8, 3)]
+            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4),
+                       (64, 128, 32, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 64, 4, 3)]
         last = None
         for bm, bn, bk, nw, ns in configs:
             fn = jax.jit(lambda x, a, b, w, i, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns: moe_experts(
@@ -142,12 +142,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--only", choices=["moe", "mla"], default=None)
+    ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
 
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if args.only in (None, "moe"):
-        moe_tables(args.quick)
+        moe_tables(args.quick, [int(t) for t in args.moe_tokens.split(",") if t] or None)
     if args.only in (None, "mla"):
         mla_tables(args.quick)
     return 0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 
@@ -26,9 +27,16 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-impl", default="pallas")
     ap.add_argument("--moe-impl", default="pallas")
     ap.add_argument("--unroll", action="store_true")
+    ap.add_argument("--prefill", type=int, default=0,
+                    help="time a prefill step instead: each of --batch seqs brings this many new tokens after "
+                         "--context cached ones")
+    ap.add_argument("--dump-hlo", default="", help="dump the optimized HLO of the step into this folder")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
+    if args.dump_hlo:  # before JAX starts: XLA reads its flags once
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={args.dump_hlo}"
+                                   " --xla_dump_hlo_as_text --xla_dump_hlo_module_re=.*step.*").strip()
 
     import jax
     import jax.numpy as jnp
@@ -42,11 +50,13 @@ def main(argv=None) -> int:
 
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     params = random_params(cfg, jnp.bfloat16)
-    ps, max_len = 64, 1024
-    B = args.batch
+    ps = 64
+    B, new = args.batch, max(1, args.prefill)
+    max_len = max(1024, args.context + new)
     pages_per = -(-max_len // ps)
     num_pages = B * pages_per + 1
-    shapes = Shapes((B,), B, pages_per, ps, max_len)
+    T = 1 << (B * new - 1).bit_length()  # the token bucket
+    shapes = Shapes((T,), B, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                       scan_unroll=True if args.unroll else 1)
     t0 = time.time()
@@ -57,8 +67,9 @@ def main(argv=None) -> int:
     for b in range(B):
         rid = f"r{b}"
         pages = list(range(1 + b * pages_per, 1 + (b + 1) * pages_per))
-        seqs.append(ScheduledSeq(rid, [int(rng.integers(100, 90000))], args.context, pages, True, 1))
-        reqs[rid] = Request(rid, [1] * args.context, SamplingParams(temperature=0.0, max_tokens=8))
+        ids = [int(i) for i in rng.integers(100, 90000, new)]
+        seqs.append(ScheduledSeq(rid, ids, args.context, pages, True, 1))
+        reqs[rid] = Request(rid, [1] * (args.context + new), SamplingParams(temperature=0.0, max_tokens=8))
         seeds[rid] = b
     host = runner.prepare(seqs, reqs, seeds)
     jax.block_until_ready(runner._run(host))
@@ -78,11 +89,24 @@ def main(argv=None) -> int:
     dev = float(np.median(ts))
     if args.trace:
         top_kernels(runner, host, args.trace)
-    print(f"{args.label or 'variant'}: attn={args.attn_impl} moe={args.moe_impl} unroll={args.unroll} "
+    kind = f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}"
+    print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl} unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
-          f"({B/dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
+          f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
           flush=True)
     return 0
+
+
+CATEGORIES = [  # (category, regex over kernel names), first match wins
+    ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel"),
+    ("MLA attention (Pallas)", r"mla|_kernel"),
+    ("memcpy", r"[Mm]emcpy|copy"),
+    ("collectives", r"nccl|all_reduce|all_gather|reduce_scatter|all-reduce|all-gather"),
+    ("cuBLAS / cutlass GEMM", r"gemm|cutlass|xmma|cublas|sm90_|sm80_"),
+    ("sort", r"sort|Sort|cub::"),
+    ("gather / scatter", r"gather|scatter"),
+    ("reductions", r"reduce|reduction"),
+]
 
 
 def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> None:
@@ -110,12 +134,34 @@ def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> 
             names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
     gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
     total, count = defaultdict(float), defaultdict(int)
+    spans = []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
             total[e["name"]] += e.get("dur", 0.0)
             count[e["name"]] += 1
+            spans.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
     grand = sum(total.values())
-    print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels")
+    spans.sort()
+    # Wall time on the GPU: the union of kernel intervals within each step's burst (bursts split at > 1 ms idle).
+    wall, cur_s, cur_e = 0.0, None, None
+    for s0, e0 in spans:
+        if cur_e is None or s0 > cur_e + 1000:
+            if cur_e is not None:
+                wall += cur_e - cur_s
+            cur_s, cur_e = s0, e0
+        else:
+            cur_e = max(cur_e, e0)
+    if cur_e is not None:
+        wall += cur_e - cur_s
+    print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels; "
+          f"GPU wall per step {wall / steps / 1e3:.2f} ms (gaps {(wall - grand) / steps / 1e3:.2f} ms)")
+    cats = defaultdict(lambda: [0.0, 0])
+    for name, us in total.items():
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "other XLA fusions")
+        cats[cat][0] += us
+        cats[cat][1] += count[name]
+    for cat, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+        print(f"  [{cat}] {us / steps / 1e3:7.3f} ms/step  x{n // steps}")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:4d}  {name[:110]}")
 
