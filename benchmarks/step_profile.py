@@ -58,7 +58,7 @@ def main(argv=None) -> int:
     T = 1 << (B * new - 1).bit_length()  # the token bucket
     shapes = Shapes((T,), B, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
-                      scan_unroll=True if args.unroll else 1)
+                      unroll_max_tokens=1 << 30 if args.unroll else 0)
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages)
     runner.kv_cache = jax.random.normal(jax.random.key(3), runner.kv_cache.shape, runner.kv_cache.dtype)

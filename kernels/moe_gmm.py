@@ -47,7 +47,9 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
     block_start = jnp.arange(m_pad // block_m) * block_m
     ends = jnp.cumsum(padded[:num_experts])  # [E]
-    block_expert = jnp.searchsorted(ends, block_start, side="right").astype(jnp.int32)
+    # The expert of a block = how many experts' padded groups end at or before its start. A compare-and-
+    # count is one fused kernel; jnp.searchsorted lowers to a while loop of small kernels on the GPU.
+    block_expert = jnp.sum(block_start[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
     block_expert = jnp.where(block_start < ends[-1], block_expert, -1)
     return row_copy, block_expert
 
@@ -113,14 +115,29 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
     )(*args)
 
 
+def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
+    """(block_m, block_n, block_k, num_warps, num_stages) by the number of token copies T*k, from the
+    H200 sweeps in benchmarks/RESULTS.md: decode sizes stream weights (small row blocks, little padding);
+    prefill sizes are compute-bound (128-row blocks: 306 TFLOP/s at 8,192 tokens vs 270 with 64)."""
+    if num_copies < 2048:
+        return 16, 128, 64, 4, 3
+    if num_copies < 16384:
+        return 64, 128, 64, 4, 3
+    return 128, 128, 64, 8, 4
+
+
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
-def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=16, block_n=128, block_k=64,
-                num_warps=4, num_stages=3, interpret=False):
+def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None, block_n=None, block_k=None,
+                num_warps=None, num_stages=None, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
     Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
+    Tiles left as None come from `tile_config(T * k)`.
 
     With `layer` (int32 scalar), the weights are stacked over layers ([L, E, D, 2, I], [L, E, I, D])
     and the kernels read layer `layer` in place (no copy of the slice)."""
+    auto = tile_config(idx.size)
+    block_m, block_n, block_k, num_warps, num_stages = (
+        a if v is None else v for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +98,8 @@ class ModelRunner:
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         else:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
-        self._fns: dict[Any, Any] = {}
+        self._fns: dict[Any, Any] = {}  # (full, layout) -> jitted step
+        self._exes: dict[Any, Any] = {}  # (full, layout) -> its compiled executable (from warmup)
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
@@ -126,8 +128,9 @@ class ModelRunner:
                 meta, st = resolve_placeholders(meta, st, prev_tokens)
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta, st = jax.lax.with_sharding_constraint((meta, st), sh.step_shardings(meta, st))
+                unroll = rc.unroll_for(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                    return_routing=rc.collect_routing, unroll=rc.scan_unroll,
+                                    return_routing=rc.collect_routing, unroll=True if unroll else 1,
                                     mesh_rules=None if sh is None else sh.mesh_rules)
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
@@ -144,19 +147,42 @@ class ModelRunner:
         return self._fns[key]
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile every (bucket, variant) by running it on padding. Returns the number compiled."""
+        """Compile every (bucket, variant), then run each once on padding. Returns the number compiled.
+
+        Each shape is traced and lowered here, then the XLA compiles run in parallel threads (XLA
+        releases the GIL; an unrolled decode step takes ~30 s to compile on its own). Steps then call
+        the compiled executables directly."""
+        from concurrent.futures import ThreadPoolExecutor
+
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
-        combos = [(b, full) for b in self.shapes.buckets for full in variants]
-        it = combos
+        hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full)
+                 for b in self.shapes.buckets for full in variants]
+        lowered = {}
+        for host in hosts:
+            ints, floats, layout = pack((host.meta, host.sampling))
+            key = (host.penalties, layout)
+            lowered[key] = self._step_fn(*key).lower(self.params, self.kv_cache, self._prev_tokens, ints, floats)
+        bar = None
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(combos, desc=f"compiling {len(combos)} step shapes", unit="shape", leave=False)
-        for bucket, full in it:
-            out = self._run(self._host_step([[]] * self.num_ranks, {}, {}, bucket, full))
-            jax.block_until_ready(out)
+            bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step shapes", unit="shape", leave=False)
+
+        def compile_one(item):
+            exe = item[1].compile()
+            if bar is not None:
+                bar.update(1)
+            return item[0], exe
+
+        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
+        with ThreadPoolExecutor(max_workers=workers) as pool:
+            self._exes.update(pool.map(compile_one, lowered.items()))
+        if bar is not None:
+            bar.close()
+        for host in hosts:
+            jax.block_until_ready(self._run(host))
         self._warm = True
-        return len(combos)
+        return len(lowered)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
@@ -187,7 +213,7 @@ class ModelRunner:
 
     def _run(self, host: HostStep):
         ints, floats, layout = pack((host.meta, host.sampling))  # two host->device copies per step
-        fn = self._step_fn(host.penalties, layout)
+        fn = self._exes.get((host.penalties, layout)) or self._step_fn(host.penalties, layout)
         (out, routing, self._prev_tokens), self.kv_cache = fn(self.params, self.kv_cache, self._prev_tokens,
                                                                ints, floats)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing

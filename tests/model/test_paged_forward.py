@@ -103,3 +103,22 @@ def test_quantized_experts_through_the_kernel(hf_case):
             qp, cache, _meta(ids, [[1, 2]], 0, 10))
         out[impl] = np.asarray(logits)
     np.testing.assert_allclose(out["pallas_interpret"], out["ragged"], atol=2e-5)
+
+
+def test_unrolled_layers_equal_scanned(hf_case):
+    """RunnerConfig.unroll_max_tokens runs small steps with the layer scan unrolled: same logits and cache."""
+    from deepinfer_jax.config import RunnerConfig
+
+    _, path = hf_case("v3_grouped_noaux")
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 12))
+    meta = _meta(ids, [[1, 2]], 0, 12)
+    outs = []
+    for unroll in (1, True):
+        cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+        outs.append(jax.jit(lambda p, c, m, u=unroll: forward_paged(p, cfg, c, m, unroll=u))(params, cache, meta))
+    np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(outs[1][1]), np.asarray(outs[0][1]), rtol=1e-5, atol=1e-5)
+    rc = RunnerConfig()
+    assert rc.unroll_for(256, "gpu") and not rc.unroll_for(512, "gpu") and not rc.unroll_for(16, "cpu")
+    assert RunnerConfig(unroll_max_tokens=64).unroll_for(64, "cpu")
