@@ -1,7 +1,7 @@
 """Where a decode step's time goes: the device time of one isolated step (same inputs, repeated) next
 to the host time of preparing it, for implementation variants. The V2-Lite shape, random weights.
 
-    python benchmarks/step_profile.py --batch 32 --context 640 [--unroll] [--moe-impl ragged]
+    python benchmarks/step_profile.py --batch 32 --context 640 [--unroll auto|on|off] [--moe-impl ragged]
 Run it under different XLA_FLAGS (e.g. command buffers for while loops) to compare lowering choices.
 """
 
@@ -26,11 +26,15 @@ def main(argv=None) -> int:
     ap.add_argument("--context", type=int, default=640)
     ap.add_argument("--attn-impl", default="pallas")
     ap.add_argument("--moe-impl", default="pallas")
-    ap.add_argument("--unroll", action="store_true")
+    ap.add_argument("--unroll", choices=["auto", "on", "off"], default="auto",
+                    help="layers unrolled: auto = the engine's default (RunnerConfig.unroll_max_tokens)")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill step instead: each of --batch seqs brings this many new tokens after "
                          "--context cached ones")
     ap.add_argument("--dump-hlo", default="", help="dump the optimized HLO of the step into this folder")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -50,28 +54,38 @@ def main(argv=None) -> int:
 
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     params = random_params(cfg, jnp.bfloat16)
-    ps = 64
+    from deepinfer_jax.sharding import ParallelConfig, build_sharding
+
+    parallel = ParallelConfig(args.tensor_parallel_size, args.data_parallel_size, args.enable_expert_parallel)
+    sharding = None if parallel.is_single_device else build_sharding(cfg, parallel)
+    if sharding is not None:
+        params = jax.device_put(params, sharding.param_shardings(cfg))
+    ps, dp = 64, args.data_parallel_size
     B, new = args.batch, max(1, args.prefill)
+    Br = B // dp  # sequences per data-parallel rank
     max_len = max(1024, args.context + new)
     pages_per = -(-max_len // ps)
-    num_pages = B * pages_per + 1
-    T = 1 << (B * new - 1).bit_length()  # the token bucket
-    shapes = Shapes((T,), B, pages_per, ps, max_len)
+    num_pages = Br * pages_per + 1  # per rank
+    T = 1 << (Br * new - 1).bit_length()  # the token bucket (per rank)
+    shapes = Shapes((T,), Br, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
-                      unroll_max_tokens=1 << 30 if args.unroll else 0)
+                      unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll])
     t0 = time.time()
-    runner = ModelRunner(cfg, params, rc, shapes, num_pages)
-    runner.kv_cache = jax.random.normal(jax.random.key(3), runner.kv_cache.shape, runner.kv_cache.dtype)
+    runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
+    runner.kv_cache = jax.jit(lambda k: jax.random.normal(k, runner.kv_cache.shape, runner.kv_cache.dtype),
+                              out_shardings=runner.kv_cache.sharding)(jax.random.key(3))
     rng = np.random.default_rng(0)
     seqs, reqs, seeds = [], {}, {}
     for b in range(B):
         rid = f"r{b}"
-        pages = list(range(1 + b * pages_per, 1 + (b + 1) * pages_per))
+        j = b // dp  # the seq's index on its rank (rank b % dp); page ids are rank-local
+        pages = list(range(1 + j * pages_per, 1 + (j + 1) * pages_per))
         ids = [int(i) for i in rng.integers(100, 90000, new)]
         seqs.append(ScheduledSeq(rid, ids, args.context, pages, True, 1))
         reqs[rid] = Request(rid, [1] * (args.context + new), SamplingParams(temperature=0.0, max_tokens=8))
         seeds[rid] = b
-    host = runner.prepare(seqs, reqs, seeds)
+    ranks = [b % dp for b in range(B)] if dp > 1 else None
+    host = runner.prepare(seqs, reqs, seeds, ranks)
     jax.block_until_ready(runner._run(host))
     compile_s = time.time() - t0
     for _ in range(3):
@@ -84,12 +98,13 @@ def main(argv=None) -> int:
     hs = []
     for _ in range(20):
         t = time.perf_counter()
-        runner.prepare(seqs, reqs, seeds)
+        runner.prepare(seqs, reqs, seeds, ranks)
         hs.append(time.perf_counter() - t)
     dev = float(np.median(ts))
     if args.trace:
         top_kernels(runner, host, args.trace)
-    kind = f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}"
+    layout = f"TP={args.tensor_parallel_size} DP={dp} EP={args.enable_expert_parallel} "
+    kind = layout + (f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}")
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl} unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
@@ -153,6 +168,7 @@ def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> 
             cur_e = max(cur_e, e0)
     if cur_e is not None:
         wall += cur_e - cur_s
+    print(f"GPUs traced: {len(gpu_pids)} (times below are summed over them)")
     print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels; "
           f"GPU wall per step {wall / steps / 1e3:.2f} ms (gaps {(wall - grand) / steps / 1e3:.2f} ms)")
     cats = defaultdict(lambda: [0.0, 0])
