@@ -6,7 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-py() { log=$1; shift; timeout 200 python3 "$@" > "$out/$log" 2>&1; grep -E "^\||device step|GPU kernel|collectives|GPUs traced|Protocol A|prefill [0-9]|start-up|compiles" "$out/$log"; }
+py() { log=$1; shift; timeout 260 python3 "$@" > "$out/$log" 2>&1; grep -E "^\||device step|GPU kernel|collectives|GPUs traced|Protocol A|prefill [0-9]|start-up|compiles" "$out/$log"; }
 py sharded_check.log benchmarks/sharded_check.py --layouts tp2,dp2ep2
 py profile_tp2.log benchmarks/step_profile.py --tensor-parallel-size 2 --trace /tmp/tr_tp2
 py profile_dp2ep2.log benchmarks/step_profile.py --data-parallel-size 2 --enable-expert-parallel --trace /tmp/tr_dp
