@@ -6,7 +6,10 @@ and FLOP/s against the measured ceilings (GPU.md: 4.3 TB/s copy, 587 TFLOP/s bf1
 MoE (V2-Lite expert shape: 64 experts, 2048 -> 1408, top-6): the Pallas block-aligned grouped GEMM
 (several tile configs), `jax.lax.ragged_dot`, and Mosaic GPU `ragged_dot_mgpu` when present, at
 decode and prefill token counts. MLA decode (16 heads, 576-wide latent, page 64): the Pallas kernel
-at several context splits and the XLA reference, batch 1 to 256, context 512 to 32K.
+at several context splits and the XLA reference, batch 1 to 256, context 512 to 32K. MLA prefill
+(same shape): the block-query prefill kernel at several tile configs against the decode kernel and
+the XLA reference on the same ragged steps (16 fresh prompts of 512, one 512-token chunk after 1,536
+cached tokens, and chunks mixed with decode tokens and padding).
 """
 
 from __future__ import annotations
@@ -138,10 +141,72 @@ def mla_tables(quick: bool):
             print(f"| {B} | {ctx} | xla reference | {t*1e6:.0f} | {moved/t/1e12:.2f} | 0 |", flush=True)
 
 
+def mla_prefill_table(quick: bool):
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+    from deepinfer_jax.kernels.mla_prefill import paged_mla_prefill_attention
+    from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
+
+    H, R, dr, ps = 16, 512, 64, 64
+    key = jax.random.key(2)
+    print("\n## Paged MLA prefill attention (16 heads, 576-wide latent, page 64, bf16)")
+    print("| step | tokens | impl | config | us | TFLOP/s (causal) | max err vs ref |")
+    print("|---|---|---|---|---|---|---|")
+    # name, per-row (cached tokens, new tokens), token bucket: rows laid out one after another, then padding.
+    steps = [("16 prompts x 512", [(0, 512)] * 16, 8192),
+             ("512 after 1536 cached", [(1536, 512)], 512)]
+    if not quick:
+        steps += [("2 x 512 after 3584 cached + 256 decodes at 2K", [(3584, 512)] * 2 + [(2047, 1)] * 256, 2048),
+                  ("4 prompts x 128", [(0, 128)] * 4, 512)]
+    for name, rows, T in steps:
+        S = len(rows)
+        pages_per_seq = [-(-(c + n) // ps) for c, n in rows]
+        max_pages = max(pages_per_seq)
+        perm = 1 + np.random.default_rng(0).permutation(sum(pages_per_seq))
+        pt = np.zeros((S, max_pages), np.int32)
+        sid, pos, used = np.zeros(T, np.int32), np.zeros(T, np.int32), 0
+        t = 0
+        for row, ((c, n), k) in enumerate(zip(rows, pages_per_seq)):
+            pt[row, :k] = perm[used : used + k]
+            used += k
+            sid[t : t + n], pos[t : t + n] = row, np.arange(c, c + n)
+            t += n
+        flops = 2 * H * (R + dr + R) * int((pos[:t] + 1).sum())  # QK^T over 576 + PV over 512, visible keys only
+        kv = jax.random.normal(key, (1, used + 1, ps, R + dr), jnp.bfloat16)
+        ql = jax.random.normal(jax.random.fold_in(key, 1), (T, H, R), jnp.bfloat16)
+        qp = jax.random.normal(jax.random.fold_in(key, 2), (T, H, dr), jnp.bfloat16)
+        args = (ql, qp, kv, 0, jnp.asarray(sid), jnp.asarray(pos), jnp.asarray(pt))
+        ref_fn = jax.jit(lambda *a: paged_mla_attention_reference(*a, 0.1147))
+        ref = np.asarray(ref_fn(*args).astype(jnp.float32))
+
+        def row(impl, config, fn):
+            try:
+                tm, out = bench(fn, *args)
+                err = np.abs(np.asarray(out.astype(jnp.float32)) - ref).max()
+                print(f"| {name} | {T} | {impl} | {config} | {tm*1e6:.0f} | {flops/tm/1e12:.1f} | {err:.3g} |",
+                      flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"| {name} | {T} | {impl} | {config} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+
+        configs = [(2, 8, 2, 1), (2, 4, 2, 1), (2, 8, 3, 1), (4, 8, 2, 1), (4, 8, 1, 1), (1, 8, 2, 1)]
+        if T <= 512:
+            configs += [(2, 8, 2, 4)]
+        for bq, nw, ns, sp in configs:
+            row("pallas prefill", f"bq{bq} bh16 w{nw} s{ns} splits{sp}", jax.jit(
+                lambda *a, bq=bq, nw=nw, ns=ns, sp=sp: paged_mla_prefill_attention(
+                    *a, 0.1147, block_q=bq, block_h=16, num_warps=nw, num_stages=ns, num_splits=sp)))
+        for sp in (1, 4):
+            row("pallas decode", f"splits{sp} bh16 w8", jax.jit(
+                lambda *a, sp=sp: paged_mla_attention(*a, 0.1147, num_splits=sp, block_h=16, num_warps=8)))
+        row("xla reference", "-", ref_fn)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "mla"], default=None)
+    ap.add_argument("--only", choices=["moe", "mla", "mla_prefill"], default=None)
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
@@ -151,6 +216,8 @@ def main(argv=None) -> int:
         moe_tables(args.quick, [int(t) for t in args.moe_tokens.split(",") if t] or None)
     if args.only in (None, "mla"):
         mla_tables(args.quick)
+    if args.only in (None, "mla_prefill"):
+        mla_prefill_table(args.quick)
     return 0
 
 

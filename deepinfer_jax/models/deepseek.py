@@ -91,9 +91,13 @@ def paged_attention(
             q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale
         )
     if attn_impl in ("pallas", "pallas_interpret"):
-        from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+        from deepinfer_jax.kernels import mla_decode, mla_prefill
 
-        return paged_mla_attention(
+        # More token slots than sequence rows: a bucket sized for prefill, whose chunks the block-query
+        # kernel serves reading each page once per query block; otherwise the per-token decode kernel.
+        kernel = (mla_prefill.paged_mla_prefill_attention if q_lat.shape[0] > meta.page_table.shape[0]
+                  else mla_decode.paged_mla_attention)
+        return kernel(
             q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
             interpret=attn_impl == "pallas_interpret",
         )
