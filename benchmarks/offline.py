@@ -105,6 +105,16 @@ def main(argv=None) -> int:
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
           f"KV cache {eng.kv_cache_report}", flush=True)
 
+    timers = {"dispatch": 0.0, "fetch": 0.0, "steps": 0}
+    for name in ("dispatch", "fetch"):  # host time in each runner call (fetch = waiting for the device)
+        def timed(*a, _f=getattr(eng.runner, name), _n=name, **k):
+            t = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                timers[_n] += time.perf_counter() - t
+        setattr(eng.runner, name, timed)
+
     rng = np.random.default_rng(0)
     prompts = [rng.integers(100, min(cfg.vocab_size, 100000), args.prompt_len).tolist() for _ in range(args.batch)]
     counter = [0]
@@ -116,8 +126,10 @@ def main(argv=None) -> int:
             eng.add_request(f"r{counter[0]}", p, SamplingParams(temperature=temp, max_tokens=n_out, ignore_eos=True,
                                                                  seed=counter[0]))
         outs = {}
+        timers.update(dispatch=0.0, fetch=0.0, steps=0)
         t = time.time()
         while eng.has_unfinished_requests():
+            timers["steps"] += 1
             plan_tokens = None
             for o in eng.step():
                 if o.finished:
@@ -127,6 +139,11 @@ def main(argv=None) -> int:
             if routing is not None and plan_tokens == len(prompts) and n_out > 1:
                 experts.append(routing)  # kept on the device: reading it now would stall the overlap
         dt = time.time() - t
+        if n_out > 16:
+            n = max(1, timers["steps"])
+            print(f"  engine loop: {n} steps, {dt / n * 1e3:.2f} ms/step: dispatch {timers['dispatch'] / n * 1e3:.2f} ms, "
+                  f"waiting in fetch {timers['fetch'] / n * 1e3:.2f} ms, other host {(dt - timers['dispatch'] - timers['fetch']) / n * 1e3:.2f} ms",
+                  flush=True)
         experts = [np.mean([len(np.unique(r[layer][: len(prompts)])) for layer in range(r.shape[0])])
                    for r in (np.asarray(x) for x in experts[:: max(1, len(experts) // 16)])]
         toks = [o.outputs[0].token_ids for o in outs.values()]

@@ -1,6 +1,6 @@
 """bf16 equality of sharded layouts against one device, on the GPU machine (the sharding issue).
 
-    python benchmarks/sharded_check.py [--layouts tp2,dp2ep2,tp2ep2] [--preset deepseek-v2-lite]
+    python benchmarks/sharded_check.py [--layouts tp2,dp2ep2,tp2ep2,single_xla] [--preset deepseek-v2-lite]
 
 The same random weights (drawn once on device 0, then placed on each layout's shardings) and the same
 mixed batch (prompts of 1 to 511 random ids, greedy, 24 output tokens, with the sampled token's
@@ -22,7 +22,10 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-LAYOUTS = {"single": (1, 1, False), "tp2": (2, 1, False), "dp2ep2": (1, 2, True), "tp2ep2": (2, 1, True)}
+# name -> (TP, DP, EP, kernels): "single_xla" is one device through the XLA reference paths instead of
+# the Pallas kernels: its difference from "single" is the bf16 noise of two valid implementations.
+LAYOUTS = {"single": (1, 1, False, True), "tp2": (2, 1, False, True), "dp2ep2": (1, 2, True, True),
+           "tp2ep2": (2, 1, True, True), "single_xla": (1, 1, False, False)}
 
 
 def run_layout(cfg, params, name, prompts, max_tokens):
@@ -33,8 +36,8 @@ def run_layout(cfg, params, name, prompts, max_tokens):
     from deepinfer_jax.sharding import ParallelConfig, build_sharding
     from deepinfer_jax.types import SamplingParams
 
-    tp, dp, ep = LAYOUTS[name]
-    gpu = jax.default_backend() == "gpu"
+    tp, dp, ep, kernels = LAYOUTS[name]
+    gpu = jax.default_backend() == "gpu" and kernels
     parallel = ParallelConfig(tp, dp, ep)
     sharding = None if parallel.is_single_device else build_sharding(cfg, parallel)
     if sharding is not None:
