@@ -35,6 +35,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (quick lowering experiments)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -53,6 +54,10 @@ def main(argv=None) -> int:
     from deepinfer_jax.weights.random_init import random_params
 
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
+    if args.layers:
+        import dataclasses
+
+        cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers)
     params = random_params(cfg, jnp.bfloat16)
     from deepinfer_jax.sharding import ParallelConfig, build_sharding
 

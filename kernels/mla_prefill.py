@@ -137,9 +137,12 @@ def effective_block_q(num_tokens: int, block_q: int) -> int:
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_h", "num_splits", "num_warps",
                                              "num_stages", "interpret"))
 def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
-                                block_q=2, block_h=16, num_splits=1, num_warps=8, num_stages=2,
+                                block_q=4, block_h=16, num_splits=1, num_warps=8, num_stages=2,
                                 interpret=False, blocks=None):
-    """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer
+    """Defaults from the H200 sweep (benchmarks/RESULTS.md): block_q 4 x 16 heads = 64 rows took 723 us
+    for 16 x 512 fresh tokens vs 947 us at block_q 2 and 1,233 us through the decode kernel.
+
+    q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer
     out would copy it), layer: int32 scalar, seq_ids / positions [T] int32, page_table [S, max_pages]
     int32 -> o_lat [T, H, R] (q_lat's dtype). block_q and block_h must be powers of two; block_h
     (capped at H) must divide H; block_q is capped at `effective_block_q(T, block_q)`.
