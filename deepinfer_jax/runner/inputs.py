@@ -103,6 +103,14 @@ def uses_penalties(req: Request) -> bool:
     return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
 
 
+def needs_full_variant(req: Request) -> bool:
+    """Whether a request needs the step's full variant: penalties (history arrays), logprobs, or the
+    sort that top-k / top-p take. Decided on the host so that the step has no device-side branches."""
+    sp = req.sampling_params
+    truncates = (sp.top_k is not None and sp.top_k > 0) or sp.top_p < 1.0
+    return uses_penalties(req) or sp.logprobs is not None or (sp.temperature >= 1e-5 and truncates)
+
+
 def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
                    bucket: int, penalties: bool) -> SamplingTensors:
     """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty variant, else [S, 0]."""

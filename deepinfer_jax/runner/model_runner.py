@@ -4,10 +4,12 @@
 in one jit (logits never leave the device; the KV cache is donated and updated in place) and returns
 the sampled token ids (and logprobs) for the rows that sample.
 
-Variants: for each token bucket, a base variant (no penalties, no top logprobs) and a full variant
-(penalty history arrays + top `max_logprobs` logprobs). `warmup()` compiles all of them; afterwards
-`CompileCounter` sees every backend compile (or persistent-cache load) during this runner's steps, and
-`compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
+Variants: for each token bucket, a base variant (no penalties, no top-k / top-p, no top logprobs) and a
+full variant (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
+picks one per step (inputs.needs_full_variant), so the step has no device-side branch. `warmup()`
+compiles all of them; afterwards `CompileCounter` sees every backend compile (or persistent-cache load)
+during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a
+warning).
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
 their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
@@ -32,7 +34,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged
-from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, next_pow2, uses_penalties
+from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
 from deepinfer_jax.runner.packing import Layout, pack, unpack
 from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
@@ -136,7 +138,7 @@ class ModelRunner:
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
-                sampled = sample(logits, st, max_logprobs=k)
+                sampled = sample(logits, st, max_logprobs=k, full=full)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
@@ -194,8 +196,7 @@ class ModelRunner:
         else:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
-        want_full = any(uses_penalties(requests[s.request_id]) or requests[s.request_id].sampling_params.logprobs is not None
-                        for s in plan_seqs)
+        want_full = any(needs_full_variant(requests[s.request_id]) for s in plan_seqs)
         return self._host_step(groups, requests, seeds, bucket, want_full)
 
     def _host_step(self, groups, requests, seeds, bucket: int, full: bool) -> HostStep:

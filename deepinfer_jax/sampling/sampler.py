@@ -17,8 +17,12 @@ Invariants:
     equal keys give equal tokens in any batch.
   * Ids < 0 (padding, -1) or >= V in the id tensors are ignored (never counted/suppressed).
   * With all knobs off (T>0, top_k<=0, top_p=1, min_p=0, pres=freq=0, rp=1) the sampled
-    distribution is exactly softmax(logits / T); the optional stages are skipped at run
-    time (``lax.cond``) when no row of the batch uses them, without changing results.
+    distribution is exactly softmax(logits / T), and the penalty and sort stages are identities.
+  * No data-dependent control flow: a ``lax.cond`` on a device value makes the GPU runtime read the
+    predicate on the host, which stalls the host until the whole forward before it has run (the
+    engine then cannot queue the next step while this one runs). Instead ``sample(full=False)``
+    (the runner's base variant, chosen on the host when no row uses penalties, top-k or top-p)
+    leaves those stages out statically; ``full=True`` always runs them.
   * Ties at a top-k / top-p cutoff value are all kept (thresholding by value).
 """
 
@@ -126,37 +130,30 @@ def _sorted_cutoff(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax
 
 
 def apply_truncation(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
-                     min_p: jax.Array) -> jax.Array:
+                     min_p: jax.Array, sort: bool = True) -> jax.Array:
     """f32[B, V] (already temperature-scaled) -> f32[B, V] with dropped ids at -inf.
 
     top-k, then top-p over the top-k renormalised distribution, then min-p (drop ids with
     prob < min_p * max_prob; ratio-based, so independent of renormalisation). The argmax
-    is always kept. Rows with all three off are returned unchanged.
+    is always kept. Rows with all three off are returned unchanged. `sort=False` (static) skips
+    top-k / top-p: only valid when no row uses them.
     """
-    top_k = top_k.astype(jnp.int32)
-    top_p = top_p.astype(jnp.float32)
-    vocab = logits.shape[-1]
-    need_sort = jnp.any(((top_k > 0) & (top_k < vocab)) | (top_p < 1.0))
-    cutoff = jax.lax.cond(need_sort, _sorted_cutoff,
-                          lambda x, *_: jnp.full((x.shape[0], 1), -jnp.inf, x.dtype),
-                          logits, top_k, top_p)
-    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+    if sort:
+        cutoff = _sorted_cutoff(logits, top_k.astype(jnp.int32), top_p.astype(jnp.float32))
+        logits = jnp.where(logits < cutoff, -jnp.inf, logits)
     ratio = jnp.exp(logits - jnp.max(logits, axis=-1, keepdims=True))  # p_i / p_max
     return jnp.where(ratio < min_p.astype(jnp.float32)[:, None], -jnp.inf, logits)
 
 
-def _any_penalty(st: SamplingTensors) -> jax.Array:
-    return jnp.any((st.presence_penalty != 0) | (st.frequency_penalty != 0)
-                   | (st.repetition_penalty != 1))
-
-
-def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int) -> SampleOutput:
-    """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs`` must be static."""
+def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: bool = True) -> SampleOutput:
+    """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs`` and ``full`` must be static.
+    ``full=False`` leaves out penalties and top-k / top-p (module docstring): the caller guarantees
+    that no row uses them."""
     logits = logits.astype(jnp.float32)                                # f32[B, V]
     batch, vocab = logits.shape
     raw_logprobs = jax.nn.log_softmax(logits, axis=-1)                 # f32[B, V]
 
-    x = jax.lax.cond(_any_penalty(st), apply_penalties, lambda l, _: l, logits, st)
+    x = apply_penalties(logits, st) if full else logits
     if st.suppress_token_ids.shape[-1] > 0:
         x = apply_suppression(x, st.suppress_token_ids)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
@@ -164,7 +161,7 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int) -> Samp
     temp = st.temperature.astype(jnp.float32)
     is_greedy = temp < GREEDY_EPS                                      # bool[B]
     scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
-    masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p)
+    masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
     keys = jax.random.wrap_key_data(st.rng_key_data.astype(jnp.uint32), impl="threefry2x32")
     drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
     token_ids = jnp.where(is_greedy, greedy_ids, drawn.astype(jnp.int32))

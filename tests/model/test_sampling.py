@@ -276,3 +276,24 @@ def test_jit_matches_eager_and_bf16_logits():
         np.testing.assert_array_equal(a, b)
     out = jsample(jnp.asarray(logits, jnp.bfloat16), st, max_logprobs=2)
     assert out.token_ids.shape == (16,) and out.logprob.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_sampler_has_no_device_side_branch(full):
+    """A lax.cond on a device value makes the GPU runtime read its predicate on the host, stalling the
+    host until the forward before it has run: the sampler must lower to straight-line code."""
+    st = make_st(4, output_len=8 if full else 0)
+    text = jax.jit(lambda l, s: sample(l, s, max_logprobs=2, full=full)).lower(
+        jnp.zeros((4, 64), jnp.float32), st).as_text()
+    assert "stablehlo.case" not in text and "stablehlo.if" not in text  # (threefry's fixed loop is fine)
+
+
+def test_base_variant_equals_full_when_no_row_needs_it():
+    """full=False leaves out penalties and top-k/top-p; with those knobs off it samples the same tokens."""
+    logits = jax.random.normal(jax.random.key(0), (6, 300)) * 3
+    st = make_st(6, seeds=list(range(6)), temperature=np.array([0.0, 1.0, 0.7, 1.3, 1.0, 0.0], np.float32),
+                 min_p=np.array([0.0, 0.0, 0.1, 0.0, 0.05, 0.0], np.float32))
+    base = sample(logits, st, max_logprobs=0, full=False)
+    full = sample(logits, st, max_logprobs=0, full=True)
+    np.testing.assert_array_equal(np.asarray(base.token_ids), np.asarray(full.token_ids))
+    np.testing.assert_allclose(np.asarray(base.logprob), np.asarray(full.logprob))
