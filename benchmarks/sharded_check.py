@@ -28,7 +28,7 @@ LAYOUTS = {"single": (1, 1, False, True), "tp2": (2, 1, False, True), "dp2ep2": 
            "tp2ep2": (2, 1, True, True), "single_xla": (1, 1, False, False)}
 
 
-def run_layout(cfg, params, name, prompts, max_tokens):
+def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16"):
     import jax
 
     from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
@@ -46,7 +46,7 @@ def run_layout(cfg, params, name, prompts, max_tokens):
         cfg, params, None, sharding=sharding,
         scheduler_config=SchedulerConfig(max_num_seqs=16 // dp, max_num_batched_tokens=4096 // dp, max_model_len=1024),
         cache_config=CacheConfig(page_size=64, enable_prefix_caching=False, gpu_memory_utilization=0.5),
-        runner_config=RunnerConfig(dtype="bfloat16", attn_impl=gpu and "pallas" or "reference",
+        runner_config=RunnerConfig(dtype=dtype, attn_impl=gpu and "pallas" or "reference",
                                    moe_impl=gpu and "pallas" or "ragged",
                                    token_buckets=(16 // dp, 4096 // dp), warmup_full_variant=True),
         progress=False)

@@ -22,6 +22,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+# fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
+EXACT = jax.lax.Precision.HIGHEST
+
 NEG = -1e30
 
 
@@ -42,15 +45,15 @@ def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, 
         page = pt_ref[seq, i]
         kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
         pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
-        s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32)
-        s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32)
+        s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
+        s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)
         key_pos = i * page_size + jnp.arange(page_size)
         s = jnp.where((key_pos <= pos)[None, :], s * scale, NEG)  # [bh, ps]
         m_new = jnp.maximum(m, s.max(axis=-1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])
         l = l * corr + p.sum(axis=-1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+        acc = acc * corr[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
         return acc, m_new, l
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))

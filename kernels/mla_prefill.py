@@ -50,6 +50,9 @@ import math
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+
+# fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
+EXACT = jax.lax.Precision.HIGHEST
 from jax.experimental.pallas import triton as plgpu
 
 NEG = -1e30
@@ -103,15 +106,16 @@ def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref,
             page = pt_ref[seq, i]
             kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
             pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
-            s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32)
-            s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32)  # [rows, ps]
+            s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
+            s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
             key_pos = i * page_size + jnp.arange(page_size)
             s = jnp.where(key_pos[None, :] <= row_pos[:, None], s * scale, NEG)
             m_new = jnp.maximum(m, s.max(axis=-1))
             corr = jnp.exp(m - m_new)
             p = jnp.exp(s - m_new[:, None])
             l = l * corr + p.sum(axis=-1)
-            acc = acc * corr[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32)
+            pv = jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
+            acc = acc * corr[:, None] + pv
             return acc, m_new, l
 
         init = (jnp.zeros((rows, rank), jnp.float32), jnp.full((rows,), NEG, jnp.float32),

@@ -24,6 +24,9 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+# fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
+EXACT = jax.lax.Precision.HIGHEST
+
 
 def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
     """idx [T, k] expert ids -> (row_copy [M_pad] int32: copy index t*k+j or -1,
@@ -67,8 +70,9 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, o_ref, *, block_m, block_n,
             g, u = acc
             ks = pl.ds(i * block_k, block_k)
             x = x_ref[rows, ks]  # [bm, bk]
-            g = g + jnp.dot(x, w_ref[layer, e, ks, 0, cols], preferred_element_type=jnp.float32)  # [bk, bn]
-            u = u + jnp.dot(x, w_ref[layer, e, ks, 1, cols], preferred_element_type=jnp.float32)
+            dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
+            g = g + dot(x, w_ref[layer, e, ks, 0, cols])  # [bm, bk] x [bk, bn]
+            u = u + dot(x, w_ref[layer, e, ks, 1, cols])
             return g, u
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
@@ -87,7 +91,8 @@ def _down_kernel(layer_ref, be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, bl
 
         def body(i, acc):
             ks = pl.ds(i * block_k, block_k)
-            return acc + jnp.dot(h_ref[rows, ks], w_ref[layer, e, ks, cols], preferred_element_type=jnp.float32)
+            w = w_ref[layer, e, ks, cols]
+            return acc + jnp.dot(h_ref[rows, ks], w, preferred_element_type=jnp.float32, precision=EXACT)
 
         acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
@@ -168,8 +173,8 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None,
 def moe_experts_reference(x, w_gate_up, w_down, weights, idx):
     """Pure JAX: each token copy through its expert, weighted, summed (fp32 accumulation)."""
     wg = w_gate_up[idx]  # [T, k, D, 2, I]
-    g = jnp.einsum("td,tkdi->tki", x, wg[..., 0, :], preferred_element_type=jnp.float32)
-    u = jnp.einsum("td,tkdi->tki", x, wg[..., 1, :], preferred_element_type=jnp.float32)
+    g = jnp.einsum("td,tkdi->tki", x, wg[..., 0, :], preferred_element_type=jnp.float32, precision=EXACT)
+    u = jnp.einsum("td,tkdi->tki", x, wg[..., 1, :], preferred_element_type=jnp.float32, precision=EXACT)
     h = (jax.nn.silu(g) * u).astype(x.dtype)
-    y = jnp.einsum("tki,tkid->tkd", h, w_down[idx], preferred_element_type=jnp.float32)
+    y = jnp.einsum("tki,tkid->tkd", h, w_down[idx], preferred_element_type=jnp.float32, precision=EXACT)
     return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32)).astype(x.dtype)
