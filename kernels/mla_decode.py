@@ -92,7 +92,9 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
+        stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(T, nh, splits),

@@ -184,7 +184,9 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
                      jax.ShapeDtypeStruct((splits, nh, T * bh), jnp.float32)]
     params = None
     if not interpret:
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
+        stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
     outs = pl.pallas_call(
         kernel,
         grid=(nb, nh, splits),
