@@ -157,6 +157,8 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
     _, _, ps, _ = kv_cache.shape
     S, max_pages = page_table.shape
     assert block_q & (block_q - 1) == 0 and block_h & (block_h - 1) == 0, (block_q, block_h)
+    if q_lat.dtype.itemsize >= 4 and not interpret:  # fp32 on a GPU: 16-row blocks fit in shared memory
+        block_q = 1
     bq = effective_block_q(T, block_q)
     bh = min(block_h, H)
     assert H % bh == 0, (H, bh)

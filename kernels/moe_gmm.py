@@ -143,8 +143,8 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None,
     auto = tile_config(idx.size)
     block_m, block_n, block_k, num_warps, num_stages = (
         a if v is None else v for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
-    if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: fewer stages fit in shared memory
-        num_stages = min(num_stages, 2)
+    if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: one stage fits in shared memory
+        num_stages = 1
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
