@@ -9,7 +9,8 @@ expert (`block_expert[b]`, -1 for unused blocks). Two kernels then run over (row
 
 Each program reads one [K, block_n] tile of its expert's weights once, so at decode sizes (a few rows
 per expert) the kernels stream the touched experts' weights, which is the whole cost. The weighted
-combine back to tokens is a scatter-add in JAX.
+combine back to tokens gathers each copy's row in JAX. Row tiles follow the number of token copies
+(`tile_config`: 16 rows at decode sizes, 64 / 128 at prefill sizes).
 
 Three parts (ARCHITECTURE.md rule 6): `moe_experts` (kernel; `interpret=True` runs it on the CPU) and
 `moe_experts_reference` (pure JAX, same result). Invariants: rows of padding carry token index -1 and
