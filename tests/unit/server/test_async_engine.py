@@ -209,8 +209,8 @@ def test_a_slow_consumer_gets_merged_deltas():
 
     async def go():
         stream = eng.submit("a", [5], SamplingParams(max_tokens=6, logprobs=1))
-        for _ in range(200):  # let the engine finish before the first read
-            if not fake.reqs:
+        for _ in range(400):  # let all six deltas reach the stream's queue before the first read
+            if not fake.reqs and stream._queue.qsize() >= 6:
                 break
             await asyncio.sleep(0.005)
         return [o async for o in stream]
