@@ -1,0 +1,63 @@
+"""Static checks of the Triton IR our Pallas kernels lower to for an H200 (no GPU needed).
+
+The attention kernels read the whole paged cache [L, P, page, 576] with a layer index: a cache over
+4 GiB needs 64-bit pointer offsets, or loads from the upper pages would wrap around. jax's Pallas-Triton
+lowering picks 64-bit offsets for refs over 2**32 bytes; this test pins that behaviour, which lets the
+engine size the cache from the device memory instead of capping it at 2**31 elements.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+from deepinfer_jax.kernels.mla_prefill import paged_mla_prefill_attention
+
+T, H, R, DR, PS, L = 64, 16, 512, 64, 64, 27
+
+
+@pytest.fixture
+def triton_ir(monkeypatch):
+    """Lower for CUDA on this CPU machine (an sm_90 device assumed) and return the Triton modules."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    class _H200:
+        compute_capability = "9.0"
+
+    captured = []
+    lower = reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        out = lower(*a, **k)
+        captured.append(out.module.operation.get_asm())
+        return out
+
+    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: _H200())
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+
+    def run(kernel, num_pages):
+        captured.clear()
+        s = jax.ShapeDtypeStruct
+        args = (s((T, H, R), jnp.bfloat16), s((T, H, DR), jnp.bfloat16), s((L, num_pages, PS, R + DR), jnp.bfloat16),
+                s((), jnp.int32), s((T,), jnp.int32), s((T,), jnp.int32), s((8, 16), jnp.int32))
+        jax.jit(lambda *a: kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
+        assert len(captured) == 1
+        return captured[0]
+
+    return run
+
+
+def _cache_pointer_offsets(ir: str) -> set[str]:
+    """The offset types of the bf16 tensor pointers (the cache and query tiles) in the module."""
+    return {line.rsplit(",", 1)[1].strip().split("x")[-1].rstrip(">")
+            for line in ir.splitlines() if "tt.addptr" in line and "ptr<bf16>" in line and "tensor<" in line}
+
+
+@pytest.mark.parametrize("kernel", [paged_mla_attention, paged_mla_prefill_attention])
+def test_cache_over_4_gib_uses_64_bit_offsets(triton_ir, kernel):
+    small = 2000  # 27 x 2000 pages x 64 x 576 x 2 bytes = 3.98 GB
+    big = 40000  # 79.6 GB, as on an H200
+    assert _cache_pointer_offsets(triton_ir(kernel, small)) == {"i32"}  # every ref under 4 GiB
+    assert "i64" in _cache_pointer_offsets(triton_ir(kernel, big))  # the cache's loads switch to 64 bits
