@@ -51,8 +51,9 @@ class LLM:
 
     Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
-    skip_tokenizer_init, seed, tensor_parallel_size, data_parallel_size, enable_expert_parallel
-    (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
+    skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
+    config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
+    enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), chat_template, progress.
@@ -65,7 +66,7 @@ class LLM:
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
-                 progress: bool = True):
+                 load_format: str = "auto", progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -86,7 +87,16 @@ class LLM:
             cfg0 = ModelConfig.from_model_dir(model)
             self.sharding = build_sharding(cfg0, parallel)
             shardings = self.sharding.param_shardings(cfg0)
-        self.model_config, params = load_model(model, jnp.dtype(self.dtype), shardings=shardings, progress=progress)
+        if load_format == "dummy":  # vLLM's dummy format: config.json only, random weights drawn on the device
+            from deepinfer_jax.weights.random_init import random_params
+
+            self.model_config = ModelConfig.from_model_dir(model)
+            params = random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
+        elif load_format == "auto":
+            self.model_config, params = load_model(model, jnp.dtype(self.dtype), shardings=shardings,
+                                                   progress=progress)
+        else:
+            raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
         cfg = self.model_config
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:

@@ -27,6 +27,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="model directory (HF safetensors + config.json + tokenizer). Default: the small "
                         "embedded demo model shipped in the package (random weights)")
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                   help="dummy: random weights from the model directory's config.json (benchmarks)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (prompt + output); default min(max_position_embeddings, 4096) "
                         "(2048 for the embedded demo model)")
@@ -134,7 +136,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
-        chat_template=ns.chat_template, progress=progress,
+        chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir)
     if ns.attn_impl:
         kw["attn_impl"] = ns.attn_impl

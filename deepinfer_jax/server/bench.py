@@ -6,7 +6,8 @@
 
 Protocol B (serving), like `vllm bench serve` / `sglang.bench_serving`: prompts of exactly
 --input-len tokens (random English words, tokenized by the server's /tokenize, sent as token ids so
-the length is exact), --output-len tokens each with ignore_eos, streamed from /v1/completions. For
+the length is exact; or, with --vocab-size, random ids as vLLM's random dataset draws them),
+--output-len tokens each with ignore_eos, streamed from /v1/completions. For
 each concurrency cap (and a Poisson --request-rate, or all at once with inf) it reports request
 throughput, output and total tokens/s, and TTFT, TPOT ((e2e - ttft) / (tokens - 1)), ITL (gaps
 between streamed chunks) and E2E latency: mean, median and p99, in milliseconds.
@@ -60,10 +61,14 @@ async def _tokenize(session, base: str, text: str, headers) -> list[int]:
 
 
 async def make_prompts(session, base: str, headers, *, num: int, input_len: int, dataset: str, prefix_len: int,
-                       seed: int) -> list[list[int]]:
+                       seed: int, vocab_size: int | None = None) -> list[list[int]]:
+    """Prompts of token ids: random English words tokenized by the server, or with `vocab_size` random
+    ids in [100, vocab_size) (vLLM's random dataset; for dummy weights, where words would all be rare)."""
     rng = random.Random(seed)
 
     async def ids(n: int) -> list[int]:
+        if vocab_size:
+            return [rng.randrange(min(100, vocab_size - 1), vocab_size) for _ in range(n)]
         out: list[int] = []
         while len(out) < n:
             out += await _tokenize(session, base, " ".join(rng.choice(WORDS) for _ in range(n)), headers)
@@ -155,7 +160,7 @@ async def run_level(session, base, headers, model, prompts, output_len, temperat
 async def run_serving(base_url: str, *, model: str | None = None, api_key: str | None = None, input_len: int = 512,
                       output_len: int = 128, concurrencies=(1, 8, 32, 128), num_prompts: int | None = None,
                       request_rate: float = float("inf"), dataset: str = "random", shared_prefix_len: int = 2048,
-                      temperature: float = 0.0, seed: int = 0, log=print) -> dict:
+                      temperature: float = 0.0, seed: int = 0, vocab_size: int | None = None, log=print) -> dict:
     import aiohttp
 
     base = base_url.rstrip("/")
@@ -172,7 +177,7 @@ async def run_serving(base_url: str, *, model: str | None = None, api_key: str |
         for c in concurrencies:
             n = num_prompts or max(4 * (c or 1), 16)
             prompts = await make_prompts(session, base, headers, num=n, input_len=input_len, dataset=dataset,
-                                         prefix_len=shared_prefix_len, seed=seed + (c or 0))
+                                         prefix_len=shared_prefix_len, seed=seed + (c or 0), vocab_size=vocab_size)
             await one_request(session, base, headers, model, prompts[0], min(output_len, 4), temperature)  # warm-up
             level = await run_level(session, base, headers, model, prompts, output_len, temperature, c,
                                     request_rate, seed)
@@ -206,13 +211,16 @@ def _serve_main(argv: list[str]) -> int:
     p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate in req/s (inf: burst)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--vocab-size", type=int, default=None,
+                   help="prompts of random ids below this instead of tokenized words (dummy weights)")
     p.add_argument("--result-file", default=None, help="write the figures as JSON")
     a = p.parse_args(argv)
     conc = [int(x) for x in a.max_concurrency.split(",") if x.strip()]
     out = asyncio.run(run_serving(a.base_url, model=a.model, api_key=a.api_key, input_len=a.input_len,
                                   output_len=a.output_len, concurrencies=conc, num_prompts=a.num_prompts,
                                   request_rate=a.request_rate, dataset=a.dataset,
-                                  shared_prefix_len=a.shared_prefix_len, temperature=a.temperature, seed=a.seed))
+                                  shared_prefix_len=a.shared_prefix_len, temperature=a.temperature, seed=a.seed,
+                                  vocab_size=a.vocab_size))
     if a.result_file:
         with open(a.result_file, "w") as f:
             json.dump(out, f, indent=1)
