@@ -1,13 +1,52 @@
 #!/usr/bin/env bash
-# Everything measured on the GPU machine, in one command: kernel tables, then Protocol A.
+# Everything measured on the one-GPU machine, in one command, a short table last:
+#   kernels     kernel tables (MoE grouped GEMM, MLA decode and prefill attention) against references
+#   gpu_vs_cpu  greedy tokens of the GPU kernels vs the CPU reference path (fp32), and bf16 vs fp32
+#   protocol_a  offline Protocol A (V2-Lite shape, random weights)
+#   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
+#               1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
+# PARTS picks parts (default: all four); PRESET the model shape; KERNELS_ARGS (default --quick),
+# OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
+# carried in separate calls first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-python3 benchmarks/kernels.py ${KERNELS_ARGS:---quick} 2>&1 | tee "$out/kernels.log"
-python3 benchmarks/offline.py --buckets 32,8192 --json "$out/protocol_a.json" ${OFFLINE_ARGS:-} 2>&1 | tee "$out/protocol_a.log"
-python3 benchmarks/step_profile.py --trace /tmp/deepinfer-trace 2>&1 | tee "$out/step_profile.log" | tail -1
-# The vLLM peer (../shared/peers/vllm_protocol_a.py) needs its bundle carried in separate calls first.
-echo "== summary =="; grep -E "^\| 32 \||Protocol A|prefill|start-up|peak|device step" "$out"/*.log
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
+parts="${PARTS:-kernels gpu_vs_cpu protocol_a protocol_b}"
+preset="${PRESET:-deepseek-v2-lite}"
+has() { [[ " $parts " == *" $1 "* ]]; }
+
+has kernels && python3 benchmarks/kernels.py ${KERNELS_ARGS:---quick} > "$out/kernels.log" 2>&1
+has gpu_vs_cpu && python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+  > "$out/gpu_vs_cpu.log" 2>&1
+has protocol_a && python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
+  ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1
+if has protocol_b; then
+  dummy=$(mktemp -d)
+  python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
+  vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
+  python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
+    --max-model-len 1024 > "$out/server.log" 2>&1 &
+  server=$!
+  python3 - <<'PY'
+import time, urllib.request
+for _ in range(600):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(1)
+PY
+  python3 benchmarks/serving.py --base-url http://127.0.0.1:8011 --vocab-size "$vocab" --input-len 512 \
+    --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/protocol_b.json" ${SERVING_ARGS:-} \
+    > "$out/protocol_b.log" 2>&1
+  kill -TERM $server; wait $server
+fi
+
+echo "== summary =="
+has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/kernels.log" | head -20
+has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop" "$out/protocol_a.log"
+has protocol_b && grep -h -E "^concurrency" "$out/protocol_b.log"
+exit 0
