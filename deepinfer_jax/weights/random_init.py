@@ -13,28 +13,29 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import ParamSpec, is_spec, param_specs, spec_dtype
+from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
 
 
 def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, scale: float = 0.05,
                   shardings: Any = None) -> Any:
+    """Every leaf drawn in one jitted program (one compile, instead of one per leaf); leaf i uses
+    fold_in(key(seed), i), so the values do not depend on how the drawing is batched or sharded."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten_with_path(specs, is_leaf=is_spec)
-    shard_leaves = [None] * len(leaves) if shardings is None else jax.tree.leaves(shardings)
-    key = jax.random.key(seed)
-    out = []
-    for i, ((path, spec), sh) in enumerate(zip(leaves, shard_leaves)):
+    plan = []
+    for path, spec in leaves:
         name = jax.tree_util.keystr(path)
         lo, hi = (-scale, scale)
         if "norm" in name:
             lo, hi = 0.9, 1.1
         elif "e_score_correction_bias" in name:
             lo, hi = 0.0, 0.1
-        out.append(_uniform(jax.random.fold_in(key, i), spec, spec_dtype(spec, dtype), lo, hi, sh))
+        plan.append((spec.shape, spec_dtype(spec, dtype), lo, hi))
+
+    def draw(key):  # no fp32 temporary: uniform draws in the leaf's dtype
+        return [jax.random.uniform(jax.random.fold_in(key, i), shape, dt, lo, hi)
+                for i, (shape, dt, lo, hi) in enumerate(plan)]
+
+    out_shardings = None if shardings is None else jax.tree.leaves(shardings)
+    out = jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed))
     return jax.tree.unflatten(treedef, out)
-
-
-def _uniform(key, spec: ParamSpec, dtype, lo: float, hi: float, sharding) -> jax.Array:
-    fn = jax.jit(lambda k: jax.random.uniform(k, spec.shape, dtype, lo, hi),  # no fp32 temporary
-                 out_shardings=sharding)
-    return fn(key)
