@@ -3,17 +3,18 @@
 #   kernels     kernel tables (MoE grouped GEMM, MLA decode and prefill attention) against references
 #   gpu_vs_cpu  greedy tokens of the GPU kernels vs the CPU reference path (fp32), and bf16 vs fp32
 #   protocol_a  offline Protocol A (V2-Lite shape, random weights)
+#   hf_peer     the HF transformers peer of Protocol A (grouped_mm experts) on the same GPU
 #   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
 #               1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts (default: all four); PRESET the model shape; KERNELS_ARGS (default --quick),
+# PARTS picks parts (default: all five); PRESET the model shape; KERNELS_ARGS (default --quick),
 # OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
 # carried in separate calls first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-parts="${PARTS:-kernels gpu_vs_cpu protocol_a protocol_b}"
+parts="${PARTS:-kernels gpu_vs_cpu protocol_a hf_peer protocol_b}"
 preset="${PRESET:-deepseek-v2-lite}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 
@@ -22,6 +23,7 @@ has gpu_vs_cpu && python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_v
   > "$out/gpu_vs_cpu.log" 2>&1
 has protocol_a && python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
   ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1
+has hf_peer && python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1
 if has protocol_b; then
   dummy=$(mktemp -d)
   python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
@@ -48,5 +50,6 @@ echo "== summary =="
 has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/kernels.log" | head -20
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop" "$out/protocol_a.log"
+has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has protocol_b && grep -h -E "^concurrency" "$out/protocol_b.log"
 exit 0
