@@ -28,6 +28,26 @@ EXACT = jax.lax.Precision.HIGHEST
 NEG = -1e30
 
 
+def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale):
+    """One online-softmax step over page `page` (the i-th of its sequence), shared by the decode and
+    prefill kernels. q_lat [rows, R], q_pe [rows, dr]; a key at position p is seen by a row iff
+    p <= visible_to (a scalar, or [rows, 1] per row); carry = (acc [rows, R], max [rows], sum [rows])."""
+    acc, m, l = carry
+    dr = q_pe.shape[-1]
+    kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
+    pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
+    s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
+    s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
+    key_pos = i * page_size + jnp.arange(page_size)
+    s = jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    l = l * corr + p.sum(axis=-1)
+    pv = jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
+    return acc * corr[:, None] + pv, m_new, l
+
+
 def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
             page_size, pages_per_split, rank, scale):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
@@ -38,23 +58,10 @@ def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, 
     bh = ql_ref.shape[2]
     q_lat = ql_ref[0, 0]  # [bh, R]
     q_pe = qp_ref[0, 0]  # [bh, dr]
-    dr = q_pe.shape[-1]
 
     def body(i, carry):
-        acc, m, l = carry
-        page = pt_ref[seq, i]
-        kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
-        pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
-        s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
-        s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)
-        key_pos = i * page_size + jnp.arange(page_size)
-        s = jnp.where((key_pos <= pos)[None, :], s * scale, NEG)  # [bh, ps]
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l = l * corr + p.sum(axis=-1)
-        acc = acc * corr[:, None] + jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
-        return acc, m_new, l
+        return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, pos, carry,
+                           page_size=page_size, rank=rank, scale=scale)
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     acc, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)

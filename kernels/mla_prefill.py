@@ -52,10 +52,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-# fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
-EXACT = jax.lax.Precision.HIGHEST
-
-NEG = -1e30
+from deepinfer_jax.kernels.mla_decode import NEG, attend_page
 
 
 def num_query_blocks_bound(num_tokens: int, num_seq_rows: int, block_q: int) -> int:
@@ -99,24 +96,10 @@ def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref,
         row_pos = rpos_ref[pl.ds(r0, rows)]  # [rows]
         grow = r0 + jnp.arange(rows)
         mine = (grow >= first * block_h) & (grow < (first + count) * block_h)  # rows of this block
-        dr = q_pe.shape[-1]
 
         def body(i, carry):
-            acc, m, l = carry
-            page = pt_ref[seq, i]
-            kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
-            pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
-            s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
-            s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
-            key_pos = i * page_size + jnp.arange(page_size)
-            s = jnp.where(key_pos[None, :] <= row_pos[:, None], s * scale, NEG)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])
-            l = l * corr + p.sum(axis=-1)
-            pv = jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
-            acc = acc * corr[:, None] + pv
-            return acc, m_new, l
+            return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, row_pos[:, None], carry,
+                               page_size=page_size, rank=rank, scale=scale)
 
         init = (jnp.zeros((rows, rank), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
                 jnp.zeros((rows,), jnp.float32))
