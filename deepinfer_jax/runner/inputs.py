@@ -107,8 +107,8 @@ def needs_full_variant(req: Request) -> bool:
     """Whether a request needs the step's full variant: penalties (history arrays), logprobs, or the
     sort that top-k / top-p take. Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
-    truncates = (sp.top_k is not None and sp.top_k > 0) or sp.top_p < 1.0
-    return uses_penalties(req) or sp.logprobs is not None or (sp.temperature >= 1e-5 and truncates)
+    truncates = sp.top_k > 0 or sp.top_p < 1.0  # top_k is stored as 0 when off
+    return uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
 
 
 def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
