@@ -25,19 +25,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 
+from sharded_check import compare  # noqa: E402
 
-def compare(name, base, got):
-    same, diff = 0, 0.0
-    prefix = []
-    for (bt, bl), (gt, gl) in zip(base, got):
-        n = next((i for i, (a, b) in enumerate(zip(bt, gt)) if a != b), len(bt))
-        same += n == len(bt)
-        prefix.append(n)
-        if n:
-            diff = max(diff, float(np.max(np.abs(np.asarray(bl[:n]) - np.asarray(gl[:n])))))
-    line = (f"| {name} | {same}/{len(base)} | {np.mean(prefix):.1f} of {len(base[0][0])} | {diff:.2e} |")
-    print(line, flush=True)
-    return line
+
+def report(name, base, got):
+    same, prefix, _, diff = compare(base, got)
+    print(f"| {name} | {same}/{len(base)} | {prefix:.1f} of {len(base[0][0])} | {diff:.2e} |", flush=True)
 
 
 def main(argv=None) -> int:
@@ -73,8 +66,8 @@ def main(argv=None) -> int:
                        dtype="bfloat16")
     print("| run | identical requests | mean common prefix | max abs logprob diff (common prefix) |")
     print("|---|---|---|---|")
-    compare("GPU Pallas fp32 vs CPU reference fp32", cpu, gpu32)
-    compare("GPU Pallas bf16 vs GPU Pallas fp32", gpu32, gpu16)
+    report("GPU Pallas fp32 vs CPU reference fp32", cpu, gpu32)
+    report("GPU Pallas bf16 vs GPU Pallas fp32", gpu32, gpu16)
     return 0
 
 

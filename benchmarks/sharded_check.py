@@ -66,6 +66,20 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16"):
     return res
 
 
+def compare(base, got) -> tuple[int, float, int, float]:
+    """Two runs' [(token ids, sampled logprobs)] per request -> (requests with identical tokens, mean
+    common prefix, requests whose first token agrees, largest |logprob difference| over the common prefixes)."""
+    same, prefix, first, diff = 0, [], 0, 0.0
+    for (bt, bl), (gt, gl) in zip(base, got):
+        n = next((i for i, (a, b) in enumerate(zip(bt, gt)) if a != b), len(bt))
+        same += n == len(bt)
+        first += bt[0] == gt[0]
+        prefix.append(n)
+        if n:
+            diff = max(diff, float(np.max(np.abs(np.asarray(bl[:n]) - np.asarray(gl[:n])))))
+    return same, float(np.mean(prefix)), first, diff
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="deepseek-v2-lite")
@@ -92,16 +106,8 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     rows = []
     for name in [n for n in args.layouts.split(",") if n]:
-        got = run_layout(cfg, params, name, prompts, args.max_tokens)
-        same, prefix, first, diff = 0, [], 0, 0.0
-        for (bt, bl), (gt, gl) in zip(base, got):
-            n = next((i for i, (a, b) in enumerate(zip(bt, gt)) if a != b), len(bt))
-            same += n == len(bt)
-            first += bt[0] == gt[0]
-            prefix.append(n)
-            if n:
-                diff = max(diff, float(np.max(np.abs(np.asarray(bl[:n]) - np.asarray(gl[:n])))))
-        rows.append(f"| {name} | {same}/{len(prompts)} | {np.mean(prefix):.1f} of {args.max_tokens} | "
+        same, prefix, first, diff = compare(base, run_layout(cfg, params, name, prompts, args.max_tokens))
+        rows.append(f"| {name} | {same}/{len(prompts)} | {prefix:.1f} of {args.max_tokens} | "
                     f"{first}/{len(prompts)} | {diff:.4f} |")
         print(rows[-1], flush=True)
     print("== summary ==")
