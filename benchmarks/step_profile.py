@@ -154,12 +154,13 @@ def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> 
             names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
     gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
     total, count = defaultdict(float), defaultdict(int)
-    spans = []
+    spans, kern = [], []
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
             total[e["name"]] += e.get("dur", 0.0)
             count[e["name"]] += 1
             spans.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
+            kern.append(e)
     grand = sum(total.values())
     spans.sort()
     # Wall time on the GPU: the union of kernel intervals within each step's burst (bursts split at > 1 ms idle).
@@ -185,6 +186,27 @@ def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> 
         print(f"  [{cat}] {us / steps / 1e3:7.3f} ms/step  x{n // steps}")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
         print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:4d}  {name[:110]}")
+    layer_sequence(kern)
+
+
+def layer_sequence(kern: list, layer: int = 10) -> None:
+    """Print the kernels of one decoder layer in launch order: those from the `layer`-th MoE gate_up kernel
+    up to the next one (on the first GPU), with their durations and the gap before each."""
+    kern = sorted((e for e in kern if e.get("pid") == min(k.get("pid") for k in kern)), key=lambda e: e["ts"])
+    marks = [i for i, e in enumerate(kern) if re.search(r"gate_up", e["name"])]
+    if len(marks) <= layer + 1:
+        return
+    seq = kern[marks[layer]:marks[layer + 1]]
+    busy = sum(e.get("dur", 0.0) for e in seq)
+    span = seq[-1]["ts"] + seq[-1].get("dur", 0.0) - seq[0]["ts"]
+    print(f"one layer in launch order ({len(seq)} kernels, {busy:.1f} us busy, {span:.1f} us span):")
+    prev = None
+    for e in seq:
+        gap = 0.0 if prev is None else e["ts"] - prev
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or ""
+        print(f"  {e.get('dur', 0.0):7.1f} us  gap {gap:5.1f}  {e['name'][:60]}  {str(op)[:60]}")
+        prev = e["ts"] + e.get("dur", 0.0)
 
 
 if __name__ == "__main__":
