@@ -4,6 +4,10 @@
 `deepinfer_jax.models.deepseek`, checkpoint loading in `deepinfer_jax.weights`.
 """
 
+from deepinfer_jax.xla_env import apply_default_xla_flags
+
+apply_default_xla_flags()  # before JAX starts a backend (see xla_env.py)
+
 __version__ = "0.1.0"
 
 __all__ = ["LLM", "SamplingParams", "__version__"]

@@ -16,6 +16,7 @@ PKG = "deepinfer_jax"
 
 # room -> rooms it may import (besides itself). Rooms are first path components under deepinfer_jax.
 ALLOWED = {
+    "xla_env": set(),
     "config": set(),
     "types": set(),
     "text": {"config", "types"},
@@ -30,9 +31,9 @@ ALLOWED = {
                "sharding"},
     "server": {"config", "types", "text", "engine"},
     "cli": {"config", "types", "text", "engine", "server", "weights"},
-    "__init__": {"engine", "types"},
+    "__init__": {"engine", "types", "xla_env"},
 }
-NO_JAX = {"config", "types", "text", "scheduler"}
+NO_JAX = {"xla_env", "config", "types", "text", "scheduler"}
 NO_JAX_FILES = {os.path.join("server", "protocol.py")}
 
 

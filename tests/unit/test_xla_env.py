@@ -1,0 +1,64 @@
+"""The XLA defaults deepinfer puts into XLA_FLAGS, and the device-memory figures the KV cache is sized from."""
+
+import os
+import subprocess
+import sys
+
+import jax
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.runner.model_runner import ModelRunner, device_memory
+from deepinfer_jax.xla_env import DEFAULT_FLAGS, apply_default_xla_flags, with_default_flags
+
+MODE = "xla_gpu_command_buffer_update_mode"
+
+
+def test_defaults_are_added_once_and_never_override_the_user():
+    assert with_default_flags("") == f"--{MODE}=SKIP_PROFILED"
+    assert with_default_flags("--xla_dump_to=/tmp/x") == f"--xla_dump_to=/tmp/x --{MODE}=SKIP_PROFILED"
+    assert with_default_flags(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE"
+    twice = with_default_flags(with_default_flags(""))
+    assert twice == f"--{MODE}=SKIP_PROFILED"
+
+
+def test_apply_respects_the_opt_out():
+    env = {"DEEPINFER_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
+    apply_default_xla_flags(env)
+    assert env["XLA_FLAGS"] == "--a=1"
+    env = {}
+    apply_default_xla_flags(env)
+    assert env["XLA_FLAGS"] == " ".join(f"--{k}={v}" for k, v in DEFAULT_FLAGS.items())
+
+
+def _flags_after_import(env_flags):
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DEEPINFER_XLA_DEFAULTS")}
+    if env_flags is not None:
+        env["XLA_FLAGS"] = env_flags
+    code = "import os, deepinfer_jax, jax; jax.numpy.ones(2).block_until_ready(); print(os.environ['XLA_FLAGS'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_importing_the_package_sets_the_flags_before_jax_starts():
+    # XLA parses the flags when the backend starts: an unknown or malformed flag would abort here.
+    assert _flags_after_import(None) == f"--{MODE}=SKIP_PROFILED"
+    assert _flags_after_import(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE"
+
+
+class _Dev:
+    platform = "gpu"
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_device_memory_prefers_allocator_stats_and_cpu_has_none():
+    assert device_memory(_Dev({"bytes_limit": 100, "bytes_in_use": 30})) == (100, 30, "XLA allocator")
+    assert device_memory(jax.devices("cpu")[0]) is None
+    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
+                                                  "tiny-deepseek-v2.json"))
+    pages, how = ModelRunner.pages_for_memory(cfg, 16, "float32", 0.9, fallback_pages=77)
+    assert (pages, how.split(" (")[0]) == (77, "77 pages")
