@@ -4,9 +4,9 @@ Semantics are `mla_reference.paged_mla_attention_reference`: for each query toke
 decode tokens and prefill-chunk tokens), MQA of its H absorbed query heads against the 576-wide
 latent keys of its own sequence up to its position, fp32 online softmax, 512-wide latent values.
 
-Grid: (token, head block, context split). A program walks its share of the sequence's pages through
-the page table, one page (`page_size` keys) per step, keeping the running max / sum / accumulator in
-registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
+Grid: (token, head block, context split). A program walks its share of the sequence's pages (the
+batch's longest context divided evenly over the splits) through the page table, one page
+(`page_size` keys) per step, keeping the running max / sum / accumulator in registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
 backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
 still fill the GPU (flash-decoding).
 
@@ -16,7 +16,6 @@ still fill the GPU (flash-decoding).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,10 +47,10 @@ def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_
     return acc * corr[:, None] + pv, m_new, l
 
 
-def _kernel(layer_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            page_size, pages_per_split, rank, scale):
+def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
+            page_size, rank, scale):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
-    layer, seq, pos = layer_ref[0], seq_ref[t], pos_ref[t]
+    layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // page_size + 1  # pages holding keys 0..pos
     first = sp * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
@@ -84,11 +83,15 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     assert H % bh == 0, (H, bh)
     nh = H // bh
     splits = max(1, min(num_splits, max_pages))
-    pps = math.ceil(max_pages / splits)
+    # Pages per split from the longest context in this batch (a device scalar), not from the page
+    # table's width: a batch of short contexts in a long-max_model_len cache still spreads its pages
+    # over all splits. Splits past a shorter sequence's pages run no iterations.
+    longest = jnp.max(positions) // ps + 1
+    pps = ((longest + splits - 1) // splits).astype(jnp.int32).reshape(1)
     # [T, H, R] -> [T, nh, bh, R] so a program's query block is one contiguous slab.
     ql = q_lat.reshape(T, nh, bh, R)
     qp = q_pe.reshape(T, nh, bh, dr)
-    kernel = functools.partial(_kernel, page_size=ps, pages_per_split=pps, rank=R, scale=scale)
+    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
@@ -106,7 +109,7 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
         kernel,
         grid=(T, nh, splits),
         in_specs=[
-            full(layer), full(seq_ids), full(positions), full(page_table),
+            full(layer), full(pps), full(seq_ids), full(positions), full(page_table),
             pl.BlockSpec((1, 1, bh, R), lambda t, h, s: (t, h, 0, 0)),
             pl.BlockSpec((1, 1, bh, dr), lambda t, h, s: (t, h, 0, 0)),
             full(kv_cache),
@@ -119,7 +122,7 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
-    )(layer, seq_ids, positions, page_table, ql, qp, kv_cache)
+    )(layer, pps, seq_ids, positions, page_table, ql, qp, kv_cache)
     # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
     M = m.max(axis=2, keepdims=True)  # [T, nh, 1, bh]
     w = jnp.exp(m - M)  # [T, nh, splits, bh]; empty splits have l = 0 and contribute nothing

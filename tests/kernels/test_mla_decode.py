@@ -53,3 +53,14 @@ def test_keys_beyond_position_are_invisible():
     kv3 = kv.at[0, page, 0].set(3.0)  # ... but its own key matters
     out3 = paged_mla_attention(ql, qp, kv3, 0, sid, pos, pt, 0.2, num_splits=2, block_h=8, interpret=True)
     assert not np.allclose(np.asarray(out[1]), np.asarray(out3[1]))
+
+
+@pytest.mark.parametrize("splits", [2, 4, 5])
+def test_splits_follow_the_longest_context_not_the_table_width(splits):
+    """A page table much wider than the contexts (a long max_model_len): the pages per split come from
+    the longest context in the batch, so every page of every sequence is still visited exactly once."""
+    ql, qp, kv, sid, pos, pt = _case(3)
+    wide = jnp.zeros((3, 40), jnp.int32).at[:, :6].set(pt)
+    ref = paged_mla_attention_reference(ql, qp, kv, 1, sid, pos, pt, 0.17)
+    out = paged_mla_attention(ql, qp, kv, 1, sid, pos, wide, 0.17, num_splits=splits, block_h=8, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
