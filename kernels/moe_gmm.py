@@ -29,33 +29,52 @@ from jax.experimental import pallas as pl
 EXACT = jax.lax.Precision.HIGHEST
 
 
-def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array]:
-    """idx [T, k] expert ids -> (row_copy [M_pad] int32: copy index t*k+j or -1,
-    block_expert [M_pad // block_m] int32: the expert of each row block or -1).
+# Up to this many token copies (decode sizes) the alignment is compare-and-count over [copies, copies]
+# and [rows, copies] grids: a few fused XLA kernels, no sort, no scatter. Above it (prefill sizes)
+# those grids grow quadratically, and a stable argsort is cheaper.
+COMPARE_ALIGN_MAX_COPIES = 2048
+
+
+def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """idx [T, k] expert ids -> (row_copy [M_pad] int32: copy index t*k+j of each row or -1,
+    block_expert [M_pad // block_m] int32: the expert of each row block or -1,
+    row_of [T*k] int32: the row of each copy, M_pad for a skipped one).
     An id outside [0, E) (e.g. -1: a copy another device's experts handle under expert parallelism)
-    gets no row at all. M_pad = round_up(T*k + E*(block_m - 1), block_m), a static upper bound."""
+    gets no row at all. M_pad = round_up(T*k + E*(block_m - 1), block_m), a static upper bound.
+    Copies of one expert keep their order (copy index ascending) in both methods."""
     n = idx.size
     flat = idx.reshape(-1)
     valid = (flat >= 0) & (flat < num_experts)
     flat = jnp.where(valid, flat, num_experts)  # skipped copies go to a pseudo-expert with no blocks
     m_pad = -(-(n + num_experts * (block_m - 1)) // block_m) * block_m
-    counts = jnp.bincount(flat, length=num_experts + 1)  # [E + 1]
+    copy = jnp.arange(n, dtype=jnp.int32)
+    if n <= COMPARE_ALIGN_MAX_COPIES:
+        counts = jnp.sum(flat[:, None] == jnp.arange(num_experts + 1)[None, :], axis=0, dtype=jnp.int32)
+        # rank of a copy within its expert = earlier copies with the same expert
+        rank = jnp.sum((flat[None, :] == flat[:, None]) & (copy[None, :] < copy[:, None]), axis=1, dtype=jnp.int32)
+    else:
+        counts = jnp.bincount(flat, length=num_experts + 1)  # [E + 1]
     padded = ((counts + block_m - 1) // block_m * block_m).at[num_experts].set(0)
     starts = jnp.cumsum(padded) - padded  # [E + 1] first padded row of each expert
-    order = jnp.argsort(flat, stable=True)  # [n] copies sorted by expert, skipped ones last
-    sorted_e = flat[order]
-    group_first = jnp.cumsum(counts) - counts  # first sorted position of each expert
-    rank = jnp.arange(n) - group_first[sorted_e]
-    keep = sorted_e < num_experts
-    dest = jnp.where(keep, starts[sorted_e] + rank, m_pad)  # skipped copies scatter out of range
-    row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+    if n <= COMPARE_ALIGN_MAX_COPIES:
+        row_of = jnp.where(valid, starts[flat] + rank, m_pad).astype(jnp.int32)  # [n]
+        hit = row_of[None, :] == jnp.arange(m_pad, dtype=jnp.int32)[:, None]  # [M_pad, n], <= 1 per row
+        row_copy = jnp.sum(jnp.where(hit, copy[None, :] + 1, 0), axis=1, dtype=jnp.int32) - 1
+    else:
+        order = jnp.argsort(flat, stable=True)  # [n] copies sorted by expert, skipped ones last
+        sorted_e = flat[order]
+        group_first = jnp.cumsum(counts) - counts  # first sorted position of each expert
+        rank = jnp.arange(n) - group_first[sorted_e]
+        dest = jnp.where(sorted_e < num_experts, starts[sorted_e] + rank, m_pad)  # skipped: out of range
+        row_copy = jnp.full((m_pad,), -1, jnp.int32).at[dest].set(order.astype(jnp.int32), mode="drop")
+        row_of = jnp.full((n,), m_pad, jnp.int32).at[order].set(dest.astype(jnp.int32))
     block_start = jnp.arange(m_pad // block_m) * block_m
     ends = jnp.cumsum(padded[:num_experts])  # [E]
     # The expert of a block = how many experts' padded groups end at or before its start. A compare-and-
     # count is one fused kernel; jnp.searchsorted lowers to a while loop of small kernels on the GPU.
     block_expert = jnp.sum(block_start[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)
     block_expert = jnp.where(block_start < ends[-1], block_expert, -1)
-    return row_copy, block_expert
+    return row_copy, block_expert, row_of
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
@@ -152,7 +171,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None,
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     k = idx.shape[-1]
-    row_copy, block_expert = align_tokens(idx, E, block_m)
+    row_copy, block_expert, row_of = align_tokens(idx, E, block_m)
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     token = jnp.where(row_copy >= 0, row_copy // k, 0)
     xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
@@ -166,8 +185,6 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None,
               block_m=block_m, block_n=bn2, block_k=bk2, K=I)
     # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
     # copy c, or M_pad for a skipped copy, which reads zeros.
-    row_of = jnp.full((T * k,), m_pad, jnp.int32).at[jnp.where(row_copy >= 0, row_copy, T * k)].set(
-        jnp.arange(m_pad, dtype=jnp.int32), mode="drop")
     yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, k, D)  # [T, k, D]
     out = jnp.einsum("tkd,tk->td", yc.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)

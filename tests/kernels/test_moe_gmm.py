@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from deepinfer_jax.kernels import moe_gmm
 from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts, moe_experts_reference
 
 
@@ -22,14 +23,34 @@ def _case(seed, T, D=64, I=32, E=8, k=3, skew=False, dtype=jnp.float32):
     return x, wgu, wd, w, jnp.asarray(idx, jnp.int32)
 
 
-def test_align_tokens_layout():
+@pytest.mark.parametrize("method", ["compare", "sort"])
+def test_align_tokens_layout(method, monkeypatch):
+    if method == "sort":
+        monkeypatch.setattr(moe_gmm, "COMPARE_ALIGN_MAX_COPIES", 0)
     idx = jnp.asarray([[2, 0], [2, 1], [0, 2]], jnp.int32)  # copies 0..5
-    row_copy, block_expert = align_tokens(idx, num_experts=4, block_m=2)
+    row_copy, block_expert, row_of = align_tokens(idx, num_experts=4, block_m=2)
     rc = np.asarray(row_copy)
     # expert 0: copies 1, 4; expert 1: copy 3 (+pad); expert 2: copies 0, 2, 5 (+pad); expert 3: none
     assert rc[:8].tolist() == [1, 4, 3, -1, 0, 2, 5, -1]
     assert (rc[8:] == -1).all()
     assert np.asarray(block_expert)[:4].tolist() == [0, 1, 2, 2] and (np.asarray(block_expert)[4:] == -1).all()
+    assert np.asarray(row_of).tolist() == [4, 0, 5, 2, 1, 6]
+
+
+@pytest.mark.parametrize("T, k, E, bm", [(1, 6, 64, 16), (32, 6, 64, 16), (57, 3, 8, 4), (300, 8, 16, 16)])
+def test_compare_and_sort_alignments_agree(T, k, E, bm, monkeypatch):
+    """The decode-size compare-and-count alignment equals the argsort one, skipped copies included."""
+    rng = np.random.default_rng(T)
+    idx = np.stack([rng.choice(E, k, replace=False) for _ in range(T)])
+    idx = jnp.asarray(np.where(rng.random(idx.shape) < 0.2, -1, idx), jnp.int32)
+    got = align_tokens(idx, E, bm)
+    monkeypatch.setattr(moe_gmm, "COMPARE_ALIGN_MAX_COPIES", 0)
+    want = align_tokens(idx, E, bm)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    row_copy, _, row_of = (np.asarray(a) for a in got)
+    valid = np.flatnonzero(np.asarray(idx).ravel() >= 0)
+    assert (row_copy[row_of[valid]] == valid).all()
 
 
 @pytest.mark.parametrize("T, skew", [(1, False), (5, False), (40, True), (33, False)])
@@ -56,7 +77,7 @@ def test_skipped_copies_cost_nothing_and_add_nothing():
     ref = moe_experts_reference(x, wgu, wd, w_s, jnp.where(jnp.asarray(skip), 0, idx))
     out = moe_experts(x, wgu, wd, w_s, idx_s, block_m=16, block_n=16, block_k=32, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    row_copy, block_expert = align_tokens(idx_s, num_experts=8, block_m=16)
+    row_copy, block_expert, _ = align_tokens(idx_s, num_experts=8, block_m=16)
     placed = set(np.asarray(row_copy)[np.asarray(row_copy) >= 0].tolist())
     assert placed == set(np.flatnonzero(~skip.ravel()).tolist())
     assert (np.asarray(block_expert) >= 0).sum() <= -(-(~skip).sum() // 16) + 8
