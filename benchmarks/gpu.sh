@@ -7,7 +7,8 @@
 #   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
 #               1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts (default: all five); PRESET the model shape; KERNELS_ARGS (default --quick),
+# PARTS picks parts and their order (default: all five, in the order above); PRESET the model shape;
+# KERNELS_ARGS (default --quick),
 # OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
 # carried in separate calls first.
 set -uo pipefail
@@ -18,13 +19,20 @@ parts="${PARTS:-kernels gpu_vs_cpu protocol_a hf_peer protocol_b}"
 preset="${PRESET:-deepseek-v2-lite}"
 has() { [[ " $parts " == *" $1 "* ]]; }
 
-has kernels && python3 benchmarks/kernels.py ${KERNELS_ARGS:---quick} > "$out/kernels.log" 2>&1
-has gpu_vs_cpu && python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
-  > "$out/gpu_vs_cpu.log" 2>&1
-has protocol_a && python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
-  ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1
-has hf_peer && python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1
-if has protocol_b; then
+run_part() {
+  case "$1" in
+    kernels) python3 benchmarks/kernels.py ${KERNELS_ARGS:---quick} > "$out/kernels.log" 2>&1 ;;
+    gpu_vs_cpu) python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+      > "$out/gpu_vs_cpu.log" 2>&1 ;;
+    protocol_a) python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
+      ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1 ;;
+    hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
+    protocol_b) protocol_b ;;
+    *) echo "unknown part $1" ;;
+  esac
+}
+
+protocol_b() {
   dummy=$(mktemp -d)
   python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
   vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
@@ -44,7 +52,12 @@ PY
     --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/protocol_b.json" ${SERVING_ARGS:-} \
     > "$out/protocol_b.log" 2>&1
   kill -TERM $server; wait $server
-fi
+}
+
+for part in $parts; do
+  echo "== $part ($(date +%T)) =="
+  run_part "$part"
+done
 
 echo "== summary =="
 has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/kernels.log" | head -20
