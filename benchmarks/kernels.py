@@ -100,7 +100,7 @@ def mla_tables(quick: bool):
     import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+    from deepinfer_jax.kernels.mla_decode import auto_splits, paged_mla_attention
     from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 
     H, R, dr, ps = 16, 512, 64, 64
@@ -125,18 +125,20 @@ def mla_tables(quick: bool):
         if B * ctx <= 256 * 2048:
             ref = np.asarray(jax.jit(lambda *a: paged_mla_attention_reference(*a, 0.1147))(
                 ql, qp, kv, 0, sid, pos, pt).astype(jnp.float32))
-        for splits in ([1, 4, 16] if B < 64 else [1, 2]):
-            for bh, nw in ((16, 4), (16, 8)):
-                fn = jax.jit(lambda *a, s=splits, bh=bh, nw=nw: paged_mla_attention(
+        for splits in ["auto"] + ([] if os.environ.get("MLA_AUTO_ONLY") else [1, 4, 16] if B < 64 else [1, 2]):
+            for bh, nw in ((16, 4), (16, 8)) if splits != "auto" else ((16, 8),):
+                s_arg = None if splits == "auto" else splits
+                label = f"auto={auto_splits(B)}" if splits == "auto" else splits
+                fn = jax.jit(lambda *a, s=s_arg, bh=bh, nw=nw: paged_mla_attention(
                     *a, 0.1147, num_splits=s, block_h=bh, num_warps=nw))
                 try:
                     t, out = bench(fn, ql, qp, kv, 0, sid, pos, pt)
                     err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
-                    print(f"| {B} | {ctx} | pallas splits{splits} bh{bh} w{nw} | {t*1e6:.0f} | {moved/t/1e12:.2f} | {err} |",
+                    print(f"| {B} | {ctx} | pallas splits{label} bh{bh} w{nw} | {t*1e6:.0f} | {moved/t/1e12:.2f} | {err} |",
                           flush=True)
                 except Exception as e:  # noqa: BLE001
-                    print(f"| {B} | {ctx} | pallas splits{splits} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
-        if ref is not None:
+                    print(f"| {B} | {ctx} | pallas splits{label} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
+        if ref is not None and not os.environ.get("MLA_AUTO_ONLY"):
             t, _ = bench(jax.jit(lambda *a: paged_mla_attention_reference(*a, 0.1147)), ql, qp, kv, 0, sid, pos, pt)
             print(f"| {B} | {ctx} | xla reference | {t*1e6:.0f} | {moved/t/1e12:.2f} | 0 |", flush=True)
 

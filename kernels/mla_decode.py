@@ -69,11 +69,20 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     l_ref[0, 0, 0] = l
 
 
+def auto_splits(num_tokens: int) -> int:
+    """Context splits for a step of `num_tokens` query tokens: about 128 (token, split) programs, so a
+    few long sequences still spread over the GPU's 132 SMs; at most 16, the most measured (1-8 tokens
+    -> 16 splits, 32 -> 4, >= 128 -> 1). H200 sweep in benchmarks/RESULTS.md (8 warps): batch 1 at 32K
+    context 602 us with 4 splits, 235 with 16; batch 8 at 4K 228 / 150; batch 256 at 2K 315 with 1
+    split, 493 with 2."""
+    return max(1, min(16, 128 // max(1, num_tokens)))
+
+
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages", "interpret"))
-def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=4,
+def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
                         block_h=16, num_warps=8, num_stages=2, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
-    would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype)."""
+    would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T)."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -82,7 +91,7 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     bh = min(block_h, H)
     assert H % bh == 0, (H, bh)
     nh = H // bh
-    splits = max(1, min(num_splits, max_pages))
+    splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, max_pages))
     # Pages per split from the longest context in this batch (a device scalar), not from the page
     # table's width: a batch of short contexts in a long-max_model_len cache still spreads its pages
     # over all splits. Splits past a shorter sequence's pages run no iterations.

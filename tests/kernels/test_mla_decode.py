@@ -64,3 +64,13 @@ def test_splits_follow_the_longest_context_not_the_table_width(splits):
     ref = paged_mla_attention_reference(ql, qp, kv, 1, sid, pos, pt, 0.17)
     out = paged_mla_attention(ql, qp, kv, 1, sid, pos, wide, 0.17, num_splits=splits, block_h=8, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
+
+
+def test_auto_splits_spread_small_batches_and_keep_large_ones_whole():
+    from deepinfer_jax.kernels.mla_decode import auto_splits
+
+    assert [auto_splits(t) for t in (1, 8, 16, 32, 64, 128, 256, 8192)] == [16, 16, 8, 4, 2, 1, 1, 1]
+    ql, qp, kv, sid, pos, pt = _case(4, T=1)  # one token: the auto default splits its 3 pages
+    ref = paged_mla_attention_reference(ql, qp, kv, 0, sid, pos, pt, 0.17)
+    out = paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, block_h=8, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
