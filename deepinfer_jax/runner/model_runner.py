@@ -34,6 +34,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
 from deepinfer_jax.runner.packing import Layout, pack, unpack
 from deepinfer_jax.sampling import sample
@@ -259,45 +260,12 @@ class ModelRunner:
     def pages_for_memory(cfg: ModelConfig, page_size: int, dtype, gpu_memory_utilization: float,
                          fallback_pages: int) -> tuple[int, str]:
         """KV pages that fit in gpu_memory_utilization of the device memory, less what is in use (the
-        weights); a device without memory figures (CPU) -> fallback."""
+        weights), within the share XLA's scheduler assumes (runner/device_memory.py); a device
+        without memory figures (CPU) -> fallback."""
         per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
         mem = device_memory(jax.devices()[0])
         if mem is None:
             return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
-        limit, in_use, source = mem
-        pages = int((limit * gpu_memory_utilization - in_use) // per_page)
+        pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
         return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
-                       f"({pages * per_page / 2**30:.2f} GiB of {limit / 2**30:.1f} GiB, {source})")
-
-
-def device_memory(device) -> tuple[int, int, str] | None:
-    """(memory limit, bytes in use, where the figures come from) of `device`, or None (CPU).
-
-    XLA's BFC allocator reports its pool (`memory_stats`); under the VMM allocator that
-    xla_env.py's command-buffer mode selects there are no stats, so a GPU falls back to the CUDA
-    driver's cuMemGetInfo (the whole device: total, and total - free)."""
-    try:
-        stats = device.memory_stats()
-    except Exception:  # noqa: BLE001 - backends without stats
-        stats = None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)), "XLA allocator"
-    if device.platform != "gpu":
-        return None
-    try:
-        import ctypes
-
-        cuda = ctypes.CDLL("libcuda.so.1")
-        free, total = ctypes.c_size_t(), ctypes.c_size_t()
-        if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
-            # No context current on this thread: make the device's primary context (JAX's) current.
-            dev, ctx = ctypes.c_int(), ctypes.c_void_p()
-            ordinal = getattr(device, "local_hardware_id", None) or 0
-            if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
-                    or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) or cuda.cuCtxSetCurrent(ctx)
-                    or cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))):
-                return None
-    except OSError:
-        return None
-    return int(total.value), int(total.value - free.value), "CUDA driver"
-
+                       f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")

@@ -1,13 +1,9 @@
-"""The XLA defaults deepinfer puts into XLA_FLAGS, and the device-memory figures the KV cache is sized from."""
+"""The XLA defaults deepinfer puts into XLA_FLAGS before JAX starts."""
 
 import os
 import subprocess
 import sys
 
-import jax
-
-from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.runner.model_runner import ModelRunner, device_memory
 from deepinfer_jax.xla_env import DEFAULT_FLAGS, apply_default_xla_flags, with_default_flags
 
 MODE = "xla_gpu_command_buffer_update_mode"
@@ -43,22 +39,3 @@ def test_importing_the_package_sets_the_flags_before_jax_starts():
     # XLA parses the flags when the backend starts: an unknown or malformed flag would abort here.
     assert _flags_after_import(None) == f"--{MODE}=SKIP_PROFILED"
     assert _flags_after_import(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE"
-
-
-class _Dev:
-    platform = "gpu"
-
-    def __init__(self, stats):
-        self._stats = stats
-
-    def memory_stats(self):
-        return self._stats
-
-
-def test_device_memory_prefers_allocator_stats_and_cpu_has_none():
-    assert device_memory(_Dev({"bytes_limit": 100, "bytes_in_use": 30})) == (100, 30, "XLA allocator")
-    assert device_memory(jax.devices("cpu")[0]) is None
-    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
-                                                  "tiny-deepseek-v2.json"))
-    pages, how = ModelRunner.pages_for_memory(cfg, 16, "float32", 0.9, fallback_pages=77)
-    assert (pages, how.split(" (")[0]) == (77, "77 pages")

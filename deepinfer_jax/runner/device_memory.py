@@ -1,0 +1,69 @@
+"""How much device memory the KV cache may take: XLA's allocator figures or the CUDA driver's, and the
+share of device memory XLA's GPU scheduler assumes a program may use.
+
+Invariant of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory. XLA's
+GPU scheduler and rematerialization assume a program's arguments and temporaries fit in 80% of device
+memory (`GetSchedulerMemoryLimit`); a step whose arguments (weights + the donated cache) exceed that
+gets a negative memory budget, logs "exceeds the base limit", and is scheduled and rematerialized to
+save memory instead of time. The 5% below XLA's 80% leaves room for the step's own temporaries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+XLA_PROGRAM_SHARE = 0.75
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    limit: int  # bytes the allocator may hand out (XLA's pool, or the whole device)
+    in_use: int  # bytes held now (the weights, when called after loading)
+    device_total: int | None  # the device's whole memory, when the driver answers
+    source: str  # where `limit` and `in_use` come from
+
+
+def cuda_mem_info(device) -> tuple[int, int] | None:
+    """(free, total) bytes of a CUDA device from the driver (cuMemGetInfo), or None."""
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    free, total = ctypes.c_size_t(), ctypes.c_size_t()
+    if cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) != 0:
+        # No context current on this thread: make the device's primary context (JAX's) current.
+        dev, ctx = ctypes.c_int(), ctypes.c_void_p()
+        ordinal = getattr(device, "local_hardware_id", None) or 0
+        if (cuda.cuInit(0) or cuda.cuDeviceGet(ctypes.byref(dev), ordinal)
+                or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) or cuda.cuCtxSetCurrent(ctx)
+                or cuda.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total))):
+            return None
+    return int(free.value), int(total.value)
+
+
+def device_memory(device) -> DeviceMemory | None:
+    """The memory figures of `device`, or None (CPU). XLA's BFC allocator reports its pool
+    (`memory_stats`); under the VMM allocator that xla_env.py's command-buffer mode selects there are
+    no stats, and a GPU falls back to the driver (the whole device: total, and total - free)."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without stats
+        stats = None
+    info = cuda_mem_info(device) if device.platform == "gpu" else None
+    total = None if info is None else info[1]
+    if stats and "bytes_limit" in stats:
+        return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)), total, "XLA allocator")
+    if info is None:
+        return None
+    free, total = info
+    return DeviceMemory(total, total - free, total, "CUDA driver")
+
+
+def kv_cache_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
+    """Bytes for the KV cache: gpu_memory_utilization of the limit less what is in use, capped so that
+    what is in use plus the cache stays within XLA_PROGRAM_SHARE of the device (module docstring)."""
+    budget = mem.limit * gpu_memory_utilization - mem.in_use
+    if mem.device_total is not None:
+        budget = min(budget, mem.device_total * XLA_PROGRAM_SHARE - mem.in_use)
+    return max(0, int(budget))

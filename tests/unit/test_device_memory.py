@@ -1,0 +1,45 @@
+"""The device-memory figures the KV cache is sized from, and the cap that keeps a step's arguments
+within the share of device memory XLA's GPU scheduler assumes."""
+
+import os
+
+import jax
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.runner.device_memory import XLA_PROGRAM_SHARE, DeviceMemory, device_memory, kv_cache_bytes
+from deepinfer_jax.runner.model_runner import ModelRunner
+
+GB = 10**9
+
+
+class _Dev:
+    platform = "gpu"
+
+    def __init__(self, stats):
+        self._stats = stats
+
+    def memory_stats(self):
+        return self._stats
+
+
+def test_allocator_stats_are_used_when_present_and_cpu_has_none():
+    mem = device_memory(_Dev({"bytes_limit": 100, "bytes_in_use": 30}))  # no CUDA driver on this machine
+    assert mem == DeviceMemory(100, 30, None, "XLA allocator")
+    assert device_memory(jax.devices("cpu")[0]) is None
+
+
+def test_kv_cache_stays_within_xla_program_share():
+    # An H200 under the VMM allocator (driver figures): 150 GB, 31.4 GB of weights loaded.
+    mem = DeviceMemory(150 * GB, int(31.4 * GB), 150 * GB, "CUDA driver")
+    assert kv_cache_bytes(mem, 0.9) == int(150 * GB * XLA_PROGRAM_SHARE - 31.4 * GB)
+    assert kv_cache_bytes(mem, 0.5) == int(150 * GB * 0.5 - 31.4 * GB)  # a lower utilization wins
+    # BFC pool without a driver answer: utilization of the pool only.
+    assert kv_cache_bytes(DeviceMemory(100 * GB, 30 * GB, None, "XLA allocator"), 0.9) == 60 * GB
+    assert kv_cache_bytes(DeviceMemory(100 * GB, 95 * GB, 100 * GB, "CUDA driver"), 0.9) == 0
+
+
+def test_cpu_falls_back_to_pages_for_max_num_seqs():
+    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
+                                                  "tiny-deepseek-v2.json"))
+    pages, how = ModelRunner.pages_for_memory(cfg, 16, "float32", 0.9, fallback_pages=77)
+    assert (pages, how.split(" (")[0]) == (77, "77 pages")
