@@ -142,10 +142,14 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
 
 def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) by the number of token copies T*k, from the
-    H200 sweeps in benchmarks/RESULTS.md: decode sizes stream weights (small row blocks, little padding);
-    prefill sizes are compute-bound (128-row blocks: 306 TFLOP/s at 8,192 tokens vs 270 with 64)."""
-    if num_copies < 2048:
+    H200 sweeps in benchmarks/RESULTS.md: decode sizes stream weights (small row blocks, little
+    padding); prefill sizes are compute-bound (128-row blocks: 306 TFLOP/s at 8,192 tokens vs 270
+    with 64). A block_n that does not divide a kernel's N dim is halved by `_fit`: 256 applies to the
+    down kernel's D = 2048 while the gate_up kernel keeps 128 for I = 1408."""
+    if num_copies < 1024:
         return 16, 128, 64, 4, 3
+    if num_copies < 2048:  # 256 tokens x top-6: 500 us with 256-wide down tiles vs 583 with 128
+        return 16, 256, 64, 4, 3
     if num_copies < 16384:
         return 64, 128, 64, 4, 3
     return 128, 128, 64, 8, 4
