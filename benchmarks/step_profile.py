@@ -36,6 +36,9 @@ def main(argv=None) -> int:
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--layers", type=int, default=0, help="cut the model to this many layers (quick lowering experiments)")
+    ap.add_argument("--num-pages", type=int, default=0,
+                    help="KV cache pages (default: just enough for the batch); e.g. 48000 to see the effect of "
+                         "an engine-sized cache (64-bit offsets, XLA's scheduler memory limit)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -70,7 +73,7 @@ def main(argv=None) -> int:
     Br = B // dp  # sequences per data-parallel rank
     max_len = max(1024, args.context + new)
     pages_per = -(-max_len // ps)
-    num_pages = Br * pages_per + 1  # per rank
+    num_pages = max(args.num_pages, Br * pages_per + 1)  # per rank
     T = 1 << (Br * new - 1).bit_length()  # the token bucket (per rank)
     shapes = Shapes((T,), Br, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
         top_kernels(runner, host, args.trace)
     layout = f"TP={args.tensor_parallel_size} DP={dp} EP={args.enable_expert_parallel} "
     kind = layout + (f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}")
+    kind += f", {num_pages} pages"
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl} unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
