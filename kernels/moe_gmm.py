@@ -7,6 +7,9 @@ expert (`block_expert[b]`, -1 for unused blocks). Two kernels then run over (row
 1. `gate_up`: h[r] = silu(x[r] @ W_gate[e]) * (x[r] @ W_up[e])    [M_pad, D] x [E, D, 2, I] -> [M_pad, I]
 2. `down`:    y[r] = h[r] @ W_down[e]                               [M_pad, I] x [E, I, D]    -> [M_pad, D]
 
+Optionally the layer's shared experts join as S more experts (ids E .. E+S-1) that every token uses
+with weight 1; their weight tiles come from the shared MLP's own arrays (`moe_experts`).
+
 Each program reads one [K, block_n] tile of its expert's weights once, so at decode sizes (a few rows
 per expert) the kernels stream the touched experts' weights, which is the whole cost. The weighted
 combine back to tokens gathers each copy's row in JAX. Row tiles follow the number of token copies
@@ -77,45 +80,60 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     return row_copy, block_expert, row_of
 
 
-def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, K, E, I):
+    sw_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     b, n = pl.program_id(0), pl.program_id(1)
     layer, e = layer_ref[0], be_ref[b]
+    rows = pl.ds(b * block_m, block_m)
+    cols = pl.ds(n * block_n, block_n)
 
-    @pl.when(e >= 0)
-    def _():
-        rows = pl.ds(b * block_m, block_m)
-        cols = pl.ds(n * block_n, block_n)
-
+    def run(tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile of this expert
         def body(i, acc):
             g, u = acc
             ks = pl.ds(i * block_k, block_k)
             x = x_ref[rows, ks]  # [bm, bk]
             dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
-            g = g + dot(x, w_ref[layer, e, ks, 0, cols])  # [bm, bk] x [bk, bn]
-            u = u + dot(x, w_ref[layer, e, ks, 1, cols])
-            return g, u
+            return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
 
         zero = jnp.zeros((block_m, block_n), jnp.float32)
         g, u = jax.lax.fori_loop(0, K // block_k, body, (zero, zero))
         o_ref[rows, cols] = (jax.nn.silu(g) * u).astype(o_ref.dtype)
 
+    @pl.when((e >= 0) & (e < E))
+    def _():
+        run(lambda ks, g: w_ref[layer, e, ks, g, cols])
 
-def _down_kernel(layer_ref, be_ref, h_ref, w_ref, o_ref, *, block_m, block_n, block_k, K):
+    if sw_ref is not None:  # shared expert s = e - E: columns s*I .. s*I + I of the shared MLP
+
+        @pl.when(e >= E)
+        def _():
+            run(lambda ks, g: sw_ref[layer, ks, g, pl.ds((e - E) * I + n * block_n, block_n)])
+
+
+def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, block_m, block_n, block_k, K, E):
+    sw_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
     b, n = pl.program_id(0), pl.program_id(1)
     layer, e = layer_ref[0], be_ref[b]
+    rows = pl.ds(b * block_m, block_m)
+    cols = pl.ds(n * block_n, block_n)
 
-    @pl.when(e >= 0)
-    def _():
-        rows = pl.ds(b * block_m, block_m)
-        cols = pl.ds(n * block_n, block_n)
-
+    def run(tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
         def body(i, acc):
-            ks = pl.ds(i * block_k, block_k)
-            w = w_ref[layer, e, ks, cols]
-            return acc + jnp.dot(h_ref[rows, ks], w, preferred_element_type=jnp.float32, precision=EXACT)
+            h = h_ref[rows, pl.ds(i * block_k, block_k)]
+            return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
 
         acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
         o_ref[rows, cols] = acc.astype(o_ref.dtype)
+
+    @pl.when((e >= 0) & (e < E))
+    def _():
+        run(lambda i: w_ref[layer, e, pl.ds(i * block_k, block_k), cols])
+
+    if sw_ref is not None:  # shared expert s = e - E: rows s*K .. s*K + K of the shared down weights
+
+        @pl.when(e >= E)
+        def _():
+            run(lambda i: sw_ref[layer, pl.ds((e - E) * K + i * block_k, block_k), cols])
 
 
 def _fit(block: int, dim: int) -> int:
@@ -156,37 +174,56 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
-def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, block_m=None, block_n=None, block_k=None,
-                num_warps=None, num_stages=None, interpret=False):
+def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_up=None, shared_down=None,
+                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
     Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
-    Tiles left as None come from `tile_config(T * k)`.
+    Tiles left as None come from `tile_config(T * k)` (T * (k + S) with shared experts).
 
     With `layer` (int32 scalar), the weights are stacked over layers ([L, E, D, 2, I], [L, E, I, D])
-    and the kernels read layer `layer` in place (no copy of the slice)."""
+    and the kernels read layer `layer` in place (no copy of the slice).
+
+    shared_gate_up [(L,) D, 2, S*I] and shared_down [(L,) S*I, D] (stacked like the routed weights):
+    DeepSeek's shared MLP, of width n_shared x moe_intermediate, added to the output. It runs as S more
+    experts of width I that every token uses with weight 1: its SwiGLU splits exactly into S slices of
+    the intermediate dim, whose down projections sum to the whole. The kernels read the shared weights
+    in place too, so the layer's shared and routed weights stream in the same two kernels."""
+    if layer is None:
+        w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
+        if shared_gate_up is not None:
+            shared_gate_up, shared_down = shared_gate_up[None], shared_down[None]
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    T, D = x.shape
+    _, E, _, _, I = w_gate_up.shape
+    shared = ()
+    num_experts = E
+    if shared_gate_up is not None:
+        S, rem = divmod(shared_gate_up.shape[-1], I)
+        if rem:
+            raise ValueError(f"the shared MLP's width {shared_gate_up.shape[-1]} is not a multiple of the experts' {I}")
+        idx = jnp.where((idx >= 0) & (idx < E), idx, -1)  # ids >= E would read as shared experts
+        idx = jnp.concatenate([idx, jnp.broadcast_to(E + jnp.arange(S, dtype=idx.dtype), (T, S))], axis=1)
+        weights = jnp.concatenate([weights.astype(jnp.float32), jnp.ones((T, S), jnp.float32)], axis=1)
+        num_experts = E + S
+        shared = (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     auto = tile_config(idx.size)
     block_m, block_n, block_k, num_warps, num_stages = (
         a if v is None else v for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
     if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: one stage fits in shared memory
         num_stages = 1
-    if layer is None:
-        w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    T, D = x.shape
-    _, E, _, _, I = w_gate_up.shape
     k = idx.shape[-1]
-    row_copy, block_expert, row_of = align_tokens(idx, E, block_m)
+    row_copy, block_expert, row_of = align_tokens(idx, num_experts, block_m)
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     token = jnp.where(row_copy >= 0, row_copy // k, 0)
     xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
     bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
     h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
-              (layer, block_expert, xs, w_gate_up.astype(x.dtype)), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn1, block_k=bk1, K=D)
+              (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1]), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn1, block_k=bk1, K=D, E=E, I=I)
     y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-              (layer, block_expert, h, w_down.astype(x.dtype)), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn2, block_k=bk2, K=I)
+              (layer, block_expert, h, w_down.astype(x.dtype), *shared[1:]), num_warps, num_stages, interpret,
+              block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E)
     # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
     # copy c, or M_pad for a skipped copy, which reads zeros.
     yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, k, D)  # [T, k, D]

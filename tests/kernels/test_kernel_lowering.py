@@ -14,12 +14,13 @@ import pytest
 
 from deepinfer_jax.kernels.mla_decode import paged_mla_attention
 from deepinfer_jax.kernels.mla_prefill import paged_mla_prefill_attention
+from deepinfer_jax.kernels.moe_gmm import moe_experts
 
 T, H, R, DR, PS, L = 64, 16, 512, 64, 64, 27
 
 
 @pytest.fixture
-def triton_ir(monkeypatch):
+def triton_modules(monkeypatch):
     """Lower for CUDA on this CPU machine (an sm_90 device assumed) and return the Triton modules."""
     from jax._src.pallas.triton import pallas_call_registration as reg
 
@@ -37,14 +38,22 @@ def triton_ir(monkeypatch):
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: _H200())
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
 
-    def run(kernel, num_pages):
+    def run(fn, *args):
         captured.clear()
+        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        return list(captured)
+
+    return run
+
+
+@pytest.fixture
+def triton_ir(triton_modules):
+    def run(kernel, num_pages):
         s = jax.ShapeDtypeStruct
         args = (s((T, H, R), jnp.bfloat16), s((T, H, DR), jnp.bfloat16), s((L, num_pages, PS, R + DR), jnp.bfloat16),
                 s((), jnp.int32), s((T,), jnp.int32), s((T,), jnp.int32), s((8, 16), jnp.int32))
-        jax.jit(lambda *a: kernel(*a, 0.1)).trace(*args).lower(lowering_platforms=("cuda",))
-        assert len(captured) == 1
-        return captured[0]
+        (ir,) = triton_modules(lambda *a: kernel(*a, 0.1), *args)
+        return ir
 
     return run
 
@@ -61,3 +70,22 @@ def test_cache_over_4_gib_uses_64_bit_offsets(triton_ir, kernel):
     big = 40000  # 79.6 GB, as on an H200
     assert _cache_pointer_offsets(triton_ir(kernel, small)) == {"i32"}  # every ref under 4 GiB
     assert "i64" in _cache_pointer_offsets(triton_ir(kernel, big))  # the cache's loads switch to 64 bits
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_moe_kernels_lower_for_sm90(triton_modules, shared):
+    """Both MoE kernels lower at the V2-Lite layer shape (stacked weights read in place); with the
+    shared experts each kernel gets a second weight branch."""
+    s = jax.ShapeDtypeStruct
+    Lm, E, D, I, k, S = 26, 64, 2048, 1408, 6, 2
+    args = [s((32, D), jnp.bfloat16), s((Lm, E, D, 2, I), jnp.bfloat16), s((Lm, E, I, D), jnp.bfloat16),
+            s((32, k), jnp.float32), s((32, k), jnp.int32), s((), jnp.int32)]
+    if shared:
+        args += [s((Lm, D, 2, S * I), jnp.bfloat16), s((Lm, S * I, D), jnp.bfloat16)]
+        fn = lambda x, a, b, w, i, l, sa, sb: moe_experts(x, a, b, w, i, l, shared_gate_up=sa, shared_down=sb)  # noqa: E731
+    else:
+        fn = moe_experts
+    irs = triton_modules(fn, *args)
+    assert len(irs) == 2
+    for ir in irs:
+        assert ir.count("scf.if") == (2 if shared else 1)

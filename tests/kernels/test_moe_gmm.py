@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -81,3 +82,41 @@ def test_skipped_copies_cost_nothing_and_add_nothing():
     placed = set(np.asarray(row_copy)[np.asarray(row_copy) >= 0].tolist())
     assert placed == set(np.flatnonzero(~skip.ravel()).tolist())
     assert (np.asarray(block_expert) >= 0).sum() <= -(-(~skip).sum() // 16) + 8
+
+
+def _shared_mlp(x, sgu, sd):
+    """The shared experts as the model runs them without the kernels: one SwiGLU MLP (fp32)."""
+    hp = jax.lax.Precision.HIGHEST
+    gu = jnp.einsum("td,dgi->tgi", x, sgu, precision=hp)
+    return jnp.einsum("ti,id->td", jax.nn.silu(gu[:, 0]) * gu[:, 1], sd, precision=hp)
+
+
+@pytest.mark.parametrize("T, S", [(1, 1), (9, 2), (40, 2)])
+def test_shared_experts_join_the_kernels(T, S):
+    """Shared MLP of width S*I as S more experts with weight 1: routed + shared, in fp32."""
+    x, wgu, wd, w, idx = _case(10 + T, T)
+    rng = np.random.default_rng(T)
+    D, I = x.shape[1], wgu.shape[-1]
+    sgu = jnp.asarray(rng.standard_normal((D, 2, S * I)) * 0.1, jnp.float32)
+    sd = jnp.asarray(rng.standard_normal((S * I, D)) * 0.1, jnp.float32)
+    want = moe_experts_reference(x, wgu, wd, w, idx) + _shared_mlp(x, sgu, sd)
+    got = moe_experts(x, wgu, wd, w, idx, shared_gate_up=sgu, shared_down=sd, block_m=16, block_n=16, block_k=32,
+                      interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+    # Stacked over layers and read in place, as the model passes them.
+    stack = lambda a: jnp.stack([a * 0.5, a])  # noqa: E731
+    got1 = moe_experts(x, stack(wgu), stack(wd), w, idx, jnp.int32(1), shared_gate_up=stack(sgu),
+                       shared_down=stack(sd), block_m=16, block_n=16, block_k=32, interpret=True)
+    np.testing.assert_allclose(np.asarray(got1), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_routed_ids_past_the_experts_are_not_read_as_shared():
+    x, wgu, wd, w, idx = _case(5, 12)
+    E, D, I = wgu.shape[0], x.shape[1], wgu.shape[-1]
+    sgu = jnp.ones((D, 2, I), jnp.float32) * 0.01
+    sd = jnp.ones((I, D), jnp.float32) * 0.01
+    bad = idx.at[:, 0].set(E)  # id E is the first shared expert inside the kernel, but not a routed id
+    want = moe_experts_reference(x, wgu, wd, w.at[:, 0].set(0.0), idx) + _shared_mlp(x, sgu, sd)
+    got = moe_experts(x, wgu, wd, w, bad, shared_gate_up=sgu, shared_down=sd, block_m=16, block_n=16, block_k=32,
+                      interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
