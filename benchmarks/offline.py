@@ -64,6 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument("--fuse-shared-experts", action="store_true",
+                    help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
@@ -99,6 +101,7 @@ def main(argv=None) -> int:
                                          max_model_len=args.max_model_len),
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
+                                   fuse_shared_experts=args.fuse_shared_experts,
                                    token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
         progress=False)
     t_ready = time.time() - t0

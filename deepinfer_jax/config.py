@@ -302,6 +302,9 @@ class RunnerConfig:
     # from 15.1 to 12.5 ms) at the price of a longer compile; bigger (prefill) buckets keep lax.scan.
     # None: 256 on a GPU, 0 (never) elsewhere.
     unroll_max_tokens: int | None = None
+    # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
+    # expert splitting, float weights) instead of as separate XLA GEMMs. Off until measured on a GPU.
+    fuse_shared_experts: bool = False
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

@@ -30,7 +30,7 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
-from deepinfer_jax.models.moe import moe_block
+from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 
@@ -142,11 +142,14 @@ def forward_paged(
     return_routing: bool = False,
     unroll: int | bool = 1,
     mesh_rules: MeshRules | None = None,
+    fuse_shared_experts: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
     `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
-    command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring)."""
+    command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring).
+    `fuse_shared_experts`: where `moe.shared_into_kernels` allows, the shared MLP runs inside the
+    Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     h = params["embed"][meta.token_ids]  # [T, D]
     routing: list[jax.Array] = []
@@ -157,7 +160,10 @@ def forward_paged(
         experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
         scanned = seg_params
         if experts is not None:
-            scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k != "experts"}}
+            stacked = ("experts",)
+            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules):
+                experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
+            scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
 
         def body(carry, xs, kind=seg.kind, experts=experts):
             h, cache = carry

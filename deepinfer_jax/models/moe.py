@@ -213,6 +213,8 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
     index to use (the kernel reads the stacked array in place; the XLA paths slice it). With
+    moe_impl "pallas*", `experts` may also carry the stacked shared MLP (`experts["shared"]`, unquantized,
+    see `shared_into_kernels`): the kernels then compute it as extra experts and `p` has no "shared". With
     `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded)."""
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)
@@ -226,6 +228,11 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     if moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm import moe_experts
 
+        if "shared" in ex:  # stacked shared MLP handed over with the experts: it runs inside the kernels
+            out = moe_experts(x, ex["gate_up"], ex["down"], w, idx, layer=layer,
+                              shared_gate_up=ex["shared"]["gate_up"], shared_down=ex["shared"]["down"],
+                              interpret=moe_impl == "pallas_interpret")
+            return (out, idx) if return_routing else out
         if experts is not None and is_quantized(ex["gate_up"]):
             # Dequantize this layer only (the kernel reads float weights), not every layer's experts.
             ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
@@ -243,6 +250,21 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     out = _plus_shared(p, x, out)
     return (out, idx) if return_routing else out
+
+
+def shared_into_kernels(moe_params: dict, moe_impl: str, mesh_rules: MeshRules | None) -> bool:
+    """Whether the shared MLP of these (stacked) MoE params can run inside the Pallas expert kernels:
+    the kernel path on one device (or without expert / MLP splitting), float weights, and a shared width
+    that is a whole number of experts (DeepSeek's n_shared_experts x moe_intermediate_size)."""
+    if moe_impl not in ("pallas", "pallas_interpret") or "shared" not in moe_params:
+        return False
+    if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1
+                                   or mesh_rules.size("tokens") > 1):
+        return False
+    leaves = [moe_params["experts"]["gate_up"], moe_params["shared"]["gate_up"], moe_params["shared"]["down"]]
+    if any(is_quantized(a) for a in leaves):
+        return False
+    return moe_params["shared"]["gate_up"].shape[-1] % moe_params["experts"]["gate_up"].shape[-1] == 0
 
 
 def _plus_shared(p: dict, x: jax.Array, out: jax.Array) -> jax.Array:

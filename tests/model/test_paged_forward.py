@@ -5,10 +5,12 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
 from deepinfer_jax.models.deepseek import forward, forward_paged
+from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
 
 PAGE = 8
@@ -139,3 +141,31 @@ def test_unrolled_layers_equal_scanned(hf_case):
     rc = RunnerConfig()
     assert rc.unroll_for(256, "gpu") and not rc.unroll_for(512, "gpu") and not rc.unroll_for(16, "cpu")
     assert RunnerConfig(unroll_max_tokens=64).unroll_for(64, "cpu")
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
+def test_shared_experts_inside_the_kernels_equal_the_shared_mlp(hf_case, case):
+    """RunnerConfig.fuse_shared_experts: the shared MLP computed as extra experts inside the Pallas MoE
+    kernels (2 shared experts for the V2 case, 1 for V3) gives the logits of the separate shared MLP,
+    scanned and unrolled; quantized weights keep the separate MLP."""
+    from deepinfer_jax.models.moe import shared_into_kernels
+    from deepinfer_jax.models.quant import quantize_params
+
+    _, path = hf_case(case)
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    moe_seg = next(sp for seg, sp in zip(layer_segments(cfg), params["segments"]) if seg.kind == "moe")
+    assert shared_into_kernels(moe_seg["moe"], "pallas_interpret", None)
+    assert not shared_into_kernels(moe_seg["moe"], "ragged", None)
+    qmoe = quantize_params(params, "int8", group_size=16)["segments"][1]["moe"]
+    assert not shared_into_kernels(qmoe, "pallas_interpret", None)
+    ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 10))
+    meta = _meta(ids, [[1, 2]], 0, 10)
+    for unroll in (1, True):
+        outs = []
+        for fuse in (False, True):
+            cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+            step = jax.jit(lambda p, c, m, f=fuse, u=unroll: forward_paged(
+                p, cfg, c, m, moe_impl="pallas_interpret", unroll=u, fuse_shared_experts=f))
+            outs.append(step(params, cache, meta))
+        np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_allclose(np.asarray(outs[1][1]), np.asarray(outs[0][1]), rtol=2e-5, atol=2e-5)
