@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json", default="", help="write the figures to this file")
     ap.add_argument("--fuse-shared-experts", action="store_true",
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
+    ap.add_argument("--fuse-moe-routing", action="store_true",
+                    help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
@@ -102,6 +104,7 @@ def main(argv=None) -> int:
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                                    fuse_shared_experts=args.fuse_shared_experts,
+                                   fuse_moe_routing=args.fuse_moe_routing,
                                    token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
         progress=False)
     t_ready = time.time() - t0

@@ -41,6 +41,8 @@ def main(argv=None) -> int:
                          "an engine-sized cache (64-bit offsets, XLA's scheduler memory limit)")
     ap.add_argument("--fuse-shared-experts", action="store_true",
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
+    ap.add_argument("--fuse-moe-routing", action="store_true",
+                    help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -80,7 +82,8 @@ def main(argv=None) -> int:
     shapes = Shapes((T,), Br, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                       unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll],
-                      fuse_shared_experts=args.fuse_shared_experts)
+                      fuse_shared_experts=args.fuse_shared_experts,
+                      fuse_moe_routing=args.fuse_moe_routing)
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
     runner.kv_cache = jax.jit(lambda k: jax.random.normal(k, runner.kv_cache.shape, runner.kv_cache.dtype),
@@ -141,7 +144,8 @@ def main(argv=None) -> int:
     kind = layout + (f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}")
     kind += f", {num_pages} pages"
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl}"
-          f"{'+shared' if args.fuse_shared_experts else ''} unroll={args.unroll} "
+          f"{'+shared' if args.fuse_shared_experts else ''}{'+routing' if args.fuse_moe_routing else ''} "
+          f"unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
           flush=True)

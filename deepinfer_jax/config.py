@@ -305,6 +305,9 @@ class RunnerConfig:
     # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
     # expert splitting, float weights) instead of as separate XLA GEMMs. Off until measured on a GPU.
     fuse_shared_experts: bool = False
+    # Route and align decode-size steps in one Pallas kernel (kernels/moe_route.py: greedy top-k without
+    # expert groups) instead of ~15 small XLA kernels. Off until measured on a GPU.
+    fuse_moe_routing: bool = False
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

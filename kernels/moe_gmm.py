@@ -205,16 +205,31 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
         idx = jnp.concatenate([idx, jnp.broadcast_to(E + jnp.arange(S, dtype=idx.dtype), (T, S))], axis=1)
         weights = jnp.concatenate([weights.astype(jnp.float32), jnp.ones((T, S), jnp.float32)], axis=1)
         num_experts = E + S
-        shared = (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
-    auto = tile_config(idx.size)
-    block_m, block_n, block_k, num_warps, num_stages = (
-        a if v is None else v for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
+        shared = (shared_gate_up, shared_down)
+    block_m = tile_config(idx.size)[0] if block_m is None else block_m
+    row_copy, block_expert, row_of = align_tokens(idx, num_experts, block_m)
+    return moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer, *shared,
+                               block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
+                               num_stages=num_stages, interpret=interpret)
+
+
+def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
+                        shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
+                        num_warps=None, num_stages=None, interpret=False):
+    """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
+    multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
+    weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config."""
+    T, D = x.shape
+    _, E, _, _, I = w_gate_up.shape
+    K = weights.shape[-1]
+    auto = tile_config(T * K)
+    block_n, block_k, num_warps, num_stages = (
+        a if v is None else v for v, a in zip((block_n, block_k, num_warps, num_stages), auto[1:]))
     if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: one stage fits in shared memory
         num_stages = 1
-    k = idx.shape[-1]
-    row_copy, block_expert, row_of = align_tokens(idx, num_experts, block_m)
+    shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
-    token = jnp.where(row_copy >= 0, row_copy // k, 0)
+    token = jnp.where(row_copy >= 0, row_copy // K, 0)
     xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
     bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
@@ -226,7 +241,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
               block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E)
     # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
     # copy c, or M_pad for a skipped copy, which reads zeros.
-    yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, k, D)  # [T, k, D]
+    yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, K, D)  # [T, K, D]
     out = jnp.einsum("tkd,tk->td", yc.astype(jnp.float32), weights.astype(jnp.float32))
     return out.astype(x.dtype)
 

@@ -143,13 +143,15 @@ def forward_paged(
     unroll: int | bool = 1,
     mesh_rules: MeshRules | None = None,
     fuse_shared_experts: bool = False,
+    fuse_moe_routing: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
     `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
     command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring).
     `fuse_shared_experts`: where `moe.shared_into_kernels` allows, the shared MLP runs inside the
-    Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs."""
+    Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs.
+    `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     h = params["embed"][meta.token_ids]  # [T, D]
     routing: list[jax.Array] = []
@@ -183,7 +185,7 @@ def forward_paged(
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules)
+                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing)
             return (h + m, cache), (idx if return_routing else None)
 
         layer_ids = jnp.arange(seg.start, seg.stop, dtype=jnp.int32)

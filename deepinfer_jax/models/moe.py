@@ -39,12 +39,15 @@ from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.quant import is_quantized
 
 
+def router_logits(p: dict, x: jax.Array) -> jax.Array:
+    """x: [T, D] -> the router's logits [T, E], fp32."""
+    return jnp.einsum("td,de->te", x.astype(jnp.float32), weight(p["gate"], jnp.float32),
+                      precision=jax.lax.Precision.HIGHEST)
+
+
 def route(p: dict, cfg: ModelConfig, x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x: [T, D] -> (weights [T, k] fp32, expert ids [T, k] int32)."""
-    logits = jnp.einsum(
-        "td,de->te", x.astype(jnp.float32), weight(p["gate"], jnp.float32),
-        precision=jax.lax.Precision.HIGHEST,
-    )
+    logits = router_logits(p, x)
     scores = jax.nn.softmax(logits, axis=-1) if cfg.scoring_func == "softmax" else jax.nn.sigmoid(logits)
     choice = scores
     if cfg.topk_method == "noaux_tc":
@@ -207,20 +210,52 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
     return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx, layer_arg)
 
 
+def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules | None, num_tokens: int,
+                         experts: dict) -> bool:
+    """Whether `kernels/moe_route.py` can route this step: the kernel path on one device, greedy top-k
+    without expert groups (softmax or sigmoid scores, optionally noaux_tc's bias), float expert
+    weights, and a decode-size step (`moe_route.supported`)."""
+    from deepinfer_jax.kernels import moe_route
+
+    if moe_impl not in ("pallas", "pallas_interpret") or is_quantized(experts["gate_up"]):
+        return False
+    if mesh_rules is not None and any(mesh_rules.size(a) > 1 for a in ("tokens", "expert", "moe_mlp")):
+        return False
+    if (cfg.n_group > 1 and cfg.topk_method != "greedy") or cfg.scoring_func not in ("softmax", "sigmoid"):
+        return False
+    S = experts["shared"]["gate_up"].shape[-1] // experts["gate_up"].shape[-1] if "shared" in experts else 0
+    return moe_route.supported(num_tokens, cfg.n_routed_experts, cfg.num_experts_per_tok, S)
+
+
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
-              experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None):
+              experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
+              fuse_routing: bool = False):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
     index to use (the kernel reads the stacked array in place; the XLA paths slice it). With
     moe_impl "pallas*", `experts` may also carry the stacked shared MLP (`experts["shared"]`, unquantized,
     see `shared_into_kernels`): the kernels then compute it as extra experts and `p` has no "shared". With
-    `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded)."""
+    `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded).
+    `fuse_routing`: where `routing_into_kernels` allows, the routing and the token alignment run in one
+    Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums."""
+    ex = p["experts"] if experts is None else experts
+    if fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex):
+        from deepinfer_jax.kernels.moe_route import moe_fused_decode
+
+        E = cfg.n_routed_experts
+        bias = p["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else jnp.zeros((E,), jnp.float32)
+        shared = (ex["shared"]["gate_up"], ex["shared"]["down"]) if "shared" in ex else ()
+        out, idx = moe_fused_decode(
+            x, router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared, k=cfg.num_experts_per_tok,
+            scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor, interpret=moe_impl == "pallas_interpret")
+        out = out if shared else _plus_shared(p, x, out)
+        return (out, idx) if return_routing else out
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)
     else:
         w, idx = route(p, cfg, x)
-    ex = p["experts"] if experts is None else experts
     if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
         out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
                                                  None if experts is None else layer))

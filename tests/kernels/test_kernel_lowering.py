@@ -89,3 +89,13 @@ def test_moe_kernels_lower_for_sm90(triton_modules, shared):
     assert len(irs) == 2
     for ir in irs:
         assert ir.count("scf.if") == (2 if shared else 1)
+
+
+@pytest.mark.parametrize("T", [1, 32, 256])
+def test_route_align_lowers_for_sm90(triton_modules, T):
+    from deepinfer_jax.kernels.moe_route import route_align
+
+    s = jax.ShapeDtypeStruct
+    irs = triton_modules(lambda lg, b: route_align(lg, b, k=6, num_shared=2, block_m=16),
+                         s((T, 64), jnp.float32), s((64,), jnp.float32))
+    assert len(irs) == 1 and "tt.scan" in irs[0]  # the cumsums lower to Triton scans

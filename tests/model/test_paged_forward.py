@@ -169,3 +169,43 @@ def test_shared_experts_inside_the_kernels_equal_the_shared_mlp(hf_case, case):
             outs.append(step(params, cache, meta))
         np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=2e-5, atol=2e-5)
         np.testing.assert_allclose(np.asarray(outs[1][1]), np.asarray(outs[0][1]), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_routing_inside_the_kernel_equals_the_xla_router(hf_case, case, monkeypatch):
+    """RunnerConfig.fuse_moe_routing: kernels/moe_route.py routes and aligns the copies (greedy softmax /
+    noaux_tc sigmoid with one group), alone and with the shared experts fused: same logits, same experts."""
+    from deepinfer_jax.kernels import moe_route
+    from deepinfer_jax.models.moe import routing_into_kernels
+
+    calls = []
+    real = moe_route.route_align
+    monkeypatch.setattr(moe_route, "route_align", lambda *a, **k: calls.append(k["num_shared"]) or real(*a, **k))
+
+    _, path = hf_case(case)
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    moe_seg = next(sp for seg, sp in zip(layer_segments(cfg), params["segments"]) if seg.kind == "moe")
+    assert routing_into_kernels(cfg, "pallas_interpret", None, 16, moe_seg["moe"]["experts"])
+    assert not routing_into_kernels(cfg, "pallas_interpret", None, 12, moe_seg["moe"]["experts"])  # not a power of 2
+    ids = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, 16))
+    meta = _meta(ids, [[1, 2]], 0, 16)
+    outs = []
+    for routing, shared in ((False, False), (True, False), (True, True)):
+        cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+        step = jax.jit(lambda p, c, m, r=routing, s=shared: forward_paged(
+            p, cfg, c, m, moe_impl="pallas_interpret", return_routing=True, fuse_moe_routing=r, fuse_shared_experts=s))
+        outs.append(step(params, cache, meta))
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(outs[0][0]), rtol=2e-5, atol=2e-5)
+        np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(outs[0][2]))
+    assert calls == [0, cfg.n_shared_experts]  # traced once per variant (one scanned MoE body each)
+
+
+def test_grouped_routing_keeps_the_xla_router(hf_case):
+    from deepinfer_jax.models.moe import routing_into_kernels
+
+    _, path = hf_case("v3_grouped_noaux")
+    cfg = ModelConfig.from_model_dir(path)
+    assert cfg.n_group > 1
+    experts = {"gate_up": jnp.zeros((16, 64, 2, 32))}
+    assert not routing_into_kernels(cfg, "pallas", None, 16, experts)

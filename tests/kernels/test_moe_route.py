@@ -1,0 +1,72 @@
+"""The fused routing + alignment kernel (interpret mode) equals its pure-JAX reference, which equals the
+model's router (`models.moe.route`) followed by `align_tokens`."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels.moe_route import padded_rows, route_align, route_align_reference, supported
+
+CASES = [  # T, E, k, S, block_m, scoring, norm, scale, bias
+    (1, 64, 6, 2, 16, "softmax", False, 1.0, False),  # V2-Lite, one decode token
+    (32, 64, 6, 2, 16, "softmax", False, 1.0, False),  # V2-Lite, Protocol A's batch
+    (256, 64, 6, 2, 16, "softmax", False, 1.0, False),  # the largest decode bucket (2,048 copies)
+    (16, 8, 2, 1, 4, "sigmoid", True, 2.446, True),  # Moonlight-like noaux_tc with one group
+    (8, 16, 3, 0, 8, "softmax", True, 1.0, False),  # no shared experts
+]
+
+
+def _inputs(T, E, bias, seed=0):
+    rng = np.random.default_rng(seed + T + E)
+    logits = jnp.asarray(rng.standard_normal((T, E)) * 2.0, jnp.float32)
+    b = jnp.asarray(rng.random(E) * 0.1 if bias else np.zeros(E), jnp.float32)
+    return logits, b
+
+
+@pytest.mark.parametrize("T, E, k, S, bm, scoring, norm, scale, bias", CASES)
+def test_kernel_matches_reference(T, E, k, S, bm, scoring, norm, scale, bias):
+    logits, b = _inputs(T, E, bias)
+    kw = dict(k=k, num_shared=S, block_m=bm, scoring_func=scoring, norm_topk_prob=norm, routed_scaling_factor=scale)
+    got = route_align(logits, b, interpret=True, **kw)
+    want = route_align_reference(logits, b, **kw)
+    names = ("weights", "idx", "row_copy", "block_expert", "row_of")
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-6, atol=1e-7, err_msg=names[0])
+    for name, g, w in list(zip(names, got, want))[1:]:
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    M = padded_rows(T, k, S, E, bm)
+    assert got[2].shape == (M,) and got[3].shape == (M // bm,) and got[4].shape == (T * (k + S),)
+
+
+def test_ties_pick_the_lowest_expert_like_top_k():
+    logits = jnp.zeros((4, 8), jnp.float32).at[:, 5].set(1.0)  # expert 5 first, then all tied
+    got = route_align(logits, jnp.zeros(8), k=3, num_shared=0, block_m=4, interpret=True)
+    assert np.asarray(got[1]).tolist() == [[5, 0, 1]] * 4
+
+
+def test_reference_is_the_models_router():
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.moe import route
+
+    logits, b = _inputs(16, 8, True)
+    cfg = dataclasses.replace(ModelConfig.from_json_file("configs/models/tiny-deepseek-v3.json"), n_routed_experts=8,
+                              num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
+                              scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
+    # route() computes logits = x @ gate; an identity gate makes x the logits.
+    p = {"gate": jnp.eye(8, dtype=jnp.float32), "e_score_correction_bias": b}
+    w_m, idx_m = route(p, cfg, logits)
+    w_r, idx_r, *_ = route_align_reference(logits, b, k=2, num_shared=1, block_m=4, scoring_func="sigmoid",
+                                           norm_topk_prob=True, routed_scaling_factor=2.446)
+    np.testing.assert_array_equal(np.asarray(idx_r[:, :2]), np.asarray(idx_m))
+    np.testing.assert_allclose(np.asarray(w_r[:, :2]), np.asarray(w_m), rtol=1e-6)
+
+
+def test_supported_sizes():
+    assert supported(32, 64, 6, 2) and supported(256, 64, 6, 2)
+    assert not supported(512, 64, 6, 2)  # 4,096 copies: prefill sizes keep the sort
+    assert not supported(24, 64, 6, 2) and not supported(32, 48, 6, 2)  # not powers of two
+    with pytest.raises(ValueError, match="powers of two"):
+        route_align(jnp.zeros((3, 8)), jnp.zeros(8), k=2, num_shared=0, block_m=4, interpret=True)
