@@ -4,6 +4,7 @@ model's router (`models.moe.route`) followed by `align_tokens`."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -52,7 +53,8 @@ def test_reference_is_the_models_router():
     from deepinfer_jax.models.moe import route
 
     logits, b = _inputs(16, 8, True)
-    cfg = dataclasses.replace(ModelConfig.from_json_file("configs/models/tiny-deepseek-v3.json"), n_routed_experts=8,
+    cfg = dataclasses.replace(ModelConfig.from_json_file(
+        os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models", "tiny-deepseek-v3.json")), n_routed_experts=8,
                               num_experts_per_tok=2, n_group=1, topk_group=1, topk_method="noaux_tc",
                               scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446)
     # route() computes logits = x @ gate; an identity gate makes x the logits.
