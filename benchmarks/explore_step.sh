@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
-# Where the step time goes, under lowering variants (each a fresh process: XLA reads its flags once).
+# A/B of the decode step's implementation variants on one GPU (each a fresh process), then Protocol A
+# with all of them, a short table last:
+#   baseline     the defaults (its trace also prints one layer's kernels in launch order)
+#   shared       RunnerConfig.fuse_shared_experts: the shared MLP inside the Pallas MoE kernels
+#   routing      RunnerConfig.fuse_moe_routing: routing + alignment in one kernel (kernels/moe_route.py)
+#   both         the two together (traced)
+#   big_cache    the baseline with an engine-sized KV cache (64-bit offsets; XLA's memory budget)
+#   batch1/8     one and eight sequences at 4K context (the attention's auto_splits)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-CB="--xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
-sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -40; }
-sp --label baseline --trace /tmp/tr0 --dump-hlo /tmp/hlo | tee "$out/decode_baseline.log"
-XLA_FLAGS="$CB" sp --label cb_while | tee "$out/variants.log"
-sp --label unroll --unroll on | tee -a "$out/variants.log"
-XLA_FLAGS="--xla_gpu_enable_dynamic_slice_fusion=true" sp --label dyn_slice_fusion | tee -a "$out/variants.log"
-sp --label prefill --prefill 512 --batch 16 --context 0 --trace /tmp/tr1 | tee "$out/prefill.log"
-XLA_FLAGS="$CB" sp --label unroll_cb_while --unroll on | tee -a "$out/variants.log"
-XLA_FLAGS="--xla_gpu_enable_command_buffer=" sp --label cb_off | tee -a "$out/variants.log"
-timeout 120 python3 benchmarks/kernels.py --only moe --moe-tokens 8192 2>&1 | grep "^|" | tee "$out/moe8192.log"
-f=$(ls -S /tmp/hlo/*after_optimizations.txt 2>/dev/null | head -1); [ -n "$f" ] && gzip -c "$f" > "$out/step_after_opt.txt.gz"
-echo "== summary =="; grep -h -E "device step|GPU kernel time|^\s+\[" "$out"/*.log
+sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -60; }
+sp --label baseline --trace /tmp/tr0 | tee "$out/baseline.log"
+sp --label shared --fuse-shared-experts | tee "$out/variants.log"
+sp --label routing --fuse-moe-routing | tee -a "$out/variants.log"
+sp --label both --fuse-shared-experts --fuse-moe-routing --trace /tmp/tr1 | tee "$out/both.log"
+sp --label big_cache --num-pages 40000 | tee -a "$out/variants.log"
+sp --label batch1 --batch 1 --context 4096 | tee -a "$out/variants.log"
+sp --label batch8 --batch 8 --context 4096 | tee -a "$out/variants.log"
+timeout 240 python3 benchmarks/offline.py --buckets 32,8192 --temperatures 0 --fuse-shared-experts --fuse-moe-routing \
+  > "$out/protocol_a_fused.log" 2>&1
+echo "== summary =="
+grep -h -E "^[a-z_0-9]+: |pipelined|GPU kernel time" "$out"/baseline.log "$out"/variants.log "$out"/both.log
+grep -h -E "Protocol A|engine loop|KV cache|start-up" "$out/protocol_a_fused.log"
