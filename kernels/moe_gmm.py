@@ -80,18 +80,28 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     return row_copy, block_expert, row_of
 
 
-def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, K, E, I):
-    sw_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, K, E, I, shared,
+                    copies_per_token):
+    refs = list(refs)
+    sw_ref = refs.pop(0) if shared else None
+    rc_ref = refs.pop(0) if copies_per_token else None
+    (o_ref,) = refs
     b, n = pl.program_id(0), pl.program_id(1)
     layer, e = layer_ref[0], be_ref[b]
     rows = pl.ds(b * block_m, block_m)
     cols = pl.ds(n * block_n, block_n)
+    if copies_per_token:  # x_ref is x [T, D]: each row reads its copy's token (padding rows token 0)
+        rc = rc_ref[rows]
+        tok = jnp.where(rc >= 0, rc // copies_per_token, 0)  # [bm]
+        load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
+    else:  # x_ref holds the rows already gathered [M_pad, D]
+        load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
 
     def run(tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile of this expert
         def body(i, acc):
             g, u = acc
             ks = pl.ds(i * block_k, block_k)
-            x = x_ref[rows, ks]  # [bm, bk]
+            x = load_x(ks)  # [bm, bk]
             dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
             return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
 
@@ -215,10 +225,11 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
-                        num_warps=None, num_stages=None, interpret=False):
+                        num_warps=None, num_stages=None, gather_in_kernel=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
-    weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config."""
+    weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
+    gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy)."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -229,13 +240,17 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         num_stages = 1
     shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
-    token = jnp.where(row_copy >= 0, row_copy // K, 0)
-    xs = x[token]  # [M_pad, D] gathered (padding rows read token 0, never combined)
+    if gather_in_kernel:
+        xs, extra = x, (row_copy,)
+    else:
+        token = jnp.where(row_copy >= 0, row_copy // K, 0)
+        xs, extra = x[token], ()  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
     bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
     h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
-              (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1]), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn1, block_k=bk1, K=D, E=E, I=I)
+              (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1], *extra), num_warps, num_stages,
+              interpret, block_m=block_m, block_n=bn1, block_k=bk1, K=D, E=E, I=I, shared=bool(shared),
+              copies_per_token=K if gather_in_kernel else 0)
     y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, w_down.astype(x.dtype), *shared[1:]), num_warps, num_stages, interpret,
               block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E)

@@ -177,7 +177,8 @@ def route_align_reference(logits, bias, *, k, num_shared, block_m, scoring_func=
 def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate_up=None, shared_down=None, *,
                      k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0, interpret=False):
     """Routing, alignment and the expert kernels of a decode-size step: `route_align` then
-    `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given).
+    `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given; the gate_up kernel
+    gathers its rows' tokens from x itself, so no XLA op sits between the router GEMM and the kernels).
     x [T, D], logits [T, E] fp32, bias [E]; weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k])."""
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
@@ -193,5 +194,5 @@ def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate
         routed_scaling_factor=routed_scaling_factor, interpret=interpret)
     shared = () if shared_gate_up is None else (shared_gate_up, shared_down)
     out = moe_experts_aligned(x, w_gate_up, w_down, w, row_copy, block_expert, row_of, layer, *shared,
-                              block_m=block_m, interpret=interpret)
+                              block_m=block_m, gather_in_kernel=True, interpret=interpret)
     return out, idx[:, :k]

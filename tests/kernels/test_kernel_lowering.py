@@ -99,3 +99,16 @@ def test_route_align_lowers_for_sm90(triton_modules, T):
     irs = triton_modules(lambda lg, b: route_align(lg, b, k=6, num_shared=2, block_m=16),
                          s((T, 64), jnp.float32), s((64,), jnp.float32))
     assert len(irs) == 1 and "tt.scan" in irs[0]  # the cumsums lower to Triton scans
+
+
+def test_fused_decode_lowers_for_sm90(triton_modules):
+    """Routing kernel + both expert kernels, the gate_up kernel gathering its rows from x (V2-Lite shape)."""
+    from deepinfer_jax.kernels.moe_route import moe_fused_decode
+
+    s = jax.ShapeDtypeStruct
+    Lm, E, D, I, S = 26, 64, 2048, 1408, 2
+    args = (s((32, D), jnp.bfloat16), s((32, E), jnp.float32), s((E,), jnp.float32), s((Lm, E, D, 2, I), jnp.bfloat16),
+            s((Lm, E, I, D), jnp.bfloat16), s((), jnp.int32), s((Lm, D, 2, S * I), jnp.bfloat16),
+            s((Lm, S * I, D), jnp.bfloat16))
+    irs = triton_modules(lambda x, lg, b, a, d, l, sa, sd: moe_fused_decode(x, lg, b, a, d, l, sa, sd, k=6), *args)
+    assert len(irs) == 3

@@ -72,3 +72,33 @@ def test_supported_sizes():
     assert not supported(24, 64, 6, 2) and not supported(32, 48, 6, 2)  # not powers of two
     with pytest.raises(ValueError, match="powers of two"):
         route_align(jnp.zeros((3, 8)), jnp.zeros(8), k=2, num_shared=0, block_m=4, interpret=True)
+
+
+@pytest.mark.parametrize("S", [0, 2])
+def test_fused_decode_equals_router_plus_experts_reference(S):
+    """moe_fused_decode (route_align, then the expert kernels gathering their rows from x) equals the
+    reference routing followed by the reference experts and the shared MLP."""
+    import jax
+
+    from deepinfer_jax.kernels.moe_gmm import moe_experts_reference
+    from deepinfer_jax.kernels.moe_route import moe_fused_decode
+
+    T, E, k, D, I = 16, 8, 3, 64, 32
+    rng = np.random.default_rng(S)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.float32)
+    wgu = jnp.asarray(rng.standard_normal((E, D, 2, I)) * 0.1, jnp.float32)
+    wd = jnp.asarray(rng.standard_normal((E, I, D)) * 0.1, jnp.float32)
+    logits, bias = _inputs(T, E, False)
+    w, idx, *_ = route_align_reference(logits, bias, k=k, num_shared=0, block_m=16)
+    want = moe_experts_reference(x, wgu, wd, w, idx)
+    shared = ()
+    if S:
+        sgu = jnp.asarray(rng.standard_normal((D, 2, S * I)) * 0.1, jnp.float32)
+        sd = jnp.asarray(rng.standard_normal((S * I, D)) * 0.1, jnp.float32)
+        hp = jax.lax.Precision.HIGHEST
+        gu = jnp.einsum("td,dgi->tgi", x, sgu, precision=hp)
+        want = want + jnp.einsum("ti,id->td", jax.nn.silu(gu[:, 0]) * gu[:, 1], sd, precision=hp)
+        shared = (sgu, sd)
+    out, got_idx = moe_fused_decode(x, logits, bias, wgu, wd, None, *shared, k=k, interpret=True)
+    np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
