@@ -57,7 +57,8 @@ class LLM:
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
-    None: 256 on a GPU, none elsewhere), chat_template, progress.
+    None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (experimental MoE
+    fusions of the Pallas path, RunnerConfig), chat_template, progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -67,7 +68,8 @@ class LLM:
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
-                 load_format: str = "auto", unroll_max_tokens: int | None = None, progress: bool = True):
+                 load_format: str = "auto", unroll_max_tokens: int | None = None,
+                 fuse_shared_experts: bool = False, fuse_moe_routing: bool = False, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -116,7 +118,8 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
-                              unroll_max_tokens=unroll_max_tokens)
+                              unroll_max_tokens=unroll_max_tokens, fuse_shared_experts=fuse_shared_experts,
+                              fuse_moe_routing=fuse_moe_routing)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
                                 sharding=self.sharding)

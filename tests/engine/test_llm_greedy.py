@@ -86,3 +86,13 @@ def test_greedy_with_pallas_kernels_in_interpret_mode(hf_case, hf_greedy):
     llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
                max_num_seqs=4, unroll_max_tokens=16)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
+
+
+def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
+    """The experimental MoE fusions (routing + alignment in one kernel, shared experts inside the expert
+    kernels), on decode and prefill buckets, in Pallas interpret mode: still HF's tokens."""
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(16, [1, 9, 40, 70], model.config.vocab_size)
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+               max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True)
+    _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
