@@ -185,5 +185,5 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
         acc, m, l = outs
         w = jnp.exp(m - m.max(axis=0, keepdims=True))  # [splits, nh, rows]; empty splits weigh 0
-        o = jnp.einsum("snr,snrk->nrk", w, acc) / jnp.einsum("snr,snr->nr", w, l)[..., None]
+        o = jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l, axis=0)[..., None]  # a reduction, not a dot
     return o.reshape(nh, T, bh, R).transpose(1, 0, 2, 3).reshape(T, H, R).astype(q_lat.dtype)
