@@ -135,8 +135,8 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
     M = m.max(axis=2, keepdims=True)  # [T, nh, 1, bh]
     w = jnp.exp(m - M)  # [T, nh, splits, bh]; empty splits have l = 0 and contribute nothing
-    # Multiply-and-sum, not einsum: as a dot over the few splits XLA emitted a GEMM fusion plus a
-    # layout copy of the partial outputs per layer; this is one reduction fusion.
+    # A multiply-and-sum (one reduction fusion) rather than an einsum, which is a dot over a handful of
+    # splits.
     num = jnp.sum(w[..., None] * o, axis=2)  # [T, nh, bh, R]
     den = jnp.sum(w * l, axis=2)
     return (num / den[..., None]).reshape(T, H, R).astype(q_lat.dtype)
