@@ -6,6 +6,7 @@
 #   routing      RunnerConfig.fuse_moe_routing: routing + alignment in one kernel (kernels/moe_route.py)
 #   both         the two together (traced)
 #   big_cache    the baseline with an engine-sized KV cache (64-bit offsets; XLA's memory budget)
+#   splits8      the decode attention with 8 context splits instead of auto_splits' 4 at batch 32
 #   batch1/8     one and eight sequences at 4K context (the attention's auto_splits)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
@@ -18,6 +19,7 @@ sp --label shared --fuse-shared-experts | tee "$out/variants.log"
 sp --label routing --fuse-moe-routing | tee -a "$out/variants.log"
 sp --label both --fuse-shared-experts --fuse-moe-routing --trace /tmp/tr1 | tee "$out/both.log"
 sp --label big_cache --num-pages 40000 | tee -a "$out/variants.log"
+sp --label splits8 --attn-splits 8 | tee -a "$out/variants.log"
 sp --label batch1 --batch 1 --context 4096 | tee -a "$out/variants.log"
 sp --label batch8 --batch 8 --context 4096 | tee -a "$out/variants.log"
 timeout 240 python3 benchmarks/offline.py --buckets 32,8192 --temperatures 0 --fuse-shared-experts --fuse-moe-routing \

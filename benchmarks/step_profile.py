@@ -43,6 +43,8 @@ def main(argv=None) -> int:
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
     ap.add_argument("--fuse-moe-routing", action="store_true",
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
+    ap.add_argument("--attn-splits", type=int, default=0,
+                    help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -60,6 +62,10 @@ def main(argv=None) -> int:
     from deepinfer_jax.types import Request, SamplingParams
     from deepinfer_jax.weights.random_init import random_params
 
+    if args.attn_splits:
+        from deepinfer_jax.kernels import mla_decode
+
+        mla_decode.auto_splits = lambda num_tokens: args.attn_splits
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     if args.layers:
         import dataclasses
