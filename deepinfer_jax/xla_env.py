@@ -11,7 +11,10 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   addresses over the first runs and gives the others stable virtual addresses (CUDA VMM remapping),
   so the graph is recorded once: host enqueue 1.9 ms a step (benchmarks/RESULTS.md). It switches
   the GPU client to XLA's VMM allocator, which reports no memory stats; the KV cache is then sized
-  from the driver's free-memory figure (`ModelRunner.pages_for_memory`). CPU ignores it.
+  from the driver's free-memory figure (`ModelRunner.pages_for_memory`). CPU ignores it. Applied only
+  where at most one CUDA device is visible: with several GPUs the collectives would run from
+  VMM-allocated buffers inside the graphs, which has not been measured yet (set the flag by hand to
+  try it).
 """
 
 from __future__ import annotations
@@ -29,8 +32,25 @@ def with_default_flags(xla_flags: str, defaults: dict[str, str] = DEFAULT_FLAGS)
     return " ".join([xla_flags.strip(), *extra]).strip()
 
 
-def apply_default_xla_flags(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Put the defaults into environ["XLA_FLAGS"] unless DEEPINFER_XLA_DEFAULTS=0."""
+def visible_cuda_devices() -> int:
+    """CUDA devices the driver shows this process (CUDA_VISIBLE_DEVICES applies); 0 without a driver."""
+    import ctypes
+
+    try:
+        cuda = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return 0
+    n = ctypes.c_int(0)
+    if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(n)) != 0:
+        return 0
+    return n.value
+
+
+def apply_default_xla_flags(environ: MutableMapping[str, str] = os.environ, num_gpus: int | None = None) -> None:
+    """Put the defaults into environ["XLA_FLAGS"] unless DEEPINFER_XLA_DEFAULTS=0 or more than one GPU is
+    visible (`num_gpus`, default: asked of the driver)."""
     if environ.get("DEEPINFER_XLA_DEFAULTS", "1") == "0":
+        return
+    if (visible_cuda_devices() if num_gpus is None else num_gpus) > 1:
         return
     environ["XLA_FLAGS"] = with_default_flags(environ.get("XLA_FLAGS", ""))

@@ -17,13 +17,17 @@ def test_defaults_are_added_once_and_never_override_the_user():
     assert twice == f"--{MODE}=SKIP_PROFILED"
 
 
-def test_apply_respects_the_opt_out():
+def test_apply_respects_the_opt_out_and_skips_several_gpus():
     env = {"DEEPINFER_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
-    apply_default_xla_flags(env)
+    apply_default_xla_flags(env, num_gpus=1)
     assert env["XLA_FLAGS"] == "--a=1"
-    env = {}
-    apply_default_xla_flags(env)
-    assert env["XLA_FLAGS"] == " ".join(f"--{k}={v}" for k, v in DEFAULT_FLAGS.items())
+    for n in (0, 1):
+        env = {}
+        apply_default_xla_flags(env, num_gpus=n)
+        assert env["XLA_FLAGS"] == " ".join(f"--{k}={v}" for k, v in DEFAULT_FLAGS.items())
+    env = {"XLA_FLAGS": "--a=1"}
+    apply_default_xla_flags(env, num_gpus=2)  # not measured with collectives yet
+    assert env["XLA_FLAGS"] == "--a=1"
 
 
 def _flags_after_import(env_flags):
