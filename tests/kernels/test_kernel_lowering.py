@@ -1,4 +1,6 @@
-"""Static checks of the Triton IR our Pallas kernels lower to for an H200 (no GPU needed).
+"""Static checks of the Triton IR our Pallas kernels lower to for an H200 (no GPU needed): every kernel
+lowers at the V2-Lite shapes (interpret mode cannot catch what only the Triton lowering rejects), and
+the attention kernels address large caches with 64-bit offsets.
 
 The attention kernels read the whole paged cache [L, P, page, 576] with a layer index: a cache over
 4 GiB needs 64-bit pointer offsets, or loads from the upper pages would wrap around. jax's Pallas-Triton
