@@ -17,6 +17,9 @@ Expert implementations (`moe_impl`):
 - "ragged": sort token copies by expert, grouped GEMM with `jax.lax.ragged_dot`, scatter-add back.
 - "dense": every token through every expert, weighted by a [T, E] combine matrix (reference, tiny models).
 - "pallas": block-aligned grouped GEMM kernels (kernels/moe_gmm.py); "pallas_interpret" runs them on CPU.
+  Two optional fusions of that path on one device (RunnerConfig, off by default): the shared MLP as
+  extra experts inside the kernels (`shared_into_kernels`), and routing + alignment in one kernel for
+  decode-size steps (kernels/moe_route.py, `routing_into_kernels`).
 
 Sharded (`mesh_rules` given and the "expert" or "moe_mlp" axis split over the mesh): `experts_sharded`
 runs the chosen implementation under `jax.shard_map` on each device's slice of the experts (expert
@@ -217,9 +220,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
     weights, and a decode-size step (`moe_route.supported`)."""
     from deepinfer_jax.kernels import moe_route
 
-    if moe_impl not in ("pallas", "pallas_interpret") or is_quantized(experts["gate_up"]):
-        return False
-    if mesh_rules is not None and any(mesh_rules.size(a) > 1 for a in ("tokens", "expert", "moe_mlp")):
+    if not _unsplit_kernel_path(moe_impl, mesh_rules) or is_quantized(experts["gate_up"]):
         return False
     if (cfg.n_group > 1 and cfg.topk_method != "greedy") or cfg.scoring_func not in ("softmax", "sigmoid"):
         return False
@@ -291,15 +292,18 @@ def shared_into_kernels(moe_params: dict, moe_impl: str, mesh_rules: MeshRules |
     """Whether the shared MLP of these (stacked) MoE params can run inside the Pallas expert kernels:
     the kernel path on one device (or without expert / MLP splitting), float weights, and a shared width
     that is a whole number of experts (DeepSeek's n_shared_experts x moe_intermediate_size)."""
-    if moe_impl not in ("pallas", "pallas_interpret") or "shared" not in moe_params:
-        return False
-    if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1
-                                   or mesh_rules.size("tokens") > 1):
+    if not _unsplit_kernel_path(moe_impl, mesh_rules) or "shared" not in moe_params:
         return False
     leaves = [moe_params["experts"]["gate_up"], moe_params["shared"]["gate_up"], moe_params["shared"]["down"]]
     if any(is_quantized(a) for a in leaves):
         return False
     return moe_params["shared"]["gate_up"].shape[-1] % moe_params["experts"]["gate_up"].shape[-1] == 0
+
+
+def _unsplit_kernel_path(moe_impl: str, mesh_rules: MeshRules | None) -> bool:
+    """The Pallas expert kernels, with no mesh axis splitting the tokens, the experts or their MLP."""
+    return moe_impl in ("pallas", "pallas_interpret") and (
+        mesh_rules is None or all(mesh_rules.size(a) <= 1 for a in ("tokens", "expert", "moe_mlp")))
 
 
 def _plus_shared(p: dict, x: jax.Array, out: jax.Array) -> jax.Array:
