@@ -40,6 +40,11 @@ def bench(fn, *args, iters=20):
     return float(np.median(ts)), out
 
 
+def max_err(out, ref) -> str:
+    """The max abs difference of a kernel's output from the reference (fp32 numpy), or "-" without one."""
+    return "-" if ref is None else f"{np.abs(np.asarray(out, np.float32) - ref).max():.3g}"
+
+
 def moe_tables(quick: bool, tokens: list[int] | None = None):
     import jax
     import jax.numpy as jnp
@@ -77,7 +82,7 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
             try:
                 t, out = bench(fn, x, wgu, wd, w, idx)
                 last = np.asarray(out.astype(jnp.float32))
-                err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+                err = max_err(out, ref)
                 print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} w{nw} s{ns} | {t*1e6:.0f} | {moved/t/1e12:.2f} | "
                       f"{flops/t/1e12:.1f} | {err} |", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
@@ -89,7 +94,7 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
             return experts_ragged({"gate_up": wgu, "down": wd}, x, w, idx)
 
         t, out = bench(jax.jit(ragged), x, wgu, wd, w, idx)
-        err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+        err = max_err(out, ref)
         ragged_out = np.asarray(out.astype(jnp.float32))
         if ref is None and last is not None:
             err = f"(pallas vs ragged) {np.abs(last - ragged_out).max():.3g}"
@@ -133,7 +138,7 @@ def mla_tables(quick: bool):
                     *a, 0.1147, num_splits=s, block_h=bh, num_warps=nw))
                 try:
                     t, out = bench(fn, ql, qp, kv, 0, sid, pos, pt)
-                    err = "-" if ref is None else f"{np.abs(np.asarray(out.astype(jnp.float32)) - ref).max():.3g}"
+                    err = max_err(out, ref)
                     print(f"| {B} | {ctx} | pallas splits{label} bh{bh} w{nw} | {t*1e6:.0f} | {moved/t/1e12:.2f} | {err} |",
                           flush=True)
                 except Exception as e:  # noqa: BLE001
@@ -186,8 +191,8 @@ def mla_prefill_table(quick: bool):
         def row(impl, config, fn):
             try:
                 tm, out = bench(fn, *args)
-                err = np.abs(np.asarray(out.astype(jnp.float32)) - ref).max()
-                print(f"| {name} | {T} | {impl} | {config} | {tm*1e6:.0f} | {flops/tm/1e12:.1f} | {err:.3g} |",
+                err = max_err(out, ref)
+                print(f"| {name} | {T} | {impl} | {config} | {tm*1e6:.0f} | {flops/tm/1e12:.1f} | {err} |",
                       flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"| {name} | {T} | {impl} | {config} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
