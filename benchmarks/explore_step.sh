@@ -1,29 +1,27 @@
 #!/usr/bin/env bash
-# A/B of the decode step's implementation variants on one GPU (each a fresh process), then Protocol A
-# with all of them, a short table last:
-#   baseline     the defaults (its trace also prints one layer's kernels in launch order)
-#   shared       RunnerConfig.fuse_shared_experts: the shared MLP inside the Pallas MoE kernels
-#   routing      RunnerConfig.fuse_moe_routing: routing + alignment in one kernel (kernels/moe_route.py)
-#   both         the two together (traced)
-#   big_cache    the baseline with an engine-sized KV cache (64-bit offsets; XLA's memory budget)
-#   splits8      the decode attention with 8 context splits instead of auto_splits' 4 at batch 32
-#   batch1/8     one and eight sequences at 4K context (the attention's auto_splits)
+# Where the engine's decode step loses time against the isolated step, in one GPU call (each part a
+# fresh process), a short table last:
+#   big_cache    the isolated step (defaults: both MoE fusions) with an engine-sized KV cache (40,000
+#                pages), traced; its optimized HLO is kept as OUTDIR/decode_step_hlo.txt
+#   prefill      a 16 x 512 prefill step with and without the shared experts inside the MoE kernels
+#   engine       Protocol A (temperature 0) with 20 decode steps of the engine traced: the device's busy
+#                and idle time per step (benchmarks/trace_tools.py); an empty compilation cache
+#   warm_start   the same start-up again on the now warm compilation cache
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
-sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | grep -v -E "^\s*$|Warning|warn" | tail -60; }
-sp --label baseline --trace /tmp/tr0 | tee "$out/baseline.log"
-sp --label shared --fuse-shared-experts | tee "$out/variants.log"
-sp --label routing --fuse-moe-routing | tee -a "$out/variants.log"
-sp --label both --fuse-shared-experts --fuse-moe-routing --trace /tmp/tr1 | tee "$out/both.log"
-sp --label big_cache --num-pages 40000 | tee -a "$out/variants.log"
-sp --label splits8 --attn-splits 8 | tee -a "$out/variants.log"
-sp --label batch1 --batch 1 --context 4096 | tee -a "$out/variants.log"
-sp --label batch8 --batch 8 --context 4096 | tee -a "$out/variants.log"
-timeout 240 python3 benchmarks/offline.py --buckets 32,8192 --temperatures 0 --fuse-shared-experts --fuse-moe-routing \
-  > "$out/protocol_a_fused.log" 2>&1
+quiet() { grep -v -E "^\s*$|Warning|warn|^W[0-9]{4} " ; }
+sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | quiet; }
+sp --label big_cache --num-pages 40000 --trace /tmp/tr0 --dump-hlo /tmp/hlo > "$out/big_cache.log"
+cp "$(ls -S /tmp/hlo/*jit_step*after_optimizations.txt | head -1)" "$out/decode_step_hlo.txt" 2>/dev/null
+sp --label prefill_fused --prefill 512 --batch 16 --context 0 > "$out/prefill.log"
+sp --label prefill_shared_apart --prefill 512 --batch 16 --context 0 --no-fuse-shared-experts >> "$out/prefill.log"
+timeout 300 python3 benchmarks/offline.py --buckets 32,8192 --temperatures 0 --trace /tmp/tr_engine 2>&1 | quiet \
+  > "$out/engine.log"
+timeout 200 python3 benchmarks/offline.py --buckets 32,8192 --temperatures 0 --runs 1 2>&1 | quiet > "$out/warm_start.log"
 echo "== summary =="
-grep -h -E "^[a-z_0-9]+: |pipelined|GPU kernel time" "$out"/baseline.log "$out"/variants.log "$out"/both.log
-grep -h -E "Protocol A|engine loop|KV cache|start-up" "$out/protocol_a_fused.log"
+grep -h -E "^[a-z_0-9]+: |pipelined|GPU kernel time|^device over|^  idle" "$out/big_cache.log" "$out/prefill.log"
+grep -h -E "Protocol A|engine loop|KV cache|start-up|prefill [0-9]|^device over|^  idle|GPU kernel time" "$out/engine.log"
+grep -h -E "start-up" "$out/warm_start.log"

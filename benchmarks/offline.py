@@ -64,10 +64,13 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
-    ap.add_argument("--fuse-shared-experts", action="store_true",
+    ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
-    ap.add_argument("--fuse-moe-routing", action="store_true",
+    ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
+    ap.add_argument("--trace", default="",
+                    help="after the runs, trace 20 decode steps of one more run into this folder and print the "
+                         "device's busy / idle time per step and the kernels (benchmarks/trace_tools.py)")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
@@ -125,7 +128,7 @@ def main(argv=None) -> int:
     prompts = [rng.integers(100, min(cfg.vocab_size, 100000), args.prompt_len).tolist() for _ in range(args.batch)]
     counter = [0]
 
-    def run(n_out: int, temp: float):
+    def run(n_out: int, temp: float, trace_steps: tuple[int, int] | None = None):
         experts = []
         for p in prompts:
             counter[0] += 1
@@ -136,6 +139,10 @@ def main(argv=None) -> int:
         t = time.time()
         while eng.has_unfinished_requests():
             timers["steps"] += 1
+            if trace_steps and timers["steps"] == trace_steps[0]:
+                jax.profiler.start_trace(args.trace, create_perfetto_trace=True)
+            if trace_steps and timers["steps"] == trace_steps[1]:
+                jax.profiler.stop_trace()
             plan_tokens = None
             for o in eng.step():
                 if o.finished:
@@ -180,6 +187,18 @@ def main(argv=None) -> int:
               f"{cfg.n_routed_experts}; distinct tokens (last 64 steps) {distinct}", flush=True)
         results[f"temp{temp}"] = {"seconds": best, "tok_s": tps, "limit_tok_s": limit, "experts": experts,
                                   "distinct_tokens": distinct}
+    if args.trace:
+        from benchmarks.trace_tools import gpu_kernels, layer_sequence, print_idle_gaps, summarize
+
+        first = max(2, args.output_len // 2 - 10)
+        run(args.output_len, 0.0, (first, first + 20))
+        kern = gpu_kernels(args.trace)
+        if kern:
+            moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+            print(f"engine trace, decode steps {first}-{first + 20}:")
+            print_idle_gaps(kern, moe_layers)
+            summarize(kern, max(1, sum("gate_up" in e["name"] for e in kern) // moe_layers), top=25)
+            layer_sequence(kern)
     results["compiles_after_warmup"] = eng.runner.compiles_after_warmup
     stats = dev.memory_stats() or {}
     if "peak_bytes_in_use" in stats:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -39,9 +38,9 @@ def main(argv=None) -> int:
     ap.add_argument("--num-pages", type=int, default=0,
                     help="KV cache pages (default: just enough for the batch); e.g. 48000 to see the effect of "
                          "an engine-sized cache (64-bit offsets, XLA's scheduler memory limit)")
-    ap.add_argument("--fuse-shared-experts", action="store_true",
+    ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
-    ap.add_argument("--fuse-moe-routing", action="store_true",
+    ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
     ap.add_argument("--attn-splits", type=int, default=0,
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
@@ -92,8 +91,9 @@ def main(argv=None) -> int:
                       fuse_moe_routing=args.fuse_moe_routing)
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
-    runner.kv_cache = jax.jit(lambda k: jax.random.normal(k, runner.kv_cache.shape, runner.kv_cache.dtype),
-                              out_shardings=runner.kv_cache.sharding)(jax.random.key(3))
+    # Random cache contents, filled in place (an engine-sized cache leaves no room for a second copy).
+    page = jax.random.normal(jax.random.key(3), runner.kv_cache.shape[-2:], runner.kv_cache.dtype)
+    runner.kv_cache = jax.jit(lambda c, p: c + p, donate_argnums=0)(runner.kv_cache, page)
     rng = np.random.default_rng(0)
     seqs, reqs, seeds = [], {}, {}
     for b in range(B):
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
         hs.append(time.perf_counter() - t)
     dev = float(np.median(ts))
     if args.trace:
-        top_kernels(runner, host, args.trace)
+        top_kernels(runner, host, args.trace, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))))
     layout = f"TP={args.tensor_parallel_size} DP={dp} EP={args.enable_expert_parallel} "
     kind = layout + (f"prefill {B}x{new} after {args.context}" if args.prefill else f"decode batch {B} at {args.context}")
     kind += f", {num_pages} pages"
@@ -160,96 +160,22 @@ def main(argv=None) -> int:
     return 0
 
 
-CATEGORIES = [  # (category, regex over kernel names), first match wins
-    ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel"),
-    ("MLA attention (Pallas)", r"mla|_kernel"),
-    ("memcpy", r"[Mm]emcpy|copy"),
-    ("collectives", r"nccl|all_reduce|all_gather|reduce_scatter|all-reduce|all-gather"),
-    ("cuBLAS / cutlass GEMM", r"gemm|cutlass|xmma|cublas|sm90_|sm80_"),
-    ("sort", r"sort|Sort|cub::"),
-    ("gather / scatter", r"gather|scatter"),
-    ("reductions", r"reduce|reduction"),
-]
-
-
-def top_kernels(runner, host, trace_dir: str, steps: int = 3, top: int = 40) -> None:
-    """Trace `steps` steps and print GPU time per kernel name (perfetto JSON from jax.profiler)."""
-    import glob
-    import gzip
-    import json
-    from collections import defaultdict
-
+def top_kernels(runner, host, trace_dir: str, moe_layers: int, steps: int = 3) -> None:
+    """Trace `steps` steps and print GPU time per kernel name, one layer in launch order and the idle gaps."""
     import jax
+
+    from benchmarks.trace_tools import gpu_kernels, layer_sequence, print_idle_gaps, summarize
 
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
             jax.block_until_ready(runner._run(host))
-    files = glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True)
-    if not files:
+    kern = gpu_kernels(trace_dir)
+    if not kern:
         print("no perfetto trace written")
         return
-    with gzip.open(files[0]) as f:
-        events = json.load(f)
-    events = events.get("traceEvents", events)
-    names = {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
-            names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
-    gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
-    total, count = defaultdict(float), defaultdict(int)
-    spans, kern = [], []
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            total[e["name"]] += e.get("dur", 0.0)
-            count[e["name"]] += 1
-            spans.append((e["ts"], e["ts"] + e.get("dur", 0.0)))
-            kern.append(e)
-    grand = sum(total.values())
-    spans.sort()
-    # Wall time on the GPU: the union of kernel intervals within each step's burst (bursts split at > 1 ms idle).
-    wall, cur_s, cur_e = 0.0, None, None
-    for s0, e0 in spans:
-        if cur_e is None or s0 > cur_e + 1000:
-            if cur_e is not None:
-                wall += cur_e - cur_s
-            cur_s, cur_e = s0, e0
-        else:
-            cur_e = max(cur_e, e0)
-    if cur_e is not None:
-        wall += cur_e - cur_s
-    print(f"GPUs traced: {len(gpu_pids)} (times below are summed over them)")
-    print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels; "
-          f"GPU wall per step {wall / steps / 1e3:.2f} ms (gaps {(wall - grand) / steps / 1e3:.2f} ms)")
-    cats = defaultdict(lambda: [0.0, 0])
-    for name, us in total.items():
-        cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "other XLA fusions")
-        cats[cat][0] += us
-        cats[cat][1] += count[name]
-    for cat, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
-        print(f"  [{cat}] {us / steps / 1e3:7.3f} ms/step  x{n // steps}")
-    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
-        print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:4d}  {name[:110]}")
+    summarize(kern, steps)
+    print_idle_gaps(kern, moe_layers)
     layer_sequence(kern)
-
-
-def layer_sequence(kern: list, layer: int = 10) -> None:
-    """Print the kernels of one decoder layer in launch order: those from the `layer`-th MoE gate_up kernel
-    up to the next one (on the first GPU), with their durations and the gap before each."""
-    kern = sorted((e for e in kern if e.get("pid") == min(k.get("pid") for k in kern)), key=lambda e: e["ts"])
-    marks = [i for i, e in enumerate(kern) if re.search(r"gate_up", e["name"])]
-    if len(marks) <= layer + 1:
-        return
-    seq = kern[marks[layer]:marks[layer + 1]]
-    busy = sum(e.get("dur", 0.0) for e in seq)
-    span = seq[-1]["ts"] + seq[-1].get("dur", 0.0) - seq[0]["ts"]
-    print(f"one layer in launch order ({len(seq)} kernels, {busy:.1f} us busy, {span:.1f} us span):")
-    prev = None
-    for e in seq:
-        gap = 0.0 if prev is None else e["ts"] - prev
-        args = e.get("args", {})
-        op = args.get("hlo_op") or args.get("long_name") or ""
-        print(f"  {e.get('dur', 0.0):7.1f} us  gap {gap:5.1f}  {e['name'][:60]}  {str(op)[:60]}")
-        prev = e["ts"] + e.get("dur", 0.0)
 
 
 if __name__ == "__main__":

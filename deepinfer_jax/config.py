@@ -303,11 +303,12 @@ class RunnerConfig:
     # None: 256 on a GPU, 0 (never) elsewhere.
     unroll_max_tokens: int | None = None
     # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
-    # expert splitting, float weights) instead of as separate XLA GEMMs. Off until measured on a GPU.
-    fuse_shared_experts: bool = False
+    # expert splitting, float weights) instead of as separate XLA GEMMs. H200, V2-Lite decode step at
+    # batch 32: 9.93 -> 9.70 ms.
+    fuse_shared_experts: bool = True
     # Route and align decode-size steps in one Pallas kernel (kernels/moe_route.py: greedy top-k without
-    # expert groups) instead of ~15 small XLA kernels. Off until measured on a GPU.
-    fuse_moe_routing: bool = False
+    # expert groups) instead of ~15 small XLA kernels. H200, same step: 9.93 -> 9.65 ms (9.28 with both).
+    fuse_moe_routing: bool = True
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

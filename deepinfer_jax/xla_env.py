@@ -15,6 +15,14 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   where at most one CUDA device is visible: with several GPUs the collectives would run from
   VMM-allocated buffers inside the graphs, which has not been measured yet (set the flag by hand to
   try it).
+- `xla_disable_hlo_passes=rematerialization`: XLA's GPU compiler budgets a program's memory as the
+  device memory less its parameters and outputs, and counts the donated KV cache twice (argument and
+  aliased output). With an engine-sized cache (75 GiB on an H200) the budget is exceeded before any
+  activation is placed, and the rematerialization pass recomputes small decode-step values to save
+  memory that is not short: a V2-Lite decode step at batch 32 ran the q / kv_a projection GEMM three
+  times per layer (9.28 -> 9.57 ms a step, benchmarks/RESULTS.md). The cache is sized to leave a
+  quarter of the device free (runner/device_memory.py), far more than any step's activations.
+  Applied on every machine.
 """
 
 from __future__ import annotations
@@ -22,7 +30,8 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-DEFAULT_FLAGS: dict[str, str] = {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}
+DEFAULT_FLAGS: dict[str, str] = {"xla_disable_hlo_passes": "rematerialization"}
+SINGLE_GPU_FLAGS: dict[str, str] = {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"}
 
 
 def with_default_flags(xla_flags: str, defaults: dict[str, str] = DEFAULT_FLAGS) -> str:
@@ -47,10 +56,11 @@ def visible_cuda_devices() -> int:
 
 
 def apply_default_xla_flags(environ: MutableMapping[str, str] = os.environ, num_gpus: int | None = None) -> None:
-    """Put the defaults into environ["XLA_FLAGS"] unless DEEPINFER_XLA_DEFAULTS=0 or more than one GPU is
-    visible (`num_gpus`, default: asked of the driver)."""
+    """Put DEFAULT_FLAGS, and SINGLE_GPU_FLAGS where at most one GPU is visible (`num_gpus`, default:
+    asked of the driver), into environ["XLA_FLAGS"], unless DEEPINFER_XLA_DEFAULTS=0."""
     if environ.get("DEEPINFER_XLA_DEFAULTS", "1") == "0":
         return
-    if (visible_cuda_devices() if num_gpus is None else num_gpus) > 1:
-        return
-    environ["XLA_FLAGS"] = with_default_flags(environ.get("XLA_FLAGS", ""))
+    flags = dict(DEFAULT_FLAGS)
+    if (visible_cuda_devices() if num_gpus is None else num_gpus) <= 1:
+        flags.update(SINGLE_GPU_FLAGS)
+    environ["XLA_FLAGS"] = with_default_flags(environ.get("XLA_FLAGS", ""), flags)

@@ -57,8 +57,8 @@ class LLM:
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
-    None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (experimental MoE
-    fusions of the Pallas path, RunnerConfig), chat_template, progress.
+    None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (the MoE
+    fusions of the Pallas path, on by default, RunnerConfig), chat_template, progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -69,7 +69,7 @@ class LLM:
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
                  load_format: str = "auto", unroll_max_tokens: int | None = None,
-                 fuse_shared_experts: bool = False, fuse_moe_routing: bool = False, progress: bool = True):
+                 fuse_shared_experts: bool = True, fuse_moe_routing: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache

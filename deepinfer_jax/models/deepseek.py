@@ -163,7 +163,8 @@ def forward_paged(
         scanned = seg_params
         if experts is not None:
             stacked = ("experts",)
-            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules):
+            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
+                                                             meta.token_ids.shape[0]):
                 experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
 

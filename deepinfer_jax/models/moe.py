@@ -288,11 +288,20 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     return (out, idx) if return_routing else out
 
 
-def shared_into_kernels(moe_params: dict, moe_impl: str, mesh_rules: MeshRules | None) -> bool:
+# Steps of at most this many tokens run the shared MLP inside the expert kernels. Beyond, the separate
+# GEMMs win: on an H200 a 16 x 512 prefill step took 113.8 ms fused against 108.5 ms apart.
+SHARED_IN_KERNELS_MAX_TOKENS = 256
+
+
+def shared_into_kernels(moe_params: dict, moe_impl: str, mesh_rules: MeshRules | None,
+                        num_tokens: int = 1) -> bool:
     """Whether the shared MLP of these (stacked) MoE params can run inside the Pallas expert kernels:
-    the kernel path on one device (or without expert / MLP splitting), float weights, and a shared width
-    that is a whole number of experts (DeepSeek's n_shared_experts x moe_intermediate_size)."""
+    the kernel path on one device (or without expert / MLP splitting), float weights, a shared width
+    that is a whole number of experts (DeepSeek's n_shared_experts x moe_intermediate_size), and a
+    decode-size step (num_tokens <= SHARED_IN_KERNELS_MAX_TOKENS)."""
     if not _unsplit_kernel_path(moe_impl, mesh_rules) or "shared" not in moe_params:
+        return False
+    if num_tokens > SHARED_IN_KERNELS_MAX_TOKENS:
         return False
     leaves = [moe_params["experts"]["gate_up"], moe_params["shared"]["gate_up"], moe_params["shared"]["down"]]
     if any(is_quantized(a) for a in leaves):

@@ -156,6 +156,8 @@ def test_shared_experts_inside_the_kernels_equal_the_shared_mlp(hf_case, case):
     moe_seg = next(sp for seg, sp in zip(layer_segments(cfg), params["segments"]) if seg.kind == "moe")
     assert shared_into_kernels(moe_seg["moe"], "pallas_interpret", None)
     assert not shared_into_kernels(moe_seg["moe"], "ragged", None)
+    assert shared_into_kernels(moe_seg["moe"], "pallas_interpret", None, 256)
+    assert not shared_into_kernels(moe_seg["moe"], "pallas_interpret", None, 512)  # prefill sizes: apart
     qmoe = quantize_params(params, "int8", group_size=16)["segments"][1]["moe"]
     assert not shared_into_kernels(qmoe, "pallas_interpret", None)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (1, 10))

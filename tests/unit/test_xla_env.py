@@ -4,30 +4,33 @@ import os
 import subprocess
 import sys
 
-from deepinfer_jax.xla_env import DEFAULT_FLAGS, apply_default_xla_flags, with_default_flags
+from deepinfer_jax.xla_env import DEFAULT_FLAGS, SINGLE_GPU_FLAGS, apply_default_xla_flags, with_default_flags
 
 MODE = "xla_gpu_command_buffer_update_mode"
+REMAT = "--xla_disable_hlo_passes=rematerialization"
+ALL = f"{REMAT} --{MODE}=SKIP_PROFILED"
 
 
 def test_defaults_are_added_once_and_never_override_the_user():
-    assert with_default_flags("") == f"--{MODE}=SKIP_PROFILED"
-    assert with_default_flags("--xla_dump_to=/tmp/x") == f"--xla_dump_to=/tmp/x --{MODE}=SKIP_PROFILED"
-    assert with_default_flags(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE"
-    twice = with_default_flags(with_default_flags(""))
-    assert twice == f"--{MODE}=SKIP_PROFILED"
+    flags = {**DEFAULT_FLAGS, **SINGLE_GPU_FLAGS}
+    assert with_default_flags("", flags) == ALL
+    assert with_default_flags("--xla_dump_to=/tmp/x", flags) == f"--xla_dump_to=/tmp/x {ALL}"
+    assert with_default_flags(f"--{MODE}=ALWAYS_UPDATE", flags) == f"--{MODE}=ALWAYS_UPDATE {REMAT}"
+    assert with_default_flags("--xla_disable_hlo_passes=foo", flags) == f"--xla_disable_hlo_passes=foo --{MODE}=SKIP_PROFILED"
+    assert with_default_flags(with_default_flags("", flags), flags) == ALL
 
 
-def test_apply_respects_the_opt_out_and_skips_several_gpus():
+def test_apply_respects_the_opt_out_and_keeps_the_graph_mode_to_one_gpu():
     env = {"DEEPINFER_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
     apply_default_xla_flags(env, num_gpus=1)
     assert env["XLA_FLAGS"] == "--a=1"
     for n in (0, 1):
         env = {}
         apply_default_xla_flags(env, num_gpus=n)
-        assert env["XLA_FLAGS"] == " ".join(f"--{k}={v}" for k, v in DEFAULT_FLAGS.items())
+        assert env["XLA_FLAGS"] == ALL
     env = {"XLA_FLAGS": "--a=1"}
-    apply_default_xla_flags(env, num_gpus=2)  # not measured with collectives yet
-    assert env["XLA_FLAGS"] == "--a=1"
+    apply_default_xla_flags(env, num_gpus=2)  # the command-buffer mode is not measured with collectives yet
+    assert env["XLA_FLAGS"] == f"--a=1 {REMAT}"
 
 
 def _flags_after_import(env_flags):
@@ -41,5 +44,5 @@ def _flags_after_import(env_flags):
 
 def test_importing_the_package_sets_the_flags_before_jax_starts():
     # XLA parses the flags when the backend starts: an unknown or malformed flag would abort here.
-    assert _flags_after_import(None) == f"--{MODE}=SKIP_PROFILED"
-    assert _flags_after_import(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE"
+    assert _flags_after_import(None) == ALL
+    assert _flags_after_import(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE {REMAT}"

@@ -1,0 +1,129 @@
+"""Reading jax.profiler's perfetto traces of decode steps: GPU time per kernel and category, one
+decoder layer in launch order, and the device's idle gaps (is the engine keeping the GPU busy?).
+
+Used by step_profile.py (isolated steps) and offline.py (the engine's own loop)."""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+import re
+from collections import defaultdict
+
+CATEGORIES = [  # (category, regex over kernel names), first match wins
+    ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel"),
+    ("MLA attention (Pallas)", r"mla|_kernel"),
+    ("memcpy", r"[Mm]emcpy|copy"),
+    ("collectives", r"nccl|all_reduce|all_gather|reduce_scatter|all-reduce|all-gather"),
+    ("cuBLAS / cutlass GEMM", r"gemm|cutlass|xmma|cublas|sm90_|sm80_"),
+    ("sort", r"sort|Sort|cub::"),
+    ("gather / scatter", r"gather|scatter"),
+    ("reductions", r"reduce|reduction"),
+]
+
+
+def gpu_kernels(trace_dir: str) -> list[dict] | None:
+    """Every GPU-side complete event ("X") of the newest perfetto trace under trace_dir, sorted by start
+    time (microseconds); None when no trace was written."""
+    files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
+                   key=os.path.getmtime)
+    if not files:
+        return None
+    with gzip.open(files[-1]) as f:
+        events = json.load(f)
+    events = events.get("traceEvents", events)
+    names = {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
+            names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
+    gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
+    kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    return sorted(kern, key=lambda e: e["ts"])
+
+
+def busy_union(kern: list[dict]) -> float:
+    """Microseconds during which at least one kernel ran (overlapping kernels counted once)."""
+    busy, cur_s, cur_e = 0.0, None, None
+    for e in kern:
+        s, t = e["ts"], e["ts"] + e.get("dur", 0.0)
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, t
+        else:
+            cur_e = max(cur_e, t)
+    return busy + (0.0 if cur_e is None else cur_e - cur_s)
+
+
+def summarize(kern: list[dict], steps: int, top: int = 40) -> None:
+    """GPU time per step by category and by kernel name (summed over the GPUs traced)."""
+    total, count = defaultdict(float), defaultdict(int)
+    for e in kern:
+        total[e["name"]] += e.get("dur", 0.0)
+        count[e["name"]] += 1
+    grand = sum(total.values())
+    print(f"GPUs traced: {len({e['pid'] for e in kern})} (times below are summed over them)")
+    print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels")
+    cats = defaultdict(lambda: [0.0, 0])
+    for name, us in total.items():
+        cat = next((c for c, pat in CATEGORIES if re.search(pat, name)), "other XLA fusions")
+        cats[cat][0] += us
+        cats[cat][1] += count[name]
+    for cat, (us, n) in sorted(cats.items(), key=lambda kv: -kv[1][0]):
+        print(f"  [{cat}] {us / steps / 1e3:7.3f} ms/step  x{n // steps}")
+    for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
+        print(f"  {us / steps:9.1f} us/step  x{count[name] // steps:4d}  {name[:110]}")
+
+
+def layer_sequence(kern: list[dict], layer: int = 10) -> None:
+    """Print the kernels of one decoder layer in launch order: those from the `layer`-th MoE gate_up kernel
+    up to the next one (on the first GPU), with their durations and the gap before each."""
+    first = min(k["pid"] for k in kern)
+    kern = [e for e in kern if e["pid"] == first]
+    marks = [i for i, e in enumerate(kern) if re.search(r"gate_up", e["name"])]
+    if len(marks) <= layer + 1:
+        return
+    seq = kern[marks[layer]:marks[layer + 1]]
+    busy = sum(e.get("dur", 0.0) for e in seq)
+    span = seq[-1]["ts"] + seq[-1].get("dur", 0.0) - seq[0]["ts"]
+    print(f"one layer in launch order ({len(seq)} kernels, {busy:.1f} us busy, {span:.1f} us span):")
+    prev = None
+    for e in seq:
+        gap = 0.0 if prev is None else e["ts"] - prev
+        args = e.get("args", {})
+        op = args.get("hlo_op") or args.get("long_name") or ""
+        print(f"  {e.get('dur', 0.0):7.1f} us  gap {gap:5.1f}  {e['name'][:60]}  {str(op)[:60]}")
+        prev = e["ts"] + e.get("dur", 0.0)
+
+
+def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> dict:
+    """How busy the first GPU was over the traced window, and where it idled.
+
+    Steps are counted as MoE gate_up launches / moe_layers. Returns window, busy and idle microseconds
+    per step, and the idle gaps of at least `min_gap_us` (count, total per step, the largest) with the
+    kernels on either side of the largest, so a gap between steps (host-bound) shows as such."""
+    first = min(k["pid"] for k in kern)
+    kern = [e for e in kern if e["pid"] == first]
+    steps = max(1, sum(1 for e in kern if re.search(r"gate_up", e["name"])) // moe_layers)
+    window = kern[-1]["ts"] + kern[-1].get("dur", 0.0) - kern[0]["ts"]
+    busy = busy_union(kern)
+    gaps, end = [], None
+    for i, e in enumerate(kern):
+        if end is not None and e["ts"] - end >= min_gap_us:
+            gaps.append((e["ts"] - end, kern[i - 1]["name"], e["name"]))
+        end = max(end or 0.0, e["ts"] + e.get("dur", 0.0))
+    gaps.sort(reverse=True)
+    return {"steps": steps, "window_us": window / steps, "busy_us": busy / steps,
+            "idle_us": (window - busy) / steps, "gaps": len(gaps) / steps,
+            "gap_total_us": sum(g[0] for g in gaps) / steps, "largest": gaps[:3]}
+
+
+def print_idle_gaps(kern: list[dict], moe_layers: int) -> None:
+    g = idle_gaps(kern, moe_layers)
+    print(f"device over {g['steps']} steps: {g['window_us'] / 1e3:.2f} ms/step, busy {g['busy_us'] / 1e3:.2f} ms, "
+          f"idle {g['idle_us'] / 1e3:.2f} ms ({g['gaps']:.1f} gaps >= 20 us per step, "
+          f"{g['gap_total_us'] / 1e3:.2f} ms)")
+    for us, before, after in g["largest"]:
+        print(f"  idle {us:8.1f} us between {before[:50]} and {after[:50]}")

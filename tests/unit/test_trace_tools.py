@@ -1,0 +1,46 @@
+"""benchmarks/trace_tools.py: reading a perfetto trace file and the device's busy / idle accounting."""
+
+import gzip
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+from benchmarks.trace_tools import busy_union, gpu_kernels, idle_gaps  # noqa: E402
+
+
+def _trace(tmp_path, kernels):
+    """A perfetto JSON with one host and one GPU process; kernels: (name, ts, dur) on the GPU."""
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+              {"ph": "X", "pid": 1, "tid": 1, "name": "host_op", "ts": 0.0, "dur": 500.0}]
+    events += [{"ph": "X", "pid": 7, "tid": 2, "name": n, "ts": t, "dur": d} for n, t, d in kernels]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    folder.mkdir(parents=True)
+    with gzip.open(folder / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return str(tmp_path)
+
+
+def test_gpu_kernels_keeps_device_events_in_time_order(tmp_path):
+    d = _trace(tmp_path, [("b", 20.0, 5.0), ("a", 10.0, 5.0)])
+    assert [e["name"] for e in gpu_kernels(d)] == ["a", "b"]
+    assert gpu_kernels(str(tmp_path / "missing")) is None
+
+
+def test_busy_union_counts_overlap_once():
+    kern = [{"ts": 0.0, "dur": 10.0}, {"ts": 5.0, "dur": 10.0}, {"ts": 30.0, "dur": 5.0}]
+    assert busy_union(kern) == 20.0
+
+
+def test_idle_gaps_finds_the_gap_between_steps(tmp_path):
+    # Two steps of one MoE layer each: gate_up, down, attention; 100 us idle between the steps.
+    step = [("_gate_up_kernel", 0.0, 50.0), ("_down_kernel", 50.0, 30.0), ("_kernel", 85.0, 10.0)]
+    kern = gpu_kernels(_trace(tmp_path, step + [(n, t + 195.0, d) for n, t, d in step]))
+    g = idle_gaps(kern, moe_layers=1)
+    assert g["steps"] == 2
+    assert g["busy_us"] == 90.0  # (50 + 30 + 10) per step
+    assert g["window_us"] == 145.0  # 290 us from the first start to the last end, over 2 steps
+    assert g["gaps"] == 0.5 and g["gap_total_us"] == 50.0  # the one 100 us gap; the 5 us ones are below 20
+    assert g["largest"][0] == (100.0, "_kernel", "_gate_up_kernel")
