@@ -70,21 +70,29 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
         ref = None
         if T <= 64:  # the reference gathers a weight copy per token; beyond that compare against ragged_dot
             ref = np.asarray(jax.jit(moe_experts_reference)(x, wgu, wd, w, idx).astype(jnp.float32))
-        configs = [(16, 128, 64, 4, 3), (16, 256, 64, 4, 3), (16, 128, 64, 4, 5), (16, 128, 32, 4, 6),
-                   (16, 256, 64, 8, 4)]
+        # (block_m, block_n, block_k, warps, stages, cols_first, gather_in_kernel)
+        configs = [(16, 128, 64, 4, 3, False, False), (16, 128, 64, 4, 3, True, False),
+                   (16, 128, 64, 4, 3, False, True), (16, 256, 64, 4, 3, False, False),
+                   (16, 256, 64, 4, 3, True, False), (16, 128, 64, 4, 5, False, False)]
         if T >= 1024:
-            configs = [(64, 128, 64, 4, 3), (128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 4, 4),
-                       (64, 128, 32, 4, 4), (128, 64, 64, 4, 4), (64, 64, 64, 4, 4), (128, 128, 64, 4, 3)]
+            configs = [(128, 128, 64, 8, 4, False, False), (128, 128, 64, 8, 4, True, False),
+                       (128, 128, 64, 8, 4, True, True), (128, 128, 64, 8, 4, False, True),
+                       (128, 256, 64, 8, 3, True, False), (128, 128, 64, 8, 3, True, False),
+                       (64, 128, 64, 4, 3, True, False), (128, 128, 32, 4, 4, True, False)]
+        if os.environ.get("MOE_QUICK"):
+            configs = configs[:4]
         last = None
-        for bm, bn, bk, nw, ns in configs:
-            fn = jax.jit(lambda x, a, b, w, i, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns: moe_experts(
-                x, a, b, w, i, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns))
+        for bm, bn, bk, nw, ns, cf, gk in configs:
+            fn = jax.jit(lambda x, a, b, w, i, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns, cf=cf, gk=gk: moe_experts(
+                x, a, b, w, i, block_m=bm, block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, cols_first=cf,
+                gather_in_kernel=gk))
             try:
                 t, out = bench(fn, x, wgu, wd, w, idx)
                 last = np.asarray(out.astype(jnp.float32))
                 err = max_err(out, ref)
-                print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} w{nw} s{ns} | {t*1e6:.0f} | {moved/t/1e12:.2f} | "
-                      f"{flops/t/1e12:.1f} | {err} |", flush=True)
+                order = ("cols first" if cf else "rows first") + (", gather in kernel" if gk else "")
+                print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} w{nw} s{ns}, {order} | {t*1e6:.0f} | "
+                      f"{moved/t/1e12:.2f} | {flops/t/1e12:.1f} | {err} |", flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
                 print(f"| {T} | pallas | bm{bm} bn{bn} bk{bk} | failed: {type(e).__name__}: {str(e)[:200]} |", flush=True)
 

@@ -115,9 +115,16 @@ def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> di
             gaps.append((e["ts"] - end, kern[i - 1]["name"], e["name"]))
         end = max(end or 0.0, e["ts"] + e.get("dur", 0.0))
     gaps.sort(reverse=True)
+    # All idle time between kernels, by the pair of kernel names around it (where small gaps add up).
+    pairs, end = defaultdict(float), None
+    for i, e in enumerate(kern):
+        if end is not None and e["ts"] > end:
+            pairs[(kern[i - 1]["name"][:40], e["name"][:40])] += e["ts"] - end
+        end = max(end or 0.0, e["ts"] + e.get("dur", 0.0))
+    by_pair = sorted(((us / steps, a, b) for (a, b), us in pairs.items()), reverse=True)[:6]
     return {"steps": steps, "window_us": window / steps, "busy_us": busy / steps,
             "idle_us": (window - busy) / steps, "gaps": len(gaps) / steps,
-            "gap_total_us": sum(g[0] for g in gaps) / steps, "largest": gaps[:3]}
+            "gap_total_us": sum(g[0] for g in gaps) / steps, "largest": gaps[:3], "by_pair": by_pair}
 
 
 def print_idle_gaps(kern: list[dict], moe_layers: int) -> None:
@@ -127,3 +134,5 @@ def print_idle_gaps(kern: list[dict], moe_layers: int) -> None:
           f"{g['gap_total_us'] / 1e3:.2f} ms)")
     for us, before, after in g["largest"]:
         print(f"  idle {us:8.1f} us between {before[:50]} and {after[:50]}")
+    for us, before, after in g["by_pair"]:
+        print(f"  idle {us:8.1f} us/step in all gaps between {before} and {after}")

@@ -80,13 +80,18 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     return row_copy, block_expert, row_of
 
 
+def _block_and_tile(cols_first: bool):
+    """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
+    return (pl.program_id(1), pl.program_id(0)) if cols_first else (pl.program_id(0), pl.program_id(1))
+
+
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, K, E, I, shared,
-                    copies_per_token):
+                    copies_per_token, cols_first):
     refs = list(refs)
     sw_ref = refs.pop(0) if shared else None
     rc_ref = refs.pop(0) if copies_per_token else None
     (o_ref,) = refs
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _block_and_tile(cols_first)
     layer, e = layer_ref[0], be_ref[b]
     rows = pl.ds(b * block_m, block_m)
     cols = pl.ds(n * block_n, block_n)
@@ -120,9 +125,9 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, bl
             run(lambda ks, g: sw_ref[layer, ks, g, pl.ds((e - E) * I + n * block_n, block_n)])
 
 
-def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, block_m, block_n, block_k, K, E):
+def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, block_m, block_n, block_k, K, E, cols_first):
     sw_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
-    b, n = pl.program_id(0), pl.program_id(1)
+    b, n = _block_and_tile(cols_first)
     layer, e = layer_ref[0], be_ref[b]
     rows = pl.ds(b * block_m, block_m)
     cols = pl.ds(n * block_n, block_n)
@@ -183,9 +188,17 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 4
 
 
-@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages", "interpret"))
+def cols_first_for(num_copies: int) -> bool:
+    """Launch order of the expert kernels by the number of token copies: column tiles first at prefill
+    sizes, where every row block is re-read once per column tile (benchmarks/RESULTS.md)."""
+    return num_copies >= COMPARE_ALIGN_MAX_COPIES
+
+
+@functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
+                                             "cols_first", "gather_in_kernel", "interpret"))
 def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_up=None, shared_down=None,
-                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, interpret=False):
+                block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
+                gather_in_kernel=False, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
     Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
     Tiles left as None come from `tile_config(T * k)` (T * (k + S) with shared experts).
@@ -220,20 +233,26 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
     row_copy, block_expert, row_of = align_tokens(idx, num_experts, block_m)
     return moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer, *shared,
                                block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
-                               num_stages=num_stages, interpret=interpret)
+                               num_stages=num_stages, cols_first=cols_first, gather_in_kernel=gather_in_kernel,
+                               interpret=interpret)
 
 
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
-                        num_warps=None, num_stages=None, gather_in_kernel=False, interpret=False):
+                        num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=False,
+                        interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
-    gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy)."""
+    gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy).
+    cols_first: launch a row block's column tiles one after another (its rows stay in L2 while the
+    expert's weight tiles stream) instead of a column tile's row blocks (each tile's weights stay in
+    L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
     auto = tile_config(T * K)
+    cols_first = cols_first_for(T * K) if cols_first is None else cols_first
     block_n, block_k, num_warps, num_stages = (
         a if v is None else v for v, a in zip((block_n, block_k, num_warps, num_stages), auto[1:]))
     if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: one stage fits in shared memory
@@ -247,13 +266,14 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         xs, extra = x[token], ()  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
     bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
-    h = _call(_gate_up_kernel, (nb, I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
+    grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
+    h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1], *extra), num_warps, num_stages,
               interpret, block_m=block_m, block_n=bn1, block_k=bk1, K=D, E=E, I=I, shared=bool(shared),
-              copies_per_token=K if gather_in_kernel else 0)
-    y = _call(_down_kernel, (nb, D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
+              copies_per_token=K if gather_in_kernel else 0, cols_first=cols_first)
+    y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, w_down.astype(x.dtype), *shared[1:]), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E)
+              block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E, cols_first=cols_first)
     # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
     # copy c, or M_pad for a skipped copy, which reads zeros.
     yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, K, D)  # [T, K, D]

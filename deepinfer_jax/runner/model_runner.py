@@ -233,6 +233,10 @@ class ModelRunner:
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
         out = self._run(host)
+        # Start the sampled ids' device-to-host copy now: it runs as soon as the step ends, and `fetch`
+        # (called after the next step is queued) finds them on the host.
+        for a in (out.token_ids, *((out.logprob, out.top_logprob_ids, out.top_logprobs) if host.penalties else ())):
+            a.copy_to_host_async()
         if self._warm and CompileCounter.count() != before:
             self.compiles_after_warmup += CompileCounter.count() - before
             log.warning("compiled a new step shape after warm-up (bucket %d, full=%s)", host.bucket, host.penalties)

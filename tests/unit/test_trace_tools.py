@@ -44,3 +44,5 @@ def test_idle_gaps_finds_the_gap_between_steps(tmp_path):
     assert g["window_us"] == 145.0  # 290 us from the first start to the last end, over 2 steps
     assert g["gaps"] == 0.5 and g["gap_total_us"] == 50.0  # the one 100 us gap; the 5 us ones are below 20
     assert g["largest"][0] == (100.0, "_kernel", "_gate_up_kernel")
+    assert g["by_pair"][0] == (50.0, "_kernel", "_gate_up_kernel")  # 100 us over 2 steps
+    assert g["by_pair"][1] == (5.0, "_down_kernel", "_kernel")  # 5 us in each step
