@@ -44,6 +44,8 @@ def main(argv=None) -> int:
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
     ap.add_argument("--attn-splits", type=int, default=0,
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
+    ap.add_argument("--moe-decode-tiles", default="",
+                    help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -65,6 +67,11 @@ def main(argv=None) -> int:
         from deepinfer_jax.kernels import mla_decode
 
         mla_decode.auto_splits = lambda num_tokens: args.attn_splits
+    if args.moe_decode_tiles:
+        from deepinfer_jax.kernels import moe_gmm, moe_route
+
+        tiles, base = tuple(int(v) for v in args.moe_decode_tiles.split(",")), moe_gmm.tile_config
+        moe_gmm.tile_config = moe_route.tile_config = lambda n: tiles if n < 2048 else base(n)
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     if args.layers:
         import dataclasses

@@ -43,8 +43,16 @@ from deepinfer_jax.models.quant import is_quantized
 
 
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
-    """x: [T, D] -> the router's logits [T, E], fp32."""
-    return jnp.einsum("td,de->te", x.astype(jnp.float32), weight(p["gate"], jnp.float32),
+    """x: [T, D] -> the router's logits [T, E], fp32 (HF: an fp32 linear of x and the gate weight).
+
+    With 16-bit x and a gate weight of the same dtype, the products are formed from the 16-bit values
+    and summed in fp32: a product of two bf16 (or fp16) numbers is exact in fp32, so this equals HF's
+    upcast-then-multiply up to summation order, on the tensor cores instead of fp32 FMAs (an 8,192-token
+    prefill step: 74 us a layer in fp32 on an H200)."""
+    g = p["gate"]
+    if x.dtype in (jnp.bfloat16, jnp.float16) and not is_quantized(g) and g.dtype == x.dtype:
+        return jnp.einsum("td,de->te", x, g, preferred_element_type=jnp.float32)
+    return jnp.einsum("td,de->te", x.astype(jnp.float32), weight(g, jnp.float32),
                       precision=jax.lax.Precision.HIGHEST)
 
 
