@@ -68,6 +68,8 @@ def main(argv=None) -> int:
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
     ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
+    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
+                    help="prefill steps' attention form (RunnerConfig.prefill_attention)")
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
                          "device's busy / idle time per step and the kernels (benchmarks/trace_tools.py)")
@@ -107,7 +109,7 @@ def main(argv=None) -> int:
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                                    fuse_shared_experts=args.fuse_shared_experts,
-                                   fuse_moe_routing=args.fuse_moe_routing,
+                                   fuse_moe_routing=args.fuse_moe_routing, prefill_attention=args.prefill_attention,
                                    token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
         progress=False)
     t_ready = time.time() - t0

@@ -42,6 +42,8 @@ def main(argv=None) -> int:
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
     ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
+    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
+                    help="prefill steps' attention form (RunnerConfig.prefill_attention)")
     ap.add_argument("--attn-splits", type=int, default=0,
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
     ap.add_argument("--moe-decode-tiles", default="",
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                       unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll],
                       fuse_shared_experts=args.fuse_shared_experts,
-                      fuse_moe_routing=args.fuse_moe_routing)
+                      fuse_moe_routing=args.fuse_moe_routing,
+                      prefill_attention=args.prefill_attention)
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
     # Random cache contents, filled in place (an engine-sized cache leaves no room for a second copy).
@@ -174,6 +177,7 @@ def main(argv=None) -> int:
     kind += f", {num_pages} pages"
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl}"
           f"{'+shared' if args.fuse_shared_experts else ''}{'+routing' if args.fuse_moe_routing else ''} "
+          f"prefill_attention={args.prefill_attention} "
           f"unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",

@@ -309,6 +309,10 @@ class RunnerConfig:
     # Route and align decode-size steps in one Pallas kernel (kernels/moe_route.py: greedy top-k without
     # expert groups) instead of ~15 small XLA kernels. H200, same step: 9.93 -> 9.65 ms (9.28 with both).
     fuse_moe_routing: bool = True
+    # Prefill-bucket steps on the Pallas path (one device): "expanded" attends each token to its own
+    # chunk in the expanded form (kernels/mla_chunk.py, 3.4x fewer FLOPs) and to the cached context in
+    # the absorbed form; "absorbed" runs all of it absorbed (kernels/mla_prefill.py).
+    prefill_attention: str = "expanded"
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

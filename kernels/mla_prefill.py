@@ -60,15 +60,23 @@ def num_query_blocks_bound(num_tokens: int, num_seq_rows: int, block_q: int) -> 
     return num_tokens // block_q + num_seq_rows + 1
 
 
+def run_starts(seq_ids: jax.Array, positions: jax.Array) -> jax.Array:
+    """[T] int32: the index of the first token of each token's run (consecutive slots of one seq_id
+    with rising positions: a sequence's chunk in this step)."""
+    T = seq_ids.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    new_run = jnp.concatenate(
+        [jnp.ones((1,), bool), (seq_ids[1:] != seq_ids[:-1]) | (positions[1:] < positions[:-1])])
+    return jax.lax.cummax(jnp.where(new_run, t, 0))
+
+
 def query_blocks(seq_ids: jax.Array, positions: jax.Array, block_q: int, num_blocks: int):
     """-> (first [NB] int32, count [NB] int32): the query blocks in token order (see the module
     docstring); entries past the real block count have first = T and count = 0. If the step has
     more than `num_blocks` blocks the extra ones are dropped (the layout invariant rules that out)."""
     T = seq_ids.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
-    new_run = jnp.concatenate(
-        [jnp.ones((1,), bool), (seq_ids[1:] != seq_ids[:-1]) | (positions[1:] < positions[:-1])])
-    run_start = jax.lax.cummax(jnp.where(new_run, t, 0))
+    run_start = run_starts(seq_ids, positions)
     starts = (t - run_start) % block_q == 0
     (first,) = jnp.nonzero(starts, size=num_blocks, fill_value=T)
     first = first.astype(jnp.int32)
@@ -85,8 +93,9 @@ def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref,
     def _():
         layer = layer_ref[0]
         seq = seq_ref[first]
-        last_pos = pos_ref[first + count - 1]  # the block's largest position (positions rise within a run)
-        n_pages = last_pos // page_size + 1
+        # The block's last visible key (its last row's; positions rise within a run); -1: none.
+        last_visible = rpos_ref[(first + count - 1) * block_h]
+        n_pages = jnp.where(last_visible >= 0, last_visible // page_size + 1, 0)
         lo = sp * pages_per_split
         hi = jnp.minimum(lo + pages_per_split, n_pages)
         rows = block_q * block_h
@@ -122,10 +131,10 @@ def effective_block_q(num_tokens: int, block_q: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_h", "num_splits", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "interpret", "return_lse"))
 def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                 block_q=4, block_h=16, num_splits=1, num_warps=8, num_stages=2,
-                                interpret=False, blocks=None):
+                                interpret=False, blocks=None, visible_to=None, return_lse=False):
     """Defaults from the H200 sweep (benchmarks/RESULTS.md): block_q 4 x 16 heads = 64 rows took 723 us
     for 16 x 512 fresh tokens vs 947 us at block_q 2 and 1,233 us through the decode kernel.
 
@@ -135,7 +144,12 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
     (capped at H) must divide H; block_q is capped at `effective_block_q(T, block_q)`.
 
     blocks: optionally the block table (first, count) from `query_blocks` with that effective block_q,
-    e.g. built once per step and shared by the layers; any order and length (one program per entry)."""
+    e.g. built once per step and shared by the layers; any order and length (one program per entry).
+
+    visible_to [T] int32 (default: positions): the last key position each token sees; -1 for none
+    (e.g. `mla_chunk`'s split: each token against the cached context before its chunk only).
+    return_lse: -> (o [T, H, R], m [T, H], l [T, H]), o normalised (0 for a row that saw no key), m
+    the row's max score and l its sum of exp(score - m), for merging with another key set."""
     T, H, R = q_lat.shape
     _, _, ps, _ = kv_cache.shape
     S, max_pages = page_table.shape
@@ -155,13 +169,13 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         blocks = query_blocks(seq_ids, positions, bq, num_query_blocks_bound(T, S, bq))
     first, count = (b.astype(jnp.int32) for b in blocks)
     nb = first.shape[0]
-    row_pos = jnp.repeat(positions, bh)  # [T * bh]: the position of each (token, head) row
+    row_pos = jnp.repeat(positions if visible_to is None else visible_to.astype(jnp.int32), bh)  # [T * bh]
     # [T, H, X] -> [nh, T * bh, X]: a block's rows (bq tokens x bh heads) are one contiguous slab.
     to_rows = lambda x: x.reshape(T, nh, bh, -1).transpose(1, 0, 2, 3).reshape(nh, T * bh, -1)  # noqa: E731
     ql, qp = to_rows(q_lat), to_rows(q_pe)
     kernel = functools.partial(_kernel, page_size=ps, pages_per_split=pps, block_q=bq, block_h=bh,
-                               num_tokens=T, rank=R, scale=scale, split=splits > 1)
-    if splits == 1:
+                               num_tokens=T, rank=R, scale=scale, split=splits > 1 or return_lse)
+    if splits == 1 and not return_lse:
         out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((splits, nh, T * bh, R), jnp.float32),
@@ -179,11 +193,15 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         compiler_params=params,
         interpret=interpret,
     )(layer, first, count, seq_ids, positions, row_pos, page_table.astype(jnp.int32), ql, qp, kv_cache)
-    if splits == 1:
-        o = outs[0]
-    else:
-        # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
-        acc, m, l = outs
-        w = jnp.exp(m - m.max(axis=0, keepdims=True))  # [splits, nh, rows]; empty splits weigh 0
-        o = jnp.sum(w[..., None] * acc, axis=0) / jnp.sum(w * l, axis=0)[..., None]  # a reduction, not a dot
-    return o.reshape(nh, T, bh, R).transpose(1, 0, 2, 3).reshape(T, H, R).astype(q_lat.dtype)
+    to_heads = lambda x: x.reshape(nh, T, bh, *x.shape[2:]).transpose(1, 0, 2, *range(3, x.ndim + 1)).reshape(  # noqa: E731
+        T, H, *x.shape[2:])
+    if splits == 1 and not return_lse:
+        return to_heads(outs[0]).astype(q_lat.dtype)
+    # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+    acc, m, l = outs
+    M = m.max(axis=0)  # [nh, rows]
+    w = jnp.exp(m - M[None])  # [splits, nh, rows]; empty splits weigh 0
+    L = jnp.sum(w * l, axis=0)
+    o = jnp.sum(w[..., None] * acc, axis=0) / jnp.maximum(L, 1e-30)[..., None]  # a reduction, not a dot
+    o = to_heads(o).astype(q_lat.dtype)
+    return (o, to_heads(M), to_heads(L)) if return_lse else o

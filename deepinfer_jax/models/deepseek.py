@@ -29,7 +29,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
+from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
@@ -104,13 +104,64 @@ def paged_attention(
     raise ValueError(f"attn_impl {attn_impl!r} is not one of 'reference', 'pallas', 'pallas_interpret'")
 
 
+# Query block of the expanded chunk attention (kernels/mla_chunk.py): 64 tokens x one head per program.
+CHUNK_BLOCK_Q = 64
+
+
+def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
+                     prefill_attention: str):
+    """For a prefill-bucket step on the Pallas path, one device: the step-wide inputs of the split
+    prefill attention (`attend_split`): (run_start [T], query blocks, visible_to [T], their block_q);
+    else None."""
+    from deepinfer_jax.kernels import mla_chunk, mla_prefill
+
+    if prefill_attention not in ("expanded", "absorbed"):
+        raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
+    T, S = meta.token_ids.shape[0], meta.page_table.shape[0]
+    if (prefill_attention != "expanded" or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None
+            or T <= S or not mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                                 interpret=attn_impl == "pallas_interpret")):
+        return None
+    rs = mla_prefill.run_starts(meta.seq_ids, meta.positions)
+    bq = mla_prefill.effective_block_q(T, CHUNK_BLOCK_Q)
+    blocks = mla_prefill.query_blocks(meta.seq_ids, meta.positions, bq, mla_prefill.num_query_blocks_bound(T, S, bq))
+    return rs, blocks, meta.positions[rs] - 1, bq
+
+
+def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, q_lat, latent, kv_cache, layer, meta: StepMetadata,
+                 plan, attn_impl: str) -> jax.Array:
+    """Prefill attention in two parts (kernels/mla_chunk.py): each token against the new tokens of its
+    own chunk in the expanded form (keys and values rebuilt from this step's latents), and against
+    the cached context before its chunk in the absorbed form; merged by log-sum-exp.
+    latent [T, R + dr] as written to the cache; kv_cache already holds it. -> [T, H, dv] in q's dtype."""
+    from deepinfer_jax.kernels import mla_chunk, mla_prefill
+
+    rs, blocks, visible_to, bq = plan
+    interpret = attn_impl == "pallas_interpret"
+    R, scale = cfg.kv_lora_rank, cfg.softmax_scale
+    o_ctx, m2, l2 = mla_prefill.paged_mla_prefill_attention(
+        q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
+        visible_to=visible_to, return_lse=True, interpret=interpret)
+    o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
+    c_kv, k_pe = latent[:, :R].astype(q_nope.dtype), latent[:, R:].astype(q_nope.dtype)
+    kv = jnp.einsum("tr,rhe->the", c_kv, weight(p["kv_b_proj"], c_kv.dtype))  # [T, H, dn + dv]
+    acc, m1, l1 = mla_chunk.chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, scale, block_q=bq,
+                                            interpret=interpret)
+    return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2).astype(q_nope.dtype)
+
+
 def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str):
     """Write this step's latents [T, R + dr] into their cache slots, then attend over the paged cache.
     -> (o_lat [T, H, R], kv_cache)."""
+    kv_cache = write_latents(kv_cache, layer, meta, latent)
+    return paged_attention(q_lat, q_pe, kv_cache, layer, meta, scale, attn_impl), kv_cache
+
+
+def write_latents(kv_cache, layer, meta: StepMetadata, latent):
+    """This step's latents [T, R + dr] into their cache slots (meta.slot_mapping) of layer `layer`."""
     page_size = kv_cache.shape[2]
     page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
-    kv_cache = kv_cache.at[layer, page, offset].set(latent)
-    return paged_attention(q_lat, q_pe, kv_cache, layer, meta, scale, attn_impl), kv_cache
+    return kv_cache.at[layer, page, offset].set(latent)
 
 
 def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata,
@@ -144,6 +195,7 @@ def forward_paged(
     mesh_rules: MeshRules | None = None,
     fuse_shared_experts: bool = False,
     fuse_moe_routing: bool = False,
+    prefill_attention: str = "expanded",
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -151,8 +203,12 @@ def forward_paged(
     command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring).
     `fuse_shared_experts`: where `moe.shared_into_kernels` allows, the shared MLP runs inside the
     Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs.
-    `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel."""
+    `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel.
+    `prefill_attention`: "expanded" splits a prefill-bucket step's attention on the Pallas path (one
+    device) into the new tokens' chunk in the expanded form and the cached context in the absorbed
+    form (`attend_split`); "absorbed" keeps the whole of it absorbed."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
+    split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
     routing: list[jax.Array] = []
 
@@ -175,12 +231,18 @@ def forward_paged(
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
             q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
-            if mesh_rules is None:
-                o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale, attn_impl)
+            if split_plan is not None:
+                cache = write_latents(cache, li, meta, latent)
+                a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,
+                                 attn_impl)  # [T, H, dv]
             else:
-                o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
-                                                        cfg.softmax_scale, attn_impl)
-            a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+                if mesh_rules is None:
+                    o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
+                                                    attn_impl)
+                else:
+                    o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                            cfg.softmax_scale, attn_impl)
+                a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":

@@ -136,7 +136,8 @@ class ModelRunner:
                                     return_routing=rc.collect_routing, unroll=True if unroll else 1,
                                     mesh_rules=None if sh is None else sh.mesh_rules,
                                     fuse_shared_experts=rc.fuse_shared_experts,
-                                    fuse_moe_routing=rc.fuse_moe_routing)
+                                    fuse_moe_routing=rc.fuse_moe_routing,
+                                    prefill_attention=rc.prefill_attention)
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)

@@ -114,3 +114,29 @@ def test_fused_decode_lowers_for_sm90(triton_modules):
             s((Lm, S * I, D), jnp.bfloat16))
     irs = triton_modules(lambda x, lg, b, a, d, l, sa, sd: moe_fused_decode(x, lg, b, a, d, l, sa, sd, k=6), *args)
     assert len(irs) == 3
+
+
+def test_split_prefill_attention_lowers_for_sm90(triton_modules):
+    """The expanded chunk kernel at V2-Lite's head dims (128 + 64 keys, 128 values, 64-token query
+    blocks) and the context-only absorbed kernel returning its softmax statistics, for an 8,192-token
+    prefill bucket."""
+    from deepinfer_jax.kernels.mla_chunk import chunk_attention
+    from deepinfer_jax.kernels.mla_prefill import num_query_blocks_bound, query_blocks, run_starts
+
+    s = jax.ShapeDtypeStruct
+    Tp, S = 8192, 32
+
+    def split(qn, qp, kv, kp, ql, cache, sid, pos, pt):
+        rs = run_starts(sid, pos)
+        blocks = query_blocks(sid, pos, 64, num_query_blocks_bound(Tp, S, 64))
+        chunk = chunk_attention(qn, qp, kv, kp, rs, blocks, 0.1, block_q=64)
+        ctx = paged_mla_prefill_attention(ql, qp, cache, 0, sid, pos, pt, 0.1, visible_to=pos[rs] - 1,
+                                          return_lse=True)
+        return chunk, ctx
+
+    args = (s((Tp, H, 128), jnp.bfloat16), s((Tp, H, DR), jnp.bfloat16), s((Tp, H, 256), jnp.bfloat16),
+            s((Tp, DR), jnp.bfloat16), s((Tp, H, R), jnp.bfloat16), s((L, 300, PS, R + DR), jnp.bfloat16),
+            s((Tp,), jnp.int32), s((Tp,), jnp.int32), s((S, 16), jnp.int32))
+    irs = triton_modules(split, *args)
+    assert len(irs) == 2
+    assert all("tt.dot" in ir for ir in irs)

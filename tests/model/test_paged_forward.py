@@ -16,7 +16,7 @@ from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
 PAGE = 8
 
 
-def _step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference"):
+def _step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", **kw):
     """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded."""
     tid, pos, sid, slot, last = [], [], [], [], []
     for s, (start, n) in enumerate(chunks):
@@ -36,7 +36,7 @@ def _step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="refere
         table[s, : len(pg)] = pg
     arr = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
     meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
-    return forward_paged(params, cfg, cache, meta, attn_impl=attn_impl)
+    return forward_paged(params, cfg, cache, meta, attn_impl=attn_impl, **kw)
 
 
 def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
@@ -60,21 +60,30 @@ def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [29 + t, 2 + t, 29 + t]], atol=2e-5)
 
 
-def test_pallas_attention_kernels_equal_full_forward(hf_case):
+@pytest.mark.parametrize("prefill_attention", ["expanded", "absorbed"])
+def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention, monkeypatch):
     """attn_impl="pallas_interpret": steps with more token slots than sequence rows run the prefill
-    kernel (chunks over cached prefixes, decode tokens, padding), the unpadded decode step the decode
-    kernel; both give the full forward's logits."""
+    path (chunks over cached prefixes, decode tokens, padding): split into each chunk in the expanded
+    form plus its cached context (kernels/mla_chunk.py), or all absorbed (kernels/mla_prefill.py); the
+    unpadded decode step runs the decode kernel; all give the full forward's logits."""
+    from deepinfer_jax.models import deepseek
+
     _, path = hf_case("v2_greedy_yarn")
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
     ids = np.random.default_rng(7).integers(0, cfg.vocab_size, (3, 40))
     full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]]
     cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
+    splits = []
+    plan = deepseek.chunk_split_plan
+    monkeypatch.setattr(deepseek, "chunk_split_plan", lambda *a: splits.append(plan(*a) is not None) or plan(*a))
     for chunks, pad_to, rows in [([(0, 17), (0, 1), (0, 9)], 32, [16, 0, 8]),
                                  ([(17, 12), (1, 1), (9, 20)], None, [28, 1, 28]),
                                  ([(29, 1), (2, 1), (29, 1)], None, [29, 2, 29])]:  # T == S: the decode kernel
-        logits, cache = _step(params, cfg, cache, ids, pages, chunks, pad_to, attn_impl="pallas_interpret")
+        logits, cache = _step(params, cfg, cache, ids, pages, chunks, pad_to, attn_impl="pallas_interpret",
+                              prefill_attention=prefill_attention)
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], rows], atol=2e-5)
+    assert splits == ([True, True, False] if prefill_attention == "expanded" else [False] * 3)
 
 
 def test_paged_forward_under_jit_with_donation(hf_case):

@@ -1,0 +1,115 @@
+"""The expanded-form chunk attention (interpret mode) equals its pure-JAX reference, and the split
+prefill attention (chunk expanded + cached context absorbed, merged) equals full absorbed attention."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels.mla_chunk import chunk_attention, chunk_attention_reference, merge_with_context
+from deepinfer_jax.kernels.mla_prefill import (effective_block_q, num_query_blocks_bound,
+                                               paged_mla_prefill_attention, query_blocks, run_starts)
+from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
+
+H, DN, DR, DV, R, PS = 4, 32, 16, 32, 64, 8
+
+
+def _runs(chunks, T):
+    """chunks: per sequence row (start, n) as in test_mla_prefill; padded with row 0 / position 0."""
+    sid, pos = [], []
+    for row, (start, n) in enumerate(chunks):
+        sid += [row] * n
+        pos += list(range(start, start + n))
+    sid += [0] * (T - len(sid))
+    pos += [0] * (T - len(pos))
+    return jnp.asarray(sid, jnp.int32), jnp.asarray(pos, jnp.int32)
+
+
+MIXED = [(24, 13), (40, 1), (0, 9), (16, 6), (0, 1)]
+
+
+@pytest.mark.parametrize("block_q,block_k", [(8, 16), (4, 8), (16, 16)])
+def test_chunk_kernel_matches_reference(block_q, block_k):
+    T = 64
+    rng = np.random.default_rng(block_q)
+    qn = jnp.asarray(rng.standard_normal((T, H, DN)), jnp.float32)
+    qp = jnp.asarray(rng.standard_normal((T, H, DR)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((T, H, DN + DV)), jnp.float32)
+    kp = jnp.asarray(rng.standard_normal((T, DR)), jnp.float32)
+    sid, pos = _runs(MIXED, T)
+    rs = run_starts(sid, pos)
+    bq = effective_block_q(T, block_q)
+    blocks = query_blocks(sid, pos, bq, num_query_blocks_bound(T, len(MIXED), bq))
+    got = chunk_attention(qn, qp, kv, kp, rs, blocks, 0.2, block_q=bq, block_k=block_k, interpret=True)
+    want = chunk_attention_reference(qn, qp, kv, kp, rs, 0.2)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6)
+    acc, _, l = got
+    assert (np.asarray(l) >= 1.0 - 1e-6).all()  # every row sees at least its own key
+
+
+def _mixed_cache(seed, chunks, T, max_pages=8, dtype=jnp.float32):
+    """Absorbed inputs over a cache that holds every sequence's context and this step's latents, plus
+    the per-head W_UK / W_UV that tie the expanded form to it."""
+    rng = np.random.default_rng(seed)
+    S = len(chunks)
+    P = 1 + S * max_pages
+    pages = 1 + rng.permutation(P - 1)
+    pt = np.zeros((S, max_pages), np.int32)
+    for row, (start, n) in enumerate(chunks):
+        used = (start + n - 1) // PS + 1
+        pt[row, :used] = pages[row * max_pages: row * max_pages + used]
+    sid, pos = _runs(chunks, T)
+    kv_cache = jnp.asarray(rng.standard_normal((1, P, PS, R + DR)), dtype)
+    # This step's latents are the cache entries at their positions (as if just written).
+    pt_j = jnp.asarray(pt)
+    latent = kv_cache[0, pt_j[sid, pos // PS], pos % PS]  # [T, R + DR]
+    w_uk = jnp.asarray(rng.standard_normal((R, H, DN)) * 0.1, dtype)
+    w_uv = jnp.asarray(rng.standard_normal((R, H, DV)) * 0.1, dtype)
+    q_nope = jnp.asarray(rng.standard_normal((T, H, DN)), dtype)
+    q_pe = jnp.asarray(rng.standard_normal((T, H, DR)), dtype)
+    return kv_cache, pt_j, sid, pos, latent, w_uk, w_uv, q_nope, q_pe
+
+
+def test_split_attention_equals_full_absorbed_attention():
+    """Chunk part (expanded, keys rebuilt from this step's latents) merged with the context part
+    (absorbed over the cache, keys before each chunk) equals absorbed attention over everything:
+    prefix hits, a decode token, fresh prompts, a second chunk, padding."""
+    T = 64
+    kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(0, MIXED, T)
+    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk, precision="highest")
+    full = paged_mla_attention_reference(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15)  # [T, H, R]
+    want = jnp.einsum("thr,rhv->thv", full, w_uv, precision="highest")
+
+    rs = run_starts(sid, pos)
+    o_ctx, m2, l2 = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4,
+                                                block_h=2, visible_to=pos[rs] - 1, return_lse=True, interpret=True)
+    o_ctx = jnp.einsum("thr,rhv->thv", o_ctx, w_uv, precision="highest")
+    c_kv, k_pe = latent[:, :R], latent[:, R:]
+    kv = jnp.concatenate([jnp.einsum("tr,rhd->thd", c_kv, w_uk, precision="highest"),
+                          jnp.einsum("tr,rhv->thv", c_kv, w_uv, precision="highest")], axis=-1)
+    bq = effective_block_q(T, 16)
+    blocks = query_blocks(sid, pos, bq, num_query_blocks_bound(T, len(MIXED), bq))
+    acc, m1, l1 = chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, 0.15, block_q=bq, block_k=16, interpret=True)
+    got = merge_with_context(acc, m1, l1, o_ctx, m2, l2)
+    real = int(sum(n for _, n in MIXED))
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5, atol=2e-5)
+    # Fresh prompts and first tokens have no context: l2 = 0 there, and the merge takes the chunk alone.
+    assert (np.asarray(l2)[14:23] == 0).all()  # the fresh 9-token prompt (tokens 14..22)
+    assert (np.asarray(l2)[:13] > 0).all()  # the prefix hit (24 cached tokens) sees them
+
+
+def test_context_only_rows_without_context_return_zero_weight():
+    T = 16
+    kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(1, [(0, 7), (5, 4)], T)
+    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk, precision="highest")
+    rs = run_starts(sid, pos)
+    o, m, l = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4, block_h=4,
+                                          visible_to=pos[rs] - 1, return_lse=True, interpret=True)
+    l = np.asarray(l)
+    assert (l[:7] == 0).all() and (np.asarray(o)[:7] == 0).all()  # a fresh prompt: no context
+    assert (l[7:11] > 0).all()  # the second chunk sees its 5 cached tokens
+    # ... and exactly those: the context part equals the reference restricted to positions 0..4.
+    ref = paged_mla_attention_reference(q_lat[7:11], q_pe[7:11], kv_cache, 0, sid[7:11], jnp.full((4,), 4), pt, 0.15)
+    np.testing.assert_allclose(np.asarray(o)[7:11], np.asarray(ref), rtol=2e-6, atol=2e-6)
