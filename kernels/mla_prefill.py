@@ -85,7 +85,10 @@ def query_blocks(seq_ids: jax.Array, positions: jax.Array, block_q: int, num_blo
 
 
 def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref, ql_ref, qp_ref, kv_ref,
-            *out_refs, page_size, pages_per_split, block_q, block_h, num_tokens, rank, scale, split):
+            *out_refs, page_size, pages_per_split, block_q, block_h, num_tokens, rank, scale, split, lse):
+    """Outputs: o (normalised, q's dtype); or with `split` the fp32 accumulator, max and sum of each
+    split; or with `lse` (one split) o normalised plus its max and sum, where a block that sees no key
+    at all (a fresh chunk in the context-only pass) skips its loads and writes o = 0, m = NEG, l = 0."""
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     first, count = first_ref[b], count_ref[b]
 
@@ -100,20 +103,42 @@ def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref,
         hi = jnp.minimum(lo + pages_per_split, n_pages)
         rows = block_q * block_h
         r0 = jnp.minimum(first, num_tokens - block_q) * block_h  # in-bounds window holding the block
-        q_lat = ql_ref[h, pl.ds(r0, rows), :]  # [rows, R]
-        q_pe = qp_ref[h, pl.ds(r0, rows), :]  # [rows, dr]
-        row_pos = rpos_ref[pl.ds(r0, rows)]  # [rows]
         grow = r0 + jnp.arange(rows)
         mine = (grow >= first * block_h) & (grow < (first + count) * block_h)  # rows of this block
-
-        def body(i, carry):
-            return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, row_pos[:, None], carry,
-                               page_size=page_size, rank=rank, scale=scale)
-
-        init = (jnp.zeros((rows, rank), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
-                jnp.zeros((rows,), jnp.float32))
-        acc, m, l = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
         mask2 = jnp.broadcast_to(mine[:, None], (rows, rank))
+
+        def attend():
+            q_lat = ql_ref[h, pl.ds(r0, rows), :]  # [rows, R]
+            q_pe = qp_ref[h, pl.ds(r0, rows), :]  # [rows, dr]
+            row_pos = rpos_ref[pl.ds(r0, rows)]  # [rows]
+
+            def body(i, carry):
+                return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, row_pos[:, None], carry,
+                                   page_size=page_size, rank=rank, scale=scale)
+
+            init = (jnp.zeros((rows, rank), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+                    jnp.zeros((rows,), jnp.float32))
+            return jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
+
+        if lse:
+            o_ref, m_ref, l_ref = out_refs
+
+            def store(o, m, l):
+                plgpu.store(o_ref.at[h, pl.ds(r0, rows), :], o.astype(o_ref.dtype), mask=mask2)
+                plgpu.store(m_ref.at[h, pl.ds(r0, rows)], m, mask=mine)
+                plgpu.store(l_ref.at[h, pl.ds(r0, rows)], l, mask=mine)
+
+            @pl.when(hi > lo)
+            def _():
+                acc, m, l = attend()
+                store(acc / jnp.maximum(l, 1e-30)[:, None], m, l)
+
+            @pl.when(hi <= lo)
+            def _():
+                store(jnp.zeros((rows, rank), jnp.float32), jnp.full((rows,), NEG, jnp.float32),
+                      jnp.zeros((rows,), jnp.float32))
+            return
+        acc, m, l = attend()
         if not split:
             (o_ref,) = out_refs
             o = (acc / l[:, None]).astype(o_ref.dtype)
@@ -174,8 +199,12 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
     to_rows = lambda x: x.reshape(T, nh, bh, -1).transpose(1, 0, 2, 3).reshape(nh, T * bh, -1)  # noqa: E731
     ql, qp = to_rows(q_lat), to_rows(q_pe)
     kernel = functools.partial(_kernel, page_size=ps, pages_per_split=pps, block_q=bq, block_h=bh,
-                               num_tokens=T, rank=R, scale=scale, split=splits > 1 or return_lse)
-    if splits == 1 and not return_lse:
+                               num_tokens=T, rank=R, scale=scale, split=splits > 1,
+                               lse=return_lse and splits == 1)
+    if splits == 1 and return_lse:
+        out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype), jax.ShapeDtypeStruct((nh, T * bh), jnp.float32),
+                     jax.ShapeDtypeStruct((nh, T * bh), jnp.float32)]
+    elif splits == 1:
         out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype)]
     else:
         out_shape = [jax.ShapeDtypeStruct((splits, nh, T * bh, R), jnp.float32),
@@ -195,8 +224,8 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
     )(layer, first, count, seq_ids, positions, row_pos, page_table.astype(jnp.int32), ql, qp, kv_cache)
     to_heads = lambda x: x.reshape(nh, T, bh, *x.shape[2:]).transpose(1, 0, 2, *range(3, x.ndim + 1)).reshape(  # noqa: E731
         T, H, *x.shape[2:])
-    if splits == 1 and not return_lse:
-        return to_heads(outs[0]).astype(q_lat.dtype)
+    if splits == 1:
+        return tuple(map(to_heads, outs)) if return_lse else to_heads(outs[0]).astype(q_lat.dtype)
     # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
     acc, m, l = outs
     M = m.max(axis=0)  # [nh, rows]

@@ -113,3 +113,24 @@ def test_context_only_rows_without_context_return_zero_weight():
     # ... and exactly those: the context part equals the reference restricted to positions 0..4.
     ref = paged_mla_attention_reference(q_lat[7:11], q_pe[7:11], kv_cache, 0, sid[7:11], jnp.full((4,), 4), pt, 0.15)
     np.testing.assert_allclose(np.asarray(o)[7:11], np.asarray(ref), rtol=2e-6, atol=2e-6)
+
+
+def test_context_only_pass_with_splits_equals_one_split():
+    """return_lse over several context splits (merged in JAX) gives the one-split kernel's o, m and l,
+    rows without context included (o = 0, l = 0)."""
+    T = 64
+    kv_cache, pt, sid, pos, _, w_uk, _, q_nope, q_pe = _mixed_cache(2, MIXED, T)
+    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk, precision="highest")
+    vis = pos[run_starts(sid, pos)] - 1
+    one = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4, block_h=2,
+                                      visible_to=vis, return_lse=True, interpret=True)
+    three = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4, block_h=2,
+                                        num_splits=3, visible_to=vis, return_lse=True, interpret=True)
+    real = int(sum(n for _, n in MIXED))
+    np.testing.assert_allclose(np.asarray(three[0])[:real], np.asarray(one[0])[:real], rtol=2e-6, atol=2e-6)
+    has = np.asarray(one[2])[:real] > 0
+    np.testing.assert_allclose(np.asarray(three[1])[:real][has], np.asarray(one[1])[:real][has], rtol=1e-6)
+    # l is relative to each pass's own max: compare l * exp(m) (the softmax denominator) instead.
+    den = lambda r: np.asarray(r[2])[:real][has] * np.exp(np.asarray(r[1])[:real][has])  # noqa: E731
+    np.testing.assert_allclose(den(three), den(one), rtol=1e-5)
+    assert (np.asarray(one[2])[:real][~has] == 0).all() and (np.asarray(one[0])[:real][~has] == 0).all()
