@@ -62,7 +62,7 @@ done
 echo "== summary =="
 has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/kernels.log" | head -20
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop" "$out/protocol_a.log"
+has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has protocol_b && grep -h -E "^concurrency" "$out/protocol_b.log"
 exit 0

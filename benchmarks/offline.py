@@ -206,6 +206,14 @@ def main(argv=None) -> int:
     if "peak_bytes_in_use" in stats:
         results["peak_gib"] = stats["peak_bytes_in_use"] / 2**30
         print(f"peak device memory {results['peak_gib']:.1f} GiB", flush=True)
+    else:  # XLA's VMM allocator (xla_env.py) keeps no stats: the driver's figure after the runs
+        from deepinfer_jax.runner.device_memory import device_memory
+
+        mem = device_memory(dev)
+        if mem is not None:
+            results["in_use_gib"] = mem.in_use / 2**30
+            print(f"device memory in use after the runs {results['in_use_gib']:.1f} GiB of "
+                  f"{mem.limit / 2**30:.1f} ({mem.source}; weights + KV cache + what XLA keeps)", flush=True)
     print(f"compiles after warm-up: {results['compiles_after_warmup']}")
     if args.json:
         with open(args.json, "w") as f:

@@ -1,11 +1,14 @@
 """How much device memory the KV cache may take: XLA's allocator figures or the CUDA driver's, and the
 share of device memory XLA's GPU scheduler assumes a program may use.
 
-Invariant of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory. XLA's
-GPU scheduler and rematerialization assume a program's arguments and temporaries fit in 80% of device
-memory (`GetSchedulerMemoryLimit`); a step whose arguments (weights + the donated cache) exceed that
-gets a negative memory budget, logs "exceeds the base limit", and is scheduled and rematerialized to
-save memory instead of time. The 5% below XLA's 80% leaves room for the step's own temporaries.
+Invariant of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory, so a
+quarter of the device stays free for the steps' temporaries (a prefill step's are a few GB).
+
+XLA's GPU compiler budgets a program's memory from the device size less its arguments and outputs,
+and counts the donated cache twice (argument and aliased output): with an engine-sized cache the
+budget is exceeded whatever this share, and the rematerialization pass then recomputed values to
+save memory that was not short (a decode step ran its q / kv_a GEMM three times per layer). That pass
+is off (`xla_env.py`), which the cap alone did not achieve (benchmarks/RESULTS.md, session 4).
 """
 
 from __future__ import annotations
