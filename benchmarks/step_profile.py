@@ -95,7 +95,7 @@ def main(argv=None) -> int:
     T = 1 << (Br * new - 1).bit_length()  # the token bucket (per rank)
     shapes = Shapes((T,), Br, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
-                      unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll],
+                      unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll], warmup_full_variant=False,
                       fuse_shared_experts=args.fuse_shared_experts,
                       fuse_moe_routing=args.fuse_moe_routing,
                       prefill_attention=args.prefill_attention)
@@ -156,14 +156,8 @@ def main(argv=None) -> int:
 
     engine_late, engine_early = engine_like(), engine_like(early=True)
     pipe_jit = pipelined()
-    from deepinfer_jax.runner.packing import pack
-
-    ints, floats, layout = pack((host.meta, host.sampling))
-    key = (host.penalties, layout)
-    runner._exes[key] = runner._step_fn(*key).lower(runner.params, runner.kv_cache, runner._prev_tokens,
-                                                   ints, floats).compile()
+    runner.warmup(progress=False)  # installs the Compiled executables, as the engine does
     pipe_exe = pipelined()
-    del runner._exes[key]
     hs = []
     for _ in range(20):
         t = time.perf_counter()

@@ -202,8 +202,8 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
                                num_tokens=T, rank=R, scale=scale, split=splits > 1,
                                lse=return_lse and splits == 1)
     if splits == 1 and return_lse:
-        out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype), jax.ShapeDtypeStruct((nh, T * bh), jnp.float32),
-                     jax.ShapeDtypeStruct((nh, T * bh), jnp.float32)]
+        out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype),
+                     jax.ShapeDtypeStruct((nh, T * bh), jnp.float32), jax.ShapeDtypeStruct((nh, T * bh), jnp.float32)]
     elif splits == 1:
         out_shape = [jax.ShapeDtypeStruct((nh, T * bh, R), q_lat.dtype)]
     else:
@@ -222,8 +222,10 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         compiler_params=params,
         interpret=interpret,
     )(layer, first, count, seq_ids, positions, row_pos, page_table.astype(jnp.int32), ql, qp, kv_cache)
-    to_heads = lambda x: x.reshape(nh, T, bh, *x.shape[2:]).transpose(1, 0, 2, *range(3, x.ndim + 1)).reshape(  # noqa: E731
-        T, H, *x.shape[2:])
+    def to_heads(x):  # [nh, T * bh, ...] -> [T, H, ...]
+        x = x.reshape(nh, T, bh, *x.shape[2:])
+        return jnp.moveaxis(x, 0, 1).reshape(T, H, *x.shape[3:])
+
     if splits == 1:
         return tuple(map(to_heads, outs)) if return_lse else to_heads(outs[0]).astype(q_lat.dtype)
     # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.

@@ -1,15 +1,16 @@
-"""The device side of a step: params and the paged KV cache, one jitted function per shape bucket.
+"""The device side of a step: params and the paged KV cache, two jitted programs per step.
 
-`ModelRunner.execute(plan, requests, seeds)` pads the plan (runner/inputs.py), runs forward + sampling
-in one jit (logits never leave the device; the KV cache is donated and updated in place) and returns
-the sampled token ids (and logprobs) for the rows that sample.
+`ModelRunner.execute(plan, requests, seeds)` pads the plan (runner/inputs.py) and queues two programs:
+the forward of the step's token bucket (the KV cache donated and updated in place), which leaves the
+logits of each sequence's last token on the device, and the sampler, which reads them there (logits
+never leave the device). It returns the sampled token ids (and logprobs) for the rows that sample.
 
-Variants: for each token bucket, a base variant (no penalties, no top-k / top-p, no top logprobs) and a
-full variant (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
-picks one per step (inputs.needs_full_variant), so the step has no device-side branch. `warmup()`
-compiles all of them; afterwards `CompileCounter` sees every backend compile (or persistent-cache load)
-during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a
-warning).
+Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p, no top logprobs) and
+a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
+picks one per step (inputs.needs_full_variant), so the step has no device-side branch. The forward is
+the same program for both, so each bucket's forward compiles once. `warmup()` compiles all of them;
+afterwards `CompileCounter` sees every backend compile (or persistent-cache load) during this runner's
+steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
 their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
@@ -44,12 +45,15 @@ log = logging.getLogger(__name__)
 
 
 def resolve_placeholders(meta, st, prev_tokens):
-    """Replace placeholder ids (<= -2, see ModelRunner.dispatch) with the previous step's samples."""
+    """Replace placeholder ids (<= -2, see ModelRunner.dispatch) with the previous step's samples, in
+    the metadata's token ids and the sampling penalty histories (either may be None)."""
     def sub(ids):
         return jnp.where(ids <= -2, prev_tokens[jnp.maximum(-ids - 2, 0)], ids)
 
-    meta = dataclasses.replace(meta, token_ids=sub(meta.token_ids))
-    st = dataclasses.replace(st, output_token_ids=sub(st.output_token_ids))
+    if meta is not None:
+        meta = dataclasses.replace(meta, token_ids=sub(meta.token_ids))
+    if st is not None:
+        st = dataclasses.replace(st, output_token_ids=sub(st.output_token_ids))
     return meta, st
 
 
@@ -101,8 +105,10 @@ class ModelRunner:
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         else:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
-        self._fns: dict[Any, Any] = {}  # (full, layout) -> jitted step
-        self._exes: dict[Any, Any] = {}  # (full, layout) -> its compiled executable (from warmup)
+        self._fwd_fns: dict[Any, Any] = {}  # meta layout (one per bucket) -> jitted forward
+        self._smp_fns: dict[Any, Any] = {}  # (full, sampling layout) -> jitted sampler
+        self._fwd_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
+        self._smp_exes: dict[Any, Any] = {}
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
@@ -118,19 +124,17 @@ class ModelRunner:
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
 
-    # ---- compiled step ---------------------------------------------------------------------------
-    def _step_fn(self, full: bool, layout: Layout):
-        key = (full, layout)
-        if key not in self._fns:
-            cfg, rc, k, sh = self.cfg, self.runner_cfg, self.max_logprobs if full else 0, self.sharding
+    # ---- compiled step ----------------------------------------------------------------------------
+    def _forward_fn(self, layout: Layout):
+        """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
+        ((logits [S, V] fp32, routing), kv_cache); the cache is donated."""
+        if layout not in self._fwd_fns:
+            cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
 
-            rows = self.max_rows
-
-            def step(params, kv_cache, prev_tokens, ints, floats):
-                meta, st = unpack(ints, floats, layout)
-                meta, st = resolve_placeholders(meta, st, prev_tokens)
+            def forward(params, kv_cache, prev_tokens, ints, floats):
+                meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
-                    meta, st = jax.lax.with_sharding_constraint((meta, st), sh.step_shardings(meta, st))
+                    meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
                 unroll = rc.unroll_for(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                     return_routing=rc.collect_routing, unroll=True if unroll else 1,
@@ -142,22 +146,41 @@ class ModelRunner:
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
+                return (logits, out[2] if rc.collect_routing else None), kv_cache
+
+            self._fwd_fns[layout] = jax.jit(forward, donate_argnums=(1,))
+        return self._fwd_fns[layout]
+
+    def _sample_fn(self, full: bool, layout: Layout):
+        """The jitted sampler of one (bucket, variant): (logits, prev_tokens, ints, floats) ->
+        (SampledTokens, the next step's prev_tokens [max_rows])."""
+        key = (full, layout)
+        if key not in self._smp_fns:
+            k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
+
+            def sample_step(logits, prev_tokens, ints, floats):
+                st = resolve_placeholders(None, unpack(ints, floats, layout), prev_tokens)[1]
+                if sh is not None:
+                    st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
                 sampled = sample(logits, st, max_logprobs=k, full=full)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
                         nxt, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))
-                return (sampled, out[2] if rc.collect_routing else None, nxt), kv_cache
+                return sampled, nxt
 
-            self._fns[key] = jax.jit(step, donate_argnums=(1,))
-        return self._fns[key]
+            self._smp_fns[key] = jax.jit(sample_step)
+        return self._smp_fns[key]
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile every (bucket, variant), then run each once on padding. Returns the number compiled.
+        """Compile every bucket's forward and every (bucket, variant)'s sampler, then run each once on
+        padding. Returns the number of programs compiled.
 
-        Each shape is traced and lowered here, then the XLA compiles run in parallel threads (XLA
-        releases the GIL; an unrolled decode step takes ~30 s to compile on its own). Steps then call
-        the compiled executables directly."""
+        The forward of a bucket is one program whatever the sampling variant: the variants differ
+        only in the small sampling program, so the expensive compile (an unrolled decode forward takes
+        ~20-30 s) happens once per bucket. Each program is traced and lowered here, then the XLA
+        compiles run in parallel threads (XLA releases the GIL). Steps then call the compiled
+        executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
@@ -165,14 +188,20 @@ class ModelRunner:
                  for b in self.shapes.buckets for full in variants]
         lowered = {}
         for host in hosts:
-            ints, floats, layout = pack((host.meta, host.sampling))
-            key = (host.penalties, layout)
-            lowered[key] = self._step_fn(*key).lower(self.params, self.kv_cache, self._prev_tokens, ints, floats)
+            (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
+            if ("fwd", ml) not in lowered:
+                lowered[("fwd", ml)] = self._forward_fn(ml).lower(self.params, self.kv_cache, self._prev_tokens,
+                                                                  mi, mf)
+            shape = jax.eval_shape(self._forward_fn(ml), self.params, self.kv_cache, self._prev_tokens, mi, mf)[0][0]
+            logits = jax.ShapeDtypeStruct(shape.shape, shape.dtype,  # placed as the forward leaves them
+                                          sharding=self.sharding.logits if self.sharding is not None else None)
+            lowered[("smp", host.penalties, sl)] = self._sample_fn(host.penalties, sl).lower(
+                logits, self._prev_tokens, si, sf)
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step shapes", unit="shape", leave=False)
+            bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step programs", unit="program", leave=False)
 
         def compile_one(item):
             exe = item[1].compile()
@@ -182,7 +211,8 @@ class ModelRunner:
 
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            self._exes.update(pool.map(compile_one, lowered.items()))
+            for key, exe in pool.map(compile_one, lowered.items()):
+                (self._fwd_exes if key[0] == "fwd" else self._smp_exes)[key[1:] if key[0] == "smp" else key[1]] = exe
         if bar is not None:
             bar.close()
         for host in hosts:
@@ -217,10 +247,12 @@ class ModelRunner:
         return HostStep(meta, st, rids, rows, bucket, full)
 
     def _run(self, host: HostStep):
-        ints, floats, layout = pack((host.meta, host.sampling))  # two host->device copies per step
-        fn = self._exes.get((host.penalties, layout)) or self._step_fn(host.penalties, layout)
-        (out, routing, self._prev_tokens), self.kv_cache = fn(self.params, self.kv_cache, self._prev_tokens,
-                                                               ints, floats)
+        """Queue the step's forward, then its sampler (four small host->device copies per step)."""
+        (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
+        fwd = self._fwd_exes.get(ml) or self._forward_fn(ml)
+        (logits, routing), self.kv_cache = fwd(self.params, self.kv_cache, self._prev_tokens, mi, mf)
+        smp = self._smp_exes.get((host.penalties, sl)) or self._sample_fn(host.penalties, sl)
+        out, self._prev_tokens = smp(logits, self._prev_tokens, si, sf)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 

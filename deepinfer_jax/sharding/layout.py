@@ -60,13 +60,13 @@ class ModelSharding:
 
     def step_shardings(self, meta: Any, sampling: Any) -> tuple[Any, Any]:
         """Shardings of the step's StepMetadata (token arrays over "tokens", page_table and
-        logits_indices over "seqs") and SamplingTensors (rows over "seqs")."""
+        logits_indices over "seqs") and SamplingTensors (rows over "seqs"); either may be None."""
         import dataclasses
 
         import jax
 
         tok = self._named("tokens")
-        meta_sh = dataclasses.replace(
+        meta_sh = None if meta is None else dataclasses.replace(
             meta, token_ids=tok, positions=tok, seq_ids=tok, slot_mapping=tok,
             page_table=self._named("seqs", None), logits_indices=self._named("seqs"))
         st_sh = jax.tree.map(lambda a: self._named("seqs", *([None] * (a.ndim - 1))), sampling)
