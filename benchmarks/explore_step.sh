@@ -1,16 +1,33 @@
 #!/usr/bin/env bash
-# One GPU call: the prefill step with the split attention (expanded chunk + absorbed context) against
-# all-absorbed, then the correctness check and Protocol A / B through gpu.sh, a short table last.
+# The next GPU call's questions (each part a fresh process), a short table last:
+#   prefill        16 x 512 prefill step, split attention (with 6c21f28's context-pass skip) vs absorbed
+#   decode         the batch-32 decode step as two programs (forward + sampler), and with
+#                  --xla_gpu_enable_dynamic_slice_fusion=true (o_proj's cuBLAS call reading its layer's
+#                  slice of the stacked weights in place instead of a 4.9 us copy per layer)
+#   batch1         batch 1 at 4K context, traced: why its host enqueue equals the step time
+#   serve_ready    `serve` on an empty compilation cache: seconds to /health (target < 60 s)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 quiet() { grep -v -E "^\s*$|Warning|warn|^W[0-9]{4} " ; }
-sp() { timeout 120 python3 benchmarks/step_profile.py "$@" 2>&1 | quiet; }
-sp --label prefill_expanded --prefill 512 --batch 16 --context 0 --trace /tmp/trp > "$out/prefill.log"
+sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | quiet; }
+sp --label prefill_split --prefill 512 --batch 16 --context 0 > "$out/prefill.log"
 sp --label prefill_absorbed --prefill 512 --batch 16 --context 0 --prefill-attention absorbed >> "$out/prefill.log"
-PARTS="gpu_vs_cpu protocol_a protocol_b" timeout 320 bash benchmarks/gpu.sh "$out" > "$out/gpu.log" 2>&1
+sp --label decode > "$out/decode.log"
+XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true sp --label decode_dsf --trace /tmp/tr_dsf >> "$out/decode.log"
+sp --label batch1 --batch 1 --context 4096 --trace /tmp/tr_b1 > "$out/batch1.log"
+dummy=$(mktemp -d)
+python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$dummy" > /dev/null
+t0=$(date +%s)
+DEEPINFER_CACHE_DIR=$(mktemp -d) python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 \
+  --max-num-seqs 128 --max-model-len 1024 > "$out/server.log" 2>&1 &
+server=$!
+until curl -sf http://127.0.0.1:8011/health > /dev/null || [ $(( $(date +%s) - t0 )) -gt 300 ]; do sleep 1; done
+echo "serve_ready: $(( $(date +%s) - t0 )) s from start to /health (empty compilation cache)" > "$out/serve_ready.log"
+kill -TERM $server; wait $server
 echo "== summary =="
-grep -h -E "^[a-z_0-9]+: |pipelined via comp|\[MLA|_kernel" "$out/prefill.log" | head -20
-sed -n '/== summary ==/,$p' "$out/gpu.log"
+grep -h -E "^[a-z_0-9]+: |pipelined via comp|GPU kernel time|^device over|one layer" "$out"/prefill.log \
+  "$out"/decode.log "$out"/batch1.log
+cat "$out/serve_ready.log"
