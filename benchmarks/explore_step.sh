@@ -24,7 +24,15 @@ t0=$(date +%s)
 DEEPINFER_CACHE_DIR=$(mktemp -d) python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 \
   --max-num-seqs 128 --max-model-len 1024 > "$out/server.log" 2>&1 &
 server=$!
-until curl -sf http://127.0.0.1:8011/health > /dev/null || [ $(( $(date +%s) - t0 )) -gt 300 ]; do sleep 1; done
+python3 - <<'PY'
+import time, urllib.request
+for _ in range(300):
+    try:
+        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
+        break
+    except Exception:
+        time.sleep(1)
+PY
 echo "serve_ready: $(( $(date +%s) - t0 )) s from start to /health (empty compilation cache)" > "$out/serve_ready.log"
 kill -TERM $server; wait $server
 echo "== summary =="
