@@ -91,7 +91,6 @@ def chunk_attention(q_nope, q_pe, kv, k_pe, run_start, blocks, scale, *, block_q
     `mla_prefill.query_blocks` with this block_q (which must be at most T); run_start [T] int32 from
     `mla_prefill.run_starts`; block_k at most T."""
     T, H, dn = q_nope.shape
-    dr = q_pe.shape[-1]
     dv = kv.shape[-1] - dn
     first, count = (b.astype(jnp.int32) for b in blocks)
     params = None
@@ -102,7 +101,6 @@ def chunk_attention(q_nope, q_pe, kv, k_pe, run_start, blocks, scale, *, block_q
                                scale=scale)
     out_shape = [jax.ShapeDtypeStruct((T, H, dv), jnp.float32), jax.ShapeDtypeStruct((T, H), jnp.float32),
                  jax.ShapeDtypeStruct((T, H), jnp.float32)]
-    del dr
     return pl.pallas_call(kernel, grid=(first.shape[0], H), out_shape=out_shape, compiler_params=params,
                           interpret=interpret)(first, count, run_start.astype(jnp.int32), q_nope, q_pe, kv, k_pe)
 

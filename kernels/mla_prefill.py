@@ -84,7 +84,7 @@ def query_blocks(seq_ids: jax.Array, positions: jax.Array, block_q: int, num_blo
     return first, (nxt - first).astype(jnp.int32)
 
 
-def _kernel(layer_ref, first_ref, count_ref, seq_ref, pos_ref, rpos_ref, pt_ref, ql_ref, qp_ref, kv_ref,
+def _kernel(layer_ref, first_ref, count_ref, seq_ref, rpos_ref, pt_ref, ql_ref, qp_ref, kv_ref,
             *out_refs, page_size, pages_per_split, block_q, block_h, num_tokens, rank, scale, split, lse):
     """Outputs: o (normalised, q's dtype); or with `split` the fp32 accumulator, max and sum of each
     split; or with `lse` (one split) o normalised plus its max and sum, where a block that sees no key
@@ -221,7 +221,7 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
-    )(layer, first, count, seq_ids, positions, row_pos, page_table.astype(jnp.int32), ql, qp, kv_cache)
+    )(layer, first, count, seq_ids, row_pos, page_table.astype(jnp.int32), ql, qp, kv_cache)
     def to_heads(x):  # [nh, T * bh, ...] -> [T, H, ...]
         x = x.reshape(nh, T, bh, *x.shape[2:])
         return jnp.moveaxis(x, 0, 1).reshape(T, H, *x.shape[3:])
