@@ -36,8 +36,10 @@ spills; it is still the fastest.) fp32 operands on a GPU use block_q 1 and one s
 tiles are twice the bytes and would exceed the 227 KB of shared memory.
 
 Invariants: all rows of one block share a sequence; pages unused by a sequence point at the null page;
-masked scores use a finite large negative, and key 0 is visible to every row, so no row divides by
-zero. Every token belongs to exactly one block, so every output row is written exactly once.
+masked scores use a finite large negative, and with the default `visible_to` (each token's own
+position) key 0 is visible to every row, so no row divides by zero; with an earlier `visible_to`
+(`return_lse`, the context-only pass of `mla_chunk`) a row may see no key and gets o = 0, l = 0.
+Every token belongs to exactly one block, so every output row is written exactly once.
 
 `interpret=True` runs the same kernel on the CPU (tests); the reference defines correctness.
 """
