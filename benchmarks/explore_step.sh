@@ -4,7 +4,9 @@
 #   decode         the batch-32 decode step as two programs (forward + sampler), and with
 #                  --xla_gpu_enable_dynamic_slice_fusion=true (o_proj's cuBLAS call reading its layer's
 #                  slice of the stacked weights in place instead of a 4.9 us copy per layer)
-#   batch1         batch 1 at 4K context, traced: why its host enqueue equals the step time
+#   batch1         batch 16 (the engine's smallest bucket) at 4K context, traced, and batch 1: why the
+#                  host enqueue equals the step time at small batches (the trace's command_buffer_N
+#                  column shows whether the step still runs as one CUDA graph)
 #   serve_ready    `serve` on an empty compilation cache: seconds to /health (target < 60 s)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
@@ -17,7 +19,8 @@ sp --label prefill_split --prefill 512 --batch 16 --context 0 > "$out/prefill.lo
 sp --label prefill_absorbed --prefill 512 --batch 16 --context 0 --prefill-attention absorbed >> "$out/prefill.log"
 sp --label decode > "$out/decode.log"
 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true sp --label decode_dsf --trace /tmp/tr_dsf >> "$out/decode.log"
-sp --label batch1 --batch 1 --context 4096 --trace /tmp/tr_b1 > "$out/batch1.log"
+sp --label batch16 --batch 16 --context 4096 --trace /tmp/tr_b16 > "$out/batch1.log"
+sp --label batch1 --batch 1 --context 4096 >> "$out/batch1.log"
 dummy=$(mktemp -d)
 python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$dummy" > /dev/null
 t0=$(date +%s)
