@@ -8,7 +8,8 @@ never leave the device). It returns the sampled token ids (and logprobs) for the
 Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p, no top logprobs) and
 a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
 picks one per step (inputs.needs_full_variant), so the step has no device-side branch. The forward is
-the same program for both, so each bucket's forward compiles once. `warmup()` compiles all of them;
+the same program for both, so each bucket's forward compiles once; a sampler depends only on the
+number of sequence rows, so buckets with the same rows share theirs. `warmup()` compiles all of them;
 afterwards `CompileCounter` sees every backend compile (or persistent-cache load) during this runner's
 steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
 
