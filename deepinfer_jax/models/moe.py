@@ -17,9 +17,9 @@ Expert implementations (`moe_impl`):
 - "ragged": sort token copies by expert, grouped GEMM with `jax.lax.ragged_dot`, scatter-add back.
 - "dense": every token through every expert, weighted by a [T, E] combine matrix (reference, tiny models).
 - "pallas": block-aligned grouped GEMM kernels (kernels/moe_gmm.py); "pallas_interpret" runs them on CPU.
-  Two optional fusions of that path on one device (RunnerConfig, off by default): the shared MLP as
-  extra experts inside the kernels (`shared_into_kernels`), and routing + alignment in one kernel for
-  decode-size steps (kernels/moe_route.py, `routing_into_kernels`).
+  Two fusions of that path on one device (RunnerConfig, on by default), both for decode-size steps:
+  the shared MLP as extra experts inside the kernels (`shared_into_kernels`), and routing + alignment
+  in one kernel (kernels/moe_route.py, `routing_into_kernels`).
 
 Sharded (`mesh_rules` given and the "expert" or "moe_mlp" axis split over the mesh): `experts_sharded`
 runs the chosen implementation under `jax.shard_map` on each device's slice of the experts (expert

@@ -187,17 +187,16 @@ class ModelRunner:
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full)
                  for b in self.shapes.buckets for full in variants]
-        lowered = {}
+        fwd, smp = {}, {}  # key -> lowered program (the keys of _fwd_exes / _smp_exes)
         for host in hosts:
             (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-            if ("fwd", ml) not in lowered:
-                lowered[("fwd", ml)] = self._forward_fn(ml).lower(self.params, self.kv_cache, self._prev_tokens,
-                                                                  mi, mf)
-            shape = jax.eval_shape(self._forward_fn(ml), self.params, self.kv_cache, self._prev_tokens, mi, mf)[0][0]
+            if ml not in fwd:
+                fwd[ml] = self._forward_fn(ml).lower(self.params, self.kv_cache, self._prev_tokens, mi, mf)
+            shape = fwd[ml].out_info[0][0]
             logits = jax.ShapeDtypeStruct(shape.shape, shape.dtype,  # placed as the forward leaves them
                                           sharding=self.sharding.logits if self.sharding is not None else None)
-            lowered[("smp", host.penalties, sl)] = self._sample_fn(host.penalties, sl).lower(
-                logits, self._prev_tokens, si, sf)
+            smp[(host.penalties, sl)] = self._sample_fn(host.penalties, sl).lower(logits, self._prev_tokens, si, sf)
+        lowered = [(self._fwd_exes, k, v) for k, v in fwd.items()] + [(self._smp_exes, k, v) for k, v in smp.items()]
         bar = None
         if progress:
             from tqdm import tqdm
@@ -205,15 +204,14 @@ class ModelRunner:
             bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step programs", unit="program", leave=False)
 
         def compile_one(item):
-            exe = item[1].compile()
+            exes, key, program = item
+            exes[key] = program.compile()
             if bar is not None:
                 bar.update(1)
-            return item[0], exe
 
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for key, exe in pool.map(compile_one, lowered.items()):
-                (self._fwd_exes if key[0] == "fwd" else self._smp_exes)[key[1:] if key[0] == "smp" else key[1]] = exe
+            list(pool.map(compile_one, lowered))
         if bar is not None:
             bar.close()
         for host in hosts:
