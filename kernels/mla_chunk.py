@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from deepinfer_jax.kernels.mla_decode import EXACT, NEG
+from deepinfer_jax.kernels.mla_decode import EXACT, NEG, softmax_step
 
 
 def supported(dn: int, dr: int, dv: int, interpret: bool = False) -> bool:
@@ -56,7 +56,6 @@ def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref
         end = first + count  # keys < end (each row: keys <= its own index)
 
         def body(j, carry):
-            acc, m, l = carry
             lo = start + j * block_k
             k0 = jnp.minimum(lo, num_tokens - block_k)
             ki = k0 + jnp.arange(block_k)
@@ -66,13 +65,7 @@ def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref
             s = jnp.dot(qn, kn.T, preferred_element_type=jnp.float32, precision=EXACT)
             s = s + jnp.dot(qp, kp.T, preferred_element_type=jnp.float32, precision=EXACT)  # [bq, bk]
             ok = (ki[None, :] >= lo) & (ki[None, :] <= qi[:, None])
-            s = jnp.where(ok, s * scale, NEG)
-            m_new = jnp.maximum(m, s.max(axis=-1))
-            corr = jnp.exp(m - m_new)
-            p = jnp.exp(s - m_new[:, None])
-            l = l * corr + p.sum(axis=-1)
-            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=EXACT)
-            return acc * corr[:, None] + pv, m_new, l
+            return softmax_step(jnp.where(ok, s * scale, NEG), v, carry)
 
         init = (jnp.zeros((block_q, dv), jnp.float32), jnp.full((block_q,), NEG, jnp.float32),
                 jnp.zeros((block_q,), jnp.float32))

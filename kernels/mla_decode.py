@@ -31,19 +31,24 @@ def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_
     """One online-softmax step over page `page` (the i-th of its sequence), shared by the decode and
     prefill kernels. q_lat [rows, R], q_pe [rows, dr]; a key at position p is seen by a row iff
     p <= visible_to (a scalar, or [rows, 1] per row); carry = (acc [rows, R], max [rows], sum [rows])."""
-    acc, m, l = carry
     dr = q_pe.shape[-1]
     kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
     pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
     s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
     s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
     key_pos = i * page_size + jnp.arange(page_size)
-    s = jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG)
+    return softmax_step(jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), kv, carry)
+
+
+def softmax_step(s, v, carry):
+    """The online-softmax update for one key block: s [rows, keys] fp32 scores (scaled, masked to NEG),
+    v [keys, dv] values; carry = (acc [rows, dv], max [rows], sum [rows]) -> the updated carry."""
+    acc, m, l = carry
     m_new = jnp.maximum(m, s.max(axis=-1))
     corr = jnp.exp(m - m_new)
     p = jnp.exp(s - m_new[:, None])
     l = l * corr + p.sum(axis=-1)
-    pv = jnp.dot(p.astype(kv.dtype), kv, preferred_element_type=jnp.float32, precision=EXACT)
+    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=EXACT)
     return acc * corr[:, None] + pv, m_new, l
 
 
