@@ -23,20 +23,10 @@ sp --label batch16 --batch 16 --context 4096 --trace /tmp/tr_b16 > "$out/batch1.
 sp --label batch1 --batch 1 --context 4096 >> "$out/batch1.log"
 dummy=$(mktemp -d)
 python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$dummy" > /dev/null
-t0=$(date +%s)
 DEEPINFER_CACHE_DIR=$(mktemp -d) python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 \
   --max-num-seqs 128 --max-model-len 1024 > "$out/server.log" 2>&1 &
 server=$!
-python3 - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(1)
-PY
-echo "serve_ready: $(( $(date +%s) - t0 )) s from start to /health (empty compilation cache)" > "$out/serve_ready.log"
+echo "serve_ready: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 300) s from start to /health (empty compilation cache)" > "$out/serve_ready.log"
 kill -TERM $server; wait $server
 echo "== summary =="
 grep -h -E "^[a-z_0-9]+: |pipelined via comp|GPU kernel time|^device over|one layer" "$out"/prefill.log \

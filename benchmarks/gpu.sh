@@ -39,15 +39,7 @@ protocol_b() {
   python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
     --max-model-len 1024 > "$out/server.log" 2>&1 &
   server=$!
-  python3 - <<'PY'
-import time, urllib.request
-for _ in range(600):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8011/health", timeout=2)
-        break
-    except Exception:
-        time.sleep(1)
-PY
+  python3 benchmarks/wait_ready.py http://127.0.0.1:8011 600 > /dev/null
   python3 benchmarks/serving.py --base-url http://127.0.0.1:8011 --vocab-size "$vocab" --input-len 512 \
     --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/protocol_b.json" ${SERVING_ARGS:-} \
     > "$out/protocol_b.log" 2>&1

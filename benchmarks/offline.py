@@ -24,6 +24,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.runner_flags import add_variant_flags, variant_kwargs  # noqa: E402
+
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
 from deepinfer_jax.types import SamplingParams  # noqa: E402
 
@@ -64,12 +66,7 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
-    ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
-    ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
-                    help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
-    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
-                    help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+    add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
                          "device's busy / idle time per step and the kernels (benchmarks/trace_tools.py)")
@@ -108,8 +105,7 @@ def main(argv=None) -> int:
                                          max_model_len=args.max_model_len),
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
-                                   fuse_shared_experts=args.fuse_shared_experts,
-                                   fuse_moe_routing=args.fuse_moe_routing, prefill_attention=args.prefill_attention,
+                                   **variant_kwargs(args),
                                    token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
         progress=False)
     t_ready = time.time() - t0

@@ -17,6 +17,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.runner_flags import add_variant_flags, variant_kwargs  # noqa: E402
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -38,12 +40,7 @@ def main(argv=None) -> int:
     ap.add_argument("--num-pages", type=int, default=0,
                     help="KV cache pages (default: just enough for the batch); e.g. 48000 to see the effect of "
                          "an engine-sized cache (64-bit offsets, XLA's scheduler memory limit)")
-    ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
-                    help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
-    ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
-                    help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
-    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
-                    help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+    add_variant_flags(ap)
     ap.add_argument("--attn-splits", type=int, default=0,
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
     ap.add_argument("--moe-decode-tiles", default="",
@@ -96,9 +93,7 @@ def main(argv=None) -> int:
     shapes = Shapes((T,), Br, pages_per, ps, max_len)
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                       unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll], warmup_full_variant=False,
-                      fuse_shared_experts=args.fuse_shared_experts,
-                      fuse_moe_routing=args.fuse_moe_routing,
-                      prefill_attention=args.prefill_attention)
+                      **variant_kwargs(args))
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
     # Random cache contents, filled in place (an engine-sized cache leaves no room for a second copy).

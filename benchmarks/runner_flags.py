@@ -1,0 +1,21 @@
+"""The command-line flags for RunnerConfig's implementation choices, shared by the benchmark scripts."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_variant_flags(ap: argparse.ArgumentParser) -> None:
+    """--[no-]fuse-shared-experts, --[no-]fuse-moe-routing, --prefill-attention (RunnerConfig's defaults)."""
+    ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
+                    help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
+    ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
+                    help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
+    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
+                    help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+
+
+def variant_kwargs(args: argparse.Namespace) -> dict:
+    """The RunnerConfig fields those flags set."""
+    return dict(fuse_shared_experts=args.fuse_shared_experts, fuse_moe_routing=args.fuse_moe_routing,
+                prefill_attention=args.prefill_attention)
