@@ -4,31 +4,22 @@
 #   decode         the batch-32 decode step as two programs (forward + sampler), and with
 #                  --xla_gpu_enable_dynamic_slice_fusion=true (o_proj's cuBLAS call reading its layer's
 #                  slice of the stacked weights in place instead of a 4.9 us copy per layer)
-#   batch1         batch 16 (the engine's smallest bucket) at 4K context, traced, and batch 1: why the
+#   batch1         batch 16 (the engine's smallest bucket) and batch 1 at 4K context, traced: why the
 #                  host enqueue equals the step time at small batches (the trace's command_buffer_N
-#                  column shows whether the step still runs as one CUDA graph)
-#   serve_ready    `serve` on an empty compilation cache: seconds to /health (target < 60 s)
+#                  column and the host calls show whether the step still runs as one CUDA graph)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 quiet() { grep -v -E "^\s*$|Warning|warn|^W[0-9]{4} " ; }
-sp() { timeout 150 python3 benchmarks/step_profile.py "$@" 2>&1 | quiet; }
-sp --label prefill_split --prefill 512 --batch 16 --context 0 > "$out/prefill.log"
-sp --label prefill_absorbed --prefill 512 --batch 16 --context 0 --prefill-attention absorbed >> "$out/prefill.log"
+sp() { timeout 120 python3 benchmarks/step_profile.py "$@" 2>&1 | quiet; }
 sp --label decode > "$out/decode.log"
 XLA_FLAGS=--xla_gpu_enable_dynamic_slice_fusion=true sp --label decode_dsf --trace /tmp/tr_dsf >> "$out/decode.log"
 sp --label batch16 --batch 16 --context 4096 --trace /tmp/tr_b16 > "$out/batch1.log"
-sp --label batch1 --batch 1 --context 4096 >> "$out/batch1.log"
-dummy=$(mktemp -d)
-python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$dummy" > /dev/null
-DEEPINFER_CACHE_DIR=$(mktemp -d) python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 \
-  --max-num-seqs 128 --max-model-len 1024 > "$out/server.log" 2>&1 &
-server=$!
-echo "serve_ready: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 300) s from start to /health (empty compilation cache)" > "$out/serve_ready.log"
-kill -TERM $server; wait $server
+sp --label batch1 --batch 1 --context 4096 --trace /tmp/tr_b1 >> "$out/batch1.log"
+sp --label prefill_split --prefill 512 --batch 16 --context 0 > "$out/prefill.log"
+sp --label prefill_absorbed --prefill 512 --batch 16 --context 0 --prefill-attention absorbed >> "$out/prefill.log"
 echo "== summary =="
 grep -h -E "^[a-z_0-9]+: |pipelined via comp|GPU kernel time|^device over|one layer" "$out"/prefill.log \
   "$out"/decode.log "$out"/batch1.log
-cat "$out/serve_ready.log"

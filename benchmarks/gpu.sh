@@ -39,7 +39,8 @@ protocol_b() {
   python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
     --max-model-len 1024 > "$out/server.log" 2>&1 &
   server=$!
-  python3 benchmarks/wait_ready.py http://127.0.0.1:8011 600 > /dev/null
+  echo "serve: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 600) s from start to /health" \
+    > "$out/serve_ready.log"
   python3 benchmarks/serving.py --base-url http://127.0.0.1:8011 --vocab-size "$vocab" --input-len 512 \
     --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/protocol_b.json" ${SERVING_ARGS:-} \
     > "$out/protocol_b.log" 2>&1
@@ -56,5 +57,5 @@ has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/ker
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
-has protocol_b && grep -h -E "^concurrency" "$out/protocol_b.log"
+has protocol_b && cat "$out/serve_ready.log" && grep -h -E "^concurrency" "$out/protocol_b.log"
 exit 0

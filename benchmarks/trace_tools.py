@@ -24,9 +24,8 @@ CATEGORIES = [  # (category, regex over kernel names), first match wins
 ]
 
 
-def gpu_kernels(trace_dir: str) -> list[dict] | None:
-    """Every GPU-side complete event ("X") of the newest perfetto trace under trace_dir, sorted by start
-    time (microseconds); None when no trace was written."""
+def _load(trace_dir: str) -> tuple[list[dict], set] | None:
+    """(every event, the GPU processes' pids) of the newest perfetto trace under trace_dir; None if none."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
     if not files:
@@ -38,9 +37,39 @@ def gpu_kernels(trace_dir: str) -> list[dict] | None:
     for e in events:
         if e.get("ph") == "M" and e.get("name") in ("process_name", "thread_name"):
             names[(e.get("pid"), e.get("tid") if e["name"] == "thread_name" else None)] = e["args"]["name"]
-    gpu_pids = {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
+    return events, {pid for (pid, tid), n in names.items() if tid is None and not n.startswith("/host")}
+
+
+def gpu_kernels(trace_dir: str) -> list[dict] | None:
+    """Every GPU-side complete event ("X") of the newest perfetto trace under trace_dir, sorted by start
+    time (microseconds); None when no trace was written."""
+    loaded = _load(trace_dir)
+    if loaded is None:
+        return None
+    events, gpu_pids = loaded
     kern = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
     return sorted(kern, key=lambda e: e["ts"])
+
+
+HOST_CALLS = r"^cu[A-Z]|^cuda|[Gg]raph|CommandBuffer|Thunk"
+
+
+def host_calls(trace_dir: str, steps: int, top: int = 12) -> list[tuple[str, float, float]]:
+    """The host side of the traced steps: (name, calls per step, us per step) of the CUDA driver / runtime
+    calls and XLA thunk events (names matching HOST_CALLS) outside the GPU processes, most time first.
+    Tells a step launched as one CUDA graph (a cuGraphLaunch per step) from one launched kernel by
+    kernel (hundreds of cuLaunchKernel) or re-recorded each step (graph instantiate / update calls)."""
+    loaded = _load(trace_dir)
+    if loaded is None:
+        return []
+    events, gpu_pids = loaded
+    total, count = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") not in gpu_pids and re.search(HOST_CALLS, e.get("name", "")):
+            total[e["name"]] += e.get("dur", 0.0)
+            count[e["name"]] += 1
+    rows = sorted(total, key=lambda n: -total[n])[:top]
+    return [(n, count[n] / steps, total[n] / steps) for n in rows]
 
 
 def busy_union(kern: list[dict]) -> float:

@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.trace_tools import busy_union, gpu_kernels, idle_gaps  # noqa: E402
+from benchmarks.trace_tools import busy_union, gpu_kernels, host_calls, idle_gaps  # noqa: E402
 
 
 def _trace(tmp_path, kernels):
@@ -46,3 +46,21 @@ def test_idle_gaps_finds_the_gap_between_steps(tmp_path):
     assert g["largest"][0] == (100.0, "_kernel", "_gate_up_kernel")
     assert g["by_pair"][0] == (50.0, "_kernel", "_gate_up_kernel")  # 100 us over 2 steps
     assert g["by_pair"][1] == (5.0, "_down_kernel", "_kernel")  # 5 us in each step
+
+
+def test_host_calls_counts_driver_calls_per_step_outside_the_gpu(tmp_path):
+    d = _trace(tmp_path, [("cuLaunchKernel", 0.0, 5.0)])  # a GPU event of that name is not a host call
+    loaded = gpu_kernels(d)
+    assert [e["name"] for e in loaded] == ["cuLaunchKernel"]
+    folder = tmp_path / "plugins" / "profile" / "run"
+    events = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
+              {"ph": "M", "name": "process_name", "pid": 7, "args": {"name": "/device:GPU:0"}},
+              {"ph": "X", "pid": 7, "tid": 2, "name": "cuLaunchKernel", "ts": 0.0, "dur": 99.0}]
+    events += [{"ph": "X", "pid": 1, "tid": 1, "name": "cuLaunchKernel", "ts": float(i), "dur": 4.0}
+               for i in range(6)]
+    events += [{"ph": "X", "pid": 1, "tid": 1, "name": "cuGraphLaunch", "ts": 10.0 + i, "dur": 30.0}
+               for i in range(2)]
+    events.append({"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction", "ts": 0.0, "dur": 500.0})
+    with gzip.open(folder / "host.perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    assert host_calls(d, steps=2) == [("cuGraphLaunch", 1.0, 30.0), ("cuLaunchKernel", 3.0, 12.0)]
