@@ -45,8 +45,6 @@ def main(argv=None) -> int:
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
-    ap.add_argument("--one-program", action="store_true",
-                    help="run forward and sampler as one jitted program (the runner's layout before the split)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -98,8 +96,6 @@ def main(argv=None) -> int:
                       **variant_kwargs(args))
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
-    if args.one_program:
-        one_program(runner)
     # Random cache contents, filled in place (an engine-sized cache leaves no room for a second copy).
     page = jax.random.normal(jax.random.key(3), runner.kv_cache.shape[-2:], runner.kv_cache.dtype)
     runner.kv_cache = jax.jit(lambda c, p: c + p, donate_argnums=0)(runner.kv_cache, page)
@@ -171,7 +167,7 @@ def main(argv=None) -> int:
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl}"
           f"{'+shared' if args.fuse_shared_experts else ''}{'+routing' if args.fuse_moe_routing else ''} "
           f"prefill_attention={args.prefill_attention} "
-          f"unroll={args.unroll} one_program={args.one_program} "
+          f"unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",
           flush=True)
@@ -180,35 +176,6 @@ def main(argv=None) -> int:
     print(f"  engine-like (ids read one step later): {engine_late*1e3:.2f} ms/step; with the copy to host started "
           f"at dispatch: {engine_early*1e3:.2f} ms/step", flush=True)
     return 0
-
-
-def one_program(runner) -> None:
-    """Make runner._run queue each step as one jitted program: the bucket's forward and its sampler
-    composed (XLA inlines both), the cache donated, as the runner did before sampling became its own
-    program."""
-    import jax
-
-    from deepinfer_jax.runner.packing import pack
-
-    programs = {}
-
-    def run(host):
-        (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-        key = (ml, sl, host.penalties)
-        if key not in programs:
-            fwd, smp = runner._forward_fn(ml), runner._sample_fn(host.penalties, sl)
-
-            def step(params, kv_cache, prev_tokens, mi, mf, si, sf):
-                (logits, _), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
-                out, nxt = smp(logits, prev_tokens, si, sf)
-                return out, nxt, kv_cache
-
-            programs[key] = jax.jit(step, donate_argnums=(1,))
-        out, runner._prev_tokens, runner.kv_cache = programs[key](
-            runner.params, runner.kv_cache, runner._prev_tokens, mi, mf, si, sf)
-        return out
-
-    runner._run = run
 
 
 def top_kernels(runner, host, trace_dir: str, moe_layers: int, steps: int = 3) -> None:

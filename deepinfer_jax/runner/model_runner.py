@@ -108,8 +108,8 @@ class ModelRunner:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
         self._fwd_fns: dict[Any, Any] = {}  # meta layout (one per bucket) -> jitted forward
         self._smp_fns: dict[Any, Any] = {}  # (full, sampling layout) -> jitted sampler
-        self._fwd_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
-        self._smp_exes: dict[Any, Any] = {}
+        self._step_fns: dict[Any, Any] = {}  # (meta layout, full, sampling layout) -> jitted step
+        self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
         self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
@@ -128,7 +128,8 @@ class ModelRunner:
     # ---- compiled step ----------------------------------------------------------------------------
     def _forward_fn(self, layout: Layout):
         """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
-        ((logits [S, V] fp32, routing), kv_cache); the cache is donated."""
+        ((logits [S, V] fp32, routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
+        cached, so a bucket's variants share one trace); not run on its own."""
         if layout not in self._fwd_fns:
             cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
 
@@ -154,7 +155,7 @@ class ModelRunner:
 
     def _sample_fn(self, full: bool, layout: Layout):
         """The jitted sampler of one (bucket, variant): (logits, prev_tokens, ints, floats) ->
-        (SampledTokens, the next step's prev_tokens [max_rows])."""
+        (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
         key = (full, layout)
         if key not in self._smp_fns:
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
@@ -173,30 +174,49 @@ class ModelRunner:
             self._smp_fns[key] = jax.jit(sample_step)
         return self._smp_fns[key]
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compile every bucket's forward and every (bucket, variant)'s sampler, then run each once on
-        padding. Returns the number of programs compiled.
+    def _step_fn(self, meta_layout: Layout, full: bool, sampling_layout: Layout):
+        """The jitted step of one (bucket, variant): the bucket's forward and the variant's sampler as
+        one program, the cache donated: (params, kv_cache, prev_tokens, meta ints, meta floats,
+        sampling ints, sampling floats) -> (SampledTokens, next prev_tokens, kv_cache).
 
-        The forward of a bucket is one program whatever the sampling variant: the variants differ
-        only in the small sampling program, so the expensive compile (an unrolled decode forward takes
-        ~20-30 s) happens once per bucket. Each program is traced and lowered here, then the XLA
-        compiles run in parallel threads (XLA releases the GIL). Steps then call the compiled
-        executables directly."""
+        One program, not a forward and a sampler queued one after the other: with two, the forward's
+        CUDA graph (~650 kernels) was re-recorded at every step because some of its argument and
+        result addresses changed from step to step (XLA's VA remapping left them out), costing
+        1.6 ms of host time and the graph's upload on the device: a batch-16 step took 11.6 ms
+        instead of 8.4 (benchmarks/RESULTS.md, session 5). The forward's and the sampler's traces are
+        cached per bucket and per variant, so tracing the variants of a bucket traces its forward once."""
+        key = (meta_layout, full, sampling_layout)
+        if key not in self._step_fns:
+            fwd, smp = self._forward_fn(meta_layout), self._sample_fn(full, sampling_layout)
+
+            def step(params, kv_cache, prev_tokens, mi, mf, si, sf):
+                (logits, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
+                sampled, nxt = smp(logits, prev_tokens, si, sf)
+                return (sampled, routing), nxt, kv_cache
+
+            self._step_fns[key] = jax.jit(step, donate_argnums=(1,))
+        return self._step_fns[key]
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile the step of every (bucket, sampling variant), then run each once on padding. Returns
+        the number of programs compiled.
+
+        Each program is traced and lowered here (a bucket's forward is traced once for both variants),
+        then the XLA compiles run in parallel threads (XLA releases the GIL). Steps then call the
+        compiled executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full)
                  for b in self.shapes.buckets for full in variants]
-        fwd, smp = {}, {}  # key -> lowered program (the keys of _fwd_exes / _smp_exes)
+        programs = {}  # (meta layout, full, sampling layout) -> lowered step
         for host in hosts:
             (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-            if ml not in fwd:
-                fwd[ml] = self._forward_fn(ml).lower(self.params, self.kv_cache, self._prev_tokens, mi, mf)
-            shape = fwd[ml].out_info[0][0]
-            logits = jax.ShapeDtypeStruct(shape.shape, shape.dtype,  # placed as the forward leaves them
-                                          sharding=self.sharding.logits if self.sharding is not None else None)
-            smp[(host.penalties, sl)] = self._sample_fn(host.penalties, sl).lower(logits, self._prev_tokens, si, sf)
-        lowered = [(self._fwd_exes, k, v) for k, v in fwd.items()] + [(self._smp_exes, k, v) for k, v in smp.items()]
+            key = (ml, host.penalties, sl)
+            if key not in programs:
+                programs[key] = self._step_fn(*key).lower(self.params, self.kv_cache, self._prev_tokens,
+                                                          mi, mf, si, sf)
+        lowered = list(programs.items())
         bar = None
         if progress:
             from tqdm import tqdm
@@ -204,8 +224,8 @@ class ModelRunner:
             bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step programs", unit="program", leave=False)
 
         def compile_one(item):
-            exes, key, program = item
-            exes[key] = program.compile()
+            key, program = item
+            self._step_exes[key] = program.compile()
             if bar is not None:
                 bar.update(1)
 
@@ -246,12 +266,12 @@ class ModelRunner:
         return HostStep(meta, st, rids, rows, bucket, full)
 
     def _run(self, host: HostStep):
-        """Queue the step's forward, then its sampler (four small host->device copies per step)."""
+        """Queue the step's one program (four small host->device copies per step)."""
         (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-        fwd = self._fwd_exes.get(ml) or self._forward_fn(ml)
-        (logits, routing), self.kv_cache = fwd(self.params, self.kv_cache, self._prev_tokens, mi, mf)
-        smp = self._smp_exes.get((host.penalties, sl)) or self._sample_fn(host.penalties, sl)
-        out, self._prev_tokens = smp(logits, self._prev_tokens, si, sf)
+        key = (ml, host.penalties, sl)
+        step = self._step_exes.get(key) or self._step_fn(*key)
+        (out, routing), self._prev_tokens, self.kv_cache = step(
+            self.params, self.kv_cache, self._prev_tokens, mi, mf, si, sf)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 

@@ -30,13 +30,13 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
         assert o.outputs[0].finish_reason == "length"
     assert llm.engine.runner.compiles_after_warmup == 0
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
-    # Warm-up compiled one forward per bucket, and a base and a full sampler per number of sequence
-    # rows (buckets with the same rows share their samplers).
+    # Warm-up compiled one step program per bucket and sampling variant (base, full), each tracing the
+    # bucket's forward once.
     runner = llm.engine.runner
     buckets = runner.shapes.buckets
-    rows = {runner.shapes.seq_rows(b) for b in buckets}
-    assert len(runner._fwd_exes) == len(buckets) and len(runner._smp_exes) == 2 * len(rows)
-    assert llm.engine.num_warmup_compiles == len(buckets) + 2 * len(rows)
+    assert set(runner._step_exes) == set(runner._step_fns) and len(runner._step_exes) == 2 * len(buckets)
+    assert len(runner._fwd_fns) == len(buckets)
+    assert llm.engine.num_warmup_compiles == 2 * len(buckets)
     return outs
 
 
