@@ -1,17 +1,16 @@
-"""The device side of a step: params and the paged KV cache, two jitted programs per step.
+"""The device side of a step: params and the paged KV cache, one jitted program per step.
 
-`ModelRunner.execute(plan, requests, seeds)` pads the plan (runner/inputs.py) and queues two programs:
-the forward of the step's token bucket (the KV cache donated and updated in place), which leaves the
-logits of each sequence's last token on the device, and the sampler, which reads them there (logits
-never leave the device). It returns the sampled token ids (and logprobs) for the rows that sample.
+`ModelRunner.execute(plan, requests, seeds)` pads the plan (runner/inputs.py) and queues one program:
+the forward of the step's token bucket (the KV cache donated and updated in place) and the sampler,
+which reads the logits of each sequence's last token on the device (logits never leave it). It returns
+the sampled token ids (and logprobs) for the rows that sample.
 
 Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p, no top logprobs) and
 a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
-picks one per step (inputs.needs_full_variant), so the step has no device-side branch. The forward is
-the same program for both, so each bucket's forward compiles once; a sampler depends only on the
-number of sequence rows, so buckets with the same rows share theirs. `warmup()` compiles all of them;
-afterwards `CompileCounter` sees every backend compile (or persistent-cache load) during this runner's
-steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
+picks one per step (inputs.needs_full_variant), so the step has no device-side branch. A bucket's two
+programs share the forward's trace. `warmup()` compiles all of them; afterwards `CompileCounter` sees
+every backend compile (or persistent-cache load) during this runner's steps, and
+`compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
 their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
@@ -26,6 +25,7 @@ import dataclasses
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,17 +206,19 @@ class ModelRunner:
         compiled executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
+        t0 = time.perf_counter()
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full)
                  for b in self.shapes.buckets for full in variants]
-        programs = {}  # (meta layout, full, sampling layout) -> lowered step
+        programs = {}  # (meta layout, full, sampling layout) -> (bucket, lowered step)
         for host in hosts:
             (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
             key = (ml, host.penalties, sl)
             if key not in programs:
-                programs[key] = self._step_fn(*key).lower(self.params, self.kv_cache, self._prev_tokens,
-                                                          mi, mf, si, sf)
+                programs[key] = host.bucket, self._step_fn(*key).lower(self.params, self.kv_cache,
+                                                                       self._prev_tokens, mi, mf, si, sf)
         lowered = list(programs.items())
+        log.info("warm-up: traced and lowered %d step programs in %.1f s", len(lowered), time.perf_counter() - t0)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -224,14 +226,21 @@ class ModelRunner:
             bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step programs", unit="program", leave=False)
 
         def compile_one(item):
-            key, program = item
+            key, (bucket, program) = item
+            t = time.perf_counter()
             self._step_exes[key] = program.compile()
+            log.info("warm-up: compiled the %s step of %d tokens in %.1f s", "full" if key[1] else "base",
+                     bucket, time.perf_counter() - t)
             if bar is not None:
                 bar.update(1)
 
+        # Base variants first, full ones after: a bucket's two programs hold the same GEMM fusions, and
+        # XLA's in-process autotuning cache then serves the second one instead of both timing them on
+        # the device at once.
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_one, lowered))
+            for phase in (False, True):
+                list(pool.map(compile_one, [item for item in lowered if item[0][1] == phase]))
         if bar is not None:
             bar.close()
         for host in hosts:
