@@ -2,7 +2,7 @@
 # `deepinfer serve` from start to /health, twice on one fresh compilation cache: first empty (every step
 # program compiled), then warm (loaded from the cache). V2-Lite shape, random weights drawn on the
 # device (`--load-format dummy`), Protocol B's server flags. Prints both times and the warm-up's log.
-#   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]
+#   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]     (SERVE_ARGS: more serve flags, e.g. fewer buckets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -13,9 +13,9 @@ python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
 export DEEPINFER_CACHE_DIR=$(mktemp -d)
 for run in empty warm; do
   python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
-    --max-model-len 1024 > "$out/server_$run.log" 2>&1 &
+    --max-model-len 1024 ${SERVE_ARGS:-} > "$out/server_$run.log" 2>&1 &
   server=$!
   echo "serve, $run compilation cache: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 420) s from start to /health"
   kill -TERM $server; wait $server
-  grep -h -E "warm-up:|ready in" "$out/server_$run.log" | sed -E 's/^[0-9-]+ ([0-9:]+),[0-9]+ INFO [a-z_.]+: /\1 /'
+  grep -h -E "warm-up:|ready in|KV cache:" "$out/server_$run.log" | sed -E 's/^[0-9-]+ ([0-9:]+),[0-9]+ INFO [a-z_.]+: /\1 /'
 done

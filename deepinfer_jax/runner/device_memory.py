@@ -1,8 +1,13 @@
 """How much device memory the KV cache may take: XLA's allocator figures or the CUDA driver's, and the
 share of device memory XLA's GPU scheduler assumes a program may use.
 
-Invariant of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory, so a
-quarter of the device stays free for the steps' temporaries (a prefill step's are a few GB).
+Invariants of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory, so a
+quarter of the device stays free for the steps' temporaries (a prefill step's are a few GB); and a
+budget of CACHE_GRANULE or more is a whole number of CACHE_GRANULEs. The driver's free-memory figure
+moves by some 20 MB from one start to the next; the cache's page count is part of every step
+program's shape, so an unrounded size gave each start new programs and the persistent compilation
+cache never hit (`serve` recompiled its 16 programs on a warm cache: 89.7 s to ready instead of
+seconds, benchmarks/RESULTS.md, session 5).
 
 XLA's GPU compiler budgets a program's memory from the device size less its arguments and outputs,
 and counts the donated cache twice (argument and aliased output): with an engine-sized cache the
@@ -17,6 +22,7 @@ import ctypes
 from dataclasses import dataclass
 
 XLA_PROGRAM_SHARE = 0.75
+CACHE_GRANULE = 2**30  # bytes; a restart lands on another page count ~20 MB / 1 GiB = 2% of the time
 
 
 @dataclass(frozen=True)
@@ -65,8 +71,10 @@ def device_memory(device) -> DeviceMemory | None:
 
 def kv_cache_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
     """Bytes for the KV cache: gpu_memory_utilization of the limit less what is in use, capped so that
-    what is in use plus the cache stays within XLA_PROGRAM_SHARE of the device (module docstring)."""
+    what is in use plus the cache stays within XLA_PROGRAM_SHARE of the device, rounded down to whole
+    CACHE_GRANULEs (module docstring)."""
     budget = mem.limit * gpu_memory_utilization - mem.in_use
     if mem.device_total is not None:
         budget = min(budget, mem.device_total * XLA_PROGRAM_SHARE - mem.in_use)
-    return max(0, int(budget))
+    budget = max(0, int(budget))
+    return budget - budget % CACHE_GRANULE if budget >= CACHE_GRANULE else budget

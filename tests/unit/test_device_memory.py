@@ -6,7 +6,8 @@ import os
 import jax
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.runner.device_memory import XLA_PROGRAM_SHARE, DeviceMemory, device_memory, kv_cache_bytes
+from deepinfer_jax.runner.device_memory import (CACHE_GRANULE, XLA_PROGRAM_SHARE, DeviceMemory, device_memory,
+                                                kv_cache_bytes)
 from deepinfer_jax.runner.model_runner import ModelRunner
 
 GB = 10**9
@@ -31,11 +32,23 @@ def test_allocator_stats_are_used_when_present_and_cpu_has_none():
 def test_kv_cache_stays_within_xla_program_share():
     # An H200 under the VMM allocator (driver figures): 150 GB, 31.4 GB of weights loaded.
     mem = DeviceMemory(150 * GB, int(31.4 * GB), 150 * GB, "CUDA driver")
-    assert kv_cache_bytes(mem, 0.9) == int(150 * GB * XLA_PROGRAM_SHARE - 31.4 * GB)
-    assert kv_cache_bytes(mem, 0.5) == int(150 * GB * 0.5 - 31.4 * GB)  # a lower utilization wins
+    whole = lambda b: int(b) // CACHE_GRANULE * CACHE_GRANULE
+    assert kv_cache_bytes(mem, 0.9) == whole(150 * GB * XLA_PROGRAM_SHARE - 31.4 * GB)
+    assert kv_cache_bytes(mem, 0.5) == whole(150 * GB * 0.5 - 31.4 * GB)  # a lower utilization wins
     # BFC pool without a driver answer: utilization of the pool only.
-    assert kv_cache_bytes(DeviceMemory(100 * GB, 30 * GB, None, "XLA allocator"), 0.9) == 60 * GB
+    assert kv_cache_bytes(DeviceMemory(100 * GB, 30 * GB, None, "XLA allocator"), 0.9) == whole(60 * GB)
     assert kv_cache_bytes(DeviceMemory(100 * GB, 95 * GB, 100 * GB, "CUDA driver"), 0.9) == 0
+    # Below one granule the budget is kept as it is (small devices).
+    assert kv_cache_bytes(DeviceMemory(2 * GB, GB, None, "XLA allocator"), 0.9) == int(0.8 * GB)
+
+
+def test_kv_cache_size_is_stable_across_starts():
+    # The driver's in-use figure moves by tens of MB between two starts of the same server; the cache's
+    # page count (a dimension of every step program) must not, or the compilation cache never hits.
+    base = DeviceMemory(150 * GB, int(31.4 * GB), 150 * GB, "CUDA driver")
+    sizes = {kv_cache_bytes(DeviceMemory(base.limit, base.in_use + d * 10**6, base.device_total, base.source), 0.9)
+             for d in range(0, 40, 5)}
+    assert len(sizes) == 1
 
 
 def test_cpu_falls_back_to_pages_for_max_num_seqs():
