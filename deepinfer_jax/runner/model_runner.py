@@ -234,13 +234,13 @@ class ModelRunner:
             if bar is not None:
                 bar.update(1)
 
-        # Base variants first, full ones after: a bucket's two programs hold the same GEMM fusions, and
-        # XLA's in-process autotuning cache then serves the second one instead of both timing them on
-        # the device at once.
+        # On an empty cache most of the time goes to XLA's GEMM autotuning, timed on the device by all
+        # threads at once (H200, serve's 16 programs: 170 s; each unrolled decode program 22-25 s with
+        # its autotuning results cached on disk). Compiling base variants before full ones, so that a
+        # bucket's second program found the first one's results, made no difference (170 vs 173 s).
         workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            for phase in (False, True):
-                list(pool.map(compile_one, [item for item in lowered if item[0][1] == phase]))
+            list(pool.map(compile_one, lowered))
         if bar is not None:
             bar.close()
         for host in hosts:
