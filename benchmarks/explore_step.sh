@@ -1,10 +1,15 @@
 #!/usr/bin/env bash
 # The next GPU call's questions, a short table last:
-#   engine   Protocol A's engine loop decodes in 9.78 ms a step where the isolated step takes 9.01 ms
-#            (session 5), and its dispatch takes 4.65 ms where the isolated enqueue takes 1.2 ms. Traced
-#            (device busy / idle, host calls), then again with XLA's command-buffer log: is the step's
-#            graph updated inside the engine loop ("Updated command buffer ... num_commands=6xx")?
-#   isolated the same step in isolation, for the same log
+#   routing  Protocol A's engine decodes in 9.78 ms a step where the isolated step takes 9.01 ms, and its
+#            dispatch takes 4.65 ms where the isolated enqueue takes 1.2 ms (session 5). One difference:
+#            offline.py made every step return its routed expert ids and kept all 256 arrays on the
+#            device (a fresh output buffer per step). Protocol A (temp 0, one run) with the ids kept for
+#            every step / for 16 sampled steps (the default now) / not returned, each under XLA's
+#            command-buffer log: is the step's graph updated every step ("Updated command buffer ...
+#            num_commands=6xx")? Then the default again, traced (device busy / idle, host calls).
+#   pages    the decode attention walking 1 / 2 / 4 pages per loop step (kernels/mla_decode.PAGES_PER_STEP;
+#            independent page loads in flight together): batch 16 at 4K context, where the kernel reads
+#            its latent cache at 1.9 TB/s, and batch 32 at 640
 #   warm     `serve` started twice on one fresh cache with one bucket (2 programs): does the second start
 #            load its programs from the cache now that the KV cache is sized in whole GiB (ff5ce8b)?
 #   bash benchmarks/explore_step.sh OUTDIR
@@ -18,17 +23,24 @@ updates() {  # graph updates of the big (forward) command buffer, and how long t
   grep -E "Updated command buffer in [0-9]+ [^;]*; num_commands=[0-9]{3,}" "$1" | grep -oE "in [0-9]+" |
     awk -v what="$2" '{s += $2; n++} END {printf "%s: %d updates of the step graph, mean %.0f us host\n", what, n, n ? s / n : 0}'
 }
-timeout 150 python3 benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0 --trace /tmp/tr_engine 2>&1 |
-  quiet > "$out/engine.log"
-vlog timeout 120 python3 benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0 > "$out/engine_vlog.out" \
-  2> "$out/engine_vlog.err"
-vlog timeout 90 python3 benchmarks/step_profile.py --label isolated > "$out/isolated_vlog.out" 2> "$out/isolated_vlog.err"
-SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 200 bash benchmarks/serve_start.sh "$out/warm" \
+pa="benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0"
+for r in all sampled off; do
+  vlog timeout 100 python3 $pa --routing $r > "$out/routing_$r.out" 2> "$out/routing_$r.err"
+done
+timeout 100 python3 $pa --trace /tmp/tr_engine 2>&1 | quiet > "$out/engine.log"
+for run in "16 4096 1" "16 4096 2" "16 4096 4" "32 640 2"; do
+  set -- $run
+  timeout 80 python3 benchmarks/step_profile.py --label "pages$3_b$1" --batch $1 --context $2 --attn-pages-per-step $3
+done 2>&1 | quiet > "$out/pages.log"
+SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 170 bash benchmarks/serve_start.sh "$out/warm" \
   2>&1 | grep -v "compiling .* step programs" > "$out/warm.log"
 echo "== summary =="
-grep -h -E "Protocol A|engine loop|^device over|GPU kernel time|host .*(Graph|ExecuteThunks)" "$out/engine.log"
-updates "$out/engine_vlog.err" "engine loop (Protocol A, temp 0, one run)"
-updates "$out/isolated_vlog.err" "isolated step_profile (all its loops)"
-grep -h -E "^isolated|pipelined via comp" "$out/isolated_vlog.out"
+for r in all sampled off; do
+  echo "-- routing $r: $(grep -h -E "Protocol A" "$out/routing_$r.out" | cut -c1-80)"
+  grep -h "engine loop" "$out/routing_$r.out"
+  updates "$out/routing_$r.err" "   command buffer"
+done
+grep -h -E "^device over|GPU kernel time|host .*(Graph|ExecuteThunks)" "$out/engine.log"
+grep -h -E "^pages|pipelined via comp" "$out/pages.log" | sed -E 's/TP=1.*: device/: device/'
 grep -h -E "^serve|ready in|KV cache" "$out/warm.log"
-for f in "$out"/*_vlog.err; do tail -c 300000 "$f" > "$f.tail"; rm -f "$f"; done
+for f in "$out"/*.err; do tail -c 200000 "$f" > "$f.tail"; rm -f "$f"; done

@@ -66,6 +66,10 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument("--routing", choices=["sampled", "all", "off"], default="sampled",
+                    help="the routed expert ids behind the experts-touched figure: kept on the device for 16 "
+                         "decode steps of a run (sampled), for every step (all, as before session 5), or not "
+                         "returned by the step at all (off: an A/B of what collecting them costs)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
@@ -106,7 +110,8 @@ def main(argv=None) -> int:
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                                    **variant_kwargs(args),
-                                   token_buckets=buckets, warmup_full_variant=False, collect_routing=True),
+                                   token_buckets=buckets, warmup_full_variant=False,
+                                   collect_routing=args.routing != "off"),
         progress=False)
     t_ready = time.time() - t0
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
@@ -127,7 +132,8 @@ def main(argv=None) -> int:
     counter = [0]
 
     def run(n_out: int, temp: float, trace_steps: tuple[int, int] | None = None):
-        experts = []
+        experts, every = [], 1 if args.routing == "all" else max(1, n_out // 16)
+        decode_steps = 0
         for p in prompts:
             counter[0] += 1
             eng.add_request(f"r{counter[0]}", p, SamplingParams(temperature=temp, max_tokens=n_out, ignore_eos=True,
@@ -148,7 +154,9 @@ def main(argv=None) -> int:
             routing = eng.runner.last_routing
             plan_tokens = eng.runner.last_num_tokens
             if routing is not None and plan_tokens == len(prompts) and n_out > 1:
-                experts.append(routing)  # kept on the device: reading it now would stall the overlap
+                if decode_steps % every == 0:
+                    experts.append(routing)  # kept on the device: reading it now would stall the overlap
+                decode_steps += 1
         dt = time.time() - t
         if n_out > 16:
             n = max(1, timers["steps"])

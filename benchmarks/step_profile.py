@@ -43,6 +43,8 @@ def main(argv=None) -> int:
     add_variant_flags(ap)
     ap.add_argument("--attn-splits", type=int, default=0,
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
+    ap.add_argument("--attn-pages-per-step", type=int, default=0,
+                    help="pages the decode attention walks per loop step (kernels/mla_decode.PAGES_PER_STEP)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--label", default="")
@@ -66,6 +68,10 @@ def main(argv=None) -> int:
         from deepinfer_jax.kernels import mla_decode
 
         mla_decode.auto_splits = lambda num_tokens: args.attn_splits
+    if args.attn_pages_per_step:
+        from deepinfer_jax.kernels import mla_decode
+
+        mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
     if args.moe_decode_tiles:
         from deepinfer_jax.kernels import moe_gmm, moe_route
 
@@ -166,7 +172,7 @@ def main(argv=None) -> int:
     kind += f", {num_pages} pages"
     print(f"{args.label or 'variant'}: {kind} attn={args.attn_impl} moe={args.moe_impl}"
           f"{'+shared' if args.fuse_shared_experts else ''}{'+routing' if args.fuse_moe_routing else ''} "
-          f"prefill_attention={args.prefill_attention} "
+          f"prefill_attention={args.prefill_attention} attn_pages_per_step={args.attn_pages_per_step or 1} "
           f"unroll={args.unroll} "
           f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}: device step {dev*1e3:.2f} ms "
           f"({B * new / dev:,.0f} tok/s), host prepare {np.median(hs)*1e3:.2f} ms, compile+first {compile_s:.1f}s",

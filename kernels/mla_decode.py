@@ -5,8 +5,8 @@ decode tokens and prefill-chunk tokens), MQA of its H absorbed query heads again
 latent keys of its own sequence up to its position, fp32 online softmax, 512-wide latent values.
 
 Grid: (token, head block, context split). A program walks its share of the sequence's pages (the
-batch's longest context divided evenly over the splits) through the page table, one page
-(`page_size` keys) per step, keeping the running max / sum / accumulator in registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
+batch's longest context divided evenly over the splits) through the page table, `pages_per_step`
+pages (of `page_size` keys) per step, keeping the running max / sum / accumulator in registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
 backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
 still fill the GPU (flash-decoding).
 
@@ -27,33 +27,51 @@ EXACT = jax.lax.Precision.HIGHEST
 NEG = -1e30
 
 
-def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale):
-    """One online-softmax step over page `page` (the i-th of its sequence), shared by the decode and
-    prefill kernels. q_lat [rows, R], q_pe [rows, dr]; a key at position p is seen by a row iff
-    p <= visible_to (a scalar, or [rows, 1] per row); carry = (acc [rows, R], max [rows], sum [rows])."""
+def page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, *, page_size, rank, scale):
+    """Scores of q_lat [rows, R], q_pe [rows, dr] against page `page` (the i-th of its sequence): s [rows,
+    ps] fp32, scaled, NEG where a key's position p > visible_to (a scalar, or [rows, 1] per row); and the
+    page's values [ps, R]."""
     dr = q_pe.shape[-1]
     kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
     pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
     s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
     s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
     key_pos = i * page_size + jnp.arange(page_size)
-    return softmax_step(jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), kv, carry)
+    return jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), kv
+
+
+def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale):
+    """One online-softmax step over page `page` (`page_scores`), shared by the decode and prefill
+    kernels; carry = (acc [rows, R], max [rows], sum [rows])."""
+    return softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, page_size=page_size,
+                                     rank=rank, scale=scale), carry)
 
 
 def softmax_step(s, v, carry):
     """The online-softmax update for one key block: s [rows, keys] fp32 scores (scaled, masked to NEG),
     v [keys, dv] values; carry = (acc [rows, dv], max [rows], sum [rows]) -> the updated carry."""
+    return softmax_steps([s], [v], carry)
+
+
+def softmax_steps(ss, vs, carry):
+    """`softmax_step` over several key blocks at once (one max, one rescale): the blocks' loads are
+    independent, so a kernel walking several pages a step keeps more bytes in flight. Invariant (as
+    for one block): the first update of a carry sees at least one unmasked key per row."""
     acc, m, l = carry
-    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_new = m
+    for s in ss:
+        m_new = jnp.maximum(m_new, s.max(axis=-1))
     corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    l = l * corr + p.sum(axis=-1)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=EXACT)
-    return acc * corr[:, None] + pv, m_new, l
+    l, acc = l * corr, acc * corr[:, None]
+    for s, v in zip(ss, vs):
+        p = jnp.exp(s - m_new[:, None])
+        l = l + p.sum(axis=-1)
+        acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=EXACT)
+    return acc, m_new, l
 
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            page_size, rank, scale):
+            page_size, rank, scale, pages_per_step):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // page_size + 1  # pages holding keys 0..pos
@@ -62,13 +80,22 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     bh = ql_ref.shape[2]
     q_lat = ql_ref[0, 0]  # [bh, R]
     q_pe = qp_ref[0, 0]  # [bh, dr]
+    g = pages_per_step
 
-    def body(i, carry):
-        return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, pos, carry,
-                           page_size=page_size, rank=rank, scale=scale)
+    def body(j, carry):
+        # Pages first + g*j ... + g - 1; those at or past `last` (the next split's, or none) are read
+        # as page last - 1 and fully masked. The group's first page always holds a visible key.
+        blocks = []
+        for k in range(g):
+            i = first + j * g + k
+            visible = jnp.where(i < last, pos, -1)
+            blocks.append(page_scores(q_lat, q_pe, kv_ref, layer, pt_ref[seq, jnp.minimum(i, last - 1)], i,
+                                      visible, page_size=page_size, rank=rank, scale=scale))
+        return softmax_steps([b[0] for b in blocks], [b[1] for b in blocks], carry)
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
-    acc, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
+    steps = jnp.maximum(last - first + g - 1, 0) // g
+    acc, m, l = jax.lax.fori_loop(0, steps, body, init)
     o_ref[0, 0, 0] = acc
     m_ref[0, 0, 0] = m
     l_ref[0, 0, 0] = l
@@ -83,11 +110,17 @@ def auto_splits(num_tokens: int) -> int:
     return max(1, min(16, 128 // max(1, num_tokens)))
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages", "interpret"))
+PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; `pages_per_step`)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
+                                             "pages_per_step", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
-                        block_h=16, num_warps=8, num_stages=2, interpret=False):
+                        block_h=16, num_warps=8, num_stages=2, pages_per_step=1, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
-    would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T)."""
+    would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
+    pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
+    (one pipeline stage then: two stages of two bf16 pages would overflow shared memory)."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -105,7 +138,7 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     # [T, H, R] -> [T, nh, bh, R] so a program's query block is one contiguous slab.
     ql = q_lat.reshape(T, nh, bh, R)
     qp = q_pe.reshape(T, nh, bh, dr)
-    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale)
+    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
@@ -117,7 +150,7 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
         from jax.experimental.pallas import triton as plgpu
 
         # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
-        stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
+        stages = num_stages if kv_cache.dtype.itemsize < 4 and pages_per_step == 1 else 1
         params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
     o, m, l = pl.pallas_call(
         kernel,

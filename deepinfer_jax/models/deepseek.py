@@ -21,6 +21,8 @@ stacked per segment and run under `lax.scan`, so compile time does not grow with
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -95,8 +97,10 @@ def paged_attention(
 
         # More token slots than sequence rows: a bucket sized for prefill, whose chunks the block-query
         # kernel serves reading each page once per query block; otherwise the per-token decode kernel.
-        kernel = (mla_prefill.paged_mla_prefill_attention if q_lat.shape[0] > meta.page_table.shape[0]
-                  else mla_decode.paged_mla_attention)
+        if q_lat.shape[0] > meta.page_table.shape[0]:
+            kernel = mla_prefill.paged_mla_prefill_attention
+        else:
+            kernel = functools.partial(mla_decode.paged_mla_attention, pages_per_step=mla_decode.PAGES_PER_STEP)
         return kernel(
             q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
             interpret=attn_impl == "pallas_interpret",

@@ -74,6 +74,15 @@ def test_cache_over_4_gib_uses_64_bit_offsets(triton_ir, kernel):
     assert "i64" in _cache_pointer_offsets(triton_ir(kernel, big))  # the cache's loads switch to 64 bits
 
 
+@pytest.mark.parametrize("pages_per_step", [1, 2, 4])
+def test_decode_attention_with_several_pages_per_step_lowers_for_sm90(triton_modules, pages_per_step):
+    s = jax.ShapeDtypeStruct
+    args = (s((16, H, R), jnp.bfloat16), s((16, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
+            s((), jnp.int32), s((16,), jnp.int32), s((16,), jnp.int32), s((16, 64), jnp.int32))
+    (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, pages_per_step=pages_per_step), *args)
+    assert ir.count("tt.dot") == 3 * pages_per_step  # per page: latent and rope scores, values; one loop step
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_kernels_lower_for_sm90(triton_modules, shared):
     """Both MoE kernels lower at the V2-Lite layer shape (stacked weights read in place); with the
