@@ -3,8 +3,8 @@
 #   routing  Protocol A's engine decodes in 9.78 ms a step where the isolated step takes 9.01 ms, and its
 #            dispatch takes 4.65 ms where the isolated enqueue takes 1.2 ms (session 5). One difference:
 #            offline.py made every step return its routed expert ids and kept all 256 arrays on the
-#            device (a fresh output buffer per step). Protocol A (temp 0, one run) with the ids kept for
-#            every step / for 16 sampled steps (the default now) / not returned, each under XLA's
+#            device (a fresh output buffer per step). Protocol A (temp 0, one run) with the ids kept on
+#            the device / read to the host one step later (the default now) / not returned, each under XLA's
 #            command-buffer log: is the step's graph updated every step ("Updated command buffer ...
 #            num_commands=6xx")? Then the default again, traced (device busy / idle, host calls).
 #   pages    the decode attention walking 1 / 2 / 4 pages per loop step (kernels/mla_decode.PAGES_PER_STEP;
@@ -24,7 +24,7 @@ updates() {  # graph updates of the big (forward) command buffer, and how long t
     awk -v what="$2" '{s += $2; n++} END {printf "%s: %d updates of the step graph, mean %.0f us host\n", what, n, n ? s / n : 0}'
 }
 pa="benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0"
-for r in all sampled off; do
+for r in device host off; do
   vlog timeout 100 python3 $pa --routing $r > "$out/routing_$r.out" 2> "$out/routing_$r.err"
 done
 timeout 100 python3 $pa --trace /tmp/tr_engine 2>&1 | quiet > "$out/engine.log"
@@ -35,7 +35,7 @@ done 2>&1 | quiet > "$out/pages.log"
 SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 170 bash benchmarks/serve_start.sh "$out/warm" \
   2>&1 | grep -v "compiling .* step programs" > "$out/warm.log"
 echo "== summary =="
-for r in all sampled off; do
+for r in device host off; do
   echo "-- routing $r: $(grep -h -E "Protocol A" "$out/routing_$r.out" | cut -c1-80)"
   grep -h "engine loop" "$out/routing_$r.out"
   updates "$out/routing_$r.err" "   command buffer"

@@ -66,10 +66,11 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
-    ap.add_argument("--routing", choices=["sampled", "all", "off"], default="sampled",
-                    help="the routed expert ids behind the experts-touched figure: kept on the device for 16 "
-                         "decode steps of a run (sampled), for every step (all, as before session 5), or not "
-                         "returned by the step at all (off: an A/B of what collecting them costs)")
+    ap.add_argument("--routing", choices=["host", "device", "off"], default="host",
+                    help="the routed expert ids behind the experts-touched figure: read to the host one step "
+                         "later, as the sampled ids are (host), kept on the device until the run ends (device, "
+                         "as before session 5: a fresh output buffer every step), or not returned by the step "
+                         "at all (off: an A/B of what collecting them costs)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
@@ -132,8 +133,7 @@ def main(argv=None) -> int:
     counter = [0]
 
     def run(n_out: int, temp: float, trace_steps: tuple[int, int] | None = None):
-        experts, every = [], 1 if args.routing == "all" else max(1, n_out // 16)
-        decode_steps = 0
+        experts, pending, seen = [], None, None
         for p in prompts:
             counter[0] += 1
             eng.add_request(f"r{counter[0]}", p, SamplingParams(temperature=temp, max_tokens=n_out, ignore_eos=True,
@@ -153,11 +153,19 @@ def main(argv=None) -> int:
                     outs[o.request_id] = o
             routing = eng.runner.last_routing
             plan_tokens = eng.runner.last_num_tokens
-            if routing is not None and plan_tokens == len(prompts) and n_out > 1:
-                if decode_steps % every == 0:
+            if pending is not None:  # the step before this one has finished: no stall
+                experts.append(np.asarray(pending))
+                pending = None
+            fresh, seen = routing is not seen, routing  # a step that queued nothing leaves the last one
+            if routing is not None and fresh and plan_tokens == len(prompts) and n_out > 1:
+                if args.routing == "device":
                     experts.append(routing)  # kept on the device: reading it now would stall the overlap
-                decode_steps += 1
+                else:
+                    routing.copy_to_host_async()
+                    pending = routing
         dt = time.time() - t
+        if pending is not None:
+            experts.append(np.asarray(pending))
         if n_out > 16:
             n = max(1, timers["steps"])
             print(f"  engine loop: {n} steps, {dt / n * 1e3:.2f} ms/step: dispatch {timers['dispatch'] / n * 1e3:.2f} ms, "
