@@ -4,10 +4,12 @@
 #   gpu_vs_cpu  greedy tokens of the GPU kernels vs the CPU reference path (fp32), and bf16 vs fp32
 #   protocol_a  offline Protocol A (V2-Lite shape, random weights)
 #   hf_peer     the HF transformers peer of Protocol A (grouped_mm experts) on the same GPU
+#   vllm_peer   vLLM 0.26.0's Protocol A (../shared/peers/vllm_protocol_a.py), when its bundle's parts were
+#               carried into /tmp/vllm by the calls before (../shared/peers/vllm_bundle.sh); unpacked here
 #   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
 #               1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts and their order (default: all five, in the order above); PRESET the model shape;
+# PARTS picks parts and their order (default: all but vllm_peer, in the order above); PRESET the model shape;
 # KERNELS_ARGS (default --quick),
 # OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
 # carried in separate calls first.
@@ -27,9 +29,20 @@ run_part() {
     protocol_a) python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
       ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1 ;;
     hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
+    vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;
     protocol_b) protocol_b ;;
     *) echo "unknown part $1" ;;
   esac
+}
+
+vllm_peer() {
+  local dir=/tmp/vllm
+  if [[ ! -d $dir/site ]]; then
+    ls $dir/vllm.part* > /dev/null 2>&1 || { echo "no vLLM bundle in $dir (../shared/peers/vllm_bundle.sh)"; return; }
+    (cd $dir && cat vllm.part* | xz -d | tar -x &&
+      python3 -m pip install -q --no-index --no-deps --target $dir/pkgs deps/*.whl) || return
+  fi
+  PYTHONPATH=$dir/pkgs:$dir/site python3 $dir/vllm_protocol_a.py
 }
 
 protocol_b() {
@@ -57,5 +70,6 @@ has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/ker
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
+has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
 has protocol_b && cat "$out/serve_ready.log" && grep -h -E "^concurrency" "$out/protocol_b.log"
 exit 0
