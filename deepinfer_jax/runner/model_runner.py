@@ -150,7 +150,7 @@ class ModelRunner:
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
                 return (logits, out[2] if rc.collect_routing else None), kv_cache
 
-            self._fwd_fns[layout] = jax.jit(forward, donate_argnums=(1,))
+            self._fwd_fns[layout] = jax.jit(forward)  # the step program donates the cache
         return self._fwd_fns[layout]
 
     def _sample_fn(self, full: bool, layout: Layout):
