@@ -28,7 +28,7 @@ from aiohttp import web
 from deepinfer_jax import __version__
 from deepinfer_jax.engine.async_engine import AsyncEngine
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from deepinfer_jax.server.protocol import APIError, error_body
+from deepinfer_jax.server.protocol import APIError
 from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
 from deepinfer_jax.server.serving_chat import ChatHandler
 from deepinfer_jax.server.serving_completion import CompletionHandler

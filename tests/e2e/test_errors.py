@@ -10,7 +10,7 @@ import random
 import aiohttp
 import pytest
 
-from e2e_helpers import API_KEY, MODEL, wait_idle
+from e2e_helpers import API_KEY, wait_idle
 from scripted import TOOLS
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}

@@ -18,7 +18,7 @@ import pytest
 from deepinfer_jax.config import CacheConfig, SchedulerConfig
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.scheduler.scheduler import Scheduler
-from deepinfer_jax.types import Request, RequestStatus, SamplingParams
+from deepinfer_jax.types import Request, SamplingParams
 
 EOS = 2
 
