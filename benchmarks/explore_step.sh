@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The next GPU call's questions, a short table last:
-#   routing  Protocol A's engine decodes in 9.78 ms a step where the isolated step takes 9.01 ms, and its
-#            dispatch takes 4.65 ms where the isolated enqueue takes 1.2 ms (session 5). One difference:
-#            offline.py made every step return its routed expert ids and kept all 256 arrays on the
-#            device (a fresh output buffer per step). Protocol A (temp 0, one run) with the ids kept on
-#            the device / read to the host one step later (the default now) / not returned, each under XLA's
-#            command-buffer log: is the step's graph updated every step ("Updated command buffer ...
-#            num_commands=6xx")? Then the default again, traced (device busy / idle, host calls).
+#   engine   Protocol A's engine decodes in 9.78 ms a step where the isolated step takes 9.01 ms, and its
+#            dispatch takes 4.65 ms where the isolated enqueue takes 1.2 ms (session 5). Two candidates,
+#            2 x 2: offline.py kept every step's routed expert ids on the device (a fresh output buffer
+#            per step; `--routing device`, now `host`: read one step later), and warm-up ran each program
+#            once, so XLA's 3-run address profile ended on the engine's first overlapped steps
+#            (`--warmup-runs 1`, now 3). Protocol A (temp 0, one run) under XLA's command-buffer log
+#            (graph updates per run); the last one traced (device busy / idle, host calls).
 #   pages    the decode attention walking 1 / 2 / 4 pages per loop step (kernels/mla_decode.PAGES_PER_STEP;
 #            independent page loads in flight together): batch 16 at 4K context, where the kernel reads
 #            its latent cache at 1.9 TB/s, and batch 32 at 640
@@ -24,10 +24,11 @@ updates() {  # graph updates of the big (forward) command buffer, and how long t
     awk -v what="$2" '{s += $2; n++} END {printf "%s: %d updates of the step graph, mean %.0f us host\n", what, n, n ? s / n : 0}'
 }
 pa="benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0"
-for r in device host off; do
-  vlog timeout 100 python3 $pa --routing $r > "$out/routing_$r.out" 2> "$out/routing_$r.err"
+for v in "device 1" "host 1" "device 3" "host 3"; do
+  set -- $v
+  extra=""; [[ $v == "host 3" ]] && extra="--trace /tmp/tr_engine"
+  vlog timeout 100 python3 $pa --routing $1 --warmup-runs $2 $extra > "$out/engine_$1_$2.out" 2> "$out/engine_$1_$2.err"
 done
-timeout 100 python3 $pa --trace /tmp/tr_engine 2>&1 | quiet > "$out/engine.log"
 for run in "16 4096 1" "16 4096 2" "16 4096 4" "32 640 2"; do
   set -- $run
   timeout 80 python3 benchmarks/step_profile.py --label "pages$3_b$1" --batch $1 --context $2 --attn-pages-per-step $3
@@ -35,12 +36,12 @@ done 2>&1 | quiet > "$out/pages.log"
 SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 170 bash benchmarks/serve_start.sh "$out/warm" \
   2>&1 | grep -v "compiling .* step programs" > "$out/warm.log"
 echo "== summary =="
-for r in device host off; do
-  echo "-- routing $r: $(grep -h -E "Protocol A" "$out/routing_$r.out" | cut -c1-80)"
-  grep -h "engine loop" "$out/routing_$r.out"
-  updates "$out/routing_$r.err" "   command buffer"
+for v in device_1 host_1 device_3 host_3; do
+  echo "-- routing / warm-up runs $v: $(grep -h -E "Protocol A" "$out/engine_$v.out" | cut -c1-80)"
+  grep -h -E "engine loop|start-up" "$out/engine_$v.out" | cut -c1-120
+  updates "$out/engine_$v.err" "   command buffer"
 done
-grep -h -E "^device over|GPU kernel time|host .*(Graph|ExecuteThunks)" "$out/engine.log"
+grep -h -E "^device over|GPU kernel time|host .*(Graph|ExecuteThunks)" "$out/engine_host_3.out"
 grep -h -E "^pages|pipelined via comp" "$out/pages.log" | sed -E 's/TP=1.*: device/: device/'
 grep -h -E "^serve|ready in|KV cache" "$out/warm.log"
 for f in "$out"/*.err; do tail -c 200000 "$f" > "$f.tail"; rm -f "$f"; done

@@ -66,6 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
+    ap.add_argument("--warmup-runs", type=int, default=None,
+                    help="runs of each step program at warm-up (RunnerConfig.warmup_runs; 1 = before session 5)")
     ap.add_argument("--routing", choices=["host", "device", "off"], default="host",
                     help="the routed expert ids behind the experts-touched figure: read to the host one step "
                          "later, as the sampled ids are (host), kept on the device until the run ends (device, "
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                                    **variant_kwargs(args),
                                    token_buckets=buckets, warmup_full_variant=False,
-                                   collect_routing=args.routing != "off"),
+                                   collect_routing=args.routing != "off",
+                                   **({} if args.warmup_runs is None else {"warmup_runs": args.warmup_runs})),
         progress=False)
     t_ready = time.time() - t0
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "

@@ -313,6 +313,15 @@ class RunnerConfig:
     # chunk in the expanded form (kernels/mla_chunk.py, 3.4x fewer FLOPs) and to the cached context in
     # the absorbed form; "absorbed" runs all of it absorbed (kernels/mla_prefill.py).
     prefill_attention: str = "expanded"
+    # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
+    # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
+    # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
+    # left out, and every later change of its address updates the program's CUDA graph (1.6 ms of host
+    # time for a decode step). Blocking runs on padding see each buffer at one address, as
+    # `benchmarks/step_profile.py`'s first steps do (its steps then enqueue in 1.2 ms). With one run,
+    # the engine's first two overlapped steps completed the profile; whether that caused its 4.65 ms
+    # dispatch (session 5) is measured by `benchmarks/explore_step.sh`.
+    warmup_runs: int = 3
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

@@ -198,8 +198,8 @@ class ModelRunner:
         return self._step_fns[key]
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile the step of every (bucket, sampling variant), then run each once on padding. Returns
-        the number of programs compiled.
+        """Compile the step of every (bucket, sampling variant), then run each `warmup_runs` times on
+        padding. Returns the number of programs compiled.
 
         Each program is traced and lowered here (a bucket's forward is traced once for both variants),
         then the XLA compiles run in parallel threads (XLA releases the GIL). Steps then call the
@@ -243,8 +243,9 @@ class ModelRunner:
             list(pool.map(compile_one, lowered))
         if bar is not None:
             bar.close()
-        for host in hosts:
-            jax.block_until_ready(self._run(host))
+        for host in hosts:  # one at a time, each finished before the next (RunnerConfig.warmup_runs)
+            for _ in range(max(1, self.runner_cfg.warmup_runs)):
+                jax.block_until_ready(self._run(host))
         self._warm = True
         return len(lowered)
 
