@@ -49,6 +49,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, help="attention implementation (engine default if unset)")
     g.add_argument("--moe-impl", default=None, help="MoE implementation (engine default if unset)")
+    g.add_argument("--unroll-max-tokens", type=int, default=None,
+                   help="steps of at most this many token slots run the layers unrolled: faster decode steps, "
+                        "but each such bucket's programs take tens of seconds more to compile on an empty "
+                        "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
     g.add_argument("--compilation-cache-dir", default="default",
                    help='XLA compilation cache ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; '
                         '"none": off)')
@@ -142,4 +146,6 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["attn_impl"] = ns.attn_impl
     if ns.moe_impl:
         kw["moe_impl"] = ns.moe_impl
+    if ns.unroll_max_tokens is not None:
+        kw["unroll_max_tokens"] = ns.unroll_max_tokens
     return kw

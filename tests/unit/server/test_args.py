@@ -28,6 +28,9 @@ def test_defaults_and_vllm_names():
     assert ns.page_size == 16 and not ns.enable_prefix_caching and ns.served_model_name == ["a", "b"]
     kw = engine_kwargs(ns)
     assert kw["page_size"] == 16 and kw["enable_prefix_caching"] is False and "attn_impl" not in kw
+    assert "unroll_max_tokens" not in kw  # the engine's default (256 on a GPU)
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--unroll-max-tokens", "0"]))
+    assert kw["unroll_max_tokens"] == 0
 
 
 def test_yaml_then_flags(tmp_path):
