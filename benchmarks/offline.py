@@ -205,21 +205,12 @@ def main(argv=None) -> int:
         results[f"temp{temp}"] = {"seconds": best, "tok_s": tps, "limit_tok_s": limit, "experts": experts,
                                   "distinct_tokens": distinct}
     if args.trace:
-        from benchmarks.trace_tools import gpu_kernels, host_calls, layer_sequence, print_idle_gaps, summarize
+        from benchmarks.trace_tools import print_report
 
         first = max(2, args.output_len // 2 - 10)
         run(args.output_len, 0.0, (first, first + 20))
-        kern = gpu_kernels(args.trace)
-        if kern:
-            moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
-            print(f"engine trace, decode steps {first}-{first + 20}:")
-            print_idle_gaps(kern, moe_layers)
-            steps = max(1, sum("gate_up" in e["name"] for e in kern) // moe_layers)
-            summarize(kern, steps, top=25)
-            print("host calls per step (CUDA driver / runtime, XLA thunks):")
-            for name, calls, us in host_calls(args.trace, steps):
-                print(f"  host {us:9.1f} us/step  x{calls:7.1f}  {name[:100]}")
-            layer_sequence(kern)
+        print(f"engine trace, decode steps {first}-{first + 20}:")
+        print_report(args.trace, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))), top=25)
     results["compiles_after_warmup"] = eng.runner.compiles_after_warmup
     stats = dev.memory_stats() or {}
     if "peak_bytes_in_use" in stats:

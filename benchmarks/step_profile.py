@@ -188,21 +188,12 @@ def top_kernels(runner, host, trace_dir: str, moe_layers: int, steps: int = 3) -
     """Trace `steps` steps and print GPU time per kernel name, one layer in launch order and the idle gaps."""
     import jax
 
-    from benchmarks.trace_tools import gpu_kernels, host_calls, layer_sequence, print_idle_gaps, summarize
+    from benchmarks.trace_tools import print_report
 
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
             jax.block_until_ready(runner._run(host))
-    kern = gpu_kernels(trace_dir)
-    if not kern:
-        print("no perfetto trace written")
-        return
-    summarize(kern, steps)
-    print("host calls per step (CUDA driver / runtime, XLA thunks):")
-    for name, calls, us in host_calls(trace_dir, steps):
-        print(f"  host {us:9.1f} us/step  x{calls:7.1f}  {name[:100]}")
-    print_idle_gaps(kern, moe_layers)
-    layer_sequence(kern)
+    print_report(trace_dir, moe_layers, steps)
 
 
 if __name__ == "__main__":

@@ -165,3 +165,21 @@ def print_idle_gaps(kern: list[dict], moe_layers: int) -> None:
         print(f"  idle {us:8.1f} us between {before[:50]} and {after[:50]}")
     for us, before, after in g["by_pair"]:
         print(f"  idle {us:8.1f} us/step in all gaps between {before} and {after}")
+
+
+def print_report(trace_dir: str, moe_layers: int, steps: int | None = None, top: int = 40) -> bool:
+    """Everything above for the newest trace under trace_dir: the idle gaps, GPU time by category and
+    kernel, the host calls, one layer in launch order. `steps`: traced steps (default: counted from the
+    MoE gate_up launches). False when the trace holds no GPU kernels (or none was written)."""
+    kern = gpu_kernels(trace_dir)
+    if not kern:
+        print(f"no GPU kernels in a perfetto trace under {trace_dir}")
+        return False
+    steps = steps or max(1, sum("gate_up" in e["name"] for e in kern) // moe_layers)
+    print_idle_gaps(kern, moe_layers)
+    summarize(kern, steps, top=top)
+    print("host calls per step (CUDA driver / runtime, XLA thunks):")
+    for name, calls, us in host_calls(trace_dir, steps):
+        print(f"  host {us:9.1f} us/step  x{calls:7.1f}  {name[:100]}")
+    layer_sequence(kern)
+    return True

@@ -64,3 +64,14 @@ def test_host_calls_counts_driver_calls_per_step_outside_the_gpu(tmp_path):
     with gzip.open(folder / "host.perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": events}, f)
     assert host_calls(d, steps=2) == [("cuGraphLaunch", 1.0, 30.0), ("cuLaunchKernel", 3.0, 12.0)]
+
+
+def test_print_report_counts_steps_from_the_moe_launches(tmp_path, capsys):
+    step = [("_gate_up_kernel", 0.0, 50.0), ("_down_kernel", 50.0, 30.0), ("_kernel", 85.0, 10.0)]
+    d = _trace(tmp_path, step + [(n, t + 195.0, d) for n, t, d in step])
+    from benchmarks.trace_tools import print_report
+
+    assert print_report(d, moe_layers=1)
+    out = capsys.readouterr().out
+    assert "GPU kernel time per step: 0.09 ms over 3 kernels" in out  # 2 steps counted, 90 us each
+    assert not print_report(str(tmp_path / "missing"), moe_layers=1)
