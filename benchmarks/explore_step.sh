@@ -12,7 +12,7 @@
 #            its latent cache at 1.9 TB/s, and batch 32 at 640
 #   warm     `serve` started twice on one fresh cache with one bucket (2 programs): does the second start
 #            load its programs from the cache now that the KV cache is sized in whole GiB (ff5ce8b)?
-#   bash benchmarks/explore_step.sh OUTDIR
+#   bash benchmarks/explore_step.sh OUTDIR          (WARM=0 leaves out the serve part)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -33,8 +33,10 @@ for run in "16 4096 1" "16 4096 2" "16 4096 4" "32 640 2"; do
   set -- $run
   timeout 80 python3 benchmarks/step_profile.py --label "pages$3_b$1" --batch $1 --context $2 --attn-pages-per-step $3
 done 2>&1 | quiet > "$out/pages.log"
-SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 170 bash benchmarks/serve_start.sh "$out/warm" \
-  2>&1 | grep -v "compiling .* step programs" > "$out/warm.log"
+if [[ ${WARM:-1} == 1 ]]; then
+  SERVE_ARGS="--max-num-batched-tokens 16 --max-num-seqs 16" timeout 170 bash benchmarks/serve_start.sh "$out/warm" \
+    2>&1 | grep -v "compiling .* step programs" > "$out/warm.log"
+fi
 echo "== summary =="
 for v in device_1 host_1 device_3 host_3; do
   echo "-- routing / warm-up runs $v: $(grep -h -E "Protocol A" "$out/engine_$v.out" | cut -c1-80)"
@@ -43,5 +45,5 @@ for v in device_1 host_1 device_3 host_3; do
 done
 grep -h -E "^device over|GPU kernel time|host .*(Graph|ExecuteThunks)" "$out/engine_host_3.out"
 grep -h -E "^pages|pipelined via comp" "$out/pages.log" | sed -E 's/TP=1.*: device/: device/'
-grep -h -E "^serve|ready in|KV cache" "$out/warm.log"
+[[ -f $out/warm.log ]] && grep -h -E "^serve|ready in|KV cache" "$out/warm.log"
 for f in "$out"/*.err; do tail -c 200000 "$f" > "$f.tail"; rm -f "$f"; done
