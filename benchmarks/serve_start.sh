@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `deepinfer serve` from start to /health, twice on one fresh compilation cache: first empty (every step
-# program compiled), then warm (loaded from the cache). V2-Lite shape, random weights drawn on the
-# device (`--load-format dummy`), Protocol B's server flags. Prints both times and the warm-up's log.
+# program compiled), then warm (loaded from the cache); then `tuned`: a fresh cache holding only the
+# first run's GEMM autotuning results (XLA's per-fusion autotune cache, saved to OUTDIR/autotune.tgz),
+# which is what shipping tuned results for the GPU would give. V2-Lite shape, random weights drawn on
+# the device (`--load-format dummy`), Protocol B's server flags. Prints the times and the warm-up's log.
 #   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]     (SERVE_ARGS: more serve flags, e.g. fewer buckets)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +13,14 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 dummy=$(mktemp -d)
 python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
 export DEEPINFER_CACHE_DIR=$(mktemp -d)
-for run in empty warm; do
+first=$DEEPINFER_CACHE_DIR
+for run in ${RUNS:-empty warm tuned}; do
+  if [[ $run == tuned ]]; then
+    export DEEPINFER_CACHE_DIR=$(mktemp -d)
+    cp -r "$first/xla_gpu_per_fusion_autotune_cache_dir" "$DEEPINFER_CACHE_DIR/"
+    tar czf "$out/autotune.tgz" -C "$first" xla_gpu_per_fusion_autotune_cache_dir
+    echo "autotune results: $(ls "$first/xla_gpu_per_fusion_autotune_cache_dir" | wc -l) files, $(du -sh "$first/xla_gpu_per_fusion_autotune_cache_dir" | cut -f1)"
+  fi
   python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
     --max-model-len 1024 ${SERVE_ARGS:-} > "$out/server_$run.log" 2>&1 &
   server=$!

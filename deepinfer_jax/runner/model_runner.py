@@ -38,7 +38,7 @@ from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, k
 from deepinfer_jax.models.deepseek import forward_paged
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
-from deepinfer_jax.runner.packing import Layout, pack, unpack
+from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, unpack, unpack_bits
 from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
@@ -84,6 +84,72 @@ class CompileCounter:
         return cls._count
 
 
+def _key(host: HostStep):
+    return pack(host.meta)[2], host.penalties, pack(host.sampling)[2]
+
+
+def _sizes(layout: Layout) -> tuple[int, int]:
+    """(ints, floats) element counts of a `pack` layout."""
+    n = [0, 0]
+    for is_float, shape, _, _ in layout.leaves:
+        n[is_float] += int(np.prod(shape)) if shape else 1
+    return n[0], n[1]
+
+
+def _split_inbox(inbox, parts):
+    """int32 [sum(parts)] -> (meta ints, meta floats, sampling ints, sampling floats); floats bit-cast."""
+    out, off = [], 0
+    for i, n in enumerate(parts):
+        a = jax.lax.slice(inbox, (off,), (off + n,))
+        out.append(jax.lax.bitcast_convert_type(a, jnp.float32) if i % 2 else a)
+        off += n
+    return out
+
+
+def _extract(outbox, n_sampled: int, routing_shape: tuple[int, ...] | None):
+    """Copies of the packed sampled tokens (for the host) and of the routed expert ids (when collected:
+    int32 [num_moe_layers, T, k]), so that the next step can overwrite the outbox."""
+    routing = None if routing_shape is None else outbox[n_sampled:].reshape(routing_shape)
+    return jnp.array(outbox[:n_sampled], copy=True), routing
+
+
+@dataclass
+class _Resident:
+    """One step program's resident buffers: `inbox` int32 [sum(parts)] holds the step's packed inputs
+    (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast), rewritten in place by
+    ModelRunner._stage; `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
+    sampled tokens first (`sampled_layout`), rewritten in place by the step."""
+    parts: tuple[int, int, int, int]
+    inbox: Any
+    outbox: Any
+    sampled_layout: Layout
+    routing_shape: tuple[int, ...] | None
+
+    @property
+    def n_sampled(self) -> int:
+        return bits_size(self.sampled_layout)
+
+
+@dataclass
+class StepOut:
+    """One queued step's results on the device: `buf`, its packed SampleOutput (int32, unpacked with
+    `layout`); `routing`, the routed expert ids (None unless RunnerConfig.collect_routing)."""
+    buf: Any
+    layout: Layout
+    routing: Any
+
+    def block_until_ready(self) -> "StepOut":
+        self.buf.block_until_ready()
+        return self
+
+    def copy_to_host_async(self) -> None:
+        self.buf.copy_to_host_async()
+
+    def to_host(self):
+        """The step's SampleOutput with numpy leaves (waits for the step)."""
+        return unpack_bits(np.asarray(self.buf), self.layout)
+
+
 @dataclass
 class StepResult:
     token_ids: dict[str, int]
@@ -108,18 +174,22 @@ class ModelRunner:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
         self._fwd_fns: dict[Any, Any] = {}  # meta layout (one per bucket) -> jitted forward
         self._smp_fns: dict[Any, Any] = {}  # (full, sampling layout) -> jitted sampler
-        self._step_fns: dict[Any, Any] = {}  # (meta layout, full, sampling layout) -> jitted step
+        self._core_fns: dict[Any, Any] = {}  # (meta layout, full, sampling layout) -> jitted step core
+        self._step_fns: dict[Any, Any] = {}  # the same keys -> jitted step program (resident buffers)
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
+        self._programs: dict[Any, _Resident] = {}  # the same keys -> the program's resident buffers
+        # Buffers the step programs read and write at fixed addresses (see _step_fn): replicated.
+        self._resident_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if sharding is None
+                                   else jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
-        self._prev_tokens = jnp.zeros((self.max_rows,), jnp.int32)
-        if sharding is not None:  # placed like the step's output, so the first step compiles the same shape
-            self._prev_tokens = jax.device_put(
-                self._prev_tokens, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
-        else:  # committed like the step's outputs: with committed params (a converted checkpoint) an
-            # uncommitted first cache / prev_tokens made the first real step compile again
-            self._prev_tokens = jax.device_put(self._prev_tokens, jax.devices()[0])
+        self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._resident_sharding)
+        if sharding is None:
+            # uncommitted, the first cache made the first real step compile again
             self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
+        self._stage = jax.jit(lambda inbox, host: jax.lax.dynamic_update_slice(inbox, host, (0,)),
+                              donate_argnums=0, out_shardings=self._resident_sharding)
+        self._extract = jax.jit(_extract, static_argnums=(1, 2))
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0
@@ -174,80 +244,120 @@ class ModelRunner:
             self._smp_fns[key] = jax.jit(sample_step)
         return self._smp_fns[key]
 
-    def _step_fn(self, meta_layout: Layout, full: bool, sampling_layout: Layout):
-        """The jitted step of one (bucket, variant): the bucket's forward and the variant's sampler as
-        one program, the cache donated: (params, kv_cache, prev_tokens, meta ints, meta floats,
-        sampling ints, sampling floats) -> (SampledTokens, next prev_tokens, kv_cache).
-
-        One program, not a forward and a sampler queued one after the other: with two, the forward's
-        CUDA graph (~650 kernels) was re-recorded at every step because some of its argument and
-        result addresses changed from step to step (XLA's VA remapping left them out), costing
-        1.6 ms of host time and the graph's upload on the device: a batch-16 step took 11.6 ms
-        instead of 8.4 (benchmarks/RESULTS.md, session 5). The forward's and the sampler's traces are
-        cached per bucket and per variant, so tracing the variants of a bucket traces its forward once."""
-        key = (meta_layout, full, sampling_layout)
-        if key not in self._step_fns:
+    def _core_fn(self, key):
+        """The jitted step of one (bucket, variant) on unpacked inputs: (params, kv_cache, prev_tokens,
+        meta ints, meta floats, sampling ints, sampling floats) -> ((SampleOutput, routing), next
+        prev_tokens, kv_cache). The forward's and the sampler's traces are cached per bucket and per
+        variant, so tracing the variants of a bucket traces its forward once."""
+        if key not in self._core_fns:
+            meta_layout, full, sampling_layout = key
             fwd, smp = self._forward_fn(meta_layout), self._sample_fn(full, sampling_layout)
 
-            def step(params, kv_cache, prev_tokens, mi, mf, si, sf):
+            def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
                 (logits, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
                 sampled, nxt = smp(logits, prev_tokens, si, sf)
                 return (sampled, routing), nxt, kv_cache
 
-            self._step_fns[key] = jax.jit(step, donate_argnums=(1,))
+            self._core_fns[key] = jax.jit(core)
+        return self._core_fns[key]
+
+    def _resident(self, key) -> "_Resident":
+        """The resident inbox and outbox of one step program (made on first use): their sizes follow from
+        the key's layouts and the program's result shapes (jax.eval_shape; the trace is cached)."""
+        if key not in self._programs:
+            meta_layout, full, sampling_layout = key
+            parts = (*_sizes(meta_layout), *_sizes(sampling_layout))  # mi, mf, si, sf
+            args = [jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts, (jnp.int32, jnp.float32) * 2)]
+            results, _, _ = jax.eval_shape(self._core_fn(key), self.params, self.kv_cache,
+                                          self._prev_tokens, *args)
+            zeros = lambda n: jax.device_put(jnp.zeros((n,), jnp.int32), self._resident_sharding)  # noqa: E731
+            sampled, routing = results
+            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(bits_size(bits_layout(results))),
+                                            bits_layout(sampled), None if routing is None else routing.shape)
+        return self._programs[key]
+
+    def _step_fn(self, key):
+        """The jitted step program of one (bucket, variant): (params, kv_cache, prev_tokens, inbox,
+        outbox) -> (kv_cache, next prev_tokens, outbox), the cache, prev_tokens and outbox donated.
+
+        Every buffer its CUDA graph touches keeps one address from step to step, so XLA replays the
+        graph as recorded. The step's host inputs arrive in a fresh buffer that a small program
+        (`_stage`) copies into this program's resident inbox; the results (packed, pack_bits) overwrite
+        its resident outbox, which another small program (`_Resident.extract`) copies out for the
+        host. Fed fresh buffers instead, XLA's VA remapping left 8 of the graph's allocations out and
+        re-recorded the ~700-command graph at every step of the engine: ~1 ms of host time and the
+        graph's upload on the device (benchmarks/RESULTS.md, session 6). For the same reason the
+        forward and the sampler are one program: as two, the forward's graph was re-recorded at every
+        step (1.6 ms; session 5)."""
+        if key not in self._step_fns:
+            core, res = self._core_fn(key), self._resident(key)
+            sharded = self.sharding is not None
+
+            def step(params, kv_cache, prev_tokens, inbox, outbox):
+                mi, mf, si, sf = _split_inbox(inbox, res.parts)
+                results, nxt, kv_cache = core(params, kv_cache, prev_tokens, mi, mf, si, sf)
+                outbox = jax.lax.dynamic_update_slice(outbox, pack_bits(results), (0,))  # in place
+                if sharded:
+                    outbox = jax.lax.with_sharding_constraint(outbox, self._resident_sharding)
+                return kv_cache, nxt, outbox
+
+            self._step_fns[key] = jax.jit(step, donate_argnums=(1, 2, 4))
         return self._step_fns[key]
 
     def warmup(self, progress: bool = True) -> int:
         """Compile the step of every (bucket, sampling variant), then run each `warmup_runs` times on
         padding. Returns the number of programs compiled.
 
-        Each program is traced and lowered here (a bucket's forward is traced once for both variants),
-        then the XLA compiles run in parallel threads (XLA releases the GIL). Steps then call the
-        compiled executables directly."""
+        Programs are traced and lowered one after another on this thread (a bucket's forward is traced
+        once for both variants); each goes to a pool of compile threads as soon as it is lowered (XLA
+        releases the GIL), the slowest first: the unrolled programs, larger buckets before smaller
+        ones, then the scanned ones. Steps then call the compiled executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         t0 = time.perf_counter()
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
-        hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full)
-                 for b in self.shapes.buckets for full in variants]
-        programs = {}  # (meta layout, full, sampling layout) -> (bucket, lowered step)
-        for host in hosts:
-            (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-            key = (ml, host.penalties, sl)
-            if key not in programs:
-                programs[key] = host.bucket, self._step_fn(*key).lower(self.params, self.kv_cache,
-                                                                       self._prev_tokens, mi, mf, si, sf)
-        lowered = list(programs.items())
-        log.info("warm-up: traced and lowered %d step programs in %.1f s", len(lowered), time.perf_counter() - t0)
+        platform = jax.default_backend()
+        buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
+        hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
+        keys = set(map(_key, hosts))
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(lowered), desc=f"compiling {len(lowered)} step programs", unit="program", leave=False)
+            bar = tqdm(total=len(keys), desc=f"compiling {len(keys)} step programs", unit="program", leave=False)
 
-        def compile_one(item):
-            key, (bucket, program) = item
+        def compile_one(key, bucket, lowered):
             t = time.perf_counter()
-            self._step_exes[key] = program.compile()
+            self._step_exes[key] = lowered.compile()
             log.info("warm-up: compiled the %s step of %d tokens in %.1f s", "full" if key[1] else "base",
                      bucket, time.perf_counter() - t)
             if bar is not None:
                 bar.update(1)
 
         # On an empty cache most of the time goes to XLA's GEMM autotuning, timed on the device by all
-        # threads at once (H200, serve's 16 programs: 170 s; each unrolled decode program 22-25 s with
-        # its autotuning results cached on disk). Compiling base variants before full ones, so that a
-        # bucket's second program found the first one's results, made no difference (170 vs 173 s).
-        workers = max(1, min(len(lowered), os.cpu_count() or 1, 8))
+        # threads at once (H200, serve's 16 programs: 170 s; 58 s from start to ready with the
+        # autotuning results on disk, runner/compile_cache.py). Compiling base variants before full
+        # ones, so that a bucket's second program found the first one's results, made no difference.
+        workers = max(1, min(len(keys), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            list(pool.map(compile_one, lowered))
+            futures = {}
+            for host in hosts:
+                key = _key(host)
+                if key not in futures:
+                    res = self._resident(key)
+                    lowered = self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
+                                                       res.inbox, res.outbox)
+                    futures[key] = pool.submit(compile_one, key, host.bucket, lowered)
+            log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures), time.perf_counter() - t0)
+            for f in futures.values():
+                f.result()
         if bar is not None:
             bar.close()
         for host in hosts:  # one at a time, each finished before the next (RunnerConfig.warmup_runs)
             for _ in range(max(1, self.runner_cfg.warmup_runs)):
                 jax.block_until_ready(self._run(host))
         self._warm = True
-        return len(lowered)
+        return len(keys)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
@@ -275,13 +385,18 @@ class ModelRunner:
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
         return HostStep(meta, st, rids, rows, bucket, full)
 
-    def _run(self, host: HostStep):
-        """Queue the step's one program (four small host->device copies per step)."""
+    def _run(self, host: HostStep) -> "StepOut":
+        """Queue the step: one host->device copy of its packed inputs, the small program that puts them
+        in the step program's inbox, the step program, and the small one that copies its results out."""
         (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
         key = (ml, host.penalties, sl)
-        step = self._step_exes.get(key) or self._step_fn(*key)
-        (out, routing), self._prev_tokens, self.kv_cache = step(
-            self.params, self.kv_cache, self._prev_tokens, mi, mf, si, sf)
+        res = self._resident(key)
+        step = self._step_exes.get(key) or self._step_fn(key)
+        res.inbox = self._stage(res.inbox, np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)]))
+        self.kv_cache, self._prev_tokens, res.outbox = step(
+            self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
+        buf, routing = self._extract(res.outbox, res.n_sampled, res.routing_shape)
+        out = StepOut(buf, res.sampled_layout, routing)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
 
@@ -295,10 +410,9 @@ class ModelRunner:
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
         out = self._run(host)
-        # Start the sampled ids' device-to-host copy now: it runs as soon as the step ends, and `fetch`
+        # Start the results' device-to-host copy now: it runs as soon as the step ends, and `fetch`
         # (called after the next step is queued) finds them on the host.
-        for a in (out.token_ids, *((out.logprob, out.top_logprob_ids, out.top_logprobs) if host.penalties else ())):
-            a.copy_to_host_async()
+        out.copy_to_host_async()
         if self._warm and CompileCounter.count() != before:
             self.compiles_after_warmup += CompileCounter.count() - before
             log.warning("compiled a new step shape after warm-up (bucket %d, full=%s)", host.bucket, host.penalties)
@@ -310,12 +424,13 @@ class ModelRunner:
     def execute(self, plan_seqs, requests, seeds, ranks=None) -> StepResult:
         return self.fetch(self.dispatch(plan_seqs, requests, seeds, ranks))
 
-    def collect(self, host: HostStep, out) -> StepResult:
-        ids = np.asarray(out.token_ids)
+    def collect(self, host: HostStep, out: "StepOut") -> StepResult:
+        sampled = out.to_host()
+        ids = sampled.token_ids
         result = StepResult({}, {})
-        lp = np.asarray(out.logprob) if host.penalties else None
-        top_ids = np.asarray(out.top_logprob_ids) if host.penalties else None
-        top_lps = np.asarray(out.top_logprobs) if host.penalties else None
+        lp = sampled.logprob if host.penalties else None
+        top_ids = sampled.top_logprob_ids if host.penalties else None
+        top_lps = sampled.top_logprobs if host.penalties else None
         for row in host.sample_rows:
             rid = host.request_ids[row]
             result.token_ids[rid] = int(ids[row])

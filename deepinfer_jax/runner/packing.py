@@ -3,6 +3,10 @@ of ~17), and unpack them inside the jitted step with static slices.
 
 Invariant: `unpack(*pack(tree)[:2], layout)` rebuilds `tree` exactly (uint32 leaves travel bit-cast
 through int32). The layout is static (shapes, dtypes, treedef), so each step shape has one layout.
+
+`pack_bits` / `unpack_bits` go the other way, device to host: a step's results in one int32 buffer
+(floats bit-cast), so that they land in the step program's resident outbox (runner/model_runner.py).
+Invariant: `unpack_bits(np.asarray(pack_bits(tree)), bits_layout(tree))` rebuilds `tree` exactly.
 """
 
 from __future__ import annotations
@@ -52,4 +56,46 @@ def unpack(ints: jax.Array, floats: jax.Array, layout: Layout) -> Any:
         elif a.dtype != jnp.dtype(dtype):
             a = a.astype(dtype)
         out.append(a)
+    return jax.tree.unflatten(layout.treedef, out)
+
+
+# ---- one int32 buffer, floats bit-cast: a step's results in its resident outbox ---------------------
+def bits_layout(tree: Any) -> Layout:
+    """The layout of `tree` (arrays or ShapeDtypeStructs of 32-bit or narrower ints and floats) in one
+    int32 buffer: leaves one after another, floats bit-cast from float32. `Layout.leaves[i][3]` is the
+    leaf's offset in that buffer."""
+    leaves, treedef = jax.tree.flatten(tree)
+    desc, n = [], 0
+    for leaf in leaves:
+        size = int(np.prod(leaf.shape)) if leaf.shape else 1
+        desc.append((jnp.dtype(leaf.dtype).kind == "f", tuple(leaf.shape), str(jnp.dtype(leaf.dtype)), n))
+        n += size
+    return Layout(treedef, tuple(desc))
+
+
+def bits_size(layout: Layout) -> int:
+    return sum(int(np.prod(shape)) if shape else 1 for _, shape, _, _ in layout.leaves)
+
+
+def pack_bits(tree: Any) -> jax.Array:
+    """Inside a jitted function: `tree` -> int32 [bits_size(bits_layout(tree))]."""
+    parts = []
+    for leaf in jax.tree.leaves(tree):
+        a = jnp.ravel(leaf)
+        if jnp.issubdtype(a.dtype, jnp.floating):
+            a = jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)
+        elif a.dtype == jnp.uint32:
+            a = jax.lax.bitcast_convert_type(a, jnp.int32)
+        parts.append(a.astype(jnp.int32))
+    return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
+
+
+def unpack_bits(buf: np.ndarray, layout: Layout) -> Any:
+    """On the host: the inverse of `pack_bits` (numpy leaves of the original dtypes)."""
+    out = []
+    for is_float, shape, dtype, off in layout.leaves:
+        n = int(np.prod(shape)) if shape else 1
+        a = buf[off:off + n]
+        a = a.view(np.float32) if is_float else (a.view(np.uint32) if dtype == "uint32" else a)
+        out.append(a.reshape(shape).astype(dtype, copy=False))
     return jax.tree.unflatten(layout.treedef, out)

@@ -21,9 +21,21 @@ def _llm(path, **kw):
     return LLM(path, **args)
 
 
+def _addresses(runner):
+    """Device addresses of the buffers every step program reads and writes in place."""
+    at = {"kv_cache": runner.kv_cache.unsafe_buffer_pointer(), "prev": runner._prev_tokens.unsafe_buffer_pointer()}
+    for key, res in runner._programs.items():
+        at[key, "inbox"], at[key, "outbox"] = res.inbox.unsafe_buffer_pointer(), res.outbox.unsafe_buffer_pointer()
+    return at
+
+
 def _check(llm, model, hf_greedy, prompts, max_tokens):
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    before = _addresses(llm.engine.runner)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    # Each step program's inputs and results stay at the addresses warm-up gave them (what lets XLA
+    # replay its CUDA graph unchanged on the GPU).
+    assert _addresses(llm.engine.runner) == before
     assert [o.prompt_token_ids for o in outs] == prompts
     for p, n, o in zip(prompts, max_tokens, outs):
         assert o.outputs[0].token_ids == hf_greedy(model, p, n), f"prompt of {len(p)} tokens"
