@@ -262,18 +262,24 @@ class ModelRunner:
         return self._core_fns[key]
 
     def _resident(self, key) -> "_Resident":
-        """The resident inbox and outbox of one step program (made on first use): their sizes follow from
-        the key's layouts and the program's result shapes (jax.eval_shape; the trace is cached)."""
+        """The resident inbox and outbox of one step program (made on first use), sized from the key's
+        layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on logits [S, V])
+        and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
         if key not in self._programs:
             meta_layout, full, sampling_layout = key
             parts = (*_sizes(meta_layout), *_sizes(sampling_layout))  # mi, mf, si, sf
-            args = [jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts, (jnp.int32, jnp.float32) * 2)]
-            results, _, _ = jax.eval_shape(self._core_fn(key), self.params, self.kv_cache,
-                                          self._prev_tokens, *args)
+            meta = jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
+                                                            for _, shape, dtype, _ in meta_layout.leaves])
+            logits = jax.ShapeDtypeStruct((meta.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32)
+            sampled, _ = jax.eval_shape(self._sample_fn(full, sampling_layout), logits, self._prev_tokens,
+                                        *(jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32))))
+            routing = None
+            if self.runner_cfg.collect_routing:
+                n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
+                routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
+            size = bits_size(bits_layout(sampled)) + (int(np.prod(routing)) if routing else 0)
             zeros = lambda n: jax.device_put(jnp.zeros((n,), jnp.int32), self._resident_sharding)  # noqa: E731
-            sampled, routing = results
-            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(bits_size(bits_layout(results))),
-                                            bits_layout(sampled), None if routing is None else routing.shape)
+            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(size), bits_layout(sampled), routing)
         return self._programs[key]
 
     def _step_fn(self, key):
@@ -296,6 +302,10 @@ class ModelRunner:
             def step(params, kv_cache, prev_tokens, inbox, outbox):
                 mi, mf, si, sf = _split_inbox(inbox, res.parts)
                 results, nxt, kv_cache = core(params, kv_cache, prev_tokens, mi, mf, si, sf)
+                sampled, routing = results
+                if (bits_layout(sampled) != res.sampled_layout or
+                        (None if routing is None else routing.shape) != res.routing_shape):
+                    raise AssertionError(f"step results {results} do not fit the outbox made for them")
                 outbox = jax.lax.dynamic_update_slice(outbox, pack_bits(results), (0,))  # in place
                 if sharded:
                     outbox = jax.lax.with_sharding_constraint(outbox, self._resident_sharding)
