@@ -297,7 +297,8 @@ class ModelRunner:
         step (1.6 ms; session 5)."""
         if key not in self._step_fns:
             core, res = self._core_fn(key), self._resident(key)
-            sharded = self.sharding is not None
+            # no `self` in the closure: the runner (and its KV cache) must go when its owner drops it
+            resident_sharding = self._resident_sharding if self.sharding is not None else None
 
             def step(params, kv_cache, prev_tokens, inbox, outbox):
                 mi, mf, si, sf = _split_inbox(inbox, res.parts)
@@ -307,8 +308,8 @@ class ModelRunner:
                         (None if routing is None else routing.shape) != res.routing_shape):
                     raise AssertionError(f"step results {results} do not fit the outbox made for them")
                 outbox = jax.lax.dynamic_update_slice(outbox, pack_bits(results), (0,))  # in place
-                if sharded:
-                    outbox = jax.lax.with_sharding_constraint(outbox, self._resident_sharding)
+                if resident_sharding is not None:
+                    outbox = jax.lax.with_sharding_constraint(outbox, resident_sharding)
                 return kv_cache, nxt, outbox
 
             self._step_fns[key] = jax.jit(step, donate_argnums=(1, 2, 4))

@@ -115,3 +115,22 @@ def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
     llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
                max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
+
+
+def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
+    """Without a collection pass: no reference cycle keeps the runner (and the device memory of its KV
+    cache) alive once its owner drops it. A second engine in the same process (benchmarks/gpu_vs_cpu.py)
+    sizes its cache from the memory the first one gave back."""
+    import gc
+    import weakref
+
+    _, path = hf_case("v3_flat_plain_rope")
+    llm = _llm(path)
+    llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2))
+    runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv_cache)
+    gc.disable()
+    try:
+        del llm
+        assert runner() is None and cache() is None
+    finally:
+        gc.enable()
