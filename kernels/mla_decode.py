@@ -82,7 +82,11 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     q_pe = qp_ref[0, 0]  # [bh, dr]
     g = pages_per_step
 
-    def body(j, carry):
+    def body(i, carry):  # one page a step
+        return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, pos, carry,
+                           page_size=page_size, rank=rank, scale=scale)
+
+    def body_group(j, carry):
         # Pages first + g*j ... + g - 1; those at or past `last` (the next split's, or none) are read
         # as page last - 1 and fully masked. The group's first page always holds a visible key.
         blocks = []
@@ -94,8 +98,11 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
         return softmax_steps([b[0] for b in blocks], [b[1] for b in blocks], carry)
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
-    steps = jnp.maximum(last - first + g - 1, 0) // g
-    acc, m, l = jax.lax.fori_loop(0, steps, body, init)
+    if g == 1:
+        acc, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
+    else:
+        steps = jnp.maximum(last - first + g - 1, 0) // g
+        acc, m, l = jax.lax.fori_loop(0, steps, body_group, init)
     o_ref[0, 0, 0] = acc
     m_ref[0, 0, 0] = m
     l_ref[0, 0, 0] = l
