@@ -5,6 +5,7 @@ Used by step_profile.py (isolated steps) and offline.py (the engine's own loop).
 
 from __future__ import annotations
 
+import functools
 import glob
 import gzip
 import json
@@ -28,9 +29,13 @@ def _load(trace_dir: str) -> tuple[list[dict], set] | None:
     """(every event, the GPU processes' pids) of the newest perfetto trace under trace_dir; None if none."""
     files = sorted(glob.glob(os.path.join(trace_dir, "**", "*perfetto_trace.json.gz"), recursive=True),
                    key=os.path.getmtime)
-    if not files:
-        return None
-    with gzip.open(files[-1]) as f:
+    return _read(files[-1], os.path.getmtime(files[-1])) if files else None
+
+
+@functools.lru_cache(maxsize=2)
+def _read(path: str, mtime: float) -> tuple[list[dict], set]:
+    """One trace file, parsed once however many readers ask (`mtime` keys a rewritten file anew)."""
+    with gzip.open(path) as f:
         events = json.load(f)
     events = events.get("traceEvents", events)
     names = {}
