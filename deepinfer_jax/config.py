@@ -316,11 +316,10 @@ class RunnerConfig:
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
-    # left out, and every later change of its address updates the program's CUDA graph (1.6 ms of host
-    # time for a decode step). Blocking runs on padding see each buffer at one address, as
-    # `benchmarks/step_profile.py`'s first steps do (its steps then enqueue in 1.2 ms). With one run,
-    # the engine's first two overlapped steps completed the profile; whether that caused its 4.65 ms
-    # dispatch (session 5) is measured by `benchmarks/explore_step.sh`.
+    # left out. Three blocking runs finish that profile before the engine's overlapped steps begin. In
+    # session 6 it made no measured difference (1 or 3 runs: the step graph was re-recorded at every
+    # step either way, because of fresh input buffers; the resident buffers of ModelRunner._step_fn
+    # fixed that), so it is kept as the cheap, safe order.
     warmup_runs: int = 3
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:

@@ -8,8 +8,10 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   buffer) of ~1,100 kernels. By default XLA re-records the graph whenever an argument's address
   changes, which happens every step (fresh input and output buffers): 4.7-9.5 ms of host time a step
   on an H200, as long as half the device step. SKIP_PROFILED watches which buffers keep their
-  addresses over the first runs and gives the others stable virtual addresses (CUDA VMM remapping),
-  so the graph is recorded once: host enqueue 1.9 ms a step (benchmarks/RESULTS.md). It switches
+  addresses over a program's first three runs and maps those at fixed virtual addresses (CUDA VMM
+  remapping); a buffer that moved in them is left out, and the graph is re-recorded whenever it moves
+  again. The runner therefore feeds each step program resident buffers that never move
+  (`ModelRunner._step_fn`), and the graph is recorded once (benchmarks/RESULTS.md, sessions 3-6). It switches
   the GPU client to XLA's VMM allocator, which reports no memory stats; the KV cache is then sized
   from the driver's free-memory figure (`ModelRunner.pages_for_memory`). CPU ignores it. Applied only
   where at most one CUDA device is visible: with several GPUs the collectives would run from

@@ -289,7 +289,7 @@ class ModelRunner:
         Every buffer its CUDA graph touches keeps one address from step to step, so XLA replays the
         graph as recorded. The step's host inputs arrive in a fresh buffer that a small program
         (`_stage`) copies into this program's resident inbox; the results (packed, pack_bits) overwrite
-        its resident outbox, which another small program (`_Resident.extract`) copies out for the
+        its resident outbox, which another small program (`_extract`) copies out for the
         host. Fed fresh buffers instead, XLA's VA remapping left 8 of the graph's allocations out and
         re-recorded the ~700-command graph at every step of the engine: ~1 ms of host time and the
         graph's upload on the device (benchmarks/RESULTS.md, session 6). For the same reason the
@@ -330,12 +330,14 @@ class ModelRunner:
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
-        keys = set(map(_key, hosts))
+        keyed: dict[Any, HostStep] = {}  # each program's key -> its first host, the slowest program first
+        for host in hosts:
+            keyed.setdefault(_key(host), host)
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(keys), desc=f"compiling {len(keys)} step programs", unit="program", leave=False)
+            bar = tqdm(total=len(keyed), desc=f"compiling {len(keyed)} step programs", unit="program", leave=False)
 
         def compile_one(key, bucket, lowered):
             t = time.perf_counter()
@@ -349,18 +351,16 @@ class ModelRunner:
         # threads at once (H200, serve's 16 programs: 170 s; 58 s from start to ready with the
         # autotuning results on disk, runner/compile_cache.py). Compiling base variants before full
         # ones, so that a bucket's second program found the first one's results, made no difference.
-        workers = max(1, min(len(keys), os.cpu_count() or 1))
+        workers = max(1, min(len(keyed), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            futures = {}
-            for host in hosts:
-                key = _key(host)
-                if key not in futures:
-                    res = self._resident(key)
-                    lowered = self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
-                                                       res.inbox, res.outbox)
-                    futures[key] = pool.submit(compile_one, key, host.bucket, lowered)
+            futures = []
+            for key, host in keyed.items():
+                res = self._resident(key)
+                lowered = self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
+                                                   res.inbox, res.outbox)
+                futures.append(pool.submit(compile_one, key, host.bucket, lowered))
             log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures), time.perf_counter() - t0)
-            for f in futures.values():
+            for f in futures:
                 f.result()
         if bar is not None:
             bar.close()
@@ -368,7 +368,7 @@ class ModelRunner:
             for _ in range(max(1, self.runner_cfg.warmup_runs)):
                 jax.block_until_ready(self._run(host))
         self._warm = True
-        return len(keys)
+        return len(keyed)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
