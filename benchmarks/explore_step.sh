@@ -23,7 +23,7 @@ updates() {  # graph updates of the big (forward) command buffer, and how long t
   grep -E "Updated command buffer in [0-9]+ [^;]*; num_commands=[0-9]{3,}" "$1" | grep -oE "in [0-9]+" |
     awk -v what="$2" '{s += $2; n++} END {printf "%s: %d updates of the step graph, mean %.0f us host\n", what, n, n ? s / n : 0}'
 }
-pa="benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0"
+pa="benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0"
 for v in "device 1" "host 1" "device 3" "host 3"; do
   set -- $v
   extra=""; [[ $v == "host 3" ]] && extra="--trace /tmp/tr_engine"

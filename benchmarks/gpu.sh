@@ -26,7 +26,7 @@ run_part() {
     kernels) python3 benchmarks/kernels.py ${KERNELS_ARGS:---quick} > "$out/kernels.log" 2>&1 ;;
     gpu_vs_cpu) python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
       > "$out/gpu_vs_cpu.log" 2>&1 ;;
-    protocol_a) python3 benchmarks/offline.py --preset "$preset" --buckets 32,8192 --json "$out/protocol_a.json" \
+    protocol_a) python3 benchmarks/offline.py --preset "$preset" --buckets 32,16384 --json "$out/protocol_a.json" \
       ${OFFLINE_ARGS:-} > "$out/protocol_a.log" 2>&1 ;;
     hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
     vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;

@@ -10,5 +10,5 @@ py() { log=$1; shift; timeout ${LIMIT:-200} python3 "$@" > "$out/$log" 2>&1; gre
 LIMIT=150 py mla_prefill.log benchmarks/kernels.py --only mla_prefill --quick
 py decode_profile.log benchmarks/step_profile.py --trace /tmp/tr_dec
 py prefill_profile.log benchmarks/step_profile.py --prefill 512 --batch 16 --context 0 --trace /tmp/tr_pre
-py protocol_a.log benchmarks/offline.py --buckets 32,8192 --runs 2
+py protocol_a.log benchmarks/offline.py --buckets 32,16384 --runs 2
 py bf16_noise.log benchmarks/sharded_check.py --layouts single_xla

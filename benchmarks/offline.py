@@ -59,7 +59,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--attn-impl", default="pallas")
     ap.add_argument("--moe-impl", default="pallas")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="the token budget of a step; 16384 is vLLM's default for its LLM class on an H200 (>= 70 GiB), so a "
+                         "Protocol A prefill of 32 x 512 is one step in both engines")
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--buckets", default="", help="comma-separated token buckets (default: powers of two)")
@@ -77,6 +79,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
                          "device's busy / idle time per step and the kernels (benchmarks/trace_tools.py)")
+    ap.add_argument("--trace-steps", default="",
+                    help="with --trace: the engine steps to trace, FIRST:LAST (1-based, LAST exclusive; 1:0 = the "
+                         "whole run, prefill included), and a per-step timeline of their periods")
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
@@ -148,7 +153,7 @@ def main(argv=None) -> int:
             timers["steps"] += 1
             if trace_steps and timers["steps"] == trace_steps[0]:
                 jax.profiler.start_trace(args.trace, create_perfetto_trace=True)
-            if trace_steps and timers["steps"] == trace_steps[1]:
+            if trace_steps and timers["steps"] == trace_steps[1] > 0:
                 jax.profiler.stop_trace()
             plan_tokens = None
             for o in eng.step():
@@ -167,6 +172,8 @@ def main(argv=None) -> int:
                     routing.copy_to_host_async()
                     pending = routing
         dt = time.time() - t
+        if trace_steps and (trace_steps[1] <= 0 or timers["steps"] < trace_steps[1]):
+            jax.profiler.stop_trace()  # the window ran to the end of the run
         if pending is not None:
             experts.append(np.asarray(pending))
         if n_out > 16:
@@ -207,10 +214,21 @@ def main(argv=None) -> int:
     if args.trace:
         from benchmarks.trace_tools import print_report
 
-        first = max(2, args.output_len // 2 - 10)
-        run(args.output_len, 0.0, (first, first + 20))
-        print(f"engine trace, decode steps {first}-{first + 20}:")
-        print_report(args.trace, sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))), top=25)
+        moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
+        if args.trace_steps:
+            first, last = (int(x) for x in args.trace_steps.split(":"))
+        else:
+            first = max(2, args.output_len // 2 - 10)
+            last = first + 20
+        run(args.output_len, 0.0, (first, last))
+        print(f"engine trace, steps {first}-{last if last > 0 else 'end'}:")
+        print_report(args.trace, moe_layers, top=25)
+        if args.trace_steps:
+            from benchmarks.trace_tools import gpu_kernels, print_step_timeline
+
+            prefill_steps = -(-args.batch * args.prompt_len // args.max_num_batched_tokens)
+            print_step_timeline(gpu_kernels(args.trace) or [], moe_layers,
+                                first_decode=max(0, prefill_steps - first + 1))
     results["compiles_after_warmup"] = eng.runner.compiles_after_warmup
     stats = dev.memory_stats() or {}
     if "peak_bytes_in_use" in stats:

@@ -172,6 +172,59 @@ def print_idle_gaps(kern: list[dict], moe_layers: int) -> None:
         print(f"  idle {us:8.1f} us/step in all gaps between {before} and {after}")
 
 
+def step_timeline(kern: list[dict], moe_layers: int) -> list[dict]:
+    """One row per step of the first GPU, for a trace that starts at a step's beginning: the step's period
+    (from its first MoE gate_up launch to the next step's), the kernel time inside that period
+    (overlaps counted once) and the rest idle. A step is `moe_layers` consecutive gate_up launches, so
+    the periods are exact whatever else (stage and extract programs, the sampler) sits between steps;
+    the last step has no successor and is left out."""
+    if not kern:
+        return []
+    first = min(k["pid"] for k in kern)
+    kern = [e for e in kern if e["pid"] == first]
+    marks = [e["ts"] for e in kern if re.search(r"gate_up", e["name"])][::moe_layers]
+    rows, j = [], 0
+    for a, b in zip(marks, marks[1:]):
+        while j < len(kern) and kern[j]["ts"] < a:
+            j += 1
+        inside, i = [], j
+        while i < len(kern) and kern[i]["ts"] < b:
+            e = kern[i]
+            inside.append({"ts": e["ts"], "dur": min(e.get("dur", 0.0), b - e["ts"])})
+            i += 1
+        busy = busy_union(inside)
+        rows.append({"start_us": a - marks[0], "period_us": b - a, "busy_us": busy, "idle_us": b - a - busy,
+                     "kernels": len(inside)})
+    return rows
+
+
+def print_step_timeline(kern: list[dict], moe_layers: int, first_decode: int = 0) -> None:
+    """The step periods of `step_timeline` in ranges (the first steps one by one, then the rest in
+    groups) and the slowest steps: where a run's mean step time goes beyond the steady state."""
+    rows = step_timeline(kern, moe_layers)
+    if not rows:
+        return
+    print(f"step timeline ({len(rows)} steps with a successor; decode from step {first_decode}):")
+    print("  steps        period ms   busy ms   idle ms   kernels")
+
+    def line(label, rs):
+        n = len(rs)
+        print(f"  {label:12s} {sum(r['period_us'] for r in rs) / n / 1e3:9.3f} {sum(r['busy_us'] for r in rs) / n / 1e3:9.3f}"
+              f" {sum(r['idle_us'] for r in rs) / n / 1e3:9.3f} {sum(r['kernels'] for r in rs) / n:9.0f}")
+
+    for i in range(min(len(rows), first_decode + 4)):
+        line(f"{i}", [rows[i]])
+    edges = [first_decode + 4, first_decode + 20, first_decode + 60, first_decode + 120, first_decode + 180, len(rows)]
+    for a, b in zip(edges, edges[1:]):
+        if a < min(b, len(rows)):
+            line(f"{a}-{min(b, len(rows)) - 1}", rows[a:b])
+    dec = rows[first_decode:]
+    if dec:
+        line("all decode", dec)
+        for i, r in sorted(enumerate(dec), key=lambda ir: -ir[1]["period_us"])[:5]:
+            print(f"  slowest: step {first_decode + i}: {r['period_us'] / 1e3:.3f} ms, idle {r['idle_us'] / 1e3:.3f} ms")
+
+
 def print_report(trace_dir: str, moe_layers: int, steps: int | None = None, top: int = 40) -> bool:
     """Everything above for the newest trace under trace_dir: the idle gaps, GPU time by category and
     kernel, the host calls, one layer in launch order. `steps`: traced steps (default: counted from the

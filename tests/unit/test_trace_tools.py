@@ -7,7 +7,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-from benchmarks.trace_tools import busy_union, gpu_kernels, host_calls, idle_gaps  # noqa: E402
+from benchmarks.trace_tools import busy_union, gpu_kernels, host_calls, idle_gaps, step_timeline  # noqa: E402
 
 
 def _trace(tmp_path, kernels):
@@ -46,6 +46,21 @@ def test_idle_gaps_finds_the_gap_between_steps(tmp_path):
     assert g["largest"][0] == (100.0, "_kernel", "_gate_up_kernel")
     assert g["by_pair"][0] == (50.0, "_kernel", "_gate_up_kernel")  # 100 us over 2 steps
     assert g["by_pair"][1] == (5.0, "_down_kernel", "_kernel")  # 5 us in each step
+
+
+def test_step_timeline_gives_each_step_its_period_busy_and_idle_time(tmp_path):
+    # Three steps of two MoE layers (gate_up, down each): the second step runs 40 us of kernels more
+    # than the first (a longer attention), the third starts after 300 us of idle.
+    def step(t0, attn):
+        return [("_gate_up_kernel", t0, 50.0), ("_down_kernel", t0 + 50.0, 30.0), ("_kernel", t0 + 80.0, attn),
+                ("_gate_up_kernel", t0 + 80.0 + attn, 50.0), ("_down_kernel", t0 + 130.0 + attn, 30.0)]
+
+    kern = gpu_kernels(_trace(tmp_path, step(0.0, 10.0) + step(200.0, 50.0) + step(800.0, 10.0)))
+    rows = step_timeline(kern, moe_layers=2)
+    assert [r["period_us"] for r in rows] == [200.0, 600.0]  # the last step has no successor
+    assert [r["busy_us"] for r in rows] == [170.0, 210.0]
+    assert [r["idle_us"] for r in rows] == [30.0, 390.0]
+    assert [r["kernels"] for r in rows] == [5, 5]
 
 
 def test_host_calls_counts_driver_calls_per_step_outside_the_gpu(tmp_path):
