@@ -6,16 +6,21 @@ import argparse
 
 
 def add_variant_flags(ap: argparse.ArgumentParser) -> None:
-    """--[no-]fuse-shared-experts, --[no-]fuse-moe-routing, --prefill-attention (RunnerConfig's defaults)."""
+    """--[no-]fuse-shared-experts, --[no-]fuse-moe-routing, --prefill-attention, --[no-]decode-projection-kernel
+    (RunnerConfig's defaults)."""
     ap.add_argument("--fuse-shared-experts", action=argparse.BooleanOptionalAction, default=True,
                     help="run the shared experts inside the Pallas MoE kernels (RunnerConfig.fuse_shared_experts)")
     ap.add_argument("--fuse-moe-routing", action=argparse.BooleanOptionalAction, default=True,
                     help="route and align decode steps in one Pallas kernel (RunnerConfig.fuse_moe_routing)")
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+    ap.add_argument("--decode-projection-kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="decode steps' projections read in place by kernels/decode_matmul.py "
+                         "(RunnerConfig.decode_projection_kernel)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
     return dict(fuse_shared_experts=args.fuse_shared_experts, fuse_moe_routing=args.fuse_moe_routing,
-                prefill_attention=args.prefill_attention)
+                prefill_attention=args.prefill_attention,
+                decode_projection_kernel=args.decode_projection_kernel)

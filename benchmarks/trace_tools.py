@@ -15,6 +15,7 @@ from collections import defaultdict
 
 CATEGORIES = [  # (category, regex over kernel names), first match wins
     ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel"),
+    ("decode projections (Pallas)", r"decode_matmul"),
     ("MLA attention (Pallas)", r"mla|_kernel"),
     ("memcpy", r"[Mm]emcpy|copy"),
     ("collectives", r"nccl|all_reduce|all_gather|reduce_scatter|all-reduce|all-gather"),

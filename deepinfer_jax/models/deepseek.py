@@ -22,6 +22,7 @@ stacked per segment and run under `lax.scan`, so compile time does not grow with
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -31,10 +32,11 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
+from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
+from deepinfer_jax.models.quant import is_quantized
 
 
 def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> jax.Array:
@@ -81,6 +83,33 @@ def forward(
 
         h, _ = jax.lax.scan(body, h, seg_params)
     return _logits(params, cfg, h)
+
+
+# Projections a decode step reads in place (group, name, weight dims contracted): those XLA copies
+# before its GEMM (o_proj's slice for cuBLAS; the dense MLP's down weight, padded for a split K). The
+# q / kv_a projections stay with XLA, which fuses them into one GEMM: 7.5 us a layer on an H200 against
+# 10.5 us for the kernel's two launches (benchmarks/RESULTS.md, session 7).
+STACKABLE = (("attn", "o_proj", 2), ("mlp", "gate_up", 1), ("mlp", "down", 1))
+
+
+def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules: MeshRules | None,
+                   enabled: bool) -> dict:
+    """{(group, name): stacked weight [L, ...]} of the segment's projections that a step reads in place
+    through kernels/decode_matmul.py: with `enabled`, on the Pallas path on one device, for a step of at
+    most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile. Empty otherwise."""
+    if not enabled or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None:
+        return {}
+    from deepinfer_jax.kernels import decode_matmul
+
+    out = {}
+    for group, name, in_dims in STACKABLE:
+        w = seg_params.get(group, {}).get(name)
+        if w is None or is_quantized(w):
+            continue
+        K, N = math.prod(w.shape[1:1 + in_dims]), math.prod(w.shape[1 + in_dims:])
+        if decode_matmul.supported(num_tokens, K, N):
+            out[(group, name)] = w
+    return out
 
 
 def paged_attention(
@@ -200,6 +229,7 @@ def forward_paged(
     fuse_shared_experts: bool = False,
     fuse_moe_routing: bool = False,
     prefill_attention: str = "expanded",
+    decode_projection_kernel: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -210,7 +240,10 @@ def forward_paged(
     `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel.
     `prefill_attention`: "expanded" splits a prefill-bucket step's attention on the Pallas path (one
     device) into the new tokens' chunk in the expanded form and the cached context in the absorbed
-    form (`attend_split`); "absorbed" keeps the whole of it absorbed."""
+    form (`attend_split`); "absorbed" keeps the whole of it absorbed.
+    `decode_projection_kernel`: where `decode_stacked` allows (decode-size steps on the Pallas path, one
+    device), the attention projections and the dense MLP read their layer's weights in place through
+    kernels/decode_matmul.py instead of XLA's GEMMs."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -227,10 +260,16 @@ def forward_paged(
                                                              meta.token_ids.shape[0]):
                 experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
+        projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
+                                     decode_projection_kernel)
+        for group, name in projections:
+            scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
-        def body(carry, xs, kind=seg.kind, experts=experts):
+        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections):
             h, cache = carry
             lp, li, j = xs
+            for (group, name), w in projections.items():  # read in place by the decode kernel
+                lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]

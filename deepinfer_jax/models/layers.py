@@ -7,6 +7,7 @@ Weights are stored JAX-style `[in, out]` (the converter transposes HF's `[out, i
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,8 +28,36 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     return weight * normed
 
 
+class StackedWeight(NamedTuple):
+    """One layer's weight left inside its layer-stacked array: `stacked` [L, *shape], `layer` an int32
+    scalar. Decode steps hand their projections over in this form (models/deepseek.py) so that
+    kernels/decode_matmul.py reads the layer's weight in place (`stacked_matmul`); slicing it out
+    would copy it every step."""
+
+    stacked: jax.Array
+    layer: jax.Array
+    interpret: bool = False
+
+
+def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Array:
+    """x [..., *in] through one layer of w.stacked [L, *in, *out] (its first `in_dims` weight dims
+    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel."""
+    from deepinfer_jax.kernels.decode_matmul import decode_matmul
+
+    shape = w.stacked.shape[1:]
+    ins, outs = shape[:in_dims], shape[in_dims:]
+    K, N = math.prod(ins), math.prod(outs)
+    lead = x.shape[: x.ndim - in_dims]
+    y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer,
+                      interpret=w.interpret)
+    return y.astype(x.dtype).reshape(*lead, *outs)
+
+
 def linear(x: jax.Array, w) -> jax.Array:
-    """x: [..., in] @ w: [in, out] -> [..., out]. `w` may be a quantized weight (see models/quant.py)."""
+    """x: [..., in] @ w: [in, out] -> [..., out]. `w` may be a quantized weight (see models/quant.py) or a
+    StackedWeight."""
+    if isinstance(w, StackedWeight):
+        return stacked_matmul(x, w)
     if is_quantized(w):
         return quantized_matmul(x, w)
     return jnp.einsum("...i,io->...o", x, w.astype(x.dtype))
@@ -47,6 +76,9 @@ def silu_mul(gate: jax.Array, up: jax.Array) -> jax.Array:
 def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     """down(silu(gate(x)) * up(x)). p: gate_up [D, 2, I], down [I, D]. x: [T, D] -> [T, D]."""
     w = p["gate_up"]
+    if isinstance(w, StackedWeight):
+        gu = stacked_matmul(x, w)  # [T, 2, I]
+        return linear(silu_mul(gu[..., 0, :], gu[..., 1, :]), p["down"])
     if is_quantized(w):
         gu = linear(x, _flatten_gate_up(w))  # [T, 2I]
         inter = gu.shape[-1] // 2

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.layers import apply_rope, linear, rms_norm, weight
+from deepinfer_jax.models.layers import StackedWeight, apply_rope, linear, rms_norm, stacked_matmul, weight
 
 MASK_VALUE = -1e30
 
@@ -84,5 +84,7 @@ def attend_absorbed_dense(
 
 
 def output_projection(p: dict, attn: jax.Array) -> jax.Array:
-    """attn [..., H, dv] -> [..., D] through o_proj [H, dv, D]."""
+    """attn [..., H, dv] -> [..., D] through o_proj [H, dv, D] (or a StackedWeight of it, read in place)."""
+    if isinstance(p["o_proj"], StackedWeight):
+        return stacked_matmul(attn, p["o_proj"], in_dims=2)
     return jnp.einsum("...hv,hvd->...d", attn, weight(p["o_proj"], attn.dtype))

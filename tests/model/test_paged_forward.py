@@ -212,6 +212,51 @@ def test_routing_inside_the_kernel_equals_the_xla_router(hf_case, case, monkeypa
     assert calls == [0, cfg.n_shared_experts]  # traced once per variant (one scanned MoE body each)
 
 
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_projection_kernel: a decode-size step reads o_proj and the dense MLP in place
+    from the stacked weights (kernels/decode_matmul.py, interpret mode): the same
+    logits and cache as XLA's GEMMs. Prefill-size steps, the reference path, quantized weights and a
+    disabled flag keep XLA's GEMMs."""
+    from deepinfer_jax.kernels import decode_matmul
+    from deepinfer_jax.models.deepseek import decode_stacked
+    from deepinfer_jax.models.quant import quantize_params
+
+    calls = []
+    real = decode_matmul.decode_matmul
+    monkeypatch.setattr(decode_matmul, "decode_matmul", lambda x, w, *a, **k: calls.append(w.shape) or real(x, w, *a, **k))
+
+    _, path = hf_case(case)
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    per_segment = 0
+    for seg, sp in zip(layer_segments(cfg), params["segments"]):
+        names = set(decode_stacked(sp, 16, "pallas_interpret", None, True))
+        mlp = {("mlp", "gate_up"), ("mlp", "down")} if seg.kind == "dense" else set()
+        assert names == {("attn", "o_proj")} | mlp
+        per_segment += len(names)
+        assert not decode_stacked(sp, 128, "pallas_interpret", None, True)  # a prefill-size step
+        assert not decode_stacked(sp, 16, "reference", None, True)
+        assert not decode_stacked(sp, 16, "pallas_interpret", None, False)
+    qsegs = quantize_params(params, "int8", group_size=16)["segments"]
+    assert ("attn", "o_proj") not in set().union(*(decode_stacked(sp, 16, "pallas_interpret", None, True)
+                                                   for sp in qsegs))
+    ids = np.random.default_rng(9).integers(0, cfg.vocab_size, (1, 12))
+    outs = []
+    for enabled in (False, True):
+        cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+        step = jax.jit(lambda p, c, m, e=enabled: forward_paged(
+            p, cfg, c, m, attn_impl="pallas_interpret", moe_impl="pallas_interpret", decode_projection_kernel=e))
+        logits, cache = step(params, cache, _meta(ids, [[1, 2]], 0, 11))  # 11 tokens in a 16-slot step
+        dec, cache = step(params, cache, _meta(ids, [[1, 2]], 11, 1))  # then one decode token
+        outs.append((logits, dec, cache))
+    # The enabled step was traced once (both steps have 16 slots): one kernel per projection and segment.
+    assert len(calls) == per_segment
+    for got, want in zip(outs[1], outs[0]):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+    full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))[0]
+    np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
+
+
 def test_grouped_routing_keeps_the_xla_router(hf_case):
     from deepinfer_jax.models.moe import routing_into_kernels
 

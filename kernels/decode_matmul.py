@@ -1,0 +1,114 @@
+"""Decode-size projections that read one layer's weight in place from the layer-stacked array, in
+Pallas (Triton backend).
+
+    y = x @ W[layer]        x [T, K] (a decode step's few tokens), W [L, K, N] -> y [T, N]
+
+The model keeps each projection's weights stacked over layers for `lax.scan`. At decode sizes a
+projection is a weight stream (T rows against K x N weights), and XLA's lowering loses bandwidth on it
+two ways (H200, V2-Lite, batch 32; benchmarks/RESULTS.md, session 7): the q / kv_a GEMM split K into a
+batched Triton GEMM that read 15 MB in 7.5 us (2.0 TB/s), and o_proj went to cuBLAS, which cannot take a
+slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then multiplied
+(4.1 us).
+
+Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile
+n] in block_k steps, fp32 accumulation, and writes its partial sum; the split_k partials [split_k, T, N]
+fp32 are added in JAX, where XLA fuses the sum into the consumer. `plan` picks the tiles so that about
+128 programs stream the weight at once.
+
+Three parts (ARCHITECTURE.md rule 6): `decode_matmul` (the kernel; `interpret=True` runs it on the CPU)
+and `decode_matmul_reference` (pure JAX, the same result up to fp32 summation order). Invariants: T is
+padded to a power of two of at least 16 rows (Triton's dot) and the padding rows are dropped; block_n
+divides N, split_k * block_k divides K (split_k need not be a power of two: it only counts programs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+# fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
+EXACT = jax.lax.Precision.HIGHEST
+
+# Steps of at most this many tokens use the kernel (RunnerConfig.decode_projection_kernel); larger
+# steps are GEMMs that XLA's tiles serve well.
+MAX_TOKENS = 64
+TARGET_PROGRAMS = 128  # about one program per SM of an H200 (132)
+
+
+def _largest_pow2_divisor(n: int, cap: int) -> int:
+    b = 1
+    while b * 2 <= cap and n % (b * 2) == 0:
+        b *= 2
+    return b
+
+
+def plan(K: int, N: int) -> tuple[int, int, int] | None:
+    """(block_n, block_k, split_k) for a [K, N] weight, or None when no power-of-two tiling of at
+    least 16 fits (the caller then keeps XLA's GEMM)."""
+    block_n = _largest_pow2_divisor(N, 128)
+    block_k = _largest_pow2_divisor(K, 64)
+    if block_n < 16 or block_k < 16:
+        return None
+    tiles, steps = N // block_n, K // block_k
+    # The fewest K chunks (a divisor of the K steps) that bring the grid to TARGET_PROGRAMS.
+    split_k = next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= TARGET_PROGRAMS), steps)
+    return block_n, block_k, split_k
+
+
+def supported(num_tokens: int, K: int, N: int) -> bool:
+    return num_tokens <= MAX_TOKENS and plan(K, N) is not None
+
+
+def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k_steps):
+    n, s = pl.program_id(0), pl.program_id(1)
+    layer = layer_ref[0]
+    cols = pl.ds(n * block_n, block_n)
+
+    def body(i, acc):
+        ks = pl.ds((s * k_steps + i) * block_k, block_k)
+        return acc + jnp.dot(x_ref[:, ks], w_ref[layer, ks, cols], preferred_element_type=jnp.float32,
+                             precision=EXACT)
+
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+    o_ref[s, :, cols] = acc
+
+
+@functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages",
+                                             "interpret"))
+def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_warps=4, num_stages=4,
+                  interpret=False):
+    """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
+    Tiles left as None come from `plan(K, N)`."""
+    T, K = x.shape
+    _, K2, N = w.shape
+    assert K == K2, (x.shape, w.shape)
+    auto = plan(K, N)
+    if auto is None:
+        raise ValueError(f"decode_matmul: no power-of-two tiling for a [{K}, {N}] weight")
+    block_n, block_k, split_k = (a if v is None else v for v, a in zip((block_n, block_k, split_k), auto))
+    rows = max(16, 1 << (T - 1).bit_length())
+    xp = x.astype(w.dtype)
+    if rows != T:
+        xp = jnp.zeros((rows, K), w.dtype).at[:T].set(xp)
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        stages = num_stages if w.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    part = pl.pallas_call(
+        functools.partial(_decode_matmul_kernel, block_n=block_n, block_k=block_k, k_steps=K // (split_k * block_k)),
+        grid=(N // block_n, split_k), out_shape=jax.ShapeDtypeStruct((split_k, rows, N), jnp.float32),
+        compiler_params=params, interpret=interpret,
+    )(layer, xp, w)
+    return part.sum(axis=0)[:T]
+
+
+def decode_matmul_reference(x, w, layer):
+    """Pure JAX: x [T, K] @ w[layer] [K, N] -> [T, N] fp32."""
+    wl = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
+    return jnp.dot(x.astype(wl.dtype), wl, preferred_element_type=jnp.float32, precision=EXACT)
