@@ -58,7 +58,8 @@ class LLM:
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
     None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (the MoE
-    fusions of the Pallas path, on by default, RunnerConfig), chat_template, progress.
+    fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
+    read o_proj and the dense MLP in place, on by default, RunnerConfig), chat_template, progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -69,7 +70,8 @@ class LLM:
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
                  load_format: str = "auto", unroll_max_tokens: int | None = None,
-                 fuse_shared_experts: bool = True, fuse_moe_routing: bool = True, progress: bool = True):
+                 fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
+                 decode_projection_kernel: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -119,7 +121,7 @@ class LLM:
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, fuse_shared_experts=fuse_shared_experts,
-                              fuse_moe_routing=fuse_moe_routing)
+                              fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
                                 sharding=self.sharding)

@@ -98,8 +98,9 @@ def test_shared_prefixes_hit_the_cache(hf_case, hf_greedy):
 
 
 def test_greedy_with_pallas_kernels_in_interpret_mode(hf_case, hf_greedy):
-    """The GPU's path on the CPU: the kernels (MLA decode and prefill attention, MoE grouped GEMM) in
-    Pallas interpret mode, decode buckets with the layers unrolled, prefill buckets scanned: HF's tokens."""
+    """The GPU's path on the CPU: the kernels (MLA decode and prefill attention, MoE grouped GEMM, the
+    decode projections reading o_proj and the dense MLP in place: every bucket here is at most 64 tokens)
+    in Pallas interpret mode, decode buckets with the layers unrolled, prefill buckets scanned: HF's tokens."""
     model, path = hf_case("v3_grouped_noaux")
     prompts = random_prompts(15, [1, 9, 40, 70], model.config.vocab_size)
     llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
