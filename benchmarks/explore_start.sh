@@ -11,7 +11,7 @@ out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 for lvl in ${LEVELS:-4 2 0}; do
   DEEPINFER_CACHE_DIR=$(mktemp -d) XLA_FLAGS="--xla_gpu_autotune_level=$lvl" timeout 150 python3 \
-    benchmarks/offline.py --buckets 32,8192 --runs 1 --temperatures 0 > "$out/autotune_$lvl.log" 2>&1
+    benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 > "$out/autotune_$lvl.log" 2>&1
 done
 echo "== summary =="
 for lvl in ${LEVELS:-4 2 0}; do

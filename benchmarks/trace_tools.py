@@ -92,6 +92,12 @@ def busy_union(kern: list[dict]) -> float:
     return busy + (0.0 if cur_e is None else cur_e - cur_s)
 
 
+def first_gpu(kern: list[dict]) -> list[dict]:
+    """The kernels of the first GPU traced (the lowest pid), in their order."""
+    first = min(k["pid"] for k in kern)
+    return [e for e in kern if e["pid"] == first]
+
+
 def summarize(kern: list[dict], steps: int, top: int = 40) -> None:
     """GPU time per step by category and by kernel name (summed over the GPUs traced)."""
     total, count = defaultdict(float), defaultdict(int)
@@ -115,8 +121,7 @@ def summarize(kern: list[dict], steps: int, top: int = 40) -> None:
 def layer_sequence(kern: list[dict], layer: int = 10) -> None:
     """Print the kernels of one decoder layer in launch order: those from the `layer`-th MoE gate_up kernel
     up to the next one (on the first GPU), with their durations and the gap before each."""
-    first = min(k["pid"] for k in kern)
-    kern = [e for e in kern if e["pid"] == first]
+    kern = first_gpu(kern)
     marks = [i for i, e in enumerate(kern) if re.search(r"gate_up", e["name"])]
     if len(marks) <= layer + 1:
         return
@@ -139,8 +144,7 @@ def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> di
     Steps are counted as MoE gate_up launches / moe_layers. Returns window, busy and idle microseconds
     per step, and the idle gaps of at least `min_gap_us` (count, total per step, the largest) with the
     kernels on either side of the largest, so a gap between steps (host-bound) shows as such."""
-    first = min(k["pid"] for k in kern)
-    kern = [e for e in kern if e["pid"] == first]
+    kern = first_gpu(kern)
     steps = max(1, sum(1 for e in kern if re.search(r"gate_up", e["name"])) // moe_layers)
     window = kern[-1]["ts"] + kern[-1].get("dur", 0.0) - kern[0]["ts"]
     busy = busy_union(kern)
@@ -181,8 +185,7 @@ def step_timeline(kern: list[dict], moe_layers: int) -> list[dict]:
     the last step has no successor and is left out."""
     if not kern:
         return []
-    first = min(k["pid"] for k in kern)
-    kern = [e for e in kern if e["pid"] == first]
+    kern = first_gpu(kern)
     marks = [e["ts"] for e in kern if re.search(r"gate_up", e["name"])][::moe_layers]
     rows, j = [], 0
     for a, b in zip(marks, marks[1:]):

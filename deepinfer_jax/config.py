@@ -313,9 +313,10 @@ class RunnerConfig:
     # chunk in the expanded form (kernels/mla_chunk.py, 3.4x fewer FLOPs) and to the cached context in
     # the absorbed form; "absorbed" runs all of it absorbed (kernels/mla_prefill.py).
     prefill_attention: str = "expanded"
-    # Decode-size steps on the Pallas path (one device) run the attention projections and the dense
-    # MLP through kernels/decode_matmul.py, which reads each layer's weight in place from the stacked
-    # array, instead of XLA's GEMMs (which copied o_proj's slice every layer for cuBLAS).
+    # Decode-size steps on the Pallas path (one device) run o_proj and the dense MLP through
+    # kernels/decode_matmul.py, which reads each layer's weight in place from the stacked array,
+    # instead of XLA's GEMMs (which copied o_proj's slice every layer for cuBLAS and padded the dense
+    # MLP's down weight every step; models/deepseek.py: STACKABLE).
     decode_projection_kernel: bool = True
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from

@@ -4,11 +4,11 @@ Pallas (Triton backend).
     y = x @ W[layer]        x [T, K] (a decode step's few tokens), W [L, K, N] -> y [T, N]
 
 The model keeps each projection's weights stacked over layers for `lax.scan`. At decode sizes a
-projection is a weight stream (T rows against K x N weights), and XLA's lowering loses bandwidth on it
-two ways (H200, V2-Lite, batch 32; benchmarks/RESULTS.md, session 7): the q / kv_a GEMM split K into a
-batched Triton GEMM that read 15 MB in 7.5 us (2.0 TB/s), and o_proj went to cuBLAS, which cannot take a
-slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then multiplied
-(4.1 us).
+projection is a weight stream (T rows against K x N weights). XLA sent o_proj to cuBLAS, which cannot
+take a slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then
+multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md,
+session 7). The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
+projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches).
 
 Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile
 n] in block_k steps, fp32 accumulation, and writes its partial sum; the split_k partials [split_k, T, N]

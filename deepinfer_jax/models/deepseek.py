@@ -242,8 +242,8 @@ def forward_paged(
     device) into the new tokens' chunk in the expanded form and the cached context in the absorbed
     form (`attend_split`); "absorbed" keeps the whole of it absorbed.
     `decode_projection_kernel`: where `decode_stacked` allows (decode-size steps on the Pallas path, one
-    device), the attention projections and the dense MLP read their layer's weights in place through
-    kernels/decode_matmul.py instead of XLA's GEMMs."""
+    device), o_proj and the dense MLP read their layer's weights in place through
+    kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]

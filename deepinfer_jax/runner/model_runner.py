@@ -278,9 +278,10 @@ class ModelRunner:
             if self.runner_cfg.collect_routing:
                 n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
                 routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
-            size = bits_size(bits_layout(sampled)) + (int(np.prod(routing)) if routing else 0)
+            layout = bits_layout(sampled)
+            size = bits_size(layout) + (int(np.prod(routing)) if routing else 0)
             zeros = lambda n: jax.device_put(jnp.zeros((n,), jnp.int32), self._resident_sharding)  # noqa: E731
-            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(size), bits_layout(sampled), routing)
+            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(size), layout, routing)
         return self._programs[key]
 
     def _step_fn(self, key):
