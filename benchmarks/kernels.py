@@ -9,7 +9,8 @@ decode and prefill token counts. MLA decode (16 heads, 576-wide latent, page 64)
 at several context splits and the XLA reference, batch 1 to 256, context 512 to 32K. MLA prefill
 (same shape): the block-query prefill kernel at several tile configs against the decode kernel and
 the XLA reference on the same ragged steps (16 fresh prompts of 512, one 512-token chunk after 1,536
-cached tokens, and chunks mixed with decode tokens and padding).
+cached tokens, and chunks mixed with decode tokens and padding). The decode attention's output kernel
+(splits merged, W_UV applied) against the XLA merge and einsum.
 """
 
 from __future__ import annotations
@@ -156,6 +157,41 @@ def mla_tables(quick: bool):
             print(f"| {B} | {ctx} | xla reference | {t*1e6:.0f} | {moved/t/1e12:.2f} | 0 |", flush=True)
 
 
+def mla_output_table():
+    """The decode attention's output kernel (splits merged, W_UV applied, kv_b read in place) against
+    the XLA merge and einsum on the same splits, bf16 and fp32, V2-Lite heads."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.mla_decode import merge_splits, paged_mla_attention_splits
+    from deepinfer_jax.kernels.mla_output import merge_value_projection, merge_value_projection_reference
+
+    H, R, dr, ps, dn, dv, L = 16, 512, 64, 64, 128, 128, 27
+    key = jax.random.key(2)
+    print("\n## Decode attention output: splits merged + W_UV (kernels/mla_output.py; 16 heads, kv_b [27, 512, 16, 256])")
+    print("| batch | context | dtype | kernel us | XLA merge + einsum us | max err vs reference | (max abs output) |")
+    print("|---|---|---|---|---|---|---|")
+    for B, ctx in ((16, 640), (32, 640), (64, 2048)):
+        for dt in (jnp.bfloat16, jnp.float32):
+            pages_per_seq = -(-ctx // ps)
+            kv = jax.random.normal(key, (1, B * pages_per_seq + 1, ps, R + dr), dt)
+            pt = jnp.asarray((1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq),
+                             jnp.int32)
+            ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), dt)
+            qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), dt)
+            kv_b = (jax.random.normal(jax.random.fold_in(key, 3), (L, R, H, dn + dv), jnp.float32) * 0.05).astype(dt)
+            sid, pos = jnp.arange(B, dtype=jnp.int32), jnp.full((B,), ctx - 1, jnp.int32)
+            o, m, l = jax.jit(lambda *a: paged_mla_attention_splits(*a, 0.1147))(ql, qp, kv, 0, sid, pos, pt)
+            ref = np.asarray(jax.jit(lambda *a: merge_value_projection_reference(*a, dn=dn, dtype=jnp.float32))(
+                o, m, l, kv_b.astype(jnp.float32), 5))
+            t_k, out = bench(jax.jit(lambda *a: merge_value_projection(*a, dn=dn, dtype=dt)), o, m, l, kv_b, 5)
+            w_uv = kv_b[5, :, :, dn:]
+            t_x, _ = bench(jax.jit(lambda o, m, l, w: jnp.einsum("thr,rhv->thv", merge_splits(o, m, l).astype(dt), w)),
+                           o, m, l, w_uv)
+            print(f"| {B} | {ctx} | {jnp.dtype(dt).name} | {t_k*1e6:.0f} | {t_x*1e6:.0f} | {max_err(out, ref)} | "
+                  f"{np.abs(ref).max():.3g} |", flush=True)
+
+
 def mla_prefill_table(quick: bool):
     import jax
     import jax.numpy as jnp
@@ -221,7 +257,7 @@ def mla_prefill_table(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "mla", "mla_prefill"], default=None)
+    ap.add_argument("--only", choices=["moe", "mla", "mla_output", "mla_prefill"], default=None)
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
@@ -231,6 +267,8 @@ def main(argv=None) -> int:
         moe_tables(args.quick, [int(t) for t in args.moe_tokens.split(",") if t] or None)
     if args.only in (None, "mla"):
         mla_tables(args.quick)
+    if args.only in (None, "mla_output"):
+        mla_output_table()
     if args.only in (None, "mla_prefill"):
         mla_prefill_table(args.quick)
     return 0

@@ -318,6 +318,10 @@ class RunnerConfig:
     # instead of XLA's GEMMs (which copied o_proj's slice every layer for cuBLAS and padded the dense
     # MLP's down weight every step; models/deepseek.py: STACKABLE).
     decode_projection_kernel: bool = True
+    # Decode-size steps on the Pallas path (one device, at least 16 token slots) merge the decode
+    # attention's context splits and apply W_UV in one kernel (kernels/mla_output.py, kv_b_proj read in
+    # place) instead of XLA's five (the merge's two reductions, W_UV's slice copy, a GEMM, its reduce).
+    decode_output_kernel: bool = True
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

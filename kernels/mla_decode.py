@@ -128,6 +128,22 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
     (one pipeline stage then: two stages of two bf16 pages would overflow shared memory)."""
+    o, m, l = paged_mla_attention_splits(
+        q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
+        block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
+        interpret=interpret)
+    return merge_splits(o, m, l).astype(q_lat.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
+                                             "pages_per_step", "interpret"))
+def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
+                               num_splits=None, block_h=16, num_warps=8, num_stages=2, pages_per_step=1,
+                               interpret=False):
+    """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
+    splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
+    past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
+    applies W_UV) combines them."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -177,11 +193,17 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
         compiler_params=params,
         interpret=interpret,
     )(layer, pps, seq_ids, positions, page_table, ql, qp, kv_cache)
-    # Merge the splits: o = sum_s exp(m_s - M) acc_s / sum_s exp(m_s - M) l_s.
+    return o, m, l
+
+
+def merge_splits(o, m, l):
+    """The context splits of `paged_mla_attention_splits` merged: o = sum_s exp(m_s - M) acc_s /
+    sum_s exp(m_s - M) l_s -> [T, H, R] fp32."""
+    T, nh, _, bh, R = o.shape
     M = m.max(axis=2, keepdims=True)  # [T, nh, 1, bh]
     w = jnp.exp(m - M)  # [T, nh, splits, bh]; empty splits have l = 0 and contribute nothing
     # A multiply-and-sum (one reduction fusion) rather than an einsum, which is a dot over a handful of
     # splits.
     num = jnp.sum(w[..., None] * o, axis=2)  # [T, nh, bh, R]
     den = jnp.sum(w * l, axis=2)
-    return (num / den[..., None]).reshape(T, H, R).astype(q_lat.dtype)
+    return (num / den[..., None]).reshape(T, nh * bh, R)

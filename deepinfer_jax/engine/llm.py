@@ -59,7 +59,9 @@ class LLM:
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
     None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (the MoE
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
-    read o_proj and the dense MLP in place, on by default, RunnerConfig), chat_template, progress.
+    read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
+    steps merge the attention's splits and apply W_UV in one kernel, on by default), chat_template,
+    progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -71,7 +73,8 @@ class LLM:
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
                  load_format: str = "auto", unroll_max_tokens: int | None = None,
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
-                 decode_projection_kernel: bool = True, progress: bool = True):
+                 decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
+                 progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -121,7 +124,8 @@ class LLM:
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, fuse_shared_experts=fuse_shared_experts,
-                              fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel)
+                              fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,
+                              decode_output_kernel=decode_output_kernel)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
                                 sharding=self.sharding)

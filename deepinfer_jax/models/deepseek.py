@@ -112,6 +112,39 @@ def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules
     return out
 
 
+def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
+                         mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
+    """The segment's stacked kv_b_proj [L, R, H, dn + dv] when this step's attention output goes through
+    kernels/mla_output.py (the context splits merged and W_UV applied in one kernel, kv_b read in
+    place): with `enabled` (RunnerConfig.decode_output_kernel), on the Pallas path on one device, for
+    a step the per-token decode kernel serves (no more token slots than sequence rows, no split prefill
+    plan) whose size the kernel tiles, float weights. None otherwise."""
+    from deepinfer_jax.kernels import mla_output
+
+    T = meta.token_ids.shape[0]
+    kv_b = seg_params["attn"]["kv_b_proj"]
+    if (not enabled or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None
+            or split_plan is not None or T > meta.page_table.shape[0] or is_quantized(kv_b)
+            or not mla_output.supported(T, cfg.v_head_dim)):
+        return None
+    return kv_b
+
+
+def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
+                            attn_impl: str) -> jax.Array:
+    """The decode kernel's context splits merged and multiplied by W_UV (layer `j` of the stacked
+    kv_b, read in place) in one kernel: the same [T, H, dv] as `paged_attention` then
+    `mla.absorbed_output`, in q_lat's dtype."""
+    from deepinfer_jax.kernels import mla_decode, mla_output
+
+    interpret = attn_impl == "pallas_interpret"
+    o, m, l = mla_decode.paged_mla_attention_splits(
+        q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
+        pages_per_step=mla_decode.PAGES_PER_STEP, interpret=interpret)
+    return mla_output.merge_value_projection(o, m, l, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
+                                             interpret=interpret)
+
+
 def paged_attention(
     q_lat, q_pe, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str
 ) -> jax.Array:
@@ -230,6 +263,7 @@ def forward_paged(
     fuse_moe_routing: bool = False,
     prefill_attention: str = "expanded",
     decode_projection_kernel: bool = False,
+    decode_output_kernel: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -243,7 +277,9 @@ def forward_paged(
     form (`attend_split`); "absorbed" keeps the whole of it absorbed.
     `decode_projection_kernel`: where `decode_stacked` allows (decode-size steps on the Pallas path, one
     device), o_proj and the dense MLP read their layer's weights in place through
-    kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`)."""
+    kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`).
+    `decode_output_kernel`: where `decode_value_weights` allows, the decode attention's context splits
+    are merged and W_UV applied in one kernel (kernels/mla_output.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -262,10 +298,13 @@ def forward_paged(
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
         projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
                                      decode_projection_kernel)
+        # kv_b_proj also stays in the scanned params: absorb_query reads W_UK from each layer's slice.
+        value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                          decode_output_kernel)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
-        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections):
+        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -278,6 +317,9 @@ def forward_paged(
                 cache = write_latents(cache, li, meta, latent)
                 a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,
                                  attn_impl)  # [T, H, dv]
+            elif value_kv_b is not None:
+                cache = write_latents(cache, li, meta, latent)
+                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
             else:
                 if mesh_rules is None:
                     o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,

@@ -149,3 +149,22 @@ def test_split_prefill_attention_lowers_for_sm90(triton_modules):
     irs = triton_modules(split, *args)
     assert len(irs) == 2
     assert all("tt.dot" in ir for ir in irs)
+
+
+def test_decode_attention_output_lowers_for_sm90(triton_modules):
+    """The decode attention's splits, then the output kernel merging them and applying W_UV read in
+    place from the stacked kv_b_proj (V2-Lite: 16 heads, 512-wide latent, 128 + 128 per head)."""
+    from deepinfer_jax.kernels.mla_decode import paged_mla_attention_splits
+    from deepinfer_jax.kernels.mla_output import merge_value_projection
+
+    s = jax.ShapeDtypeStruct
+
+    def attend(ql, qp, cache, sid, pos, pt, kv_b):
+        o, m, l = paged_mla_attention_splits(ql, qp, cache, 3, sid, pos, pt, 0.1)
+        return merge_value_projection(o, m, l, kv_b, 3, dn=128, dtype=jnp.bfloat16)
+
+    args = (s((32, H, R), jnp.bfloat16), s((32, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
+            s((32,), jnp.int32), s((32,), jnp.int32), s((32, 64), jnp.int32), s((L, R, H, 256), jnp.bfloat16))
+    irs = triton_modules(attend, *args)
+    assert len(irs) == 2
+    assert irs[1].count("tt.dot") == 1  # the [16, 512] x [512, 64] W_UV tile; the merge is elementwise

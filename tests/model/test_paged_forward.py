@@ -257,6 +257,44 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
 
 
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_output_kernel: a decode step the per-token kernel serves (16 token slots,
+    16 sequence rows) merges the attention's splits and applies W_UV in one kernel
+    (kernels/mla_output.py, interpret mode) in every layer: the same logits and cache as the XLA merge
+    and einsum, and the full forward's logits. A prefill-bucket step (more slots than rows) keeps the
+    other path."""
+    from deepinfer_jax.kernels import mla_output
+
+    calls = []
+    real = mla_output.merge_value_projection
+    monkeypatch.setattr(mla_output, "merge_value_projection",
+                        lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+    _, path = hf_case(case)
+    cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+    ids = np.random.default_rng(11).integers(0, cfg.vocab_size, (3, 40))
+    full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
+    pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
+    outs = []
+    for enabled in (False, True):
+        kw = dict(attn_impl="pallas_interpret", moe_impl="pallas_interpret", decode_output_kernel=enabled)
+        cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
+        _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
+        steps = []
+        for t in range(2):
+            logits, cache = _step(params, cfg, cache, ids, pages, [(30 + t, 1), (3 + t, 1), (20 + t, 1)],
+                                  pad_to=16, **kw)
+            steps.append(np.asarray(logits)[:3])
+            np.testing.assert_allclose(steps[-1], full[[0, 1, 2], [30 + t, 3 + t, 20 + t]], atol=5e-5)
+        outs.append((steps, np.asarray(cache)))
+    # Only the two decode steps; each traces one scanned layer body per segment, handed its segment's
+    # stacked kv_b_proj.
+    assert calls == 2 * [(seg.num_layers, *params["segments"][i]["attn"]["kv_b_proj"].shape[1:])
+                         for i, seg in enumerate(layer_segments(cfg))]
+    np.testing.assert_allclose(np.stack(outs[1][0]), np.stack(outs[0][0]), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=2e-5, atol=2e-5)  # later layers: fp32 rounding
+
+
 def test_grouped_routing_keeps_the_xla_router(hf_case):
     from deepinfer_jax.models.moe import routing_into_kernels
 
