@@ -3,8 +3,7 @@
 #   output   kernels/mla_output.py (the decode attention's splits merged and W_UV applied in one kernel,
 #            kv_b read in place) against XLA's merge + einsum: max error on the GPU, bf16 and fp32
 #   step     the batch-32 decode step at 640 with the kernel on / off (RunnerConfig.decode_output_kernel),
-#            and with 8 context splits (the kernel reads the splits once: do more of them pay now?); the
-#            "on" run traced (one layer's kernels in launch order) and its optimized HLO kept
+#            the "on" run traced (one layer's kernels in launch order) and its optimized HLO kept
 #   protocol Protocol A, ours (temp 0 and 1, one run each)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
@@ -15,13 +14,13 @@ quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
 timeout 120 python3 benchmarks/kernels.py --only mla_output 2>&1 | quiet > "$out/output.log"
 timeout 100 python3 benchmarks/step_profile.py --label on --trace /tmp/tr_on --dump-hlo /tmp/hlo_on 2>&1 | quiet > "$out/step_on.log"
 tar czf "$out/hlo_on.tgz" -C /tmp hlo_on 2>/dev/null
-for v in "off --no-decode-output-kernel" "splits8 --attn-splits 8" "on2"; do
+for v in "off --no-decode-output-kernel" "on2"; do
   set -- $v
   timeout 80 python3 benchmarks/step_profile.py --label "$@" 2>&1 | quiet
 done > "$out/steps.log"
 timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 > "$out/protocol_a.log" 2>&1
 echo "== summary =="
 grep -h "^|" "$out/output.log"
-grep -h -E "^(on|off|splits8|on2):|pipelined via comp" "$out/step_on.log" "$out/steps.log" | sed -E 's/TP=1.*: device/: device/'
+grep -h -E "^(on|off|on2):|pipelined via comp" "$out/step_on.log" "$out/steps.log" | sed -E 's/TP=1.*: device/: device/'
 grep -h -A40 "one layer" "$out/step_on.log" | head -45
-grep -h -E "Protocol A|tok/s|prefill|experts" "$out/protocol_a.log" | cut -c1-160 | head -12
+grep -h -E "Protocol A|tok/s|prefill|experts" "$out/protocol_a.log" | cut -c1-200 | head -12

@@ -35,7 +35,8 @@ def test_kernel_matches_reference(T, nh, S, bh, dtype):
         m, l = jnp.where(empty, NEG, m), jnp.where(empty, 0.0, l)
     kv_b = _kv_b(rng, L, R, nh * bh, dn, dv, dtype)
     for layer in (0, 2):
-        got = merge_value_projection(o, m, l, kv_b, layer, dn=dn, dtype=dtype, block_v=16, interpret=True)
+        got = merge_value_projection(o, m, l, kv_b, layer, dn=dn, dtype=dtype, block_v=16, block_r=16,
+                                     interpret=True)
         want = merge_value_projection_reference(o, m, l, kv_b, layer, dn=dn, dtype=dtype)
         assert got.shape == (T, nh * bh, dv) and got.dtype == dtype
         tol = 1e-5 if dtype == jnp.float32 else 2e-2
