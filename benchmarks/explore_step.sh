@@ -3,8 +3,7 @@
 #   output   kernels/mla_output.py (the decode attention's splits merged and W_UV applied in one kernel,
 #            kv_b read in place) against XLA's merge + einsum: max error on the GPU, bf16 and fp32
 #   step     the batch-32 decode step at 640 with the kernel on / off (RunnerConfig.decode_output_kernel),
-#            the "on" run traced (one layer's kernels in launch order) and its optimized HLO kept
-#   protocol Protocol A, ours (temp 0 and 1, one run each)
+#            the "on" run traced (one layer's kernels in launch order)
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,15 +11,12 @@ out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
 timeout 120 python3 benchmarks/kernels.py --only mla_output 2>&1 | quiet > "$out/output.log"
-timeout 100 python3 benchmarks/step_profile.py --label on --trace /tmp/tr_on --dump-hlo /tmp/hlo_on 2>&1 | quiet > "$out/step_on.log"
-tar czf "$out/hlo_on.tgz" -C /tmp hlo_on 2>/dev/null
+timeout 100 python3 benchmarks/step_profile.py --label on --trace /tmp/tr_on 2>&1 | quiet > "$out/step_on.log"
 for v in "off --no-decode-output-kernel" "on2"; do
   set -- $v
   timeout 80 python3 benchmarks/step_profile.py --label "$@" 2>&1 | quiet
 done > "$out/steps.log"
-timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 > "$out/protocol_a.log" 2>&1
 echo "== summary =="
 grep -h "^|" "$out/output.log"
 grep -h -E "^(on|off|on2):|pipelined via comp" "$out/step_on.log" "$out/steps.log" | sed -E 's/TP=1.*: device/: device/'
 grep -h -A40 "one layer" "$out/step_on.log" | head -45
-grep -h -E "Protocol A|tok/s|prefill|experts" "$out/protocol_a.log" | cut -c1-200 | head -12

@@ -41,6 +41,28 @@ def bench(fn, *args, iters=20):
     return float(np.median(ts)), out
 
 
+def device_us(fn, *args, iters=10) -> dict[str, float]:
+    """GPU time per call of each kernel `fn` launches (us, by kernel name), from a profiler trace of
+    `iters` calls: the kernels' own durations, without the host's dispatch that `bench` includes."""
+    import tempfile
+
+    import jax
+
+    from benchmarks.trace_tools import gpu_kernels
+
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            for _ in range(iters):
+                jax.block_until_ready(fn(*args))
+        kern = gpu_kernels(d) or []
+    out: dict[str, float] = {}
+    for e in kern:
+        if "memcpy" not in e["name"].lower():
+            out[e["name"]] = out.get(e["name"], 0.0) + e.get("dur", 0.0) / iters
+    return out
+
+
 def max_err(out, ref) -> str:
     """The max abs difference of a kernel's output from the reference (fp32 numpy), or "-" without one."""
     return "-" if ref is None else f"{np.abs(np.asarray(out, np.float32) - ref).max():.3g}"
@@ -192,6 +214,55 @@ def mla_output_table():
                   f"{np.abs(ref).max():.3g} |", flush=True)
 
 
+def decode_attention_sweep(B: int = 32, ctx: int = 640):
+    """Device time (profiler trace) of the decode attention's kernels at one batch and context over
+    launch configurations: the attention kernel's context splits, warps and pipeline stages, and the
+    output kernel's tiles (kernels/mla_output.py) on each split count, with XLA's merge + einsum
+    beside them."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.mla_decode import merge_splits, paged_mla_attention_splits
+    from deepinfer_jax.kernels.mla_output import merge_value_projection
+
+    H, R, dr, ps, dn, dv, L = 16, 512, 64, 64, 128, 128, 27
+    key = jax.random.key(4)
+    pages_per_seq = -(-ctx // ps)
+    kv = jax.random.normal(key, (1, B * pages_per_seq + 1, ps, R + dr), jnp.bfloat16)
+    pt = jnp.asarray((1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq), jnp.int32)
+    ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), jnp.bfloat16)
+    qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), jnp.bfloat16)
+    kv_b = (jax.random.normal(jax.random.fold_in(key, 3), (L, R, H, dn + dv), jnp.float32) * 0.05).astype(jnp.bfloat16)
+    sid = jnp.arange(B, dtype=jnp.int32)
+    pos = jnp.asarray(np.random.default_rng(1).integers(ctx - 128, ctx, B), jnp.int32)
+    total = lambda d: sum(d.values())  # noqa: E731
+    print(f"\n## Decode attention at batch {B}, context {ctx - 128}-{ctx} (device us per call, profiler trace)")
+    print("| attention splits / warps / stages | attention us | XLA merge + W_UV us | output kernel (bv, br, warps, stages): us |")
+    print("|---|---|---|---|")
+    attn_cfgs = [(4, 8, 2), (4, 4, 2), (4, 8, 1), (4, 4, 1), (2, 8, 2), (8, 8, 1), (8, 4, 1), (8, 8, 2)]
+    out_cfgs = [(64, 64, 4, 3), (32, 64, 4, 3), (128, 64, 4, 3), (64, 128, 4, 3), (64, 32, 4, 3), (32, 64, 2, 3),
+                (64, 64, 8, 3), (32, 32, 4, 4), (16, 64, 4, 3)]
+    for S, nw, st in attn_cfgs:
+        try:
+            fa = jax.jit(lambda *a, S=S, nw=nw, st=st: paged_mla_attention_splits(
+                *a, 0.1147, num_splits=S, num_warps=nw, num_stages=st))
+            t_attn = total(device_us(fa, ql, qp, kv, 0, sid, pos, pt))
+            o, m, l = fa(ql, qp, kv, 0, sid, pos, pt)
+            fx = jax.jit(lambda o, m, l, w: jnp.einsum("thr,rhv->thv", merge_splits(o, m, l).astype(jnp.bfloat16), w))
+            t_xla = total(device_us(fx, o, m, l, kv_b[5, :, :, dn:]))
+            cells = []
+            for bv, br, w2, st2 in out_cfgs:
+                fo = jax.jit(lambda *a, bv=bv, br=br, w2=w2, st2=st2: merge_value_projection(
+                    *a, dn=dn, dtype=jnp.bfloat16, block_v=bv, block_r=br, num_warps=w2, num_stages=st2))
+                try:
+                    cells.append(f"({bv},{br},{w2},{st2}) {total(device_us(fo, o, m, l, kv_b, 5)):.1f}")
+                except Exception as e:  # noqa: BLE001
+                    cells.append(f"({bv},{br},{w2},{st2}) failed {type(e).__name__}")
+            print(f"| {S} / {nw} / {st} | {t_attn:.1f} | {t_xla:.1f} | {'; '.join(cells)} |", flush=True)
+        except Exception as e:  # noqa: BLE001
+            print(f"| {S} / {nw} / {st} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
+
+
 def mla_prefill_table(quick: bool):
     import jax
     import jax.numpy as jnp
@@ -257,7 +328,7 @@ def mla_prefill_table(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "mla", "mla_output", "mla_prefill"], default=None)
+    ap.add_argument("--only", choices=["moe", "mla", "mla_output", "mla_prefill", "decode_sweep"], default=None)
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
@@ -269,6 +340,9 @@ def main(argv=None) -> int:
         mla_tables(args.quick)
     if args.only in (None, "mla_output"):
         mla_output_table()
+    if args.only == "decode_sweep":  # not part of the default tables
+        decode_attention_sweep(32, 640)
+        decode_attention_sweep(64, 2048)
     if args.only in (None, "mla_prefill"):
         mla_prefill_table(args.quick)
     return 0

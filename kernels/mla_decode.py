@@ -123,7 +123,7 @@ PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
                                              "pages_per_step", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
-                        block_h=16, num_warps=8, num_stages=2, pages_per_step=1, interpret=False):
+                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
@@ -138,12 +138,13 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
                                              "pages_per_step", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
-                               num_splits=None, block_h=16, num_warps=8, num_stages=2, pages_per_step=1,
+                               num_splits=None, block_h=16, num_warps=4, num_stages=2, pages_per_step=1,
                                interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
-    applies W_UV) combines them."""
+    applies W_UV) combines them. 4 warps: 13.4 us against 15.4 with 8 at batch 32, contexts 512-640, and
+    47.5 against 50.9 at batch 64, 1,920-2,048 (H200 device time; benchmarks/RESULTS.md, session 8)."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape

@@ -7,14 +7,14 @@ layer's kv_b_proj in place from its layer-stacked array (Pallas, Triton backend)
 
 In XLA the same is five kernels a layer (the merge's two reductions, the copy of W_UV's slice out of
 the stacked weights, a split-K GEMM and its reduce: 9.4 us on an H200 at batch 32; benchmarks/
-RESULTS.md, session 7).
+RESULTS.md, session 7); this kernel takes 7.0 us (session 8).
 
 Grid (H, T // block_t, dv // block_v). Program (h, tb, vb) computes its block_t tokens' split weights
 for head h once (exp(m_s - M) and the merged denominator), then walks the latent in block_r slices:
 each slice of the S splits' accumulators is merged in fp32, rounded to `dtype` as the separate path
 rounds the merged latent, and multiplied by the matching [block_r, block_v] tile of W_UV[h] (fp32
 accumulation). Small slices keep the tiles in registers (the whole 512-wide latent of four splits
-spilled: 38.7 us a layer on an H200 against 9.4 for XLA's five kernels). The merged latent is
+spilled: 38.7 us a layer on an H200). The merged latent is
 recomputed by the dv // block_v programs of a head; those reads come from L2.
 
 Three parts (ARCHITECTURE.md rule 6): `merge_value_projection` (the kernel; `interpret=True` runs it on
@@ -67,10 +67,11 @@ def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, bh, sp
 
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
                                              "interpret"))
-def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=64, num_warps=4, num_stages=3,
+def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=32, num_warps=4, num_stages=3,
                            interpret=False):
     """o [T, nh, S, bh, R], m / l [T, nh, S, bh] (fp32 splits), kv_b [L, R, H, dn + dv] stacked, layer:
-    int32 scalar -> [T, H, dv] in `dtype` (the module docstring)."""
+    int32 scalar -> [T, H, dv] in `dtype` (the module docstring). The default tiles were the fastest of
+    nine on an H200 at batch 32 with four splits (7.0 us; 64 x 64: 8.0) and at batch 64 (7.4 us)."""
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv = W - dn
