@@ -47,6 +47,8 @@ def main(argv=None) -> int:
                     help="pages the decode attention walks per loop step (kernels/mla_decode.PAGES_PER_STEP)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
+    ap.add_argument("--absorb-full-width-max-tokens", type=int, default=-1,
+                    help="override models/mla.py's ABSORB_FULL_WIDTH_MAX_TOKENS (0: always slice W_UK)")
     ap.add_argument("--label", default="")
     ap.add_argument("--trace", default="", help="write a perfetto trace of 3 steps here and print the top kernels")
     args = ap.parse_args(argv)
@@ -72,6 +74,10 @@ def main(argv=None) -> int:
         from deepinfer_jax.kernels import mla_decode
 
         mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
+    if args.absorb_full_width_max_tokens >= 0:
+        from deepinfer_jax.models import mla
+
+        mla.ABSORB_FULL_WIDTH_MAX_TOKENS = args.absorb_full_width_max_tokens
     if args.moe_decode_tiles:
         from deepinfer_jax.kernels import moe_gmm, moe_route
 

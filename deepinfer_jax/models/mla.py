@@ -13,6 +13,8 @@ Both agree in fp32 (tested).
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 
@@ -58,10 +60,24 @@ def attend_expanded(
     return jnp.einsum("bhsk,bkhe->bshe", probs, v)
 
 
+# Steps of at most this many query tokens absorb through kv_b_proj's whole rows (below).
+ABSORB_FULL_WIDTH_MAX_TOKENS = 64
+
+
 def absorb_query(p: dict, cfg: ModelConfig, q_nope: jax.Array) -> jax.Array:
-    """q_nope [..., H, dn] -> q_lat [..., H, R] = q_nope . W_UK (W_UK = kv_b_proj[:, :, :dn])."""
-    w_uk = weight(p["kv_b_proj"], q_nope.dtype)[..., : cfg.qk_nope_head_dim]  # [R, H, dn]
-    return jnp.einsum("...hd,rhd->...hr", q_nope, w_uk)
+    """q_nope [..., H, dn] -> q_lat [..., H, R] = q_nope . W_UK (W_UK = kv_b_proj[:, :, :dn]).
+
+    W_UK is a strided slice of each layer's kv_b_proj, which XLA's GEMM copies out first (2.4 us a
+    layer at decode sizes on an H200). For a step of at most ABSORB_FULL_WIDTH_MAX_TOKENS tokens the
+    query is instead padded with dv zeros and contracted with the whole rows [R, H, dn + dv]: the
+    same sums (the padding adds exact zeros), the layer's weight read in place, twice the FLOPs of a
+    GEMM that is tiny at those sizes. Prefill-size steps keep the slice."""
+    dn = cfg.qk_nope_head_dim
+    kv_b = weight(p["kv_b_proj"], q_nope.dtype)  # [R, H, dn + dv]
+    if math.prod(q_nope.shape[:-2]) <= ABSORB_FULL_WIDTH_MAX_TOKENS:
+        pad = jnp.zeros((*q_nope.shape[:-1], kv_b.shape[-1] - dn), q_nope.dtype)
+        return jnp.einsum("...hd,rhd->...hr", jnp.concatenate([q_nope, pad], axis=-1), kv_b)
+    return jnp.einsum("...hd,rhd->...hr", q_nope, kv_b[..., :dn])
 
 
 def absorbed_output(p: dict, cfg: ModelConfig, o_lat: jax.Array) -> jax.Array:
