@@ -299,7 +299,7 @@ def forward_paged(
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
         projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
                                      decode_projection_kernel)
-        # kv_b_proj also stays in the scanned params: absorb_query reads W_UK from each layer's slice.
+        # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
         value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                           decode_output_kernel)
         for group, name in projections:

@@ -34,7 +34,14 @@ def test_all_position_logits_match_hf(hf_case, case_name, moe_impl):
     assert np.abs(ref).max() > 0.5
 
 
-def test_absorbed_and_expanded_mla_agree(hf_case, case_name):
+@pytest.mark.parametrize("absorb_max_tokens", [0, 1 << 20])
+def test_absorbed_and_expanded_mla_agree(hf_case, case_name, absorb_max_tokens, monkeypatch):
+    """Both ways of absorbing W_UK into the query (mla.absorb_query: W_UK's slice, or the zero-padded
+    query against kv_b_proj's whole rows, forced here for all 66 tokens) give the expanded form's
+    logits."""
+    from deepinfer_jax.models import mla
+
+    monkeypatch.setattr(mla, "ABSORB_FULL_WIDTH_MAX_TOKENS", absorb_max_tokens)
     _, path = hf_case(case_name)
     cfg, params = _load(path)
     ids = jnp.asarray(np.random.default_rng(2).integers(0, cfg.vocab_size, (2, 33)), jnp.int32)
