@@ -132,6 +132,23 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
         print(f"| {T} | lax.ragged_dot | - | {t*1e6:.0f} | {moved/t/1e12:.2f} | {flops/t/1e12:.1f} | {err} |", flush=True)
 
 
+def decode_attention_inputs(key, B: int, ctx: int, dtype, positions=None):
+    """Random decode-attention inputs at the V2-Lite shape (16 heads, 576-wide latent, page 64): q_lat,
+    q_pe, a one-layer cache of B sequences on shuffled pages, seq_ids, positions (default: every
+    sequence at ctx - 1) and the page table."""
+    import jax
+    import jax.numpy as jnp
+
+    H, R, dr, ps = 16, 512, 64, 64
+    pages_per_seq = -(-ctx // ps)
+    kv = jax.random.normal(key, (1, B * pages_per_seq + 1, ps, R + dr), dtype)
+    pt = (1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq).astype(np.int32)
+    ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), dtype)
+    qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), dtype)
+    pos = jnp.full((B,), ctx - 1, jnp.int32) if positions is None else jnp.asarray(positions, jnp.int32)
+    return ql, qp, kv, jnp.arange(B, dtype=jnp.int32), pos, jnp.asarray(pt)
+
+
 def mla_tables(quick: bool):
     import jax
     import jax.numpy as jnp
@@ -139,7 +156,7 @@ def mla_tables(quick: bool):
     from deepinfer_jax.kernels.mla_decode import auto_splits, paged_mla_attention
     from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 
-    H, R, dr, ps = 16, 512, 64, 64
+    R, dr = 512, 64
     key = jax.random.key(1)
     print("\n## Paged MLA decode attention (16 heads, 576-wide latent, page 64, bf16)")
     print("| batch | context | impl | us | TB/s of cache read | max err vs ref |")
@@ -147,15 +164,7 @@ def mla_tables(quick: bool):
     shapes = [(32, 768), (256, 2048)] if quick else [(1, 512), (1, 32768), (8, 4096), (32, 768), (32, 4096),
                                                      (128, 2048), (256, 512), (256, 2048)]
     for B, ctx in shapes:
-        pages_per_seq = -(-ctx // ps)
-        P = B * pages_per_seq + 1
-        kv = jax.random.normal(key, (1, P, ps, R + dr), jnp.bfloat16)
-        pt = (1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq).astype(np.int32)
-        ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), jnp.bfloat16)
-        qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), jnp.bfloat16)
-        sid = jnp.arange(B, dtype=jnp.int32)
-        pos = jnp.full((B,), ctx - 1, jnp.int32)
-        pt = jnp.asarray(pt)
+        ql, qp, kv, sid, pos, pt = decode_attention_inputs(key, B, ctx, jnp.bfloat16)
         moved = B * ctx * (R + dr) * 2
         ref = None
         if B * ctx <= 256 * 2048:
@@ -188,21 +197,15 @@ def mla_output_table():
     from deepinfer_jax.kernels.mla_decode import merge_splits, paged_mla_attention_splits
     from deepinfer_jax.kernels.mla_output import merge_value_projection, merge_value_projection_reference
 
-    H, R, dr, ps, dn, dv, L = 16, 512, 64, 64, 128, 128, 27
+    H, R, dn, dv, L = 16, 512, 128, 128, 27
     key = jax.random.key(2)
     print("\n## Decode attention output: splits merged + W_UV (kernels/mla_output.py; 16 heads, kv_b [27, 512, 16, 256])")
     print("| batch | context | dtype | kernel us | XLA merge + einsum us | max err vs reference | (max abs output) |")
     print("|---|---|---|---|---|---|---|")
     for B, ctx in ((16, 640), (32, 640), (64, 2048)):
         for dt in (jnp.bfloat16, jnp.float32):
-            pages_per_seq = -(-ctx // ps)
-            kv = jax.random.normal(key, (1, B * pages_per_seq + 1, ps, R + dr), dt)
-            pt = jnp.asarray((1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq),
-                             jnp.int32)
-            ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), dt)
-            qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), dt)
+            ql, qp, kv, sid, pos, pt = decode_attention_inputs(key, B, ctx, dt)
             kv_b = (jax.random.normal(jax.random.fold_in(key, 3), (L, R, H, dn + dv), jnp.float32) * 0.05).astype(dt)
-            sid, pos = jnp.arange(B, dtype=jnp.int32), jnp.full((B,), ctx - 1, jnp.int32)
             o, m, l = jax.jit(lambda *a: paged_mla_attention_splits(*a, 0.1147))(ql, qp, kv, 0, sid, pos, pt)
             ref = np.asarray(jax.jit(lambda *a: merge_value_projection_reference(*a, dn=dn, dtype=jnp.float32))(
                 o, m, l, kv_b.astype(jnp.float32), 5))
@@ -225,16 +228,11 @@ def decode_attention_sweep(B: int = 32, ctx: int = 640):
     from deepinfer_jax.kernels.mla_decode import merge_splits, paged_mla_attention_splits
     from deepinfer_jax.kernels.mla_output import merge_value_projection
 
-    H, R, dr, ps, dn, dv, L = 16, 512, 64, 64, 128, 128, 27
+    H, R, dn, dv, L = 16, 512, 128, 128, 27
     key = jax.random.key(4)
-    pages_per_seq = -(-ctx // ps)
-    kv = jax.random.normal(key, (1, B * pages_per_seq + 1, ps, R + dr), jnp.bfloat16)
-    pt = jnp.asarray((1 + np.random.default_rng(0).permutation(B * pages_per_seq)).reshape(B, pages_per_seq), jnp.int32)
-    ql = jax.random.normal(jax.random.fold_in(key, 1), (B, H, R), jnp.bfloat16)
-    qp = jax.random.normal(jax.random.fold_in(key, 2), (B, H, dr), jnp.bfloat16)
+    ql, qp, kv, sid, pos, pt = decode_attention_inputs(key, B, ctx, jnp.bfloat16,
+                                                       np.random.default_rng(1).integers(ctx - 128, ctx, B))
     kv_b = (jax.random.normal(jax.random.fold_in(key, 3), (L, R, H, dn + dv), jnp.float32) * 0.05).astype(jnp.bfloat16)
-    sid = jnp.arange(B, dtype=jnp.int32)
-    pos = jnp.asarray(np.random.default_rng(1).integers(ctx - 128, ctx, B), jnp.int32)
     total = lambda d: sum(d.values())  # noqa: E731
     print(f"\n## Decode attention at batch {B}, context {ctx - 128}-{ctx} (device us per call, profiler trace)")
     print("| attention splits / warps / stages | attention us | XLA merge + W_UV us | output kernel (bv, br, warps, stages): us |")
