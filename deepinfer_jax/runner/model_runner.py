@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, k
 from deepinfer_jax.models.deepseek import forward_paged
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
-from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, unpack, unpack_bits
+from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, sizes, unpack, unpack_bits
 from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
@@ -84,16 +85,11 @@ class CompileCounter:
         return cls._count
 
 
-def _key(host: HostStep):
-    return pack(host.meta)[2], host.penalties, pack(host.sampling)[2]
-
-
-def _sizes(layout: Layout) -> tuple[int, int]:
-    """(ints, floats) element counts of a `pack` layout."""
-    n = [0, 0]
-    for is_float, shape, _, _ in layout.leaves:
-        n[is_float] += int(np.prod(shape)) if shape else 1
-    return n[0], n[1]
+def _packed(host: HostStep):
+    """(the step program's key: (meta layout, full variant, sampling layout), the packed host inputs as
+    one int32 array: meta ints, meta floats, sampling ints, sampling floats, floats bit-cast)."""
+    (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
+    return (ml, host.penalties, sl), np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)])
 
 
 def _split_inbox(inbox, parts):
@@ -269,7 +265,7 @@ class ModelRunner:
         and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
         if key not in self._programs:
             meta_layout, full, sampling_layout = key
-            parts = (*_sizes(meta_layout), *_sizes(sampling_layout))  # mi, mf, si, sf
+            parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
             meta = jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
                                                             for _, shape, dtype, _ in meta_layout.leaves])
             logits = jax.ShapeDtypeStruct((meta.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32)
@@ -280,7 +276,7 @@ class ModelRunner:
                 n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
                 routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
             layout = bits_layout(sampled)
-            size = bits_size(layout) + (int(np.prod(routing)) if routing else 0)
+            size = bits_size(layout) + (math.prod(routing) if routing else 0)
             zeros = lambda n: jax.device_put(jnp.zeros((n,), jnp.int32), self._resident_sharding)  # noqa: E731
             self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(size), layout, routing)
         return self._programs[key]
@@ -335,7 +331,7 @@ class ModelRunner:
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
         keyed: dict[Any, HostStep] = {}  # each program's key -> its first host, the slowest program first
         for host in hosts:
-            keyed.setdefault(_key(host), host)
+            keyed.setdefault(_packed(host)[0], host)
         bar = None
         if progress:
             from tqdm import tqdm
@@ -402,11 +398,10 @@ class ModelRunner:
     def _run(self, host: HostStep) -> "StepOut":
         """Queue the step: one host->device copy of its packed inputs, the small program that puts them
         in the step program's inbox, the step program, and the small one that copies its results out."""
-        (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-        key = (ml, host.penalties, sl)
+        key, inputs = _packed(host)
         res = self._resident(key)
         step = self._step_exes.get(key) or self._step_fn(key)
-        res.inbox = self._stage(res.inbox, np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)]))
+        res.inbox = self._stage(res.inbox, inputs)
         self.kv_cache, self._prev_tokens, res.outbox = step(
             self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
         buf, routing = self._extract(res.outbox, res.n_sampled, res.routing_shape)

@@ -11,6 +11,7 @@ Invariant: `unpack_bits(np.asarray(pack_bits(tree)), bits_layout(tree))` rebuild
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,14 @@ import numpy as np
 class Layout:
     treedef: Any
     leaves: tuple[tuple[bool, tuple[int, ...], str, int], ...]  # (is_float, shape, dtype, offset)
+
+
+def sizes(layout: Layout) -> tuple[int, int]:
+    """(ints, floats) element counts of a `pack` layout."""
+    n = [0, 0]
+    for is_float, shape, _, _ in layout.leaves:
+        n[is_float] += math.prod(shape)
+    return n[0], n[1]
 
 
 def pack(tree: Any) -> tuple[np.ndarray, np.ndarray, Layout]:
@@ -48,7 +57,7 @@ def pack(tree: Any) -> tuple[np.ndarray, np.ndarray, Layout]:
 def unpack(ints: jax.Array, floats: jax.Array, layout: Layout) -> Any:
     out = []
     for is_float, shape, dtype, off in layout.leaves:
-        n = int(np.prod(shape)) if shape else 1
+        n = math.prod(shape)
         src = floats if is_float else ints
         a = jax.lax.slice(src, (off,), (off + n,)).reshape(shape)
         if dtype == "uint32":
@@ -67,14 +76,13 @@ def bits_layout(tree: Any) -> Layout:
     leaves, treedef = jax.tree.flatten(tree)
     desc, n = [], 0
     for leaf in leaves:
-        size = int(np.prod(leaf.shape)) if leaf.shape else 1
         desc.append((jnp.dtype(leaf.dtype).kind == "f", tuple(leaf.shape), str(jnp.dtype(leaf.dtype)), n))
-        n += size
+        n += math.prod(leaf.shape)
     return Layout(treedef, tuple(desc))
 
 
 def bits_size(layout: Layout) -> int:
-    return sum(int(np.prod(shape)) if shape else 1 for _, shape, _, _ in layout.leaves)
+    return sum(math.prod(shape) for _, shape, _, _ in layout.leaves)
 
 
 def pack_bits(tree: Any) -> jax.Array:
@@ -94,8 +102,7 @@ def unpack_bits(buf: np.ndarray, layout: Layout) -> Any:
     """On the host: the inverse of `pack_bits` (numpy leaves of the original dtypes)."""
     out = []
     for is_float, shape, dtype, off in layout.leaves:
-        n = int(np.prod(shape)) if shape else 1
-        a = buf[off:off + n]
+        a = buf[off:off + math.prod(shape)]
         a = a.view(np.float32) if is_float else (a.view(np.uint32) if dtype == "uint32" else a)
         out.append(a.reshape(shape).astype(dtype, copy=False))
     return jax.tree.unflatten(layout.treedef, out)
