@@ -7,7 +7,8 @@ layer's kv_b_proj in place from its layer-stacked array (Pallas, Triton backend)
 
 In XLA the same is five kernels a layer (the merge's two reductions, the copy of W_UV's slice out of
 the stacked weights, a split-K GEMM and its reduce: 9.4 us on an H200 at batch 32; benchmarks/
-RESULTS.md, session 7); this kernel takes 7.0 us (session 8).
+RESULTS.md, session 7); this kernel takes 7.0 us alone and 9.2-10.1 us in the step, where it breaks
+even (session 8).
 
 Grid (H, T // block_t, dv // block_v). Program (h, tb, vb) computes its block_t tokens' split weights
 for head h once (exp(m_s - M) and the merged denominator), then walks the latent in block_r slices:

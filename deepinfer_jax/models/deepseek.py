@@ -93,12 +93,23 @@ def forward(
 STACKABLE = (("attn", "o_proj", 2), ("mlp", "gate_up", 1), ("mlp", "down", 1))
 
 
+def _pallas_one_device(attn_impl: str, mesh_rules: MeshRules | None) -> bool:
+    return attn_impl in ("pallas", "pallas_interpret") and mesh_rules is None
+
+
+def decode_kernel_step(meta: StepMetadata) -> bool:
+    """Whether the per-token decode attention kernel serves this step: no more token slots than sequence
+    rows. A step with more is a bucket sized for prefill, which the block-query prefill kernel serves,
+    reading each page once per query block."""
+    return meta.token_ids.shape[0] <= meta.page_table.shape[0]
+
+
 def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules: MeshRules | None,
                    enabled: bool) -> dict:
     """{(group, name): stacked weight [L, ...]} of the segment's projections that a step reads in place
     through kernels/decode_matmul.py: with `enabled`, on the Pallas path on one device, for a step of at
     most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile. Empty otherwise."""
-    if not enabled or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None:
+    if not enabled or not _pallas_one_device(attn_impl, mesh_rules):
         return {}
     from deepinfer_jax.kernels import decode_matmul
 
@@ -122,11 +133,10 @@ def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata,
     plan) whose size the kernel tiles, float weights. None otherwise."""
     from deepinfer_jax.kernels import mla_output
 
-    T = meta.token_ids.shape[0]
     kv_b = seg_params["attn"]["kv_b_proj"]
-    if (not enabled or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None
-            or split_plan is not None or T > meta.page_table.shape[0] or is_quantized(kv_b)
-            or not mla_output.supported(T, cfg.v_head_dim)):
+    if (not enabled or not _pallas_one_device(attn_impl, mesh_rules) or split_plan is not None
+            or not decode_kernel_step(meta) or is_quantized(kv_b)
+            or not mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim)):
         return None
     return kv_b
 
@@ -158,12 +168,10 @@ def paged_attention(
     if attn_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels import mla_decode, mla_prefill
 
-        # More token slots than sequence rows: a bucket sized for prefill, whose chunks the block-query
-        # kernel serves reading each page once per query block; otherwise the per-token decode kernel.
-        if q_lat.shape[0] > meta.page_table.shape[0]:
-            kernel = mla_prefill.paged_mla_prefill_attention
-        else:
+        if decode_kernel_step(meta):
             kernel = functools.partial(mla_decode.paged_mla_attention, pages_per_step=mla_decode.PAGES_PER_STEP)
+        else:
+            kernel = mla_prefill.paged_mla_prefill_attention
         return kernel(
             q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
             interpret=attn_impl == "pallas_interpret",
@@ -185,8 +193,8 @@ def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_
     if prefill_attention not in ("expanded", "absorbed"):
         raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
     T, S = meta.token_ids.shape[0], meta.page_table.shape[0]
-    if (prefill_attention != "expanded" or attn_impl not in ("pallas", "pallas_interpret") or mesh_rules is not None
-            or T <= S or not mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+    if (prefill_attention != "expanded" or not _pallas_one_device(attn_impl, mesh_rules)
+            or decode_kernel_step(meta) or not mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                                  interpret=attn_impl == "pallas_interpret")):
         return None
     rs = mla_prefill.run_starts(meta.seq_ids, meta.positions)
