@@ -51,8 +51,9 @@ def supported(num_tokens: int, num_experts: int, k: int, num_shared: int) -> boo
     return pow2(num_tokens) and pow2(num_experts) and num_tokens * (k + num_shared) <= MAX_COPIES
 
 
-def _kernel(logits_ref, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *,
-            k, S, block_m, softmax, norm, scale, row_chunk):
+def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
+    bias_ref = refs[0] if len(refs) == 6 else None
+    w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref = refs[-5:]
     c = pl.program_id(0)
     x = logits_ref[...]  # [T, E] fp32
     T, E = x.shape
@@ -62,7 +63,7 @@ def _kernel(logits_ref, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_r
         s = ex / jnp.sum(ex, axis=1, keepdims=True)
     else:
         s = jax.nn.sigmoid(x)
-    choice = s + bias_ref[...][None, :]  # bias is zero unless noaux_tc
+    choice = s if bias_ref is None else s + bias_ref[...][None, :]  # noaux_tc's correction bias
     eio = jax.lax.broadcasted_iota(jnp.int32, (T, E), 1)
     tio = jax.lax.broadcasted_iota(jnp.int32, (T,), 0)
     ids, ws = [], []
@@ -71,7 +72,8 @@ def _kernel(logits_ref, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_r
         m = jnp.max(choice, axis=1)  # [T]
         e_j = jnp.min(jnp.where(choice == m[:, None], eio, E), axis=1)  # lowest index of the max
         hit = eio == e_j[:, None]
-        ws.append(jnp.sum(jnp.where(hit, s, 0.0), axis=1))
+        # Without a bias the chosen score is the max itself: one reduction fewer per expert.
+        ws.append(m if bias_ref is None else jnp.sum(jnp.where(hit, s, 0.0), axis=1))
         ids.append(e_j)
         chosen = chosen + hit.astype(jnp.int32)
         choice = jnp.where(hit, -jnp.inf, choice)
@@ -105,13 +107,13 @@ def _kernel(logits_ref, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_r
             idx_ref[:, j] = ids[j] if j < k else jnp.full((T,), E + j - k, jnp.int32)
             row_of_ref[:, j] = rows[j]
 
-    # This program's rows: the copy placed there (one at most), or -1.
+    # This program's rows: the copy placed there (one at most), or -1. A row holds at most one copy, so
+    # the K copies' matches add up elementwise and one reduction finds it.
     r = c * row_chunk + jax.lax.broadcasted_iota(jnp.int32, (row_chunk, T), 0)  # [chunk, T]
-    copy = jnp.full((row_chunk,), -1, jnp.int32)
+    found = jnp.zeros((row_chunk, T), jnp.int32)
     for j in range(K):
-        here = rows[j][None, :] == r
-        copy = copy + jnp.sum(jnp.where(here, tio[None, :] * K + j + 1, 0), axis=1)
-    row_copy_ref[pl.ds(c * row_chunk, row_chunk)] = copy
+        found = found + jnp.where(rows[j][None, :] == r, tio[None, :] * K + j + 1, 0)
+    row_copy_ref[pl.ds(c * row_chunk, row_chunk)] = jnp.sum(found, axis=1) - 1
 
     # This program's blocks: the expert whose padded group holds the block's first row, or -1.
     nb = row_chunk // block_m
@@ -126,7 +128,7 @@ def _kernel(logits_ref, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_r
                                              "routed_scaling_factor", "interpret"))
 def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax", norm_topk_prob=False,
                 routed_scaling_factor=1.0, interpret=False):
-    """logits [T, E] fp32, bias [E] fp32 (the noaux_tc correction bias, or zeros) ->
+    """logits [T, E] fp32, bias [E] fp32 (the noaux_tc correction bias) or None ->
     (weights [T, K], idx [T, K], row_copy [M], block_expert [M // block_m], row_of [T * K]); module
     docstring. Requires `supported(T, E, k, num_shared)`."""
     T, E = logits.shape
@@ -150,7 +152,7 @@ def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax",
         functools.partial(_kernel, k=k, S=num_shared, block_m=block_m, softmax=scoring_func == "softmax",
                           norm=norm_topk_prob, scale=float(routed_scaling_factor), row_chunk=row_chunk),
         grid=(M // row_chunk,), out_shape=out_shape, compiler_params=params, interpret=interpret,
-    )(logits.astype(jnp.float32), bias.astype(jnp.float32))
+    )(logits.astype(jnp.float32), *(() if bias is None else (bias.astype(jnp.float32),)))
     return w, idx, row_copy, block_expert, row_of.reshape(-1)
 
 
@@ -161,7 +163,7 @@ def route_align_reference(logits, bias, *, k, num_shared, block_m, scoring_func=
     T, E = logits.shape
     x = logits.astype(jnp.float32)
     s = jax.nn.softmax(x, axis=-1) if scoring_func == "softmax" else jax.nn.sigmoid(x)
-    _, idx = jax.lax.top_k(s + bias.astype(jnp.float32)[None, :], k)
+    _, idx = jax.lax.top_k(s if bias is None else s + bias.astype(jnp.float32)[None, :], k)
     w = jnp.take_along_axis(s, idx, axis=-1)
     if norm_topk_prob:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -181,7 +183,7 @@ def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate
     """Routing, alignment and the expert kernels of a decode-size step: `route_align` then
     `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given; the gate_up kernel
     gathers its rows' tokens from x itself, so no XLA op sits between the router GEMM and the kernels).
-    x [T, D], logits [T, E] fp32, bias [E]; weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k])."""
+    x [T, D], logits [T, E] fp32, bias [E] or None (`route_align`); weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k])."""
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
         if shared_gate_up is not None:

@@ -252,8 +252,7 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     if fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex):
         from deepinfer_jax.kernels.moe_route import moe_fused_decode
 
-        E = cfg.n_routed_experts
-        bias = p["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else jnp.zeros((E,), jnp.float32)
+        bias = p["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
         shared = (ex["shared"]["gate_up"], ex["shared"]["down"]) if "shared" in ex else ()
         out, idx = moe_fused_decode(
             x, router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared, k=cfg.num_experts_per_tok,

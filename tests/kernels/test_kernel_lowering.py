@@ -103,12 +103,16 @@ def test_moe_kernels_lower_for_sm90(triton_modules, shared):
 
 
 @pytest.mark.parametrize("T", [1, 32, 256])
-def test_route_align_lowers_for_sm90(triton_modules, T):
+@pytest.mark.parametrize("bias", [True, False])
+def test_route_align_lowers_for_sm90(triton_modules, T, bias):
     from deepinfer_jax.kernels.moe_route import route_align
 
     s = jax.ShapeDtypeStruct
-    irs = triton_modules(lambda lg, b: route_align(lg, b, k=6, num_shared=2, block_m=16),
-                         s((T, 64), jnp.float32), s((64,), jnp.float32))
+    if bias:
+        irs = triton_modules(lambda lg, b: route_align(lg, b, k=6, num_shared=2, block_m=16),
+                             s((T, 64), jnp.float32), s((64,), jnp.float32))
+    else:  # V2-Lite's greedy softmax routing: no bias operand
+        irs = triton_modules(lambda lg: route_align(lg, None, k=6, num_shared=2, block_m=16), s((T, 64), jnp.float32))
     assert len(irs) == 1 and "tt.scan" in irs[0]  # the cumsums lower to Triton scans
 
 

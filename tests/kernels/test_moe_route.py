@@ -24,8 +24,7 @@ CASES = [  # T, E, k, S, block_m, scoring, norm, scale, bias
 def _inputs(T, E, bias, seed=0):
     rng = np.random.default_rng(seed + T + E)
     logits = jnp.asarray(rng.standard_normal((T, E)) * 2.0, jnp.float32)
-    b = jnp.asarray(rng.random(E) * 0.1 if bias else np.zeros(E), jnp.float32)
-    return logits, b
+    return logits, (jnp.asarray(rng.random(E) * 0.1, jnp.float32) if bias else None)
 
 
 @pytest.mark.parametrize("T, E, k, S, bm, scoring, norm, scale, bias", CASES)
@@ -42,10 +41,14 @@ def test_kernel_matches_reference(T, E, k, S, bm, scoring, norm, scale, bias):
     assert got[2].shape == (M,) and got[3].shape == (M // bm,) and got[4].shape == (T * (k + S),)
 
 
-def test_ties_pick_the_lowest_expert_like_top_k():
+@pytest.mark.parametrize("bias", [None, jnp.zeros(8)])
+def test_ties_pick_the_lowest_expert_like_top_k(bias):
     logits = jnp.zeros((4, 8), jnp.float32).at[:, 5].set(1.0)  # expert 5 first, then all tied
-    got = route_align(logits, jnp.zeros(8), k=3, num_shared=0, block_m=4, interpret=True)
+    got = route_align(logits, bias, k=3, num_shared=0, block_m=4, interpret=True)
     assert np.asarray(got[1]).tolist() == [[5, 0, 1]] * 4
+    want = route_align_reference(logits, bias, k=3, num_shared=0, block_m=4)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 def test_reference_is_the_models_router():
