@@ -331,6 +331,10 @@ class RunnerConfig:
     # step either way, because of fresh input buffers; the resident buffers of ModelRunner._step_fn
     # fixed that), so it is kept as the cheap, safe order.
     warmup_runs: int = 3
+    # Where warm-up keeps the compiled step programs (runner/program_cache.py): a later start with the
+    # same code, model, configuration and device loads them without tracing. None: off. One device only.
+    # LLM (and so `serve`) puts it inside the compilation cache directory.
+    program_cache_dir: str | None = None
 
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens

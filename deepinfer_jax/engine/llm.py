@@ -61,7 +61,9 @@ class LLM:
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
     read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
     steps merge the attention's splits and apply W_UV in one kernel, on by default), chat_template,
-    progress.
+    compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
+    it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
+    start skip tracing: runner/program_cache.py), progress.
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
@@ -86,7 +88,7 @@ class LLM:
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
-        enable_compilation_cache(compilation_cache_dir)
+        cache_dir = enable_compilation_cache(compilation_cache_dir)
         t0 = time.time()
         self.dtype = resolve_dtype(dtype, model)
         # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
@@ -125,7 +127,8 @@ class LLM:
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, fuse_shared_experts=fuse_shared_experts,
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,
-                              decode_output_kernel=decode_output_kernel)
+                              decode_output_kernel=decode_output_kernel,
+                              program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
                                 sharding=self.sharding)

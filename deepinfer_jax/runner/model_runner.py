@@ -190,6 +190,7 @@ class ModelRunner:
         self.last_routing = None
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
+        self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
 
     # ---- compiled step ----------------------------------------------------------------------------
     def _forward_fn(self, layout: Layout):
@@ -314,14 +315,27 @@ class ModelRunner:
             self._step_fns[key] = jax.jit(step, donate_argnums=(1, 2, 4))
         return self._step_fns[key]
 
+    def _program_key(self, key, res: "_Resident") -> str:
+        """The program cache's key of one step program (runner/program_cache.py): the configurations,
+        shapes and the program's layouts and arguments; the cache adds the code and the device."""
+        from deepinfer_jax.runner import program_cache
+
+        rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
+        args = (self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
+        return program_cache.program_key("step", self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
+                                         key, res.parts, res.sampled_layout, res.routing_shape,
+                                         program_cache.signature(args))
+
     def warmup(self, progress: bool = True) -> int:
         """Compile the step of every (bucket, sampling variant), then run each `warmup_runs` times on
-        padding. Returns the number of programs compiled.
+        padding. Returns the number of step programs.
 
-        Programs are traced and lowered one after another on this thread (a bucket's forward is traced
-        once for both variants); each goes to a pool of compile threads as soon as it is lowered (XLA
-        releases the GIL), the slowest first: the unrolled programs, larger buckets before smaller
-        ones, then the scanned ones. Steps then call the compiled executables directly."""
+        With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
+        the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
+        compiled and stored. Programs are traced and lowered one after another on this thread (a bucket's
+        forward is traced once for both variants); each goes to a pool of compile threads as soon as it
+        is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger buckets
+        before smaller ones, then the scanned ones. Steps then call the compiled executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         t0 = time.perf_counter()
@@ -338,11 +352,18 @@ class ModelRunner:
 
             bar = tqdm(total=len(keyed), desc=f"compiling {len(keyed)} step programs", unit="program", leave=False)
 
-        def compile_one(key, bucket, lowered):
+        from deepinfer_jax.runner import program_cache
+
+        cache_dir = self.runner_cfg.program_cache_dir if self.sharding is None else None
+        device = jax.devices()[0]
+
+        def compile_one(key, bucket, lowered, pkey):
             t = time.perf_counter()
             self._step_exes[key] = lowered.compile()
             log.info("warm-up: compiled the %s step of %d tokens in %.1f s", "full" if key[1] else "base",
                      bucket, time.perf_counter() - t)
+            if pkey is not None:
+                program_cache.store(cache_dir, pkey, self._step_exes[key])
             if bar is not None:
                 bar.update(1)
 
@@ -352,13 +373,28 @@ class ModelRunner:
         # ones, so that a bucket's second program found the first one's results, made no difference.
         workers = max(1, min(len(keyed), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
+            pkeys = {key: self._program_key(key, self._resident(key)) if cache_dir else None for key in keyed}
+            loads = {key: pool.submit(program_cache.load, cache_dir, pkey, device) for key, pkey in pkeys.items()
+                     if pkey is not None}
             futures = []
             for key, host in keyed.items():
+                exe = loads[key].result() if key in loads else None
+                if exe is not None:
+                    self._step_exes[key] = exe
+                    self.programs_loaded += 1
+                    if bar is not None:
+                        bar.update(1)
+                    continue
                 res = self._resident(key)
                 lowered = self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
                                                    res.inbox, res.outbox)
-                futures.append(pool.submit(compile_one, key, host.bucket, lowered))
-            log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures), time.perf_counter() - t0)
+                futures.append(pool.submit(compile_one, key, host.bucket, lowered, pkeys[key]))
+            if self.programs_loaded:
+                log.info("warm-up: loaded %d step programs from %s in %.1f s", self.programs_loaded, cache_dir,
+                         time.perf_counter() - t0)
+            if futures:
+                log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures),
+                         time.perf_counter() - t0)
             for f in futures:
                 f.result()
         if bar is not None:

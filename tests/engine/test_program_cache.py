@@ -1,0 +1,111 @@
+"""Compiled step programs kept on disk (runner/program_cache.py): a second engine with the same model,
+configuration and code loads every step program without tracing it and generates HF's greedy tokens;
+a broken entry is compiled again and rewritten; the key changes with anything the program is made from."""
+
+from __future__ import annotations
+
+import os
+import pickle
+
+import jax.numpy as jnp
+
+from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
+from deepinfer_jax.engine.llm_engine import LLMEngine
+from deepinfer_jax.runner import program_cache
+from deepinfer_jax.types import SamplingParams
+from deepinfer_jax.weights.loader import load_model
+from hf_models import random_prompts
+
+N_NEW = 6
+
+
+def _engine(path, cache_dir, **runner_kw):
+    cfg, params = load_model(path, jnp.float32, progress=False)
+    rc = RunnerConfig(dtype="float32", attn_impl="reference", moe_impl="ragged", token_buckets=(16, 64),
+                      warmup_full_variant=False, program_cache_dir=str(cache_dir), **runner_kw)
+    return LLMEngine(cfg, params, None, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
+                                                                         max_model_len=128),
+                     cache_config=CacheConfig(page_size=8), runner_config=rc, progress=False)
+
+
+def _greedy(eng, prompts):
+    ids = []
+    for p in prompts:
+        ids.append(eng.new_request_id())
+        eng.add_request(ids[-1], p, SamplingParams(temperature=0.0, max_tokens=N_NEW, ignore_eos=True))
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    return [done[r] for r in ids]
+
+
+def _entries(cache_dir):
+    return sorted(os.path.join(cache_dir, f) for f in os.listdir(cache_dir) if f.endswith(".program"))
+
+
+def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, tmp_path):
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(40, [7, 19, 3], model.config.vocab_size)
+
+    first = _engine(path, tmp_path)
+    assert first.runner.programs_loaded == 0
+    assert len(_entries(tmp_path)) == first.num_warmup_compiles == 2  # buckets 16 and 64, base variant
+    want = _greedy(first, prompts)
+
+    second = _engine(path, tmp_path)
+    assert second.runner.programs_loaded == second.num_warmup_compiles == 2
+    assert second.runner._step_fns == {}  # nothing was traced or lowered
+    got = _greedy(second, prompts)
+    assert got == want
+    assert got == [hf_greedy(model, p, N_NEW) for p in prompts]
+    assert second.runner.compiles_after_warmup == 0
+
+
+def test_a_broken_entry_is_compiled_again_and_rewritten(hf_case, tmp_path):
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(41, [11, 5], model.config.vocab_size)
+    want = _greedy(_engine(path, tmp_path), prompts)
+    for entry in _entries(tmp_path):
+        with open(entry, "wb") as f:
+            f.write(b"not a program")
+
+    eng = _engine(path, tmp_path)
+    assert eng.runner.programs_loaded == 0
+    assert _greedy(eng, prompts) == want
+    for entry in _entries(tmp_path):  # whole entries again
+        with open(entry, "rb") as f:
+            blob, _, _ = pickle.load(f)
+        assert len(blob) > 1000
+
+
+def test_a_different_configuration_is_a_different_program(hf_case, tmp_path):
+    _, path = hf_case("v2_greedy_yarn")
+    _engine(path, tmp_path)
+    other = _engine(path, tmp_path, fuse_moe_routing=False)
+    assert other.runner.programs_loaded == 0
+    assert len(_entries(tmp_path)) == 4
+
+
+def test_the_key_covers_the_source_and_the_arguments(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "a.py").write_text("x = 1\n")
+    (pkg / "sub" / "b.py").write_text("y = 2\n")
+    (pkg / "notes.txt").write_text("not code\n")
+    before = program_cache.source_fingerprint(str(pkg))
+    (pkg / "notes.txt").write_text("still not code\n")
+    program_cache.source_fingerprint.cache_clear()
+    assert program_cache.source_fingerprint(str(pkg)) == before
+    (pkg / "sub" / "b.py").write_text("y = 3\n")
+    program_cache.source_fingerprint.cache_clear()
+    assert program_cache.source_fingerprint(str(pkg)) != before
+    program_cache.source_fingerprint.cache_clear()
+
+    a = program_cache.signature((jnp.zeros((2, 3)), {"w": jnp.zeros(4, jnp.int32)}))
+    assert a == program_cache.signature((jnp.ones((2, 3)), {"w": jnp.ones(4, jnp.int32)}))  # values do not count
+    assert a != program_cache.signature((jnp.zeros((2, 3)), {"w": jnp.zeros(5, jnp.int32)}))
+    assert a != program_cache.signature((jnp.zeros((2, 3), jnp.bfloat16), {"w": jnp.zeros(4, jnp.int32)}))
+    assert program_cache.program_key(RunnerConfig(), a) == program_cache.program_key(RunnerConfig(), a)
+    assert program_cache.program_key(RunnerConfig(), a) != program_cache.program_key(RunnerConfig(seed=1), a)
