@@ -4,7 +4,8 @@
 # first run's GEMM autotuning results (XLA's per-fusion autotune cache, saved to OUTDIR/autotune.tgz),
 # which is what shipping tuned results for the GPU would give. V2-Lite shape, random weights drawn on
 # the device (`--load-format dummy`), Protocol B's server flags. Prints the times and the warm-up's log.
-#   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]     (SERVE_ARGS: more serve flags, e.g. fewer buckets)
+#   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]     (SERVE_ARGS: more serve flags, e.g. fewer buckets;
+#   CACHE_DIR: the first runs' cache directory instead of a fresh one, e.g. to reuse it afterwards)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -12,7 +13,7 @@ preset="${2:-deepseek-v2-lite}"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 dummy=$(mktemp -d)
 python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
-export DEEPINFER_CACHE_DIR=$(mktemp -d)
+export DEEPINFER_CACHE_DIR=${CACHE_DIR:-$(mktemp -d)}
 first=$DEEPINFER_CACHE_DIR
 for run in ${RUNS:-empty warm tuned}; do
   if [[ $run == tuned ]]; then
@@ -26,5 +27,5 @@ for run in ${RUNS:-empty warm tuned}; do
   server=$!
   echo "serve, $run compilation cache: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 420) s from start to /health"
   kill -TERM $server; wait $server
-  grep -h -E "warm-up:|ready in|KV cache:" "$out/server_$run.log" | sed -E 's/^[0-9-]+ ([0-9:]+),[0-9]+ INFO [a-z_.]+: /\1 /'
+  grep -h -E "warm-up:|ready in|KV cache:|program cache" "$out/server_$run.log" | sed -E 's/^[0-9-]+ ([0-9:]+),[0-9]+ INFO [a-z_.]+: /\1 /'
 done
