@@ -54,8 +54,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                         "but each such bucket's programs take tens of seconds more to compile on an empty "
                         "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
     g.add_argument("--compilation-cache-dir", default="default",
-                   help='XLA compilation cache ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; '
-                        '"none": off)')
+                   help='XLA compilation cache, and in its programs/ the compiled step programs a warm start '
+                        'loads untraced ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; "none": off)')
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
