@@ -323,6 +323,10 @@ class RunnerConfig:
     # place) instead of XLA's five (the merge's two reductions, W_UV's slice copy, a GEMM, its reduce).
     # H200, V2-Lite batch-32 step: even (8.65 ms either way); Protocol A 0.6% faster with it.
     decode_output_kernel: bool = True
+    # Decode-size steps on the Pallas path (one device, token slots a multiple of 16) absorb the query
+    # through W_UK and rotate its rope part in one kernel (kernels/mla_absorb.py: q and W_UK read in
+    # place) instead of XLA's pad of q_nope, GEMM over kv_b's whole rows and RoPE.
+    decode_absorb_kernel: bool = True
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

@@ -124,21 +124,40 @@ def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules
     return out
 
 
-def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
-                         mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
-    """The segment's stacked kv_b_proj [L, R, H, dn + dv] when this step's attention output goes through
-    kernels/mla_output.py (the context splits merged and W_UV applied in one kernel, kv_b read in
-    place): with `enabled` (RunnerConfig.decode_output_kernel), on the Pallas path on one device, for
-    a step the per-token decode kernel serves (no more token slots than sequence rows, no split prefill
-    plan) whose size the kernel tiles, float weights. None otherwise."""
-    from deepinfer_jax.kernels import mla_output
-
+def _decode_kv_b(seg_params: dict, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
+                 split_plan, enabled: bool) -> jax.Array | None:
+    """The segment's stacked kv_b_proj [L, R, H, dn + dv] for a decode kernel that reads it in place:
+    with `enabled`, on the Pallas path on one device, for a step the per-token decode kernel serves
+    (no more token slots than sequence rows, no split prefill plan), float weights. None otherwise."""
     kv_b = seg_params["attn"]["kv_b_proj"]
     if (not enabled or not _pallas_one_device(attn_impl, mesh_rules) or split_plan is not None
-            or not decode_kernel_step(meta) or is_quantized(kv_b)
-            or not mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim)):
+            or not decode_kernel_step(meta) or is_quantized(kv_b)):
         return None
     return kv_b
+
+
+def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
+                         mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
+    """The stacked kv_b_proj (`_decode_kv_b`) when this step's attention output goes through
+    kernels/mla_output.py (the context splits merged and W_UV applied in one kernel): with `enabled`
+    (RunnerConfig.decode_output_kernel) and a step size the kernel tiles. None otherwise."""
+    from deepinfer_jax.kernels import mla_output
+
+    kv_b = _decode_kv_b(seg_params, meta, attn_impl, mesh_rules, split_plan, enabled)
+    return kv_b if kv_b is not None and mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim) else None
+
+
+def decode_absorb_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
+                          mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
+    """The stacked kv_b_proj (`_decode_kv_b`) when this step's query absorption and RoPE go through
+    kernels/mla_absorb.py (q and W_UK read in place from the q projection and kv_b): with `enabled`
+    (RunnerConfig.decode_absorb_kernel) and a step size the kernel tiles. None otherwise."""
+    from deepinfer_jax.kernels import mla_absorb
+
+    kv_b = _decode_kv_b(seg_params, meta, attn_impl, mesh_rules, split_plan, enabled)
+    ok = kv_b is not None and mla_absorb.supported(meta.token_ids.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+                                                   cfg.kv_lora_rank)
+    return kv_b if ok else None
 
 
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
@@ -273,6 +292,7 @@ def forward_paged(
     prefill_attention: str = "expanded",
     decode_projection_kernel: bool = False,
     decode_output_kernel: bool = False,
+    decode_absorb_kernel: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -288,7 +308,9 @@ def forward_paged(
     device), o_proj and the dense MLP read their layer's weights in place through
     kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`).
     `decode_output_kernel`: where `decode_value_weights` allows, the decode attention's context splits
-    are merged and W_UV applied in one kernel (kernels/mla_output.py)."""
+    are merged and W_UV applied in one kernel (kernels/mla_output.py).
+    `decode_absorb_kernel`: where `decode_absorb_weights` allows, the query is absorbed through W_UK and
+    its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -310,18 +332,28 @@ def forward_paged(
         # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
         value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                           decode_output_kernel)
+        absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                            decode_absorb_kernel)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
-        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b):
+        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
+                 absorb_kv_b=absorb_kv_b):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
+            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin, whole_q=absorb_kv_b is not None)
             latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
-            q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
+            if absorb_kv_b is not None:  # q_nope holds the whole unroped q [T, H, dn + dr]: the kernel absorbs
+                from deepinfer_jax.kernels import mla_absorb  # its nope part and rotates its rope part
+
+                q_lat, q_pe = mla_absorb.absorb_query(q_nope, absorb_kv_b, j, cos, sin, dn=cfg.qk_nope_head_dim,
+                                                      interpret=attn_impl == "pallas_interpret")
+                q_nope = q_nope[..., : cfg.qk_nope_head_dim]
+            else:
+                q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
             if split_plan is not None:
                 cache = write_latents(cache, li, meta, latent)
                 a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,

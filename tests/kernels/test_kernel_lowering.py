@@ -172,3 +172,16 @@ def test_decode_attention_output_lowers_for_sm90(triton_modules):
     irs = triton_modules(attend, *args)
     assert len(irs) == 2
     assert irs[1].count("tt.dot") == 1  # the [16, 512] x [512, 64] W_UV tile; the merge is elementwise
+
+
+def test_decode_absorb_lowers_for_sm90(triton_modules):
+    """The query's absorption and RoPE at V2-Lite's shape: q read from the whole q projection [32, 16,
+    192], W_UK from the stacked kv_b_proj [L, 512, 16, 256], one [32, 128] x [128, 64] dot a program, the
+    rope part's even and odd lanes in strided loads and stores."""
+    from deepinfer_jax.kernels.mla_absorb import absorb_query
+
+    s = jax.ShapeDtypeStruct
+    irs = triton_modules(lambda q, kv_b, c, sn: absorb_query(q, kv_b, 3, c, sn, dn=128),
+                         s((32, H, 192), jnp.bfloat16), s((L, R, H, 256), jnp.bfloat16),
+                         s((32, DR // 2), jnp.float32), s((32, DR // 2), jnp.float32))
+    assert len(irs) == 1 and irs[0].count("tt.dot") == 1 and irs[0].count("tt.store") == 3

@@ -257,27 +257,19 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_output_kernel: a decode step the per-token kernel serves (16 token slots,
-    16 sequence rows) merges the attention's splits and applies W_UV in one kernel
-    (kernels/mla_output.py, interpret mode) in every layer: the same logits and cache as the XLA merge
-    and einsum, and the full forward's logits. A prefill-bucket step (more slots than rows) keeps the
-    other path."""
-    from deepinfer_jax.kernels import mla_output
-
-    calls = []
-    real = mla_output.merge_value_projection
-    monkeypatch.setattr(mla_output, "merge_value_projection",
-                        lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int):
+    """Three sequences prefilled in one 64-slot step, then two decode steps of 16 token slots and 16
+    sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (Pallas
+    path, interpret mode). Each decode step's logits must equal the full forward's; returns (cfg, params,
+    [(decode logits, final cache) off, on])."""
     _, path = hf_case(case)
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
-    ids = np.random.default_rng(11).integers(0, cfg.vocab_size, (3, 40))
+    ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, 40))
     full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
     outs = []
     for enabled in (False, True):
-        kw = dict(attn_impl="pallas_interpret", moe_impl="pallas_interpret", decode_output_kernel=enabled)
+        kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", flag: enabled}
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
         _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
         steps = []
@@ -286,13 +278,47 @@ def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatc
                                   pad_to=16, **kw)
             steps.append(np.asarray(logits)[:3])
             np.testing.assert_allclose(steps[-1], full[[0, 1, 2], [30 + t, 3 + t, 20 + t]], atol=5e-5)
-        outs.append((steps, np.asarray(cache)))
+        outs.append((np.stack(steps), np.asarray(cache)))
+    # The same logits and cache either way (later layers: fp32 rounding).
+    np.testing.assert_allclose(outs[1][0], outs[0][0], rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=2e-5, atol=2e-5)
+    return cfg, params
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_output_kernel: a decode step the per-token kernel serves merges the
+    attention's splits and applies W_UV in one kernel (kernels/mla_output.py) in every layer: the same
+    logits and cache as the XLA merge and einsum, and the full forward's logits. A prefill-bucket step
+    (more slots than rows) keeps the other path."""
+    from deepinfer_jax.kernels import mla_output
+
+    calls = []
+    real = mla_output.merge_value_projection
+    monkeypatch.setattr(mla_output, "merge_value_projection",
+                        lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
+    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_output_kernel", seed=11)
     # Only the two decode steps; each traces one scanned layer body per segment, handed its segment's
     # stacked kv_b_proj.
     assert calls == 2 * [(seg.num_layers, *params["segments"][i]["attn"]["kv_b_proj"].shape[1:])
                          for i, seg in enumerate(layer_segments(cfg))]
-    np.testing.assert_allclose(np.stack(outs[1][0]), np.stack(outs[0][0]), rtol=2e-5, atol=2e-5)
-    np.testing.assert_allclose(outs[1][1], outs[0][1], rtol=2e-5, atol=2e-5)  # later layers: fp32 rounding
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
+def test_decode_absorb_kernel_equals_the_xla_absorption(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_absorb_kernel: a decode step the per-token kernel serves absorbs the query
+    through W_UK and rotates its rope part in one kernel (kernels/mla_absorb.py) reading the whole q
+    projection (with and without q-LoRA) and the stacked kv_b_proj: the same logits and cache as XLA's
+    absorption and RoPE, and the full forward's logits. A prefill-bucket step keeps XLA's."""
+    from deepinfer_jax.kernels import mla_absorb
+
+    calls = []
+    real = mla_absorb.absorb_query
+    monkeypatch.setattr(mla_absorb, "absorb_query", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_absorb_kernel", seed=12)
+    # Only the two decode steps, one scanned layer body per segment, each on the whole q [16, H, dn + dr].
+    H, width = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+    assert calls == 2 * len(layer_segments(cfg)) * [(16, H, width)]
 
 
 def test_grouped_routing_keeps_the_xla_router(hf_case):
