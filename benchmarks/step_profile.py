@@ -47,6 +47,9 @@ def main(argv=None) -> int:
                     help="pages the decode attention walks per loop step (kernels/mla_decode.PAGES_PER_STEP)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
+    ap.add_argument("--decode-matmul-plan", default="",
+                    help="K,N=bn,bk,split: kernels/decode_matmul.py's tiles for a [K, N] weight (its `plan`), e.g. "
+                         "2048,2048=16,256,1 for o_proj without a split K")
     ap.add_argument("--absorb-full-width-max-tokens", type=int, default=-1,
                     help="override models/mla.py's ABSORB_FULL_WIDTH_MAX_TOKENS (0: always slice W_UK)")
     ap.add_argument("--label", default="")
@@ -78,6 +81,12 @@ def main(argv=None) -> int:
         from deepinfer_jax.models import mla
 
         mla.ABSORB_FULL_WIDTH_MAX_TOKENS = args.absorb_full_width_max_tokens
+    if args.decode_matmul_plan:
+        from deepinfer_jax.kernels import decode_matmul
+
+        kn, tiles = args.decode_matmul_plan.split("=")
+        kn, tiles, base_plan = tuple(int(v) for v in kn.split(",")), tuple(int(v) for v in tiles.split(",")), decode_matmul.plan
+        decode_matmul.plan = lambda K, N: tiles if (K, N) == kn else base_plan(K, N)
     if args.moe_decode_tiles:
         from deepinfer_jax.kernels import moe_gmm, moe_route
 
