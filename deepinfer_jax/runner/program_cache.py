@@ -13,8 +13,11 @@ under a key of everything the program is made from:
 
 A start with the same key loads the program as stored; any difference misses, compiles, and stores the
 new program beside the old. An entry that fails to load (truncated, from another build) is compiled
-again and rewritten. Entries are pickles: like JAX's own cache, the directory must be the user's own.
-Invariant: a program is only ever loaded under the key it was stored with.
+again and rewritten. Each store keeps the directory within MAX_BYTES (4 GiB, or
+$DEEPINFER_PROGRAM_CACHE_MAX_BYTES) by deleting the least recently used entries (a load marks its entry
+used); serve's 16 programs of V2-Lite take 35 MB on an H200. Entries are pickles: like JAX's own cache,
+the directory must be the user's own. Invariant: a program is only ever loaded under the key it was
+stored with.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import hashlib
 import logging
 import os
 import pickle
+import time
 from typing import Any
 
 import jax
@@ -32,6 +36,8 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1  # bump when the entry format or the key's meaning changes
 PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_BYTES = int(os.environ.get("DEEPINFER_PROGRAM_CACHE_MAX_BYTES", 4 << 30))
+STALE_PART_SECONDS = 3600  # a writer's temporary file this old was left by a crash
 
 
 @functools.cache
@@ -83,14 +89,17 @@ def load(cache_dir: str, key: str, device) -> Any | None:
     try:
         with open(path, "rb") as f:
             blob, in_tree, out_tree = pickle.load(f)
-        return deserialize_and_load(blob, in_tree, out_tree, backend=device.client, execution_devices=[device])
+        compiled = deserialize_and_load(blob, in_tree, out_tree, backend=device.client, execution_devices=[device])
+        os.utime(path)  # used now: `prune` deletes the least recently used entries first
+        return compiled
     except Exception as e:  # a truncated or foreign entry: compile instead
         log.warning("program cache: could not load %s (%s: %s); compiling it again", path, type(e).__name__, e)
         return None
 
 
-def store(cache_dir: str, key: str, compiled: Any) -> bool:
-    """Write `compiled` under `key` (whole or not at all); False if it cannot be serialized or written."""
+def store(cache_dir: str, key: str, compiled: Any, max_bytes: int | None = None) -> bool:
+    """Write `compiled` under `key` (whole or not at all), then `prune` the directory to `max_bytes`
+    (default MAX_BYTES); False if it cannot be serialized or written."""
     from jax.experimental.serialize_executable import serialize
 
     path = _path(cache_dir, key)
@@ -101,9 +110,44 @@ def store(cache_dir: str, key: str, compiled: Any) -> bool:
         with open(tmp, "wb") as f:
             f.write(data)
         os.replace(tmp, path)
+        prune(cache_dir, MAX_BYTES if max_bytes is None else max_bytes, keep=path)
         return True
     except Exception as e:
         log.warning("program cache: could not store a program in %s (%s: %s)", cache_dir, type(e).__name__, e)
         if os.path.exists(tmp):
             os.remove(tmp)
         return False
+
+
+def prune(cache_dir: str, max_bytes: int, keep: str | None = None) -> int:
+    """Delete the least recently used entries (the oldest modification times: a load touches its
+    entry) until those left total at most `max_bytes`, never `keep`; and temporary files a crashed
+    writer left over an hour ago. Safe against another process pruning at once. Returns how many
+    entries were deleted."""
+    entries, now = [], time.time()
+    for name in os.listdir(cache_dir):
+        path = os.path.join(cache_dir, name)
+        try:
+            st = os.stat(path)
+            if name.endswith(".part") and now - st.st_mtime > STALE_PART_SECONDS:
+                os.remove(path)
+            elif name.endswith(".program"):
+                entries.append((st.st_mtime, st.st_size, path))
+        except FileNotFoundError:  # deleted by another process meanwhile
+            continue
+    total, removed = sum(size for _, size, _ in entries), 0
+    for _, size, path in sorted(entries):
+        if total <= max_bytes:
+            break
+        if path == keep:
+            continue
+        try:
+            os.remove(path)
+            removed += 1
+        except FileNotFoundError:
+            pass
+        total -= size
+    if removed:
+        log.info("program cache: deleted %d least recently used programs from %s (over %d bytes)", removed,
+                 cache_dir, max_bytes)
+    return removed

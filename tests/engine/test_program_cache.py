@@ -109,3 +109,29 @@ def test_the_key_covers_the_source_and_the_arguments(tmp_path):
     assert a != program_cache.signature((jnp.zeros((2, 3), jnp.bfloat16), {"w": jnp.zeros(4, jnp.int32)}))
     assert program_cache.program_key(RunnerConfig(), a) == program_cache.program_key(RunnerConfig(), a)
     assert program_cache.program_key(RunnerConfig(), a) != program_cache.program_key(RunnerConfig(seed=1), a)
+
+
+def test_the_directory_keeps_its_most_recently_used_programs_within_the_cap(tmp_path):
+    """store() prunes to the byte cap, least recently used first (a load counts as a use), never the
+    entry it just wrote; a crashed writer's old temporary file goes too."""
+    import jax
+
+    device = jax.devices()[0]
+    # Three programs of one form (entries of nearly one size).
+    progs = {n: jax.jit(lambda x, n=n: x * n + 1.0).lower(jnp.zeros(4)).compile() for n in (1, 2, 3)}
+    assert program_cache.store(str(tmp_path), "a", progs[1]) and program_cache.store(str(tmp_path), "b", progs[2])
+    size = max(os.path.getsize(tmp_path / f"{k}.program") for k in "ab")
+    os.utime(tmp_path / "a.program", (1e9, 1e9))  # a is older than b ...
+    os.utime(tmp_path / "b.program", (1e9 + 10, 1e9 + 10))
+    stale = tmp_path / "c.program.123.part"
+    stale.write_bytes(b"half a program")
+    os.utime(stale, (1e9, 1e9))
+    loaded = program_cache.load(str(tmp_path), "a", device)  # ... until a load uses it
+    assert float(loaded(jnp.ones(4))[0]) == 2.0
+    # Room for two entries: storing c deletes the least recently used one, b, and the stale part file.
+    assert program_cache.store(str(tmp_path), "c", progs[3], max_bytes=2 * size + size // 2)
+    assert sorted(os.listdir(tmp_path)) == ["a.program", "c.program"]
+    assert float(program_cache.load(str(tmp_path), "c", device)(jnp.ones(4))[0]) == 4.0
+    # A cap below one entry still keeps the one just written.
+    assert program_cache.store(str(tmp_path), "b", progs[2], max_bytes=1)
+    assert os.listdir(tmp_path) == ["b.program"]
