@@ -316,16 +316,16 @@ class ModelRunner:
             self._step_fns[key] = jax.jit(step, donate_argnums=(1, 2, 4))
         return self._step_fns[key]
 
-    def _program_key(self, key, res: "_Resident") -> str:
+    def _program_key(self, key, res: "_Resident", state_signature: tuple) -> str:
         """The program cache's key of one step program (runner/program_cache.py): the configurations,
-        shapes and the program's layouts and arguments; the cache adds the code and the device."""
+        shapes, the program's layouts (which fix its inbox and outbox) and `state_signature`, the
+        signature of the arguments every step program shares (params, KV cache, previous tokens); the
+        cache adds the code and the device."""
         from deepinfer_jax.runner import program_cache
 
         rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
-        args = (self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
         return program_cache.program_key("step", self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
-                                         key, res.parts, res.sampled_layout, res.routing_shape,
-                                         program_cache.signature(args))
+                                         key, res.parts, res.sampled_layout, res.routing_shape, state_signature)
 
     def warmup(self, progress: bool = True) -> int:
         """Compile the step of every (bucket, sampling variant), then run each `warmup_runs` times on
@@ -374,7 +374,8 @@ class ModelRunner:
         # ones, so that a bucket's second program found the first one's results, made no difference.
         workers = max(1, min(len(keyed), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
-            pkeys = {key: self._program_key(key, self._resident(key)) if cache_dir else None for key in keyed}
+            state = program_cache.signature((self.params, self.kv_cache, self._prev_tokens)) if cache_dir else None
+            pkeys = {key: self._program_key(key, self._resident(key), state) if cache_dir else None for key in keyed}
             loads = {key: pool.submit(program_cache.load, cache_dir, pkey, device) for key, pkey in pkeys.items()
                      if pkey is not None}
             futures = []
