@@ -333,10 +333,12 @@ class ModelRunner:
 
         With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
         the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
-        compiled and stored. Programs are traced and lowered one after another on this thread (a bucket's
-        forward is traced once for both variants); each goes to a pool of compile threads as soon as it
-        is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger buckets
-        before smaller ones, then the scanned ones. Steps then call the compiled executables directly."""
+        compiled, and stored when XLA compiled them rather than JAX's compilation cache serving them
+        (runner/program_cache.py). Programs are traced and lowered one after another on this thread (a
+        bucket's forward is traced once for both variants); each goes to a pool of compile threads as
+        soon as it is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger
+        buckets before smaller ones, then the scanned ones. Steps then call the compiled executables
+        directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         t0 = time.perf_counter()
@@ -360,10 +362,10 @@ class ModelRunner:
 
         def compile_one(key, bucket, lowered, pkey):
             t = time.perf_counter()
-            self._step_exes[key] = lowered.compile()
+            self._step_exes[key], storable = program_cache.compile_program(lowered)
             log.info("warm-up: compiled the %s step of %d tokens in %.1f s", "full" if key[1] else "base",
                      bucket, time.perf_counter() - t)
-            if pkey is not None:
+            if pkey is not None and storable:
                 program_cache.store(cache_dir, pkey, self._step_exes[key])
             if bar is not None:
                 bar.update(1)

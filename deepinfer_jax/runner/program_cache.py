@@ -12,7 +12,10 @@ under a key of everything the program is made from:
   structure, shapes and dtypes of its arguments.
 
 A start with the same key loads the program as stored; any difference misses, compiles, and stores the
-new program beside the old. An entry that fails to load (truncated, from another build) is compiled
+new program beside the old. Only a program XLA compiled in this process is stored (`compile_program`):
+one that JAX loaded from its own compilation cache does not serialize again whole (XLA:CPU's then
+lacked its compiled functions: "Function ... not found" at its first run), so after an upgrade that
+leaves a program's HLO unchanged, that program keeps coming from JAX's cache, traced as before. An entry that fails to load (truncated, from another build) is compiled
 again and rewritten. Each store keeps the directory within MAX_BYTES (4 GiB, or
 $DEEPINFER_PROGRAM_CACHE_MAX_BYTES) by deleting the least recently used entries (a load marks its entry
 used); serve's 16 programs of V2-Lite take 35 MB on an H200. Entries are pickles: like JAX's own cache,
@@ -27,6 +30,7 @@ import hashlib
 import logging
 import os
 import pickle
+import threading
 import time
 from typing import Any
 
@@ -75,6 +79,29 @@ def program_key(*parts: Any) -> str:
     return hashlib.sha256(repr((environment(), parts)).encode()).hexdigest()
 
 
+_local = threading.local()  # per compile thread: did JAX's compilation cache serve the last compile?
+_listener_lock = threading.Lock()
+_listening = False
+
+
+def _note_jax_cache_hit(event: str, **kwargs) -> None:
+    if event == "/jax/compilation_cache/cache_hits":  # recorded on the compiling thread
+        _local.jax_cache_hit = True
+
+
+def compile_program(lowered) -> tuple[Any, bool]:
+    """`lowered.compile()` -> (the compiled program, whether it may be stored: XLA compiled it here,
+    rather than JAX loading it from its persistent compilation cache; module docstring)."""
+    global _listening
+    with _listener_lock:
+        if not _listening:
+            jax.monitoring.register_event_listener(_note_jax_cache_hit)
+            _listening = True
+    _local.jax_cache_hit = False
+    compiled = lowered.compile()
+    return compiled, not _local.jax_cache_hit
+
+
 def _path(cache_dir: str, key: str) -> str:
     return os.path.join(cache_dir, f"{key}.program")
 
@@ -99,7 +126,8 @@ def load(cache_dir: str, key: str, device) -> Any | None:
 
 def store(cache_dir: str, key: str, compiled: Any, max_bytes: int | None = None) -> bool:
     """Write `compiled` under `key` (whole or not at all), then `prune` the directory to `max_bytes`
-    (default MAX_BYTES); False if it cannot be serialized or written."""
+    (default MAX_BYTES); False if it cannot be serialized or written. `compiled` must be one XLA
+    compiled in this process (`compile_program`'s second result)."""
     from jax.experimental.serialize_executable import serialize
 
     path = _path(cache_dir, key)

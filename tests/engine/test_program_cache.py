@@ -1,13 +1,20 @@
 """Compiled step programs kept on disk (runner/program_cache.py): a second engine with the same model,
 configuration and code loads every step program without tracing it and generates HF's greedy tokens;
-a broken entry is compiled again and rewritten; the key changes with anything the program is made from."""
+a broken entry is compiled again and rewritten; the key changes with anything the program is made from;
+a program JAX's own compilation cache served is not stored.
+
+Which compiles JAX's own compilation cache serves depends on what ran before (it may be the user's
+~/.cache): each test sets it explicitly (`_jax_cache`): off, so that XLA compiles, or a fresh directory."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 
+import jax
 import jax.numpy as jnp
+import pytest
 
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
@@ -19,12 +26,12 @@ from hf_models import random_prompts
 N_NEW = 6
 
 
-def _engine(path, cache_dir, **runner_kw):
+def _engine(path, cache_dir, max_model_len, **runner_kw):
     cfg, params = load_model(path, jnp.float32, progress=False)
     rc = RunnerConfig(dtype="float32", attn_impl="reference", moe_impl="ragged", token_buckets=(16, 64),
                       warmup_full_variant=False, program_cache_dir=str(cache_dir), **runner_kw)
     return LLMEngine(cfg, params, None, scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64,
-                                                                         max_model_len=128),
+                                                                         max_model_len=max_model_len),
                      cache_config=CacheConfig(page_size=8), runner_config=rc, progress=False)
 
 
@@ -41,20 +48,44 @@ def _greedy(eng, prompts):
     return [done[r] for r in ids]
 
 
+@contextlib.contextmanager
+def _jax_cache(path):
+    """JAX's persistent compilation cache in `path` for the block (None: off, so every compile is XLA's
+    own), as it was afterwards."""
+    from jax.experimental.compilation_cache import compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir, jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_compilation_cache_dir", None if path is None else str(path))
+    jax.config.update("jax_enable_compilation_cache", path is not None)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before[0])
+        jax.config.update("jax_enable_compilation_cache", before[1])
+        compilation_cache.reset_cache()
+
+
+@pytest.fixture
+def xla_compiles():
+    with _jax_cache(None):
+        yield
+
+
 def _entries(cache_dir):
     return sorted(os.path.join(cache_dir, f) for f in os.listdir(cache_dir) if f.endswith(".program"))
 
 
-def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, tmp_path):
+def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, tmp_path, xla_compiles):
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(40, [7, 19, 3], model.config.vocab_size)
 
-    first = _engine(path, tmp_path)
+    first = _engine(path, tmp_path, 128)
     assert first.runner.programs_loaded == 0
     assert len(_entries(tmp_path)) == first.num_warmup_compiles == 2  # buckets 16 and 64, base variant
     want = _greedy(first, prompts)
 
-    second = _engine(path, tmp_path)
+    second = _engine(path, tmp_path, 128)
     assert second.runner.programs_loaded == second.num_warmup_compiles == 2
     assert second.runner._step_fns == {}  # nothing was traced or lowered
     got = _greedy(second, prompts)
@@ -63,15 +94,15 @@ def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, 
     assert second.runner.compiles_after_warmup == 0
 
 
-def test_a_broken_entry_is_compiled_again_and_rewritten(hf_case, tmp_path):
+def test_a_broken_entry_is_compiled_again_and_rewritten(hf_case, tmp_path, xla_compiles):
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(41, [11, 5], model.config.vocab_size)
-    want = _greedy(_engine(path, tmp_path), prompts)
+    want = _greedy(_engine(path, tmp_path, 136), prompts)
     for entry in _entries(tmp_path):
         with open(entry, "wb") as f:
             f.write(b"not a program")
 
-    eng = _engine(path, tmp_path)
+    eng = _engine(path, tmp_path, 136)
     assert eng.runner.programs_loaded == 0
     assert _greedy(eng, prompts) == want
     for entry in _entries(tmp_path):  # whole entries again
@@ -80,12 +111,29 @@ def test_a_broken_entry_is_compiled_again_and_rewritten(hf_case, tmp_path):
         assert len(blob) > 1000
 
 
-def test_a_different_configuration_is_a_different_program(hf_case, tmp_path):
+def test_a_different_configuration_is_a_different_program(hf_case, tmp_path, xla_compiles):
     _, path = hf_case("v2_greedy_yarn")
-    _engine(path, tmp_path)
-    other = _engine(path, tmp_path, fuse_moe_routing=False)
+    _engine(path, tmp_path, 144)
+    other = _engine(path, tmp_path, 144, collect_routing=True)  # both programs also return the routing
     assert other.runner.programs_loaded == 0
     assert len(_entries(tmp_path)) == 4
+
+
+def test_a_program_jax_cache_served_is_not_stored(hf_case, tmp_path):
+    """An engine whose programs JAX's compilation cache serves (XLA compiled them for the first engine)
+    stores nothing: re-serialized, such a program lost its compiled functions on XLA:CPU and failed at
+    its first run. A later engine on that directory compiles again and runs."""
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(42, [9, 4], model.config.vocab_size)
+    with _jax_cache(tmp_path / "jax"):
+        first = _engine(path, tmp_path / "first", 152)
+        assert len(_entries(tmp_path / "first")) == 2
+        want = _greedy(first, prompts)
+        served = _engine(path, tmp_path / "served", 152)
+        assert served.runner.programs_loaded == 0 and not os.path.exists(tmp_path / "served")
+        assert _greedy(served, prompts) == want
+        again = _engine(path, tmp_path / "served", 152)
+        assert again.runner.programs_loaded == 0 and _greedy(again, prompts) == want
 
 
 def test_the_key_covers_the_source_and_the_arguments(tmp_path):
@@ -111,11 +159,9 @@ def test_the_key_covers_the_source_and_the_arguments(tmp_path):
     assert program_cache.program_key(RunnerConfig(), a) != program_cache.program_key(RunnerConfig(seed=1), a)
 
 
-def test_the_directory_keeps_its_most_recently_used_programs_within_the_cap(tmp_path):
+def test_the_directory_keeps_its_most_recently_used_programs_within_the_cap(tmp_path, xla_compiles):
     """store() prunes to the byte cap, least recently used first (a load counts as a use), never the
     entry it just wrote; a crashed writer's old temporary file goes too."""
-    import jax
-
     device = jax.devices()[0]
     # Three programs of one form (entries of nearly one size).
     progs = {n: jax.jit(lambda x, n=n: x * n + 1.0).lower(jnp.zeros(4)).compile() for n in (1, 2, 3)}
