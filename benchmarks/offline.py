@@ -181,8 +181,13 @@ def main(argv=None) -> int:
             print(f"  engine loop: {n} steps, {dt / n * 1e3:.2f} ms/step: dispatch {timers['dispatch'] / n * 1e3:.2f} ms, "
                   f"waiting in fetch {timers['fetch'] / n * 1e3:.2f} ms, other host {(dt - timers['dispatch'] - timers['fetch']) / n * 1e3:.2f} ms",
                   flush=True)
-        experts = [np.mean([len(np.unique(r[layer][: len(prompts)])) for layer in range(r.shape[0])])
-                   for r in (np.asarray(x) for x in experts[:: max(1, len(experts) // 16)])]
+        sampled = [np.asarray(x)[:, : len(prompts)] for x in experts[:: max(1, len(experts) // 16)]]
+        experts = [np.mean([len(np.unique(layer)) for layer in r]) for r in sampled]
+        if sampled and n_out > 16:  # the MoE kernels read an expert's weights once per 16-row block
+            counts = [np.bincount(layer.ravel(), minlength=cfg.n_routed_experts) for r in sampled for layer in r]
+            print(f"  routed row blocks of 16 per layer per step {np.mean([np.sum(-(-c // 16)) for c in counts]):.1f}, "
+                  f"most copies of one expert {np.mean([c.max() for c in counts]):.1f} (mean), "
+                  f"{max(c.max() for c in counts)} (max)", flush=True)
         toks = [o.outputs[0].token_ids for o in outs.values()]
         assert all(len(x) == n_out for x in toks)
         distinct = len({x for t in toks for x in t[-64:]})

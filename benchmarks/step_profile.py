@@ -45,6 +45,10 @@ def main(argv=None) -> int:
                     help="override the decode attention's context splits (kernels/mla_decode.auto_splits)")
     ap.add_argument("--attn-pages-per-step", type=int, default=0,
                     help="pages the decode attention walks per loop step (kernels/mla_decode.PAGES_PER_STEP)")
+    ap.add_argument("--attn-block-keys", type=int, default=0,
+                    help="keys the decode attention reads per loop step, a divisor of the page (mla_decode.BLOCK_KEYS)")
+    ap.add_argument("--attn-kernel", default="",
+                    help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--decode-matmul-plan", default="",
@@ -77,6 +81,17 @@ def main(argv=None) -> int:
         from deepinfer_jax.kernels import mla_decode
 
         mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
+    if args.attn_block_keys:
+        from deepinfer_jax.kernels import mla_decode
+
+        mla_decode.BLOCK_KEYS = args.attn_block_keys
+    if args.attn_kernel:
+        import functools
+
+        from deepinfer_jax.kernels import mla_decode
+
+        kw = {k: int(v) for k, v in (item.split("=") for item in args.attn_kernel.split(","))}
+        mla_decode.paged_mla_attention_splits = functools.partial(mla_decode.paged_mla_attention_splits, **kw)
     if args.absorb_full_width_max_tokens >= 0:
         from deepinfer_jax.models import mla
 

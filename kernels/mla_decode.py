@@ -27,16 +27,21 @@ EXACT = jax.lax.Precision.HIGHEST
 NEG = -1e30
 
 
-def page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, *, page_size, rank, scale):
+def page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, *, page_size, rank, scale, block=None):
     """Scores of q_lat [rows, R], q_pe [rows, dr] against page `page` (the i-th of its sequence): s [rows,
     ps] fp32, scaled, NEG where a key's position p > visible_to (a scalar, or [rows, 1] per row); and the
-    page's values [ps, R]."""
+    page's values [ps, R]. With `block` (static, dividing ps) the i-th `block`-key slice of the sequence
+    instead, which lies in page `page`: s [rows, block], values [block, R]."""
     dr = q_pe.shape[-1]
-    kv = kv_ref[layer, page, :, pl.ds(0, rank)]  # [ps, R]
-    pe = kv_ref[layer, page, :, pl.ds(rank, dr)]  # [ps, dr]
+    if block is None or block == page_size:
+        block, keys = page_size, slice(None)
+    else:
+        keys = pl.ds((i % (page_size // block)) * block, block)
+    kv = kv_ref[layer, page, keys, pl.ds(0, rank)]  # [block, R]
+    pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [block, dr]
     s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
-    s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, ps]
-    key_pos = i * page_size + jnp.arange(page_size)
+    s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, block]
+    key_pos = i * block + jnp.arange(block)
     return jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), kv
 
 
@@ -71,20 +76,21 @@ def softmax_steps(ss, vs, carry):
 
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            page_size, rank, scale, pages_per_step):
+            page_size, rank, scale, pages_per_step, block_keys):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
-    n_pages = pos // page_size + 1  # pages holding keys 0..pos
+    n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
     first = sp * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
     bh = ql_ref.shape[2]
     q_lat = ql_ref[0, 0]  # [bh, R]
     q_pe = qp_ref[0, 0]  # [bh, dr]
     g = pages_per_step
+    per_page = page_size // block_keys
 
-    def body(i, carry):  # one page a step
-        return attend_page(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i], i, pos, carry,
-                           page_size=page_size, rank=rank, scale=scale)
+    def body(i, carry):  # one key block a step
+        return softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i // per_page], i, pos,
+                                         page_size=page_size, rank=rank, scale=scale, block=block_keys), carry)
 
     def body_group(j, carry):
         # Pages first + g*j ... + g - 1; those at or past `last` (the next split's, or none) are read
@@ -118,12 +124,13 @@ def auto_splits(num_tokens: int) -> int:
 
 
 PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; `pages_per_step`)
+BLOCK_KEYS = None  # keys a program reads per loop step, a divisor of the page (None: the page; `block_keys`)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "interpret"))
+                                             "pages_per_step", "block_keys", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
-                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, interpret=False):
+                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, block_keys=None, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
@@ -131,15 +138,15 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     o, m, l = paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
         block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-        interpret=interpret)
+        block_keys=block_keys, interpret=interpret)
     return merge_splits(o, m, l).astype(q_lat.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "interpret"))
+                                             "pages_per_step", "block_keys", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                num_splits=None, block_h=16, num_warps=4, num_stages=2, pages_per_step=1,
-                               interpret=False):
+                               block_keys=None, interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
@@ -153,16 +160,19 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     bh = min(block_h, H)
     assert H % bh == 0, (H, bh)
     nh = H // bh
-    splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, max_pages))
-    # Pages per split from the longest context in this batch (a device scalar), not from the page
-    # table's width: a batch of short contexts in a long-max_model_len cache still spreads its pages
-    # over all splits. Splits past a shorter sequence's pages run no iterations.
-    longest = jnp.max(positions) // ps + 1
+    bk = ps if block_keys is None else block_keys
+    assert ps % bk == 0 and (bk == ps or pages_per_step == 1), (ps, bk, pages_per_step)
+    splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, max_pages * (ps // bk)))
+    # Key blocks per split from the longest context in this batch (a device scalar), not from the page
+    # table's width: a batch of short contexts in a long-max_model_len cache still spreads its blocks
+    # over all splits. Splits past a shorter sequence's blocks run no iterations.
+    longest = jnp.max(positions) // bk + 1
     pps = ((longest + splits - 1) // splits).astype(jnp.int32).reshape(1)
     # [T, H, R] -> [T, nh, bh, R] so a program's query block is one contiguous slab.
     ql = q_lat.reshape(T, nh, bh, R)
     qp = q_pe.reshape(T, nh, bh, dr)
-    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step)
+    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
+                               block_keys=bk)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),

@@ -83,6 +83,16 @@ def test_decode_attention_with_several_pages_per_step_lowers_for_sm90(triton_mod
     assert ir.count("tt.dot") == 3 * pages_per_step  # per page: latent and rope scores, values; one loop step
 
 
+@pytest.mark.parametrize("block_keys", [16, 32])
+def test_decode_attention_with_key_blocks_under_a_page_lowers_for_sm90(triton_modules, block_keys):
+    s = jax.ShapeDtypeStruct
+    args = (s((16, H, R), jnp.bfloat16), s((16, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
+            s((), jnp.int32), s((16,), jnp.int32), s((16,), jnp.int32), s((16, 64), jnp.int32))
+    (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, block_keys=block_keys), *args)
+    assert ir.count("tt.dot") == 3
+    assert f"tensor<{block_keys}x{R}xbf16>" in ir  # the latent keys are loaded block_keys rows at a time
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_kernels_lower_for_sm90(triton_modules, shared):
     """Both MoE kernels lower at the V2-Lite layer shape (stacked weights read in place); with the
