@@ -75,6 +75,9 @@ def main(argv=None) -> int:
                          "later, as the sampled ids are (host), kept on the device until the run ends (device, "
                          "as before session 5: a fresh output buffer every step), or not returned by the step "
                          "at all (off: an A/B of what collecting them costs)")
+    ap.add_argument("--early-copy", action=argparse.BooleanOptionalAction, default=True,
+                    help="start each step's device-to-host copy of its sampled ids at dispatch (the engine's way); "
+                         "off: the copy starts when the host fetches them, a step later (an A/B)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
@@ -126,6 +129,10 @@ def main(argv=None) -> int:
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
           f"KV cache {eng.kv_cache_report}", flush=True)
 
+    if not args.early_copy:
+        from deepinfer_jax.runner.model_runner import StepOut
+
+        StepOut.copy_to_host_async = lambda self: None
     timers = {"dispatch": 0.0, "fetch": 0.0, "steps": 0}
     for name in ("dispatch", "fetch"):  # host time in each runner call (fetch = waiting for the device)
         def timed(*a, _f=getattr(eng.runner, name), _n=name, **k):

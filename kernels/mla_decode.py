@@ -76,7 +76,7 @@ def softmax_steps(ss, vs, carry):
 
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            page_size, rank, scale, pages_per_step, block_keys):
+            page_size, rank, scale, pages_per_step, block_keys, prefetch_ids):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
@@ -103,8 +103,18 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
                                       visible, page_size=page_size, rank=rank, scale=scale))
         return softmax_steps([b[0] for b in blocks], [b[1] for b in blocks], carry)
 
+    def body_prefetch(i, carry):  # as `body`, the next block's page id loaded a step ahead
+        *carry, page = carry
+        nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
+        carry = softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, page, i, pos, page_size=page_size, rank=rank,
+                                          scale=scale, block=block_keys), tuple(carry))
+        return (*carry, nxt)
+
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
-    if g == 1:
+    if g == 1 and prefetch_ids:
+        page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
+        acc, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body_prefetch, (*init, page0))
+    elif g == 1:
         acc, m, l = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
     else:
         steps = jnp.maximum(last - first + g - 1, 0) // g
@@ -128,9 +138,10 @@ BLOCK_KEYS = None  # keys a program reads per loop step, a divisor of the page (
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
-                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, block_keys=None, interpret=False):
+                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, block_keys=None, prefetch_ids=False,
+                        interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
@@ -138,15 +149,15 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     o, m, l = paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
         block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-        block_keys=block_keys, interpret=interpret)
+        block_keys=block_keys, prefetch_ids=prefetch_ids, interpret=interpret)
     return merge_splits(o, m, l).astype(q_lat.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                num_splits=None, block_h=16, num_warps=4, num_stages=2, pages_per_step=1,
-                               block_keys=None, interpret=False):
+                               block_keys=None, prefetch_ids=False, interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
@@ -172,7 +183,7 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     ql = q_lat.reshape(T, nh, bh, R)
     qp = q_pe.reshape(T, nh, bh, dr)
     kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
-                               block_keys=bk)
+                               block_keys=bk, prefetch_ids=prefetch_ids)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),

@@ -101,14 +101,16 @@ def test_several_pages_per_step_ignore_the_next_splits_pages():
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
 
 
-@pytest.mark.parametrize("block_keys", [2, 4])
+@pytest.mark.parametrize("prefetch_ids", [False, True])
+@pytest.mark.parametrize("block_keys", [2, 4, 8])
 @pytest.mark.parametrize("splits", [1, 3, 7])
-def test_key_blocks_smaller_than_a_page_match_the_reference(block_keys, splits):
-    """Reading a page in block_keys-key slices (splits then count slices, not pages): every key of every
-    sequence counted exactly once, a sequence's last slice masked past its position."""
+def test_key_blocks_smaller_than_a_page_match_the_reference(block_keys, splits, prefetch_ids):
+    """Reading a page in block_keys-key slices (splits then count slices, not pages), with the next block's
+    page id loaded a step ahead or not: every key of every sequence counted exactly once, a sequence's last
+    slice masked past its position."""
     ql, qp, kv, sid, pos, pt = _case(7)
     for layer in (0, 2):
         ref = paged_mla_attention_reference(ql, qp, kv, layer, sid, pos, pt, 0.17)
         out = paged_mla_attention(ql, qp, kv, layer, sid, pos, pt, 0.17, num_splits=splits, block_h=4,
-                                  block_keys=block_keys, interpret=True)
+                                  block_keys=block_keys, prefetch_ids=prefetch_ids, interpret=True)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)

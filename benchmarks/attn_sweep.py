@@ -1,0 +1,109 @@
+"""The decode attention kernel's device time inside one program, per variant and context (profiler trace).
+
+    python benchmarks/attn_sweep.py [--batch 32] [--contexts 64,256,640] [--variants base,w8,...]
+
+One jitted program calls `mla_decode.paged_mla_attention_splits` once per layer (27, V2-Lite's latent
+cache: 16 heads, 512 + 64, page 64, bf16) on random queries and a random cache, as a decode step does;
+a profiler trace of a few runs gives the kernel's device time per call, without launch overhead (an
+isolated call's wall clock is all launch at these sizes). Each variant is also checked against the
+default kernel's output. The table prints last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections import defaultdict
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
+    "base": {},
+    "w8": {"num_warps": 8},
+    "prefetch": {"prefetch_ids": True},
+    "prefetch_s3": {"prefetch_ids": True, "num_stages": 3},
+    "pps2": {"pages_per_step": 2},
+    "pps3": {"pages_per_step": 3},
+    "bk32": {"block_keys": 32},
+    "bk32_s4": {"block_keys": 32, "num_stages": 4},
+    "bk32_pf_s3": {"block_keys": 32, "prefetch_ids": True, "num_stages": 3},
+    "splits1": {"num_splits": 1},
+    "splits2": {"num_splits": 2},
+    "splits8": {"num_splits": 8},
+}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--contexts", default="64,256,640")
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--layers", type=int, default=27)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.trace_tools import gpu_kernels
+    from deepinfer_jax.kernels import mla_decode
+
+    H, R, dr, ps, L, B = 16, 512, 64, 64, args.layers, args.batch
+    contexts = [int(c) for c in args.contexts.split(",")]
+    width = -(-max(contexts) // ps) + 1
+    P = B * width + 1
+    key = jax.random.key(0)
+    kv = jax.random.normal(key, (L, P, ps, R + dr), jnp.bfloat16)
+    ql = jax.random.normal(jax.random.key(1), (L, B, H, R), jnp.bfloat16)
+    qp = jax.random.normal(jax.random.key(2), (L, B, H, dr), jnp.bfloat16)
+    pt = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, P))[: B * width].reshape(B, width), jnp.int32)
+    sid = jnp.arange(B, dtype=jnp.int32)
+    rows = []
+    for ctx in contexts:
+        pos = jnp.full((B,), ctx - 1, jnp.int32)
+        ref = None
+        for name in args.variants.split(","):
+            kw = dict(VARIANTS[name], interpret=jax.default_backend() == "cpu")  # CPU: a smoke test
+
+            @jax.jit
+            def step(ql, qp, kv, pos, kw=kw):
+                outs = []
+                for layer in range(L):
+                    o, m, l = mla_decode.paged_mla_attention_splits(ql[layer], qp[layer], kv, layer, sid, pos, pt, 0.1,
+                                                                    **kw)
+                    outs.append(mla_decode.merge_splits(o, m, l))
+                return jnp.stack(outs)
+
+            try:
+                out = jax.block_until_ready(step(ql, qp, kv, pos))
+            except Exception as e:  # a variant that does not compile (shared memory) is a row, not a failure
+                rows.append((ctx, name, float("nan"), float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
+                continue
+            if ref is None:
+                ref = out
+            err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
+            d = tempfile.mkdtemp()
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                for _ in range(3):
+                    jax.block_until_ready(step(ql, qp, kv, pos))
+            durs = defaultdict(list)
+            for e in gpu_kernels(d) or []:
+                if e["name"].startswith("_kernel"):
+                    durs[e["name"]].append(e.get("dur", 0.0))
+            us = float(np.median([x for v in durs.values() for x in v])) if durs else float("nan")
+            cache_mb = B * ctx * (R + dr) * 2 / 1e6
+            rows.append((ctx, name, us, cache_mb / us if us == us else float("nan"), f"max diff {err:.2e}"))
+            print(rows[-1], flush=True)
+    print(f"\n| context | variant | us / layer | TB/s of cache | check |  (batch {B}, 16 heads, page 64, bf16)")
+    print("|---|---|---|---|---|")
+    for ctx, name, us, tbs, note in rows:
+        print(f"| {ctx} | {name} | {us:.1f} | {tbs:.2f} | {note} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
