@@ -28,20 +28,23 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "prefetch": {"prefetch_ids": True},
     "prefetch_s3": {"prefetch_ids": True, "num_stages": 3},
     "pps2": {"pages_per_step": 2},
-    "pps3": {"pages_per_step": 3},
     "bk32": {"block_keys": 32},
     "bk32_s4": {"block_keys": 32, "num_stages": 4},
     "bk32_pf_s3": {"block_keys": 32, "prefetch_ids": True, "num_stages": 3},
-    "splits1": {"num_splits": 1},
-    "splits2": {"num_splits": 2},
-    "splits8": {"num_splits": 8},
+    "bk32_pf_s4": {"block_keys": 32, "prefetch_ids": True, "num_stages": 4},
+    "bk32_pf_s3_w8": {"block_keys": 32, "prefetch_ids": True, "num_stages": 3, "num_warps": 8},
+    "bk32_pf_s3_x2": {"block_keys": 32, "prefetch_ids": True, "num_stages": 3, "splits_x": 2},
+    "bk16_pf_s3": {"block_keys": 16, "prefetch_ids": True, "num_stages": 3},
+    "bk16_pf_s4": {"block_keys": 16, "prefetch_ids": True, "num_stages": 4},
+    "bk16_pf_s6": {"block_keys": 16, "prefetch_ids": True, "num_stages": 6},
+    "splits_x2": {"splits_x": 2},
 }
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--contexts", default="64,256,640")
+    ap.add_argument("--cases", default="32x64,32x256,32x640",
+                    help="BATCHxCONTEXT,...: the decode steps to time (splits: mla_decode.auto_splits(BATCH))")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--layers", type=int, default=27)
     args = ap.parse_args(argv)
@@ -52,25 +55,26 @@ def main(argv=None) -> int:
     from benchmarks.trace_tools import gpu_kernels
     from deepinfer_jax.kernels import mla_decode
 
-    H, R, dr, ps, L, B = 16, 512, 64, 64, args.layers, args.batch
-    contexts = [int(c) for c in args.contexts.split(",")]
-    width = -(-max(contexts) // ps) + 1
-    P = B * width + 1
-    key = jax.random.key(0)
-    kv = jax.random.normal(key, (L, P, ps, R + dr), jnp.bfloat16)
-    ql = jax.random.normal(jax.random.key(1), (L, B, H, R), jnp.bfloat16)
-    qp = jax.random.normal(jax.random.key(2), (L, B, H, dr), jnp.bfloat16)
-    pt = jnp.asarray(np.random.default_rng(0).permutation(np.arange(1, P))[: B * width].reshape(B, width), jnp.int32)
-    sid = jnp.arange(B, dtype=jnp.int32)
+    H, R, dr, ps, L = 16, 512, 64, 64, args.layers
     rows = []
-    for ctx in contexts:
+    for case in args.cases.split(","):
+        B, ctx = (int(v) for v in case.split("x"))
+        width = -(-ctx // ps)
+        P = B * width + 1
+        kv = jax.random.normal(jax.random.key(0), (L, P, ps, R + dr), jnp.bfloat16)
+        ql = jax.random.normal(jax.random.key(1), (L, B, H, R), jnp.bfloat16)
+        qp = jax.random.normal(jax.random.key(2), (L, B, H, dr), jnp.bfloat16)
+        perm = np.random.default_rng(0).permutation(np.arange(1, P))[: B * width]
+        pt = jnp.asarray(perm.reshape(B, width), jnp.int32)
+        sid = jnp.arange(B, dtype=jnp.int32)
         pos = jnp.full((B,), ctx - 1, jnp.int32)
         ref = None
         for name in args.variants.split(","):
             kw = dict(VARIANTS[name], interpret=jax.default_backend() == "cpu")  # CPU: a smoke test
+            kw["num_splits"] = mla_decode.auto_splits(B) * kw.pop("splits_x", 1)
 
             @jax.jit
-            def step(ql, qp, kv, pos, kw=kw):
+            def step(ql, qp, kv, pos, kw=kw, pt=pt, sid=sid):
                 outs = []
                 for layer in range(L):
                     o, m, l = mla_decode.paged_mla_attention_splits(ql[layer], qp[layer], kv, layer, sid, pos, pt, 0.1,
@@ -81,7 +85,7 @@ def main(argv=None) -> int:
             try:
                 out = jax.block_until_ready(step(ql, qp, kv, pos))
             except Exception as e:  # a variant that does not compile (shared memory) is a row, not a failure
-                rows.append((ctx, name, float("nan"), float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
+                rows.append((case, name, float("nan"), float("nan"), f"{type(e).__name__}: {str(e)[:80]}"))
                 continue
             if ref is None:
                 ref = out
@@ -96,12 +100,13 @@ def main(argv=None) -> int:
                     durs[e["name"]].append(e.get("dur", 0.0))
             us = float(np.median([x for v in durs.values() for x in v])) if durs else float("nan")
             cache_mb = B * ctx * (R + dr) * 2 / 1e6
-            rows.append((ctx, name, us, cache_mb / us if us == us else float("nan"), f"max diff {err:.2e}"))
+            rows.append((case, name, us, cache_mb / us if us == us else float("nan"),
+                         f"splits {kw['num_splits']}, max diff {err:.2e}"))
             print(rows[-1], flush=True)
-    print(f"\n| context | variant | us / layer | TB/s of cache | check |  (batch {B}, 16 heads, page 64, bf16)")
+    print("\n| batch x context | variant | us / layer | TB/s of cache | check |  (16 heads, page 64, bf16)")
     print("|---|---|---|---|---|")
-    for ctx, name, us, tbs, note in rows:
-        print(f"| {ctx} | {name} | {us:.1f} | {tbs:.2f} | {note} |")
+    for case, name, us, tbs, note in rows:
+        print(f"| {case} | {name} | {us:.1f} | {tbs:.2f} | {note} |")
     return 0
 
 

@@ -78,6 +78,9 @@ def main(argv=None) -> int:
     ap.add_argument("--early-copy", action=argparse.BooleanOptionalAction, default=True,
                     help="start each step's device-to-host copy of its sampled ids at dispatch (the engine's way); "
                          "off: the copy starts when the host fetches them, a step later (an A/B)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="after start-up, gc.collect() then gc.freeze(): the cyclic collector then skips everything "
+                         "the start made (vLLM's way); the runs print the collections' pauses either way")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
@@ -133,6 +136,21 @@ def main(argv=None) -> int:
         from deepinfer_jax.runner.model_runner import StepOut
 
         StepOut.copy_to_host_async = lambda self: None
+    import gc
+
+    if args.gc_freeze:
+        gc.collect()
+        gc.freeze()
+    gc_pauses: list[tuple[int, float]] = []  # (generation, seconds) of each collection during the runs
+    gc_start = [0.0]
+
+    def gc_timer(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            gc_pauses.append((info["generation"], time.perf_counter() - gc_start[0]))
+
+    gc.callbacks.append(gc_timer)
     timers = {"dispatch": 0.0, "fetch": 0.0, "steps": 0}
     for name in ("dispatch", "fetch"):  # host time in each runner call (fetch = waiting for the device)
         def timed(*a, _f=getattr(eng.runner, name), _n=name, **k):
@@ -155,6 +173,7 @@ def main(argv=None) -> int:
                                                                  seed=counter[0]))
         outs = {}
         timers.update(dispatch=0.0, fetch=0.0, steps=0)
+        gc_pauses.clear()
         t = time.time()
         while eng.has_unfinished_requests():
             timers["steps"] += 1
@@ -184,6 +203,10 @@ def main(argv=None) -> int:
         if pending is not None:
             experts.append(np.asarray(pending))
         if n_out > 16:
+            pauses = [p for g, p in gc_pauses]
+            print(f"  garbage collections during the run: {len(pauses)} (gen 2: {sum(g == 2 for g, _ in gc_pauses)}), "
+                  f"{sum(pauses) * 1e3:.1f} ms in all, longest {max(pauses, default=0) * 1e3:.2f} ms"
+                  f"{', objects frozen: %d' % gc.get_freeze_count() if args.gc_freeze else ''}", flush=True)
             n = max(1, timers["steps"])
             print(f"  engine loop: {n} steps, {dt / n * 1e3:.2f} ms/step: dispatch {timers['dispatch'] / n * 1e3:.2f} ms, "
                   f"waiting in fetch {timers['fetch'] / n * 1e3:.2f} ms, other host {(dt - timers['dispatch'] - timers['fetch']) / n * 1e3:.2f} ms",
