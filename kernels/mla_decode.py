@@ -4,10 +4,11 @@ Semantics are `mla_reference.paged_mla_attention_reference`: for each query toke
 decode tokens and prefill-chunk tokens), MQA of its H absorbed query heads against the 576-wide
 latent keys of its own sequence up to its position, fp32 online softmax, 512-wide latent values.
 
-Grid: (token, head block, context split). A program walks its share of the sequence's pages (the
-batch's longest context divided evenly over the splits) through the page table, `pages_per_step`
-pages (of `page_size` keys) per step, keeping the running max / sum / accumulator in registers; the latent key is read as two power-of-two slices (c_kv 512 and k_pe 64), as the Triton
-backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
+Grid: (token, head block, context split). A program walks its share of the sequence's keys (the
+batch's longest context divided evenly over the splits) through the page table, one block of
+`block_keys` keys (by default half a page; its page id loaded a step ahead) or `pages_per_step` whole
+pages per step, keeping the running max / sum / accumulator in registers; the latent key is read as two
+power-of-two slices (c_kv 512 and k_pe 64), as the Triton backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
 still fill the GPU (flash-decoding).
 
 `interpret=True` runs the same kernel on the CPU (tests); the reference defines correctness.
@@ -134,13 +135,13 @@ def auto_splits(num_tokens: int) -> int:
 
 
 PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; `pages_per_step`)
-BLOCK_KEYS = None  # keys a program reads per loop step, a divisor of the page (None: the page; `block_keys`)
+BLOCK_KEYS = 32  # keys a program reads per loop step, at most a page (`block_keys`)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
                                              "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
-                        block_h=16, num_warps=4, num_stages=2, pages_per_step=1, block_keys=None, prefetch_ids=False,
+                        block_h=16, num_warps=4, num_stages=3, pages_per_step=1, block_keys=None, prefetch_ids=True,
                         interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
@@ -156,13 +157,19 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
                                              "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
-                               num_splits=None, block_h=16, num_warps=4, num_stages=2, pages_per_step=1,
-                               block_keys=None, prefetch_ids=False, interpret=False):
+                               num_splits=None, block_h=16, num_warps=4, num_stages=3, pages_per_step=1,
+                               block_keys=None, prefetch_ids=True, interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
-    applies W_UV) combines them. 4 warps: 13.4 us against 15.4 with 8 at batch 32, contexts 512-640, and
-    47.5 against 50.9 at batch 64, 1,920-2,048 (H200 device time; benchmarks/RESULTS.md, session 8)."""
+    applies W_UV) combines them.
+
+    The defaults were the fastest measured (H200 device time per layer, `benchmarks/attn_sweep.py`,
+    benchmarks/RESULTS.md session 10): 32-key blocks (`block_keys`, half a 64-key page), the next block's page
+    id loaded a step ahead (`prefetch_ids`: the page table read leaves the key load's critical path) and three
+    pipeline stages, against whole pages in two: batch 32 at 640 keys 12.4 us against 15.6, at 256 keys 8.6
+    against 8.5; batch 64 at 2,048 46.2 against 54.7; batch 128 at 1,024 46.6 against 54.6; batch 8 at
+    4,096 15.7 against 19.4. 16-key blocks, four to six stages and 8 warps were slower everywhere."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -171,7 +178,7 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     bh = min(block_h, H)
     assert H % bh == 0, (H, bh)
     nh = H // bh
-    bk = ps if block_keys is None else block_keys
+    bk = block_keys or (min(BLOCK_KEYS, ps) if pages_per_step == 1 and ps % min(BLOCK_KEYS, ps) == 0 else ps)
     assert ps % bk == 0 and (bk == ps or pages_per_step == 1), (ps, bk, pages_per_step)
     splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, max_pages * (ps // bk)))
     # Key blocks per split from the longest context in this batch (a device scalar), not from the page
@@ -194,7 +201,8 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     if not interpret:
         from jax.experimental.pallas import triton as plgpu
 
-        # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
+        # fp32 latents (the correctness path) keep one pipeline stage: three 32-key blocks would take 221 KB of
+        # the 227 KB of shared memory, as would two of several pages a step in bf16.
         stages = num_stages if kv_cache.dtype.itemsize < 4 and pages_per_step == 1 else 1
         params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
     o, m, l = pl.pallas_call(

@@ -170,7 +170,7 @@ def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cf
     interpret = attn_impl == "pallas_interpret"
     o, m, l = mla_decode.paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
-        pages_per_step=mla_decode.PAGES_PER_STEP, block_keys=mla_decode.BLOCK_KEYS, interpret=interpret)
+        pages_per_step=mla_decode.PAGES_PER_STEP, interpret=interpret)
     return mla_output.merge_value_projection(o, m, l, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
                                              interpret=interpret)
 
