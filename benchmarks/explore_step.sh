@@ -1,27 +1,29 @@
 #!/usr/bin/env bash
 # The next GPU call's questions (session 10), a short table last:
-#   new / old  the isolated step with the decode attention's new defaults (32-key blocks, page ids a step ahead,
-#              three stages; traced) and with the old ones (whole pages, two stages)
-#   then       Protocol A (temp 0 and 1) and the GPU-vs-CPU greedy check at this code
+#   t_*   the MoE kernels' decode tiles at batch 32 (block_m, block_n, block_k, warps, stages; block_n is halved to
+#         128 for the gate_up kernel's I = 1,408): fewer stages or smaller K steps leave room for two programs
+#         an SM, whose pipelines fill while the other's drains
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 start=$(date +%s)
+left() { (( $(date +%s) - start < ${1:-500} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
-sp() { local label=$1; shift; echo "$label $(( $(date +%s) - start ))s"
-       timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-sp new --trace /tmp/tr_new
-sp old --attn-kernel num_stages=2,prefetch_ids=0,block_keys=64
-sp new2
-echo "protocol_a $(( $(date +%s) - start ))s"
-timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --json "$out/protocol_a.json" > "$out/protocol_a.log" 2>&1
-echo "gpu_vs_cpu $(( $(date +%s) - start ))s"
-timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json > "$out/gpu_vs_cpu.log" 2>&1
+sp() { local label=$1; shift; left || return; echo "$label $(( $(date +%s) - start ))s"
+       timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" --trace /tmp/tr_$label 2>&1 | quiet > "$out/step_$label.log"; }
+sp t_base
+sp t_s3 --moe-decode-tiles 16,256,64,4,3
+sp t_k32s6 --moe-decode-tiles 16,256,32,4,6
+sp t_k32s4 --moe-decode-tiles 16,256,32,4,4
+sp t_w8s3 --moe-decode-tiles 16,256,64,8,3
+sp t_k128s2 --moe-decode-tiles 16,256,128,4,2
+sp t_n512s3 --moe-decode-tiles 16,512,64,4,3
+sp t_base2
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-for l in new old new2; do grep -h -E "^$l:|pipelined via compiled" "$out/step_$l.log" | sed -E 's/TP=1.*: device/: device/' | tr '\n' ' '; echo; done
-grep -h -A20 "one layer" "$out/step_new.log" | head -21
-grep -h -E "Protocol A|prefill [0-9]|start-up|engine loop" "$out/protocol_a.log" | cut -c1-220
-grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+for l in t_base t_s3 t_k32s6 t_k32s4 t_w8s3 t_k128s2 t_n512s3 t_base2; do
+  [[ -f $out/step_$l.log ]] || continue
+  echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "us/step +x +26 +_(gate_up|down)_kernel" "$out/step_$l.log" | awk '{print $1, $5}' | tr '\n' ' ')"
+done
