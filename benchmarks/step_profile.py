@@ -49,6 +49,9 @@ def main(argv=None) -> int:
                     help="keys the decode attention reads per loop step, a divisor of the page (mla_decode.BLOCK_KEYS)")
     ap.add_argument("--attn-kernel", default="",
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
+    ap.add_argument("--argmax-chunk", type=int, default=0,
+                    help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
+                         "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--decode-matmul-plan", default="",
@@ -81,6 +84,10 @@ def main(argv=None) -> int:
         from deepinfer_jax.kernels import mla_decode
 
         mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
+    if args.argmax_chunk:
+        from deepinfer_jax.sampling import sampler
+
+        sampler.ARGMAX_CHUNK = args.argmax_chunk
     if args.attn_block_keys:
         from deepinfer_jax.kernels import mla_decode
 

@@ -8,7 +8,8 @@ Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   3. suppressed ids -> -inf.
   4. greedy rows (temperature < 1e-5): exact argmax of the result of 3.
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
-     renormalised distribution, then min-p), then ``jax.random.categorical`` with the row key.
+     renormalised distribution, then min-p), then ``jax.random.categorical`` with the row key
+     (`categorical_rows`: the same draw, its argmax split in chunks).
 
 Invariants:
   * Rows are independent: the output of a row depends only on that row's logits and
@@ -145,6 +146,28 @@ def apply_truncation(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(ratio < min_p.astype(jnp.float32)[:, None], -jnp.inf, logits)
 
 
+ARGMAX_CHUNK = 1024  # the categorical draw's argmax runs over chunks of this many ids first
+
+
+def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
+    """key_data u32[B, 2] (threefry), logits f32[B, V] -> i32[B]: each row's ``jax.random.categorical``
+    draw, bit for bit (the argmax of logits + gumbel(key, [V])), with the argmax taken over chunks of
+    ARGMAX_CHUNK ids and then over the chunks' maxima. The first maximum wins either way (the first chunk
+    holding it, its first index there). As one [B, V] reduction XLA gave each row one block of threads,
+    which also computed the row's V threefry draws: 26.5 us a step at B = 32, V = 102,400 on an H200
+    (benchmarks/RESULTS.md, session 10); in chunks the draws spread over the whole GPU."""
+    batch, vocab = logits.shape
+    keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl="threefry2x32")
+    z = logits + jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), logits.dtype))(keys)  # f32[B, V]
+    n = -(-vocab // ARGMAX_CHUNK)
+    if n == 1:
+        return jnp.argmax(z, axis=-1).astype(jnp.int32)
+    z = jnp.pad(z, ((0, 0), (0, n * ARGMAX_CHUNK - vocab)), constant_values=-jnp.inf).reshape(batch, n, ARGMAX_CHUNK)
+    first = jnp.argmax(z, axis=-1).astype(jnp.int32)                   # i32[B, n] within each chunk
+    best = jnp.argmax(jnp.max(z, axis=-1), axis=-1).astype(jnp.int32)  # i32[B]    the chunk
+    return best * ARGMAX_CHUNK + jnp.take_along_axis(first, best[:, None], axis=-1)[:, 0]
+
+
 def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: bool = True) -> SampleOutput:
     """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs`` and ``full`` must be static.
     ``full=False`` leaves out penalties and top-k / top-p (module docstring): the caller guarantees
@@ -162,9 +185,8 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
     is_greedy = temp < GREEDY_EPS                                      # bool[B]
     scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
     masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
-    keys = jax.random.wrap_key_data(st.rng_key_data.astype(jnp.uint32), impl="threefry2x32")
-    drawn = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, masked)
-    token_ids = jnp.where(is_greedy, greedy_ids, drawn.astype(jnp.int32))
+    drawn = categorical_rows(st.rng_key_data, masked)
+    token_ids = jnp.where(is_greedy, greedy_ids, drawn)
 
     logprob = jnp.take_along_axis(raw_logprobs, token_ids[:, None], axis=-1)[:, 0]
     k = min(max(max_logprobs, 0), vocab)

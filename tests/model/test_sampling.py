@@ -297,3 +297,26 @@ def test_base_variant_equals_full_when_no_row_needs_it():
     full = sample(logits, st, max_logprobs=0, full=True)
     np.testing.assert_array_equal(np.asarray(base.token_ids), np.asarray(full.token_ids))
     np.testing.assert_allclose(np.asarray(base.logprob), np.asarray(full.logprob))
+
+
+@pytest.mark.parametrize("vocab", [5, 1024, 3000, 102400])
+def test_chunked_draw_is_jax_categorical_bit_for_bit(vocab, monkeypatch):
+    """categorical_rows takes its argmax in chunks (ARGMAX_CHUNK, here also small, so that every size splits):
+    the same ids as jax.random.categorical on the same keys, ties and masked (-inf) ids included."""
+    from deepinfer_jax.sampling import sampler
+
+    rng = np.random.default_rng(vocab)
+    batch = 8
+    logits = rng.standard_normal((batch, vocab)).astype(np.float32) * 4
+    logits[1] = np.where(rng.random(vocab) < 0.9, -np.inf, logits[1])  # mostly masked
+    logits[2] = 0.0  # all tied
+    logits[3, : vocab // 2] = -np.inf  # the first chunks masked
+    logits[4, -1] = 60.0  # the last id, in the padded chunk
+    key_data = make_key_data_batch(np.arange(batch) * 7 + 1, np.arange(batch))
+    keys = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32), impl="threefry2x32")
+    want = np.asarray(jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, jnp.asarray(logits)))
+    for chunk in (sampler.ARGMAX_CHUNK, 7, 64):
+        monkeypatch.setattr(sampler, "ARGMAX_CHUNK", chunk)
+        got = np.asarray(jax.jit(sampler.categorical_rows)(jnp.asarray(key_data), jnp.asarray(logits)))
+        np.testing.assert_array_equal(got, want)
+    assert got[4] == vocab - 1
