@@ -27,6 +27,8 @@ sys.path.insert(0, HERE)
 
 from sharded_check import compare  # noqa: E402
 
+from benchmarks.runner_flags import add_variant_flags, variant_kwargs  # noqa: E402
+
 
 def report(name, base, got):
     same, prefix, _, diff = compare(base, got)
@@ -38,6 +40,7 @@ def main(argv=None) -> int:
     g = ap.add_mutually_exclusive_group(required=True)
     g.add_argument("--write")
     g.add_argument("--check")
+    add_variant_flags(ap)  # the GPU runs' kernel variants (the CPU reference path has none)
     args = ap.parse_args(argv)
 
     import jax
@@ -61,9 +64,9 @@ def main(argv=None) -> int:
     with open(args.check) as f:
         cpu = [tuple(r) for r in json.load(f)]
     print(f"device: {jax.devices()[0].device_kind}")
-    gpu32 = run_layout(cfg, params, "single", prompts, 32, dtype="float32")
+    gpu32 = run_layout(cfg, params, "single", prompts, 32, dtype="float32", runner_kwargs=variant_kwargs(args))
     gpu16 = run_layout(cfg, jax.tree.map(lambda a: a.astype(jnp.bfloat16), params), "single", prompts, 32,
-                       dtype="bfloat16")
+                       dtype="bfloat16", runner_kwargs=variant_kwargs(args))
     print("| run | identical requests | mean common prefix | max abs logprob diff (common prefix) |")
     print("|---|---|---|---|")
     report("GPU Pallas fp32 vs CPU reference fp32", cpu, gpu32)

@@ -23,6 +23,9 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-absorb-kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="decode steps absorb the query through W_UK in one kernel reading q_nope and W_UK in "
                          "place (RunnerConfig.decode_absorb_kernel)")
+    ap.add_argument("--decode-router-kernel", action=argparse.BooleanOptionalAction, default=False,
+                    help="decode MoE layers add o_proj's partials to the residual, norm and compute the router "
+                         "logits in one kernel (RunnerConfig.decode_router_kernel)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
@@ -30,4 +33,5 @@ def variant_kwargs(args: argparse.Namespace) -> dict:
     return dict(fuse_shared_experts=args.fuse_shared_experts, fuse_moe_routing=args.fuse_moe_routing,
                 prefill_attention=args.prefill_attention,
                 decode_projection_kernel=args.decode_projection_kernel,
-                decode_output_kernel=args.decode_output_kernel, decode_absorb_kernel=args.decode_absorb_kernel)
+                decode_output_kernel=args.decode_output_kernel, decode_absorb_kernel=args.decode_absorb_kernel,
+                decode_router_kernel=args.decode_router_kernel)

@@ -28,7 +28,9 @@ LAYOUTS = {"single": (1, 1, False, True), "tp2": (2, 1, False, True), "dp2ep2": 
            "tp2ep2": (2, 1, True, True), "single_xla": (1, 1, False, False)}
 
 
-def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16"):
+def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16", runner_kwargs=None):
+    """Greedy generation of `prompts` under the layout `name` -> [(token ids, sampled logprobs)] per prompt.
+    `runner_kwargs`: more RunnerConfig fields (benchmarks/runner_flags.py's variants)."""
     import jax
 
     from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
@@ -48,7 +50,8 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16"):
         cache_config=CacheConfig(page_size=64, enable_prefix_caching=False, gpu_memory_utilization=0.5),
         runner_config=RunnerConfig(dtype=dtype, attn_impl=gpu and "pallas" or "reference",
                                    moe_impl=gpu and "pallas" or "ragged",
-                                   token_buckets=(16 // dp, 4096 // dp), warmup_full_variant=True),
+                                   token_buckets=(16 // dp, 4096 // dp), warmup_full_variant=True,
+                                   **(runner_kwargs or {})),
         progress=False)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0))

@@ -327,6 +327,11 @@ class RunnerConfig:
     # through W_UK and rotate its rope part in one kernel (kernels/mla_absorb.py: q and W_UK read in
     # place) instead of XLA's pad of q_nope, GEMM over kv_b's whole rows and RoPE.
     decode_absorb_kernel: bool = True
+    # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel)
+    # add o_proj's split-K partials to the residual, RMSNorm the sum and compute the router's logits in
+    # one kernel (kernels/residual_router.py) instead of XLA's four. Off until measured on a GPU
+    # (written after session 10's device time ran out; benchmarks/explore_step.sh measures it).
+    decode_router_kernel: bool = False
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

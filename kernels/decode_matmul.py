@@ -77,11 +77,13 @@ def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages",
-                                             "interpret"))
+                                             "reduce", "interpret"))
 def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_warps=4, num_stages=4,
-                  interpret=False):
+                  reduce=True, interpret=False):
     """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
-    Tiles left as None come from `plan(K, N)`."""
+    Tiles left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
+    fp32 instead (rows: T padded to a power of two of at least 16), for a consumer that adds them up
+    itself (kernels/residual_router.py)."""
     T, K = x.shape
     _, K2, N = w.shape
     assert K == K2, (x.shape, w.shape)
@@ -105,7 +107,7 @@ def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_
         grid=(N // block_n, split_k), out_shape=jax.ShapeDtypeStruct((split_k, rows, N), jnp.float32),
         compiler_params=params, interpret=interpret,
     )(layer, xp, w)
-    return part.sum(axis=0)[:T]
+    return part.sum(axis=0)[:T] if reduce else part
 
 
 def decode_matmul_reference(x, w, layer):

@@ -34,7 +34,7 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
-from deepinfer_jax.models.moe import moe_block, shared_into_kernels
+from deepinfer_jax.models.moe import moe_block, routing_into_kernels, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.models.quant import is_quantized
@@ -158,6 +158,40 @@ def decode_absorb_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
     ok = kv_b is not None and mla_absorb.supported(meta.token_ids.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
                                                    cfg.kv_lora_rank)
     return kv_b if ok else None
+
+
+def decode_router_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
+                          num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
+                          enabled: bool) -> tuple[jax.Array, jax.Array] | None:
+    """(post_attention_layernorm [L, D], the router's gate [L, D, E]), both layer-stacked, when this MoE
+    segment's decode step adds o_proj's partials to the residual, norms and computes the router's logits
+    in one kernel (kernels/residual_router.py): with `enabled` (RunnerConfig.decode_router_kernel), o_proj
+    read in place (`decode_stacked`), the routing in its kernel (`moe.routing_into_kernels`), a float
+    gate and shapes the kernel tiles. None otherwise."""
+    from deepinfer_jax.kernels import residual_router
+
+    if not enabled or seg.kind != "moe" or ("attn", "o_proj") not in projections or not fuse_moe_routing:
+        return None
+    gate, norm = seg_params["moe"]["gate"], seg_params["post_attention_layernorm"]
+    if is_quantized(gate) or not routing_into_kernels(cfg, moe_impl, mesh_rules, num_tokens, experts):
+        return None
+    return (norm, gate) if residual_router.supported(cfg.hidden_size, gate.shape[-1]) else None
+
+
+def residual_norm_router(a: jax.Array, o_proj: StackedWeight, h: jax.Array, router_w, j, cfg: ModelConfig):
+    """a [T, H, dv] (the attention's output), o_proj read in place, h [T, D] the residual -> (h + o_proj(a),
+    its post-attention RMSNorm x, the router's logits of x [T, E] fp32), by o_proj's split-K kernel and
+    kernels/residual_router.py: the same values as `mla.output_projection`, `rms_norm` and
+    `moe.router_logits` up to fp32 summation order."""
+    from deepinfer_jax.kernels import decode_matmul, residual_router
+
+    w = o_proj.stacked
+    K, N = math.prod(w.shape[1:3]), math.prod(w.shape[3:])
+    parts = decode_matmul.decode_matmul(a.reshape(a.shape[0], K).astype(h.dtype), w.reshape(w.shape[0], K, N),
+                                        o_proj.layer, reduce=False, interpret=o_proj.interpret)
+    norm_w, gate = router_w
+    return residual_router.residual_norm_router(parts, h, norm_w, gate, j, eps=cfg.rms_norm_eps,
+                                                interpret=o_proj.interpret)
 
 
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
@@ -293,6 +327,7 @@ def forward_paged(
     decode_projection_kernel: bool = False,
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
+    decode_router_kernel: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -310,7 +345,9 @@ def forward_paged(
     `decode_output_kernel`: where `decode_value_weights` allows, the decode attention's context splits
     are merged and W_UV applied in one kernel (kernels/mla_output.py).
     `decode_absorb_kernel`: where `decode_absorb_weights` allows, the query is absorbed through W_UK and
-    its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py)."""
+    its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
+    `decode_router_kernel`: where `decode_router_weights` allows, o_proj's split-K partials are added to the
+    residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -334,11 +371,13 @@ def forward_paged(
                                           decode_output_kernel)
         absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                             decode_absorb_kernel)
+        router_w = decode_router_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
+                                         moe_impl, mesh_rules, fuse_moe_routing, decode_router_kernel)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b):
+                 absorb_kv_b=absorb_kv_b, router_w=router_w):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -369,12 +408,16 @@ def forward_paged(
                     o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
                                                             cfg.softmax_scale, attn_impl)
                 a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-            h = h + mla.output_projection(lp["attn"], a)
-            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            logits = None
+            if router_w is not None:
+                h, x, logits = residual_norm_router(a, lp["attn"]["o_proj"], h, router_w, j, cfg)
+            else:
+                h = h + mla.output_projection(lp["attn"], a)
+                x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing)
+                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, logits=logits)
             return (h + m, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

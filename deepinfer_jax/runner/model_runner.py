@@ -213,7 +213,8 @@ class ModelRunner:
                                     prefill_attention=rc.prefill_attention,
                                     decode_projection_kernel=rc.decode_projection_kernel,
                                     decode_output_kernel=rc.decode_output_kernel,
-                                    decode_absorb_kernel=rc.decode_absorb_kernel)
+                                    decode_absorb_kernel=rc.decode_absorb_kernel,
+                                    decode_router_kernel=rc.decode_router_kernel)
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)

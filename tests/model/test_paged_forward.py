@@ -257,11 +257,11 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
 
 
-def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int):
+def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, **extra):
     """Three sequences prefilled in one 64-slot step, then two decode steps of 16 token slots and 16
     sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (Pallas
-    path, interpret mode). Each decode step's logits must equal the full forward's; returns (cfg, params,
-    [(decode logits, final cache) off, on])."""
+    path, interpret mode; `extra`: more forward_paged flags, the same both times). Each decode step's logits
+    must equal the full forward's; returns (cfg, params)."""
     _, path = hf_case(case)
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, 40))
@@ -269,7 +269,7 @@ def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int):
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
     outs = []
     for enabled in (False, True):
-        kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", flag: enabled}
+        kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", **extra, flag: enabled}
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
         _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
         steps = []
@@ -319,6 +319,49 @@ def test_decode_absorb_kernel_equals_the_xla_absorption(hf_case, case, monkeypat
     # Only the two decode steps, one scanned layer body per segment, each on the whole q [16, H, dn + dr].
     H, width = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     assert calls == 2 * len(layer_segments(cfg)) * [(16, H, width)]
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_router_kernel_equals_the_xla_path(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_router_kernel: in a decode step's MoE layers, o_proj's split-K partials, the
+    residual add, the post-attention RMSNorm and the router's logits come from one kernel
+    (kernels/residual_router.py): the same logits and cache as XLA's path, and the full forward's logits.
+    Dense layers keep XLA's; so do steps over decode_matmul.MAX_TOKENS (64) slots."""
+    from deepinfer_jax.kernels import residual_router
+
+    calls = []
+    real = residual_router.residual_norm_router
+    monkeypatch.setattr(residual_router, "residual_norm_router",
+                        lambda *a, **k: calls.append((a[0].shape, a[3].shape)) or real(*a, **k))
+    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_router_kernel", seed=13,
+                                            decode_projection_kernel=True, fuse_moe_routing=True,
+                                            fuse_shared_experts=True)
+    # The MoE segment of the 64-slot prefill step and of the two 16-slot decode steps, each handed o_proj's
+    # partials [split_k, slots, D] and the stacked gate.
+    moe = [(i, seg) for i, seg in enumerate(layer_segments(cfg)) if seg.kind == "moe"]
+    assert len(calls) == 3 * len(moe)
+    for (parts, gate), (i, seg), slots in zip(calls, 3 * moe, [64] * len(moe) + [16] * 2 * len(moe)):
+        assert parts[1:] == (slots, cfg.hidden_size)
+        assert gate == params["segments"][i]["moe"]["gate"].shape == (seg.num_layers, cfg.hidden_size,
+                                                                        cfg.n_routed_experts)
+
+
+def test_decode_router_kernel_needs_the_routing_kernel(hf_case):
+    """Without routing in its kernel (grouped routing, or fuse_moe_routing off) or without o_proj read in
+    place, decode_router_weights leaves the layer body to XLA."""
+    from deepinfer_jax.models.deepseek import decode_router_weights, decode_stacked
+
+    for case, ok in (("v2_greedy_yarn", True), ("v3_grouped_noaux", False)):
+        _, path = hf_case(case)
+        cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+        seg, sp = next((seg, sp) for seg, sp in zip(layer_segments(cfg), params["segments"]) if seg.kind == "moe")
+        proj = decode_stacked(sp, 16, "pallas_interpret", None, True)
+        ex = sp["moe"]["experts"]
+        args = (seg, sp, cfg, proj, ex, 16, "pallas_interpret", None)
+        assert (decode_router_weights(*args, True, True) is not None) == ok
+        assert decode_router_weights(*args, False, True) is None  # routing not in its kernel
+        assert decode_router_weights(*args, True, False) is None  # the flag off
+        assert decode_router_weights(seg, sp, cfg, {}, ex, 16, "pallas_interpret", None, True, True) is None
 
 
 def test_grouped_routing_keeps_the_xla_router(hf_case):
