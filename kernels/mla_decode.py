@@ -8,8 +8,8 @@ Grid: (token, head block, context split). A program walks its share of the seque
 batch's longest context divided evenly over the splits) through the page table, one block of
 `block_keys` keys (by default half a page; its page id loaded a step ahead) or `pages_per_step` whole
 pages per step, keeping the running max / sum / accumulator in registers; the latent key is read as two
-power-of-two slices (c_kv 512 and k_pe 64), as the Triton backend requires. The splits are merged in JAX with the usual log-sum-exp rescaling, so short batches
-still fill the GPU (flash-decoding).
+power-of-two slices (c_kv 512 and k_pe 64), as the Triton backend requires. The splits are merged in
+JAX with the usual log-sum-exp rescaling, so short batches still fill the GPU (flash-decoding).
 
 `interpret=True` runs the same kernel on the CPU (tests); the reference defines correctness.
 """
