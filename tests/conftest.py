@@ -32,3 +32,18 @@ def hf_case(tmp_path_factory):
 @pytest.fixture(params=sorted(CASES))
 def case_name(request):
     return request.param
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _free_compiled_programs():
+    """Drop JAX's caches of compiled programs after each test module. Every XLA:CPU program maps its code
+    into the process (~6 memory maps each), and the library's jitted functions keep theirs for the life of
+    the process: the whole suite reached Linux's vm.max_map_count (65,530) and a later compile or
+    serialization aborted. Programs a module still holds (an engine in a fixture) stay alive."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
