@@ -33,7 +33,8 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
+from deepinfer_jax.models.layers import (
+    StackedWeight, linear, rms_norm, rope_cos_sin, stacked_matmul, swiglu_mlp, weight)
 from deepinfer_jax.models.moe import moe_block, routing_into_kernels, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
@@ -183,12 +184,9 @@ def residual_norm_router(a: jax.Array, o_proj: StackedWeight, h: jax.Array, rout
     its post-attention RMSNorm x, the router's logits of x [T, E] fp32), by o_proj's split-K kernel and
     kernels/residual_router.py: the same values as `mla.output_projection`, `rms_norm` and
     `moe.router_logits` up to fp32 summation order."""
-    from deepinfer_jax.kernels import decode_matmul, residual_router
+    from deepinfer_jax.kernels import residual_router
 
-    w = o_proj.stacked
-    K, N = math.prod(w.shape[1:3]), math.prod(w.shape[3:])
-    parts = decode_matmul.decode_matmul(a.reshape(a.shape[0], K).astype(h.dtype), w.reshape(w.shape[0], K, N),
-                                        o_proj.layer, reduce=False, interpret=o_proj.interpret)
+    parts = stacked_matmul(a, o_proj, in_dims=2, reduce=False)  # as mla.output_projection, not yet summed
     norm_w, gate = router_w
     return residual_router.residual_norm_router(parts, h, norm_w, gate, j, eps=cfg.rms_norm_eps,
                                                 interpret=o_proj.interpret)
