@@ -89,9 +89,12 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     g = pages_per_step
     per_page = page_size // block_keys
 
+    def attend(page, i, carry):  # key block i, which lies in page `page`
+        return softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, page, i, pos, page_size=page_size, rank=rank,
+                                         scale=scale, block=block_keys), carry)
+
     def body(i, carry):  # one key block a step
-        return softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, pt_ref[seq, i // per_page], i, pos,
-                                         page_size=page_size, rank=rank, scale=scale, block=block_keys), carry)
+        return attend(pt_ref[seq, i // per_page], i, carry)
 
     def body_group(j, carry):
         # Pages first + g*j ... + g - 1; those at or past `last` (the next split's, or none) are read
@@ -107,9 +110,7 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     def body_prefetch(i, carry):  # as `body`, the next block's page id loaded a step ahead
         *carry, page = carry
         nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
-        carry = softmax_step(*page_scores(q_lat, q_pe, kv_ref, layer, page, i, pos, page_size=page_size, rank=rank,
-                                          scale=scale, block=block_keys), tuple(carry))
-        return (*carry, nxt)
+        return (*attend(page, i, tuple(carry)), nxt)
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     if g == 1 and prefetch_ids:
