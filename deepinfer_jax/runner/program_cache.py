@@ -15,8 +15,8 @@ A start with the same key loads the program as stored; any difference misses, co
 new program beside the old. Only a program XLA compiled in this process is stored (`compile_program`):
 one that JAX loaded from its own compilation cache does not serialize again whole (XLA:CPU's then
 lacked its compiled functions: "Function ... not found" at its first run), so after an upgrade that
-leaves a program's HLO unchanged, that program keeps coming from JAX's cache, traced as before. An entry that fails to load (truncated, from another build) is compiled
-again and rewritten. Each store keeps the directory within MAX_BYTES (4 GiB, or
+leaves a program's HLO unchanged, that program keeps coming from JAX's cache, traced as before. An
+entry that fails to load (truncated, from another build) is compiled again and rewritten. Each store keeps the directory within MAX_BYTES (4 GiB, or
 $DEEPINFER_PROGRAM_CACHE_MAX_BYTES) by deleting the least recently used entries (a load marks its entry
 used); serve's 16 programs of V2-Lite take 35 MB on an H200. Entries are pickles: like JAX's own cache,
 the directory must be the user's own. Invariant: a program is only ever loaded under the key it was

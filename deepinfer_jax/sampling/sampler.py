@@ -153,9 +153,9 @@ def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
     """key_data u32[B, 2] (threefry), logits f32[B, V] -> i32[B]: each row's ``jax.random.categorical``
     draw, bit for bit (the argmax of logits + gumbel(key, [V])), with the argmax taken over chunks of
     ARGMAX_CHUNK ids and then over the chunks' maxima. The first maximum wins either way (the first chunk
-    holding it, its first index there). As one [B, V] reduction XLA gave each row one block of threads,
-    which also computed the row's V threefry draws: 26.5 us a step at B = 32, V = 102,400 on an H200
-    (benchmarks/RESULTS.md, session 10); in chunks the draws spread over the whole GPU."""
+    holding it, its first index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took
+    26.5 us a step as one [B, V] reduction and 21.8 us in chunks (benchmarks/RESULTS.md, session 10); most
+    of the rest is the V threefry draws a row."""
     batch, vocab = logits.shape
     keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl="threefry2x32")
     z = logits + jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), logits.dtype))(keys)  # f32[B, V]
