@@ -14,6 +14,7 @@ SWITCHES = [
                                    "W_UK in place"),
     ("decode_router_kernel", False, "decode MoE layers add o_proj's partials to the residual, norm and compute the "
                                     "router logits in one kernel"),
+    ("moe_single_launch", True, "decode steps run the MoE's two expert kernels in one launch"),
 ]
 
 

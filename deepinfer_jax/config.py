@@ -332,6 +332,11 @@ class RunnerConfig:
     # one kernel (kernels/residual_router.py) instead of XLA's four. Off until measured on a GPU
     # (written after session 10's device time ran out; benchmarks/explore_step.sh measures it).
     decode_router_kernel: bool = False
+    # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
+    # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
+    # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py
+    # `single_launch`). H200, V2-Lite batch-32 step: 8.34 ms against 8.64 (session 11).
+    moe_single_launch: bool = True
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

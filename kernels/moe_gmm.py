@@ -151,6 +151,89 @@ def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, block_m, block_n, block
             run(lambda i: sw_ref[layer, pl.ds((e - E) * K + i * block_k, block_k), cols])
 
 
+def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, block_m, bn1, bn2, bk1, bk2, D, E, I,
+                          shared, copies_per_token, tiles1, tiles2, n1, spin):
+    """Both expert kernels in one launch (`moe_experts_aligned(single_launch=True)`): programs 0 .. n1 - 1
+    are gate_up tiles, block-major (block b's `tiles1` column tiles are programs b*tiles1 ..); the rest
+    are down tiles, block-major too. A gate_up program, once its tile of h is stored, adds 1 to
+    ready[b]; a down program of block b first waits until ready[b] == tiles1 (all of its block's h).
+    No deadlock: CUDA starts a 1-D grid's programs in order, so every gate_up program has started (and
+    will finish) before any down program waits. The down programs of early blocks thus start while the
+    last gate_up tiles still stream, with no kernel boundary between the two."""
+    refs = list(refs)
+    sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
+    rc_ref = refs.pop(0) if copies_per_token else None
+    _ready_in, h_ref, y_ref, ready_ref = refs
+    from jax.experimental.pallas import triton as plgpu
+
+    p = pl.program_id(0)
+    layer = layer_ref[0]
+
+    @pl.when(p < n1)
+    def _():
+        b, n = p // tiles1, p % tiles1
+        e = be_ref[b]
+        rows, cols = pl.ds(b * block_m, block_m), pl.ds(n * bn1, bn1)
+        if copies_per_token:
+            rc = rc_ref[rows]
+            tok = jnp.where(rc >= 0, rc // copies_per_token, 0)  # [bm]
+            load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
+        else:
+            load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
+
+        def run(tile):
+            def body(i, acc):
+                g, u = acc
+                ks = pl.ds(i * bk1, bk1)
+                x = load_x(ks)  # [bm, bk]
+                dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
+                return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))
+
+            zero = jnp.zeros((block_m, bn1), jnp.float32)
+            g, u = jax.lax.fori_loop(0, D // bk1, body, (zero, zero))
+            h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+            if spin:
+                plgpu.debug_barrier()  # every thread's stores of the tile precede the release below
+            plgpu.atomic_add(ready_ref, b, jnp.int32(1))
+
+        @pl.when((e >= 0) & (e < E))
+        def _():
+            run(lambda ks, g: wgu_ref[layer, e, ks, g, cols])
+
+        if shared:
+            @pl.when(e >= E)
+            def _():
+                run(lambda ks, g: sgu_ref[layer, ks, g, pl.ds((e - E) * I + n * bn1, bn1)])
+
+    @pl.when(p >= n1)
+    def _():
+        q = p - n1
+        b, n = q // tiles2, q % tiles2
+        e = be_ref[b]
+        rows, cols = pl.ds(b * block_m, block_m), pl.ds(n * bn2, bn2)
+
+        def run(tile):
+            if spin:  # interpret mode runs the programs one after another: every gate_up tile is done
+                acquire = lambda _: plgpu.atomic_add(ready_ref, b, jnp.int32(0))  # noqa: E731  the stored tiles
+                jax.lax.while_loop(lambda r: r < tiles1, acquire, acquire(None))
+
+            def body(i, acc):
+                h = h_ref[rows, pl.ds(i * bk2, bk2)]
+                return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
+
+            acc = jax.lax.fori_loop(0, I // bk2, body, jnp.zeros((block_m, bn2), jnp.float32))
+            y_ref[rows, cols] = acc.astype(y_ref.dtype)
+
+        @pl.when((e >= 0) & (e < E))
+        def _():
+            run(lambda i: wd_ref[layer, e, pl.ds(i * bk2, bk2), cols])
+
+        if shared:
+            @pl.when(e >= E)
+            def _():
+                run(lambda i: sd_ref[layer, pl.ds((e - E) * I + i * bk2, bk2), cols])
+
+
 def _fit(block: int, dim: int) -> int:
     """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64)."""
     b = min(block, dim)
@@ -242,14 +325,16 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=False,
-                        interpret=False):
+                        single_launch=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
     gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy).
     cols_first: launch a row block's column tiles one after another (its rows stay in L2 while the
     expert's weight tiles stream) instead of a column tile's row blocks (each tile's weights stay in
-    L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`."""
+    L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`.
+    single_launch: both kernels in one launch, the down tiles of a row block waiting on its gate_up tiles
+    (`_single_launch_kernel`; block-major order, `cols_first` ignored)."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -268,6 +353,25 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         xs, extra = x[token], ()  # [M_pad, D] gathered (padding rows read token 0, never combined)
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
     bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
+    if single_launch:
+        n1, n2 = nb * (I // bn1), nb * (D // bn2)
+        ready = jnp.zeros((nb,), jnp.int32)
+        args = (layer, block_expert, xs, w_gate_up.astype(x.dtype), w_down.astype(x.dtype), *shared, *extra, ready)
+        params = None
+        if not interpret:
+            from jax.experimental.pallas import triton as plgpu
+
+            params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        _, y, _ = pl.pallas_call(
+            functools.partial(_single_launch_kernel, block_m=block_m, bn1=bn1, bn2=bn2, bk1=bk1, bk2=bk2, D=D, E=E,
+                              I=I, shared=bool(shared), copies_per_token=K if gather_in_kernel else 0,
+                              tiles1=I // bn1, tiles2=D // bn2, n1=n1, spin=not interpret),
+            grid=(n1 + n2,),
+            out_shape=(jax.ShapeDtypeStruct((m_pad, I), x.dtype), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
+                       jax.ShapeDtypeStruct((nb,), jnp.int32)),
+            input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
+        )(*args)
+        return _combine(y, row_of, weights, T, K, D, x.dtype)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1], *extra), num_warps, num_stages,
@@ -276,11 +380,16 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, w_down.astype(x.dtype), *shared[1:]), num_warps, num_stages, interpret,
               block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E, cols_first=cols_first)
-    # Combine by gathering each copy's row (no scatter-add of [M_pad, D] rows): row_of[c] is the row of
-    # copy c, or M_pad for a skipped copy, which reads zeros.
+    return _combine(y, row_of, weights, T, K, D, x.dtype)
+
+
+def _combine(y, row_of, weights, T, K, D, dtype):
+    """The expert rows y [M_pad, D] back to tokens [T, D]: each copy's row gathered (no scatter-add of
+    [M_pad, D] rows; row_of[c] is the row of copy c, or M_pad for a skipped copy, which reads zeros),
+    weighted and summed in fp32."""
     yc = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, K, D)  # [T, K, D]
     out = jnp.einsum("tkd,tk->td", yc.astype(jnp.float32), weights.astype(jnp.float32))
-    return out.astype(x.dtype)
+    return out.astype(dtype)
 
 
 def moe_experts_reference(x, w_gate_up, w_down, weights, idx):

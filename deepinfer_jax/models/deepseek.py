@@ -326,6 +326,7 @@ def forward_paged(
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
     decode_router_kernel: bool = False,
+    moe_single_launch: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -345,7 +346,9 @@ def forward_paged(
     `decode_absorb_kernel`: where `decode_absorb_weights` allows, the query is absorbed through W_UK and
     its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
     `decode_router_kernel`: where `decode_router_weights` allows, o_proj's split-K partials are added to the
-    residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py)."""
+    residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py).
+    `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
+    row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -415,7 +418,8 @@ def forward_paged(
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, logits=logits)
+                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, logits=logits,
+                               single_launch=moe_single_launch)
             return (h + m, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

@@ -214,7 +214,8 @@ class ModelRunner:
                                     decode_projection_kernel=rc.decode_projection_kernel,
                                     decode_output_kernel=rc.decode_output_kernel,
                                     decode_absorb_kernel=rc.decode_absorb_kernel,
-                                    decode_router_kernel=rc.decode_router_kernel)
+                                    decode_router_kernel=rc.decode_router_kernel,
+                                    moe_single_launch=rc.moe_single_launch)
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)

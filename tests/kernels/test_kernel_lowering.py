@@ -139,6 +139,25 @@ def test_fused_decode_lowers_for_sm90(triton_modules):
     assert len(irs) == 3
 
 
+def test_single_launch_moe_lowers_for_sm90(triton_modules):
+    """Both expert kernels in one launch (moe_gmm `single_launch`): the down tiles' wait on their row block's
+    gate_up tiles lowers to a loop of acquire atomics, the gate_up tiles' release to a barrier and an atomic add."""
+    from deepinfer_jax.kernels import moe_route
+
+    s = jax.ShapeDtypeStruct
+    Lm, E, D, I, S = 26, 64, 2048, 1408, 2
+    args = (s((32, D), jnp.bfloat16), s((32, E), jnp.float32), s((Lm, E, D, 2, I), jnp.bfloat16),
+            s((Lm, E, I, D), jnp.bfloat16), s((), jnp.int32), s((Lm, D, 2, S * I), jnp.bfloat16),
+            s((Lm, S * I, D), jnp.bfloat16))
+    irs = triton_modules(lambda x, lg, a, d, l, sa, sd: moe_route.moe_fused_decode(x, lg, None, a, d, l, sa, sd, k=6,
+                                                                                    single_launch=True),
+                         *args)
+    assert len(irs) == 2  # the routing kernel and the experts' one launch
+    experts = irs[1]
+    assert experts.count("tt.atomic_rmw") == 2 * 3  # per weight branch (routed, shared): a release, two acquires
+    assert "scf.while" in experts and "gpu.barrier" in experts
+
+
 def test_split_prefill_attention_lowers_for_sm90(triton_modules):
     """The expanded chunk kernel at V2-Lite's head dims (128 + 64 keys, 128 values, 64-token query
     blocks) and the context-only absorbed kernel returning its softmax statistics, for an 8,192-token

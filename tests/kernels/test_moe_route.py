@@ -105,3 +105,25 @@ def test_fused_decode_equals_router_plus_experts_reference(S):
     out, got_idx = moe_fused_decode(x, logits, bias, wgu, wd, None, *shared, k=k, interpret=True)
     np.testing.assert_array_equal(np.asarray(got_idx), np.asarray(idx))
     np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype, S, T", [(jnp.float32, 2, 32), (jnp.bfloat16, 0, 16), (jnp.bfloat16, 2, 64)])
+def test_single_launch_equals_two_launches(dtype, S, T):
+    """Both expert kernels in one launch (moe_gmm `single_launch`: gate_up tiles then down tiles, block-major,
+    a row block's down tiles waiting on its counter) give the two launches' output bit for bit, with stacked
+    weights read at a layer index, shared experts and padded row blocks."""
+    from deepinfer_jax.kernels.moe_route import moe_fused_decode
+
+    L, E, k, D, I = 2, 16, 4, 128, 64
+    rng = np.random.default_rng(T + S)
+    u = lambda *shape: jnp.asarray(rng.uniform(-0.1, 0.1, shape), dtype)  # noqa: E731
+    x = jnp.asarray(rng.standard_normal((T, D)), dtype)
+    wgu, wd = u(L, E, D, 2, I), u(L, E, I, D)
+    shared = (u(L, D, 2, S * I), u(L, S * I, D)) if S else ()
+    logits = jnp.asarray(rng.standard_normal((T, E)) * 2.0, jnp.float32)
+    run = lambda single: moe_fused_decode(x, logits, None, wgu, wd, jnp.int32(1), *shared, k=k,  # noqa: E731
+                                          single_launch=single, interpret=True)
+    (two, idx2), (one, idx1) = run(False), run(True)
+    np.testing.assert_array_equal(np.asarray(idx1), np.asarray(idx2))
+    np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), np.asarray(two.astype(jnp.float32)))
+    assert float(jnp.abs(one.astype(jnp.float32)).max()) > 0

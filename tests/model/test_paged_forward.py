@@ -372,3 +372,20 @@ def test_grouped_routing_keeps_the_xla_router(hf_case):
     assert cfg.n_group > 1
     experts = {"gate_up": jnp.zeros((16, 64, 2, 32))}
     assert not routing_into_kernels(cfg, "pallas", None, 16, experts)
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_moe_single_launch_equals_two_launches(hf_case, case, monkeypatch):
+    """RunnerConfig.moe_single_launch: where a step routes in its kernel (here all of them: 64 and 16 slots),
+    both expert kernels run in one launch (kernels/moe_gmm.py `single_launch`): the same logits and cache as
+    two launches, and the full forward's logits."""
+    from deepinfer_jax.kernels import moe_route
+
+    calls = []
+    real = moe_route.moe_experts_aligned
+    monkeypatch.setattr(moe_route, "moe_experts_aligned",
+                        lambda *a, **k: calls.append(k["single_launch"]) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "moe_single_launch", seed=14, fuse_moe_routing=True,
+                                       fuse_shared_experts=True)
+    n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
+    assert calls == n * [False] + n * [True]
