@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The MoE's two expert kernels in one launch (RunnerConfig.moe_single_launch, kernels/moe_gmm.py `single_launch`):
-# outputs against two launches and per-layer time (moe_launch_check.py), GPU vs CPU, Protocol A, and the
-# step with and without it on the same machine.
+# Session 11's MoE questions, a short table last:
+#   one / two       the two expert kernels in one launch or two (RunnerConfig.moe_single_launch), batch 32
+#   rows16          shared experts in 16-row programs (each read twice at batch 32) against 32-row ones
+#   b128 / b128r16  the same at batch 128 (64-row programs: each shared expert read twice, not 8 times)
+#   then            Protocol A and the GPU-vs-CPU greedy check at the defaults
 #   bash benchmarks/explore_moe.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -12,20 +14,20 @@ left() { (( $(date +%s) - start < ${1:-480} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
 sp() { local label=$1; shift; left || return; echo "$label $(( $(date +%s) - start ))s"
        timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-echo "check $(( $(date +%s) - start ))s"
-timeout 150 python3 benchmarks/moe_launch_check.py 2>&1 | quiet > "$out/check.log"
-left 300 && { echo "protocol_a $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/offline.py --buckets 32,16384 \
+sp one --trace /tmp/tr_one
+sp rows16 --shared-rows-max 16
+sp b128 --batch 128 --context 1024
+sp b128r16 --batch 128 --context 1024 --shared-rows-max 16
+left 330 && { echo "protocol_a $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/offline.py --buckets 32,16384 \
   > "$out/protocol_a.log" 2>&1; }
-left 380 && { echo "gpu_vs_cpu $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/gpu_vs_cpu.py \
+left 420 && { echo "gpu_vs_cpu $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/gpu_vs_cpu.py \
   --check benchmarks/data/gpu_vs_cpu_expected.json > "$out/gpu_vs_cpu.log" 2>&1; }
-sp one
-sp two --no-moe-single-launch
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-tail -8 "$out/check.log"
-for l in one two; do
+for l in one rows16 b128 b128r16; do
   [[ -f $out/step_$l.log ]] || continue
-  echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
 done
+grep -h -A4 "one layer" "$out/step_one.log" | head -4
 grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a.log" | cut -c1-220
 grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"

@@ -22,6 +22,7 @@ contribute nothing; K dims must be multiples of `block_k`, N dims of `block_n`.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -80,158 +81,163 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
     return row_copy, block_expert, row_of
 
 
+@dataclasses.dataclass(frozen=True)
+class _Tiles:
+    """The static shape of one expert kernel: row block, column tile, K step, K (the contraction), E
+    (routed experts), I (an expert's width), K copies a token (row gathers; 0: rows already gathered), and
+    `shared_rows`: the rows one program of a shared expert takes (a multiple of block_m that divides the
+    shared group's padded rows), so that the T rows of a shared expert read its weights T / shared_rows
+    times rather than once per 16-row block."""
+    block_m: int
+    block_n: int
+    block_k: int
+    K: int
+    E: int
+    I: int
+    copies_per_token: int
+    shared_rows: int
+
+
+def _expert_tile(t: _Tiles, b, be_ref, rc_ref, routed, shared, after=None):
+    """Run program (row block b, one column tile) of an expert kernel: `routed(rows, bm, tile)` for a
+    routed expert's block, `shared(rows, bm, tile)` for the leading block of a shared expert's run of
+    shared_rows rows (the other blocks of that run do nothing); `tile` loads the expert's weight tiles.
+    `after()` runs once the tile's output is stored."""
+    e = be_ref[b]
+
+    @pl.when((e >= 0) & (e < t.E))
+    def _():
+        routed(pl.ds(b * t.block_m, t.block_m), t.block_m, e)
+        if after is not None:
+            after()
+
+    if shared is not None:  # shared expert s = e - E; its rows are in token order: row j holds token j
+        # The block leads a run when its first row's token is a multiple of shared_rows.
+        lead = (rc_ref[b * t.block_m] // t.copies_per_token) % t.shared_rows == 0 if t.shared_rows > t.block_m else True
+
+        @pl.when((e >= t.E) & lead)
+        def _():
+            shared(pl.ds(b * t.block_m, t.shared_rows), t.shared_rows, e - t.E)
+            if after is not None:
+                after()
+
+
+def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
+    """h[rows, tile n] = silu(x[rows] @ W_gate[e][:, n]) * (x[rows] @ W_up[e][:, n]) for row block b."""
+    layer = layer_ref[0]
+    cols = pl.ds(n * t.block_n, t.block_n)
+
+    def run(rows, bm, tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile
+        if gathered:  # x_ref holds the rows already gathered [M_pad, D]
+            load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
+        else:  # x_ref is x [T, D]: each row reads its copy's token (padding rows token 0)
+            rc = rc_ref[rows]
+            tok = jnp.where(rc >= 0, rc // t.copies_per_token, 0)  # [bm]
+            load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
+
+        def body(i, acc):
+            g, u = acc
+            ks = pl.ds(i * t.block_k, t.block_k)
+            x = load_x(ks)  # [bm, bk]
+            dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
+            return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
+
+        zero = jnp.zeros((bm, t.block_n), jnp.float32)
+        g, u = jax.lax.fori_loop(0, t.K // t.block_k, body, (zero, zero))
+        h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+
+    routed = lambda rows, bm, e: run(rows, bm, lambda ks, g: w_ref[layer, e, ks, g, cols])  # noqa: E731
+    shared = None if sw_ref is None else (  # columns s*I .. s*I + I of the shared MLP
+        lambda rows, bm, s: run(rows, bm, lambda ks, g: sw_ref[layer, ks, g, pl.ds(s * t.I + n * t.block_n, t.block_n)]))
+    _expert_tile(t, b, be_ref, rc_ref, routed, shared, after)
+
+
+def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, rc_ref, y_ref, before=None):
+    """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait)."""
+    layer = layer_ref[0]
+    cols = pl.ds(n * t.block_n, t.block_n)
+
+    def run(rows, bm, tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
+        if before is not None:
+            before()
+
+        def body(i, acc):
+            h = h_ref[rows, pl.ds(i * t.block_k, t.block_k)]
+            return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
+
+        acc = jax.lax.fori_loop(0, t.K // t.block_k, body, jnp.zeros((bm, t.block_n), jnp.float32))
+        y_ref[rows, cols] = acc.astype(y_ref.dtype)
+
+    routed = lambda rows, bm, e: run(rows, bm, lambda i: w_ref[layer, e, pl.ds(i * t.block_k, t.block_k), cols])  # noqa: E731
+    shared = None if sw_ref is None else (  # rows s*I .. s*I + I of the shared down weights
+        lambda rows, bm, s: run(rows, bm, lambda i: sw_ref[layer, pl.ds(s * t.I + i * t.block_k, t.block_k), cols]))
+    _expert_tile(t, b, be_ref, rc_ref, routed, shared)
+
+
+def _refs(refs, shared, with_rc):
+    """Split a kernel's trailing refs: (shared weights or None, row_copy or None, the rest)."""
+    refs = list(refs)
+    sw = refs.pop(0) if shared else None
+    rc = refs.pop(0) if with_rc else None
+    return sw, rc, refs
+
+
 def _block_and_tile(cols_first: bool):
     """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
     return (pl.program_id(1), pl.program_id(0)) if cols_first else (pl.program_id(0), pl.program_id(1))
 
 
-def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, block_m, block_n, block_k, K, E, I, shared,
-                    copies_per_token, cols_first):
-    refs = list(refs)
-    sw_ref = refs.pop(0) if shared else None
-    rc_ref = refs.pop(0) if copies_per_token else None
-    (o_ref,) = refs
+def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, with_rc, gathered, cols_first):
+    sw_ref, rc_ref, (h_ref,) = _refs(refs, shared, with_rc)
     b, n = _block_and_tile(cols_first)
-    layer, e = layer_ref[0], be_ref[b]
-    rows = pl.ds(b * block_m, block_m)
-    cols = pl.ds(n * block_n, block_n)
-    if copies_per_token:  # x_ref is x [T, D]: each row reads its copy's token (padding rows token 0)
-        rc = rc_ref[rows]
-        tok = jnp.where(rc >= 0, rc // copies_per_token, 0)  # [bm]
-        load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
-    else:  # x_ref holds the rows already gathered [M_pad, D]
-        load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
-
-    def run(tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile of this expert
-        def body(i, acc):
-            g, u = acc
-            ks = pl.ds(i * block_k, block_k)
-            x = load_x(ks)  # [bm, bk]
-            dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
-            return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
-
-        zero = jnp.zeros((block_m, block_n), jnp.float32)
-        g, u = jax.lax.fori_loop(0, K // block_k, body, (zero, zero))
-        o_ref[rows, cols] = (jax.nn.silu(g) * u).astype(o_ref.dtype)
-
-    @pl.when((e >= 0) & (e < E))
-    def _():
-        run(lambda ks, g: w_ref[layer, e, ks, g, cols])
-
-    if sw_ref is not None:  # shared expert s = e - E: columns s*I .. s*I + I of the shared MLP
-
-        @pl.when(e >= E)
-        def _():
-            run(lambda ks, g: sw_ref[layer, ks, g, pl.ds((e - E) * I + n * block_n, block_n)])
+    _gate_up(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
 
 
-def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, block_m, block_n, block_k, K, E, cols_first):
-    sw_ref, o_ref = refs if len(refs) == 2 else (None, refs[0])
+def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, with_rc, cols_first):
+    sw_ref, rc_ref, (y_ref,) = _refs(refs, shared, with_rc)
     b, n = _block_and_tile(cols_first)
-    layer, e = layer_ref[0], be_ref[b]
-    rows = pl.ds(b * block_m, block_m)
-    cols = pl.ds(n * block_n, block_n)
-
-    def run(tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
-        def body(i, acc):
-            h = h_ref[rows, pl.ds(i * block_k, block_k)]
-            return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
-
-        acc = jax.lax.fori_loop(0, K // block_k, body, jnp.zeros((block_m, block_n), jnp.float32))
-        o_ref[rows, cols] = acc.astype(o_ref.dtype)
-
-    @pl.when((e >= 0) & (e < E))
-    def _():
-        run(lambda i: w_ref[layer, e, pl.ds(i * block_k, block_k), cols])
-
-    if sw_ref is not None:  # shared expert s = e - E: rows s*K .. s*K + K of the shared down weights
-
-        @pl.when(e >= E)
-        def _():
-            run(lambda i: sw_ref[layer, pl.ds((e - E) * K + i * block_k, block_k), cols])
+    _down(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, rc_ref, y_ref)
 
 
-def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, block_m, bn1, bn2, bk1, bk2, D, E, I,
-                          shared, copies_per_token, tiles1, tiles2, n1, spin):
+def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
+                          gathered, n1, spin):
     """Both expert kernels in one launch (`moe_experts_aligned(single_launch=True)`): programs 0 .. n1 - 1
-    are gate_up tiles, block-major (block b's `tiles1` column tiles are programs b*tiles1 ..); the rest
-    are down tiles, block-major too. A gate_up program, once its tile of h is stored, adds 1 to
-    ready[b]; a down program of block b first waits until ready[b] == tiles1 (all of its block's h).
-    No deadlock: CUDA starts a 1-D grid's programs in order, so every gate_up program has started (and
-    will finish) before any down program waits. The down programs of early blocks thus start while the
-    last gate_up tiles still stream, with no kernel boundary between the two."""
-    refs = list(refs)
-    sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
-    rc_ref = refs.pop(0) if copies_per_token else None
-    _ready_in, h_ref, y_ref, ready_ref = refs
+    are gate_up tiles, block-major (block b's column tiles are programs b * tiles1 ..); the rest are down
+    tiles, block-major too. A gate_up program, once its tile of h is stored, adds 1 to ready[b]; a down
+    program of block b first waits until ready[b] == tiles1 (all of its block's h). No deadlock: CUDA
+    starts a 1-D grid's programs in order, so every gate_up program has started (and will finish) before
+    any down program waits. The down programs of early blocks thus start while the last gate_up tiles
+    still stream, with no kernel boundary between the two."""
     from jax.experimental.pallas import triton as plgpu
 
+    refs = list(refs)
+    sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
+    rc_ref = refs.pop(0) if with_rc else None
+    _ready_in, h_ref, y_ref, ready_ref = refs
     p = pl.program_id(0)
-    layer = layer_ref[0]
+    tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
+
+    def release(b):
+        if spin:
+            plgpu.debug_barrier()  # every thread's stores of the tile precede the release below
+        plgpu.atomic_add(ready_ref, b, jnp.int32(1))
+
+    def acquire(b):
+        if spin:  # interpret mode runs the programs one after another: every gate_up tile is done
+            read = lambda _: plgpu.atomic_add(ready_ref, b, jnp.int32(0))  # noqa: E731  the tiles stored so far
+            jax.lax.while_loop(lambda r: r < tiles1, read, read(None))
 
     @pl.when(p < n1)
     def _():
-        b, n = p // tiles1, p % tiles1
-        e = be_ref[b]
-        rows, cols = pl.ds(b * block_m, block_m), pl.ds(n * bn1, bn1)
-        if copies_per_token:
-            rc = rc_ref[rows]
-            tok = jnp.where(rc >= 0, rc // copies_per_token, 0)  # [bm]
-            load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
-        else:
-            load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
-
-        def run(tile):
-            def body(i, acc):
-                g, u = acc
-                ks = pl.ds(i * bk1, bk1)
-                x = load_x(ks)  # [bm, bk]
-                dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
-                return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))
-
-            zero = jnp.zeros((block_m, bn1), jnp.float32)
-            g, u = jax.lax.fori_loop(0, D // bk1, body, (zero, zero))
-            h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
-            if spin:
-                plgpu.debug_barrier()  # every thread's stores of the tile precede the release below
-            plgpu.atomic_add(ready_ref, b, jnp.int32(1))
-
-        @pl.when((e >= 0) & (e < E))
-        def _():
-            run(lambda ks, g: wgu_ref[layer, e, ks, g, cols])
-
-        if shared:
-            @pl.when(e >= E)
-            def _():
-                run(lambda ks, g: sgu_ref[layer, ks, g, pl.ds((e - E) * I + n * bn1, bn1)])
+        b = p // tiles1
+        _gate_up(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
+                 after=lambda: release(b))
 
     @pl.when(p >= n1)
     def _():
-        q = p - n1
-        b, n = q // tiles2, q % tiles2
-        e = be_ref[b]
-        rows, cols = pl.ds(b * block_m, block_m), pl.ds(n * bn2, bn2)
-
-        def run(tile):
-            if spin:  # interpret mode runs the programs one after another: every gate_up tile is done
-                acquire = lambda _: plgpu.atomic_add(ready_ref, b, jnp.int32(0))  # noqa: E731  the stored tiles
-                jax.lax.while_loop(lambda r: r < tiles1, acquire, acquire(None))
-
-            def body(i, acc):
-                h = h_ref[rows, pl.ds(i * bk2, bk2)]
-                return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
-
-            acc = jax.lax.fori_loop(0, I // bk2, body, jnp.zeros((block_m, bn2), jnp.float32))
-            y_ref[rows, cols] = acc.astype(y_ref.dtype)
-
-        @pl.when((e >= 0) & (e < E))
-        def _():
-            run(lambda i: wd_ref[layer, e, pl.ds(i * bk2, bk2), cols])
-
-        if shared:
-            @pl.when(e >= E)
-            def _():
-                run(lambda i: sd_ref[layer, pl.ds((e - E) * I + i * bk2, bk2), cols])
+        b = (p - n1) // tiles2
+        _down(t2, b, (p - n1) % tiles2, layer_ref, be_ref, h_ref, wd_ref, sd_ref, rc_ref, y_ref,
+              before=lambda: acquire(b))
 
 
 def _fit(block: int, dim: int) -> int:
@@ -254,6 +260,22 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
         functools.partial(kernel, **kw), grid=grid, out_shape=out_shape,
         compiler_params=params, interpret=interpret,
     )(*args)
+
+
+# The most rows one program of a shared expert takes (its dot's M; the accumulators grow with it).
+SHARED_ROWS_MAX = 64
+
+
+def shared_rows(num_tokens: int, block_m: int) -> int:
+    """The rows a shared expert's program takes: the largest power-of-two multiple of block_m, at most
+    SHARED_ROWS_MAX, that divides the shared group's rows (num_tokens padded to block_m). Every token uses
+    each shared expert, so at 16-row blocks a batch of 32 would read each shared expert's weights twice;
+    with 32-row programs, once (64 tokens: once, 128: twice)."""
+    rows = -(-num_tokens // block_m) * block_m
+    r = block_m
+    while r * 2 <= min(rows, SHARED_ROWS_MAX) and rows % (r * 2) == 0:
+        r *= 2
+    return r
 
 
 def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
@@ -346,26 +368,25 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         num_stages = 1
     shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
-    if gather_in_kernel:
-        xs, extra = x, (row_copy,)
-    else:
-        token = jnp.where(row_copy >= 0, row_copy // K, 0)
-        xs, extra = x[token], ()  # [M_pad, D] gathered (padding rows read token 0, never combined)
+    s_rows = shared_rows(T, block_m) if shared else block_m
+    xs = x if gather_in_kernel else x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D] gathered
+    rc1 = (row_copy,) if gather_in_kernel or s_rows > block_m else ()  # row tokens, shared runs' leads
+    rc2 = (row_copy,) if s_rows > block_m else ()
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
-    bk1, bk2 = _fit(block_k, D), _fit(block_k, I)
+    t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K, s_rows)
+    t2 = _Tiles(block_m, bn2, _fit(block_k, I), I, E, I, K, s_rows)
+    wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
-        ready = jnp.zeros((nb,), jnp.int32)
-        args = (layer, block_expert, xs, w_gate_up.astype(x.dtype), w_down.astype(x.dtype), *shared, *extra, ready)
+        args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready counters
         params = None
         if not interpret:
             from jax.experimental.pallas import triton as plgpu
 
             params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
         _, y, _ = pl.pallas_call(
-            functools.partial(_single_launch_kernel, block_m=block_m, bn1=bn1, bn2=bn2, bk1=bk1, bk2=bk2, D=D, E=E,
-                              I=I, shared=bool(shared), copies_per_token=K if gather_in_kernel else 0,
-                              tiles1=I // bn1, tiles2=D // bn2, n1=n1, spin=not interpret),
+            functools.partial(_single_launch_kernel, t1=t1, t2=t2, shared=bool(shared), with_rc=bool(rc1),
+                              gathered=not gather_in_kernel, n1=n1, spin=not interpret),
             grid=(n1 + n2,),
             out_shape=(jax.ShapeDtypeStruct((m_pad, I), x.dtype), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
                        jax.ShapeDtypeStruct((nb,), jnp.int32)),
@@ -374,12 +395,11 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         return _combine(y, row_of, weights, T, K, D, x.dtype)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
-              (layer, block_expert, xs, w_gate_up.astype(x.dtype), *shared[:1], *extra), num_warps, num_stages,
-              interpret, block_m=block_m, block_n=bn1, block_k=bk1, K=D, E=E, I=I, shared=bool(shared),
-              copies_per_token=K if gather_in_kernel else 0, cols_first=cols_first)
+              (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
+              shared=bool(shared), with_rc=bool(rc1), gathered=not gather_in_kernel, cols_first=cols_first)
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-              (layer, block_expert, h, w_down.astype(x.dtype), *shared[1:]), num_warps, num_stages, interpret,
-              block_m=block_m, block_n=bn2, block_k=bk2, K=I, E=E, cols_first=cols_first)
+              (layer, block_expert, h, wd, *shared[1:], *rc2), num_warps, num_stages, interpret, t=t2,
+              shared=bool(shared), with_rc=bool(rc2), cols_first=cols_first)
     return _combine(y, row_of, weights, T, K, D, x.dtype)
 
 
