@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Session 11's MoE questions, a short table last:
 #   one / two       the two expert kernels in one launch or two (RunnerConfig.moe_single_launch), batch 32
-#   rows16          shared experts in 16-row programs (each read twice at batch 32) against 32-row ones
+#   (session 11, call 4 also timed shared experts in 32- and 64-row programs: slower, taken out)
 #   b128 / b128r16  the same at batch 128 (64-row programs: each shared expert read twice, not 8 times)
 #   then            Protocol A and the GPU-vs-CPU greedy check at the defaults
 #   bash benchmarks/explore_moe.sh OUTDIR

@@ -52,9 +52,6 @@ def main(argv=None) -> int:
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
-    ap.add_argument("--shared-rows-max", type=int, default=0,
-                    help="the most rows a shared expert's MoE program takes (kernels/moe_gmm.py SHARED_ROWS_MAX; "
-                         "16: one 16-row block each, as before session 11)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--decode-matmul-plan", default="",
@@ -112,10 +109,6 @@ def main(argv=None) -> int:
         kn, tiles = args.decode_matmul_plan.split("=")
         kn, tiles, base_plan = tuple(int(v) for v in kn.split(",")), tuple(int(v) for v in tiles.split(",")), decode_matmul.plan
         decode_matmul.plan = lambda K, N: tiles if (K, N) == kn else base_plan(K, N)
-    if args.shared_rows_max:
-        from deepinfer_jax.kernels import moe_gmm
-
-        moe_gmm.SHARED_ROWS_MAX = args.shared_rows_max
     if args.moe_decode_tiles:
         from deepinfer_jax.kernels import moe_gmm, moe_route
 

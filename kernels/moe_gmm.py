@@ -84,10 +84,7 @@ def align_tokens(idx: jax.Array, num_experts: int, block_m: int) -> tuple[jax.Ar
 @dataclasses.dataclass(frozen=True)
 class _Tiles:
     """The static shape of one expert kernel: row block, column tile, K step, K (the contraction), E
-    (routed experts), I (an expert's width), K copies a token (row gathers; 0: rows already gathered), and
-    `shared_rows`: the rows one program of a shared expert takes (a multiple of block_m that divides the
-    shared group's padded rows), so that the T rows of a shared expert read its weights T / shared_rows
-    times rather than once per 16-row block."""
+    (routed experts), I (an expert's width) and the copies a token has (for the row gathers)."""
     block_m: int
     block_n: int
     block_k: int
@@ -95,29 +92,26 @@ class _Tiles:
     E: int
     I: int
     copies_per_token: int
-    shared_rows: int
 
 
-def _expert_tile(t: _Tiles, b, be_ref, rc_ref, routed, shared, after=None):
-    """Run program (row block b, one column tile) of an expert kernel: `routed(rows, bm, tile)` for a
-    routed expert's block, `shared(rows, bm, tile)` for the leading block of a shared expert's run of
-    shared_rows rows (the other blocks of that run do nothing); `tile` loads the expert's weight tiles.
-    `after()` runs once the tile's output is stored."""
+def _expert_tile(t: _Tiles, b, be_ref, routed, shared, after=None):
+    """Run program (row block b, one column tile) of an expert kernel: `routed(rows, e)` for a routed
+    expert's block, `shared(rows, s)` for a shared expert's (e = E + s); nothing for an unused block (-1).
+    `after()` runs once the tile's output is stored.
+
+    (A shared expert's T rows take T / 16 programs that each read its weights: tried in session 11, one
+    32-row program at batch 32 made the step slower, 8.29 ms against 8.20 on an H200, and 64-row ones at
+    batch 128, 11.54 against 11.39. Our reading, not measured: a shared expert's 16-row programs start
+    close together, so most of its repeated reads come from L2.)"""
     e = be_ref[b]
+    rows = pl.ds(b * t.block_m, t.block_m)
+    for run, hit, j in ((routed, (e >= 0) & (e < t.E), e), (shared, e >= t.E, e - t.E)):
+        if run is None:
+            continue
 
-    @pl.when((e >= 0) & (e < t.E))
-    def _():
-        routed(pl.ds(b * t.block_m, t.block_m), t.block_m, e)
-        if after is not None:
-            after()
-
-    if shared is not None:  # shared expert s = e - E; its rows are in token order: row j holds token j
-        # The block leads a run when its first row's token is a multiple of shared_rows.
-        lead = (rc_ref[b * t.block_m] // t.copies_per_token) % t.shared_rows == 0 if t.shared_rows > t.block_m else True
-
-        @pl.when((e >= t.E) & lead)
-        def _():
-            shared(pl.ds(b * t.block_m, t.shared_rows), t.shared_rows, e - t.E)
+        @pl.when(hit)
+        def _(run=run, j=j):
+            run(rows, j)
             if after is not None:
                 after()
 
@@ -127,7 +121,7 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
 
-    def run(rows, bm, tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile
+    def run(rows, tile):  # tile(ks, g) -> [bk, bn]: the gate (g = 0) or up (g = 1) weight tile
         if gathered:  # x_ref holds the rows already gathered [M_pad, D]
             load_x = lambda ks: x_ref[rows, ks]  # noqa: E731
         else:  # x_ref is x [T, D]: each row reads its copy's token (padding rows token 0)
@@ -142,22 +136,22 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
             dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
             return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
 
-        zero = jnp.zeros((bm, t.block_n), jnp.float32)
+        zero = jnp.zeros((t.block_m, t.block_n), jnp.float32)
         g, u = jax.lax.fori_loop(0, t.K // t.block_k, body, (zero, zero))
         h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
 
-    routed = lambda rows, bm, e: run(rows, bm, lambda ks, g: w_ref[layer, e, ks, g, cols])  # noqa: E731
+    routed = lambda rows, e: run(rows, lambda ks, g: w_ref[layer, e, ks, g, cols])  # noqa: E731
     shared = None if sw_ref is None else (  # columns s*I .. s*I + I of the shared MLP
-        lambda rows, bm, s: run(rows, bm, lambda ks, g: sw_ref[layer, ks, g, pl.ds(s * t.I + n * t.block_n, t.block_n)]))
-    _expert_tile(t, b, be_ref, rc_ref, routed, shared, after)
+        lambda rows, s: run(rows, lambda ks, g: sw_ref[layer, ks, g, pl.ds(s * t.I + n * t.block_n, t.block_n)]))
+    _expert_tile(t, b, be_ref, routed, shared, after)
 
 
-def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, rc_ref, y_ref, before=None):
+def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
     """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait)."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
 
-    def run(rows, bm, tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
+    def run(rows, tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
         if before is not None:
             before()
 
@@ -165,13 +159,13 @@ def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, rc_ref, y_re
             h = h_ref[rows, pl.ds(i * t.block_k, t.block_k)]
             return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
 
-        acc = jax.lax.fori_loop(0, t.K // t.block_k, body, jnp.zeros((bm, t.block_n), jnp.float32))
+        acc = jax.lax.fori_loop(0, t.K // t.block_k, body, jnp.zeros((t.block_m, t.block_n), jnp.float32))
         y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
-    routed = lambda rows, bm, e: run(rows, bm, lambda i: w_ref[layer, e, pl.ds(i * t.block_k, t.block_k), cols])  # noqa: E731
+    routed = lambda rows, e: run(rows, lambda i: w_ref[layer, e, pl.ds(i * t.block_k, t.block_k), cols])  # noqa: E731
     shared = None if sw_ref is None else (  # rows s*I .. s*I + I of the shared down weights
-        lambda rows, bm, s: run(rows, bm, lambda i: sw_ref[layer, pl.ds(s * t.I + i * t.block_k, t.block_k), cols]))
-    _expert_tile(t, b, be_ref, rc_ref, routed, shared)
+        lambda rows, s: run(rows, lambda i: sw_ref[layer, pl.ds(s * t.I + i * t.block_k, t.block_k), cols]))
+    _expert_tile(t, b, be_ref, routed, shared)
 
 
 def _refs(refs, shared, with_rc):
@@ -193,10 +187,10 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, w
     _gate_up(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
 
 
-def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, with_rc, cols_first):
-    sw_ref, rc_ref, (y_ref,) = _refs(refs, shared, with_rc)
+def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, cols_first):
+    sw_ref, _, (y_ref,) = _refs(refs, shared, False)
     b, n = _block_and_tile(cols_first)
-    _down(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, rc_ref, y_ref)
+    _down(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref)
 
 
 def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
@@ -236,7 +230,7 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     @pl.when(p >= n1)
     def _():
         b = (p - n1) // tiles2
-        _down(t2, b, (p - n1) % tiles2, layer_ref, be_ref, h_ref, wd_ref, sd_ref, rc_ref, y_ref,
+        _down(t2, b, (p - n1) % tiles2, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
               before=lambda: acquire(b))
 
 
@@ -260,22 +254,6 @@ def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw)
         functools.partial(kernel, **kw), grid=grid, out_shape=out_shape,
         compiler_params=params, interpret=interpret,
     )(*args)
-
-
-# The most rows one program of a shared expert takes (its dot's M; the accumulators grow with it).
-SHARED_ROWS_MAX = 64
-
-
-def shared_rows(num_tokens: int, block_m: int) -> int:
-    """The rows a shared expert's program takes: the largest power-of-two multiple of block_m, at most
-    SHARED_ROWS_MAX, that divides the shared group's rows (num_tokens padded to block_m). Every token uses
-    each shared expert, so at 16-row blocks a batch of 32 would read each shared expert's weights twice;
-    with 32-row programs, once (64 tokens: once, 128: twice)."""
-    rows = -(-num_tokens // block_m) * block_m
-    r = block_m
-    while r * 2 <= min(rows, SHARED_ROWS_MAX) and rows % (r * 2) == 0:
-        r *= 2
-    return r
 
 
 def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
@@ -368,13 +346,11 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         num_stages = 1
     shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
-    s_rows = shared_rows(T, block_m) if shared else block_m
     xs = x if gather_in_kernel else x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D] gathered
-    rc1 = (row_copy,) if gather_in_kernel or s_rows > block_m else ()  # row tokens, shared runs' leads
-    rc2 = (row_copy,) if s_rows > block_m else ()
+    rc1 = (row_copy,) if gather_in_kernel else ()  # each row's token, read in the kernel
     bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
-    t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K, s_rows)
-    t2 = _Tiles(block_m, bn2, _fit(block_k, I), I, E, I, K, s_rows)
+    t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, bn2, _fit(block_k, I), I, E, I, K)
     wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
@@ -398,8 +374,8 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
               shared=bool(shared), with_rc=bool(rc1), gathered=not gather_in_kernel, cols_first=cols_first)
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-              (layer, block_expert, h, wd, *shared[1:], *rc2), num_warps, num_stages, interpret, t=t2,
-              shared=bool(shared), with_rc=bool(rc2), cols_first=cols_first)
+              (layer, block_expert, h, wd, *shared[1:]), num_warps, num_stages, interpret, t=t2,
+              shared=bool(shared), cols_first=cols_first)
     return _combine(y, row_of, weights, T, K, D, x.dtype)
 
 

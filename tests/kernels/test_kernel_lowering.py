@@ -156,8 +156,6 @@ def test_single_launch_moe_lowers_for_sm90(triton_modules):
     experts = irs[1]
     assert experts.count("tt.atomic_rmw") == 2 * 3  # per weight branch (routed, shared): a release, two acquires
     assert "scf.while" in experts and "gpu.barrier" in experts
-    # The shared experts' programs take the batch's 32 rows at once (moe_gmm.shared_rows): their SwiGLU tile.
-    assert "tensor<32x128xf32>" in experts and "tensor<16x128xf32>" in experts
 
 
 def test_split_prefill_attention_lowers_for_sm90(triton_modules):

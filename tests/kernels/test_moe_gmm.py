@@ -105,8 +105,8 @@ def _shared_mlp(x, sgu, sd):
 
 @pytest.mark.parametrize("T, S", [(1, 1), (9, 2), (40, 2), (32, 2), (64, 1), (128, 2)])
 def test_shared_experts_join_the_kernels(T, S):
-    """Shared MLP of width S*I as S more experts with weight 1: routed + shared, in fp32. From 32 tokens a
-    shared expert's program takes 32 or 64 rows (`shared_rows`), the other blocks of its run none."""
+    """Shared MLP of width S*I as S more experts with weight 1: routed + shared, in fp32; a shared
+    expert's group of T rows spans T / 16 row blocks."""
     x, wgu, wd, w, idx = _case(10 + T, T)
     rng = np.random.default_rng(T)
     D, I = x.shape[1], wgu.shape[-1]
@@ -121,15 +121,6 @@ def test_shared_experts_join_the_kernels(T, S):
     got1 = moe_experts(x, stack(wgu), stack(wd), w, idx, jnp.int32(1), shared_gate_up=stack(sgu),
                        shared_down=stack(sd), block_m=16, block_n=16, block_k=32, interpret=True)
     np.testing.assert_allclose(np.asarray(got1), np.asarray(want), atol=1e-5, rtol=1e-5)
-
-
-def test_shared_rows():
-    """A shared expert's rows per program: the largest power-of-two multiple of the row block, at most 64,
-    dividing the token count padded to the block."""
-    from deepinfer_jax.kernels.moe_gmm import shared_rows
-
-    got = {T: shared_rows(T, 16) for T in (1, 16, 17, 32, 40, 48, 64, 96, 128, 256)}
-    assert got == {1: 16, 16: 16, 17: 32, 32: 32, 40: 16, 48: 16, 64: 64, 96: 32, 128: 64, 256: 64}
 
 
 def test_routed_ids_past_the_experts_are_not_read_as_shared():
