@@ -199,8 +199,8 @@ def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cac
                    jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
         input_output_aliases={9: 2},  # the cache (operand 9) is output 2: written in place
         compiler_params=params, interpret=interpret,
-    )(layer, cache_layer, slots.astype(jnp.int32), q, kv_b, cos.astype(jnp.float32), sin.astype(jnp.float32), ckv, norm_w,
-      cache)
+    )(layer, cache_layer, slots.astype(jnp.int32), q, kv_b, cos.astype(jnp.float32), sin.astype(jnp.float32), ckv,
+      norm_w, cache)
 
 
 def latents_reference(ckv, norm_w, cos, sin, *, eps):
