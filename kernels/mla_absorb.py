@@ -18,9 +18,21 @@ Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head 
 [T, block_r] tile in q's dtype, as XLA's GEMM rounds; the head's first program also rotates its q_pe
 (even and odd lanes read and written with stride 2, fp32, rounded to q's dtype).
 
-Three parts (ARCHITECTURE.md rule 6): `absorb_query` (the kernel; `interpret=True` runs it on the CPU)
-and `absorb_query_reference` (pure JAX, the same sums up to fp32 summation order). Invariants: T is a
-multiple of 16 (Triton's dot), dn and dr / 2 are powers of two, block_r divides R.
+`absorb_query_write_latents` is the same launch doing the step's latents too, which XLA ran as three
+more kernels a layer (kv_a_layernorm's RMSNorm with the k_pe RoPE, the paged cache's scatter and a slice
+copy: 1.6 + 3.0 + 1.3 us, same step). Grid (T + H * R // block_r,): programs [0, T) take token t's raw kv_a
+row ckv [R + dr], RMSNorm its first R values (models/layers.py rms_norm's arithmetic: fp32, rounded to
+ckv's dtype, times the weight), rotate its last dr (as q_pe, stride-2 lanes), cast to the cache's dtype
+and store it at cache[cache_layer, slot // page_size, slot % page_size]; the other programs are
+`absorb_query`'s (h, rb), in row-major order. The cache goes in as an operand aliased to the third output
+(written in place, only the T slots); tokens sharing a slot (padding tokens in the null page, which no
+query attends) race, as in XLA's scatter: one of them wins.
+
+Three parts (ARCHITECTURE.md rule 6): `absorb_query` / `absorb_query_write_latents` (the kernels;
+`interpret=True` runs them on the CPU) and `absorb_query_reference` / `absorb_query_write_latents_reference`
+(pure JAX, the same sums up to fp32 summation order; the latents bit for bit in a jitted step on the CPU).
+Invariants: T is a multiple of 16 (Triton's dot), dn and dr / 2 are powers of two, block_r divides R; with
+the latents, R is a power of two too (one row in a Triton tensor) and every slot is >= 0.
 """
 
 from __future__ import annotations
@@ -36,18 +48,27 @@ from deepinfer_jax.kernels.mla_decode import EXACT
 BLOCK_T = 16  # Triton's dot needs at least 16 rows
 
 
+def _pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
 def supported(num_tokens: int, dn: int, dr: int, R: int, block_r: int = 64) -> bool:
     """Whether the kernel takes a step of `num_tokens` tokens with these head dims."""
-    pow2 = lambda n: n >= 1 and n & (n - 1) == 0  # noqa: E731
-    return num_tokens % BLOCK_T == 0 and dn >= 16 and pow2(dn) and dr % 2 == 0 and pow2(dr // 2) and (
+    return num_tokens % BLOCK_T == 0 and dn >= 16 and _pow2(dn) and dr % 2 == 0 and _pow2(dr // 2) and (
         R % min(block_r, R) == 0)
 
 
-def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
-    h, rb = pl.program_id(0), pl.program_id(1)
+def latent_supported(num_tokens: int, dn: int, dr: int, R: int, block_r: int = 64) -> bool:
+    """Whether `absorb_query_write_latents` takes these sizes: `supported`'s, and a latent row of R values
+    that Triton can hold (a power of two)."""
+    return supported(num_tokens, dn, dr, R, block_r) and _pow2(R)
+
+
+def _absorb_tile(h, rb, layer, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
+    """Program (h, rb) of the absorption: q_lat's [T, block_r] tile of head h; with rb == 0 also q_pe of h."""
     cols = pl.ds(rb * block_r, block_r)
     q_nope = q_ref[:, h, pl.ds(0, dn)]  # [T, dn]
-    w_uk = w_ref[layer_ref[0], cols, h, pl.ds(0, dn)].astype(q_nope.dtype)  # [br, dn]
+    w_uk = w_ref[layer, cols, h, pl.ds(0, dn)].astype(q_nope.dtype)  # [br, dn]
     q_lat = jnp.dot(q_nope, w_uk.T, preferred_element_type=jnp.float32, precision=EXACT)  # [T, br]
     lat_ref[:, h, cols] = q_lat.astype(lat_ref.dtype)
 
@@ -59,6 +80,11 @@ def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *
         c, s = cos_ref[...], sin_ref[...]
         pe_ref[:, h, even] = (x0 * c - x1 * s).astype(pe_ref.dtype)
         pe_ref[:, h, odd] = (x0 * s + x1 * c).astype(pe_ref.dtype)
+
+
+def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
+    _absorb_tile(pl.program_id(0), pl.program_id(1), layer_ref[0], q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref,
+                 dn=dn, dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "block_r", "num_warps", "num_stages", "interpret"))
@@ -94,3 +120,107 @@ def absorb_query_reference(q, kv_b, layer, cos, sin, *, dn):
     x0, x1, c, s = x[..., 0::2], x[..., 1::2], cos[:, None, :], sin[:, None, :]
     q_pe = jnp.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(x.shape)
     return q_lat.astype(q.dtype), q_pe.astype(q.dtype)
+
+
+def _latent_row(t, slot_ref, ckv_ref, norm_ref, layer, cos_ref, sin_ref, cache_layer, cache_ref, *, R, dr, eps):
+    """Token t's latent: RMSNorm of ckv[t, :R] (models/layers.py rms_norm's arithmetic), RoPE of
+    ckv[t, R:] (apply_rope's), cast to the cache's dtype and stored at its slot of layer `cache_layer`."""
+    page_size = cache_ref.shape[2]
+    slot = slot_ref[t]
+    page, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)  # slots are >= 0
+    x = ckv_ref[t, pl.ds(0, R)]  # [R], the activations' dtype
+    xf = x.astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf) + eps)).astype(x.dtype)
+    w = norm_ref[layer, pl.ds(0, R)]  # [R]
+    c_kv = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(jnp.promote_types(w.dtype, x.dtype))
+    cache_ref[cache_layer, page, offset, pl.ds(0, R)] = c_kv.astype(cache_ref.dtype)
+    x0 = ckv_ref[t, pl.ds(R, dr // 2, stride=2)].astype(jnp.float32)  # [dr/2]
+    x1 = ckv_ref[t, pl.ds(R + 1, dr // 2, stride=2)].astype(jnp.float32)
+    c, s = cos_ref[t, :], sin_ref[t, :]
+    for lane, y in ((0, x0 * c - x1 * s), (1, x0 * s + x1 * c)):  # k_pe in x's dtype, then the cache's
+        cache_ref[cache_layer, page, offset, pl.ds(R + lane, dr // 2, stride=2)] = (
+            y.astype(x.dtype).astype(cache_ref.dtype))
+
+
+def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, cos_ref, sin_ref, ckv_ref, norm_ref,
+                          _cache_in, lat_ref, pe_ref, cache_ref, *, dn, dr, block_r, eps):
+    T, R = ckv_ref.shape[0], cache_ref.shape[3] - dr
+    nrb = w_ref.shape[1] // block_r
+    pid = pl.program_id(0)
+    layer = layer_ref[0]
+
+    @pl.when(pid < T)  # programs [0, T): token pid's latent into the cache
+    def _():
+        _latent_row(pid, slot_ref, ckv_ref, norm_ref, layer, cos_ref, sin_ref, cache_layer_ref[0], cache_ref, R=R,
+                    dr=dr, eps=eps)
+
+    @pl.when(pid >= T)  # programs [T, T + H * nrb): the absorption's (h, rb) tiles
+    def _():
+        p = pid - T
+        _absorb_tile(p // nrb, p % nrb, layer, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn, dr=dr,
+                     block_r=block_r)
+
+
+@functools.partial(jax.jit, static_argnames=("dn", "eps", "block_r", "num_warps", "num_stages", "interpret"))
+def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots, *, dn, eps,
+                               block_r=64, num_warps=4, num_stages=1, interpret=False):
+    """`absorb_query`, and in the same kernel launch this step's latents written into the paged cache.
+
+    q [T, H, dn + dr], kv_b [L, R, H, dn + dv], layer, cos / sin [T, dr / 2]: as `absorb_query`.
+    ckv [T, R + dr]      the kv_a projection's rows, before the norm and RoPE (activations' dtype)
+    norm_w [L, R]        kv_a_layernorm, layer-stacked like kv_b (row `layer` is used)
+    cache [Lc, P, page_size, R + dr], cache_layer: int32 scalar; slots [T] int32, each >= 0 (page * page_size +
+        offset; padding tokens: slots of the null page, as models/cache.py StepMetadata.slot_mapping)
+        -> (q_lat [T, H, R], q_pe [T, H, dr], cache), cache updated in place (aliased to the output):
+           cache[cache_layer, slot // page_size, slot % page_size] =
+               concat(rms_norm(ckv[t, :R], norm_w[layer], eps), rope(ckv[t, R:]))  for each token t,
+           nothing else changes. Tokens sharing a slot (padding tokens, when T > page_size) race: one wins.
+
+    Grid (T + H * R // block_r,): programs [0, T) norm, rotate and store one token's latent each; the rest
+    are `absorb_query`'s (h, rb) programs in row-major order."""
+    T, H, W = q.shape
+    _, R, H2, _ = kv_b.shape
+    dr = W - dn
+    block_r = min(block_r, R)
+    assert H == H2 and cos.shape == sin.shape == (T, dr // 2) and latent_supported(T, dn, dr, R, block_r), (
+        q.shape, kv_b.shape, cos.shape, dn, block_r)
+    assert ckv.shape == (T, R + dr) and norm_w.shape == (kv_b.shape[0], R) and cache.shape[3] == R + dr and (
+        slots.shape == (T,)), (ckv.shape, norm_w.shape, cache.shape, slots.shape)
+    layer, cache_layer = (jnp.asarray(i, jnp.int32).reshape(1) for i in (layer, cache_layer))
+    params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as plgpu
+
+        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    return pl.pallas_call(
+        functools.partial(_absorb_latent_kernel, dn=dn, dr=dr, block_r=block_r, eps=float(eps)),
+        grid=(T + H * (R // block_r),),
+        out_shape=(jax.ShapeDtypeStruct((T, H, R), q.dtype), jax.ShapeDtypeStruct((T, H, dr), q.dtype),
+                   jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
+        input_output_aliases={9: 2},  # the cache (operand 9) is output 2: written in place
+        compiler_params=params, interpret=interpret,
+    )(layer, cache_layer, slots.astype(jnp.int32), q, kv_b, cos.astype(jnp.float32), sin.astype(jnp.float32), ckv,
+      norm_w, cache)
+
+
+def latents_reference(ckv, norm_w, cos, sin, *, eps):
+    """Pure JAX: ckv [T, R + dr] -> [T, R + dr], rms_norm(ckv[:, :R], norm_w [R]) and ckv[:, R:] rotated pairwise,
+    concatenated (models/layers.py's rms_norm and apply_rope, restated: kernels do not import models; a test
+    ties them). The first part in the promoted dtype of (norm_w, ckv), the second in ckv's."""
+    R = norm_w.shape[-1]
+    xf = ckv[:, :R].astype(jnp.float32)
+    normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(ckv.dtype)
+    x = ckv[:, R:].astype(jnp.float32)
+    x0, x1 = x[:, 0::2], x[:, 1::2]
+    k_pe = jnp.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], axis=-1).reshape(x.shape).astype(ckv.dtype)
+    return jnp.concatenate([norm_w * normed, k_pe], axis=-1)
+
+
+def absorb_query_write_latents_reference(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots, *, dn,
+                                         eps):
+    """Pure JAX: `absorb_query_reference`, and `latents_reference` (norm_w's row `layer`) cast to the cache's
+    dtype and scattered into cache[cache_layer] at `slots` (models/deepseek.py write_latents)."""
+    q_lat, q_pe = absorb_query_reference(q, kv_b, layer, cos, sin, dn=dn)
+    latent = latents_reference(ckv, norm_w[layer], cos, sin, eps=eps).astype(cache.dtype)
+    page_size = cache.shape[2]
+    return q_lat, q_pe, cache.at[cache_layer, slots // page_size, slots % page_size].set(latent)

@@ -161,6 +161,20 @@ def decode_absorb_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
     return kv_b if ok else None
 
 
+def decode_latent_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, absorb_kv_b,
+                          enabled: bool) -> jax.Array | None:
+    """The segment's stacked kv_a_layernorm [L, R] when this step's latents are normed, rotated and written
+    into the paged cache by the absorb kernel's launch (`mla_absorb.absorb_query_write_latents`): with
+    `enabled` (RunnerConfig.decode_latent_kernel), where the absorb kernel runs (`absorb_kv_b`, from
+    `decode_absorb_weights`) and a latent the kernel tiles. None otherwise."""
+    from deepinfer_jax.kernels import mla_absorb
+
+    if not enabled or absorb_kv_b is None or not mla_absorb.latent_supported(
+            meta.token_ids.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank):
+        return None
+    return seg_params["attn"]["kv_a_layernorm"]
+
+
 def decode_router_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
                           num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
                           enabled: bool) -> tuple[jax.Array, jax.Array] | None:
@@ -325,6 +339,7 @@ def forward_paged(
     decode_projection_kernel: bool = False,
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
+    decode_latent_kernel: bool = False,
     decode_router_kernel: bool = False,
     moe_single_launch: bool = False,
 ):
@@ -345,6 +360,8 @@ def forward_paged(
     are merged and W_UV applied in one kernel (kernels/mla_output.py).
     `decode_absorb_kernel`: where `decode_absorb_weights` allows, the query is absorbed through W_UK and
     its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
+    `decode_latent_kernel`: where `decode_latent_weights` allows (the absorb kernel's steps), the same kernel
+    launch also applies kv_a_layernorm and RoPE to the latents and writes them into the cache in place.
     `decode_router_kernel`: where `decode_router_weights` allows, o_proj's split-K partials are added to the
     residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py).
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
@@ -372,25 +389,34 @@ def forward_paged(
                                           decode_output_kernel)
         absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                             decode_absorb_kernel)
+        latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
         router_w = decode_router_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
                                          moe_impl, mesh_rules, fuse_moe_routing, decode_router_kernel)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b, router_w=router_w):
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, router_w=router_w):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin, whole_q=absorb_kv_b is not None)
-            latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
+            written = latent_norm is not None  # the absorb kernel writes this step's latents into the cache
+            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
+                                                       raw_latent=written)
+            if not written:
+                latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
             if absorb_kv_b is not None:  # q_nope holds the whole unroped q [T, H, dn + dr]: the kernel absorbs
                 from deepinfer_jax.kernels import mla_absorb  # its nope part and rotates its rope part
 
-                q_lat, q_pe = mla_absorb.absorb_query(q_nope, absorb_kv_b, j, cos, sin, dn=cfg.qk_nope_head_dim,
-                                                      interpret=attn_impl == "pallas_interpret")
+                kw = dict(dn=cfg.qk_nope_head_dim, interpret=attn_impl == "pallas_interpret")
+                if written:  # c_kv holds the raw kv_a rows [T, R + dr]: normed, roped and cached in place
+                    q_lat, q_pe, cache = mla_absorb.absorb_query_write_latents(
+                        q_nope, absorb_kv_b, j, cos, sin, c_kv, latent_norm, cache, li, meta.slot_mapping,
+                        eps=cfg.latent_norm_eps, **kw)
+                else:
+                    q_lat, q_pe = mla_absorb.absorb_query(q_nope, absorb_kv_b, j, cos, sin, **kw)
                 q_nope = q_nope[..., : cfg.qk_nope_head_dim]
             else:
                 q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
@@ -399,10 +425,13 @@ def forward_paged(
                 a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,
                                  attn_impl)  # [T, H, dv]
             elif value_kv_b is not None:
-                cache = write_latents(cache, li, meta, latent)
+                if not written:
+                    cache = write_latents(cache, li, meta, latent)
                 a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
             else:
-                if mesh_rules is None:
+                if written:  # one device (decode_latent_weights)
+                    o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+                elif mesh_rules is None:
                     o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
                                                     attn_impl)
                 else:

@@ -25,12 +25,15 @@ MASK_VALUE = -1e30
 
 
 def project_qkv(
-    p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array, whole_q: bool = False
-) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array, whole_q: bool = False,
+    raw_latent: bool = False,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array | None]:
     """x: [..., D] -> q_nope [..., H, dn], q_pe [..., H, dr] (roped), c_kv [..., R] (normed),
     k_pe [..., dr] (roped). cos/sin: [..., dr/2]. `whole_q`: the whole q projection [..., H, dn + dr]
     (before RoPE; q_nope is its first dn) in place of q_nope, for a kernel that reads q_nope in place
-    (kernels/mla_absorb.py) where a slice would be copied out first."""
+    (kernels/mla_absorb.py) where a slice would be copied out first. `raw_latent`: the kv_a projection's
+    output [..., R + dr] (before kv_a_layernorm and RoPE) in place of c_kv, and None for k_pe, for the
+    kernel that norms, rotates and caches it (`mla_absorb.absorb_query_write_latents`)."""
     dn, R = cfg.qk_nope_head_dim, cfg.kv_lora_rank
     if cfg.q_lora_rank is None:
         q = jnp.einsum("...d,dhk->...hk", x, weight(p["q_proj"], x.dtype))
@@ -39,6 +42,8 @@ def project_qkv(
         q = jnp.einsum("...r,rhk->...hk", qa, weight(p["q_b_proj"], x.dtype))
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     ckv = linear(x, p["kv_a_proj_with_mqa"])  # [..., R + dr]
+    if raw_latent:
+        return q if whole_q else q_nope, apply_rope(q_pe, cos, sin), ckv, None
     c_kv = rms_norm(ckv[..., :R], p["kv_a_layernorm"], cfg.latent_norm_eps)
     k_pe = ckv[..., R:]
     return q if whole_q else q_nope, apply_rope(q_pe, cos, sin), c_kv, apply_rope(k_pe, cos, sin)

@@ -214,6 +214,7 @@ class ModelRunner:
                                     decode_projection_kernel=rc.decode_projection_kernel,
                                     decode_output_kernel=rc.decode_output_kernel,
                                     decode_absorb_kernel=rc.decode_absorb_kernel,
+                                    decode_latent_kernel=rc.decode_latent_kernel,
                                     decode_router_kernel=rc.decode_router_kernel,
                                     moe_single_launch=rc.moe_single_launch)
                 logits, kv_cache = out[0], out[1]

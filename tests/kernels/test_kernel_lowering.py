@@ -216,6 +216,26 @@ def test_decode_absorb_lowers_for_sm90(triton_modules):
     assert len(irs) == 1 and irs[0].count("tt.dot") == 1 and irs[0].count("tt.store") == 3
 
 
+def test_decode_absorb_and_latent_write_lower_for_sm90(triton_modules):
+    """The absorb kernel's launch that also writes the step's latents (V2-Lite, 32 tokens): 32 latent
+    programs plus the 16 x 8 absorb programs; the latent row's RMS as a reduction, its c_kv store and the
+    rope part's even and odd lanes stored into an H200-sized cache with 64-bit offsets; the cache aliased
+    to the kernel's third output, so it is written in place."""
+    from deepinfer_jax.kernels.mla_absorb import absorb_query_write_latents
+
+    s = jax.ShapeDtypeStruct
+    fn = lambda q, kv_b, c, sn, ckv, nw, cache, slots: absorb_query_write_latents(  # noqa: E731
+        q, kv_b, 3, c, sn, ckv, nw, cache, 4, slots, dn=128, eps=1e-6)
+    args = (s((32, H, 192), jnp.bfloat16), s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32),
+            s((32, DR // 2), jnp.float32), s((32, R + DR), jnp.bfloat16), s((L, R), jnp.bfloat16),
+            s((L, 40000, PS, R + DR), jnp.bfloat16), s((32,), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.dot") == 1 and ir.count("tt.store") == 6 and "tt.reduce" in ir
+    assert "tensor<512xi64>" in ir  # the latent row's store offsets into the 79.6 GB cache
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grid_x = 160" in hlo and "output_operand_alias<output_tuple_indices = [2], operand_index = 9" in hlo
+
+
 def test_residual_router_lowers_for_sm90(triton_modules):
     """The o_proj -> router kernel at the V2-Lite decode shape (8 split-K partials of o_proj, 32 tokens, D =
     2,048, 64 experts, 26 stacked MoE layers): one module, the row's RMS and the gate contraction as

@@ -1,14 +1,19 @@
 """The decode query's absorption and RoPE kernel (interpret mode): q read out of the whole q projection
 and W_UK out of one layer of the stacked kv_b_proj, both in place, equal to the pure-JAX reference,
-which equals the model's XLA absorption (`mla.absorb_query`) and RoPE (`layers.apply_rope`)."""
+which equals the model's XLA absorption (`mla.absorb_query`) and RoPE (`layers.apply_rope`). Its variant
+that also norms, ropes and writes the step's latents into the paged cache (`absorb_query_write_latents`)
+writes exactly what the model's XLA path writes (`rms_norm`, `apply_rope`, `write_latents`)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.kernels.mla_absorb import absorb_query, absorb_query_reference, supported
+from deepinfer_jax.kernels.mla_absorb import (absorb_query, absorb_query_reference,
+                                              absorb_query_write_latents, absorb_query_write_latents_reference,
+                                              latent_supported, supported)
 
 
 def _rope(rng, T, dr):
@@ -73,3 +78,84 @@ def test_supported_sizes():
     assert not supported(8, 128, 64, 512)  # fewer rows than Triton's dot needs
     assert not supported(16, 96, 64, 512)  # dn not a power of two
     assert not supported(16, 128, 48, 512)  # dr / 2 not a power of two
+
+
+def _latent_step(rng, T, n_real, page_size, num_pages, dtype, H=2, dn=16, dr=8, R=32, dv=16, L=3, Lc=4):
+    """Inputs of absorb_query_write_latents for T token slots, the first n_real of them real tokens in
+    distinct slots of pages 1.., the rest padding as runner/inputs.py lays it out: slots
+    `arange(T) % page_size` of the null page, all with the same row (token 0 at position 0)."""
+    q = jnp.asarray(rng.standard_normal((T, H, dn + dr)), dtype)
+    kv_b = jnp.asarray(rng.standard_normal((L, R, H, dn + dv)) * 0.1, dtype)
+    angles = rng.uniform(0, 6.3, (T, dr // 2))
+    angles[n_real:] = 0.0
+    cos, sin = jnp.asarray(np.cos(angles) * 1.3, jnp.float32), jnp.asarray(np.sin(angles) * 1.3, jnp.float32)
+    ckv = rng.standard_normal((T, R + dr)) * 3
+    ckv[n_real:] = ckv[n_real:n_real + 1]  # padding rows: one row repeated
+    norm_w = jnp.asarray(1.0 + 0.3 * rng.standard_normal((L, R)), dtype)
+    cache = jnp.asarray(rng.standard_normal((Lc, num_pages, page_size, R + dr)), dtype)
+    real = rng.permutation(np.arange(page_size, num_pages * page_size))[:n_real]
+    slots = np.concatenate([real, np.arange(n_real, T) % page_size]).astype(np.int32)
+    return q, kv_b, cos, sin, jnp.asarray(ckv, dtype), norm_w, cache, jnp.asarray(slots), dn
+
+
+@pytest.mark.parametrize("T, n_real, page_size, num_pages, dtype", [
+    (16, 16, 64, 3, jnp.float32),  # no padding
+    (32, 21, 64, 3, jnp.bfloat16),  # 11 padding tokens in distinct slots of the null page
+    (16, 11, 4, 9, jnp.float32),  # small pages: padding tokens share null-page slots, with equal rows
+    (32, 29, 4, 12, jnp.bfloat16),
+])
+def test_latents_written_as_the_models_xla_path_writes_them(T, n_real, page_size, num_pages, dtype):
+    """The kernel's cache equals (bit for bit) the model's path, jitted as in a step: write_latents of
+    concat(rms_norm(c_kv), apply_rope(k_pe)) cast to the cache's dtype, at layer `cache_layer`; every other
+    value of the cache is unchanged. The query's outputs are absorb_query's, bit for bit; the pure-JAX
+    reference agrees with both."""
+    from deepinfer_jax.models.cache import StepMetadata
+    from deepinfer_jax.models.deepseek import write_latents
+    from deepinfer_jax.models.layers import apply_rope, rms_norm
+
+    rng = np.random.default_rng(T + n_real + page_size)
+    q, kv_b, cos, sin, ckv, norm_w, cache, slots, dn = _latent_step(rng, T, n_real, page_size, num_pages, dtype)
+    R, eps, layer, cache_layer = norm_w.shape[1], 1e-6, 2, 3
+    meta = StepMetadata(*(jnp.zeros(T, jnp.int32),) * 3, slots, jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32))
+
+    @jax.jit
+    def model_path(cache, ckv, norm_w, cos, sin):
+        c_kv, k_pe = rms_norm(ckv[:, :R], norm_w[layer], eps), apply_rope(ckv[:, R:], cos, sin)
+        return write_latents(cache, cache_layer, meta, jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype))
+
+    q_lat, q_pe, got = absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots,
+                                                  dn=dn, eps=eps, interpret=True)
+    want = model_path(cache, ckv, norm_w, cos, sin)
+    assert got.shape == cache.shape and got.dtype == cache.dtype
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    written = np.zeros(cache.shape[:3], bool)
+    written[cache_layer, np.asarray(slots) // page_size, np.asarray(slots) % page_size] = True
+    np.testing.assert_array_equal(np.asarray(got, np.float32)[~written], np.asarray(cache, np.float32)[~written])
+    assert not np.array_equal(np.asarray(got, np.float32)[written], np.asarray(cache, np.float32)[written])
+    for g, w in zip((q_lat, q_pe), absorb_query(q, kv_b, layer, cos, sin, dn=dn, interpret=True)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    ref = jax.jit(absorb_query_write_latents_reference, static_argnames=("dn", "eps"))(
+        q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots, dn=dn, eps=eps)
+    np.testing.assert_array_equal(np.asarray(ref[2], np.float32), np.asarray(want, np.float32))
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    for g, w in zip((q_lat, q_pe), ref[:2]):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
+
+
+def test_latents_in_the_promoted_dtype_of_norm_and_activations():
+    """An fp32 norm weight with bf16 activations: rms_norm's product is fp32, rounded once to the cache's
+    dtype (bf16 or fp32), as the model's concat then cast does."""
+    rng = np.random.default_rng(3)
+    T, page_size = 16, 8
+    q, kv_b, cos, sin, ckv, norm_w, cache, slots, dn = _latent_step(rng, T, 12, page_size, 4, jnp.bfloat16)
+    for cache_dtype in (jnp.bfloat16, jnp.float32):
+        args = (q, kv_b, 1, cos, sin, ckv, norm_w.astype(jnp.float32), cache.astype(cache_dtype), 0, slots)
+        got = absorb_query_write_latents(*args, dn=dn, eps=1e-5, interpret=True)[2]
+        want = jax.jit(absorb_query_write_latents_reference, static_argnames=("dn", "eps"))(*args, dn=dn, eps=1e-5)[2]
+        assert got.dtype == cache_dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+def test_latent_supported_sizes():
+    assert latent_supported(32, 128, 64, 512) and not latent_supported(32, 128, 64, 384)  # R a power of two
+    assert not latent_supported(8, 128, 64, 512)

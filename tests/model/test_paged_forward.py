@@ -321,6 +321,34 @@ def test_decode_absorb_kernel_equals_the_xla_absorption(hf_case, case, monkeypat
     assert calls == 2 * len(layer_segments(cfg)) * [(16, H, width)]
 
 
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
+def test_decode_latent_kernel_equals_the_xla_norm_rope_and_write(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_latent_kernel: in a decode step the absorb kernel serves, its launch also takes the
+    kv_a projection's raw rows, applies kv_a_layernorm (read in place from the stacked norms) and RoPE and
+    writes the latents into the cache in place (mla_absorb.absorb_query_write_latents): the same logits and
+    cache as XLA's norm, RoPE and scatter, and the full forward's logits. A prefill-bucket step, or the absorb
+    kernel off, keeps XLA's."""
+    from deepinfer_jax.kernels import mla_absorb
+    from deepinfer_jax.models.deepseek import decode_absorb_weights, decode_latent_weights
+
+    calls = []
+    real = mla_absorb.absorb_query_write_latents
+    monkeypatch.setattr(mla_absorb, "absorb_query_write_latents",
+                        lambda *a, **k: calls.append((a[5].shape, a[6].shape, a[7].shape, k["eps"])) or real(*a, **k))
+    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_latent_kernel", seed=14, decode_absorb_kernel=True)
+    # Only the two decode steps, one scanned layer body per segment: the raw rows [16, R + dr], the
+    # segment's stacked kv_a_layernorm, the whole cache.
+    R, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    cache = (cfg.num_hidden_layers, 24, PAGE, R + dr)
+    assert calls == 2 * [((16, R + dr), (seg.num_layers, R), cache, cfg.latent_norm_eps) for seg in layer_segments(cfg)]
+    sp = params["segments"][0]
+    meta = StepMetadata(*(jnp.zeros(16, jnp.int32),) * 4, jnp.zeros((16, 2), jnp.int32), jnp.zeros(16, jnp.int32))
+    kv_b = decode_absorb_weights(sp, cfg, meta, "pallas_interpret", None, None, True)
+    assert decode_latent_weights(sp, cfg, meta, kv_b, True) is sp["attn"]["kv_a_layernorm"]
+    assert decode_latent_weights(sp, cfg, meta, None, True) is None  # the absorb kernel off: XLA's path
+    assert decode_latent_weights(sp, cfg, meta, kv_b, False) is None
+
+
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
 def test_decode_router_kernel_equals_the_xla_path(hf_case, case, monkeypatch):
     """RunnerConfig.decode_router_kernel: in a decode step's MoE layers, o_proj's split-K partials, the
