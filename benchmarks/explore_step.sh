@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
-# The next GPU call's questions (written in session 10 after its device time ran out), a short table last:
-#   router / base   kernels/residual_router.py (RunnerConfig.decode_router_kernel, off by default): o_proj's
-#                   split-K partials, the residual add, the post-attention RMSNorm and the router's logits in one
-#                   kernel instead of XLA's four (7.2 us a layer in session 10's trace); traced, one layer printed
-#   then            with it: Protocol A (temp 0 and 1) and the GPU-vs-CPU greedy check
+# Session 11's question for the decode step, a short table last:
+#   latent / base   RunnerConfig.decode_latent_kernel: the absorb kernel's launch also norms, ropes and caches the
+#                   step's latents (XLA: three kernels, 5.9 us a layer); traced, one layer printed
+#   then            with it: the GPU-vs-CPU greedy check and Protocol A
 #   bash benchmarks/explore_step.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,19 +13,18 @@ left() { (( $(date +%s) - start < ${1:-480} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
 sp() { local label=$1; shift; left || return; echo "$label $(( $(date +%s) - start ))s"
        timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-sp router --decode-router-kernel --trace /tmp/tr_router
-sp base --trace /tmp/tr_base
-sp router2 --decode-router-kernel
-left 330 && { echo "protocol_a $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/offline.py --buckets 32,16384 \
-  --decode-router-kernel > "$out/protocol_a_router.log" 2>&1; }
-left 420 && { echo "gpu_vs_cpu $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/gpu_vs_cpu.py \
-  --check benchmarks/data/gpu_vs_cpu_expected.json --decode-router-kernel > "$out/gpu_vs_cpu_router.log" 2>&1; }
+sp latent --decode-latent-kernel --trace /tmp/tr_latent
+sp base
+left 300 && { echo "gpu_vs_cpu $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/gpu_vs_cpu.py \
+  --check benchmarks/data/gpu_vs_cpu_expected.json --decode-latent-kernel > "$out/gpu_vs_cpu_latent.log" 2>&1; }
+left 380 && { echo "protocol_a $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/offline.py --buckets 32,16384 \
+  --decode-latent-kernel > "$out/protocol_a_latent.log" 2>&1; }
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-for l in router base router2; do
+for l in latent base; do
   [[ -f $out/step_$l.log ]] || continue
   echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
 done
-grep -h -A20 "one layer" "$out/step_router.log" | head -21
-grep -h -E "Protocol A|prefill [0-9]|engine loop" "$out/protocol_a_router.log" | cut -c1-220
-grep -h -E "^\| GPU" "$out/gpu_vs_cpu_router.log"
+grep -h -A16 "one layer" "$out/step_latent.log" | head -17
+grep -h -E "^\| GPU" "$out/gpu_vs_cpu_latent.log"
+grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a_latent.log" | cut -c1-220
