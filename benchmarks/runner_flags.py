@@ -12,7 +12,7 @@ SWITCHES = [
     ("decode_output_kernel", True, "decode steps merge the attention's splits and apply W_UV in one kernel"),
     ("decode_absorb_kernel", True, "decode steps absorb the query through W_UK in one kernel reading q_nope and "
                                    "W_UK in place"),
-    ("decode_latent_kernel", False, "the absorb kernel's launch also norms, ropes and writes the step's latents "
+    ("decode_latent_kernel", True, "the absorb kernel's launch also norms, ropes and writes the step's latents "
                                     "into the KV cache"),
     ("decode_router_kernel", False, "decode MoE layers add o_proj's partials to the residual, norm and compute the "
                                     "router logits in one kernel"),

@@ -14,7 +14,7 @@ import re
 from collections import defaultdict
 
 CATEGORIES = [  # (category, regex over kernel names), first match wins
-    ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel"),
+    ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel|_single_launch_kernel"),
     ("decode projections (Pallas)", r"decode_matmul"),
     ("MLA attention (Pallas)", r"mla|_kernel"),
     ("memcpy", r"[Mm]emcpy|copy"),
@@ -24,6 +24,10 @@ CATEGORIES = [  # (category, regex over kernel names), first match wins
     ("gather / scatter", r"gather|scatter"),
     ("reductions", r"reduce|reduction"),
 ]
+
+# The first kernel of a layer's MoE: the gate_up kernel, or both expert kernels in one launch
+# (RunnerConfig.moe_single_launch).
+MOE_FIRST = r"gate_up|_single_launch_kernel"
 
 
 def _load(trace_dir: str) -> tuple[list[dict], set] | None:
@@ -122,7 +126,7 @@ def layer_sequence(kern: list[dict], layer: int = 10) -> None:
     """Print the kernels of one decoder layer in launch order: those from the `layer`-th MoE gate_up kernel
     up to the next one (on the first GPU), with their durations and the gap before each."""
     kern = first_gpu(kern)
-    marks = [i for i, e in enumerate(kern) if re.search(r"gate_up", e["name"])]
+    marks = [i for i, e in enumerate(kern) if re.search(MOE_FIRST, e["name"])]
     if len(marks) <= layer + 1:
         return
     seq = kern[marks[layer]:marks[layer + 1]]
@@ -145,7 +149,7 @@ def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> di
     per step, and the idle gaps of at least `min_gap_us` (count, total per step, the largest) with the
     kernels on either side of the largest, so a gap between steps (host-bound) shows as such."""
     kern = first_gpu(kern)
-    steps = max(1, sum(1 for e in kern if re.search(r"gate_up", e["name"])) // moe_layers)
+    steps = max(1, sum(1 for e in kern if re.search(MOE_FIRST, e["name"])) // moe_layers)
     window = kern[-1]["ts"] + kern[-1].get("dur", 0.0) - kern[0]["ts"]
     busy = busy_union(kern)
     gaps, end = [], None
@@ -186,7 +190,7 @@ def step_timeline(kern: list[dict], moe_layers: int) -> list[dict]:
     if not kern:
         return []
     kern = first_gpu(kern)
-    marks = [e["ts"] for e in kern if re.search(r"gate_up", e["name"])][::moe_layers]
+    marks = [e["ts"] for e in kern if re.search(MOE_FIRST, e["name"])][::moe_layers]
     rows, j = [], 0
     for a, b in zip(marks, marks[1:]):
         while j < len(kern) and kern[j]["ts"] < a:

@@ -330,8 +330,10 @@ class RunnerConfig:
     # Where the absorb kernel runs, its launch also takes the kv_a projection's raw rows, applies
     # kv_a_layernorm and RoPE and writes the latents into the paged cache in place
     # (kernels/mla_absorb.py: absorb_query_write_latents), instead of XLA's norm / RoPE fusion, the cache's
-    # scatter and a slice copy (1.6 + 3.0 + 1.3 us a layer on an H200 at batch 32). Off until measured on a GPU.
-    decode_latent_kernel: bool = False
+    # scatter and a slice copy (1.6 + 3.0 + 1.3 us a layer on an H200 at batch 32). H200, V2-Lite batch-32
+    # step: 8.23 ms against 8.28 (session 11; the kernel 4.2 us against 3.6 for the absorption alone, and XLA
+    # now copies the latents out of its merged q / kv_a GEMM too: a second 1.4 us slice).
+    decode_latent_kernel: bool = True
     # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel)
     # add o_proj's split-K partials to the residual, RMSNorm the sum and compute the router's logits in
     # one kernel (kernels/residual_router.py) instead of XLA's four. Off until measured on a GPU

@@ -62,7 +62,7 @@ class LLM:
     read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
     steps merge the attention's splits and apply W_UV in one kernel, on by default), decode_absorb_kernel
     (decode steps absorb the query through W_UK in one kernel, on by default), decode_latent_kernel (the
-    same kernel launch also norms, ropes and caches the step's latents, off by default), chat_template,
+    same kernel launch also norms, ropes and caches the step's latents, on by default), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
     start skip tracing: runner/program_cache.py), progress.
@@ -78,7 +78,7 @@ class LLM:
                  load_format: str = "auto", unroll_max_tokens: int | None = None,
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
-                 decode_absorb_kernel: bool = True, decode_latent_kernel: bool = False,
+                 decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  progress: bool = True):
         import jax.numpy as jnp
 
