@@ -11,7 +11,9 @@ up and to the residual, the post-attention RMSNorm, and the router's logits (Pal
 
 In XLA the same is four kernels a layer, each 1.6-2.2 us on an H200 at batch 32 however little it does
 (the partials' sum with the residual add, the RMSNorm, a split-K router GEMM and its reduce; 7.2 us,
-benchmarks/RESULTS.md, session 10).
+benchmarks/RESULTS.md, session 10). Measured in the step (session 11): this kernel takes 11.8 us, so it
+is off by default (RunnerConfig.decode_router_kernel); each program's serial walk over its token's
+partial rows, on one SM, costs more than XLA's four launches.
 
 Grid (T, E // block_e). Program (t, eb) sums token t's row of the partials, adds the residual and takes
 the row's RMS (the whole row, D values), writes h_new and x (the eb = 0 programs only), then walks the
