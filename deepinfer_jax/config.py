@@ -344,6 +344,12 @@ class RunnerConfig:
     # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py
     # `single_launch`). H200, V2-Lite batch-32 step: 8.34 ms against 8.64 (session 11).
     moe_single_launch: bool = True
+    # Where the output kernel runs (decode_output_kernel) and o_proj is read in place (decode_projection_kernel),
+    # o_proj runs in the output kernel's launch (kernels/mla_output.py merge_value_output_projection): its
+    # programs load their weight tiles while the merge runs, then wait (atomic counters) for their K chunk
+    # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32). Off
+    # until measured on a GPU (written after session 11's device time ran out).
+    decode_oproj_launch: bool = False
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

@@ -148,6 +148,19 @@ def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata,
     return kv_b if kv_b is not None and mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim) else None
 
 
+def oproj_in_output_launch(cfg: ModelConfig, meta: StepMetadata, value_kv_b, projections: dict, router_w,
+                           enabled: bool) -> bool:
+    """Whether o_proj runs in the output kernel's launch (`mla_output.merge_value_output_projection`): with
+    `enabled` (RunnerConfig.decode_oproj_launch), where that kernel runs (`value_kv_b`), o_proj is read in
+    place (`decode_stacked`), no router kernel takes o_proj's partials, and the kernel tiles the sizes."""
+    from deepinfer_jax.kernels import mla_output
+
+    if not enabled or value_kv_b is None or ("attn", "o_proj") not in projections or router_w is not None:
+        return False
+    return mla_output.output_projection_supported(meta.token_ids.shape[0], cfg.num_attention_heads,
+                                                  cfg.v_head_dim, cfg.hidden_size)
+
+
 def decode_absorb_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
                           mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
     """The stacked kv_b_proj (`_decode_kv_b`) when this step's query absorption and RoPE go through
@@ -207,16 +220,24 @@ def residual_norm_router(a: jax.Array, o_proj: StackedWeight, h: jax.Array, rout
 
 
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
-                            attn_impl: str) -> jax.Array:
+                            attn_impl: str, o_proj: StackedWeight | None = None) -> jax.Array:
     """The decode kernel's context splits merged and multiplied by W_UV (layer `j` of the stacked
     kv_b, read in place) in one kernel: the same [T, H, dv] as `paged_attention` then
-    `mla.absorbed_output`, in q_lat's dtype."""
+    `mla.absorbed_output`, in q_lat's dtype. With `o_proj`, o_proj too, in the
+    same launch: [T, D], the same as `mla.output_projection` of that (its split-K tiles and sums).
+    (`oproj_in_output_launch` decides.)"""
     from deepinfer_jax.kernels import mla_decode, mla_output
 
     interpret = attn_impl == "pallas_interpret"
     o, m, l = mla_decode.paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
         pages_per_step=mla_decode.PAGES_PER_STEP, interpret=interpret)
+    if o_proj is not None:
+        w = o_proj.stacked
+        parts = mla_output.merge_value_output_projection(
+            o, m, l, kv_b, w.reshape(w.shape[0], -1, w.shape[-1]), j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
+            interpret=interpret)  # [split_k, T, D]
+        return parts.sum(axis=0).astype(q_lat.dtype)  # as layers.stacked_matmul
     return mla_output.merge_value_projection(o, m, l, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
                                              interpret=interpret)
 
@@ -342,6 +363,7 @@ def forward_paged(
     decode_latent_kernel: bool = False,
     decode_router_kernel: bool = False,
     moe_single_launch: bool = False,
+    decode_oproj_launch: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -365,7 +387,9 @@ def forward_paged(
     `decode_router_kernel`: where `decode_router_weights` allows, o_proj's split-K partials are added to the
     residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py).
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
-    row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`)."""
+    row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
+    `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
+    launch, its programs loading their weights while the merge runs (kernels/mla_output.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -392,11 +416,12 @@ def forward_paged(
         latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
         router_w = decode_router_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
                                          moe_impl, mesh_rules, fuse_moe_routing, decode_router_kernel)
+        oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, router_w, decode_oproj_launch)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, router_w=router_w):
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, router_w=router_w, oproj_launch=oproj_launch):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -427,7 +452,8 @@ def forward_paged(
             elif value_kv_b is not None:
                 if not written:
                     cache = write_latents(cache, li, meta, latent)
-                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
+                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl,
+                                            o_proj=lp["attn"]["o_proj"] if oproj_launch else None)
             else:
                 if written:  # one device (decode_latent_weights)
                     o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
@@ -441,8 +467,8 @@ def forward_paged(
             logits = None
             if router_w is not None:
                 h, x, logits = residual_norm_router(a, lp["attn"]["o_proj"], h, router_w, j, cfg)
-            else:
-                h = h + mla.output_projection(lp["attn"], a)
+            else:  # with oproj_launch, `a` is already o_proj's output [T, D]
+                h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
                 x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None

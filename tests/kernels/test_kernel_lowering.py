@@ -203,6 +203,21 @@ def test_decode_attention_output_lowers_for_sm90(triton_modules):
     assert irs[1].count("tt.dot") == 1  # the [16, 512] x [512, 64] W_UV tile; the merge is elementwise
 
 
+def test_output_and_oproj_launch_lowers_for_sm90(triton_modules):
+    """The output kernel with o_proj in its launch (V2-Lite: o_proj [2048, 2048] in 8 K chunks of 256): the
+    merge's tiles release their chunk's counter after a barrier, o_proj's programs acquire it in a loop and
+    take their chunk in four 64-deep dots, as decode_matmul does."""
+    from deepinfer_jax.kernels.mla_output import merge_value_output_projection
+
+    s = jax.ShapeDtypeStruct
+    args = (s((32, 1, 4, H, R), jnp.float32), s((32, 1, 4, H), jnp.float32), s((32, 1, 4, H), jnp.float32),
+            s((L, R, H, 256), jnp.bfloat16), s((L, H * 128, 2048), jnp.bfloat16))
+    (ir,) = triton_modules(lambda o, m, l, kv_b, w: merge_value_output_projection(o, m, l, kv_b, w, 3, dn=128,
+                                                                                 dtype=jnp.bfloat16), *args)
+    assert ir.count("tt.atomic_rmw") == 3 and "scf.while" in ir and "gpu.barrier" in ir
+    assert ir.count("tt.dot") == 1 + 4
+
+
 def test_decode_absorb_lowers_for_sm90(triton_modules):
     """The query's absorption and RoPE at V2-Lite's shape: q read from the whole q projection [32, 16,
     192], W_UK from the stacked kv_b_proj [L, 512, 16, 256], one [32, 128] x [128, 64] dot a program, the

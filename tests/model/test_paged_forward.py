@@ -417,3 +417,21 @@ def test_moe_single_launch_equals_two_launches(hf_case, case, monkeypatch):
                                        fuse_shared_experts=True)
     n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
     assert calls == n * [False] + n * [True]
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_oproj_launch_equals_two_launches(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_oproj_launch: in a decode step the output kernel serves, o_proj runs in its launch
+    (kernels/mla_output.py merge_value_output_projection): the same logits and cache as the output kernel then
+    decode_matmul, and the full forward's logits. The 64-slot prefill step keeps its own attention."""
+    from deepinfer_jax.kernels import mla_output
+
+    calls = []
+    real = mla_output.merge_value_output_projection
+    monkeypatch.setattr(mla_output, "merge_value_output_projection",
+                        lambda *a, **k: calls.append(a[4].shape) or real(*a, **k))
+    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_oproj_launch", seed=15,
+                                            decode_projection_kernel=True, decode_output_kernel=True)
+    # The two decode steps, one traced layer body per segment, each handed its segment's o_proj as [L, H * dv, D].
+    H, dv, D = cfg.num_attention_heads, cfg.v_head_dim, cfg.hidden_size
+    assert calls == 2 * [(seg.num_layers, H * dv, D) for seg in layer_segments(cfg)]
