@@ -14,8 +14,6 @@ SWITCHES = [
                                    "W_UK in place"),
     ("decode_latent_kernel", True, "the absorb kernel's launch also norms, ropes and writes the step's latents "
                                     "into the KV cache"),
-    ("decode_router_kernel", False, "decode MoE layers add o_proj's partials to the residual, norm and compute the "
-                                    "router logits in one kernel"),
     ("moe_single_launch", True, "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", False, "decode steps run o_proj in the attention output kernel's launch"),
 ]

@@ -334,11 +334,6 @@ class RunnerConfig:
     # step: 8.23 ms against 8.28 (session 11; the kernel 4.2 us against 3.6 for the absorption alone, and XLA
     # now copies the latents out of its merged q / kv_a GEMM too: a second 1.4 us slice).
     decode_latent_kernel: bool = True
-    # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel)
-    # add o_proj's split-K partials to the residual, RMSNorm the sum and compute the router's logits in
-    # one kernel (kernels/residual_router.py) instead of XLA's four. Off: slower on an H200 (V2-Lite
-    # batch-32 step 8.61 ms against 8.44, the kernel 11.8 us a layer against XLA's 6.7; session 11).
-    decode_router_kernel: bool = False
     # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
     # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
     # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py

@@ -34,8 +34,8 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import (
-    StackedWeight, linear, rms_norm, rope_cos_sin, stacked_matmul, swiglu_mlp, weight)
-from deepinfer_jax.models.moe import moe_block, routing_into_kernels, shared_into_kernels
+    StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight)
+from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.models.quant import is_quantized
@@ -148,14 +148,14 @@ def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata,
     return kv_b if kv_b is not None and mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim) else None
 
 
-def oproj_in_output_launch(cfg: ModelConfig, meta: StepMetadata, value_kv_b, projections: dict, router_w,
+def oproj_in_output_launch(cfg: ModelConfig, meta: StepMetadata, value_kv_b, projections: dict,
                            enabled: bool) -> bool:
     """Whether o_proj runs in the output kernel's launch (`mla_output.merge_value_output_projection`): with
     `enabled` (RunnerConfig.decode_oproj_launch), where that kernel runs (`value_kv_b`), o_proj is read in
-    place (`decode_stacked`), no router kernel takes o_proj's partials, and the kernel tiles the sizes."""
+    place (`decode_stacked`) and the kernel tiles the sizes."""
     from deepinfer_jax.kernels import mla_output
 
-    if not enabled or value_kv_b is None or ("attn", "o_proj") not in projections or router_w is not None:
+    if not enabled or value_kv_b is None or ("attn", "o_proj") not in projections:
         return False
     return mla_output.output_projection_supported(meta.token_ids.shape[0], cfg.num_attention_heads,
                                                   cfg.v_head_dim, cfg.hidden_size)
@@ -186,37 +186,6 @@ def decode_latent_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
             meta.token_ids.shape[0], cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.kv_lora_rank):
         return None
     return seg_params["attn"]["kv_a_layernorm"]
-
-
-def decode_router_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
-                          num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
-                          enabled: bool) -> tuple[jax.Array, jax.Array] | None:
-    """(post_attention_layernorm [L, D], the router's gate [L, D, E]), both layer-stacked, when this MoE
-    segment's decode step adds o_proj's partials to the residual, norms and computes the router's logits
-    in one kernel (kernels/residual_router.py): with `enabled` (RunnerConfig.decode_router_kernel), o_proj
-    read in place (`decode_stacked`), the routing in its kernel (`moe.routing_into_kernels`), a float
-    gate and shapes the kernel tiles. None otherwise."""
-    from deepinfer_jax.kernels import residual_router
-
-    if not enabled or seg.kind != "moe" or ("attn", "o_proj") not in projections or not fuse_moe_routing:
-        return None
-    gate, norm = seg_params["moe"]["gate"], seg_params["post_attention_layernorm"]
-    if is_quantized(gate) or not routing_into_kernels(cfg, moe_impl, mesh_rules, num_tokens, experts):
-        return None
-    return (norm, gate) if residual_router.supported(cfg.hidden_size, gate.shape[-1]) else None
-
-
-def residual_norm_router(a: jax.Array, o_proj: StackedWeight, h: jax.Array, router_w, j, cfg: ModelConfig):
-    """a [T, H, dv] (the attention's output), o_proj read in place, h [T, D] the residual -> (h + o_proj(a),
-    its post-attention RMSNorm x, the router's logits of x [T, E] fp32), by o_proj's split-K kernel and
-    kernels/residual_router.py: the same values as `mla.output_projection`, `rms_norm` and
-    `moe.router_logits` up to fp32 summation order."""
-    from deepinfer_jax.kernels import residual_router
-
-    parts = stacked_matmul(a, o_proj, in_dims=2, reduce=False)  # as mla.output_projection, not yet summed
-    norm_w, gate = router_w
-    return residual_router.residual_norm_router(parts, h, norm_w, gate, j, eps=cfg.rms_norm_eps,
-                                                interpret=o_proj.interpret)
 
 
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
@@ -361,7 +330,6 @@ def forward_paged(
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
     decode_latent_kernel: bool = False,
-    decode_router_kernel: bool = False,
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
 ):
@@ -384,8 +352,6 @@ def forward_paged(
     its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
     `decode_latent_kernel`: where `decode_latent_weights` allows (the absorb kernel's steps), the same kernel
     launch also applies kv_a_layernorm and RoPE to the latents and writes them into the cache in place.
-    `decode_router_kernel`: where `decode_router_weights` allows, o_proj's split-K partials are added to the
-    residual, normed and multiplied by the router's gate in one kernel (kernels/residual_router.py).
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
     row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
     `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
@@ -414,14 +380,12 @@ def forward_paged(
         absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                             decode_absorb_kernel)
         latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
-        router_w = decode_router_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
-                                         moe_impl, mesh_rules, fuse_moe_routing, decode_router_kernel)
-        oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, router_w, decode_oproj_launch)
+        oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, router_w=router_w, oproj_launch=oproj_launch):
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, oproj_launch=oproj_launch):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -464,17 +428,12 @@ def forward_paged(
                     o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
                                                             cfg.softmax_scale, attn_impl)
                 a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-            logits = None
-            if router_w is not None:
-                h, x, logits = residual_norm_router(a, lp["attn"]["o_proj"], h, router_w, j, cfg)
-            else:  # with oproj_launch, `a` is already o_proj's output [T, D]
-                h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
-                x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))  # oproj_launch: `a` is o_proj's output
+            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, logits=logits,
-                               single_launch=moe_single_launch)
+                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch)
             return (h + m, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

@@ -39,19 +39,17 @@ class StackedWeight(NamedTuple):
     interpret: bool = False
 
 
-def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1, reduce: bool = True) -> jax.Array:
+def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Array:
     """x [..., *in] through one layer of w.stacked [L, *in, *out] (its first `in_dims` weight dims
-    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel. `reduce=False`: the kernel's
-    split-K partials [split_k, rows, prod(out)] fp32 instead (`decode_matmul(reduce=False)`)."""
+    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel."""
     from deepinfer_jax.kernels.decode_matmul import decode_matmul
 
     shape = w.stacked.shape[1:]
     ins, outs = shape[:in_dims], shape[in_dims:]
     K, N = math.prod(ins), math.prod(outs)
     lead = x.shape[: x.ndim - in_dims]
-    y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, reduce=reduce,
-                      interpret=w.interpret)
-    return y.astype(x.dtype).reshape(*lead, *outs) if reduce else y
+    y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, interpret=w.interpret)
+    return y.astype(x.dtype).reshape(*lead, *outs)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -238,7 +238,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
-              fuse_routing: bool = False, logits: jax.Array | None = None, single_launch: bool = False):
+              fuse_routing: bool = False, single_launch: bool = False):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -247,20 +247,17 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     see `shared_into_kernels`): the kernels then compute it as extra experts and `p` has no "shared". With
     `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded).
     `fuse_routing`: where `routing_into_kernels` allows, the routing and the token alignment run in one
-    Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `logits`, the
-    router's logits of x [T, E] fp32 when the caller already has them (kernels/residual_router.py), only
-    there; `single_launch`: there, both expert kernels run in one launch (kernels/moe_gmm.py)."""
+    Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
+    there, both expert kernels run in one launch (kernels/moe_gmm.py)."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
-    if logits is not None and not fused:
-        raise ValueError("moe_block takes precomputed router logits only where it routes in its kernel")
     if fused:
         from deepinfer_jax.kernels.moe_route import moe_fused_decode
 
         bias = p["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
         shared = (ex["shared"]["gate_up"], ex["shared"]["down"]) if "shared" in ex else ()
         out, idx = moe_fused_decode(
-            x, router_logits(p, x) if logits is None else logits, bias, ex["gate_up"], ex["down"], layer, *shared,
+            x, router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared,
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,

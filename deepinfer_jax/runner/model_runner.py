@@ -215,7 +215,6 @@ class ModelRunner:
                                     decode_output_kernel=rc.decode_output_kernel,
                                     decode_absorb_kernel=rc.decode_absorb_kernel,
                                     decode_latent_kernel=rc.decode_latent_kernel,
-                                    decode_router_kernel=rc.decode_router_kernel,
                                     moe_single_launch=rc.moe_single_launch,
                                     decode_oproj_launch=rc.decode_oproj_launch)
                 logits, kv_cache = out[0], out[1]

@@ -349,49 +349,6 @@ def test_decode_latent_kernel_equals_the_xla_norm_rope_and_write(hf_case, case, 
     assert decode_latent_weights(sp, cfg, meta, kv_b, False) is None
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_router_kernel_equals_the_xla_path(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_router_kernel: in a decode step's MoE layers, o_proj's split-K partials, the
-    residual add, the post-attention RMSNorm and the router's logits come from one kernel
-    (kernels/residual_router.py): the same logits and cache as XLA's path, and the full forward's logits.
-    Dense layers keep XLA's; so do steps over decode_matmul.MAX_TOKENS (64) slots."""
-    from deepinfer_jax.kernels import residual_router
-
-    calls = []
-    real = residual_router.residual_norm_router
-    monkeypatch.setattr(residual_router, "residual_norm_router",
-                        lambda *a, **k: calls.append((a[0].shape, a[3].shape)) or real(*a, **k))
-    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_router_kernel", seed=13,
-                                            decode_projection_kernel=True, fuse_moe_routing=True,
-                                            fuse_shared_experts=True)
-    # The MoE segment of the 64-slot prefill step and of the two 16-slot decode steps, each handed o_proj's
-    # partials [split_k, slots, D] and the stacked gate.
-    moe = [(i, seg) for i, seg in enumerate(layer_segments(cfg)) if seg.kind == "moe"]
-    assert len(calls) == 3 * len(moe)
-    for (parts, gate), (i, seg), slots in zip(calls, 3 * moe, [64] * len(moe) + [16] * 2 * len(moe)):
-        assert parts[1:] == (slots, cfg.hidden_size)
-        assert gate == params["segments"][i]["moe"]["gate"].shape == (seg.num_layers, cfg.hidden_size,
-                                                                        cfg.n_routed_experts)
-
-
-def test_decode_router_kernel_needs_the_routing_kernel(hf_case):
-    """Without routing in its kernel (grouped routing, or fuse_moe_routing off) or without o_proj read in
-    place, decode_router_weights leaves the layer body to XLA."""
-    from deepinfer_jax.models.deepseek import decode_router_weights, decode_stacked
-
-    for case, ok in (("v2_greedy_yarn", True), ("v3_grouped_noaux", False)):
-        _, path = hf_case(case)
-        cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
-        seg, sp = next((seg, sp) for seg, sp in zip(layer_segments(cfg), params["segments"]) if seg.kind == "moe")
-        proj = decode_stacked(sp, 16, "pallas_interpret", None, True)
-        ex = sp["moe"]["experts"]
-        args = (seg, sp, cfg, proj, ex, 16, "pallas_interpret", None)
-        assert (decode_router_weights(*args, True, True) is not None) == ok
-        assert decode_router_weights(*args, False, True) is None  # routing not in its kernel
-        assert decode_router_weights(*args, True, False) is None  # the flag off
-        assert decode_router_weights(seg, sp, cfg, {}, ex, 16, "pallas_interpret", None, True, True) is None
-
-
 def test_grouped_routing_keeps_the_xla_router(hf_case):
     from deepinfer_jax.models.moe import routing_into_kernels
 
