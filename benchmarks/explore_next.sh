@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The next GPU call's questions (written in session 11 after its device time ran out), a short table last:
-#   oproj / base   RunnerConfig.decode_oproj_launch: o_proj in the output kernel's launch, its weight tiles loaded
-#                  while the merge runs (off by default); traced, one layer printed
-#   then           with it: the GPU-vs-CPU greedy check and Protocol A
+#   both / base     RunnerConfig.decode_oproj_launch (o_proj in the output kernel's launch, its weight tiles loaded
+#                   while the merge runs) and RunnerConfig.moe_combine_in_launch (the single MoE launch also combines
+#                   the expert rows and adds the residual), both off by default; traced, one layer printed
+#   oproj, combine  each alone
+#   then            with both: the GPU-vs-CPU greedy check and Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -13,19 +15,21 @@ left() { (( $(date +%s) - start < ${1:-480} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
 sp() { local label=$1; shift; left || return; echo "$label $(( $(date +%s) - start ))s"
        timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-sp oproj --decode-oproj-launch --trace /tmp/tr_oproj
+both=(--decode-oproj-launch --moe-combine-in-launch)
+sp both "${both[@]}" --trace /tmp/tr_both
 sp base
-sp oproj2 --decode-oproj-launch
+sp oproj --decode-oproj-launch
+sp combine --moe-combine-in-launch
 left 300 && { echo "gpu_vs_cpu $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/gpu_vs_cpu.py \
-  --check benchmarks/data/gpu_vs_cpu_expected.json --decode-oproj-launch > "$out/gpu_vs_cpu_oproj.log" 2>&1; }
+  --check benchmarks/data/gpu_vs_cpu_expected.json "${both[@]}" > "$out/gpu_vs_cpu_both.log" 2>&1; }
 left 380 && { echo "protocol_a $(( $(date +%s) - start ))s"; timeout 150 python3 benchmarks/offline.py --buckets 32,16384 \
-  --decode-oproj-launch > "$out/protocol_a_oproj.log" 2>&1; }
+  "${both[@]}" > "$out/protocol_a_both.log" 2>&1; }
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-for l in oproj base oproj2; do
+for l in both base oproj combine; do
   [[ -f $out/step_$l.log ]] || continue
   echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
 done
-grep -h -A14 "one layer" "$out/step_oproj.log" | head -15
-grep -h -E "^\| GPU" "$out/gpu_vs_cpu_oproj.log"
-grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a_oproj.log" | cut -c1-220
+grep -h -A14 "one layer" "$out/step_both.log" | head -15
+grep -h -E "^\| GPU" "$out/gpu_vs_cpu_both.log"
+grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a_both.log" | cut -c1-220

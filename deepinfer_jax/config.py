@@ -345,6 +345,11 @@ class RunnerConfig:
     # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32). Off
     # until measured on a GPU (written after session 11's device time ran out).
     decode_oproj_launch: bool = False
+    # Where the MoE runs in one launch (moe_single_launch) with the shared experts inside, that launch also
+    # combines each token's expert rows and adds the residual (kernels/moe_gmm.py `residual`): programs of
+    # its last wave, each waiting on its copies' down tiles, instead of XLA's gather-and-add kernel (2.5 us a
+    # layer on an H200 at batch 32). Off until measured on a GPU (written after session 11's device time).
+    moe_combine_in_launch: bool = False
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

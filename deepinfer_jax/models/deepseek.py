@@ -332,6 +332,7 @@ def forward_paged(
     decode_latent_kernel: bool = False,
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
+    moe_combine_in_launch: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -355,7 +356,9 @@ def forward_paged(
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
     row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
     `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
-    launch, its programs loading their weights while the merge runs (kernels/mla_output.py)."""
+    launch, its programs loading their weights while the merge runs (kernels/mla_output.py).
+    `moe_combine_in_launch`: where the single MoE launch runs with the shared experts inside, it also adds the
+    copies' rows up and to the residual (kernels/moe_gmm.py `residual`)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -432,9 +435,10 @@ def forward_paged(
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
-            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch)
-            return (h + m, cache), (idx if return_routing else None)
+            h, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
+                               residual=h, combine_in_launch=moe_combine_in_launch)  # h + the MoE's output
+            return (h, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
         # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
