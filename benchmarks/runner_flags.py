@@ -17,6 +17,7 @@ SWITCHES = [
     ("moe_single_launch", True, "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", False, "decode steps run o_proj in the attention output kernel's launch"),
     ("moe_combine_in_launch", False, "the single MoE launch also combines the expert rows and adds the residual"),
+    ("decode_route_launch", False, "decode MoE layers go from o_proj's partials to the routing in one launch"),
 ]
 
 

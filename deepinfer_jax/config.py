@@ -350,6 +350,12 @@ class RunnerConfig:
     # its last wave, each waiting on its copies' down tiles, instead of XLA's gather-and-add kernel (2.5 us a
     # layer on an H200 at batch 32). Off until measured on a GPU (written after session 11's device time).
     moe_combine_in_launch: bool = False
+    # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel) go
+    # from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py: the residual
+    # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
+    # launches (12.9 us a layer on an H200 at batch 32). Off until measured on a GPU (written after session
+    # 11's device time ran out; session 10's first try, a per-token kernel, was slower than XLA).
+    decode_route_launch: bool = False
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is

@@ -53,9 +53,15 @@ def supported(num_tokens: int, num_experts: int, k: int, num_shared: int) -> boo
 
 def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
     bias_ref = refs[0] if len(refs) == 6 else None
-    w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref = refs[-5:]
-    c = pl.program_id(0)
-    x = logits_ref[...]  # [T, E] fp32
+    route_chunk(pl.program_id(0), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m, softmax=softmax,
+                norm=norm, scale=scale, row_chunk=row_chunk)
+
+
+def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *, k, S, block_m, softmax, norm,
+                scale, row_chunk):
+    """Program c of the routing kernel, from the logits x [T, E] fp32: the routing (every program) and the
+    c-th row chunk of the alignment; chunk 0 also writes the weights, ids and row_of. Shared with kernels
+    that route inside a larger launch (kernels/residual_route.py)."""
     T, E = x.shape
     K = k + S
     if softmax:
@@ -178,15 +184,21 @@ def route_align_reference(logits, bias, *, k, num_shared, block_m, scoring_func=
     return w, idx, row_copy, block_expert, row_of
 
 
+def decode_block_m(num_tokens: int, k: int, num_shared: int) -> int:
+    """The row block of a decode-size step's aligned copies (`moe_gmm.tile_config`)."""
+    return tile_config(num_tokens * (k + num_shared))[0]
+
+
 def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate_up=None, shared_down=None, *,
                      k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0, single_launch=False,
-                     residual=None, interpret=False):
+                     residual=None, routed=None, interpret=False):
     """Routing, alignment and the expert kernels of a decode-size step: `route_align` then
     `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given; the gate_up kernel
     gathers its rows' tokens from x itself, so no XLA op sits between the router GEMM and the kernels).
     x [T, D], logits [T, E] fp32, bias [E] or None (`route_align`); weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k]).
     single_launch: both expert kernels in one launch (`moe_gmm.moe_experts_aligned`); residual [T, D]: there,
-    the combine too, adding the residual: out is then residual + the MoE's output."""
+    the combine too, adding the residual: out is then residual + the MoE's output. routed: `route_align`'s five
+    outputs when a launch before routed already (kernels/residual_route.py); logits and bias are then unused."""
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
         if shared_gate_up is not None:
@@ -195,8 +207,8 @@ def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate
     T = x.shape[0]
     I = w_gate_up.shape[-1]
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
-    block_m = tile_config(T * (k + S))[0]
-    w, idx, row_copy, block_expert, row_of = route_align(
+    block_m = decode_block_m(T, k, S)
+    w, idx, row_copy, block_expert, row_of = routed if routed is not None else route_align(
         logits, bias, k=k, num_shared=S, block_m=block_m, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
         routed_scaling_factor=routed_scaling_factor, interpret=interpret)
     shared = () if shared_gate_up is None else (shared_gate_up, shared_down)

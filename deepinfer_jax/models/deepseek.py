@@ -35,7 +35,7 @@ from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import (
     StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight)
-from deepinfer_jax.models.moe import moe_block, shared_into_kernels
+from deepinfer_jax.models.moe import moe_block, routing_into_kernels, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.models.quant import is_quantized
@@ -188,13 +188,64 @@ def decode_latent_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
     return seg_params["attn"]["kv_a_layernorm"]
 
 
+def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
+                         num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
+                         enabled: bool) -> tuple[jax.Array, jax.Array] | None:
+    """(post_attention_layernorm [L, D], the router's gate [L, D, E]), both layer-stacked, when this MoE
+    segment's decode step goes from o_proj's split-K partials to the routing in one launch
+    (kernels/residual_route.py): with `enabled` (RunnerConfig.decode_route_launch), o_proj read in place
+    (`decode_stacked`), the routing in its kernel (`moe.routing_into_kernels`), a float gate and sizes the
+    launch takes. None otherwise."""
+    from deepinfer_jax.kernels import residual_route
+
+    if not enabled or seg.kind != "moe" or ("attn", "o_proj") not in projections or not fuse_moe_routing:
+        return None
+    gate, norm = seg_params["moe"]["gate"], seg_params["post_attention_layernorm"]
+    if is_quantized(gate) or not routing_into_kernels(cfg, moe_impl, mesh_rules, num_tokens, experts):
+        return None
+    S = _shared_in_kernels(experts)
+    ok = residual_route.supported(num_tokens, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, S)
+    return (norm, gate) if ok else None
+
+
+def _shared_in_kernels(experts: dict) -> int:
+    """The shared experts the MoE kernels run as extra experts (0 when the shared MLP is not among them)."""
+    return experts["shared"]["gate_up"].shape[-1] // experts["gate_up"].shape[-1] if "shared" in experts else 0
+
+
+def residual_route_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, interpret: bool):
+    """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
+    post-attention RMSNorm x, x's routing: `moe_route.route_align`'s outputs), in one launch
+    (kernels/residual_route.py): the values of the layer's add, `rms_norm`, `moe.router_logits` and the
+    routing kernel, up to fp32 summation order."""
+    from deepinfer_jax.kernels import moe_route, residual_route
+
+    S, k = _shared_in_kernels(experts), cfg.num_experts_per_tok
+    bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
+    h, x, *routed = residual_route.residual_route(
+        parts, h, *route_w, j, bias, eps=cfg.rms_norm_eps, k=k, num_shared=S,
+        block_m=moe_route.decode_block_m(h.shape[0], k, S), scoring_func=cfg.scoring_func,
+        norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor, interpret=interpret)
+    return h, x, tuple(routed)
+
+
+def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:
+    """a [T, H, dv] through o_proj read in place, its split-K partials [split_k, T, D] fp32 unsummed
+    (kernels/decode_matmul.py; T a power of two of at least 16)."""
+    from deepinfer_jax.kernels.decode_matmul import decode_matmul
+
+    w = o_proj.stacked
+    return decode_matmul(a.reshape(a.shape[0], -1), w.reshape(w.shape[0], -1, w.shape[-1]), o_proj.layer,
+                         reduce=False, interpret=o_proj.interpret)
+
+
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
-                            attn_impl: str, o_proj: StackedWeight | None = None) -> jax.Array:
+                            attn_impl: str, o_proj: StackedWeight | None = None, reduce: bool = True) -> jax.Array:
     """The decode kernel's context splits merged and multiplied by W_UV (layer `j` of the stacked
     kv_b, read in place) in one kernel: the same [T, H, dv] as `paged_attention` then
     `mla.absorbed_output`, in q_lat's dtype. With `o_proj`, o_proj too, in the
-    same launch: [T, D], the same as `mla.output_projection` of that (its split-K tiles and sums).
-    (`oproj_in_output_launch` decides.)"""
+    same launch: [T, D], the same as `mla.output_projection` of that (its split-K tiles and sums), or with
+    `reduce=False` its split-K partials [split_k, T, D] fp32. (`oproj_in_output_launch` decides.)"""
     from deepinfer_jax.kernels import mla_decode, mla_output
 
     interpret = attn_impl == "pallas_interpret"
@@ -206,7 +257,7 @@ def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cf
         parts = mla_output.merge_value_output_projection(
             o, m, l, kv_b, w.reshape(w.shape[0], -1, w.shape[-1]), j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
             interpret=interpret)  # [split_k, T, D]
-        return parts.sum(axis=0).astype(q_lat.dtype)  # as layers.stacked_matmul
+        return parts.sum(axis=0).astype(q_lat.dtype) if reduce else parts  # as layers.stacked_matmul
     return mla_output.merge_value_projection(o, m, l, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
                                              interpret=interpret)
 
@@ -333,6 +384,7 @@ def forward_paged(
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
     moe_combine_in_launch: bool = False,
+    decode_route_launch: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -358,7 +410,9 @@ def forward_paged(
     `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
     launch, its programs loading their weights while the merge runs (kernels/mla_output.py).
     `moe_combine_in_launch`: where the single MoE launch runs with the shared experts inside, it also adds the
-    copies' rows up and to the residual (kernels/moe_gmm.py `residual`)."""
+    copies' rows up and to the residual (kernels/moe_gmm.py `residual`).
+    `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
+    the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -384,11 +438,13 @@ def forward_paged(
                                             decode_absorb_kernel)
         latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
+        route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
+                                       mesh_rules, fuse_moe_routing, decode_route_launch)
         for group, name in projections:
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, oproj_launch=oproj_launch):
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, oproj_launch=oproj_launch, route_w=route_w):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -420,7 +476,8 @@ def forward_paged(
                 if not written:
                     cache = write_latents(cache, li, meta, latent)
                 a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl,
-                                            o_proj=lp["attn"]["o_proj"] if oproj_launch else None)
+                                            o_proj=lp["attn"]["o_proj"] if oproj_launch else None,
+                                            reduce=route_w is None)
             else:
                 if written:  # one device (decode_latent_weights)
                     o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
@@ -431,13 +488,19 @@ def forward_paged(
                     o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
                                                             cfg.softmax_scale, attn_impl)
                 a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-            h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))  # oproj_launch: `a` is o_proj's output
-            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            routed = None
+            if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
+                parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
+                h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
+                                                   attn_impl == "pallas_interpret")
+            else:  # oproj_launch: `a` is o_proj's output
+                h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
+                x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             h, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               residual=h, combine_in_launch=moe_combine_in_launch)  # h + the MoE's output
+                               residual=h, combine_in_launch=moe_combine_in_launch, routed=routed)  # h + MoE
             return (h, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

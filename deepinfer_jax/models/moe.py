@@ -239,7 +239,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
               fuse_routing: bool = False, single_launch: bool = False, residual: jax.Array | None = None,
-              combine_in_launch: bool = False):
+              combine_in_launch: bool = False, routed: tuple | None = None):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -251,18 +251,22 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
     there, both expert kernels run in one launch (kernels/moe_gmm.py). `residual` [T, D]: the result is
     residual + the MoE's output (the layer's new residual stream), each rounded to its dtype; with
-    `combine_in_launch`, where the single launch runs with the shared experts inside, its kernel adds it."""
+    `combine_in_launch`, where the single launch runs with the shared experts inside, its kernel adds it.
+    `routed`: `moe_route.route_align`'s outputs for x, from a launch that routed already
+    (kernels/residual_route.py); only where the routing runs in its kernel."""
     out, idx, added = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch,
-                           residual if combine_in_launch and single_launch else None)
+                           residual if combine_in_launch and single_launch else None, routed)
     if residual is not None and not added:
         out = residual + out
     return (out, idx) if return_routing else out
 
 
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, residual):
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, residual, routed):
     """moe_block's work: (out [T, D], idx [T, k], whether `residual` was added in the kernel)."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
+    if routed is not None and not fused:
+        raise ValueError("moe_block takes precomputed routing only where it routes in its kernel")
     if fused:
         from deepinfer_jax.kernels.moe_route import moe_fused_decode
 
@@ -270,11 +274,11 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
         shared = (ex["shared"]["gate_up"], ex["shared"]["down"]) if "shared" in ex else ()
         in_kernel = residual is not None and (bool(shared) or "shared" not in p)  # nothing left to add after it
         out, idx = moe_fused_decode(
-            x, router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared,
+            x, None if routed else router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared,
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,
-            residual=residual if in_kernel else None, interpret=moe_impl == "pallas_interpret")
+            residual=residual if in_kernel else None, routed=routed, interpret=moe_impl == "pallas_interpret")
         return (out if shared else _plus_shared(p, x, out)), idx, in_kernel
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)

@@ -217,7 +217,8 @@ class ModelRunner:
                                     decode_latent_kernel=rc.decode_latent_kernel,
                                     moe_single_launch=rc.moe_single_launch,
                                     decode_oproj_launch=rc.decode_oproj_launch,
-                                    moe_combine_in_launch=rc.moe_combine_in_launch)
+                                    moe_combine_in_launch=rc.moe_combine_in_launch,
+                                    decode_route_launch=rc.decode_route_launch)
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)

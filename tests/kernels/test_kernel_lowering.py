@@ -254,3 +254,18 @@ def test_decode_absorb_and_latent_write_lower_for_sm90(triton_modules):
     assert "tensor<512xi64>" in ir  # the latent row's store offsets into the 79.6 GB cache
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "grid_x = 160" in hlo and "output_operand_alias<output_tuple_indices = [2], operand_index = 9" in hlo
+
+
+def test_residual_route_lowers_for_sm90(triton_modules):
+    """o_proj's partials to the routing in one launch at V2-Lite's shape (8 partials, D 2048, 64 experts + 2
+    shared, batch 32): two phase releases after a barrier, two acquire loops, the router's one dot and the
+    routing's scans."""
+    from deepinfer_jax.kernels.residual_route import residual_route
+
+    s = jax.ShapeDtypeStruct
+    args = (s((8, 32, 2048), jnp.float32), s((32, 2048), jnp.bfloat16), s((26, 2048), jnp.bfloat16),
+            s((26, 2048, 64), jnp.bfloat16))
+    (ir,) = triton_modules(lambda p, h, nw, g: residual_route(p, h, nw, g, 5, eps=1e-6, k=6, num_shared=2,
+                                                              block_m=16), *args)
+    assert ir.count("tt.atomic_rmw") == 2 + 2 * 2 and ir.count("scf.while") == 2 and "gpu.barrier" in ir
+    assert ir.count("tt.dot") == 1 and "tt.scan" in ir

@@ -409,3 +409,23 @@ def test_moe_combine_in_launch_equals_the_xla_combine(hf_case, case, monkeypatch
                                        fuse_shared_experts=True, moe_single_launch=True)
     n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
     assert calls == n * [False] + n * [True]
+
+
+@pytest.mark.parametrize("case, oproj", [("v2_greedy_yarn", False), ("v2_greedy_yarn", True), ("v3_flat_plain_rope", True)])
+def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypatch):
+    """RunnerConfig.decode_route_launch: in a decode step's MoE layers, o_proj's split-K partials (from
+    decode_matmul, or from the output kernel's launch with decode_oproj_launch) go to the residual, the
+    post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py),
+    and the MoE takes that routing: the same logits and cache as the separate path, and the full forward's."""
+    from deepinfer_jax.kernels import residual_route
+
+    calls = []
+    real = residual_route.residual_route
+    monkeypatch.setattr(residual_route, "residual_route", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_route_launch", seed=17, decode_projection_kernel=True,
+                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
+                                       decode_output_kernel=True, decode_oproj_launch=oproj)
+    # The MoE segment of the 64-slot prefill step and of the two 16-slot decode steps, each with o_proj's
+    # partials [split_k, slots, D].
+    moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
+    assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
