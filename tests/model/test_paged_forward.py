@@ -219,7 +219,7 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     logits and cache as XLA's GEMMs. Prefill-size steps, the reference path, quantized weights and a
     disabled flag keep XLA's GEMMs."""
     from deepinfer_jax.kernels import decode_matmul
-    from deepinfer_jax.models.deepseek import decode_stacked
+    from deepinfer_jax.models.decode_kernels import decode_stacked
     from deepinfer_jax.models.quant import quantize_params
 
     calls = []
@@ -329,7 +329,7 @@ def test_decode_latent_kernel_equals_the_xla_norm_rope_and_write(hf_case, case, 
     cache as XLA's norm, RoPE and scatter, and the full forward's logits. A prefill-bucket step, or the absorb
     kernel off, keeps XLA's."""
     from deepinfer_jax.kernels import mla_absorb
-    from deepinfer_jax.models.deepseek import decode_absorb_weights, decode_latent_weights
+    from deepinfer_jax.models.decode_kernels import decode_absorb_weights, decode_latent_weights
 
     calls = []
     real = mla_absorb.absorb_query_write_latents
