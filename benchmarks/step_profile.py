@@ -49,6 +49,8 @@ def main(argv=None) -> int:
                     help="keys the decode attention reads per loop step, a divisor of the page (mla_decode.BLOCK_KEYS)")
     ap.add_argument("--attn-kernel", default="",
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
+    ap.add_argument("--oproj-kernel", default="",
+                    help="num_warps=W,num_stages=S: the output kernel's launch with o_proj (decode_oproj_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
@@ -99,6 +101,13 @@ def main(argv=None) -> int:
 
         kw = {k: int(v) for k, v in (item.split("=") for item in args.attn_kernel.split(","))}
         mla_decode.paged_mla_attention_splits = functools.partial(mla_decode.paged_mla_attention_splits, **kw)
+    if args.oproj_kernel:
+        import functools
+
+        from deepinfer_jax.kernels import mla_output
+
+        kw = {k: int(v) for k, v in (item.split("=") for item in args.oproj_kernel.split(","))}
+        mla_output.merge_value_output_projection = functools.partial(mla_output.merge_value_output_projection, **kw)
     if args.absorb_full_width_max_tokens >= 0:
         from deepinfer_jax.models import mla
 
