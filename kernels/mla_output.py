@@ -25,9 +25,10 @@ stream overlaps the merge instead of starting in a launch of its own.
 
 Three parts (ARCHITECTURE.md rule 6): `merge_value_projection` / `merge_value_output_projection` (the
 kernels; `interpret=True` runs them on the CPU) and `merge_value_projection_reference` (pure JAX:
-`mla_decode.merge_splits`, the rounding, an einsum; then decode_matmul_reference for o_proj). Invariants: T is a multiple of block_t (at least 16, Triton's dot), block_v divides dv and block_r R; a
-split with l = 0 (past its sequence's pages) carries m = NEG and adds nothing; every token has at least
-one key, so the merged denominator is positive.
+`mla_decode.merge_splits`, the rounding, an einsum; then decode_matmul_reference for o_proj). Invariants:
+T is a multiple of block_t (at least 16, Triton's dot), block_v divides dv and block_r R; a split with
+l = 0 (past its sequence's pages) carries m = NEG and adds nothing; every token has at least one key, so
+the merged denominator is positive.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels.launch_sync import acquire, release
 from deepinfer_jax.kernels.mla_decode import EXACT, merge_splits
 
 BLOCK_T = 16  # tokens a program merges: Triton's dot needs at least 16 rows
@@ -115,8 +117,6 @@ def _merge_project_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, wo_ref, _ready_
     o_proj's (chunk s, column tile n), s-major, each loading its weight tiles first, then waiting for its
     chunk's tiles of the attention's output, then multiplying. Every producer has started before any
     consumer waits (a 1-D grid starts in order): no deadlock."""
-    from jax.experimental.pallas import triton as plgpu
-
     p = pl.program_id(0)
     layer = layer_ref[0]
     vblocks = dv // block_v
@@ -129,9 +129,7 @@ def _merge_project_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, wo_ref, _ready_
 
         def store(rows, y):
             a_ref[rows, pl.ds(k0, block_v)] = y
-            if spin:
-                plgpu.debug_barrier()  # every thread's stores precede the release below
-            plgpu.atomic_add(ready_ref, k0 // chunk, jnp.int32(1))
+            release(ready_ref, k0 // chunk, spin)
 
         _merge_tile(h, r // vblocks, r % vblocks, layer, o_ref, m_ref, l_ref, w_ref, store, block_v=block_v,
                     **kw)
@@ -143,9 +141,7 @@ def _merge_project_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, wo_ref, _ready_
         cols = pl.ds(n * block_n, block_n)
         ks = [pl.ds(s * chunk + i * block_k, block_k) for i in range(chunk // block_k)]
         ws = [wo_ref[layer, k, cols] for k in ks]  # [bk, bn] each: the weights do not wait for the attention
-        if spin:  # interpret mode runs the programs in order: every producer is done
-            read = lambda _: plgpu.atomic_add(ready_ref, s, jnp.int32(0))  # noqa: E731  acquire
-            jax.lax.while_loop(lambda c: c < per_chunk, read, read(None))
+        acquire(ready_ref, s, per_chunk, spin)
         acc = jnp.zeros((a_ref.shape[0], block_n), jnp.float32)
         for k, w in zip(ks, ws):  # decode_matmul's order of sums
             acc = acc + jnp.dot(a_ref[:, k].astype(w.dtype), w, preferred_element_type=jnp.float32, precision=EXACT)

@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels import launch_sync
+
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
 EXACT = jax.lax.Precision.HIGHEST
 
@@ -208,8 +210,6 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     (block, n) of each of its token's K copies (a flag the down program sets), then adds the weighted rows
     up in fp32, rounds, and adds the residual: h_new[t, tile n] (`_combine`'s and the layer's arithmetic).
     Counters: ready [nb] then the down tiles' flags [nb, tiles2], one zeroed int32 array."""
-    from jax.experimental.pallas import triton as plgpu
-
     refs = list(refs)
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
@@ -220,14 +220,10 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
 
     def release(i):
-        if spin:
-            plgpu.debug_barrier()  # every thread's stores of the tile precede the release below
-        plgpu.atomic_add(cnt_ref, i, jnp.int32(1))
+        launch_sync.release(cnt_ref, i, spin)
 
     def acquire(i, target, wait=True):  # until counter i reaches target (`wait`: a traced condition too)
-        if spin:  # interpret mode runs the programs one after another: every earlier program is done
-            read = lambda _: plgpu.atomic_add(cnt_ref, i, jnp.int32(0))  # noqa: E731  acquire
-            jax.lax.while_loop(lambda r: wait & (r < target), read, read(None))
+        launch_sync.acquire(cnt_ref, i, target, spin, wait)
 
     @pl.when(p < n1)
     def _():

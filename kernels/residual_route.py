@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import EXACT
 from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, route_chunk
 from deepinfer_jax.kernels.moe_route import supported as route_supported
@@ -56,8 +57,6 @@ def supported(num_tokens: int, D: int, E: int, k: int, num_shared: int, chunks: 
 
 
 def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, eps, spin, has_bias, route_kw):
-    from jax.experimental.pallas import triton as plgpu
-
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, cnt_ref = refs
@@ -66,14 +65,10 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, eps, spin, 
     KC = D // C
 
     def release(i):
-        if spin:
-            plgpu.debug_barrier()  # every thread's stores precede the release below
-        plgpu.atomic_add(cnt_ref, jnp.int32(i), jnp.int32(1))
+        launch_sync.release(cnt_ref, i, spin)
 
     def acquire(i, target):
-        if spin:  # interpret mode runs the programs one after another: every earlier phase is done
-            read = lambda _: plgpu.atomic_add(cnt_ref, jnp.int32(i), jnp.int32(0))  # noqa: E731
-            jax.lax.while_loop(lambda r: r < target, read, read(None))
+        launch_sync.acquire(cnt_ref, i, target, spin)
 
     @pl.when(p < T)  # phase 1: token t's residual add and RMSNorm
     def _():
