@@ -38,7 +38,7 @@ MAX_TOKENS = 64
 TARGET_PROGRAMS = 128  # about one program per SM of an H200 (132)
 
 
-def _largest_pow2_divisor(n: int, cap: int) -> int:
+def largest_pow2_divisor(n: int, cap: int) -> int:
     b = 1
     while b * 2 <= cap and n % (b * 2) == 0:
         b *= 2
@@ -48,14 +48,17 @@ def _largest_pow2_divisor(n: int, cap: int) -> int:
 def plan(K: int, N: int) -> tuple[int, int, int] | None:
     """(block_n, block_k, split_k) for a [K, N] weight, or None when no power-of-two tiling of at
     least 16 fits (the caller then keeps XLA's GEMM)."""
-    block_n = _largest_pow2_divisor(N, 128)
-    block_k = _largest_pow2_divisor(K, 64)
+    block_n = largest_pow2_divisor(N, 128)
+    block_k = largest_pow2_divisor(K, 64)
     if block_n < 16 or block_k < 16:
         return None
-    tiles, steps = N // block_n, K // block_k
-    # The fewest K chunks (a divisor of the K steps) that bring the grid to TARGET_PROGRAMS.
-    split_k = next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= TARGET_PROGRAMS), steps)
-    return block_n, block_k, split_k
+    return block_n, block_k, fewest_chunks(N // block_n, K // block_k)
+
+
+def fewest_chunks(tiles: int, steps: int) -> int:
+    """The fewest K chunks (a divisor of the K steps) that bring `tiles` column tiles to TARGET_PROGRAMS
+    programs, or every step its own chunk."""
+    return next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= TARGET_PROGRAMS), steps)
 
 
 def supported(num_tokens: int, K: int, N: int) -> bool:

@@ -11,7 +11,8 @@ whole q projection and W_UK out of the layer-stacked kv_b_proj, both in place (P
 In XLA the same took three kernels a layer on an H200 at batch 32: a pad of q_nope with zeros (so the
 GEMM could read kv_b's whole rows in place instead of copying W_UK's strided slice out), the GEMM, and
 the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). XLA still copies q out of the fused
-q / kv_a GEMM's output for the kernel (1.8 us).
+q / kv_a GEMM's output for the kernel (1.8 us); kernels/mla_qkv.py runs that GEMM in the launch instead,
+with this module's `absorb_tile` and `latent_row` reading its partial sums.
 
 Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head h [T, dn] by the
 [block_r, dn] tile of W_UK[h] (fp32 accumulation, one dot: dn is a single tile) and writes q_lat's
@@ -64,27 +65,38 @@ def latent_supported(num_tokens: int, dn: int, dr: int, R: int, block_r: int = 6
     return supported(num_tokens, dn, dr, R, block_r) and _pow2(R)
 
 
-def _absorb_tile(h, rb, layer, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
-    """Program (h, rb) of the absorption: q_lat's [T, block_r] tile of head h; with rb == 0 also q_pe of h."""
-    cols = pl.ds(rb * block_r, block_r)
-    q_nope = q_ref[:, h, pl.ds(0, dn)]  # [T, dn]
-    w_uk = w_ref[layer, cols, h, pl.ds(0, dn)].astype(q_nope.dtype)  # [br, dn]
+def cols(start, size, stride=1):
+    """pl.ds(start, size), strided where stride > 1."""
+    return pl.ds(start, size) if stride == 1 else pl.ds(start, size, stride=stride)
+
+
+def absorb_tile(h, rb, layer, load_q, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
+    """Program (h, rb) of the absorption: q_lat's [T, block_r] tile of head h; with rb == 0 also q_pe of h.
+    `load_q(h, start, size, stride)`: the T tokens' q[:, h, cols(start, size, stride)] in q's dtype."""
+    cs = pl.ds(rb * block_r, block_r)
+    q_nope = load_q(h, 0, dn, 1)  # [T, dn]
+    w_uk = w_ref[layer, cs, h, pl.ds(0, dn)].astype(q_nope.dtype)  # [br, dn]
     q_lat = jnp.dot(q_nope, w_uk.T, preferred_element_type=jnp.float32, precision=EXACT)  # [T, br]
-    lat_ref[:, h, cols] = q_lat.astype(lat_ref.dtype)
+    lat_ref[:, h, cs] = q_lat.astype(lat_ref.dtype)
 
     @pl.when(rb == 0)
     def _():
         even, odd = pl.ds(0, dr // 2, stride=2), pl.ds(1, dr // 2, stride=2)
-        x0 = q_ref[:, h, pl.ds(dn, dr // 2, stride=2)].astype(jnp.float32)  # [T, dr/2]
-        x1 = q_ref[:, h, pl.ds(dn + 1, dr // 2, stride=2)].astype(jnp.float32)
+        x0 = load_q(h, dn, dr // 2, 2).astype(jnp.float32)  # [T, dr/2]
+        x1 = load_q(h, dn + 1, dr // 2, 2).astype(jnp.float32)
         c, s = cos_ref[...], sin_ref[...]
         pe_ref[:, h, even] = (x0 * c - x1 * s).astype(pe_ref.dtype)
         pe_ref[:, h, odd] = (x0 * s + x1 * c).astype(pe_ref.dtype)
 
 
+def _q_loader(q_ref):
+    """`absorb_tile`'s load_q for a q operand [T, H, dn + dr]."""
+    return lambda h, start, size, stride: q_ref[:, h, cols(start, size, stride)]
+
+
 def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
-    _absorb_tile(pl.program_id(0), pl.program_id(1), layer_ref[0], q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref,
-                 dn=dn, dr=dr, block_r=block_r)
+    absorb_tile(pl.program_id(0), pl.program_id(1), layer_ref[0], _q_loader(q_ref), w_ref, cos_ref, sin_ref, lat_ref,
+                pe_ref, dn=dn, dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "block_r", "num_warps", "num_stages", "interpret"))
@@ -122,20 +134,21 @@ def absorb_query_reference(q, kv_b, layer, cos, sin, *, dn):
     return q_lat.astype(q.dtype), q_pe.astype(q.dtype)
 
 
-def _latent_row(t, slot_ref, ckv_ref, norm_ref, layer, cos_ref, sin_ref, cache_layer, cache_ref, *, R, dr, eps):
+def latent_row(t, slot_ref, load_ckv, norm_ref, layer, cos_ref, sin_ref, cache_layer, cache_ref, *, R, dr, eps):
     """Token t's latent: RMSNorm of ckv[t, :R] (models/layers.py rms_norm's arithmetic), RoPE of
-    ckv[t, R:] (apply_rope's), cast to the cache's dtype and stored at its slot of layer `cache_layer`."""
+    ckv[t, R:] (apply_rope's), cast to the cache's dtype and stored at its slot of layer `cache_layer`.
+    `load_ckv(t, start, size, stride)`: ckv[t, cols(start, size, stride)] in the activations' dtype."""
     page_size = cache_ref.shape[2]
     slot = slot_ref[t]
     page, offset = jax.lax.div(slot, page_size), jax.lax.rem(slot, page_size)  # slots are >= 0
-    x = ckv_ref[t, pl.ds(0, R)]  # [R], the activations' dtype
+    x = load_ckv(t, 0, R, 1)  # [R], the activations' dtype
     xf = x.astype(jnp.float32)
     normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf) + eps)).astype(x.dtype)
     w = norm_ref[layer, pl.ds(0, R)]  # [R]
     c_kv = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(jnp.promote_types(w.dtype, x.dtype))
     cache_ref[cache_layer, page, offset, pl.ds(0, R)] = c_kv.astype(cache_ref.dtype)
-    x0 = ckv_ref[t, pl.ds(R, dr // 2, stride=2)].astype(jnp.float32)  # [dr/2]
-    x1 = ckv_ref[t, pl.ds(R + 1, dr // 2, stride=2)].astype(jnp.float32)
+    x0 = load_ckv(t, R, dr // 2, 2).astype(jnp.float32)  # [dr/2]
+    x1 = load_ckv(t, R + 1, dr // 2, 2).astype(jnp.float32)
     c, s = cos_ref[t, :], sin_ref[t, :]
     for lane, y in ((0, x0 * c - x1 * s), (1, x0 * s + x1 * c)):  # k_pe in x's dtype, then the cache's
         cache_ref[cache_layer, page, offset, pl.ds(R + lane, dr // 2, stride=2)] = (
@@ -151,14 +164,14 @@ def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, co
 
     @pl.when(pid < T)  # programs [0, T): token pid's latent into the cache
     def _():
-        _latent_row(pid, slot_ref, ckv_ref, norm_ref, layer, cos_ref, sin_ref, cache_layer_ref[0], cache_ref, R=R,
-                    dr=dr, eps=eps)
+        latent_row(pid, slot_ref, lambda t, *c: ckv_ref[t, cols(*c)], norm_ref, layer, cos_ref, sin_ref,
+                    cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
 
     @pl.when(pid >= T)  # programs [T, T + H * nrb): the absorption's (h, rb) tiles
     def _():
         p = pid - T
-        _absorb_tile(p // nrb, p % nrb, layer, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn, dr=dr,
-                     block_r=block_r)
+        absorb_tile(p // nrb, p % nrb, layer, _q_loader(q_ref), w_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn,
+                     dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "eps", "block_r", "num_warps", "num_stages", "interpret"))

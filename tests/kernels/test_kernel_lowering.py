@@ -269,3 +269,26 @@ def test_residual_route_lowers_for_sm90(triton_modules):
                                                               block_m=16), *args)
     assert ir.count("tt.atomic_rmw") == 2 + 2 * 2 and ir.count("scf.while") == 2 and "gpu.barrier" in ir
     assert ir.count("tt.dot") == 1 and "tt.scan" in ir
+
+
+def test_qkv_projection_and_absorb_launch_lowers_for_sm90(triton_modules):
+    """The q / kv_a projections in the absorb and latent launch at V2-Lite's shape (32 tokens, D 2048, q_proj
+    [2048, 16, 192], kv_a [2048, 576]): 57 column tiles of 64 in 4 K chunks, then the 32 latent and 16 x 8
+    absorb programs; the GEMM tiles release their group's counter after a barrier (two branches: q_proj's
+    tiles and kv_a's), the consumers acquire theirs in a loop; the cache and the counters aliased to
+    outputs."""
+    from deepinfer_jax.kernels.mla_qkv import project_absorb_write_latents
+
+    s = jax.ShapeDtypeStruct
+    fn = lambda x, wq, wkv, kv_b, c, sn, nw, cache, slots: project_absorb_write_latents(  # noqa: E731
+        x, wq, wkv, 3, kv_b, c, sn, nw, cache, 4, slots, dn=128, eps=1e-6)
+    args = (s((32, 2048), jnp.bfloat16), s((L, 2048, H, 192), jnp.bfloat16), s((L, 2048, R + DR), jnp.bfloat16),
+            s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32), s((32, DR // 2), jnp.float32),
+            s((L, R), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16), s((32,), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.dot") == 2 + 1 and ir.count("tt.atomic_rmw") == 2 + 2 * 2
+    assert ir.count("scf.while") == 2 and "gpu.barrier" in ir and "tensor<512xi64>" in ir
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grid_x = 388" in hlo
+    assert "output_operand_alias<output_tuple_indices = [2], operand_index = 10" in hlo
+    assert "output_operand_alias<output_tuple_indices = [4], operand_index = 11" in hlo
