@@ -14,6 +14,7 @@ SWITCHES = [
                                    "W_UK in place"),
     ("decode_latent_kernel", True, "the absorb kernel's launch also norms, ropes and writes the step's latents "
                                     "into the KV cache"),
+    ("decode_qkv_launch", False, "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
     ("moe_single_launch", True, "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", False, "decode steps run o_proj in the attention output kernel's launch"),
     ("moe_combine_in_launch", False, "the single MoE launch also combines the expert rows and adds the residual"),

@@ -8,6 +8,7 @@ Run it under different XLA_FLAGS (e.g. command buffers for while loops) to compa
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
     ap.add_argument("--oproj-kernel", default="",
                     help="num_warps=W,num_stages=S: the output kernel's launch with o_proj (decode_oproj_launch)")
+    ap.add_argument("--qkv-kernel", default="",
+                    help="num_warps=W,num_stages=S,split_k=K: the q / kv_a projections' launch (decode_qkv_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
@@ -77,37 +80,23 @@ def main(argv=None) -> int:
     from deepinfer_jax.scheduler.scheduler import ScheduledSeq
     from deepinfer_jax.types import Request, SamplingParams
     from deepinfer_jax.weights.random_init import random_params
+    from deepinfer_jax.kernels import mla_decode, mla_output, mla_qkv
+    from deepinfer_jax.sampling import sampler
 
     if args.attn_splits:
-        from deepinfer_jax.kernels import mla_decode
-
         mla_decode.auto_splits = lambda num_tokens: args.attn_splits
     if args.attn_pages_per_step:
-        from deepinfer_jax.kernels import mla_decode
-
         mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
     if args.argmax_chunk:
-        from deepinfer_jax.sampling import sampler
-
         sampler.ARGMAX_CHUNK = args.argmax_chunk
     if args.attn_block_keys:
-        from deepinfer_jax.kernels import mla_decode
-
         mla_decode.BLOCK_KEYS = args.attn_block_keys
-    if args.attn_kernel:
-        import functools
-
-        from deepinfer_jax.kernels import mla_decode
-
-        kw = {k: int(v) for k, v in (item.split("=") for item in args.attn_kernel.split(","))}
-        mla_decode.paged_mla_attention_splits = functools.partial(mla_decode.paged_mla_attention_splits, **kw)
-    if args.oproj_kernel:
-        import functools
-
-        from deepinfer_jax.kernels import mla_output
-
-        kw = {k: int(v) for k, v in (item.split("=") for item in args.oproj_kernel.split(","))}
-        mla_output.merge_value_output_projection = functools.partial(mla_output.merge_value_output_projection, **kw)
+    for module, name, spec in ((mla_decode, "paged_mla_attention_splits", args.attn_kernel),
+                               (mla_output, "merge_value_output_projection", args.oproj_kernel),
+                               (mla_qkv, "project_absorb_write_latents", args.qkv_kernel)):
+        if spec:  # k=v,..: keyword arguments of the kernel's wrapper
+            kw = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
+            setattr(module, name, functools.partial(getattr(module, name), **kw))
     if args.absorb_full_width_max_tokens >= 0:
         from deepinfer_jax.models import mla
 

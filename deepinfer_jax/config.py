@@ -334,6 +334,12 @@ class RunnerConfig:
     # step: 8.23 ms against 8.28 (session 11; the kernel 4.2 us against 3.6 for the absorption alone, and XLA
     # now copies the latents out of its merged q / kv_a GEMM too: a second 1.4 us slice).
     decode_latent_kernel: bool = True
+    # Where that launch writes the latents, on models without q-LoRA (V2-Lite, Moonlight), the q / kv_a
+    # projections run in it too (kernels/mla_qkv.py): GEMM programs read q_proj and kv_a_proj_with_mqa in place
+    # and release per-head counters, on which the latent and absorb programs wait. It replaces XLA's split-K
+    # GEMM and its two slice copies of q and the latents (7.4 + 1.7 + 1.3 us a layer on an H200 at batch 32,
+    # session 11). Off until measured on a GPU (written in session 12, which had no device time).
+    decode_qkv_launch: bool = False
     # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
     # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
     # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py

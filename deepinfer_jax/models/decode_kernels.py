@@ -122,6 +122,24 @@ def decode_latent_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
     return seg_params["attn"]["kv_a_layernorm"]
 
 
+def decode_qkv_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, latent_norm, attn_impl: str,
+                       enabled: bool) -> tuple[jax.Array, jax.Array] | None:
+    """(q_proj [L, D, H, dn + dr], kv_a_proj_with_mqa [L, D, R + dr]), the segment's stacked weights, when this
+    step's q / kv_a projections run in the absorb and latent launch (`mla_qkv.project_absorb_write_latents`,
+    both read in place): with `enabled` (RunnerConfig.decode_qkv_launch), where that launch writes the latents
+    (`latent_norm`, from `decode_latent_weights`), a model without q-LoRA, float weights and sizes the launch
+    tiles. None otherwise."""
+    from deepinfer_jax.kernels import mla_qkv
+
+    if not enabled or latent_norm is None or cfg.q_lora_rank is not None:
+        return None
+    w_q, w_kv = seg_params["attn"]["q_proj"], seg_params["attn"]["kv_a_proj_with_mqa"]
+    ok = not is_quantized(w_q) and not is_quantized(w_kv) and mla_qkv.supported(
+        meta.token_ids.shape[0], cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
+        cfg.kv_lora_rank, interpret=attn_impl == "pallas_interpret")
+    return (w_q, w_kv) if ok else None
+
+
 def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
                          num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
                          enabled: bool) -> tuple[jax.Array, jax.Array] | None:

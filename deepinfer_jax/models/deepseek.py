@@ -35,7 +35,7 @@ from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
     pallas_one_device, decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
-    decode_route_weights, decode_stacked, decode_value_weights, oproj_in_output_launch, oproj_partials,
+    decode_qkv_weights, decode_route_weights, decode_stacked, decode_value_weights, oproj_in_output_launch, oproj_partials,
     residual_route_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
@@ -190,6 +190,40 @@ def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer
     return fn(q_lat, q_pe, latent, kv_cache, layer, meta)
 
 
+def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, meta: StepMetadata, absorb_kv_b,
+                     latent_norm, qkv_w, attn_impl: str):
+    """The attention's inputs from x [T, D]: (q_nope [T, H, dn] or None, q_lat [T, H, R], q_pe [T, H, dr] roped,
+    latent [T, R + dr] in the cache's dtype or None, kv_cache). Where the absorb launch writes the latents
+    (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `qkv_w`
+    (`decode_qkv_weights`) the projections run in that launch too and q_nope is None (no decode path reads
+    it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights."""
+    interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
+    if qkv_w is not None:
+        from deepinfer_jax.kernels import mla_qkv
+
+        q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
+            x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
+            eps=cfg.latent_norm_eps, interpret=interpret)
+        return None, q_lat, q_pe, None, kv_cache
+    written = latent_norm is not None
+    q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
+                                               raw_latent=written)
+    latent = None if written else jnp.concatenate([c_kv, k_pe], axis=-1).astype(kv_cache.dtype)  # [T, R + dr]
+    if absorb_kv_b is None:
+        return q_nope, mla.absorb_query(p, cfg, q_nope), q_pe, latent, kv_cache
+    from deepinfer_jax.kernels import mla_absorb
+
+    # q_nope holds the whole unroped q [T, H, dn + dr]: the kernel absorbs its nope part, rotates its rope part.
+    kw = dict(dn=dn, interpret=interpret)
+    if written:  # c_kv holds the raw kv_a rows [T, R + dr]: normed, roped and cached in place
+        q_lat, q_pe, kv_cache = mla_absorb.absorb_query_write_latents(
+            q_nope, absorb_kv_b, j, cos, sin, c_kv, latent_norm, kv_cache, li, meta.slot_mapping,
+            eps=cfg.latent_norm_eps, **kw)
+    else:
+        q_lat, q_pe = mla_absorb.absorb_query(q_nope, absorb_kv_b, j, cos, sin, **kw)
+    return q_nope[..., :dn], q_lat, q_pe, latent, kv_cache
+
+
 def forward_paged(
     params: dict,
     cfg: ModelConfig,
@@ -208,6 +242,7 @@ def forward_paged(
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
     decode_latent_kernel: bool = False,
+    decode_qkv_launch: bool = False,
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
     moe_combine_in_launch: bool = False,
@@ -232,6 +267,8 @@ def forward_paged(
     its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
     `decode_latent_kernel`: where `decode_latent_weights` allows (the absorb kernel's steps), the same kernel
     launch also applies kv_a_layernorm and RoPE to the latents and writes them into the cache in place.
+    `decode_qkv_launch`: where `decode_qkv_weights` allows (that launch, no q-LoRA), the q / kv_a projections run
+    in the same launch, their weights read in place (kernels/mla_qkv.py).
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
     row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
     `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
@@ -264,37 +301,25 @@ def forward_paged(
         absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                             decode_absorb_kernel)
         latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
+        qkv_w = decode_qkv_weights(seg_params, cfg, meta, latent_norm, attn_impl, decode_qkv_launch)
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
-        for group, name in projections:
+        taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
+        for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, oproj_launch=oproj_launch, route_w=route_w):
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
+                 route_w=route_w):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            written = latent_norm is not None  # the absorb kernel writes this step's latents into the cache
-            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
-                                                       raw_latent=written)
-            if not written:
-                latent = jnp.concatenate([c_kv, k_pe], axis=-1).astype(cache.dtype)  # [T, R + dr]
-            if absorb_kv_b is not None:  # q_nope holds the whole unroped q [T, H, dn + dr]: the kernel absorbs
-                from deepinfer_jax.kernels import mla_absorb  # its nope part and rotates its rope part
-
-                kw = dict(dn=cfg.qk_nope_head_dim, interpret=attn_impl == "pallas_interpret")
-                if written:  # c_kv holds the raw kv_a rows [T, R + dr]: normed, roped and cached in place
-                    q_lat, q_pe, cache = mla_absorb.absorb_query_write_latents(
-                        q_nope, absorb_kv_b, j, cos, sin, c_kv, latent_norm, cache, li, meta.slot_mapping,
-                        eps=cfg.latent_norm_eps, **kw)
-                else:
-                    q_lat, q_pe = mla_absorb.absorb_query(q_nope, absorb_kv_b, j, cos, sin, **kw)
-                q_nope = q_nope[..., : cfg.qk_nope_head_dim]
-            else:
-                q_lat = mla.absorb_query(lp["attn"], cfg, q_nope)  # [T, H, R]
+            q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
+                                                                  absorb_kv_b, latent_norm, qkv_w, attn_impl)
+            written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
             if split_plan is not None:
                 cache = write_latents(cache, li, meta, latent)
                 a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,

@@ -215,6 +215,7 @@ class ModelRunner:
                                     decode_output_kernel=rc.decode_output_kernel,
                                     decode_absorb_kernel=rc.decode_absorb_kernel,
                                     decode_latent_kernel=rc.decode_latent_kernel,
+                                    decode_qkv_launch=rc.decode_qkv_launch,
                                     moe_single_launch=rc.moe_single_launch,
                                     decode_oproj_launch=rc.decode_oproj_launch,
                                     moe_combine_in_launch=rc.moe_combine_in_launch,

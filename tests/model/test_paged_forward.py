@@ -429,3 +429,45 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypat
     # partials [split_k, slots, D].
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
     assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_qkv_launch_equals_the_xla_projections(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_qkv_launch: in a decode step whose absorb launch writes the latents, on a model without
+    q-LoRA, the q / kv_a projections run in that launch with both weights read in place from the segment's
+    stacked arrays (kernels/mla_qkv.py): the same logits and cache as XLA's GEMM, and the full forward's logits.
+    The prefill step keeps XLA's path."""
+    from deepinfer_jax.kernels import mla_qkv
+
+    calls = []
+    real = mla_qkv.project_absorb_write_latents
+    monkeypatch.setattr(mla_qkv, "project_absorb_write_latents",
+                        lambda *a, **k: calls.append((a[0].shape, a[1].shape, a[2].shape)) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_qkv_launch", seed=18, decode_absorb_kernel=True,
+                                       decode_latent_kernel=True, decode_output_kernel=True)
+    # The two decode steps, one traced layer body per segment: x [16, D], the segment's q_proj and kv_a.
+    D, H, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+    W, dr = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
+    assert calls == 2 * [((16, D), (seg.num_layers, D, H, W), (seg.num_layers, D, R + dr)) for seg in layer_segments(cfg)]
+
+
+def test_decode_qkv_launch_applies_without_q_lora_only(hf_case):
+    """decode_qkv_weights: the stacked q_proj and kv_a where the absorb launch writes the latents, a model has no
+    q-LoRA and the flag is on; None with q-LoRA (its q goes through q_a's norm and q_b first), without the latent
+    write, or with the flag off."""
+    from deepinfer_jax.models.decode_kernels import decode_qkv_weights
+
+    meta = StepMetadata(*(jnp.zeros(16, jnp.int32),) * 4, jnp.zeros((16, 2), jnp.int32), jnp.zeros(16, jnp.int32))
+    for case, applies in (("v2_greedy_yarn", True), ("v3_grouped_noaux", False)):
+        _, path = hf_case(case)
+        cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
+        sp = params["segments"][0]
+        norm = sp["attn"]["kv_a_layernorm"]
+        got = decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", True)
+        if applies:
+            assert got[0] is sp["attn"]["q_proj"] and got[1] is sp["attn"]["kv_a_proj_with_mqa"]
+            assert decode_qkv_weights(sp, cfg, meta, norm, "pallas", True) is None  # 8-wide tiles: GPU's dot can't
+        else:
+            assert got is None
+        assert decode_qkv_weights(sp, cfg, meta, None, "pallas_interpret", True) is None
+        assert decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", False) is None
