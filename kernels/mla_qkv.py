@@ -86,11 +86,9 @@ def _kernel(layer_ref, cache_layer_ref, slot_ref, x_ref, wq_ref, wkv_ref, kvb_re
         launch_sync.release(cnt_ref, group, spin)
 
     def summed(rows, start, size, stride):  # the GEMM's output [rows, cols(start, size, stride)] in x's dtype
-        c = cols(start, size, stride)
-        acc = part_ref[jnp.int32(0), rows, c]
-        for s in range(1, split_k):
-            acc = acc + part_ref[jnp.int32(s), rows, c]
-        return acc.astype(dtype)
+        c = cols(start, size, stride)  # a loop, not a Python sum: all split_k tiles live at once took 255 registers
+        zero = jnp.zeros((T, size) if isinstance(rows, slice) else (size,), jnp.float32)
+        return jax.lax.fori_loop(0, split_k, lambda s, acc: acc + part_ref[s, rows, c], zero).astype(dtype)
 
     @pl.when(p < G)
     def _():
