@@ -8,9 +8,10 @@
 #   route    RunnerConfig.decode_route_launch: o_proj's partials to the routing in one launch
 #
 #   bash benchmarks/explore_next.sh OUTDIR          the batch-32 decode step with all four (traced, one layer
-#                                                   printed), with none, and with each alone; oproj8: o_proj's launch
-#                                                   at 8 warps (its programs hold 64 KB of weight tiles); qkv2: the
-#                                                   qkv launch's GEMM in 2 K chunks (114 programs of 128 KB), not 4
+#                                                   printed), with none, and with each alone; qkv2: the qkv launch's
+#                                                   GEMM in 2 K chunks (114 programs of 128 KB), not 4. (o_proj's
+#                                                   launch at 8 warps is not tried: benchmarks/kernel_resources.py
+#                                                   shows no spills at 4, 255 registers, and 1 CTA an SM at 8.)
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -45,10 +46,9 @@ sp oproj --decode-oproj-launch
 sp combine --moe-combine-in-launch
 sp route --decode-route-launch
 sp qkv2 --decode-qkv-launch --qkv-kernel split_k=2
-sp oproj8 --decode-oproj-launch --oproj-kernel num_warps=8
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-for l in all base qkv oproj combine route qkv2 oproj8; do
+for l in all base qkv oproj combine route qkv2; do
   [[ -f $out/step_$l.log ]] || continue
   echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
 done
