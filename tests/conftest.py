@@ -34,6 +34,27 @@ def case_name(request):
     return request.param
 
 
+def _clear_compiled_programs():
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
+def _memory_maps() -> int:
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:  # not Linux
+        return 0
+
+
+# Clear within a module once the process holds this many memory maps (Linux's default limit is 65,530).
+MAX_MAPS_WITHIN_A_MODULE = 40_000
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _free_compiled_programs():
     """Drop JAX's caches of compiled programs after each test module. Every XLA:CPU program maps its code
@@ -41,9 +62,14 @@ def _free_compiled_programs():
     the process: the whole suite reached Linux's vm.max_map_count (65,530) and a later compile or
     serialization aborted. Programs a module still holds (an engine in a fixture) stay alive."""
     yield
-    import gc
+    _clear_compiled_programs()
 
-    import jax
 
-    jax.clear_caches()
-    gc.collect()
+@pytest.fixture(autouse=True)
+def _free_compiled_programs_within_a_heavy_module():
+    """The same after a test, where one module's tests alone brought the maps past MAX_MAPS_WITHIN_A_MODULE
+    (tests/model/test_paged_forward.py, each test compiling its own step programs, segfaulted at 37% of
+    the suite in XLA:CPU's compilation cache write)."""
+    yield
+    if _memory_maps() > MAX_MAPS_WITHIN_A_MODULE:
+        _clear_compiled_programs()
