@@ -3,7 +3,8 @@
 Two steps, two Pythons:
 
     .venv/bin/python benchmarks/kernel_resources.py dump DIR       # the project's venv: lowers each kernel at
-                                                                   # V2-Lite's batch-32 decode shapes for sm_90 and
+                                                                   # V2-Lite's batch-32 decode shapes (--prefill:
+                                                                   # Protocol A's prefill step) for sm_90 and
                                                                    # writes its Triton IR and launch parameters
     .ptx-venv/bin/python benchmarks/kernel_resources.py report DIR # a venv with the `triton` package
                                                                    # (bash scripts/ptx_tools.sh makes it): compiles
@@ -73,9 +74,40 @@ def _cases():
     ]
 
 
-def dump(out: str) -> None:
-    """Lower every case for an sm_90 device and write DIR/NN.ttir plus DIR/kernels.json (name, warps, stages,
-    grid of each kernel, in launch order within its case)."""
+def _prefill_cases():
+    """(name, fn, args) of a Protocol A prefill step: 32 prompts x 512 tokens in the 16,384-token bucket."""
+    import jax.numpy as jnp
+    from jax import ShapeDtypeStruct as s
+
+    from deepinfer_jax.kernels import mla_chunk, mla_prefill, moe_gmm
+
+    H, R, DR, PS, L, T, D, S = 16, 512, 64, 64, 27, 16384, 2048, 32
+    Lm, E, I, k = 26, 64, 1408, 6
+    bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
+
+    def split(qn, qp, kv, kp, ql, cache, sid, pos, pt):  # models/deepseek.py attend_split's two kernels
+        rs = mla_prefill.run_starts(sid, pos)
+        blocks = mla_prefill.query_blocks(sid, pos, 64, mla_prefill.num_query_blocks_bound(T, S, 64))
+        chunk = mla_chunk.chunk_attention(qn, qp, kv, kp, rs, blocks, 0.1, block_q=64)
+        ctx = mla_prefill.paged_mla_prefill_attention(ql, qp, cache, 0, sid, pos, pt, 0.1, visible_to=pos[rs] - 1,
+                                                      return_lse=True)
+        return chunk, ctx
+
+    return [
+        ("prefill attention", split,
+         (s((T, H, 128), bf), s((T, H, DR), bf), s((T, H, 256), bf), s((T, DR), bf), s((T, H, R), bf),
+          s((L, 8000, PS, R + DR), bf), s((T,), i32), s((T,), i32), s((S, 16), i32))),
+        ("prefill MoE", lambda x, a, b, w, i, l, sa, sb: moe_gmm.moe_experts(x, a, b, w, i, l, shared_gate_up=sa,
+                                                                              shared_down=sb),
+         (s((T, D), bf), s((Lm, E, D, 2, I), bf), s((Lm, E, I, D), bf), s((T, k), f32), s((T, k), i32), s((), i32),
+          s((Lm, D, 2, 2 * I), bf), s((Lm, 2 * I, D), bf))),
+    ]
+
+
+def dump(out: str, prefill: bool = False) -> None:
+    """Lower every case (the decode step's, or with `prefill` a prefill step's) for an sm_90 device and write
+    DIR/NN.ttir plus DIR/kernels.json (name, warps, stages, grid of each kernel, in launch order within its
+    case)."""
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
 
@@ -94,7 +126,7 @@ def dump(out: str) -> None:
     os.makedirs(out, exist_ok=True)
     index = []
     try:
-        for case, fn, args in _cases():
+        for case, fn, args in (_prefill_cases() if prefill else _cases()):
             captured.clear()
             jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             for i, (ir, warps, stages, grid) in enumerate(captured):
@@ -152,12 +184,13 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mode", choices=["dump", "report"])
     ap.add_argument("dir")
+    ap.add_argument("--prefill", action="store_true", help="dump: a Protocol A prefill step's kernels instead")
     ap.add_argument("--num-warps", type=int, default=None, help="report: compile every kernel at these warps")
     ap.add_argument("--num-stages", type=int, default=None, help="report: compile every kernel at these stages")
     args = ap.parse_args(argv)
     if args.mode == "dump":
         sys.path.insert(0, os.path.dirname(HERE))
-        dump(args.dir)
+        dump(args.dir, args.prefill)
     else:
         report(args.dir, args.num_warps, args.num_stages)
     return 0
