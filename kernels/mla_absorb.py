@@ -165,13 +165,13 @@ def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, co
     @pl.when(pid < T)  # programs [0, T): token pid's latent into the cache
     def _():
         latent_row(pid, slot_ref, lambda t, *c: ckv_ref[t, cols(*c)], norm_ref, layer, cos_ref, sin_ref,
-                    cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
+                   cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
 
     @pl.when(pid >= T)  # programs [T, T + H * nrb): the absorption's (h, rb) tiles
     def _():
         p = pid - T
         absorb_tile(p // nrb, p % nrb, layer, _q_loader(q_ref), w_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn,
-                     dr=dr, block_r=block_r)
+                    dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "eps", "block_r", "num_warps", "num_stages", "interpret"))

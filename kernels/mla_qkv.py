@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.decode_matmul import fewest_chunks, largest_pow2_divisor
-from deepinfer_jax.kernels.mla_absorb import (absorb_tile, latent_row, absorb_query_write_latents_reference, cols,
+from deepinfer_jax.kernels.mla_absorb import (absorb_query_write_latents_reference, absorb_tile, cols, latent_row,
                                               latent_supported)
 from deepinfer_jax.kernels.mla_decode import EXACT
 
@@ -106,14 +106,14 @@ def _kernel(layer_ref, cache_layer_ref, slot_ref, x_ref, wq_ref, wkv_ref, kvb_re
     def _():
         launch_sync.acquire(cnt_ref, H, Wkv // block_n * split_k, spin)
         latent_row(p - G, slot_ref, lambda t, start, size, stride: summed(t, Nq + start, size, stride), norm_ref,
-                    layer, cos_ref, sin_ref, cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
+                   layer, cos_ref, sin_ref, cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
 
     @pl.when(p >= G + T)  # the absorption's (h, rb) tiles, h-major
     def _():
         h, rb = (p - G - T) // nrb, (p - G - T) % nrb
         launch_sync.acquire(cnt_ref, h, W // block_n * split_k, spin)
         absorb_tile(h, rb, layer, lambda h, start, size, stride: summed(slice(None), h * W + start, size, stride),
-                     kvb_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn, dr=dr, block_r=block_r)
+                    kvb_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn, dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "eps", "block_r", "block_n", "block_k", "split_k", "num_warps",
