@@ -29,6 +29,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels.triton_params import compiler_params
+
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
 EXACT = jax.lax.Precision.HIGHEST
 
@@ -99,12 +101,8 @@ def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_
     if rows != T:
         xp = jnp.zeros((rows, K), w.dtype).at[:T].set(xp)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        stages = num_stages if w.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    stages = num_stages if w.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
+    params = compiler_params(num_warps, stages, interpret)
     part = pl.pallas_call(
         functools.partial(_decode_matmul_kernel, block_n=block_n, block_k=block_k, k_steps=K // (split_k * block_k)),
         grid=(N // block_n, split_k), out_shape=jax.ShapeDtypeStruct((split_k, rows, N), jnp.float32),

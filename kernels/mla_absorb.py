@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.mla_decode import EXACT
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 BLOCK_T = 16  # Triton's dot needs at least 16 rows
 
@@ -111,11 +112,7 @@ def absorb_query(q, kv_b, layer, cos, sin, *, dn, block_r=64, num_warps=4, num_s
     assert H == H2 and cos.shape == sin.shape == (T, dr // 2) and supported(T, dn, dr, R, block_r), (
         q.shape, kv_b.shape, cos.shape, dn, block_r)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_absorb_kernel, dn=dn, dr=dr, block_r=block_r),
         grid=(H, R // block_r),
@@ -200,11 +197,7 @@ def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cac
     assert ckv.shape == (T, R + dr) and norm_w.shape == (kv_b.shape[0], R) and cache.shape[3] == R + dr and (
         slots.shape == (T,)), (ckv.shape, norm_w.shape, cache.shape, slots.shape)
     layer, cache_layer = (jnp.asarray(i, jnp.int32).reshape(1) for i in (layer, cache_layer))
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_absorb_latent_kernel, dn=dn, dr=dr, block_r=block_r, eps=float(eps)),
         grid=(T + H * (R // block_r),),

@@ -34,6 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from deepinfer_jax.kernels.mla_decode import EXACT, NEG, softmax_step
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 
 def supported(dn: int, dr: int, dv: int, interpret: bool = False) -> bool:
@@ -86,10 +87,8 @@ def chunk_attention(q_nope, q_pe, kv, k_pe, run_start, blocks, scale, *, block_q
     T, H, dn = q_nope.shape
     dv = kv.shape[-1] - dn
     first, count = (b.astype(jnp.int32) for b in blocks)
-    params = None
-    if not interpret:
-        stages = num_stages if q_nope.dtype.itemsize < 4 else 1
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    stages = num_stages if q_nope.dtype.itemsize < 4 else 1
+    params = compiler_params(num_warps, stages, interpret)
     kernel = functools.partial(_kernel, block_q=block_q, block_k=min(block_k, T), dn=dn, dv=dv, num_tokens=T,
                                scale=scale)
     out_shape = [jax.ShapeDtypeStruct((T, H, dv), jnp.float32), jax.ShapeDtypeStruct((T, H), jnp.float32),

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels.triton_params import compiler_params
+
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
 EXACT = jax.lax.Precision.HIGHEST
 
@@ -198,14 +200,10 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
     )
     full = lambda a: pl.BlockSpec(a.shape, lambda t, h, s: (0,) * a.ndim)  # noqa: E731
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        # fp32 latents (the correctness path) keep one pipeline stage: three 32-key blocks would take 221 KB of
-        # the 227 KB of shared memory, as would two of several pages a step in bf16.
-        stages = num_stages if kv_cache.dtype.itemsize < 4 and pages_per_step == 1 else 1
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    # fp32 latents (the correctness path) keep one pipeline stage: three 32-key blocks would take 221 KB of
+    # the 227 KB of shared memory, as would two of several pages a step in bf16.
+    stages = num_stages if kv_cache.dtype.itemsize < 4 and pages_per_step == 1 else 1
+    params = compiler_params(num_warps, stages, interpret)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(T, nh, splits),

@@ -41,6 +41,7 @@ from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.launch_sync import acquire, release
 from deepinfer_jax.kernels.mla_decode import EXACT, merge_splits
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 BLOCK_T = 16  # tokens a program merges: Triton's dot needs at least 16 rows
 
@@ -97,11 +98,7 @@ def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block
     assert R == R2 and H == nh * bh and T % BLOCK_T == 0 and dv % block_v == 0 and R % block_r == 0, (
         o.shape, kv_b.shape, dn, block_v, block_r)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(
         functools.partial(_mla_output_kernel, bh=bh, splits=S, dn=dn, block_t=BLOCK_T, block_v=block_v,
                           block_r=block_r, dtype=jnp.dtype(dtype)),
@@ -182,11 +179,7 @@ def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block
     chunk = H * dv // split_k
     n1 = H * (T // BLOCK_T) * (dv // block_v)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(num_warps, num_stages, interpret)
     args = (layer, o, m, l, kv_b, w_o, jnp.zeros((split_k,), jnp.int32))  # the chunks' counters
     _, part, _ = pl.pallas_call(
         functools.partial(_merge_project_kernel, token_blocks=T // BLOCK_T, block_v=block_v, dv=dv,

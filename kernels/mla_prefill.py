@@ -55,6 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from deepinfer_jax.kernels.mla_decode import NEG, attend_page
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 
 def num_query_blocks_bound(num_tokens: int, num_seq_rows: int, block_q: int) -> int:
@@ -212,11 +213,9 @@ def paged_mla_prefill_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions
         out_shape = [jax.ShapeDtypeStruct((splits, nh, T * bh, R), jnp.float32),
                      jax.ShapeDtypeStruct((splits, nh, T * bh), jnp.float32),
                      jax.ShapeDtypeStruct((splits, nh, T * bh), jnp.float32)]
-    params = None
-    if not interpret:
-        # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
-        stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    # A page of fp32 latents is 147 KB: two pipeline stages would exceed the 227 KB of shared memory.
+    stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
+    params = compiler_params(num_warps, stages, interpret)
     outs = pl.pallas_call(
         kernel,
         grid=(nb, nh, splits),

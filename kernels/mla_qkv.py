@@ -45,6 +45,7 @@ from deepinfer_jax.kernels.decode_matmul import fewest_chunks, largest_pow2_divi
 from deepinfer_jax.kernels.mla_absorb import (absorb_query_write_latents_reference, absorb_tile, cols, latent_row,
                                               latent_supported)
 from deepinfer_jax.kernels.mla_decode import EXACT
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 
 def plan(D: int, H: int, W: int, Wkv: int, interpret: bool = False) -> tuple[int, int, int] | None:
@@ -140,12 +141,8 @@ def project_absorb_write_latents(x, w_q, w_kv, layer, kv_b, cos, sin, norm_w, ca
         slots.shape == (T,)), (cos.shape, norm_w.shape, cache.shape, slots.shape)
     G = (H * W + Wkv) // block_n * split_k
     layer, cache_layer = (jnp.asarray(i, jnp.int32).reshape(1) for i in (layer, cache_layer))
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        stages = num_stages if w_q.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=stages)
+    stages = num_stages if w_q.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
+    params = compiler_params(num_warps, stages, interpret)
     args = (layer, cache_layer, slots.astype(jnp.int32), x, w_q, w_kv, kv_b, cos.astype(jnp.float32),
             sin.astype(jnp.float32), norm_w, cache, jnp.zeros((H + 1,), jnp.int32))  # the groups' counters
     q_lat, q_pe, cache, _, _ = pl.pallas_call(

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
 EXACT = jax.lax.Precision.HIGHEST
@@ -266,11 +267,7 @@ def _fit(block: int, dim: int) -> int:
 
 
 def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw):
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(
         functools.partial(kernel, **kw), grid=grid, out_shape=out_shape,
         compiler_params=params, interpret=interpret,
@@ -382,11 +379,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         combine = () if residual is None else (residual, weights.astype(jnp.float32), row_of.astype(jnp.int32))
         n_counters = nb + (nb * (D // bn2) if combine else 0)  # ready [nb], then the down tiles' flags
         args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, *combine, jnp.zeros((n_counters,), jnp.int32))
-        params = None
-        if not interpret:
-            from jax.experimental.pallas import triton as plgpu
-
-            params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+        params = compiler_params(num_warps, num_stages, interpret)
         out = pl.pallas_call(
             functools.partial(_single_launch_kernel, t1=t1, t2=t2, shared=bool(shared), with_rc=bool(rc1),
                               gathered=not gather_in_kernel, combine=bool(combine), n1=n1, n2=n2,

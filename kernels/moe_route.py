@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 MAX_COPIES = 2048
 
@@ -144,13 +145,9 @@ def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax",
                          f"k={k}, S={num_shared}")
     M = padded_rows(T, k, num_shared, E, block_m)
     row_chunk = min(M, 128)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        # A chain of small reductions: 8 warps 7.4 us a layer on an H200, 4 warps 8.5, 2 warps 31, 16 warps 7.8
-        # (V2-Lite, batch 32; benchmarks/RESULTS.md, session 7).
-        params = plgpu.CompilerParams(num_warps=8, num_stages=1)
+    # A chain of small reductions: 8 warps 7.4 us a layer on an H200, 4 warps 8.5, 2 warps 31, 16 warps 7.8
+    # (V2-Lite, batch 32; benchmarks/RESULTS.md, session 7).
+    params = compiler_params(8, 1, interpret)
     out_shape = (jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.int32),
                  jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),
                  jax.ShapeDtypeStruct((M // block_m,), jnp.int32))

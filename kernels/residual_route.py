@@ -47,6 +47,7 @@ from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import EXACT
 from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, route_chunk
 from deepinfer_jax.kernels.moe_route import supported as route_supported
+from deepinfer_jax.kernels.triton_params import compiler_params
 
 ROUTER_CHUNKS = 4  # C: the router GEMM's K chunks ([512, 64] gate slices at V2-Lite's D = 2048)
 
@@ -128,11 +129,7 @@ def residual_route(parts, h, norm_w, gate, layer, bias=None, *, eps, k, num_shar
                     scale=float(routed_scaling_factor), row_chunk=row_chunk)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
-    params = None
-    if not interpret:
-        from jax.experimental.pallas import triton as plgpu
-
-        params = plgpu.CompilerParams(num_warps=num_warps, num_stages=1)
+    params = compiler_params(num_warps, 1, interpret)
     args = (layer, parts, h, norm_w, gate, *(() if bias is None else (bias.astype(jnp.float32),)),
             jnp.zeros((2,), jnp.int32))  # the phases' counters
     out_shape = (jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype),
