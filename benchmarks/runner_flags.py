@@ -4,33 +4,37 @@ from __future__ import annotations
 
 import argparse
 
-# RunnerConfig's on / off implementation choices: (field, default, what it does). Each is a --[no-]flag.
+from deepinfer_jax.config import RunnerConfig
+
+# RunnerConfig's on / off implementation choices: (field, what it does). Each is a --[no-]flag whose default is
+# RunnerConfig's.
 SWITCHES = [
-    ("fuse_shared_experts", True, "run the shared experts inside the Pallas MoE kernels"),
-    ("fuse_moe_routing", True, "route and align decode steps in one Pallas kernel"),
-    ("decode_projection_kernel", True, "decode steps' projections read in place by kernels/decode_matmul.py"),
-    ("decode_output_kernel", True, "decode steps merge the attention's splits and apply W_UV in one kernel"),
-    ("decode_absorb_kernel", True, "decode steps absorb the query through W_UK in one kernel reading q_nope and "
-                                   "W_UK in place"),
-    ("decode_latent_kernel", True, "the absorb kernel's launch also norms, ropes and writes the step's latents "
-                                    "into the KV cache"),
-    ("decode_qkv_launch", False, "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
-    ("moe_single_launch", True, "decode steps run the MoE's two expert kernels in one launch"),
-    ("decode_oproj_launch", False, "decode steps run o_proj in the attention output kernel's launch"),
-    ("moe_combine_in_launch", False, "the single MoE launch also combines the expert rows and adds the residual"),
-    ("decode_route_launch", False, "decode MoE layers go from o_proj's partials to the routing in one launch"),
+    ("fuse_shared_experts", "run the shared experts inside the Pallas MoE kernels"),
+    ("fuse_moe_routing", "route and align decode steps in one Pallas kernel"),
+    ("decode_projection_kernel", "decode steps' projections read in place by kernels/decode_matmul.py"),
+    ("decode_output_kernel", "decode steps merge the attention's splits and apply W_UV in one kernel"),
+    ("decode_absorb_kernel", "decode steps absorb the query through W_UK in one kernel reading q_nope and "
+                             "W_UK in place"),
+    ("decode_latent_kernel", "the absorb kernel's launch also norms, ropes and writes the step's latents "
+                             "into the KV cache"),
+    ("decode_qkv_launch", "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
+    ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
+    ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
+    ("moe_combine_in_launch", "the single MoE launch also combines the expert rows and adds the residual"),
+    ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
 ]
 
 
 def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     """--[no-]<switch> for each of SWITCHES, and --prefill-attention (RunnerConfig's defaults)."""
-    for field, default, what in SWITCHES:
+    for field, what in SWITCHES:
+        default = RunnerConfig.__dataclass_fields__[field].default
         ap.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
                         help=f"{what} (RunnerConfig.{field})")
-    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default="expanded",
+    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
-    return {field: getattr(args, field) for field, _, _ in SWITCHES} | {"prefill_attention": args.prefill_attention}
+    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention}

@@ -375,8 +375,18 @@ class RunnerConfig:
     # LLM (and so `serve`) puts it inside the compilation cache directory.
     program_cache_dir: str | None = None
 
+    def forward_switches(self) -> dict[str, Any]:
+        """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
+        return {name: getattr(self, name) for name in FORWARD_SWITCHES}
+
     def unroll_for(self, num_tokens: int, platform: str) -> bool:
         limit = self.unroll_max_tokens
         if limit is None:
             limit = 256 if platform == "gpu" else 0
         return num_tokens <= limit
+
+
+# RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
+FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
+                    "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
+                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch")

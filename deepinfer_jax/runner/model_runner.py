@@ -207,19 +207,7 @@ class ModelRunner:
                 unroll = rc.unroll_for(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                     return_routing=rc.collect_routing, unroll=True if unroll else 1,
-                                    mesh_rules=None if sh is None else sh.mesh_rules,
-                                    fuse_shared_experts=rc.fuse_shared_experts,
-                                    fuse_moe_routing=rc.fuse_moe_routing,
-                                    prefill_attention=rc.prefill_attention,
-                                    decode_projection_kernel=rc.decode_projection_kernel,
-                                    decode_output_kernel=rc.decode_output_kernel,
-                                    decode_absorb_kernel=rc.decode_absorb_kernel,
-                                    decode_latent_kernel=rc.decode_latent_kernel,
-                                    decode_qkv_launch=rc.decode_qkv_launch,
-                                    moe_single_launch=rc.moe_single_launch,
-                                    decode_oproj_launch=rc.decode_oproj_launch,
-                                    moe_combine_in_launch=rc.moe_combine_in_launch,
-                                    decode_route_launch=rc.decode_route_launch)
+                                    mesh_rules=None if sh is None else sh.mesh_rules, **rc.forward_switches())
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)
