@@ -34,9 +34,9 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
-    pallas_one_device, decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
-    decode_qkv_weights, decode_route_weights, decode_stacked, decode_value_weights, oproj_in_output_launch, oproj_partials,
-    residual_route_step)
+    decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights, decode_qkv_weights,
+    decode_route_weights, decode_stacked, decode_value_weights, oproj_in_output_launch, oproj_partials,
+    pallas_one_device, residual_route_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
