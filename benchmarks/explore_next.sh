@@ -36,7 +36,47 @@ if [[ $mode == check ]]; then
   grep -h -E "Protocol A|prefill [0-9]" "$out"/protocol_a_*.log | cut -c1-220
   exit 0
 fi
-sp() { local label=$1; shift; left || return; echo "$label $(( $(date +%s) - start ))s"
+if [[ $mode == prefetch ]]; then  # the routing launch's L2 prefetch (RunnerConfig.moe_l2_prefetch): sizes, then the best
+  best=base; best_ms=
+  for v in "base:0,0" "e24r128:24,128" "e16r256:16,256" "e24r256:24,256" "e32r192:32,192" "e48r128:48,128"; do
+    label=${v%%:*}; echo "$label $(( $(date +%s) - start ))s"
+    timeout 100 python3 benchmarks/step_profile.py --label "$label" --moe-l2-prefetch "${v#*:}" 2>&1 | quiet \
+      > "$out/pf_$label.log"
+    ms=$(grep -h -oE "pipelined via compiled: [0-9.]+" "$out/pf_$label.log" | grep -oE "[0-9.]+$")
+    echo "  $label (${v#*:}): ${ms:-none} ms"
+    [[ -z $ms ]] && continue
+    [[ $label == base ]] && base_ms=$ms
+    if [[ $label != base ]] && awk "BEGIN{exit !($ms < ${best_ms:-$base_ms} && $ms <= $base_ms - 0.02)}"; then
+      best=${v#*:}; best_ms=$ms
+    fi
+  done
+  echo "best: $best ${best_ms:-} (base ${base_ms:-})"
+  [[ $best == base ]] && exit 0
+  timeout 200 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    --moe-l2-prefetch "$best" > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  for run in 1 2; do
+    left 480 && timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --moe-l2-prefetch "$best" \
+      > "$out/protocol_a_$run.log" 2>&1
+    grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a_$run.log" | cut -c1-200
+  done
+  exit 0
+fi
+if [[ $mode == xla ]]; then  # XLA options for the non-MoE GEMMs: no dot merging (no slice copies), cuBLAS only
+  rm=--xla_disable_hlo_passes=rematerialization
+  for v in "base:$rm" "nomerge:$rm --xla_gpu_dot_merger_threshold_mb=0" "cublas:$rm --xla_gpu_enable_triton_gemm=false" \
+           "both:$rm --xla_gpu_dot_merger_threshold_mb=0 --xla_gpu_enable_triton_gemm=false"; do
+    label=${v%%:*}; echo "$label $(( $(date +%s) - start ))s"
+    XLA_FLAGS="${v#*:}" timeout 100 python3 benchmarks/step_profile.py --label "$label" --trace "/tmp/tr_$label" 2>&1 \
+      | quiet > "$out/xla_$label.log"
+  done
+  for l in base nomerge cublas both; do
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/xla_$l.log") | $(grep -h -E "GPU kernel time" "$out/xla_$l.log")"
+  done
+  for l in nomerge cublas; do grep -h -A17 "one layer" "$out/xla_$l.log" | head -18; done
+  exit 0
+fi
+sp() { local label=$1; shift; left 450 || return; echo "$label $(( $(date +%s) - start ))s"
        timeout 100 python3 benchmarks/step_profile.py --label "$label" "$@" 2>&1 | quiet > "$out/step_$label.log"; }
 all=(--decode-qkv-launch --decode-oproj-launch --moe-combine-in-launch --decode-route-launch)
 sp all "${all[@]}" --trace /tmp/tr_all

@@ -362,6 +362,11 @@ class RunnerConfig:
     # launches (12.9 us a layer on an H200 at batch 32). Off until measured on a GPU (written after session
     # 11's device time ran out; session 10's first try, a per-token kernel, was slower than XLA).
     decode_route_launch: bool = False
+    # (experts, rows): where the routing runs in its kernel (fuse_moe_routing) and the single MoE launch
+    # follows, the routing launch also loads the first `rows` rows (of D) of the first `experts` experts'
+    # gate_up weights into L2 (kernels/moe_route.py), in programs beside the routing ones, while DRAM is
+    # otherwise idle; the MoE launch's first wave of tiles starts on those rows. (0, 0): off.
+    moe_l2_prefetch: tuple[int, int] = (0, 0)
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
@@ -389,4 +394,5 @@ class RunnerConfig:
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch")
+                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch",
+                    "moe_l2_prefetch")
