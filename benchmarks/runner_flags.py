@@ -31,15 +31,10 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
         default = RunnerConfig.__dataclass_fields__[field].default
         ap.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
                         help=f"{what} (RunnerConfig.{field})")
-    ap.add_argument("--moe-l2-prefetch", default=",".join(map(str, RunnerConfig.moe_l2_prefetch)),
-                    help="EXPERTS,ROWS: the routing launch loads those experts' first gate_up rows into L2 "
-                         "(RunnerConfig.moe_l2_prefetch; 0,0 off)")
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
-    prefetch = tuple(int(v) for v in args.moe_l2_prefetch.split(","))
-    return ({field: getattr(args, field) for field, _ in SWITCHES}
-            | {"prefill_attention": args.prefill_attention, "moe_l2_prefetch": prefetch})
+    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention}

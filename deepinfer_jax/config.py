@@ -338,7 +338,8 @@ class RunnerConfig:
     # projections run in it too (kernels/mla_qkv.py): GEMM programs read q_proj and kv_a_proj_with_mqa in place
     # and release per-head counters, on which the latent and absorb programs wait. It replaces XLA's split-K
     # GEMM and its two slice copies of q and the latents (7.4 + 1.7 + 1.3 us a layer on an H200 at batch 32,
-    # session 11). Off until measured on a GPU (written in session 12, which had no device time).
+    # session 11). Measured in session 13 (H200, V2-Lite, batch 32 at 640): the launch takes 13.2 us against
+    # 14.8 for what it replaces, but the step is 8.22-8.23 ms against 8.23-8.24, within noise; off.
     decode_qkv_launch: bool = False
     # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
     # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
@@ -348,25 +349,22 @@ class RunnerConfig:
     # Where the output kernel runs (decode_output_kernel) and o_proj is read in place (decode_projection_kernel),
     # o_proj runs in the output kernel's launch (kernels/mla_output.py merge_value_output_projection): its
     # programs load their weight tiles while the merge runs, then wait (atomic counters) for their K chunk
-    # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32). Off
-    # until measured on a GPU (written after session 11's device time ran out).
+    # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32).
+    # Session 13 (H200, batch 32): 15.1 us against 9.2 + 4.7 for the two launches, step 8.26 ms against 8.23; off.
     decode_oproj_launch: bool = False
     # Where the MoE runs in one launch (moe_single_launch) with the shared experts inside, that launch also
     # combines each token's expert rows and adds the residual (kernels/moe_gmm.py `residual`): programs of
     # its last wave, each waiting on its copies' down tiles, instead of XLA's gather-and-add kernel (2.5 us a
-    # layer on an H200 at batch 32). Off until measured on a GPU (written after session 11's device time).
+    # layer on an H200 at batch 32). Session 13 (H200, batch 32): the MoE launch grows by 8.4 us a layer to
+    # save that 2.4, step 8.34-8.36 ms against 8.23; off.
     moe_combine_in_launch: bool = False
     # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel) go
     # from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py: the residual
     # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
-    # launches (12.9 us a layer on an H200 at batch 32). Off until measured on a GPU (written after session
-    # 11's device time ran out; session 10's first try, a per-token kernel, was slower than XLA).
+    # launches (12.9 us a layer on an H200 at batch 32; session 10's first try, a per-token kernel, was slower
+    # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
+    # against 8.23-8.24; off.
     decode_route_launch: bool = False
-    # (experts, rows): where the routing runs in its kernel (fuse_moe_routing) and the single MoE launch
-    # follows, the routing launch also loads the first `rows` rows (of D) of the first `experts` experts'
-    # gate_up weights into L2 (kernels/moe_route.py), in programs beside the routing ones, while DRAM is
-    # otherwise idle; the MoE launch's first wave of tiles starts on those rows. (0, 0): off.
-    moe_l2_prefetch: tuple[int, int] = (0, 0)
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
@@ -394,5 +392,4 @@ class RunnerConfig:
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch",
-                    "moe_l2_prefetch")
+                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch")

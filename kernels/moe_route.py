@@ -20,12 +20,6 @@ writes its chunk of row_copy and its blocks of block_expert; program 0 also writ
 and row_of. Limits: T and E powers of two, T * K <= 2048 (decode buckets; prefill sizes keep the XLA
 route and the sort-based alignment).
 
-With `prefetch` (experts n, rows R), extra programs after the routing ones load the first R rows (of D) of
-the first n experts' gate_up weights at `layer` into L2 (evict-last), while the routing programs run: the
-single MoE launch that follows starts its first wave of gate_up tiles on those experts (block-major, experts
-in id order; at batch 32 nearly every expert is routed to), each tile walking its rows from the first. The
-loads feed a throwaway output so that they are kept. The routing outputs are the same with or without it.
-
 `route_align_reference` (pure JAX) defines the semantics; `interpret=True` runs the kernel on the CPU.
 """
 
@@ -36,7 +30,6 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -59,53 +52,10 @@ def supported(num_tokens: int, num_experts: int, k: int, num_shared: int) -> boo
     return pow2(num_tokens) and pow2(num_experts) and num_tokens * (k + num_shared) <= MAX_COPIES
 
 
-# The L2 prefetch's view of the stacked gate_up weights: rows of this many elements; a program's tile: rows.
-PREFETCH_ROW, PREFETCH_TILE = 1024, 16
-
-
-def prefetch_plan(w_gate_up_shape: tuple, experts: int, rows: int) -> tuple | None:
-    """(experts, programs an expert, flat rows an expert spans, flat rows a layer spans, flat rows a program loads)
-    for prefetching the first `rows` rows of the first `experts` experts of a stacked gate_up [L, E, D, 2, I]
-    over the weights' [-1, PREFETCH_ROW] view, each program loading one tile of up to PREFETCH_TILE rows (all
-    loads in flight at once: on an H200, 96 programs of eleven 16 KB loads each took 15.5 us for 35 MB,
-    session 13); None when off (experts or rows 0) or when the rows do not fill whole rows of that view."""
-    _, E, D, _, I = w_gate_up_shape
-    experts, rows = min(experts, E), min(rows, D)
-    if experts <= 0 or rows <= 0 or (D * 2 * I) % PREFETCH_ROW or (rows * 2 * I) % PREFETCH_ROW:
-        return None
-    span = rows * 2 * I // PREFETCH_ROW
-    tile = next(t for t in (PREFETCH_TILE, 8, 4, 2, 1) if span % t == 0)
-    return experts, span // tile, D * 2 * I // PREFETCH_ROW, E * D * 2 * I // PREFETCH_ROW, tile
-
-
-def l2_prefetch(q, layer, w_ref, out_ref, *, parts, per_expert, per_layer, tile):
-    """Prefetch program q: loads tile q % parts of expert q // parts's first rows at `layer` from the stacked
-    weights' flat view w_ref [L * per_layer, PREFETCH_ROW] (evict-last in L2) and stores its column max as row q
-    of out_ref (a throwaway output that keeps the load)."""
-    start = layer * per_layer + (q // parts) * per_expert + (q % parts) * tile
-    t = plgpu.load(w_ref.at[pl.ds(start, tile), :], eviction_policy="evict_last")
-    out_ref[pl.ds(q, 1), :] = jnp.max(t, axis=0, keepdims=True)
-
-
-def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk, has_bias, plan, n_route):
-    bias_ref = refs[0] if has_bias else None
-    outs = refs[-6:-1] if plan else refs[-5:]
-    c = pl.program_id(0)
-
-    def route():
-        route_chunk(c, logits_ref[...], bias_ref, *outs, k=k, S=S, block_m=block_m, softmax=softmax, norm=norm,
-                    scale=scale, row_chunk=row_chunk)
-
-    if plan is None:
-        route()
-        return
-    layer_ref, w_ref = refs[int(has_bias)], refs[int(has_bias) + 1]
-    pl.when(c < n_route)(route)
-
-    @pl.when(c >= n_route)
-    def _():
-        l2_prefetch(c - n_route, layer_ref[0], w_ref, refs[-1], parts=plan[1], per_expert=plan[2], per_layer=plan[3],
-                    tile=plan[4])
+def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
+    bias_ref = refs[0] if len(refs) == 6 else None
+    route_chunk(pl.program_id(0), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m, softmax=softmax,
+                norm=norm, scale=scale, row_chunk=row_chunk)
 
 
 def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *, k, S, block_m, softmax, norm,
@@ -182,17 +132,12 @@ def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref
 
 
 @functools.partial(jax.jit, static_argnames=("k", "num_shared", "block_m", "scoring_func", "norm_topk_prob",
-                                             "routed_scaling_factor", "prefetch", "return_prefetched",
-                                             "interpret"))
+                                             "routed_scaling_factor", "interpret"))
 def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax", norm_topk_prob=False,
-                routed_scaling_factor=1.0, w_gate_up=None, layer=None, prefetch=(0, 0), return_prefetched=False,
-                interpret=False):
+                routed_scaling_factor=1.0, interpret=False):
     """logits [T, E] fp32, bias [E] fp32 (the noaux_tc correction bias) or None ->
     (weights [T, K], idx [T, K], row_copy [M], block_expert [M // block_m], row_of [T * K]); module
-    docstring. Requires `supported(T, E, k, num_shared)`. prefetch (experts, rows), with w_gate_up
-    [L, E, D, 2, I] and layer int32 [1]: the L2 prefetch of the module docstring, where `prefetch_plan`
-    allows; return_prefetched appends its throwaway output ([programs, PREFETCH_ROW], `l2_prefetch`; None when
-    off), for tests."""
+    docstring. Requires `supported(T, E, k, num_shared)`."""
     T, E = logits.shape
     K = k + num_shared
     if not supported(T, E, k, num_shared):
@@ -206,23 +151,12 @@ def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax",
     out_shape = (jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.int32),
                  jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),
                  jax.ShapeDtypeStruct((M // block_m,), jnp.int32))
-    n_route = M // row_chunk
-    plan = None if w_gate_up is None else prefetch_plan(w_gate_up.shape, *prefetch)
-    inputs = (logits.astype(jnp.float32),) + (() if bias is None else (bias.astype(jnp.float32),))
-    n_pf = 0
-    if plan is not None:
-        n_pf = plan[0] * plan[1]
-        inputs += (jnp.asarray(layer, jnp.int32).reshape(1), w_gate_up.reshape(-1, PREFETCH_ROW))
-        out_shape += (jax.ShapeDtypeStruct((n_pf, PREFETCH_ROW), w_gate_up.dtype),)
-    outs = pl.pallas_call(
+    w, idx, row_of, row_copy, block_expert = pl.pallas_call(
         functools.partial(_kernel, k=k, S=num_shared, block_m=block_m, softmax=scoring_func == "softmax",
-                          norm=norm_topk_prob, scale=float(routed_scaling_factor), row_chunk=row_chunk,
-                          has_bias=bias is not None, plan=plan, n_route=n_route),
-        grid=(n_route + n_pf,), out_shape=out_shape, compiler_params=params, interpret=interpret,
-    )(*inputs)
-    w, idx, row_of, row_copy, block_expert = outs[:5]
-    routing = (w, idx, row_copy, block_expert, row_of.reshape(-1))
-    return routing + ((outs[5] if plan else None),) if return_prefetched else routing
+                          norm=norm_topk_prob, scale=float(routed_scaling_factor), row_chunk=row_chunk),
+        grid=(M // row_chunk,), out_shape=out_shape, compiler_params=params, interpret=interpret,
+    )(logits.astype(jnp.float32), *(() if bias is None else (bias.astype(jnp.float32),)))
+    return w, idx, row_copy, block_expert, row_of.reshape(-1)
 
 
 def route_align_reference(logits, bias, *, k, num_shared, block_m, scoring_func="softmax", norm_topk_prob=False,
@@ -254,15 +188,14 @@ def decode_block_m(num_tokens: int, k: int, num_shared: int) -> int:
 
 def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate_up=None, shared_down=None, *,
                      k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0, single_launch=False,
-                     residual=None, routed=None, prefetch=(0, 0), interpret=False):
+                     residual=None, routed=None, interpret=False):
     """Routing, alignment and the expert kernels of a decode-size step: `route_align` then
     `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given; the gate_up kernel
     gathers its rows' tokens from x itself, so no XLA op sits between the router GEMM and the kernels).
     x [T, D], logits [T, E] fp32, bias [E] or None (`route_align`); weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k]).
     single_launch: both expert kernels in one launch (`moe_gmm.moe_experts_aligned`); residual [T, D]: there,
     the combine too, adding the residual: out is then residual + the MoE's output. routed: `route_align`'s five
-    outputs when a launch before routed already (kernels/residual_route.py); logits and bias are then unused.
-    prefetch: `route_align`'s L2 prefetch of the experts' first gate_up rows (experts, rows; (0, 0) off)."""
+    outputs when a launch before routed already (kernels/residual_route.py); logits and bias are then unused."""
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
         if shared_gate_up is not None:
@@ -274,8 +207,7 @@ def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate
     block_m = decode_block_m(T, k, S)
     w, idx, row_copy, block_expert, row_of = routed if routed is not None else route_align(
         logits, bias, k=k, num_shared=S, block_m=block_m, scoring_func=scoring_func, norm_topk_prob=norm_topk_prob,
-        routed_scaling_factor=routed_scaling_factor, w_gate_up=w_gate_up, layer=layer, prefetch=prefetch,
-        interpret=interpret)
+        routed_scaling_factor=routed_scaling_factor, interpret=interpret)
     shared = () if shared_gate_up is None else (shared_gate_up, shared_down)
     out = moe_experts_aligned(x, w_gate_up, w_down, w, row_copy, block_expert, row_of, layer, *shared,
                               block_m=block_m, gather_in_kernel=True, single_launch=single_launch,

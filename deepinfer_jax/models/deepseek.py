@@ -247,7 +247,6 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     moe_combine_in_launch: bool = False,
     decode_route_launch: bool = False,
-    moe_l2_prefetch: tuple[int, int] = (0, 0),
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -353,8 +352,7 @@ def forward_paged(
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             h, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               residual=h, combine_in_launch=moe_combine_in_launch, routed=routed,
-                               prefetch=moe_l2_prefetch)  # h + MoE
+                               residual=h, combine_in_launch=moe_combine_in_launch, routed=routed)  # h + MoE
             return (h, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

@@ -239,7 +239,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
               fuse_routing: bool = False, single_launch: bool = False, residual: jax.Array | None = None,
-              combine_in_launch: bool = False, routed: tuple | None = None, prefetch: tuple[int, int] = (0, 0)):
+              combine_in_launch: bool = False, routed: tuple | None = None):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -253,18 +253,15 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     residual + the MoE's output (the layer's new residual stream), each rounded to its dtype; with
     `combine_in_launch`, where the single launch runs with the shared experts inside, its kernel adds it.
     `routed`: `moe_route.route_align`'s outputs for x, from a launch that routed already
-    (kernels/residual_route.py); only where the routing runs in its kernel. `prefetch` (experts, rows): there,
-    with `single_launch` and stacked `experts`, the routing launch also loads those experts' first gate_up rows
-    into L2 for the expert launch (kernels/moe_route.py)."""
+    (kernels/residual_route.py); only where the routing runs in its kernel."""
     out, idx, added = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch,
-                           residual if combine_in_launch and single_launch else None, routed,
-                           prefetch if single_launch and experts is not None else (0, 0))
+                           residual if combine_in_launch and single_launch else None, routed)
     if residual is not None and not added:
         out = residual + out
     return (out, idx) if return_routing else out
 
 
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, residual, routed, prefetch):
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, residual, routed):
     """moe_block's work: (out [T, D], idx [T, k], whether `residual` was added in the kernel)."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
@@ -281,8 +278,7 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,
-            residual=residual if in_kernel else None, routed=routed, prefetch=tuple(prefetch),
-            interpret=moe_impl == "pallas_interpret")
+            residual=residual if in_kernel else None, routed=routed, interpret=moe_impl == "pallas_interpret")
         return (out if shared else _plus_shared(p, x, out)), idx, in_kernel
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)

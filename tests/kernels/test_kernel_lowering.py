@@ -126,19 +126,6 @@ def test_route_align_lowers_for_sm90(triton_modules, T, bias):
     assert len(irs) == 1 and "tt.scan" in irs[0]  # the cumsums lower to Triton scans
 
 
-def test_route_align_prefetch_lowers_for_sm90(triton_modules):
-    """The routing launch with the L2 prefetch at the V2-Lite batch-32 shape: one kernel, the prefetch programs'
-    loads marked evict-last."""
-    from deepinfer_jax.kernels.moe_route import route_align
-
-    s = jax.ShapeDtypeStruct
-    irs = triton_modules(lambda lg, w, l: route_align(lg, None, k=6, num_shared=2, block_m=16, w_gate_up=w, layer=l,
-                                                      prefetch=(24, 128)),
-                         s((32, 64), jnp.float32), s((26, 64, 2048, 2, 1408), jnp.bfloat16), s((), jnp.int32))
-    assert len(irs) == 1 and "tt.scan" in irs[0]
-    assert irs[0].count("evictionPolicy = evict_last") == 1  # one [16, 1,024] tile a program
-
-
 def test_fused_decode_lowers_for_sm90(triton_modules):
     """Routing kernel + both expert kernels, the gate_up kernel gathering its rows from x (V2-Lite shape)."""
     from deepinfer_jax.kernels.moe_route import moe_fused_decode

@@ -154,39 +154,3 @@ def test_single_launch_adds_the_residual(dtype, S, T):
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="single launch only"):
         run(False, h)
-
-
-@pytest.mark.parametrize("dtype, experts, rows", [(jnp.bfloat16, 3, 64), (jnp.float32, 8, 128)])
-def test_l2_prefetch_keeps_the_routing_and_loads_the_first_rows(dtype, experts, rows):
-    """route_align's L2 prefetch (`prefetch`): the routing outputs are the prefetch-free kernel's, bit for bit,
-    and each prefetch program's throwaway row is the elementwise max over its part of its expert's first `rows`
-    rows of gate_up [L, E, D, 2, I] at `layer`: the programs read the rows that the MoE launch's first tiles
-    start on, at the layer asked for."""
-    from deepinfer_jax.kernels.moe_route import PREFETCH_ROW, prefetch_plan
-
-    T, E, k, S, L, D, I = 32, 8, 2, 1, 3, 128, 32
-    logits, _ = _inputs(T, E, False)
-    w = jnp.asarray(np.random.default_rng(5).standard_normal((L, E, D, 2, I)), dtype)
-    kw = dict(k=k, num_shared=S, block_m=16)
-    plain = route_align(logits, None, interpret=True, **kw)
-    *routing, thrown = route_align(logits, None, w_gate_up=w, layer=jnp.int32(2), prefetch=(experts, rows),
-                                   return_prefetched=True, interpret=True, **kw)
-    for got, want in zip(routing, plain):
-        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-    n_experts, parts, _, _, tile = prefetch_plan(w.shape, experts, rows)
-    assert thrown.shape[0] == n_experts * parts
-    first = np.asarray(w[2, :n_experts, :rows], np.float32).reshape(n_experts * parts, tile, PREFETCH_ROW)
-    np.testing.assert_array_equal(np.asarray(thrown, np.float32), first.max(axis=1))
-
-
-def test_prefetch_plan_limits():
-    """Off at (0, 0) or where the rows do not fill whole rows of the programs' flat view; clipped to the experts
-    and rows there are; one tile of up to 16 rows of 1,024 a program."""
-    from deepinfer_jax.kernels.moe_route import prefetch_plan
-
-    v2_lite = (26, 64, 2048, 2, 1408)
-    assert prefetch_plan(v2_lite, 0, 0) is None and prefetch_plan(v2_lite, 24, 0) is None
-    assert prefetch_plan(v2_lite, 24, 128) == (24, 22, 5632, 64 * 5632, 16)  # 128 rows x 2,816 = 22 x 16 rows of 1,024
-    assert prefetch_plan(v2_lite, 24, 3) is None  # 3 rows x 2,816 = 8.25 rows of 1,024
-    assert prefetch_plan(v2_lite, 24, 8) == (24, 11, 5632, 64 * 5632, 2)
-    assert prefetch_plan((2, 4, 64, 2, 32), 9, 99) == (4, 1, 4, 16, 4)  # all 4 experts' 64 rows: 1 tile of 4 rows each

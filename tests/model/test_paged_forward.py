@@ -242,7 +242,7 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
                                                    for sp in qsegs))
     ids = np.random.default_rng(9).integers(0, cfg.vocab_size, (1, 12))
     outs = []
-    for enabled in values:
+    for enabled in (False, True):
         cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
         step = jax.jit(lambda p, c, m, e=enabled: forward_paged(
             p, cfg, c, m, attn_impl="pallas_interpret", moe_impl="pallas_interpret", decode_projection_kernel=e))
@@ -257,18 +257,18 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
 
 
-def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, values=(False, True), **extra):
+def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, **extra):
     """Three sequences prefilled in one 64-slot step, then two decode steps of 16 token slots and 16
     sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (Pallas
     path, interpret mode; `extra`: more forward_paged flags, the same both times). Each decode step's logits
-    must equal the full forward's; returns (cfg, params). `values`: the flag's off and on values."""
+    must equal the full forward's; returns (cfg, params)."""
     _, path = hf_case(case)
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, 40))
     full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
     outs = []
-    for enabled in values:
+    for enabled in (False, True):
         kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", **extra, flag: enabled}
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
         _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
@@ -409,22 +409,6 @@ def test_moe_combine_in_launch_equals_the_xla_combine(hf_case, case, monkeypatch
                                        fuse_shared_experts=True, moe_single_launch=True)
     n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
     assert calls == n * [False] + n * [True]
-
-
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_moe_l2_prefetch_keeps_the_step(hf_case, case, monkeypatch):
-    """RunnerConfig.moe_l2_prefetch: where the routing kernel is followed by the single MoE launch, its launch
-    also loads the experts' first gate_up rows for L2 (kernels/moe_route.py): the same logits and cache as
-    without, and the full forward's logits; the prefetch programs ran in every MoE layer of the decode steps."""
-    from deepinfer_jax.kernels import moe_route
-
-    plans = []
-    real = moe_route.prefetch_plan
-    monkeypatch.setattr(moe_route, "prefetch_plan", lambda *a, **k: plans.append(real(*a, **k)) or plans[-1])
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "moe_l2_prefetch", seed=18, values=((0, 0), (8, 64)),
-                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True)
-    E = cfg.n_routed_experts  # D = 64, I = 32: an expert's gate_up is 4 rows of 1,024, prefetched in one program
-    assert plans[0] is None and set(plans) == {None, (E, 1, 4, E * 4, 4)}  # route_align traces once a shape
 
 
 @pytest.mark.parametrize("case, oproj", [("v2_greedy_yarn", False), ("v2_greedy_yarn", True), ("v3_flat_plain_rope", True)])
