@@ -13,6 +13,9 @@
 #                                                   with none, and with each alone; qkv2: the qkv launch's GEMM in
 #                                                   2 K chunks. `python3 benchmarks/pick_switches.py OUTDIR`
 #                                                   then prints the flags of those that beat the base step.
+#   FLAGS="--decode-merged-qkv" bash benchmarks/explore_next.sh OUTDIR ab
+#                                                   one candidate: the batch-32 step without and with FLAGS (traced);
+#                                                   where it is 0.02 ms faster, the GPU-vs-CPU check and Protocol A
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -22,6 +25,25 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 start=$(date +%s)
 left() { (( $(date +%s) - start < ${1:-500} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
+if [[ $mode == ab ]]; then  # one candidate: the step without and with FLAGS (traced); if it wins, the check once
+  read -r -a flags <<< "${FLAGS:?FLAGS: the candidate flags}"
+  for l in base cand; do
+    echo "$l $(( $(date +%s) - start ))s"
+    f=(); [[ $l == cand ]] && f=("${flags[@]}" --trace /tmp/tr_cand)
+    timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+  done
+  grep -h -A17 "one layer" "$out/step_cand.log" | head -18
+  b=$(grep -h -oE "pipelined via compiled: [0-9.]+" "$out/step_base.log" | grep -oE "[0-9.]+$")
+  c=$(grep -h -oE "pipelined via compiled: [0-9.]+" "$out/step_cand.log" | grep -oE "[0-9.]+$")
+  echo "step: base ${b:-none} ms, with ${FLAGS}: ${c:-none} ms"
+  [[ -n $b && -n $c ]] && awk "BEGIN{exit !($c <= $b - 0.02)}" || exit 0
+  timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json "${flags[@]}" \
+    > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  timeout 120 python3 benchmarks/offline.py --buckets 32,16384 "${flags[@]}" > "$out/protocol_a.log" 2>&1
+  grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a.log" | cut -c1-220
+  exit 0
+fi
 if [[ $mode == check ]]; then
   read -r -a flags <<< "${FLAGS:-}"
   echo "gpu_vs_cpu $(( $(date +%s) - start ))s"

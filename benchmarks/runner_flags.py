@@ -18,6 +18,7 @@ SWITCHES = [
     ("decode_latent_kernel", "the absorb kernel's launch also norms, ropes and writes the step's latents "
                              "into the KV cache"),
     ("decode_qkv_launch", "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
+    ("decode_merged_qkv", "the q / kv_a projections as one GEMM whose output the absorb launch reads in place"),
     ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
     ("moe_combine_in_launch", "the single MoE launch also combines the expert rows and adds the residual"),

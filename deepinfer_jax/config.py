@@ -341,6 +341,15 @@ class RunnerConfig:
     # session 11). Measured in session 13 (H200, V2-Lite, batch 32 at 640): the launch takes 13.2 us against
     # 14.8 for what it replaces, but the step is 8.22-8.23 ms against 8.23-8.24, within noise; off.
     decode_qkv_launch: bool = False
+    # Where that launch writes the latents and does not run the projections itself, on models without q-LoRA,
+    # the q / kv_a projections are written as one GEMM over the two weights, concatenated (models/mla.py
+    # project_qkv_merged), and the launch reads q and the kv_a rows in place out of its output, instead of XLA
+    # merging the two GEMMs itself and copying two slices out for the launch (1.5 + 1.4 us a layer on an H200
+    # at batch 32). Session 13 (H200, V2-Lite, batch 32 at 640): the GEMM (7.4 us) now ends in a split-K reduce
+    # (1.7 us) in place of the two copies, 14 kernels a layer against 15; step 8.28 ms against 8.31 on that
+    # machine; Protocol A 3,524 / 3,528 tok/s (3,526 / 3,521 without, on another); fp32 greedy tokens 8/8 equal
+    # to the CPU reference.
+    decode_merged_qkv: bool = True
     # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
     # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
     # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py
@@ -392,4 +401,5 @@ class RunnerConfig:
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch")
+                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch",
+                    "decode_merged_qkv")

@@ -10,9 +10,10 @@ whole q projection and W_UK out of the layer-stacked kv_b_proj, both in place (P
 
 In XLA the same took three kernels a layer on an H200 at batch 32: a pad of q_nope with zeros (so the
 GEMM could read kv_b's whole rows in place instead of copying W_UK's strided slice out), the GEMM, and
-the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). XLA still copies q out of the fused
-q / kv_a GEMM's output for the kernel (1.8 us); kernels/mla_qkv.py runs that GEMM in the launch instead,
-with this module's `absorb_tile` and `latent_row` reading its partial sums.
+the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). Where XLA merged the q / kv_a GEMMs
+itself, it copied q out of their output for the kernel (1.8 us); the kernel now reads that output in place
+(ckv None, below), and kernels/mla_qkv.py runs the GEMM in the launch instead, with this module's
+`absorb_tile` and `latent_row` reading its partial sums.
 
 Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head h [T, dn] by the
 [block_r, dn] tile of W_UK[h] (fp32 accumulation, one dot: dn is a single tile) and writes q_lat's
@@ -27,7 +28,10 @@ ckv's dtype, times the weight), rotate its last dr (as q_pe, stride-2 lanes), ca
 and store it at cache[cache_layer, slot // page_size, slot % page_size]; the other programs are
 `absorb_query`'s (h, rb), in row-major order. The cache goes in as an operand aliased to the third output
 (written in place, only the T slots); tokens sharing a slot (padding tokens in the null page, which no
-query attends) race, as in XLA's scatter: one of them wins.
+query attends) race, as in XLA's scatter: one of them wins. With ckv None, q is the merged q / kv_a projection
+[T, H * (dn + dr) + R + dr], one GEMM's output passed as both operands: the absorb programs read head h's q from
+columns [h * (dn + dr), (h + 1) * (dn + dr)), the latent programs their kv_a row from the columns after them, so
+no slice of it is copied out first (RunnerConfig.decode_merged_qkv).
 
 Three parts (ARCHITECTURE.md rule 6): `absorb_query` / `absorb_query_write_latents` (the kernels;
 `interpret=True` runs them on the CPU) and `absorb_query_reference` / `absorb_query_write_latents_reference`
@@ -90,9 +94,12 @@ def absorb_tile(h, rb, layer, load_q, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, 
         pe_ref[:, h, odd] = (x0 * s + x1 * c).astype(pe_ref.dtype)
 
 
-def _q_loader(q_ref):
-    """`absorb_tile`'s load_q for a q operand [T, H, dn + dr]."""
-    return lambda h, start, size, stride: q_ref[:, h, cols(start, size, stride)]
+def _q_loader(q_ref, width=None):
+    """`absorb_tile`'s load_q for a q operand [T, H, dn + dr], or with `width` (dn + dr) for the merged q / kv_a
+    projection [T, H * width + R + dr], whose head h is columns [h * width, (h + 1) * width)."""
+    if width is None:
+        return lambda h, start, size, stride: q_ref[:, h, cols(start, size, stride)]
+    return lambda h, start, size, stride: q_ref[:, cols(h * width + start, size, stride)]
 
 
 def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
@@ -153,22 +160,23 @@ def latent_row(t, slot_ref, load_ckv, norm_ref, layer, cos_ref, sin_ref, cache_l
 
 
 def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, cos_ref, sin_ref, ckv_ref, norm_ref,
-                          _cache_in, lat_ref, pe_ref, cache_ref, *, dn, dr, block_r, eps):
+                          _cache_in, lat_ref, pe_ref, cache_ref, *, dn, dr, block_r, eps, merged):
     T, R = ckv_ref.shape[0], cache_ref.shape[3] - dr
-    nrb = w_ref.shape[1] // block_r
+    H, nrb = w_ref.shape[2], w_ref.shape[1] // block_r
     pid = pl.program_id(0)
     layer = layer_ref[0]
+    off = H * (dn + dr) if merged else 0  # where the kv_a rows start in ckv's columns
 
     @pl.when(pid < T)  # programs [0, T): token pid's latent into the cache
     def _():
-        latent_row(pid, slot_ref, lambda t, *c: ckv_ref[t, cols(*c)], norm_ref, layer, cos_ref, sin_ref,
-                   cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
+        latent_row(pid, slot_ref, lambda t, start, *c: ckv_ref[t, cols(off + start, *c)], norm_ref, layer, cos_ref,
+                   sin_ref, cache_layer_ref[0], cache_ref, R=R, dr=dr, eps=eps)
 
     @pl.when(pid >= T)  # programs [T, T + H * nrb): the absorption's (h, rb) tiles
     def _():
         p = pid - T
-        absorb_tile(p // nrb, p % nrb, layer, _q_loader(q_ref), w_ref, cos_ref, sin_ref, lat_ref, pe_ref, dn=dn,
-                    dr=dr, block_r=block_r)
+        absorb_tile(p // nrb, p % nrb, layer, _q_loader(q_ref, (dn + dr) if merged else None), w_ref, cos_ref,
+                    sin_ref, lat_ref, pe_ref, dn=dn, dr=dr, block_r=block_r)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "eps", "block_r", "num_warps", "num_stages", "interpret"))
@@ -177,7 +185,9 @@ def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cac
     """`absorb_query`, and in the same kernel launch this step's latents written into the paged cache.
 
     q [T, H, dn + dr], kv_b [L, R, H, dn + dv], layer, cos / sin [T, dr / 2]: as `absorb_query`.
-    ckv [T, R + dr]      the kv_a projection's rows, before the norm and RoPE (activations' dtype)
+    ckv [T, R + dr]      the kv_a projection's rows, before the norm and RoPE (activations' dtype); or None, with
+                         q the merged q / kv_a projection [T, H * (dn + dr) + R + dr] (`models/mla.py:
+                         project_qkv_merged`): both read in place from its columns, no slice copied out
     norm_w [L, R]        kv_a_layernorm, layer-stacked like kv_b (row `layer` is used)
     cache [Lc, P, page_size, R + dr], cache_layer: int32 scalar; slots [T] int32, each >= 0 (page * page_size +
         offset; padding tokens: slots of the null page, as models/cache.py StepMetadata.slot_mapping)
@@ -188,18 +198,24 @@ def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cac
 
     Grid (T + H * R // block_r,): programs [0, T) norm, rotate and store one token's latent each; the rest
     are `absorb_query`'s (h, rb) programs in row-major order."""
-    T, H, W = q.shape
-    _, R, H2, _ = kv_b.shape
-    dr = W - dn
+    _, R, H, _ = kv_b.shape
+    T, dr = q.shape[0], 2 * cos.shape[-1]
+    merged = ckv is None
+    if merged:  # one operand, passed twice (the same buffer): the q programs and the latent programs read their columns
+        assert q.shape == (T, H * (dn + dr) + R + dr), (q.shape, kv_b.shape, dn, dr)
+        ckv = q
+    else:
+        assert q.shape == (T, H, dn + dr), (q.shape, kv_b.shape, dn, dr)
     block_r = min(block_r, R)
-    assert H == H2 and cos.shape == sin.shape == (T, dr // 2) and latent_supported(T, dn, dr, R, block_r), (
+    assert cos.shape == sin.shape == (T, dr // 2) and latent_supported(T, dn, dr, R, block_r), (
         q.shape, kv_b.shape, cos.shape, dn, block_r)
-    assert ckv.shape == (T, R + dr) and norm_w.shape == (kv_b.shape[0], R) and cache.shape[3] == R + dr and (
+    assert ckv.shape == (q.shape if merged else (T, R + dr)) and norm_w.shape == (kv_b.shape[0], R) and (
+        cache.shape[3] == R + dr) and (
         slots.shape == (T,)), (ckv.shape, norm_w.shape, cache.shape, slots.shape)
     layer, cache_layer = (jnp.asarray(i, jnp.int32).reshape(1) for i in (layer, cache_layer))
     params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(
-        functools.partial(_absorb_latent_kernel, dn=dn, dr=dr, block_r=block_r, eps=float(eps)),
+        functools.partial(_absorb_latent_kernel, dn=dn, dr=dr, block_r=block_r, eps=float(eps), merged=merged),
         grid=(T + H * (R // block_r),),
         out_shape=(jax.ShapeDtypeStruct((T, H, R), q.dtype), jax.ShapeDtypeStruct((T, H, dr), q.dtype),
                    jax.ShapeDtypeStruct(cache.shape, cache.dtype)),
@@ -225,7 +241,11 @@ def latents_reference(ckv, norm_w, cos, sin, *, eps):
 def absorb_query_write_latents_reference(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots, *, dn,
                                          eps):
     """Pure JAX: `absorb_query_reference`, and `latents_reference` (norm_w's row `layer`) cast to the cache's
-    dtype and scattered into cache[cache_layer] at `slots` (models/deepseek.py write_latents)."""
+    dtype and scattered into cache[cache_layer] at `slots` (models/deepseek.py write_latents). ckv None: q is
+    the merged projection, as in `absorb_query_write_latents`."""
+    if ckv is None:
+        H, dr = kv_b.shape[2], 2 * cos.shape[-1]
+        q, ckv = q[:, :H * (dn + dr)].reshape(q.shape[0], H, dn + dr), q[:, H * (dn + dr):]
     q_lat, q_pe = absorb_query_reference(q, kv_b, layer, cos, sin, dn=dn)
     latent = latents_reference(ckv, norm_w[layer], cos, sin, eps=eps).astype(cache.dtype)
     page_size = cache.shape[2]

@@ -140,6 +140,16 @@ def decode_qkv_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, l
     return (w_q, w_kv) if ok else None
 
 
+def merged_qkv_applies(seg_params: dict, cfg: ModelConfig, latent_norm, qkv_w, enabled: bool) -> bool:
+    """Whether this step's q / kv_a projections run as one XLA GEMM whose output the absorb and latent launch reads
+    in place (`mla.project_qkv_merged`, `mla_absorb.absorb_query_write_latents` with ckv None): with `enabled`
+    (RunnerConfig.decode_merged_qkv), where that launch writes the latents (`latent_norm`) and does not run the
+    projections itself (`qkv_w` None), a model without q-LoRA and float weights."""
+    attn = seg_params["attn"]
+    return (enabled and latent_norm is not None and qkv_w is None and cfg.q_lora_rank is None
+            and not is_quantized(attn["q_proj"]) and not is_quantized(attn["kv_a_proj_with_mqa"]))
+
+
 def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: dict, experts: dict | None,
                          num_tokens: int, moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
                          enabled: bool) -> tuple[jax.Array, jax.Array] | None:

@@ -34,9 +34,9 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
-    decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights, decode_qkv_weights,
-    decode_route_weights, decode_stacked, decode_value_weights, oproj_in_output_launch, oproj_partials,
-    pallas_one_device, residual_route_step)
+    decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
+    decode_qkv_weights, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
+    oproj_in_output_launch, oproj_partials, pallas_one_device, residual_route_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
@@ -191,19 +191,25 @@ def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer
 
 
 def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, meta: StepMetadata, absorb_kv_b,
-                     latent_norm, qkv_w, attn_impl: str):
+                     latent_norm, qkv_w, attn_impl: str, merged_qkv: bool = False):
     """The attention's inputs from x [T, D]: (q_nope [T, H, dn] or None, q_lat [T, H, R], q_pe [T, H, dr] roped,
     latent [T, R + dr] in the cache's dtype or None, kv_cache). Where the absorb launch writes the latents
     (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `qkv_w`
-    (`decode_qkv_weights`) the projections run in that launch too and q_nope is None (no decode path reads
-    it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights."""
+    (`decode_qkv_weights`) the projections run in that launch too, and with `merged_qkv` (`merged_qkv_applies`)
+    that launch reads them in place out of one XLA GEMM's output; in both q_nope is None (no decode path
+    reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights."""
     interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
-    if qkv_w is not None:
-        from deepinfer_jax.kernels import mla_qkv
+    if qkv_w is not None or merged_qkv:
+        from deepinfer_jax.kernels import mla_absorb, mla_qkv
 
-        q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
-            x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
-            eps=cfg.latent_norm_eps, interpret=interpret)
+        if merged_qkv:
+            q_lat, q_pe, kv_cache = mla_absorb.absorb_query_write_latents(
+                mla.project_qkv_merged(p, cfg, x), absorb_kv_b, j, cos, sin, None, latent_norm, kv_cache, li,
+                meta.slot_mapping, dn=dn, eps=cfg.latent_norm_eps, interpret=interpret)
+        else:
+            q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
+                x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
+                eps=cfg.latent_norm_eps, interpret=interpret)
         return None, q_lat, q_pe, None, kv_cache
     written = latent_norm is not None
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
@@ -247,6 +253,7 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     moe_combine_in_launch: bool = False,
     decode_route_launch: bool = False,
+    decode_merged_qkv: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -276,7 +283,9 @@ def forward_paged(
     `moe_combine_in_launch`: where the single MoE launch runs with the shared experts inside, it also adds the
     copies' rows up and to the residual (kernels/moe_gmm.py `residual`).
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
-    the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py)."""
+    the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
+    `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
+    GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -302,6 +311,7 @@ def forward_paged(
                                             decode_absorb_kernel)
         latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
         qkv_w = decode_qkv_weights(seg_params, cfg, meta, latent_norm, attn_impl, decode_qkv_launch)
+        merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, qkv_w, decode_merged_qkv)
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
@@ -311,14 +321,15 @@ def forward_paged(
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
                  absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                 route_w=route_w):
+                 route_w=route_w, merged_qkv=merged_qkv):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
-                                                                  absorb_kv_b, latent_norm, qkv_w, attn_impl)
+                                                                  absorb_kv_b, latent_norm, qkv_w, attn_impl,
+                                                                  merged_qkv)
             written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
             if split_plan is not None:
                 cache = write_latents(cache, li, meta, latent)

@@ -49,6 +49,17 @@ def project_qkv(
     return q if whole_q else q_nope, apply_rope(q_pe, cos, sin), c_kv, apply_rope(k_pe, cos, sin)
 
 
+def project_qkv_merged(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """x [T, D] -> the q and kv_a projections as one GEMM's output [T, H * (dn + dr) + R + dr]: head h's unroped q
+    in columns [h * (dn + dr), (h + 1) * (dn + dr)), the kv_a rows (before kv_a_layernorm and RoPE) after them.
+    For a model without q-LoRA and float weights. One output for a kernel that reads both parts in place
+    (`mla_absorb.absorb_query_write_latents` with ckv None): XLA fuses the weights' concatenation into the GEMM's
+    operand, as it does when it merges the two dots itself, and no slice is copied out of the result."""
+    D = x.shape[-1]
+    w = jnp.concatenate([p["q_proj"].reshape(D, -1), p["kv_a_proj_with_mqa"]], axis=1).astype(x.dtype)
+    return jnp.einsum("td,dc->tc", x, w)
+
+
 def attend_expanded(
     p: dict, cfg: ModelConfig, q_nope, q_pe, c_kv, k_pe, mask: jax.Array
 ) -> jax.Array:

@@ -256,6 +256,24 @@ def test_decode_absorb_and_latent_write_lower_for_sm90(triton_modules):
     assert "grid_x = 160" in hlo and "output_operand_alias<output_tuple_indices = [2], operand_index = 9" in hlo
 
 
+def test_absorb_latents_from_the_merged_projection_lower_for_sm90(triton_modules):
+    """The same launch reading q and the kv_a rows in place out of the merged q / kv_a projection [32, 16 x 192 +
+    576] (RunnerConfig.decode_merged_qkv): one operand passed twice, the same 160 programs, dot and stores; the
+    cache still written in place."""
+    from deepinfer_jax.kernels.mla_absorb import absorb_query_write_latents
+
+    s = jax.ShapeDtypeStruct
+    fn = lambda qkv, kv_b, c, sn, nw, cache, slots: absorb_query_write_latents(  # noqa: E731
+        qkv, kv_b, 3, c, sn, None, nw, cache, 4, slots, dn=128, eps=1e-6)
+    args = (s((32, H * 192 + R + DR), jnp.bfloat16), s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32),
+            s((32, DR // 2), jnp.float32), s((L, R), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
+            s((32,), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.dot") == 1 and ir.count("tt.store") == 6 and "tt.reduce" in ir
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grid_x = 160" in hlo and "output_operand_alias<output_tuple_indices = [2], operand_index = 9" in hlo
+
+
 def test_residual_route_lowers_for_sm90(triton_modules):
     """o_proj's partials to the routing in one launch at V2-Lite's shape (8 partials, D 2048, 64 experts + 2
     shared, batch 32): two phase releases after a barrier, two acquire loops, the router's one dot and the

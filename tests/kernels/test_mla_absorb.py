@@ -142,6 +142,28 @@ def test_latents_written_as_the_models_xla_path_writes_them(T, n_real, page_size
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("T, n_real, page_size, num_pages, dtype", [(16, 16, 64, 3, jnp.float32),
+                                                                     (32, 21, 4, 12, jnp.bfloat16)])
+def test_merged_projection_read_in_place_equals_the_two_operands(T, n_real, page_size, num_pages, dtype):
+    """ckv None, q the merged q / kv_a projection [T, H * (dn + dr) + R + dr] (one operand, XLA's GEMM output as
+    it is): q_lat, q_pe and the whole cache bit for bit as with q [T, H, dn + dr] and ckv [T, R + dr] sliced out of
+    it; the reference takes the merged form too."""
+    rng = np.random.default_rng(T + page_size)
+    q, kv_b, cos, sin, ckv, norm_w, cache, slots, dn = _latent_step(rng, T, n_real, page_size, num_pages, dtype)
+    merged = jnp.concatenate([q.reshape(T, -1), ckv], axis=1)
+    rest = (norm_w, cache, 3, slots)
+    want = absorb_query_write_latents(q, kv_b, 2, cos, sin, ckv, *rest, dn=dn, eps=1e-6, interpret=True)
+    got = absorb_query_write_latents(merged, kv_b, 2, cos, sin, None, *rest, dn=dn, eps=1e-6, interpret=True)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    ref = jax.jit(absorb_query_write_latents_reference, static_argnames=("dn", "eps"))
+    for g, w in zip(ref(merged, kv_b, 2, cos, sin, None, *rest, dn=dn, eps=1e-6),
+                    ref(q, kv_b, 2, cos, sin, ckv, *rest, dn=dn, eps=1e-6)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(AssertionError):  # a merged operand of the wrong width
+        absorb_query_write_latents(merged[:, :-2], kv_b, 2, cos, sin, None, *rest, dn=dn, eps=1e-6, interpret=True)
+
+
 def test_latents_in_the_promoted_dtype_of_norm_and_activations():
     """An fp32 norm weight with bf16 activations: rms_norm's product is fp32, rounded once to the cache's
     dtype (bf16 or fp32), as the model's concat then cast does."""

@@ -451,6 +451,26 @@ def test_decode_qkv_launch_equals_the_xla_projections(hf_case, case, monkeypatch
     assert calls == 2 * [((16, D), (seg.num_layers, D, H, W), (seg.num_layers, D, R + dr)) for seg in layer_segments(cfg)]
 
 
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_merged_qkv_equals_two_projections(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_merged_qkv: in a decode step whose absorb launch writes the latents, on a model without
+    q-LoRA, the q / kv_a projections are one GEMM whose output [16, H * (dn + dr) + R + dr] the launch reads in
+    place: the same logits and cache as the two projections' outputs handed over separately, and the full
+    forward's logits."""
+    from deepinfer_jax.kernels import mla_absorb
+
+    calls = []
+    real = mla_absorb.absorb_query_write_latents
+    monkeypatch.setattr(mla_absorb, "absorb_query_write_latents",
+                        lambda *a, **k: calls.append((a[0].shape, a[5] is None)) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_merged_qkv", seed=19, decode_absorb_kernel=True,
+                                       decode_latent_kernel=True, decode_output_kernel=True)
+    H, W, R, dr = (cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank,
+                   cfg.qk_rope_head_dim)
+    n = len(layer_segments(cfg))  # one traced layer body per segment and step; the prefill step takes neither
+    assert calls == 2 * n * [((16, H, W), False)] + 2 * n * [((16, H * W + R + dr), True)]
+
+
 def test_decode_qkv_launch_applies_without_q_lora_only(hf_case):
     """decode_qkv_weights: the stacked q_proj and kv_a where the absorb launch writes the latents, a model has no
     q-LoRA and the flag is on; None with q-LoRA (its q goes through q_a's norm and q_b first), without the latent
