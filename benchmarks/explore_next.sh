@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# The next GPU calls' open question, a short table last. Session 13 measured the four off-by-default switches
+# The next GPU calls' open question, a short table last. Session 13 measured four off-by-default switches
 # at batch 32 on an H200 (benchmarks/RESULTS.md "Session 13"): none pays there. Their launches save small kernels'
 # fixed costs, which weigh more in smaller steps, so the open question is batch 1 and 8 (Protocol B's
-# concurrency 1 and 8 decode at 3.5 and 6.3 ms a step):
+# concurrency 1 and 8 decode at 3.5 and 6.3 ms a step). Of the four, the combine in the single MoE launch grew
+# that launch's tail by 8 us a layer and was removed; the other three:
 #   qkv      RunnerConfig.decode_qkv_launch: the q / kv_a projections in the absorb kernel's launch
 #   oproj    RunnerConfig.decode_oproj_launch: o_proj in the output kernel's launch
-#   combine  RunnerConfig.moe_combine_in_launch: the single MoE launch also combines the expert rows and adds the residual
 #   route    RunnerConfig.decode_route_launch: o_proj's partials to the routing in one launch
 #
 #   BATCH=8 CONTEXT=640 bash benchmarks/explore_next.sh OUTDIR
-#                                                   the decode step with all four (traced, one layer printed),
+#                                                   the decode step with all three (traced, one layer printed),
 #                                                   with none, and with each alone; qkv2: the qkv launch's GEMM in
 #                                                   2 K chunks. `python3 benchmarks/pick_switches.py OUTDIR`
 #                                                   then prints the flags of those that beat the base step.
@@ -62,17 +62,16 @@ fi
 sp() { local label=$1; shift; left 450 || return; echo "$label $(( $(date +%s) - start ))s"
        timeout 100 python3 benchmarks/step_profile.py --label "$label" --batch "${BATCH:-32}" --context "${CONTEXT:-640}" \
     "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-all=(--decode-qkv-launch --decode-oproj-launch --moe-combine-in-launch --decode-route-launch)
+all=(--decode-qkv-launch --decode-oproj-launch --decode-route-launch)
 sp all "${all[@]}" --trace /tmp/tr_all
 sp base
 sp qkv --decode-qkv-launch
 sp oproj --decode-oproj-launch
-sp combine --moe-combine-in-launch
 sp route --decode-route-launch
 sp qkv2 --decode-qkv-launch --qkv-kernel split_k=2
 echo "done $(( $(date +%s) - start ))s"
 echo "== summary =="
-for l in all base qkv oproj combine route qkv2; do
+for l in all base qkv oproj route qkv2; do
   [[ -f $out/step_$l.log ]] || continue
   echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
 done

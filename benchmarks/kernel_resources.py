@@ -56,9 +56,9 @@ def _cases():
             o, m, l, kv_b, w, 3, dn=128, dtype=bf), (o, ml, ml, s((L, R, H, 256), bf), s((L, H * 128, D), bf))),
         ("o_proj (decode_matmul)", lambda x, w: decode_matmul.decode_matmul(x, w, 3, reduce=False),
          (s((T, H * 128), bf), s((L, H * 128, D), bf))),
-        ("absorb + latents", lambda q, kv_b, c, sn, ckv, nw, cch, sl: mla_absorb.absorb_query_write_latents(
-            q, kv_b, 3, c, sn, ckv, nw, cch, 4, sl, dn=128, eps=1e-6),
-         (s((T, H, 192), bf), s((L, R, H, 256), bf), s((T, DR // 2), f32), s((T, DR // 2), f32), s((T, R + DR), bf),
+        ("absorb + latents (merged q / kv_a read in place)", lambda q, kv_b, c, sn, nw, cch, sl:
+            mla_absorb.absorb_query_write_latents(q, kv_b, 3, c, sn, None, nw, cch, 4, sl, dn=128, eps=1e-6),
+         (s((T, H * 192 + R + DR), bf), s((L, R, H, 256), bf), s((T, DR // 2), f32), s((T, DR // 2), f32),
           s((L, R), bf), cache, s((T,), i32))),
         ("q / kv_a + absorb + latents", lambda x, wq, wkv, kv_b, c, sn, nw, cch, sl:
             mla_qkv.project_absorb_write_latents(x, wq, wkv, 3, kv_b, c, sn, nw, cch, 4, sl, dn=128, eps=1e-6),
@@ -69,8 +69,6 @@ def _cases():
          (s((8, T, D), f32), s((T, D), bf), s((Lm, D), bf), s((Lm, D, E), bf))),
         ("routing + MoE single launch", lambda x, lg, a, d, l, sa, sd: moe_route.moe_fused_decode(
             x, lg, None, a, d, l, sa, sd, k=6, single_launch=True), moe),
-        ("routing + MoE launch with combine", lambda x, lg, a, d, l, sa, sd, r: moe_route.moe_fused_decode(
-            x, lg, None, a, d, l, sa, sd, k=6, single_launch=True, residual=r), (*moe, s((T, D), bf))),
     ]
 
 

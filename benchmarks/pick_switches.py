@@ -13,8 +13,7 @@ import os
 import re
 import sys
 
-SWITCHES = {"qkv": "--decode-qkv-launch", "oproj": "--decode-oproj-launch",
-            "combine": "--moe-combine-in-launch", "route": "--decode-route-launch"}
+SWITCHES = {"qkv": "--decode-qkv-launch", "oproj": "--decode-oproj-launch", "route": "--decode-route-launch"}
 STEP = re.compile(r"pipelined via compiled: ([0-9.]+) ms/step")
 
 

@@ -21,7 +21,6 @@ SWITCHES = [
     ("decode_merged_qkv", "the q / kv_a projections as one GEMM whose output the absorb launch reads in place"),
     ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
-    ("moe_combine_in_launch", "the single MoE launch also combines the expert rows and adds the residual"),
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
 ]
 

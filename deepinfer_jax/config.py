@@ -361,12 +361,6 @@ class RunnerConfig:
     # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32).
     # Session 13 (H200, batch 32): 15.1 us against 9.2 + 4.7 for the two launches, step 8.26 ms against 8.23; off.
     decode_oproj_launch: bool = False
-    # Where the MoE runs in one launch (moe_single_launch) with the shared experts inside, that launch also
-    # combines each token's expert rows and adds the residual (kernels/moe_gmm.py `residual`): programs of
-    # its last wave, each waiting on its copies' down tiles, instead of XLA's gather-and-add kernel (2.5 us a
-    # layer on an H200 at batch 32). Session 13 (H200, batch 32): the MoE launch grows by 8.4 us a layer to
-    # save that 2.4, step 8.34-8.36 ms against 8.23; off.
-    moe_combine_in_launch: bool = False
     # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel) go
     # from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py: the residual
     # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
@@ -401,5 +395,5 @@ class RunnerConfig:
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "moe_combine_in_launch", "decode_route_launch",
+                    "moe_single_launch", "decode_oproj_launch", "decode_route_launch",
                     "decode_merged_qkv")

@@ -149,9 +149,8 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
     _expert_tile(t, b, be_ref, routed, shared, after)
 
 
-def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None, after=None):
-    """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait), `after()`
-    once the tile is stored."""
+def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
+    """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait)."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
 
@@ -169,7 +168,7 @@ def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, befor
     routed = lambda rows, e: run(rows, lambda i: w_ref[layer, e, pl.ds(i * t.block_k, t.block_k), cols])  # noqa: E731
     shared = None if sw_ref is None else (  # rows s*I .. s*I + I of the shared down weights
         lambda rows, s: run(rows, lambda i: sw_ref[layer, pl.ds(s * t.I + i * t.block_k, t.block_k), cols]))
-    _expert_tile(t, b, be_ref, routed, shared, after)
+    _expert_tile(t, b, be_ref, routed, shared)
 
 
 def _refs(refs, shared, with_rc):
@@ -198,62 +197,32 @@ def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, cols
 
 
 def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
-                          gathered, combine, n1, n2, spin):
+                          gathered, n1, spin):
     """Both expert kernels in one launch (`moe_experts_aligned(single_launch=True)`): programs 0 .. n1 - 1
-    are gate_up tiles, block-major (block b's column tiles are programs b * tiles1 ..); the next n2 are down
+    are gate_up tiles, block-major (block b's column tiles are programs b * tiles1 ..); the rest are down
     tiles, block-major too. A gate_up program, once its tile of h is stored, adds 1 to ready[b]; a down
     program of block b first waits until ready[b] == tiles1 (all of its block's h). No deadlock: CUDA
     starts a 1-D grid's programs in order, so every gate_up program has started (and will finish) before
     any down program waits. The down programs of early blocks thus start while the last gate_up tiles
-    still stream, with no kernel boundary between the two.
-
-    With `combine`, T * tiles2 more programs (token t, column tile n) follow: each waits for the down tile
-    (block, n) of each of its token's K copies (a flag the down program sets), then adds the weighted rows
-    up in fp32, rounds, and adds the residual: h_new[t, tile n] (`_combine`'s and the layer's arithmetic).
-    Counters: ready [nb] then the down tiles' flags [nb, tiles2], one zeroed int32 array."""
+    still stream, with no kernel boundary between the two. ready [nb]: a zeroed int32 array, aliased."""
     refs = list(refs)
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
-    res_ref, wt_ref, ro_ref = (refs.pop(0), refs.pop(0), refs.pop(0)) if combine else (None, None, None)
-    _counters_in, h_ref, y_ref, cnt_ref, *hn_ref = refs
+    _ready_in, h_ref, y_ref, ready_ref = refs
     p = pl.program_id(0)
-    nb, m_pad = be_ref.shape[0], y_ref.shape[0]
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
-
-    def release(i):
-        launch_sync.release(cnt_ref, i, spin)
-
-    def acquire(i, target, wait=True):  # until counter i reaches target (`wait`: a traced condition too)
-        launch_sync.acquire(cnt_ref, i, target, spin, wait)
 
     @pl.when(p < n1)
     def _():
         b = p // tiles1
         _gate_up(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
-                 after=lambda: release(b))
+                 after=lambda: launch_sync.release(ready_ref, b, spin))
 
-    @pl.when((p >= n1) & (p < n1 + n2))
+    @pl.when(p >= n1)
     def _():
         b, n = (p - n1) // tiles2, (p - n1) % tiles2
-        _down(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref, before=lambda: acquire(b, tiles1),
-              after=(lambda: release(nb + b * tiles2 + n)) if combine else None)
-
-    if combine:
-        @pl.when(p >= n1 + n2)
-        def _():
-            t, n = (p - n1 - n2) // tiles2, (p - n1 - n2) % tiles2
-            cols = pl.ds(n * t2.block_n, t2.block_n)
-            K = t2.copies_per_token
-            acc = jnp.zeros((t2.block_n,), jnp.float32)
-            for k in range(K):  # _combine's sum, in copy order
-                row = ro_ref[t * K + k]
-                valid = row < m_pad  # a skipped copy (M_pad) adds nothing
-                r = jnp.minimum(row, m_pad - 1)
-                acquire(nb + (r // t2.block_m) * tiles2 + n, 1, valid)
-                acc = acc + jnp.where(valid, y_ref[r, cols].astype(jnp.float32) * wt_ref[t, k], 0.0)
-            m = acc.astype(y_ref.dtype)  # the MoE's output, rounded as `_combine` rounds it
-            hn_ref[0][t, cols] = (res_ref[t, cols].astype(jnp.float32) + m.astype(jnp.float32)).astype(
-                hn_ref[0].dtype)
+        _down(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
+              before=lambda: launch_sync.acquire(ready_ref, b, tiles1, spin))
 
 
 def _fit(block: int, dim: int) -> int:
@@ -343,7 +312,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=False,
-                        single_launch=False, residual=None, interpret=False):
+                        single_launch=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -352,9 +321,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     expert's weight tiles stream) instead of a column tile's row blocks (each tile's weights stay in
     L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`.
     single_launch: both kernels in one launch, the down tiles of a row block waiting on its gate_up tiles
-    (`_single_launch_kernel`; block-major order, `cols_first` ignored). residual [T, D] (single_launch only):
-    the combine runs in that launch too and adds the residual: -> residual + the MoE's output, as the
-    layer adds them (each rounded to its dtype)."""
+    (`_single_launch_kernel`; block-major order, `cols_first` ignored)."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -372,25 +339,19 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
     t2 = _Tiles(block_m, bn2, _fit(block_k, I), I, E, I, K)
     wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
-    if residual is not None and not single_launch:
-        raise ValueError("moe_experts_aligned adds the residual in the single launch only")
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
-        combine = () if residual is None else (residual, weights.astype(jnp.float32), row_of.astype(jnp.int32))
-        n_counters = nb + (nb * (D // bn2) if combine else 0)  # ready [nb], then the down tiles' flags
-        args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, *combine, jnp.zeros((n_counters,), jnp.int32))
+        args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready [nb]
         params = compiler_params(num_warps, num_stages, interpret)
         out = pl.pallas_call(
             functools.partial(_single_launch_kernel, t1=t1, t2=t2, shared=bool(shared), with_rc=bool(rc1),
-                              gathered=not gather_in_kernel, combine=bool(combine), n1=n1, n2=n2,
-                              spin=not interpret),
-            grid=(n1 + n2 + (T * (D // bn2) if combine else 0),),
+                              gathered=not gather_in_kernel, n1=n1, spin=not interpret),
+            grid=(n1 + n2,),
             out_shape=(jax.ShapeDtypeStruct((m_pad, I), x.dtype), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-                       jax.ShapeDtypeStruct((n_counters,), jnp.int32))
-            + ((jax.ShapeDtypeStruct(residual.shape, residual.dtype),) if combine else ()),
+                       jax.ShapeDtypeStruct((nb,), jnp.int32)),
             input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
         )(*args)
-        return out[3] if combine else _combine(out[1], row_of, weights, T, K, D, x.dtype)
+        return _combine(out[1], row_of, weights, T, K, D, x.dtype)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,

@@ -251,7 +251,6 @@ def forward_paged(
     decode_qkv_launch: bool = False,
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
-    moe_combine_in_launch: bool = False,
     decode_route_launch: bool = False,
     decode_merged_qkv: bool = False,
 ):
@@ -280,8 +279,6 @@ def forward_paged(
     row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
     `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
     launch, its programs loading their weights while the merge runs (kernels/mla_output.py).
-    `moe_combine_in_launch`: where the single MoE launch runs with the shared experts inside, it also adds the
-    copies' rows up and to the residual (kernels/moe_gmm.py `residual`).
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
@@ -361,10 +358,10 @@ def forward_paged(
                 x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
-            h, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               residual=h, combine_in_launch=moe_combine_in_launch, routed=routed)  # h + MoE
-            return (h, cache), (idx if return_routing else None)
+                               routed=routed)
+            return (h + m, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
         # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,

@@ -238,8 +238,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
-              fuse_routing: bool = False, single_launch: bool = False, residual: jax.Array | None = None,
-              combine_in_launch: bool = False, routed: tuple | None = None):
+              fuse_routing: bool = False, single_launch: bool = False, routed: tuple | None = None):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -249,20 +248,14 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded).
     `fuse_routing`: where `routing_into_kernels` allows, the routing and the token alignment run in one
     Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
-    there, both expert kernels run in one launch (kernels/moe_gmm.py). `residual` [T, D]: the result is
-    residual + the MoE's output (the layer's new residual stream), each rounded to its dtype; with
-    `combine_in_launch`, where the single launch runs with the shared experts inside, its kernel adds it.
-    `routed`: `moe_route.route_align`'s outputs for x, from a launch that routed already
+    there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s outputs for x, from a launch that routed already
     (kernels/residual_route.py); only where the routing runs in its kernel."""
-    out, idx, added = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch,
-                           residual if combine_in_launch and single_launch else None, routed)
-    if residual is not None and not added:
-        out = residual + out
+    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed)
     return (out, idx) if return_routing else out
 
 
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, residual, routed):
-    """moe_block's work: (out [T, D], idx [T, k], whether `residual` was added in the kernel)."""
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed):
+    """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
     if routed is not None and not fused:
@@ -272,14 +265,13 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
 
         bias = p["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
         shared = (ex["shared"]["gate_up"], ex["shared"]["down"]) if "shared" in ex else ()
-        in_kernel = residual is not None and (bool(shared) or "shared" not in p)  # nothing left to add after it
         out, idx = moe_fused_decode(
             x, None if routed else router_logits(p, x), bias, ex["gate_up"], ex["down"], layer, *shared,
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,
-            residual=residual if in_kernel else None, routed=routed, interpret=moe_impl == "pallas_interpret")
-        return (out if shared else _plus_shared(p, x, out)), idx, in_kernel
+            routed=routed, interpret=moe_impl == "pallas_interpret")
+        return (out if shared else _plus_shared(p, x, out)), idx
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)
     else:
@@ -287,7 +279,7 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
     if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
         out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
                                                  None if experts is None else layer))
-        return out, idx, False
+        return out, idx
     if moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm import moe_experts
 
@@ -295,14 +287,14 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
             out = moe_experts(x, ex["gate_up"], ex["down"], w, idx, layer=layer,
                               shared_gate_up=ex["shared"]["gate_up"], shared_down=ex["shared"]["down"],
                               interpret=moe_impl == "pallas_interpret")
-            return out, idx, False
+            return out, idx
         if experts is not None and is_quantized(ex["gate_up"]):
             # Dequantize this layer only (the kernel reads float weights), not every layer's experts.
             ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
             layer = None
         out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,
                           layer=layer, interpret=moe_impl == "pallas_interpret")
-        return _plus_shared(p, x, out), idx, False
+        return _plus_shared(p, x, out), idx
     if experts is not None:
         ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
     if moe_impl == "dense":
@@ -311,7 +303,7 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
         out = experts_ragged(ex, x, w, idx)
     else:
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
-    return _plus_shared(p, x, out), idx, False
+    return _plus_shared(p, x, out), idx
 
 
 # Steps of at most this many tokens run the shared MLP inside the expert kernels. Beyond, the separate

@@ -127,30 +127,3 @@ def test_single_launch_equals_two_launches(dtype, S, T):
     np.testing.assert_array_equal(np.asarray(idx1), np.asarray(idx2))
     np.testing.assert_array_equal(np.asarray(one.astype(jnp.float32)), np.asarray(two.astype(jnp.float32)))
     assert float(jnp.abs(one.astype(jnp.float32)).max()) > 0
-
-
-@pytest.mark.parametrize("dtype, S, T", [(jnp.float32, 2, 32), (jnp.bfloat16, 0, 16), (jnp.bfloat16, 2, 64)])
-def test_single_launch_adds_the_residual(dtype, S, T):
-    """With `residual`, the single launch's last programs combine each token's copies and add the residual:
-    residual + the two launches' output, each rounded to its dtype (fp32: up to the order of the copies' sum)."""
-    from deepinfer_jax.kernels.moe_route import moe_fused_decode
-
-    L, E, k, D, I = 2, 16, 4, 128, 64
-    rng = np.random.default_rng(T + S + 1)
-    u = lambda *shape: jnp.asarray(rng.uniform(-0.1, 0.1, shape), dtype)  # noqa: E731
-    x, h = jnp.asarray(rng.standard_normal((T, D)), dtype), jnp.asarray(rng.standard_normal((T, D)), dtype)
-    wgu, wd = u(L, E, D, 2, I), u(L, E, I, D)
-    shared = (u(L, D, 2, S * I), u(L, S * I, D)) if S else ()
-    logits = jnp.asarray(rng.standard_normal((T, E)) * 2.0, jnp.float32)
-    run = lambda single, res: moe_fused_decode(x, logits, None, wgu, wd, jnp.int32(1), *shared, k=k,  # noqa: E731
-                                               single_launch=single, residual=res, interpret=True)
-    (m, _), (got, _) = run(False, None), run(True, h)
-    want = np.asarray((h + m).astype(jnp.float32))
-    got = np.asarray(got.astype(jnp.float32))
-    assert got.dtype == want.dtype and got.shape == (T, D)
-    if dtype == jnp.float32:
-        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
-    else:
-        np.testing.assert_array_equal(got, want)
-    with pytest.raises(ValueError, match="single launch only"):
-        run(False, h)

@@ -394,23 +394,6 @@ def test_decode_oproj_launch_equals_two_launches(hf_case, case, monkeypatch):
     assert calls == 2 * [(seg.num_layers, H * dv, D) for seg in layer_segments(cfg)]
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_moe_combine_in_launch_equals_the_xla_combine(hf_case, case, monkeypatch):
-    """RunnerConfig.moe_combine_in_launch: where the single MoE launch runs with the shared experts inside, it
-    also combines the copies' rows and adds the residual (kernels/moe_gmm.py `residual`): the same logits and
-    cache as XLA's gather, sum and add, and the full forward's logits."""
-    from deepinfer_jax.kernels import moe_route
-
-    calls = []
-    real = moe_route.moe_experts_aligned
-    monkeypatch.setattr(moe_route, "moe_experts_aligned",
-                        lambda *a, **k: calls.append(k["residual"] is not None) or real(*a, **k))
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "moe_combine_in_launch", seed=16, fuse_moe_routing=True,
-                                       fuse_shared_experts=True, moe_single_launch=True)
-    n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
-    assert calls == n * [False] + n * [True]
-
-
 @pytest.mark.parametrize("case, oproj", [("v2_greedy_yarn", False), ("v2_greedy_yarn", True), ("v3_flat_plain_rope", True)])
 def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypatch):
     """RunnerConfig.decode_route_launch: in a decode step's MoE layers, o_proj's split-K partials (from

@@ -18,7 +18,7 @@ def _log(d, label, ms):
 
 
 def test_picks_the_switches_that_beat_the_base_step(tmp_path, capsys):
-    for label, ms in [("base", "8.23"), ("qkv", "8.20"), ("oproj", "8.22"), ("combine", "8.34"), ("route", None)]:
+    for label, ms in [("base", "8.23"), ("qkv", "8.20"), ("oproj", "8.22"), ("route", None)]:
         _log(tmp_path, label, ms)
     assert step_ms(str(tmp_path / "step_qkv.log")) == 8.20 and step_ms(str(tmp_path / "step_route.log")) is None
     assert main([str(tmp_path)]) == 0
