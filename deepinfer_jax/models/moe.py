@@ -248,8 +248,9 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     `mesh_rules` splitting "expert" or "moe_mlp", the routed experts run sharded (experts_sharded).
     `fuse_routing`: where `routing_into_kernels` allows, the routing and the token alignment run in one
     Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
-    there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s outputs for x, from a launch that routed already
-    (kernels/residual_route.py); only where the routing runs in its kernel."""
+    there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s
+    outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
+    in its kernel."""
     out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed)
     return (out, idx) if return_routing else out
 
