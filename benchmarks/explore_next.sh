@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The next GPU calls' open question, a short table last. Session 13 measured four off-by-default switches
 # at batch 32 on an H200 (benchmarks/RESULTS.md "Session 13"): none pays there. Their launches save small kernels'
-# fixed costs, which weigh more in smaller steps, so the open question is batch 1 and 8 (Protocol B's
-# concurrency 1 and 8 decode at 3.5 and 6.3 ms a step). Of the four, the combine in the single MoE launch grew
-# that launch's tail by 8 us a layer and was removed; the other three:
+# fixed costs, which weigh more in smaller steps. Of the four, the combine in the single MoE launch grew that
+# launch's tail by 8 us a layer and was removed. At batch 8 (one run each) only the route launch may pay: 5.36 ms
+# against 5.41. The open question: repeated runs at batch 1 and 8 (Protocol B's concurrency 1 and 8 decode at 3.5
+# and 6.3 ms a step). The other three:
 #   qkv      RunnerConfig.decode_qkv_launch: the q / kv_a projections in the absorb kernel's launch
 #   oproj    RunnerConfig.decode_oproj_launch: o_proj in the output kernel's launch
 #   route    RunnerConfig.decode_route_launch: o_proj's partials to the routing in one launch

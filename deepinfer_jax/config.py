@@ -366,7 +366,7 @@ class RunnerConfig:
     # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
     # launches (12.9 us a layer on an H200 at batch 32; session 10's first try, a per-token kernel, was slower
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
-    # against 8.23-8.24; off.
+    # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
     decode_route_launch: bool = False
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
