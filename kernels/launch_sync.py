@@ -26,12 +26,11 @@ def release(cnt_ref, i, spin: bool) -> None:
     plgpu.atomic_add(cnt_ref, jnp.asarray(i, jnp.int32), jnp.int32(1))
 
 
-def acquire(cnt_ref, i, target, spin: bool, wait=True) -> None:
-    """Spin until counter i reaches `target` (atomic reads with acquire semantics); `wait`: a traced
-    condition too (False: do not wait)."""
+def acquire(cnt_ref, i, target, spin: bool) -> None:
+    """Spin until counter i reaches `target` (atomic reads with acquire semantics)."""
     from jax.experimental.pallas import triton as plgpu
 
     if spin:
         i = jnp.asarray(i, jnp.int32)
         read = lambda _: plgpu.atomic_add(cnt_ref, i, jnp.int32(0))  # noqa: E731  acquire
-        jax.lax.while_loop(lambda r: wait & (r < target), read, read(None))
+        jax.lax.while_loop(lambda r: r < target, read, read(None))

@@ -205,13 +205,12 @@ def absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cac
         assert q.shape == (T, H * (dn + dr) + R + dr), (q.shape, kv_b.shape, dn, dr)
         ckv = q
     else:
-        assert q.shape == (T, H, dn + dr), (q.shape, kv_b.shape, dn, dr)
+        assert q.shape == (T, H, dn + dr) and ckv.shape == (T, R + dr), (q.shape, ckv.shape, kv_b.shape, dn, dr)
     block_r = min(block_r, R)
     assert cos.shape == sin.shape == (T, dr // 2) and latent_supported(T, dn, dr, R, block_r), (
         q.shape, kv_b.shape, cos.shape, dn, block_r)
-    assert ckv.shape == (q.shape if merged else (T, R + dr)) and norm_w.shape == (kv_b.shape[0], R) and (
-        cache.shape[3] == R + dr) and (
-        slots.shape == (T,)), (ckv.shape, norm_w.shape, cache.shape, slots.shape)
+    assert norm_w.shape == (kv_b.shape[0], R) and cache.shape[3] == R + dr and slots.shape == (T,), (
+        norm_w.shape, cache.shape, slots.shape)
     layer, cache_layer = (jnp.asarray(i, jnp.int32).reshape(1) for i in (layer, cache_layer))
     params = compiler_params(num_warps, num_stages, interpret)
     return pl.pallas_call(

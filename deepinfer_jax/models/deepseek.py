@@ -199,17 +199,19 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
     that launch reads them in place out of one XLA GEMM's output; in both q_nope is None (no decode path
     reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights."""
     interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
-    if qkv_w is not None or merged_qkv:
-        from deepinfer_jax.kernels import mla_absorb, mla_qkv
+    if merged_qkv:
+        from deepinfer_jax.kernels import mla_absorb
 
-        if merged_qkv:
-            q_lat, q_pe, kv_cache = mla_absorb.absorb_query_write_latents(
-                mla.project_qkv_merged(p, cfg, x), absorb_kv_b, j, cos, sin, None, latent_norm, kv_cache, li,
-                meta.slot_mapping, dn=dn, eps=cfg.latent_norm_eps, interpret=interpret)
-        else:
-            q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
-                x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
-                eps=cfg.latent_norm_eps, interpret=interpret)
+        q_lat, q_pe, kv_cache = mla_absorb.absorb_query_write_latents(
+            mla.project_qkv_merged(p, cfg, x), absorb_kv_b, j, cos, sin, None, latent_norm, kv_cache, li,
+            meta.slot_mapping, dn=dn, eps=cfg.latent_norm_eps, interpret=interpret)
+        return None, q_lat, q_pe, None, kv_cache
+    if qkv_w is not None:
+        from deepinfer_jax.kernels import mla_qkv
+
+        q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
+            x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
+            eps=cfg.latent_norm_eps, interpret=interpret)
         return None, q_lat, q_pe, None, kv_cache
     written = latent_norm is not None
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
