@@ -17,6 +17,9 @@
 #   FLAGS="--decode-merged-qkv" bash benchmarks/explore_next.sh OUTDIR ab
 #                                                   one candidate: the batch-32 step without and with FLAGS (traced);
 #                                                   where it is 0.02 ms faster, the GPU-vs-CPU check and Protocol A
+#   bash benchmarks/explore_next.sh OUTDIR prefill
+#                                                   Protocol A's prefill: the two expert kernels at 16,384 x top-6
+#                                                   over tile pairs, then the 32 x 512 prefill step (traced)
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -43,6 +46,16 @@ if [[ $mode == ab ]]; then  # one candidate: the step without and with FLAGS (tr
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
   timeout 120 python3 benchmarks/offline.py --buckets 32,16384 "${flags[@]}" > "$out/protocol_a.log" 2>&1
   grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a.log" | cut -c1-220
+  exit 0
+fi
+if [[ $mode == prefill ]]; then  # Protocol A's prefill: the expert kernels' tiles, then the step traced
+  timeout 240 python3 benchmarks/kernels.py --only moe_prefill 2>&1 | quiet > "$out/moe_prefill.log"
+  timeout 150 python3 benchmarks/step_profile.py --label prefill --prefill 512 --batch 32 --context 0 \
+    --trace /tmp/tr_prefill ${FLAGS:-} 2>&1 | quiet > "$out/step_prefill.log"
+  echo "== summary (prefill) =="
+  grep -h -E "^\|" "$out/moe_prefill.log"
+  grep -h -E "pipelined via compiled" "$out/step_prefill.log"
+  grep -h -A32 "GPU kernel time per step" "$out/step_prefill.log" | head -33 | cut -c1-160
   exit 0
 fi
 if [[ $mode == check ]]; then

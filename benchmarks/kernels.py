@@ -132,6 +132,61 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
         print(f"| {T} | lax.ragged_dot | - | {t*1e6:.0f} | {moved/t/1e12:.2f} | {flops/t/1e12:.1f} | {err} |", flush=True)
 
 
+def moe_prefill_sweep(T: int = 16384):
+    """The two expert kernels at a prefill size, each timed alone (GPU time from a trace) over tile configs:
+    Protocol A's prefill routes 16,384 tokens x top-6 through them (two launches; the single launch is for
+    decode sizes). Checked against `lax.ragged_dot` once."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
+
+    E, D, I, k = 64, 2048, 1408, 6
+    key = jax.random.key(0)
+    wgu = jax.random.uniform(key, (1, E, D, 2, I), jnp.bfloat16, -0.05, 0.05)
+    wd = jax.random.uniform(jax.random.fold_in(key, 1), (1, E, I, D), jnp.bfloat16, -0.05, 0.05)
+    x = jax.random.normal(jax.random.fold_in(key, 2), (T, D), jnp.bfloat16)
+    logits = jax.random.normal(jax.random.fold_in(key, 3), (T, E), jnp.float32)
+    w, idx = jax.lax.top_k(jax.nn.softmax(logits), k)
+    idx = idx.astype(jnp.int32)
+    layer = jnp.zeros((1,), jnp.int32)
+    flops_half = 2 * T * k * D * I * 3 / 3  # one [D, I] matrix's worth: gate_up is 2 of these, down 1
+    print(f"\n## MoE expert kernels at {T} tokens x top-{k} (each kernel's GPU time; default {tile_config(T * k)})")
+    print("| block_m | gate_up bn bk w s | us | TFLOP/s | down bn bk w s | us | TFLOP/s | max err vs ragged |")
+    print("|---|---|---|---|---|---|---|---|")
+
+    def ragged(x, wgu, wd, w, idx):
+        from deepinfer_jax.models.moe import experts_ragged
+
+        return experts_ragged({"gate_up": wgu[0], "down": wd[0]}, x, w, idx)
+
+    ref = np.asarray(jax.jit(ragged)(x, wgu, wd, w, idx).astype(jnp.float32))
+    pairs = {128: [((128, 64, 8, 4), (128, 64, 8, 4)), ((128, 64, 8, 3), (256, 64, 8, 3)),
+                   ((64, 64, 4, 4), (256, 64, 8, 4)), ((128, 32, 8, 4), (128, 64, 4, 4)),
+                   ((128, 64, 8, 5), (256, 32, 8, 4)), ((64, 128, 4, 3), (128, 128, 8, 3)),
+                   ((128, 64, 4, 3), (64, 64, 4, 4))],
+             64: [((128, 64, 4, 3), (128, 64, 4, 3)), ((128, 64, 4, 4), (256, 64, 4, 3)),
+                  ((256, 64, 8, 3), (256, 64, 8, 3))]}
+    for bm, configs in pairs.items():
+        rc, be, ro = jax.jit(lambda i, bm=bm: align_tokens(i, E, bm))(idx)
+        for gu, dn in configs:
+            fn = jax.jit(lambda x, a, b, w, rc, be, ro, gu=gu, dn=dn, bm=bm: moe_experts_aligned(
+                x, a, b, w, rc, be, ro, layer, block_m=bm, block_n=gu[0], block_k=gu[1], num_warps=gu[2],
+                num_stages=gu[3], cols_first=True, down_tiles=dn))
+            try:
+                err = np.abs(np.asarray(fn(x, wgu, wd, w, rc, be, ro).astype(jnp.float32)) - ref).max()
+                us = device_us(fn, x, wgu, wd, w, rc, be, ro)
+                t1 = sum(v for n, v in us.items() if "gate_up" in n)
+                t2 = sum(v for n, v in us.items() if "down" in n)
+                print(f"| {bm} | {' '.join(map(str, gu))} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
+                      f"{' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} | {err:.3g} |",
+                      flush=True)
+                if t1 == 0 or t2 == 0:
+                    print("  kernels:", {n[:60]: round(v, 1) for n, v in us.items()}, flush=True)
+            except Exception as e:  # noqa: BLE001 - report and go on
+                print(f"| {bm} | {gu} | failed | | {dn} | {type(e).__name__}: {str(e)[:200]} |", flush=True)
+
+
 def decode_attention_inputs(key, B: int, ctx: int, dtype, positions=None):
     """Random decode-attention inputs at the V2-Lite shape (16 heads, 576-wide latent, page 64): q_lat,
     q_pe, a one-layer cache of B sequences on shuffled pages, seq_ids, positions (default: every
@@ -326,7 +381,7 @@ def mla_prefill_table(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "mla", "mla_output", "mla_prefill", "decode_sweep"], default=None)
+    ap.add_argument("--only", choices=["moe", "moe_prefill", "mla", "mla_output", "mla_prefill", "decode_sweep"], default=None)
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
@@ -334,6 +389,8 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if args.only in (None, "moe"):
         moe_tables(args.quick, [int(t) for t in args.moe_tokens.split(",") if t] or None)
+    if args.only == "moe_prefill":  # not part of the default tables
+        moe_prefill_sweep()
     if args.only in (None, "mla"):
         mla_tables(args.quick)
     if args.only in (None, "mla_output"):

@@ -260,6 +260,12 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     return 128, 128, 64, 8, 4
 
 
+def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
+    """(block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its own: the
+    gate_up kernel's (`tile_config`) unless measured otherwise."""
+    return tile_config(num_copies)[1:]
+
+
 def cols_first_for(num_copies: int) -> bool:
     """Launch order of the expert kernels by the number of token copies: column tiles first at prefill
     sizes, where every row block is re-read once per column tile (benchmarks/RESULTS.md)."""
@@ -312,7 +318,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=False,
-                        single_launch=False, interpret=False):
+                        single_launch=False, down_tiles=None, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -321,23 +327,31 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     expert's weight tiles stream) instead of a column tile's row blocks (each tile's weights stay in
     L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`.
     single_launch: both kernels in one launch, the down tiles of a row block waiting on its gate_up tiles
-    (`_single_launch_kernel`; block-major order, `cols_first` ignored)."""
+    (`_single_launch_kernel`; block-major order, `cols_first` ignored).
+    down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
+    own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
     auto = tile_config(T * K)
     cols_first = cols_first_for(T * K) if cols_first is None else cols_first
-    block_n, block_k, num_warps, num_stages = (
-        a if v is None else v for v, a in zip((block_n, block_k, num_warps, num_stages), auto[1:]))
+    given = (block_n, block_k, num_warps, num_stages)
+    block_n, block_k, num_warps, num_stages = (a if v is None else v for v, a in zip(given, auto[1:]))
+    if down_tiles is None:
+        down_tiles = (block_n, block_k, num_warps, num_stages) if any(v is not None for v in given) else (
+            down_tile_config(T * K))
     if x.dtype.itemsize >= 4:  # fp32 tiles are twice the bytes: one stage fits in shared memory
         num_stages = 1
+        down_tiles = (*down_tiles[:3], 1)
     shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     xs = x if gather_in_kernel else x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D] gathered
     rc1 = (row_copy,) if gather_in_kernel else ()  # each row's token, read in the kernel
-    bn1, bn2 = _fit(block_n, I), _fit(block_n, D)
+    if single_launch:  # one launch, one set of compiler parameters
+        down_tiles = (block_n, block_k, num_warps, num_stages)
+    bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)
     t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
-    t2 = _Tiles(block_m, bn2, _fit(block_k, I), I, E, I, K)
+    t2 = _Tiles(block_m, bn2, _fit(down_tiles[1], I), I, E, I, K)
     wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
@@ -357,7 +371,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
               shared=bool(shared), with_rc=bool(rc1), gathered=not gather_in_kernel, cols_first=cols_first)
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
-              (layer, block_expert, h, wd, *shared[1:]), num_warps, num_stages, interpret, t=t2,
+              (layer, block_expert, h, wd, *shared[1:]), *down_tiles[2:], interpret, t=t2,
               shared=bool(shared), cols_first=cols_first)
     return _combine(y, row_of, weights, T, K, D, x.dtype)
 

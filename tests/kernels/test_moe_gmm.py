@@ -74,6 +74,20 @@ def test_launch_order_and_in_kernel_gather_keep_the_result(cols_first, gather):
     assert moe_gmm.cols_first_for(2048) and not moe_gmm.cols_first_for(2047)
 
 
+def test_down_kernel_takes_its_own_tiles():
+    """The down kernel's own tiles (`down_tiles`: a wider column tile, a shorter K step) keep the reference's
+    result, and the default keeps the gate_up kernel's tiles where those were given."""
+    x, wgu, wd, w, idx = _case(4, 40, skew=True)
+    ref = moe_experts_reference(x, wgu, wd, w, idx)
+    rc, be, ro = align_tokens(idx, 8, 16)
+    layer = jnp.zeros((1,), jnp.int32)
+    for down in [(64, 16, 4, 2), None]:
+        out = moe_gmm.moe_experts_aligned(x, wgu[None], wd[None], w, rc, be, ro, layer, block_m=16, block_n=16,
+                                          block_k=32, cols_first=True, down_tiles=down, interpret=True)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    assert moe_gmm.down_tile_config(98304) == moe_gmm.tile_config(98304)[1:]
+
+
 def test_kernel_bf16():
     x, wgu, wd, w, idx = _case(7, 24, dtype=jnp.bfloat16)
     ref = moe_experts_reference(x, wgu, wd, w, idx).astype(jnp.float32)
