@@ -20,6 +20,9 @@
 #   bash benchmarks/explore_next.sh OUTDIR prefill
 #                                                   Protocol A's prefill: the two expert kernels at 16,384 x top-6
 #                                                   over tile pairs, then the 32 x 512 prefill step (traced)
+#   bash benchmarks/explore_next.sh OUTDIR inrun
+#                                                   the decode step inside Protocol A (steps 100-129 traced) against
+#                                                   the isolated one (traced): kernels by category, idle
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -56,6 +59,18 @@ if [[ $mode == prefill ]]; then  # Protocol A's prefill: the expert kernels' til
   grep -h -E "^\|" "$out/moe_prefill.log"
   grep -h -E "pipelined via compiled" "$out/step_prefill.log"
   grep -h -A32 "GPU kernel time per step" "$out/step_prefill.log" | head -33 | cut -c1-160
+  exit 0
+fi
+if [[ $mode == inrun ]]; then  # the decode step inside Protocol A against the isolated one, both traced
+  timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --trace /tmp/tr_run \
+    --trace-steps 100:130 ${FLAGS:-} > "$out/inrun.log" 2>&1
+  timeout 120 python3 benchmarks/step_profile.py --label isolated --trace /tmp/tr_iso ${FLAGS:-} 2>&1 | quiet \
+    > "$out/step_iso.log"
+  echo "== summary (in the run, steps 100-129, then isolated) =="
+  grep -h -E "Protocol A|prefill [0-9]|engine loop" "$out/inrun.log" | cut -c1-220
+  grep -h -A14 "GPU kernel time per step" "$out/inrun.log" | head -15 | cut -c1-150
+  grep -h -E "pipelined via compiled" "$out/step_iso.log"
+  grep -h -A14 "GPU kernel time per step" "$out/step_iso.log" | head -15 | cut -c1-150
   exit 0
 fi
 if [[ $mode == check ]]; then

@@ -152,8 +152,8 @@ def moe_prefill_sweep(T: int = 16384):
     layer = jnp.zeros((1,), jnp.int32)
     flops_half = 2 * T * k * D * I * 3 / 3  # one [D, I] matrix's worth: gate_up is 2 of these, down 1
     print(f"\n## MoE expert kernels at {T} tokens x top-{k} (each kernel's GPU time; default {tile_config(T * k)})")
-    print("| block_m | gate_up bn bk w s | us | TFLOP/s | down bn bk w s | us | TFLOP/s | max err vs ragged |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| block_m | gate_up bn bk w s | us | TFLOP/s | down bn bk w s | us | TFLOP/s | XLA kernels us | max err vs ragged |")
+    print("|---|---|---|---|---|---|---|---|---|")
 
     def ragged(x, wgu, wd, w, idx):
         from deepinfer_jax.models.moe import experts_ragged
@@ -161,25 +161,25 @@ def moe_prefill_sweep(T: int = 16384):
         return experts_ragged({"gate_up": wgu[0], "down": wd[0]}, x, w, idx)
 
     ref = np.asarray(jax.jit(ragged)(x, wgu, wd, w, idx).astype(jnp.float32))
-    pairs = {128: [((128, 64, 8, 4), (128, 64, 8, 4)), ((128, 64, 8, 3), (256, 64, 8, 3)),
-                   ((64, 64, 4, 4), (256, 64, 8, 4)), ((128, 32, 8, 4), (128, 64, 4, 4)),
-                   ((128, 64, 8, 5), (256, 32, 8, 4)), ((64, 128, 4, 3), (128, 128, 8, 3)),
-                   ((128, 64, 4, 3), (64, 64, 4, 4))],
-             64: [((128, 64, 4, 3), (128, 64, 4, 3)), ((128, 64, 4, 4), (256, 64, 4, 3)),
-                  ((256, 64, 8, 3), (256, 64, 8, 3))]}
+    # (gate_up bn bk warps stages, down bn bk warps stages, gather_in_kernel) by block_m
+    pairs = {128: [((128, 64, 8, 4), (128, 64, 8, 4), False), ((128, 64, 8, 3), (256, 64, 8, 3), False),
+                   ((128, 64, 8, 4), (256, 64, 8, 3), True), ((128, 64, 8, 3), (256, 64, 8, 3), True),
+                   ((128, 64, 8, 4), (256, 64, 8, 4), False), ((128, 64, 8, 4), (256, 128, 8, 2), False)],
+             256: [((64, 64, 8, 3), (128, 64, 8, 3), False)]}
     for bm, configs in pairs.items():
         rc, be, ro = jax.jit(lambda i, bm=bm: align_tokens(i, E, bm))(idx)
-        for gu, dn in configs:
-            fn = jax.jit(lambda x, a, b, w, rc, be, ro, gu=gu, dn=dn, bm=bm: moe_experts_aligned(
+        for gu, dn, gk in configs:
+            fn = jax.jit(lambda x, a, b, w, rc, be, ro, gu=gu, dn=dn, bm=bm, gk=gk: moe_experts_aligned(
                 x, a, b, w, rc, be, ro, layer, block_m=bm, block_n=gu[0], block_k=gu[1], num_warps=gu[2],
-                num_stages=gu[3], cols_first=True, down_tiles=dn))
+                num_stages=gu[3], cols_first=True, down_tiles=dn, gather_in_kernel=gk))
             try:
                 err = np.abs(np.asarray(fn(x, wgu, wd, w, rc, be, ro).astype(jnp.float32)) - ref).max()
                 us = device_us(fn, x, wgu, wd, w, rc, be, ro)
                 t1 = sum(v for n, v in us.items() if "gate_up" in n)
                 t2 = sum(v for n, v in us.items() if "down" in n)
-                print(f"| {bm} | {' '.join(map(str, gu))} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
-                      f"{' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} | {err:.3g} |",
+                tx = sum(v for n, v in us.items() if "gate_up" not in n and "down" not in n)
+                print(f"| {bm} | {' '.join(map(str, gu))}{' gather' if gk else ''} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
+                      f"{' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} | {tx:.0f} | {err:.3g} |",
                       flush=True)
                 if t1 == 0 or t2 == 0:
                     print("  kernels:", {n[:60]: round(v, 1) for n, v in us.items()}, flush=True)

@@ -85,7 +85,8 @@ def test_down_kernel_takes_its_own_tiles():
         out = moe_gmm.moe_experts_aligned(x, wgu[None], wd[None], w, rc, be, ro, layer, block_m=16, block_n=16,
                                           block_k=32, cols_first=True, down_tiles=down, interpret=True)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    assert moe_gmm.down_tile_config(98304) == moe_gmm.tile_config(98304)[1:]
+    assert moe_gmm.down_tile_config(256) == moe_gmm.tile_config(256)[1:]
+    assert moe_gmm.down_tile_config(98304) == (256, 64, 8, 3)
 
 
 def test_kernel_bf16():
