@@ -112,6 +112,13 @@ def chunk_attention_reference(q_nope, q_pe, kv, k_pe, run_start, scale):
     return acc, m.T, p.sum(axis=-1).T
 
 
+def normalise(acc1, m1, l1):
+    """The chunk part alone (acc1 [T, H, dv] unnormalised, l1 [T, H]; m1 unused) -> o [T, H, dv] fp32:
+    `merge_with_context` where no row has context (o_ctx = 0, m2 = NEG, l2 = 0), bit for bit."""
+    del m1
+    return acc1.astype(jnp.float32) / l1[..., None]
+
+
 def merge_with_context(acc1, m1, l1, o_ctx, m2, l2):
     """The chunk part (acc1 [T, H, dv] unnormalised, m1, l1 [T, H]) plus the cached-context part,
     already in value space and normalised (o_ctx [T, H, dv], with its m2 and l2; l2 = 0 where a row

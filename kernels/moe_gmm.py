@@ -271,6 +271,14 @@ def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
     return tile_config(num_copies)[1:]
 
 
+def gather_in_kernel_for(num_copies: int) -> bool:
+    """Whether the gate_up kernel reads its rows' tokens from x itself at this size (no [M_pad, D] copy of the
+    rows first). At Protocol A's prefill (16,384 tokens x top-6 on an H200, `kernels.py --only moe_prefill`) the
+    gather costs the kernel 73 us and saves XLA's 286 us copy; at 8,192 tokens the two were even (session 4).
+    Decode sizes gather in the kernel through `moe_route.moe_fused_decode`."""
+    return num_copies >= 65536
+
+
 def cols_first_for(num_copies: int) -> bool:
     """Launch order of the expert kernels by the number of token copies: column tiles first at prefill
     sizes, where every row block is re-read once per column tile (benchmarks/RESULTS.md)."""
@@ -281,7 +289,7 @@ def cols_first_for(num_copies: int) -> bool:
                                              "cols_first", "gather_in_kernel", "interpret"))
 def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_up=None, shared_down=None,
                 block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
-                gather_in_kernel=False, interpret=False):
+                gather_in_kernel=None, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
     Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
     Tiles left as None come from `tile_config(T * k)` (T * (k + S) with shared experts).
@@ -322,12 +330,13 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
-                        num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=False,
+                        num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
                         single_launch=False, down_tiles=None, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
-    gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy).
+    gather_in_kernel: the gate_up kernel reads each row's token from x itself (no [M_pad, D] copy); None:
+    `gather_in_kernel_for(T * K)`.
     cols_first: launch a row block's column tiles one after another (its rows stay in L2 while the
     expert's weight tiles stream) instead of a column tile's row blocks (each tile's weights stay in
     L2 while all the rows stream once per column tile); None: `cols_first_for(T * K)`.
@@ -340,6 +349,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     K = weights.shape[-1]
     auto = tile_config(T * K)
     cols_first = cols_first_for(T * K) if cols_first is None else cols_first
+    gather_in_kernel = gather_in_kernel_for(T * K) if gather_in_kernel is None else gather_in_kernel
     given = (block_n, block_k, num_warps, num_stages)
     block_n, block_k, num_warps, num_stages = (a if v is None else v for v, a in zip(given, auto[1:]))
     if down_tiles is None:

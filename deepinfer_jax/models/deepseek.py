@@ -136,26 +136,38 @@ def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_
     return rs, blocks, meta.positions[rs] - 1, bq
 
 
-def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, q_lat, latent, kv_cache, layer, meta: StepMetadata,
-                 plan, attn_impl: str) -> jax.Array:
+def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, layer, meta: StepMetadata, plan,
+                 attn_impl: str) -> jax.Array:
     """Prefill attention in two parts (kernels/mla_chunk.py): each token against the new tokens of its
     own chunk in the expanded form (keys and values rebuilt from this step's latents), and against
     the cached context before its chunk in the absorbed form; merged by log-sum-exp.
-    latent [T, R + dr] as written to the cache; kv_cache already holds it. -> [T, H, dv] in q's dtype."""
+    latent [T, R + dr] as written to the cache; kv_cache already holds it. -> [T, H, dv] in q's dtype.
+
+    The context part (the query's absorption through W_UK, the context kernel, W_UV, the merge) runs only
+    where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
+    takes the chunk part alone, normalised, which is what the merge gives when the context kernel saw no
+    key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly). On an H200 the context part cost a Protocol A
+    prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14)."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
     rs, blocks, visible_to, bq = plan
     interpret = attn_impl == "pallas_interpret"
     R, scale = cfg.kv_lora_rank, cfg.softmax_scale
-    o_ctx, m2, l2 = mla_prefill.paged_mla_prefill_attention(
-        q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
-        visible_to=visible_to, return_lse=True, interpret=interpret)
-    o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
     c_kv, k_pe = latent[:, :R].astype(q_nope.dtype), latent[:, R:].astype(q_nope.dtype)
     kv = jnp.einsum("tr,rhe->the", c_kv, weight(p["kv_b_proj"], c_kv.dtype))  # [T, H, dn + dv]
     acc, m1, l1 = mla_chunk.chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, scale, block_q=bq,
                                             interpret=interpret)
-    return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2).astype(q_nope.dtype)
+
+    def with_context(acc, m1, l1):
+        q_lat = mla.absorb_query(p, cfg, q_nope)  # [T, H, R]
+        o_ctx, m2, l2 = mla_prefill.paged_mla_prefill_attention(
+            q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
+            visible_to=visible_to, return_lse=True, interpret=interpret)
+        o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
+        return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2)
+
+    out = jax.lax.cond(jnp.any(visible_to >= 0), with_context, mla_chunk.normalise, acc, m1, l1)
+    return out.astype(q_nope.dtype)
 
 
 def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str):
@@ -191,13 +203,14 @@ def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer
 
 
 def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, meta: StepMetadata, absorb_kv_b,
-                     latent_norm, qkv_w, attn_impl: str, merged_qkv: bool = False):
+                     latent_norm, qkv_w, attn_impl: str, merged_qkv: bool = False, absorbed: bool = True):
     """The attention's inputs from x [T, D]: (q_nope [T, H, dn] or None, q_lat [T, H, R], q_pe [T, H, dr] roped,
     latent [T, R + dr] in the cache's dtype or None, kv_cache). Where the absorb launch writes the latents
     (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `qkv_w`
     (`decode_qkv_weights`) the projections run in that launch too, and with `merged_qkv` (`merged_qkv_applies`)
     that launch reads them in place out of one XLA GEMM's output; in both q_nope is None (no decode path
-    reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights."""
+    reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights. absorbed=False (the split
+    prefill attention, which absorbs the query only where it needs to): q_lat is None."""
     interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
     if merged_qkv:
         from deepinfer_jax.kernels import mla_absorb
@@ -218,7 +231,7 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
                                                raw_latent=written)
     latent = None if written else jnp.concatenate([c_kv, k_pe], axis=-1).astype(kv_cache.dtype)  # [T, R + dr]
     if absorb_kv_b is None:
-        return q_nope, mla.absorb_query(p, cfg, q_nope), q_pe, latent, kv_cache
+        return q_nope, mla.absorb_query(p, cfg, q_nope) if absorbed else None, q_pe, latent, kv_cache
     from deepinfer_jax.kernels import mla_absorb
 
     # q_nope holds the whole unroped q [T, H, dn + dr]: the kernel absorbs its nope part, rotates its rope part.
@@ -328,11 +341,11 @@ def forward_paged(
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
                                                                   absorb_kv_b, latent_norm, qkv_w, attn_impl,
-                                                                  merged_qkv)
+                                                                  merged_qkv, absorbed=split_plan is None)
             written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
             if split_plan is not None:
                 cache = write_latents(cache, li, meta, latent)
-                a = attend_split(lp["attn"], cfg, q_nope, q_pe, q_lat, latent, cache, li, meta, split_plan,
+                a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
                                  attn_impl)  # [T, H, dv]
             elif value_kv_b is not None:
                 if not written:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.kernels.mla_chunk import chunk_attention, chunk_attention_reference, merge_with_context
+from deepinfer_jax.kernels.mla_chunk import chunk_attention, chunk_attention_reference, merge_with_context, normalise
 from deepinfer_jax.kernels.mla_prefill import (effective_block_q, num_query_blocks_bound,
                                                paged_mla_prefill_attention, query_blocks, run_starts)
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
@@ -134,3 +134,29 @@ def test_context_only_pass_with_splits_equals_one_split():
     den = lambda r: np.asarray(r[2])[:real][has] * np.exp(np.asarray(r[1])[:real][has])  # noqa: E731
     np.testing.assert_allclose(den(three), den(one), rtol=1e-5)
     assert (np.asarray(one[2])[:real][~has] == 0).all() and (np.asarray(one[0])[:real][~has] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_fresh_prompts_need_no_context_part(dtype):
+    """A step of fresh prompts (and padding): no token sees cached context (the predicate of
+    models/deepseek.py attend_split's cond), and the chunk part alone, normalised, equals the merge with the
+    real context kernel's empty output bit for bit."""
+    T, chunks = 32, [(0, 9), (0, 13), (0, 1)]
+    kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(3, chunks, T, dtype=dtype)
+    rs = run_starts(sid, pos)
+    vis = pos[rs] - 1
+    assert not bool(jnp.any(vis >= 0))
+    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk)
+    o_ctx, m2, l2 = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4, block_h=2,
+                                                visible_to=vis, return_lse=True, interpret=True)
+    o_ctx = jnp.einsum("thr,rhv->thv", o_ctx.astype(dtype), w_uv)
+    c_kv, k_pe = latent[:, :R], latent[:, R:]
+    kv = jnp.concatenate([jnp.einsum("tr,rhd->thd", c_kv, w_uk), jnp.einsum("tr,rhv->thv", c_kv, w_uv)], axis=-1)
+    bq = effective_block_q(T, 16)
+    blocks = query_blocks(sid, pos, bq, num_query_blocks_bound(T, len(chunks), bq))
+    acc, m1, l1 = chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, 0.15, block_q=bq, block_k=16, interpret=True)
+    merged = np.asarray(merge_with_context(acc, m1, l1, o_ctx, m2, l2))
+    np.testing.assert_array_equal(np.asarray(normalise(acc, m1, l1)), merged)
+    # One token of cached context anywhere in the step makes the predicate true.
+    sid2, pos2 = _runs([(0, 9), (1, 13)], T)
+    assert bool(jnp.any(pos2[run_starts(sid2, pos2)] - 1 >= 0))

@@ -72,6 +72,7 @@ def test_launch_order_and_in_kernel_gather_keep_the_result(cols_first, gather):
                       gather_in_kernel=gather, interpret=True)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
     assert moe_gmm.cols_first_for(2048) and not moe_gmm.cols_first_for(2047)
+    assert moe_gmm.gather_in_kernel_for(98304) and not moe_gmm.gather_in_kernel_for(8192)
 
 
 def test_down_kernel_takes_its_own_tiles():
