@@ -19,6 +19,7 @@ is off (`xla_env.py`), which the cap alone did not achieve (benchmarks/RESULTS.m
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 XLA_PROGRAM_SHARE = 0.75
@@ -54,7 +55,8 @@ def cuda_mem_info(device) -> tuple[int, int] | None:
 def device_memory(device) -> DeviceMemory | None:
     """The memory figures of `device`, or None (CPU). XLA's BFC allocator reports its pool
     (`memory_stats`); under the VMM allocator that xla_env.py's command-buffer mode selects there are
-    no stats, and a GPU falls back to the driver (the whole device: total, and total - free)."""
+    no stats, and a GPU falls back to the driver (`driver_memory`: the allocator's share of the device, and
+    total - free in use)."""
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - backends without stats
@@ -65,8 +67,16 @@ def device_memory(device) -> DeviceMemory | None:
         return DeviceMemory(int(stats["bytes_limit"]), int(stats.get("bytes_in_use", 0)), total, "XLA allocator")
     if info is None:
         return None
-    free, total = info
-    return DeviceMemory(total, total - free, total, "CUDA driver")
+    return driver_memory(*info)
+
+
+def driver_memory(free: int, total: int, environ=os.environ) -> DeviceMemory:
+    """The driver's figures under XLA's VMM allocator: it hands out at most XLA_PYTHON_CLIENT_MEM_FRACTION of
+    the device (JAX's default 0.75), so that share is the limit, not the whole device. (With the whole device
+    as the limit, an engine started without that variable filled the allocator's pool with weights and cache,
+    and warm-up failed on an H200 when XLA's autotuner asked for 734 MB of scratch: session 14.)"""
+    fraction = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
+    return DeviceMemory(int(total * min(fraction, 1.0)), total - free, total, "CUDA driver")
 
 
 def kv_cache_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
