@@ -42,7 +42,7 @@ def supported(dn: int, dr: int, dv: int, interpret: bool = False) -> bool:
     return interpret or all(d >= 16 and d & (d - 1) == 0 for d in (dn, dr, dv))
 
 
-def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref, m_ref, l_ref, *,
+def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref, *lse_refs,
             block_q, block_k, dn, dv, num_tokens, scale):
     b, h = pl.program_id(0), pl.program_id(1)
     first, count = first_ref[b], count_ref[b]
@@ -73,17 +73,21 @@ def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref
         n_blocks = (end - start + block_k - 1) // block_k
         acc, m, l = jax.lax.fori_loop(0, n_blocks, body, init)
         mine = (qi >= first) & (qi < end)
-        plgpu.store(o_ref.at[pl.ds(q0, block_q), h, :], acc, mask=jnp.broadcast_to(mine[:, None], acc.shape))
-        plgpu.store(m_ref.at[pl.ds(q0, block_q), h], m, mask=mine)
-        plgpu.store(l_ref.at[pl.ds(q0, block_q), h], l, mask=mine)
+        o = acc if lse_refs else (acc / l[:, None]).astype(o_ref.dtype)  # normalised: l >= 1 (its own key)
+        plgpu.store(o_ref.at[pl.ds(q0, block_q), h, :], o, mask=jnp.broadcast_to(mine[:, None], o.shape))
+        for ref, v in zip(lse_refs, (m, l)):
+            plgpu.store(ref.at[pl.ds(q0, block_q), h], v, mask=mine)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "interpret"))
+@functools.partial(jax.jit, static_argnames=("scale", "block_q", "block_k", "num_warps", "num_stages", "out_dtype",
+                                             "interpret"))
 def chunk_attention(q_nope, q_pe, kv, k_pe, run_start, blocks, scale, *, block_q, block_k=64, num_warps=4,
-                    num_stages=2, interpret=False):
+                    num_stages=2, out_dtype=None, interpret=False):
     """-> (acc [T, H, dv] fp32, m [T, H], l [T, H]); module docstring. `blocks` = (first, count) from
     `mla_prefill.query_blocks` with this block_q (which must be at most T); run_start [T] int32 from
-    `mla_prefill.run_starts`; block_k at most T."""
+    `mla_prefill.run_starts`; block_k at most T. With `out_dtype` (a step with no cached context, nothing to
+    merge): -> o [T, H, dv] in out_dtype, acc / l, as `normalise` gives it (one fp32 division a row, rounded
+    once), without the fp32 [T, H, dv] round trip through memory."""
     T, H, dn = q_nope.shape
     dv = kv.shape[-1] - dn
     first, count = (b.astype(jnp.int32) for b in blocks)
@@ -93,6 +97,8 @@ def chunk_attention(q_nope, q_pe, kv, k_pe, run_start, blocks, scale, *, block_q
                                scale=scale)
     out_shape = [jax.ShapeDtypeStruct((T, H, dv), jnp.float32), jax.ShapeDtypeStruct((T, H), jnp.float32),
                  jax.ShapeDtypeStruct((T, H), jnp.float32)]
+    if out_dtype is not None:
+        out_shape = jax.ShapeDtypeStruct((T, H, dv), out_dtype)
     return pl.pallas_call(kernel, grid=(first.shape[0], H), out_shape=out_shape, compiler_params=params,
                           interpret=interpret)(first, count, run_start.astype(jnp.int32), q_nope, q_pe, kv, k_pe)
 

@@ -145,9 +145,9 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
 
     The context part (the query's absorption through W_UK, the context kernel, W_UV, the merge) runs only
     where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
-    takes the chunk part alone, normalised, which is what the merge gives when the context kernel saw no
-    key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly). On an H200 the context part cost a Protocol A
-    prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14)."""
+    takes the chunk part alone, normalised in the kernel, which is what the merge gives when the context
+    kernel saw no key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly; `mla_chunk.normalise`). On an H200
+    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14)."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
     rs, blocks, visible_to, bq = plan
@@ -155,19 +155,19 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
     R, scale = cfg.kv_lora_rank, cfg.softmax_scale
     c_kv, k_pe = latent[:, :R].astype(q_nope.dtype), latent[:, R:].astype(q_nope.dtype)
     kv = jnp.einsum("tr,rhe->the", c_kv, weight(p["kv_b_proj"], c_kv.dtype))  # [T, H, dn + dv]
-    acc, m1, l1 = mla_chunk.chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, scale, block_q=bq,
-                                            interpret=interpret)
+    chunk = functools.partial(mla_chunk.chunk_attention, q_nope, q_pe, kv, k_pe, rs, blocks, scale, block_q=bq,
+                              interpret=interpret)
 
-    def with_context(acc, m1, l1):
+    def with_context():
+        acc, m1, l1 = chunk()
         q_lat = mla.absorb_query(p, cfg, q_nope)  # [T, H, R]
         o_ctx, m2, l2 = mla_prefill.paged_mla_prefill_attention(
             q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
             visible_to=visible_to, return_lse=True, interpret=interpret)
         o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
-        return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2)
+        return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2).astype(q_nope.dtype)
 
-    out = jax.lax.cond(jnp.any(visible_to >= 0), with_context, mla_chunk.normalise, acc, m1, l1)
-    return out.astype(q_nope.dtype)
+    return jax.lax.cond(jnp.any(visible_to >= 0), with_context, lambda: chunk(out_dtype=q_nope.dtype))
 
 
 def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str):

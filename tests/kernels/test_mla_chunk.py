@@ -139,8 +139,8 @@ def test_context_only_pass_with_splits_equals_one_split():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fresh_prompts_need_no_context_part(dtype):
     """A step of fresh prompts (and padding): no token sees cached context (the predicate of
-    models/deepseek.py attend_split's cond), and the chunk part alone, normalised, equals the merge with the
-    real context kernel's empty output bit for bit."""
+    models/deepseek.py attend_split's cond), and the chunk part alone, normalised (in JAX, and in the kernel
+    with `out_dtype`), equals the merge with the real context kernel's empty output bit for bit."""
     T, chunks = 32, [(0, 9), (0, 13), (0, 1)]
     kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(3, chunks, T, dtype=dtype)
     rs = run_starts(sid, pos)
@@ -155,8 +155,15 @@ def test_fresh_prompts_need_no_context_part(dtype):
     bq = effective_block_q(T, 16)
     blocks = query_blocks(sid, pos, bq, num_query_blocks_bound(T, len(chunks), bq))
     acc, m1, l1 = chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, 0.15, block_q=bq, block_k=16, interpret=True)
-    merged = np.asarray(merge_with_context(acc, m1, l1, o_ctx, m2, l2))
-    np.testing.assert_array_equal(np.asarray(normalise(acc, m1, l1)), merged)
+    merged = merge_with_context(acc, m1, l1, o_ctx, m2, l2)
+    np.testing.assert_array_equal(np.asarray(normalise(acc, m1, l1)), np.asarray(merged))
+    # The kernel's normalised output (what the step without context takes) is the same, rounded once.
+    o = chunk_attention(q_nope, q_pe, kv, k_pe, rs, blocks, 0.15, block_q=bq, block_k=16, out_dtype=dtype,
+                        interpret=True)
+    real = sum(n for _, n in chunks)
+    assert o.dtype == dtype
+    np.testing.assert_array_equal(np.asarray(o.astype(jnp.float32))[:real],
+                                  np.asarray(merged.astype(dtype).astype(jnp.float32))[:real])
     # One token of cached context anywhere in the step makes the predicate true.
     sid2, pos2 = _runs([(0, 9), (1, 13)], T)
     assert bool(jnp.any(pos2[run_starts(sid2, pos2)] - 1 >= 0))
