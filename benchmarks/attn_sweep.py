@@ -38,6 +38,12 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "bk16_pf_s4": {"block_keys": 16, "prefetch_ids": True, "num_stages": 4},
     "bk16_pf_s6": {"block_keys": 16, "prefetch_ids": True, "num_stages": 6},
     "splits_x2": {"splits_x": 2},
+    "c1": {"qk_chunks": 1},
+    "c2": {"qk_chunks": 2},
+    "c4": {"qk_chunks": 4},
+    "c8": {"qk_chunks": 8},
+    "c4_w8": {"qk_chunks": 4, "num_warps": 8},
+    "c4_s2": {"qk_chunks": 4, "num_stages": 2},
 }
 
 

@@ -78,8 +78,33 @@ def softmax_steps(ss, vs, carry):
     return acc, m_new, l
 
 
+def chunked_step(q_chunks, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale, block):
+    """`page_scores` then `softmax_step` over key block i (in page `page`) with the latent cut into column
+    chunks: q_chunks [c x [rows, R / c]], carry = (acc chunks [c x [rows, R / c]], max [rows], sum [rows]). The
+    scores are a sum of c + 1 independent dots (each a short chain of MMAs over R / c, not one over R), the
+    values' product c dots; the result equals the unchunked step's up to fp32 summation order."""
+    c, dr = len(q_chunks), q_pe.shape[-1]
+    w = rank // c
+    keys = pl.ds((i % (page_size // block)) * block, block)
+    kvs = [kv_ref[layer, page, keys, pl.ds(j * w, w)] for j in range(c)]  # c x [block, w]
+    pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [block, dr]
+    dots = [jnp.dot(q, kv.T, preferred_element_type=jnp.float32, precision=EXACT) for q, kv in zip(q_chunks, kvs)]
+    dots.append(jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT))
+    s = functools.reduce(jnp.add, dots)  # [rows, block]
+    key_pos = i * block + jnp.arange(block)
+    s = jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG)
+    accs, m, l = carry
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    corr = jnp.exp(m - m_new)
+    p = jnp.exp(s - m_new[:, None])
+    pv = p.astype(kvs[0].dtype)
+    accs = tuple(a * corr[:, None] + jnp.dot(pv, kv, preferred_element_type=jnp.float32, precision=EXACT)
+                 for a, kv in zip(accs, kvs))
+    return accs, m_new, l * corr + p.sum(axis=-1)
+
+
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-            page_size, rank, scale, pages_per_step, block_keys, prefetch_ids):
+            page_size, rank, scale, pages_per_step, block_keys, prefetch_ids, qk_chunks=1):
     t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
@@ -115,6 +140,24 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
         return (*attend(page, i, tuple(carry)), nxt)
 
     init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
+    if qk_chunks > 1:  # g == 1, prefetch_ids (the wrapper checks)
+        w = rank // qk_chunks
+        q_chunks = [ql_ref[0, 0, :, pl.ds(j * w, w)] for j in range(qk_chunks)]
+
+        def body_chunked(i, carry):
+            *carry, page = carry
+            nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
+            return (*chunked_step(q_chunks, q_pe, kv_ref, layer, page, i, pos, tuple(carry), page_size=page_size,
+                                  rank=rank, scale=scale, block=block_keys), nxt)
+
+        page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
+        init_c = (tuple(jnp.zeros((bh, w), jnp.float32) for _ in range(qk_chunks)), *init[1:])
+        accs, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body_chunked, (*init_c, page0))
+        for j, a in enumerate(accs):
+            o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a
+        m_ref[0, 0, 0] = m
+        l_ref[0, 0, 0] = l
+        return
     if g == 1 and prefetch_ids:
         page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
         acc, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body_prefetch, (*init, page0))
@@ -139,13 +182,14 @@ def auto_splits(num_tokens: int) -> int:
 
 PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; `pages_per_step`)
 BLOCK_KEYS = 32  # keys a program reads per loop step, at most a page (`block_keys`)
+QK_CHUNKS = 4  # column chunks of the latent in a key block's dots (`qk_chunks`)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
                         block_h=16, num_warps=4, num_stages=3, pages_per_step=1, block_keys=None, prefetch_ids=True,
-                        interpret=False):
+                        qk_chunks=None, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
@@ -153,15 +197,15 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     o, m, l = paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
         block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-        block_keys=block_keys, prefetch_ids=prefetch_ids, interpret=interpret)
+        block_keys=block_keys, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, interpret=interpret)
     return merge_splits(o, m, l).astype(q_lat.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "prefetch_ids", "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                num_splits=None, block_h=16, num_warps=4, num_stages=3, pages_per_step=1,
-                               block_keys=None, prefetch_ids=True, interpret=False):
+                               block_keys=None, prefetch_ids=True, qk_chunks=None, interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
@@ -172,7 +216,11 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     id loaded a step ahead (`prefetch_ids`: the page table read leaves the key load's critical path) and three
     pipeline stages, against whole pages in two: batch 32 at 640 keys 12.4 us against 15.6, at 256 keys 8.6
     against 8.5; batch 64 at 2,048 46.2 against 54.7; batch 128 at 1,024 46.6 against 54.6; batch 8 at
-    4,096 15.7 against 19.4. 16-key blocks, four to six stages and 8 warps were slower everywhere."""
+    4,096 15.7 against 19.4. 16-key blocks, four to six stages and 8 warps were slower everywhere.
+    qk_chunks > 1 (with the page id prefetch, one block a step): the latent cut into that many column chunks,
+    each block's scores a sum of independent dots (`chunked_step`); None: QK_CHUNKS where that applies, else 1.
+    H200 (attn_sweep.py, session 15): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
+    against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -192,8 +240,12 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     # [T, H, R] -> [T, nh, bh, R] so a program's query block is one contiguous slab.
     ql = q_lat.reshape(T, nh, bh, R)
     qp = q_pe.reshape(T, nh, bh, dr)
+    if qk_chunks is None:
+        qk_chunks = QK_CHUNKS if pages_per_step == 1 and prefetch_ids and R % QK_CHUNKS == 0 else 1
+    if qk_chunks > 1 and (pages_per_step != 1 or not prefetch_ids or R % qk_chunks):
+        raise ValueError(f"qk_chunks {qk_chunks}: one block a step with the page id prefetch, dividing R = {R}")
     kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
-                               block_keys=bk, prefetch_ids=prefetch_ids)
+                               block_keys=bk, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from deepinfer_jax.kernels.mla_decode import paged_mla_attention
+from deepinfer_jax.kernels.mla_decode import QK_CHUNKS, paged_mla_attention
 from deepinfer_jax.kernels.mla_prefill import paged_mla_prefill_attention
 from deepinfer_jax.kernels.moe_gmm import moe_experts
 
@@ -80,7 +80,9 @@ def test_decode_attention_with_several_pages_per_step_lowers_for_sm90(triton_mod
     args = (s((16, H, R), jnp.bfloat16), s((16, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
             s((), jnp.int32), s((16,), jnp.int32), s((16,), jnp.int32), s((16, 64), jnp.int32))
     (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, pages_per_step=pages_per_step), *args)
-    assert ir.count("tt.dot") == 3 * pages_per_step  # per page: latent and rope scores, values; one loop step
+    # Per page: latent and rope scores, values; one loop step. One block a step cuts the latent in QK_CHUNKS.
+    dots = 2 * QK_CHUNKS + 1 if pages_per_step == 1 else 3 * pages_per_step
+    assert ir.count("tt.dot") == dots
 
 
 @pytest.mark.parametrize("block_keys", [16, 32])
@@ -89,8 +91,9 @@ def test_decode_attention_with_key_blocks_under_a_page_lowers_for_sm90(triton_mo
     args = (s((16, H, R), jnp.bfloat16), s((16, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
             s((), jnp.int32), s((16,), jnp.int32), s((16,), jnp.int32), s((16, 64), jnp.int32))
     (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, block_keys=block_keys), *args)
-    assert ir.count("tt.dot") == 3
-    assert f"tensor<{block_keys}x{R}xbf16>" in ir  # the latent keys are loaded block_keys rows at a time
+    assert ir.count("tt.dot") == 2 * QK_CHUNKS + 1
+    # The latent keys are loaded block_keys rows at a time, in QK_CHUNKS column chunks.
+    assert f"tensor<{block_keys}x{R // QK_CHUNKS}xbf16>" in ir
 
 
 @pytest.mark.parametrize("shared", [False, True])
@@ -156,6 +159,17 @@ def test_single_launch_moe_lowers_for_sm90(triton_modules):
     experts = irs[1]
     assert experts.count("tt.atomic_rmw") == 2 * 3  # per weight branch (routed, shared): a release, two acquires
     assert "scf.while" in experts and "gpu.barrier" in experts
+
+
+@pytest.mark.parametrize("qk_chunks", [1, 2])
+def test_decode_attention_with_the_latent_in_chunks_lowers_for_sm90(triton_modules, qk_chunks):
+    """qk_chunks at V2-Lite's latent (the default, QK_CHUNKS, above): per key block qk_chunks + 1 score dots
+    and qk_chunks value dots."""
+    s = jax.ShapeDtypeStruct
+    args = (s((32, H, R), jnp.bfloat16), s((32, H, DR), jnp.bfloat16), s((L, 600, PS, R + DR), jnp.bfloat16),
+            s((), jnp.int32), s((32,), jnp.int32), s((32,), jnp.int32), s((32, 16), jnp.int32))
+    (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, qk_chunks=qk_chunks), *args)
+    assert ir.count("tt.dot") == 2 * qk_chunks + 1
 
 
 def test_split_prefill_attention_lowers_for_sm90(triton_modules):

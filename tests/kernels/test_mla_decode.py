@@ -108,9 +108,25 @@ def test_key_blocks_smaller_than_a_page_match_the_reference(block_keys, splits, 
     """Reading a page in block_keys-key slices (splits then count slices, not pages), with the next block's
     page id loaded a step ahead or not: every key of every sequence counted exactly once, a sequence's last
     slice masked past its position."""
-    ql, qp, kv, sid, pos, pt = _case(7)
+    _matches_reference(7, num_splits=splits, block_h=4, block_keys=block_keys, prefetch_ids=prefetch_ids)
+
+
+def _matches_reference(seed, **kw):
+    """paged_mla_attention(**kw) in interpret mode equals the reference on `_case(seed)` at two layers (fp32)."""
+    ql, qp, kv, sid, pos, pt = _case(seed)
     for layer in (0, 2):
         ref = paged_mla_attention_reference(ql, qp, kv, layer, sid, pos, pt, 0.17)
-        out = paged_mla_attention(ql, qp, kv, layer, sid, pos, pt, 0.17, num_splits=splits, block_h=4,
-                                  block_keys=block_keys, prefetch_ids=prefetch_ids, interpret=True)
+        out = paged_mla_attention(ql, qp, kv, layer, sid, pos, pt, 0.17, interpret=True, **kw)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.parametrize("qk_chunks", [1, 2, 4])
+@pytest.mark.parametrize("block_keys, splits", [(4, 1), (4, 3), (8, 7)])
+def test_latent_in_column_chunks_matches_the_reference(qk_chunks, block_keys, splits):
+    """qk_chunks: each key block's scores as a sum of independent dots over column chunks of the latent and
+    the values' product per chunk (`chunked_step`): the reference's output, every chunk stored in its columns
+    (1: one dot, as before; the default, None, is mla_decode.QK_CHUNKS here). Chunks need the page id prefetch."""
+    _matches_reference(8, num_splits=splits, block_h=4, block_keys=block_keys, qk_chunks=qk_chunks)
+    ql, qp, kv, sid, pos, pt = _case(8)
+    with pytest.raises(ValueError, match="qk_chunks"):
+        paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, qk_chunks=2, prefetch_ids=False, interpret=True)
