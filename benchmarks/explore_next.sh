@@ -17,9 +17,6 @@
 #   FLAGS="--decode-merged-qkv" bash benchmarks/explore_next.sh OUTDIR ab
 #                                                   one candidate: the batch-32 step without and with FLAGS (traced);
 #                                                   where it is 0.02 ms faster, the GPU-vs-CPU check and Protocol A
-#   bash benchmarks/explore_next.sh OUTDIR l2     the batch-32 step with the MoE's L2 prefetch (RunnerConfig.moe_l2_prefetch)
-#                                                   beside the attention's kernels under XLA's concurrent command
-#                                                   buffers: sizes and starting points, one traced
 #   bash benchmarks/explore_next.sh OUTDIR prefill
 #                                                   Protocol A's prefill: the two expert kernels at 16,384 x top-6
 #                                                   over tile pairs, then the 32 x 512 prefill step (traced)
@@ -52,28 +49,6 @@ if [[ $mode == ab ]]; then  # one candidate: the step without and with FLAGS (tr
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
   timeout 120 python3 benchmarks/offline.py --buckets 32,16384 "${flags[@]}" > "$out/protocol_a.log" 2>&1
   grep -h -E "Protocol A|prefill [0-9]" "$out/protocol_a.log" | cut -c1-220
-  exit 0
-fi
-if [[ $mode == l2 ]]; then  # the MoE's L2 prefetch beside the attention's kernels (kernels/l2_prefetch.py)
-  conc=--xla_gpu_command_buffer_scheduling_mode=CONCURRENT
-  run() {  # label, XLA_FLAGS, step_profile's flags
-    local l=$1 x=$2; shift 2
-    left 440 || { echo "$l: skipped (time)"; return; }
-    XLA_FLAGS="$x" timeout 110 python3 benchmarks/step_profile.py --label "$l" "$@" 2>&1 | quiet > "$out/step_$l.log"
-    echo "$l: $(grep -h -oE 'pipelined via compiled: [0-9.]+' "$out/step_$l.log" | grep -oE '[0-9.]+$') ms" \
-      "[$x $*] ($(( $(date +%s) - start ))s)"
-  }
-  run base ""
-  run conc "$conc"
-  run h24 "$conc" --moe-l2-prefetch 24,256,32,8,4,h --trace /tmp/tr_h24
-  run a24 "$conc" --moe-l2-prefetch 24,256,32,8,4,a
-  run h16 "$conc" --moe-l2-prefetch 16,256,32,8,4,h
-  run q24 "$conc" --moe-l2-prefetch 24,256,32,8,4,q
-  run h32 "$conc" --moe-l2-prefetch 32,256,64,8,4,h
-  run a24seq "" --moe-l2-prefetch 24,256,32,8,4,a
-  echo "== the traced prefetch step (h24) =="
-  grep -h -A14 "GPU kernel time per step" "$out/step_h24.log" | head -15 | cut -c1-150
-  grep -h -A24 "one layer" "$out/step_h24.log" | head -25 | cut -c1-150
   exit 0
 fi
 if [[ $mode == prefill ]]; then  # Protocol A's prefill: the expert kernels' tiles, then the step traced

@@ -33,12 +33,8 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
                         help=f"{what} (RunnerConfig.{field})")
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
-    ap.add_argument("--moe-l2-prefetch", default=RunnerConfig.moe_l2_prefetch,
-                    help="experts,rows[,programs,tile,unroll,after]: the MoE launch's L2 prefetch "
-                         "(RunnerConfig.moe_l2_prefetch; kernels/l2_prefetch.py)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
-    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention,
-                                                                    "moe_l2_prefetch": args.moe_l2_prefetch}
+    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention}

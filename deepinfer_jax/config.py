@@ -368,10 +368,6 @@ class RunnerConfig:
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
     # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
     decode_route_launch: bool = False
-    # Where the MoE runs in one launch (moe_single_launch), an L2 prefetch of its first experts' gate_up rows,
-    # started from a point of the layer so that XLA's concurrent command buffers run it beside the attention's
-    # small kernels (kernels/l2_prefetch.py; spec "experts,rows[,programs,tile,unroll,after]"). "": off.
-    moe_l2_prefetch: str = ""
     # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
     # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
     # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
@@ -400,4 +396,4 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch",
-                    "decode_merged_qkv", "moe_l2_prefetch")
+                    "decode_merged_qkv")

@@ -197,20 +197,17 @@ def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, cols
 
 
 def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
-                          gathered, n1, spin, with_after=False):
+                          gathered, n1, spin):
     """Both expert kernels in one launch (`moe_experts_aligned(single_launch=True)`): programs 0 .. n1 - 1
     are gate_up tiles, block-major (block b's column tiles are programs b * tiles1 ..); the rest are down
     tiles, block-major too. A gate_up program, once its tile of h is stored, adds 1 to ready[b]; a down
     program of block b first waits until ready[b] == tiles1 (all of its block's h). No deadlock: CUDA
     starts a 1-D grid's programs in order, so every gate_up program has started (and will finish) before
     any down program waits. The down programs of early blocks thus start while the last gate_up tiles
-    still stream, with no kernel boundary between the two. ready [nb]: a zeroed int32 array, aliased.
-    with_after: one more input before ready, never read (`moe_experts_aligned`'s `wait_for`)."""
+    still stream, with no kernel boundary between the two. ready [nb]: a zeroed int32 array, aliased."""
     refs = list(refs)
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
-    if with_after:
-        refs.pop(0)
     _ready_in, h_ref, y_ref, ready_ref = refs
     p = pl.program_id(0)
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
@@ -334,7 +331,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
-                        single_launch=False, down_tiles=None, wait_for=None, interpret=False):
+                        single_launch=False, down_tiles=None, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -346,9 +343,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     single_launch: both kernels in one launch, the down tiles of a row block waiting on its gate_up tiles
     (`_single_launch_kernel`; block-major order, `cols_first` ignored).
     down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
-    own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given.
-    wait_for: an array the single launch takes and never reads, so that it runs after its producer
-    (kernels/l2_prefetch.py)."""
+    own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -375,12 +370,11 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
-        extra = () if wait_for is None else (wait_for,)
-        args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, *extra, jnp.zeros((nb,), jnp.int32))  # ready [nb]
+        args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready [nb]
         params = compiler_params(num_warps, num_stages, interpret)
         out = pl.pallas_call(
             functools.partial(_single_launch_kernel, t1=t1, t2=t2, shared=bool(shared), with_rc=bool(rc1),
-                              gathered=not gather_in_kernel, n1=n1, spin=not interpret, with_after=bool(extra)),
+                              gathered=not gather_in_kernel, n1=n1, spin=not interpret),
             grid=(n1 + n2,),
             out_shape=(jax.ShapeDtypeStruct((m_pad, I), x.dtype), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
                        jax.ShapeDtypeStruct((nb,), jnp.int32)),

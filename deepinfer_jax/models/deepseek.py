@@ -30,7 +30,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.kernels.l2_prefetch import Prefetch
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
@@ -269,7 +268,6 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
     decode_merged_qkv: bool = False,
-    moe_l2_prefetch: str = "",
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -299,14 +297,11 @@ def forward_paged(
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
-    GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
-    `moe_l2_prefetch`: where the MoE runs in one launch, an L2 prefetch of its first weight rows
-    (kernels/l2_prefetch.py, `Prefetch.parse`'s spec) starting from the layer's point that the spec names."""
+    GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
     routing: list[jax.Array] = []
-    prefetch = Prefetch.parse(moe_l2_prefetch)
 
     for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
         # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
@@ -341,14 +336,12 @@ def forward_paged(
                  route_w=route_w, merged_qkv=merged_qkv):
             h, cache = carry
             lp, li, j = xs
-            after = {"h": h}
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
                                                                   absorb_kv_b, latent_norm, qkv_w, attn_impl,
                                                                   merged_qkv, absorbed=split_plan is None)
-            after["q"] = q_lat
             written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
             if split_plan is not None:
                 cache = write_latents(cache, li, meta, latent)
@@ -370,7 +363,6 @@ def forward_paged(
                     o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
                                                             cfg.softmax_scale, attn_impl)
                 a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-            after["a"] = a
             routed = None
             if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
@@ -383,8 +375,7 @@ def forward_paged(
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               routed=routed, prefetch=prefetch,
-                               prefetch_after=None if prefetch is None else after[prefetch.after])
+                               routed=routed)
             return (h + m, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.

@@ -238,8 +238,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
-              fuse_routing: bool = False, single_launch: bool = False, routed: tuple | None = None,
-              prefetch=None, prefetch_after: jax.Array | None = None):
+              fuse_routing: bool = False, single_launch: bool = False, routed: tuple | None = None):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -251,15 +250,12 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
     there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s
     outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
-    in its kernel. `prefetch` (kernels/l2_prefetch.Prefetch): there, with `single_launch`, an L2 prefetch of the
-    experts' first weight rows ordered after `prefetch_after`'s producer (elsewhere ignored)."""
-    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed,
-                    prefetch, prefetch_after)
+    in its kernel."""
+    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed)
     return (out, idx) if return_routing else out
 
 
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, prefetch=None,
-         prefetch_after=None):
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed):
     """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
@@ -275,7 +271,7 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,
-            routed=routed, prefetch=prefetch, prefetch_after=prefetch_after, interpret=moe_impl == "pallas_interpret")
+            routed=routed, interpret=moe_impl == "pallas_interpret")
         return (out if shared else _plus_shared(p, x, out)), idx
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)

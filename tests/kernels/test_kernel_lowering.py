@@ -172,25 +172,6 @@ def test_decode_attention_with_the_latent_in_chunks_lowers_for_sm90(triton_modul
     assert ir.count("tt.dot") == 2 * qk_chunks + 1
 
 
-def test_single_launch_moe_with_the_l2_prefetch_lowers_for_sm90(triton_modules):
-    """The L2 prefetch (kernels/l2_prefetch.py) at V2-Lite's expert shape: its loads are evict-last and sit in a
-    loop, `unroll` of them a step; the single MoE launch takes its output as one more operand."""
-    from deepinfer_jax.kernels import moe_route
-    from deepinfer_jax.kernels.l2_prefetch import Prefetch
-
-    s = jax.ShapeDtypeStruct
-    Lm, E, D, I, S = 26, 64, 2048, 1408, 2
-    args = (s((32, D), jnp.bfloat16), s((32, E), jnp.float32), s((Lm, E, D, 2, I), jnp.bfloat16),
-            s((Lm, E, I, D), jnp.bfloat16), s((), jnp.int32), s((Lm, D, 2, S * I), jnp.bfloat16),
-            s((Lm, S * I, D), jnp.bfloat16), s((32, D), jnp.bfloat16))
-    irs = triton_modules(lambda x, lg, a, d, l, sa, sd, h: moe_route.moe_fused_decode(
-        x, lg, None, a, d, l, sa, sd, k=6, single_launch=True, prefetch=Prefetch(24, 256, 32, 8, 4),
-        prefetch_after=h), *args)
-    assert len(irs) == 3  # the routing kernel, the prefetch, the experts' one launch
-    prefetch = next(ir for ir in irs if "evict_last" in ir)
-    assert prefetch.count("evictionPolicy = evict_last") == 4 and "scf.for" in prefetch
-
-
 def test_split_prefill_attention_lowers_for_sm90(triton_modules):
     """The expanded chunk kernel at V2-Lite's head dims (128 + 64 keys, 128 values, 64-token query
     blocks) and the context-only absorbed kernel returning its softmax statistics, for an 8,192-token

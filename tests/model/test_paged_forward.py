@@ -257,18 +257,18 @@ def test_decode_projection_kernel_equals_xla_gemms(hf_case, case, monkeypatch):
     np.testing.assert_allclose(np.asarray(outs[1][1])[0], full[11], atol=5e-5)
 
 
-def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, values=(False, True), **extra):
+def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, **extra):
     """Three sequences prefilled in one 64-slot step, then two decode steps of 16 token slots and 16
-    sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (`values`;
-    Pallas path, interpret mode; `extra`: more forward_paged flags, the same both times). Each decode step's
-    logits must equal the full forward's; returns (cfg, params)."""
+    sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (Pallas
+    path, interpret mode; `extra`: more forward_paged flags, the same both times). Each decode step's logits
+    must equal the full forward's; returns (cfg, params)."""
     _, path = hf_case(case)
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
     ids = np.random.default_rng(seed).integers(0, cfg.vocab_size, (3, 40))
     full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
     outs = []
-    for enabled in values:
+    for enabled in (False, True):
         kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", **extra, flag: enabled}
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
         _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
@@ -374,31 +374,6 @@ def test_moe_single_launch_equals_two_launches(hf_case, case, monkeypatch):
                                        fuse_shared_experts=True)
     n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
     assert calls == n * [False] + n * [True]
-
-
-@pytest.mark.parametrize("case, after", [("v2_greedy_yarn", "h"), ("v3_flat_plain_rope", "a")])
-def test_moe_l2_prefetch_keeps_the_outputs(hf_case, case, after, monkeypatch):
-    """RunnerConfig.moe_l2_prefetch: where the MoE runs in one launch, an L2 prefetch of the first experts'
-    gate_up rows (kernels/l2_prefetch.py) runs first, from the layer's input or the attention's output, and
-    hands the launch its throwaway output: the same logits and cache as without it, and the full forward's."""
-    from deepinfer_jax.kernels import l2_prefetch, moe_gmm
-
-    calls, waits = [], []
-    real, real_moe = l2_prefetch.l2_prefetch, moe_gmm.moe_experts_aligned
-    monkeypatch.setattr(l2_prefetch, "l2_prefetch", lambda *a, **k: calls.append(a[2].shape) or real(*a, **k))
-    monkeypatch.setattr(moe_gmm, "moe_experts_aligned",
-                        lambda *a, **k: waits.append(k.get("wait_for") is not None) or real_moe(*a, **k))
-    from deepinfer_jax.kernels import moe_route
-
-    monkeypatch.setattr(moe_route, "moe_experts_aligned", moe_gmm.moe_experts_aligned)
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "moe_l2_prefetch", seed=16, values=("", f"3,8,2,2,2,{after}"),
-                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True)
-    # Three steps, one traced body per MoE segment, with and without: the prefetch only with it, each launch
-    # waiting on it; it starts from the layer's input h [T, D] or the attention's output a [T, H, dv].
-    n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))
-    assert waits == n * [False] + n * [True]
-    dep = (cfg.hidden_size,) if after == "h" else (cfg.num_attention_heads, cfg.v_head_dim)
-    assert [c[1:] for c in calls] == n * [dep]
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
