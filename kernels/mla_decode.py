@@ -34,18 +34,23 @@ def page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, *, page_size, r
     """Scores of q_lat [rows, R], q_pe [rows, dr] against page `page` (the i-th of its sequence): s [rows,
     ps] fp32, scaled, NEG where a key's position p > visible_to (a scalar, or [rows, 1] per row); and the
     page's values [ps, R]. With `block` (static, dividing ps) the i-th `block`-key slice of the sequence
-    instead, which lies in page `page`: s [rows, block], values [block, R]."""
+    instead, which lies in page `page`: s [rows, block], values [block, R]. q_lat may be a tuple of c column
+    chunks [rows, R / c] (`qk_chunks`): the scores are then a sum of c + 1 independent dots, each a short chain
+    of MMAs over R / c rather than one over R, and the values come back as the c chunks [block, R / c]."""
     dr = q_pe.shape[-1]
     if block is None or block == page_size:
         block, keys = page_size, slice(None)
     else:
         keys = pl.ds((i % (page_size // block)) * block, block)
-    kv = kv_ref[layer, page, keys, pl.ds(0, rank)]  # [block, R]
+    chunks = q_lat if isinstance(q_lat, tuple) else (q_lat,)
+    w = rank // len(chunks)
+    kv = tuple(kv_ref[layer, page, keys, pl.ds(j * w, w)] for j in range(len(chunks)))  # c x [block, R / c]
     pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [block, dr]
-    s = jnp.dot(q_lat, kv.T, preferred_element_type=jnp.float32, precision=EXACT)
-    s = s + jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT)  # [rows, block]
+    dots = [jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=EXACT) for q, k in zip(chunks, kv)]
+    dots.append(jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT))
+    s = functools.reduce(jnp.add, dots)  # [rows, block]
     key_pos = i * block + jnp.arange(block)
-    return jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), kv
+    return jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG), (kv if isinstance(q_lat, tuple) else kv[0])
 
 
 def attend_page(q_lat, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale):
@@ -64,43 +69,22 @@ def softmax_step(s, v, carry):
 def softmax_steps(ss, vs, carry):
     """`softmax_step` over several key blocks at once (one max, one rescale): the blocks' loads are
     independent, so a kernel walking several pages a step keeps more bytes in flight. Invariant (as
-    for one block): the first update of a carry sees at least one unmasked key per row."""
+    for one block): the first update of a carry sees at least one unmasked key per row. The accumulator
+    may be a tuple of column chunks, each block's values then the matching tuple (`page_scores`' chunks)."""
     acc, m, l = carry
+    chunked = isinstance(acc, tuple)
+    accs = acc if chunked else (acc,)
     m_new = m
     for s in ss:
         m_new = jnp.maximum(m_new, s.max(axis=-1))
     corr = jnp.exp(m - m_new)
-    l, acc = l * corr, acc * corr[:, None]
+    l, accs = l * corr, tuple(a * corr[:, None] for a in accs)
     for s, v in zip(ss, vs):
         p = jnp.exp(s - m_new[:, None])
         l = l + p.sum(axis=-1)
-        acc = acc + jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32, precision=EXACT)
-    return acc, m_new, l
-
-
-def chunked_step(q_chunks, q_pe, kv_ref, layer, page, i, visible_to, carry, *, page_size, rank, scale, block):
-    """`page_scores` then `softmax_step` over key block i (in page `page`) with the latent cut into column
-    chunks: q_chunks [c x [rows, R / c]], carry = (acc chunks [c x [rows, R / c]], max [rows], sum [rows]). The
-    scores are a sum of c + 1 independent dots (each a short chain of MMAs over R / c, not one over R), the
-    values' product c dots; the result equals the unchunked step's up to fp32 summation order."""
-    c, dr = len(q_chunks), q_pe.shape[-1]
-    w = rank // c
-    keys = pl.ds((i % (page_size // block)) * block, block)
-    kvs = [kv_ref[layer, page, keys, pl.ds(j * w, w)] for j in range(c)]  # c x [block, w]
-    pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [block, dr]
-    dots = [jnp.dot(q, kv.T, preferred_element_type=jnp.float32, precision=EXACT) for q, kv in zip(q_chunks, kvs)]
-    dots.append(jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT))
-    s = functools.reduce(jnp.add, dots)  # [rows, block]
-    key_pos = i * block + jnp.arange(block)
-    s = jnp.where(key_pos[None, :] <= visible_to, s * scale, NEG)
-    accs, m, l = carry
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    corr = jnp.exp(m - m_new)
-    p = jnp.exp(s - m_new[:, None])
-    pv = p.astype(kvs[0].dtype)
-    accs = tuple(a * corr[:, None] + jnp.dot(pv, kv, preferred_element_type=jnp.float32, precision=EXACT)
-                 for a, kv in zip(accs, kvs))
-    return accs, m_new, l * corr + p.sum(axis=-1)
+        accs = tuple(a + jnp.dot(p.astype(x.dtype), x, preferred_element_type=jnp.float32, precision=EXACT)
+                     for a, x in zip(accs, v if chunked else (v,)))
+    return (accs if chunked else accs[0]), m_new, l
 
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
@@ -111,7 +95,8 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     first = sp * pages_per_split
     last = jnp.minimum(first + pages_per_split, n_pages)
     bh = ql_ref.shape[2]
-    q_lat = ql_ref[0, 0]  # [bh, R]
+    q_lat = ql_ref[0, 0] if qk_chunks == 1 else tuple(  # [bh, R], or qk_chunks x [bh, R / qk_chunks]
+        ql_ref[0, 0, :, pl.ds(j * (rank // qk_chunks), rank // qk_chunks)] for j in range(qk_chunks))
     q_pe = qp_ref[0, 0]  # [bh, dr]
     g = pages_per_step
     per_page = page_size // block_keys
@@ -139,25 +124,10 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
         nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
         return (*attend(page, i, tuple(carry)), nxt)
 
-    init = (jnp.zeros((bh, rank), jnp.float32), jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
-    if qk_chunks > 1:  # g == 1, prefetch_ids (the wrapper checks)
-        w = rank // qk_chunks
-        q_chunks = [ql_ref[0, 0, :, pl.ds(j * w, w)] for j in range(qk_chunks)]
-
-        def body_chunked(i, carry):
-            *carry, page = carry
-            nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
-            return (*chunked_step(q_chunks, q_pe, kv_ref, layer, page, i, pos, tuple(carry), page_size=page_size,
-                                  rank=rank, scale=scale, block=block_keys), nxt)
-
-        page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
-        init_c = (tuple(jnp.zeros((bh, w), jnp.float32) for _ in range(qk_chunks)), *init[1:])
-        accs, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body_chunked, (*init_c, page0))
-        for j, a in enumerate(accs):
-            o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a
-        m_ref[0, 0, 0] = m
-        l_ref[0, 0, 0] = l
-        return
+    w = rank // qk_chunks  # qk_chunks > 1: the latent in column chunks (g == 1, prefetch_ids: the wrapper checks)
+    zeros = jnp.zeros((bh, rank), jnp.float32) if qk_chunks == 1 else tuple(
+        jnp.zeros((bh, w), jnp.float32) for _ in range(qk_chunks))
+    init = (zeros, jnp.full((bh,), NEG, jnp.float32), jnp.zeros((bh,), jnp.float32))
     if g == 1 and prefetch_ids:
         page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
         acc, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body_prefetch, (*init, page0))
@@ -166,7 +136,8 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     else:
         steps = jnp.maximum(last - first + g - 1, 0) // g
         acc, m, l = jax.lax.fori_loop(0, steps, body_group, init)
-    o_ref[0, 0, 0] = acc
+    for j, a in enumerate(acc if qk_chunks > 1 else (acc,)):
+        o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a
     m_ref[0, 0, 0] = m
     l_ref[0, 0, 0] = l
 
@@ -218,7 +189,7 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     against 8.5; batch 64 at 2,048 46.2 against 54.7; batch 128 at 1,024 46.6 against 54.6; batch 8 at
     4,096 15.7 against 19.4. 16-key blocks, four to six stages and 8 warps were slower everywhere.
     qk_chunks > 1 (with the page id prefetch, one block a step): the latent cut into that many column chunks,
-    each block's scores a sum of independent dots (`chunked_step`); None: QK_CHUNKS where that applies, else 1.
+    each block's scores a sum of independent dots (`page_scores`); None: QK_CHUNKS where that applies, else 1.
     H200 (attn_sweep.py, session 15): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
     against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4."""
     T, H, R = q_lat.shape

@@ -124,7 +124,7 @@ def _matches_reference(seed, **kw):
 @pytest.mark.parametrize("block_keys, splits", [(4, 1), (4, 3), (8, 7)])
 def test_latent_in_column_chunks_matches_the_reference(qk_chunks, block_keys, splits):
     """qk_chunks: each key block's scores as a sum of independent dots over column chunks of the latent and
-    the values' product per chunk (`chunked_step`): the reference's output, every chunk stored in its columns
+    the values' product per chunk (`page_scores`, `softmax_steps`): the reference's output, every chunk stored in its columns
     (1: one dot, as before; the default, None, is mla_decode.QK_CHUNKS here). Chunks need the page id prefetch."""
     _matches_reference(8, num_splits=splits, block_h=4, block_keys=block_keys, qk_chunks=qk_chunks)
     ql, qp, kv, sid, pos, pt = _case(8)
