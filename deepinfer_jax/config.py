@@ -368,13 +368,10 @@ class RunnerConfig:
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
     # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
     decode_route_launch: bool = False
-    # Runs of each step program on padding at warm-up, one at a time. Under xla_env.py's SKIP_PROFILED
-    # mode XLA chooses, once and for all, which buffers of a program get fixed virtual addresses from
-    # its first 3 runs (gpu_executable_va_remap_allocator.cc); a buffer whose address changed in them is
-    # left out. Three blocking runs finish that profile before the engine's overlapped steps begin. In
-    # session 6 it made no measured difference (1 or 3 runs: the step graph was re-recorded at every
-    # step either way, because of fresh input buffers; the resident buffers of ModelRunner._step_fn
-    # fixed that), so it is kept as the cheap, safe order.
+    # Runs of each step program on padding at warm-up, one at a time: the first records the program's
+    # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
+    # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_
+    # allocator.cc); under SKIP_TEMP one would do, and three cost milliseconds, so it is kept.
     warmup_runs: int = 3
     # Where warm-up keeps the compiled step programs (runner/program_cache.py): a later start with the
     # same code, model, configuration and device loads them without tracing. None: off. One device only.

@@ -8,7 +8,7 @@ from deepinfer_jax.xla_env import DEFAULT_FLAGS, SINGLE_GPU_FLAGS, apply_default
 
 MODE = "xla_gpu_command_buffer_update_mode"
 REMAT = "--xla_disable_hlo_passes=rematerialization"
-ALL = f"{REMAT} --{MODE}=SKIP_PROFILED"
+ALL = f"{REMAT} --{MODE}=SKIP_TEMP"
 
 
 def test_defaults_are_added_once_and_never_override_the_user():
@@ -16,7 +16,7 @@ def test_defaults_are_added_once_and_never_override_the_user():
     assert with_default_flags("", flags) == ALL
     assert with_default_flags("--xla_dump_to=/tmp/x", flags) == f"--xla_dump_to=/tmp/x {ALL}"
     assert with_default_flags(f"--{MODE}=ALWAYS_UPDATE", flags) == f"--{MODE}=ALWAYS_UPDATE {REMAT}"
-    assert with_default_flags("--xla_disable_hlo_passes=foo", flags) == f"--xla_disable_hlo_passes=foo --{MODE}=SKIP_PROFILED"
+    assert with_default_flags("--xla_disable_hlo_passes=foo", flags) == f"--xla_disable_hlo_passes=foo --{MODE}=SKIP_TEMP"
     assert with_default_flags(with_default_flags("", flags), flags) == ALL
 
 
