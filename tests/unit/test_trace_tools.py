@@ -90,3 +90,28 @@ def test_print_report_counts_steps_from_the_moe_launches(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "GPU kernel time per step: 0.09 ms over 3 kernels" in out  # 2 steps counted, 90 us each
     assert not print_report(str(tmp_path / "missing"), moe_layers=1)
+
+
+def test_host_gaps_names_the_program_call_a_gap_ends_in(tmp_path, capsys):
+    from benchmarks.host_gaps import idle_windows, main
+
+    kern = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 2025.0, 5.0), ("d", 2031.0, 5.0)]
+    d = _trace(tmp_path, kern)
+    # the host: a program call over the gap with a remap-like wait inside it, and an unrelated short call
+    path = next((tmp_path / "plugins" / "profile" / "run").iterdir())
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)
+    events["traceEvents"] += [
+        {"ph": "X", "pid": 1, "tid": 1, "name": "PjitFunction(jit(step))", "ts": 20.0, "dur": 2010.0},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "cuGraphLaunch", "ts": 1900.0, "dur": 100.0},
+        {"ph": "X", "pid": 1, "tid": 1, "name": "cuGraphLaunch", "ts": 1800.0, "dur": 50.0},
+    ]
+    with gzip.open(path, "wt") as f:
+        json.dump(events, f)
+    assert idle_windows(gpu_kernels(d), 1000.0) == [(25.0, 2025.0, "b", "c")]  # the 1 us gap c -> d is not one
+    assert main([d, "--min-ms", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 idle gaps of at least 1.0 ms, 2.00 ms in all" in out
+    assert "between b and c" in out
+    assert "inside PjitFunction(jit(step)) (2.01 ms" in out
+    assert "0.15 ms  x    2  cuGraphLaunch" in out
