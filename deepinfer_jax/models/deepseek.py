@@ -147,7 +147,10 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
     where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
     takes the chunk part alone, normalised in the kernel, which is what the merge gives when the context
     kernel saw no key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly; `mla_chunk.normalise`). On an H200
-    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14)."""
+    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14). The
+    price: XLA's GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the
+    one before has run and queues the next step only when this one ends (session 16: 1-2 ms of a Protocol A
+    run; in serving, no overlap of the engine's bookkeeping with a prefill-bucket step)."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
     rs, blocks, visible_to, bq = plan
