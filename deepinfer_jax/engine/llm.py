@@ -62,7 +62,9 @@ class LLM:
     read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
     steps merge the attention's splits and apply W_UV in one kernel, on by default), decode_absorb_kernel
     (decode steps absorb the query through W_UK in one kernel, on by default), decode_latent_kernel (the
-    same kernel launch also norms, ropes and caches the step's latents, on by default), chat_template,
+    same kernel launch also norms, ropes and caches the step's latents, on by default),
+    prefill_context_variant (prefill buckets' programs with and without the context part, picked on the
+    host instead of a lax.cond a layer; off by default, RunnerConfig), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
     start skip tracing: runner/program_cache.py), progress.
@@ -79,7 +81,7 @@ class LLM:
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
-                 progress: bool = True):
+                 prefill_context_variant: bool = False, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -132,6 +134,7 @@ class LLM:
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,
                               decode_output_kernel=decode_output_kernel, decode_absorb_kernel=decode_absorb_kernel,
                               decode_latent_kernel=decode_latent_kernel,
+                              prefill_context_variant=prefill_context_variant,
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,

@@ -42,6 +42,10 @@ class StepMetadata:
         (padding tokens: a slot of the null page).
     page_table [S, max_pages]: the pages of each sequence in order, padded with the null page.
     logits_indices [S]: index into T of the token whose logits each sequence samples from.
+    has_context: static (pytree metadata, part of a step program's key): whether some sequence of the step
+        has cached tokens before its first one here (a later chunk, a prefix-cache hit, a decode), as the
+        host knows it; None: not given, and a prefill-bucket step decides on the device
+        (models/deepseek.py attend_split). False is exact: no token of the step may see a cached key.
     """
 
     token_ids: jax.Array
@@ -50,3 +54,4 @@ class StepMetadata:
     slot_mapping: jax.Array
     page_table: jax.Array
     logits_indices: jax.Array
+    has_context: bool | None = dataclasses.field(default=None, metadata=dict(static=True))

@@ -150,7 +150,8 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
     the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14). The
     price: XLA's GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the
     one before has run and queues the next step only when this one ends (session 16: 1-2 ms of a Protocol A
-    run; in serving, no overlap of the engine's bookkeeping with a prefill-bucket step)."""
+    run; in serving, no overlap of the engine's bookkeeping with a prefill-bucket step). Where the host gives
+    `meta.has_context` (RunnerConfig.prefill_context_variant), its program takes the one branch it names."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
     rs, blocks, visible_to, bq = plan
@@ -170,6 +171,8 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
         o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
         return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2).astype(q_nope.dtype)
 
+    if meta.has_context is not None:  # known on the host: no branch on the device
+        return with_context() if meta.has_context else chunk(out_dtype=q_nope.dtype)
     return jax.lax.cond(jnp.any(visible_to >= 0), with_context, lambda: chunk(out_dtype=q_nope.dtype))
 
 

@@ -74,7 +74,10 @@ class HostStep:
     penalties: bool
 
 
-def build_metadata(plan_seqs, shapes: Shapes, bucket: int) -> StepMetadata:
+def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = False) -> StepMetadata:
+    """The padded step's metadata. `mark_context` (RunnerConfig.prefill_context_variant): a prefill-bucket
+    step (more token slots than sequence rows) says whether any of its sequences starts past position 0
+    (`StepMetadata.has_context`), so that its program need not decide it on the device."""
     S = shapes.seq_rows(bucket)
     ps = shapes.page_size
     token_ids = np.zeros(bucket, np.int32)
@@ -95,7 +98,8 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int) -> StepMetadata:
         page_table[row, : len(pages)] = pages
         logits_indices[row] = t + n - 1
         t += n
-    return StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
+    has_context = any(seq.start_pos > 0 for seq in plan_seqs) if mark_context and bucket > S else None
+    return StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices, has_context)
 
 
 def uses_penalties(req: Request) -> bool:

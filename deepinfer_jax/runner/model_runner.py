@@ -162,6 +162,8 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(runner_cfg.dtype)
         self.sharding = sharding
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
+        # Prefill-bucket steps carry StepMetadata.has_context from the host (one device; inputs.build_metadata).
+        self._mark_context = runner_cfg.prefill_context_variant and sharding is None
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
@@ -322,8 +324,9 @@ class ModelRunner:
                                          key, res.parts, res.sampled_layout, res.routing_shape, state_signature)
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile the step of every (bucket, sampling variant), then run each `warmup_runs` times on
-        padding. Returns the number of step programs.
+        """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
+        of each prefill bucket's two context variants, then run each `warmup_runs` times on padding. Returns
+        the number of step programs.
 
         With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
         the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
@@ -340,6 +343,9 @@ class ModelRunner:
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
+        # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
+        hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
+                  if h.meta.has_context is False]
         keyed: dict[Any, HostStep] = {}  # each program's key -> its first host, the slowest program first
         for host in hosts:
             keyed.setdefault(_packed(host)[0], host)
@@ -420,7 +426,7 @@ class ModelRunner:
         """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
         if self.num_ranks == 1:
             (seqs,) = groups
-            meta = build_metadata(seqs, self.shapes, bucket)
+            meta = build_metadata(seqs, self.shapes, bucket, self._mark_context)
             st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full)
             rows = [i for i, s in enumerate(seqs) if s.sample]
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full)

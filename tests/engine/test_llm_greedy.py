@@ -120,6 +120,39 @@ def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
 
 
+def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
+    """RunnerConfig.prefill_context_variant: each prefill bucket compiles a program with the context part
+    and one without, and each step takes the one its host-side `StepMetadata.has_context` names, in place of
+    a lax.cond a layer. Fresh prompts, later chunks of a long prompt (context) and decodes in prefill buckets
+    (4 sequence rows, buckets of 16+ slots): still HF's tokens, and both variants ran."""
+    from deepinfer_jax.runner import model_runner
+
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(17, [1, 9, 40, 70], model.config.vocab_size)
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+               max_num_seqs=4, unroll_max_tokens=16, prefill_context_variant=True)
+    runner = llm.engine.runner
+    prefill_buckets = [b for b in runner.shapes.buckets if b > runner.shapes.seq_rows(b)]
+    assert prefill_buckets
+    seen, build = [], model_runner.build_metadata
+
+    def spy(*a, **k):
+        meta = build(*a, **k)
+        seen.append(meta.has_context)
+        return meta
+
+    monkeypatch.setattr(model_runner, "build_metadata", spy)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in [5, 6, 7, 4]]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, n, o in zip(prompts, [5, 6, 7, 4], outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, n), f"prompt of {len(p)} tokens"
+    assert True in seen and False in seen  # both programs of the prefill buckets served steps
+    assert runner.compiles_after_warmup == 0
+    # Two sampling variants per bucket, and two context variants of each prefill bucket.
+    assert len(runner._step_exes) == 2 * (len(runner.shapes.buckets) + len(prefill_buckets))
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+
+
 def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
     """Without a collection pass: no reference cycle keeps the runner (and the device memory of its KV
     cache) alive once its owner drops it. A second engine in the same process (benchmarks/gpu_vs_cpu.py)
