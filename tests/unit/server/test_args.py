@@ -31,6 +31,9 @@ def test_defaults_and_vllm_names():
     assert "unroll_max_tokens" not in kw  # the engine's default (256 on a GPU)
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--unroll-max-tokens", "0"]))
     assert kw["unroll_max_tokens"] == 0
+    assert "prefill_context_variant" not in kw  # LLM's default (off)
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
+    assert kw["prefill_context_variant"] is True
 
 
 def test_yaml_then_flags(tmp_path):
