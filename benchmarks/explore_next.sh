@@ -23,6 +23,11 @@
 #   bash benchmarks/explore_next.sh OUTDIR inrun
 #                                                   the decode step inside Protocol A (steps 100-129 traced) against
 #                                                   the isolated one (traced): kernels by category, idle
+#   bash benchmarks/explore_next.sh OUTDIR ctx
+#                                                   RunnerConfig.prefill_context_variant (session 16): Protocol A
+#                                                   without and with it, the prefill and first decode step traced
+#                                                   (host_gaps.py: the host's wait in the prefill's call), then
+#                                                   Protocol B at concurrency 32 and 128 without and with it
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -71,6 +76,32 @@ if [[ $mode == inrun ]]; then  # the decode step inside Protocol A against the i
   grep -h -A14 "GPU kernel time per step" "$out/inrun.log" | head -15 | cut -c1-150
   grep -h -E "pipelined via compiled" "$out/step_iso.log"
   grep -h -A14 "GPU kernel time per step" "$out/step_iso.log" | head -15 | cut -c1-150
+  exit 0
+fi
+if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond
+  for v in off on; do
+    f=(); [[ $v == on ]] && f=(--prefill-context-variant)
+    timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 --trace /tmp/tr_ctx_$v \
+      --trace-steps 1:3 "${f[@]}" > "$out/ctx_$v.log" 2>&1
+    timeout 100 python3 benchmarks/host_gaps.py /tmp/tr_ctx_$v --min-ms 0.5 --top 5 > "$out/ctx_gaps_$v.log" 2>&1
+  done
+  d=$(mktemp -d); python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$d" > /dev/null
+  for v in off on; do
+    f=(); [[ $v == on ]] && f=(--prefill-context-variant)
+    python3 -m deepinfer_jax.cli serve --model "$d" --load-format dummy --port 8011 --max-num-seqs 128 \
+      --max-model-len 1024 "${f[@]}" > "$out/server_ctx_$v.log" 2>&1 &
+    s=$!; python3 benchmarks/wait_ready.py http://127.0.0.1:8011 300 > "$out/ready_ctx_$v.log"
+    python3 benchmarks/serving.py --base-url http://127.0.0.1:8011 --vocab-size 102400 --input-len 512 \
+      --output-len 128 --max-concurrency 32,128 > "$out/pb_ctx_$v.log" 2>&1
+    kill -TERM $s; wait $s
+  done
+  echo "== summary (prefill_context_variant off / on) =="
+  for v in off on; do
+    echo "-- $v: ready $(cat "$out/ready_ctx_$v.log") s"
+    grep -h -E "Protocol A|prefill [0-9]|start-up" "$out/ctx_$v.log" | cut -c1-200
+    grep -h -E "idle gaps of|inside PjitFunction" "$out/ctx_gaps_$v.log" | head -4
+    grep -h "^concurrency" "$out/pb_ctx_$v.log" | cut -c1-260
+  done
   exit 0
 fi
 if [[ $mode == check ]]; then
