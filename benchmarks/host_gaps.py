@@ -16,18 +16,7 @@ from collections import defaultdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.trace_tools import _load, first_gpu, gpu_kernels  # noqa: E402
-
-
-def idle_windows(kern: list[dict], min_us: float) -> list[tuple[float, float, str, str]]:
-    """(start, end, kernel before, kernel after) of each gap of at least min_us between the kernels."""
-    out, end, last = [], None, ""
-    for e in kern:
-        if end is not None and e["ts"] - end >= min_us:
-            out.append((end, e["ts"], last, e["name"]))
-        if end is None or e["ts"] + e.get("dur", 0.0) > end:
-            end, last = e["ts"] + e.get("dur", 0.0), e["name"]
-    return out
+from benchmarks.trace_tools import _load, first_gpu, gpu_kernels, idle_windows  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -142,6 +142,18 @@ def layer_sequence(kern: list[dict], layer: int = 10) -> None:
         prev = e["ts"] + e.get("dur", 0.0)
 
 
+def idle_windows(kern: list[dict], min_us: float) -> list[tuple[float, float, str, str]]:
+    """(start, end, kernel before, kernel after) of each idle stretch of at least min_us between the kernels
+    (time-sorted); the kernel before is the one whose end opens the stretch, overlaps counted once."""
+    out, end, last = [], None, ""
+    for e in kern:
+        if end is not None and e["ts"] - end >= min_us:
+            out.append((end, e["ts"], last, e["name"]))
+        if end is None or e["ts"] + e.get("dur", 0.0) > end:
+            end, last = e["ts"] + e.get("dur", 0.0), e["name"]
+    return out
+
+
 def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> dict:
     """How busy the first GPU was over the traced window, and where it idled.
 
@@ -152,18 +164,12 @@ def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> di
     steps = max(1, sum(1 for e in kern if re.search(MOE_FIRST, e["name"])) // moe_layers)
     window = kern[-1]["ts"] + kern[-1].get("dur", 0.0) - kern[0]["ts"]
     busy = busy_union(kern)
-    gaps, end = [], None
-    for i, e in enumerate(kern):
-        if end is not None and e["ts"] - end >= min_gap_us:
-            gaps.append((e["ts"] - end, kern[i - 1]["name"], e["name"]))
-        end = max(end or 0.0, e["ts"] + e.get("dur", 0.0))
-    gaps.sort(reverse=True)
+    gaps = sorted(((b - a, before, after) for a, b, before, after in idle_windows(kern, min_gap_us)), reverse=True)
     # All idle time between kernels, by the pair of kernel names around it (where small gaps add up).
-    pairs, end = defaultdict(float), None
-    for i, e in enumerate(kern):
-        if end is not None and e["ts"] > end:
-            pairs[(kern[i - 1]["name"][:40], e["name"][:40])] += e["ts"] - end
-        end = max(end or 0.0, e["ts"] + e.get("dur", 0.0))
+    pairs = defaultdict(float)
+    for a, b, before, after in idle_windows(kern, 0.0):
+        if b > a:
+            pairs[(before[:40], after[:40])] += b - a
     by_pair = sorted(((us / steps, a, b) for (a, b), us in pairs.items()), reverse=True)[:6]
     return {"steps": steps, "window_us": window / steps, "busy_us": busy / steps,
             "idle_us": (window - busy) / steps, "gaps": len(gaps) / steps,

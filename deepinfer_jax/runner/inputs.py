@@ -11,11 +11,13 @@ padding sequence rows sample from token 0 and their results are ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
 
 from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
+from deepinfer_jax.models.decode_kernels import decode_kernel_step
 from deepinfer_jax.sampling import SamplingTensors, make_key_data_batch
 from deepinfer_jax.types import Request
 
@@ -98,8 +100,10 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
         page_table[row, : len(pages)] = pages
         logits_indices[row] = t + n - 1
         t += n
-    has_context = any(seq.start_pos > 0 for seq in plan_seqs) if mark_context and bucket > S else None
-    return StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices, has_context)
+    meta = StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
+    if mark_context and not decode_kernel_step(meta):
+        meta = dataclasses.replace(meta, has_context=any(seq.start_pos > 0 for seq in plan_seqs))
+    return meta
 
 
 def uses_penalties(req: Request) -> bool:

@@ -93,7 +93,8 @@ def test_print_report_counts_steps_from_the_moe_launches(tmp_path, capsys):
 
 
 def test_host_gaps_names_the_program_call_a_gap_ends_in(tmp_path, capsys):
-    from benchmarks.host_gaps import idle_windows, main
+    from benchmarks.host_gaps import main
+    from benchmarks.trace_tools import idle_windows
 
     kern = [("a", 0.0, 10.0), ("b", 5.0, 20.0), ("c", 2025.0, 5.0), ("d", 2031.0, 5.0)]
     d = _trace(tmp_path, kern)
