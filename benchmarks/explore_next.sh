@@ -80,14 +80,14 @@ if [[ $mode == inrun ]]; then  # the decode step inside Protocol A against the i
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond
   for v in off on; do
-    f=(); [[ $v == on ]] && f=(--prefill-context-variant)
+    f=(--no-prefill-context-variant); [[ $v == on ]] && f=(--prefill-context-variant)
     timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 --trace /tmp/tr_ctx_$v \
       --trace-steps 1:3 "${f[@]}" > "$out/ctx_$v.log" 2>&1
     timeout 100 python3 benchmarks/host_gaps.py /tmp/tr_ctx_$v --min-ms 0.5 --top 5 > "$out/ctx_gaps_$v.log" 2>&1
   done
   d=$(mktemp -d); python3 benchmarks/dummy_model.py --preset deepseek-v2-lite --out "$d" > /dev/null
   for v in off on; do
-    f=(); [[ $v == on ]] && f=(--prefill-context-variant)
+    f=(--no-prefill-context-variant); [[ $v == on ]] && f=(--prefill-context-variant)
     python3 -m deepinfer_jax.cli serve --model "$d" --load-format dummy --port 8011 --max-num-seqs 128 \
       --max-model-len 1024 "${f[@]}" > "$out/server_ctx_$v.log" 2>&1 &
     s=$!; python3 benchmarks/wait_ready.py http://127.0.0.1:8011 300 > "$out/ready_ctx_$v.log"

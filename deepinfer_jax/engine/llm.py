@@ -64,7 +64,7 @@ class LLM:
     (decode steps absorb the query through W_UK in one kernel, on by default), decode_latent_kernel (the
     same kernel launch also norms, ropes and caches the step's latents, on by default),
     prefill_context_variant (prefill buckets' programs with and without the context part, picked on the
-    host instead of a lax.cond a layer; off by default, RunnerConfig), chat_template,
+    host instead of a lax.cond a layer; on by default, RunnerConfig), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
     start skip tracing: runner/program_cache.py), progress.
@@ -81,7 +81,7 @@ class LLM:
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
-                 prefill_context_variant: bool = False, progress: bool = True):
+                 prefill_context_variant: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache

@@ -116,19 +116,28 @@ def paged_attention(
 CHUNK_BLOCK_Q = 64
 
 
-def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
-                     prefill_attention: str):
-    """For a prefill-bucket step on the Pallas path, one device: the step-wide inputs of the split
-    prefill attention (`attend_split`): (run_start [T], query blocks, visible_to [T], their block_q);
-    else None."""
-    from deepinfer_jax.kernels import mla_chunk, mla_prefill
+def splits_prefill_attention(cfg: ModelConfig, attn_impl: str, mesh_rules: MeshRules | None,
+                             prefill_attention: str) -> bool:
+    """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" on the Pallas
+    path, one device, head dims the chunk kernel supports."""
+    from deepinfer_jax.kernels import mla_chunk
 
     if prefill_attention not in ("expanded", "absorbed"):
         raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
+    return (prefill_attention == "expanded" and pallas_one_device(attn_impl, mesh_rules)
+            and mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
+                                    interpret=attn_impl == "pallas_interpret"))
+
+
+def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
+                     prefill_attention: str):
+    """For a prefill-bucket step where `splits_prefill_attention`: the step-wide inputs of the split
+    prefill attention (`attend_split`): (run_start [T], query blocks, visible_to [T], their block_q);
+    else None."""
+    from deepinfer_jax.kernels import mla_prefill
+
     T, S = meta.token_ids.shape[0], meta.page_table.shape[0]
-    if (prefill_attention != "expanded" or not pallas_one_device(attn_impl, mesh_rules)
-            or decode_kernel_step(meta) or not mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                                 interpret=attn_impl == "pallas_interpret")):
+    if not splits_prefill_attention(cfg, attn_impl, mesh_rules, prefill_attention) or decode_kernel_step(meta):
         return None
     rs = mla_prefill.run_starts(meta.seq_ids, meta.positions)
     bq = mla_prefill.effective_block_q(T, CHUNK_BLOCK_Q)

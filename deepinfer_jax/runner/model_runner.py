@@ -36,7 +36,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
-from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.models.deepseek import forward_paged, splits_prefill_attention
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, sizes, unpack, unpack_bits
@@ -162,8 +162,10 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(runner_cfg.dtype)
         self.sharding = sharding
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
-        # Prefill-bucket steps carry StepMetadata.has_context from the host (one device; inputs.build_metadata).
-        self._mark_context = runner_cfg.prefill_context_variant and sharding is None
+        # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their
+        # program takes the split attention, whose context part it names (one device, the Pallas path).
+        self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
+            cfg, runner_cfg.attn_impl, None, runner_cfg.prefill_attention)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)

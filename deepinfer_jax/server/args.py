@@ -53,10 +53,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="steps of at most this many token slots run the layers unrolled: faster decode steps, "
                         "but each such bucket's programs take tens of seconds more to compile on an empty "
                         "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
-    g.add_argument("--prefill-context-variant", action=argparse.BooleanOptionalAction, default=False,
+    g.add_argument("--prefill-context-variant", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill buckets get a program with the attention's context part and one without, picked "
                         "on the host, instead of a per-layer branch that keeps the host waiting for the step "
-                        "(more programs to compile; not yet measured on a GPU)")
+                        "(default: on; off compiles fewer programs)")
     g.add_argument("--compilation-cache-dir", default="default",
                    help='XLA compilation cache, and in its programs/ the compiled step programs a warm start '
                         'loads untraced ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; "none": off)')
@@ -152,6 +152,6 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["moe_impl"] = ns.moe_impl
     if ns.unroll_max_tokens is not None:
         kw["unroll_max_tokens"] = ns.unroll_max_tokens
-    if ns.prefill_context_variant:
-        kw["prefill_context_variant"] = True
+    if ns.prefill_context_variant is not None:
+        kw["prefill_context_variant"] = ns.prefill_context_variant
     return kw

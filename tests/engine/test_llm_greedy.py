@@ -8,6 +8,7 @@ import pytest
 
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.models.deepseek import splits_prefill_attention
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
 MAX_TOKENS = [4, 9, 16, 12] * 5
@@ -42,14 +43,20 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
         assert o.outputs[0].finish_reason == "length"
     assert llm.engine.runner.compiles_after_warmup == 0
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
-    # Warm-up made one step program per bucket and sampling variant (base, full): each compiled (its
-    # bucket's forward traced once) or, when an earlier engine of the session stored the same program,
-    # loaded from the program cache untraced.
+    # Warm-up made one step program per bucket and sampling variant (base, full), and where prefill buckets
+    # take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context variant of
+    # each: each compiled (its bucket's forward traced once) or, when an earlier engine of the session
+    # stored the same program, loaded from the program cache untraced.
     runner = llm.engine.runner
     buckets = runner.shapes.buckets
-    assert len(runner._step_exes) == 2 * len(buckets) == llm.engine.num_warmup_compiles
+    rc = runner.runner_cfg
+    split = rc.prefill_context_variant and splits_prefill_attention(runner.cfg, rc.attn_impl, None,
+                                                                    rc.prefill_attention)
+    assert split is (rc.attn_impl != "reference" and rc.prefill_context_variant)  # these tests' dims fit the kernels
+    programs = 2 * (len(buckets) + split * sum(b > runner.shapes.seq_rows(b) for b in buckets))
+    assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
     assert set(runner._step_fns) <= set(runner._step_exes)
-    assert len(runner._step_fns) + runner.programs_loaded == 2 * len(buckets)
+    assert len(runner._step_fns) + runner.programs_loaded == programs
     assert len(runner._fwd_fns) == len({key[0] for key in runner._step_fns})
     return outs
 
@@ -112,11 +119,14 @@ def test_greedy_with_pallas_kernels_in_interpret_mode(hf_case, hf_greedy):
 
 def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
     """The experimental MoE fusions (routing + alignment in one kernel, shared experts inside the expert
-    kernels), on decode and prefill buckets, in Pallas interpret mode: still HF's tokens."""
+    kernels), on decode and prefill buckets, in Pallas interpret mode: still HF's tokens. Without
+    RunnerConfig.prefill_context_variant: the prefill buckets' split attention decides its context part with
+    a lax.cond a layer."""
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(16, [1, 9, 40, 70], model.config.vocab_size)
     llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
-               max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True)
+               max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True,
+               prefill_context_variant=False)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
 
 

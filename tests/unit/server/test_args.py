@@ -31,9 +31,11 @@ def test_defaults_and_vllm_names():
     assert "unroll_max_tokens" not in kw  # the engine's default (256 on a GPU)
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--unroll-max-tokens", "0"]))
     assert kw["unroll_max_tokens"] == 0
-    assert "prefill_context_variant" not in kw  # LLM's default (off)
+    assert "prefill_context_variant" not in kw  # LLM's default (on)
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
     assert kw["prefill_context_variant"] is True
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-prefill-context-variant"]))
+    assert kw["prefill_context_variant"] is False
 
 
 def test_yaml_then_flags(tmp_path):
