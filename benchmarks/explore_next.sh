@@ -28,6 +28,12 @@
 #                                                   without and with it, the prefill and first decode step traced
 #                                                   (host_gaps.py: the host's wait in the prefill's call), then
 #                                                   Protocol B at concurrency 32 and 128 without and with it
+#   bash benchmarks/explore_next.sh OUTDIR unroll
+#                                                   session 17: Protocol A's decode steps ran ~0.15-0.2 ms faster
+#                                                   with the prefill bucket unrolled (--unroll-max-tokens 16384)
+#                                                   than scanned, though the decode program is the same: both runs
+#                                                   with decode steps 100-129 traced, then the kernels whose time a
+#                                                   step differs most (trace_tools.py compare)
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -76,6 +82,16 @@ if [[ $mode == inrun ]]; then  # the decode step inside Protocol A against the i
   grep -h -A14 "GPU kernel time per step" "$out/inrun.log" | head -15 | cut -c1-150
   grep -h -E "pipelined via compiled" "$out/step_iso.log"
   grep -h -A14 "GPU kernel time per step" "$out/step_iso.log" | head -15 | cut -c1-150
+  exit 0
+fi
+if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (default) and unrolled, decode traced
+  for u in 256 16384; do
+    timeout 250 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u \
+      --trace /tmp/tr_unroll_$u --trace-steps 100:130 > "$out/unroll_$u.log" 2>&1
+  done
+  echo "== summary (the prefill bucket scanned: unroll 256, a; unrolled: unroll 16384, b) =="
+  for u in 256 16384; do grep -h -E "Protocol A|prefill [0-9]|engine loop|start-up" "$out/unroll_$u.log" | cut -c1-160; done
+  python3 benchmarks/trace_tools.py compare /tmp/tr_unroll_256 /tmp/tr_unroll_16384 --top 25
   exit 0
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond

@@ -8,9 +8,12 @@
 #               carried into /tmp/vllm by the calls before (../shared/peers/vllm_bundle.sh); unpacked here
 #   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
 #               1, 8, 32, 128, 512 in / 128 out, random-id prompts
+#   vllm_serve  the same Protocol B client against vLLM 0.26.0's OpenAI server on the same model directory
+#               (dummy weights, the same flags), from the bundle in /tmp/vllm plus the server's own
+#               dependencies carried into /tmp/vllm/serve_deps (benchmarks/vllm_serve_deps.sh)
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts and their order (default: all but vllm_peer, in the order above); PRESET the model shape;
-# KERNELS_ARGS (default --quick),
+# PARTS picks parts and their order (default: all but the two vLLM parts, in the order above); PRESET the model shape;
+# KERNELS_ARGS (default --quick), READY_LIMIT (seconds a server may take to answer /health, default 600),
 # OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
 # carried in separate calls first.
 set -uo pipefail
@@ -31,33 +34,61 @@ run_part() {
     hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
     vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;
     protocol_b) protocol_b ;;
+    vllm_serve) vllm_serve ;;
     *) echo "unknown part $1" ;;
   esac
 }
 
-vllm_peer() {
-  local dir=/tmp/vllm
-  if [[ ! -d $dir/site ]]; then
-    ls $dir/vllm.part* > /dev/null 2>&1 || { echo "no vLLM bundle in $dir (../shared/peers/vllm_bundle.sh)"; return; }
-    (cd $dir && cat vllm.part* | xz -d | tar -x &&
-      python3 -m pip install -q --no-index --no-deps --target $dir/pkgs deps/*.whl) || return
+vllm=/tmp/vllm
+vllm_unpack() {  # the bundle's parts (and the server's dependencies, where carried) into $vllm/site, $vllm/pkgs
+  if [[ ! -d $vllm/site ]]; then
+    ls $vllm/vllm.part* > /dev/null 2>&1 || { echo "no vLLM bundle in $vllm (../shared/peers/vllm_bundle.sh)"; return 1; }
+    (cd $vllm && cat vllm.part* | xz -d | tar -x &&
+      python3 -m pip install -q --no-index --no-deps --target $vllm/pkgs deps/*.whl) || return 1
   fi
-  PYTHONPATH=$dir/pkgs:$dir/site python3 $dir/vllm_protocol_a.py
+  if [[ -d $vllm/serve_deps && ! -f $vllm/pkgs/.serve_deps ]]; then
+    python3 -m pip install -q --no-index --no-deps --upgrade --target $vllm/pkgs $vllm/serve_deps/*.whl &&
+      touch $vllm/pkgs/.serve_deps
+  fi
+}
+
+vllm_peer() {
+  vllm_unpack || return
+  PYTHONPATH=$vllm/pkgs:$vllm/site python3 $vllm/vllm_protocol_a.py
+}
+
+dummy_dir() {  # the preset's model directory for --load-format dummy (config.json, a word-level tokenizer)
+  local d; d=$(mktemp -d)
+  python3 benchmarks/dummy_model.py --preset "$preset" --out "$d" > /dev/null && echo "$d"
+}
+
+serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health, run the client, stop it
+  local name=$1 port=$2; shift 2
+  "$@" > "$out/server_$name.log" 2>&1 &
+  local server=$!
+  echo "$name: $(python3 benchmarks/wait_ready.py http://127.0.0.1:$port "${READY_LIMIT:-600}") s from start to /health" \
+    > "$out/ready_$name.log"
+  python3 benchmarks/serving.py --base-url http://127.0.0.1:$port --vocab-size "$vocab" --input-len 512 \
+    --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/$name.json" ${SERVING_ARGS:-} \
+    > "$out/$name.log" 2>&1
+  kill -TERM $server; wait $server
 }
 
 protocol_b() {
-  dummy=$(mktemp -d)
-  python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
+  local dummy; dummy=$(dummy_dir)
   vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
-  python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 \
-    --max-model-len 1024 > "$out/server.log" 2>&1 &
-  server=$!
-  echo "serve: $(python3 benchmarks/wait_ready.py http://127.0.0.1:8011 600) s from start to /health" \
-    > "$out/serve_ready.log"
-  python3 benchmarks/serving.py --base-url http://127.0.0.1:8011 --vocab-size "$vocab" --input-len 512 \
-    --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/protocol_b.json" ${SERVING_ARGS:-} \
-    > "$out/protocol_b.log" 2>&1
-  kill -TERM $server; wait $server
+  serve_and_measure protocol_b 8011 python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy \
+    --port 8011 --max-num-seqs 128 --max-model-len 1024
+}
+
+vllm_serve() {  # vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights drawn from U(+-0.05))
+  vllm_unpack > "$out/vllm_serve_unpack.log" 2>&1 || { echo "no vLLM bundle" > "$out/ready_vllm_serve.log"; return; }
+  local dummy; dummy=$(dummy_dir)
+  vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
+  serve_and_measure vllm_serve 8012 env PYTHONPATH=$vllm/pkgs:$vllm/site VLLM_USE_FLASHINFER_SAMPLER=0 \
+    HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$(mktemp -d)" \
+    python3 -m vllm.entrypoints.openai.api_server --model "$dummy" --load-format dummy --dtype bfloat16 \
+    --port 8012 --max-num-seqs 128 --max-model-len 1024 --gpu-memory-utilization 0.85
 }
 
 for part in $parts; do
@@ -71,5 +102,7 @@ has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
-has protocol_b && cat "$out/serve_ready.log" && grep -h -E "^concurrency" "$out/protocol_b.log"
+for part in protocol_b vllm_serve; do
+  has $part && cat "$out/ready_$part.log" && grep -h -E "^concurrency" "$out/$part.log"
+done
 exit 0

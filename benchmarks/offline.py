@@ -81,6 +81,11 @@ def main(argv=None) -> int:
     ap.add_argument("--gc-freeze", action="store_true",
                     help="after start-up, gc.collect() then gc.freeze(): the cyclic collector then skips everything "
                          "the start made (vLLM's way); the runs print the collections' pauses either way")
+    ap.add_argument("--prompt-seed", type=int, default=0,
+                    help="the random prompts' seed: another seed, another decode trajectory (and routing)")
+    ap.add_argument("--unroll-max-tokens", type=int, default=None,
+                    help="steps of at most this many token slots run their layers unrolled (RunnerConfig."
+                         "unroll_max_tokens; default 256 on a GPU: the prefill bucket keeps lax.scan)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
@@ -125,6 +130,7 @@ def main(argv=None) -> int:
         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                                    **variant_kwargs(args),
                                    token_buckets=buckets, warmup_full_variant=False,
+                                   unroll_max_tokens=args.unroll_max_tokens,
                                    collect_routing=args.routing != "off",
                                    **({} if args.warmup_runs is None else {"warmup_runs": args.warmup_runs})),
         progress=False)
@@ -161,7 +167,7 @@ def main(argv=None) -> int:
                 timers[_n] += time.perf_counter() - t
         setattr(eng.runner, name, timed)
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(args.prompt_seed)
     prompts = [rng.integers(100, min(cfg.vocab_size, 100000), args.prompt_len).tolist() for _ in range(args.batch)]
     counter = [0]
 

@@ -102,12 +102,47 @@ def first_gpu(kern: list[dict]) -> list[dict]:
     return [e for e in kern if e["pid"] == first]
 
 
-def summarize(kern: list[dict], steps: int, top: int = 40) -> None:
-    """GPU time per step by category and by kernel name (summed over the GPUs traced)."""
+def kernel_totals(kern: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
+    """({kernel name: microseconds}, {kernel name: launches}) over all the kernels given."""
     total, count = defaultdict(float), defaultdict(int)
     for e in kern:
         total[e["name"]] += e.get("dur", 0.0)
         count[e["name"]] += 1
+    return total, count
+
+
+def compare(kern_a: list[dict], kern_b: list[dict], moe_layers: int, top: int = 20) -> list[tuple[str, float, float]]:
+    """Two traces of the same step program(s), e.g. one configuration against another: (kernel name, us a
+    step in a, us a step in b) of the `top` kernels whose time a step differs most, the steps of each
+    counted from its MoE launches."""
+    per_step = []
+    for kern in (kern_a, kern_b):
+        steps = max(1, sum(bool(re.search(MOE_FIRST, e["name"])) for e in kern) // moe_layers)
+        per_step.append({n: us / steps for n, us in kernel_totals(kern)[0].items()})
+    a, b = per_step
+    names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0.0) - a.get(n, 0.0)))
+    return [(n, a.get(n, 0.0), b.get(n, 0.0)) for n in names[:top]]
+
+
+def print_compare(dir_a: str, dir_b: str, moe_layers: int, top: int = 20) -> bool:
+    """`compare` of the newest traces under dir_a and dir_b, with each one's busy time a step."""
+    ka, kb = gpu_kernels(dir_a), gpu_kernels(dir_b)
+    if not ka or not kb:
+        print(f"no GPU kernels under {dir_a if not ka else dir_b}")
+        return False
+    for label, kern in (("a", ka), ("b", kb)):
+        steps = max(1, sum(bool(re.search(MOE_FIRST, e["name"])) for e in kern) // moe_layers)
+        print(f"{label}: {steps} steps, kernels {sum(kernel_totals(kern)[0].values()) / steps / 1e3:.3f} ms a step, "
+              f"busy {busy_union(kern) / steps / 1e3:.3f} ms a step")
+    print("us a step:        a          b      b - a  kernel")
+    for name, ua, ub in compare(ka, kb, moe_layers, top):
+        print(f"  {ua:14.1f} {ub:10.1f} {ub - ua:+10.1f}  {name[:100]}")
+    return True
+
+
+def summarize(kern: list[dict], steps: int, top: int = 40) -> None:
+    """GPU time per step by category and by kernel name (summed over the GPUs traced)."""
+    total, count = kernel_totals(kern)
     grand = sum(total.values())
     print(f"GPUs traced: {len({e['pid'] for e in kern})} (times below are summed over them)")
     print(f"GPU kernel time per step: {grand / steps / 1e3:.2f} ms over {sum(count.values()) // steps} kernels")
@@ -255,3 +290,17 @@ def print_report(trace_dir: str, moe_layers: int, steps: int | None = None, top:
         print(f"  host {us:9.1f} us/step  x{calls:7.1f}  {name[:100]}")
     layer_sequence(kern)
     return True
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(description="compare two traces' GPU time a step, kernel by kernel")
+    ap.add_argument("compare", choices=["compare"])
+    ap.add_argument("dir_a")
+    ap.add_argument("dir_b")
+    ap.add_argument("--moe-layers", type=int, default=26, help="MoE layers a step (V2-Lite: 26)")
+    ap.add_argument("--top", type=int, default=20)
+    a = ap.parse_args()
+    sys.exit(0 if print_compare(a.dir_a, a.dir_b, a.moe_layers, a.top) else 1)

@@ -116,3 +116,22 @@ def test_host_gaps_names_the_program_call_a_gap_ends_in(tmp_path, capsys):
     assert "between b and c" in out
     assert "inside PjitFunction(jit(step)) (2.01 ms" in out
     assert "0.15 ms  x    2  cuGraphLaunch" in out
+
+
+def test_compare_lists_the_kernels_whose_time_a_step_differs_most(tmp_path, capsys):
+    """Two configurations' traces: a has 2 steps, b 1; per step, b's attention kernel is 30 us slower and
+    its down kernel 5 us faster, and b has a copy a lacks."""
+    from benchmarks.trace_tools import compare, print_compare
+
+    def step(t0, attn, down):
+        return [("_gate_up_kernel", t0, 50.0), ("_down_kernel", t0 + 50.0, down), ("_kernel", t0 + 90.0, attn)]
+
+    a = _trace(tmp_path / "a", step(0.0, 10.0, 30.0) + step(200.0, 10.0, 30.0))
+    b = _trace(tmp_path / "b", step(0.0, 40.0, 25.0) + [("MemcpyD2D", 150.0, 2.0)])
+    rows = compare(gpu_kernels(a), gpu_kernels(b), moe_layers=1)
+    assert rows[:3] == [("_kernel", 10.0, 40.0), ("_down_kernel", 30.0, 25.0), ("MemcpyD2D", 0.0, 2.0)]
+    assert rows[3] == ("_gate_up_kernel", 50.0, 50.0)
+    assert print_compare(a, b, moe_layers=1)
+    out = capsys.readouterr().out
+    assert "a: 2 steps, kernels 0.090 ms a step" in out and "b: 1 steps, kernels 0.117 ms a step" in out
+    assert "+30.0  _kernel" in out
