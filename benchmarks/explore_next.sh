@@ -92,6 +92,16 @@ if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (de
   echo "== summary (the prefill bucket scanned: unroll 256, a; unrolled: unroll 16384, b) =="
   for u in 256 16384; do grep -h -E "Protocol A|prefill [0-9]|engine loop|start-up" "$out/unroll_$u.log" | cut -c1-160; done
   python3 benchmarks/trace_tools.py compare /tmp/tr_unroll_256 /tmp/tr_unroll_16384 --top 25
+  # XLA's VMM allocator (on under SKIP_TEMP) maps fresh physical memory for an allocation no completed pending
+  # free of the same size can serve, and unmaps only when its budget runs out; SKIP_TEMP maps each program's temp
+  # at a fixed address. What each does over a run, in both forms (lines by kind, addresses and sizes dropped):
+  for u in 256 16384; do
+    echo "-- unroll $u: allocator and remap events in one run"
+    TF_CPP_VMODULE=vmm_device_address_allocator=3,gpu_executable_va_remap_allocator=3 TF_CPP_MIN_LOG_LEVEL=0 \
+      timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u \
+      2>&1 | grep -E "vmm_device_address_allocator|va_remap_allocator" \
+      | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/0x[0-9a-f]+/X/g; s/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -12
+  done
   exit 0
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond
