@@ -79,30 +79,41 @@ class HostStep:
 def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = False) -> StepMetadata:
     """The padded step's metadata. `mark_context` (RunnerConfig.prefill_context_variant): a prefill-bucket
     step (more token slots than sequence rows) says whether any of its sequences starts past position 0
-    (`StepMetadata.has_context`), so that its program need not decide it on the device."""
+    (`StepMetadata.has_context`), so that its program need not decide it on the device.
+
+    Built with whole-array numpy operations over the step's tokens (no per-sequence numpy calls: at 128
+    sequences a step that loop cost the host ~1.7 ms, session 17); sequence r's tokens fill slots
+    starts[r] .. starts[r] + len[r] - 1 in plan order."""
     S = shapes.seq_rows(bucket)
     ps = shapes.page_size
-    token_ids = np.zeros(bucket, np.int32)
-    positions = np.zeros(bucket, np.int32)
-    seq_ids = np.zeros(bucket, np.int32)
-    slot_mapping = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)
+    R = len(plan_seqs)
+    lens = np.fromiter((len(seq.token_ids) for seq in plan_seqs), np.int64, R)  # [R]
+    first = np.fromiter((seq.start_pos for seq in plan_seqs), np.int64, R)  # [R] first position
+    npages = np.fromiter((len(seq.page_ids) for seq in plan_seqs), np.int64, R)  # [R]
+    T = int(lens.sum())
+    starts = np.cumsum(lens) - lens  # [R] first slot of each sequence
+    seq_of = np.repeat(np.arange(R), lens)  # [T] the row of each real token
+    pos = (np.arange(T) - starts[seq_of] + first[seq_of]).astype(np.int32)  # [T]
+    if (pos // ps >= npages[seq_of]).any():
+        raise ValueError("a scheduled sequence's page_ids do not cover all of its positions")
     page_table = np.full((S, shapes.max_pages), NULL_PAGE, np.int32)
+    page_row = np.repeat(np.arange(R), npages)
+    page_col = np.arange(int(npages.sum())) - np.repeat(np.cumsum(npages) - npages, npages)
+    page_table[page_row, page_col] = np.fromiter(
+        (p for seq in plan_seqs for p in seq.page_ids), np.int32, int(npages.sum()))
+    token_ids = np.zeros(bucket, np.int32)
+    token_ids[:T] = np.fromiter((t for seq in plan_seqs for t in seq.token_ids), np.int32, T)
+    positions = np.zeros(bucket, np.int32)
+    positions[:T] = pos
+    seq_ids = np.zeros(bucket, np.int32)
+    seq_ids[:T] = seq_of
+    slot_mapping = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)  # padding: the null page
+    slot_mapping[:T] = page_table[seq_of, pos // ps] * ps + pos % ps
     logits_indices = np.zeros(S, np.int32)
-    t = 0
-    for row, seq in enumerate(plan_seqs):
-        n = len(seq.token_ids)
-        pos = np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int32)
-        pages = np.asarray(seq.page_ids, np.int32)
-        token_ids[t : t + n] = seq.token_ids
-        positions[t : t + n] = pos
-        seq_ids[t : t + n] = row
-        slot_mapping[t : t + n] = pages[pos // ps] * ps + pos % ps
-        page_table[row, : len(pages)] = pages
-        logits_indices[row] = t + n - 1
-        t += n
+    logits_indices[:R] = starts + lens - 1
     meta = StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
     if mark_context and not decode_kernel_step(meta):
-        meta = dataclasses.replace(meta, has_context=any(seq.start_pos > 0 for seq in plan_seqs))
+        meta = dataclasses.replace(meta, has_context=bool((first > 0).any()))
     return meta
 
 

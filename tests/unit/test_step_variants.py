@@ -4,6 +4,7 @@ when no request of the step uses them."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from deepinfer_jax.runner.inputs import needs_full_variant
@@ -47,3 +48,34 @@ def test_prefill_buckets_say_whether_the_step_has_cached_context():
     assert build_metadata([], shapes, 16, mark_context=True).has_context is False  # warm-up's padding step
     assert build_metadata([decode, seq(3, 1)], shapes, 4, mark_context=True).has_context is None  # decode bucket
     assert build_metadata([fresh, later_chunk], shapes, 16).has_context is None
+
+
+def test_build_metadata_lays_out_a_mixed_step():
+    """A fresh prompt, a later chunk and a decode in one bucket of 16 slots (pages of 4 tokens): every real
+    token's slot, position, row and cache slot, each row's page table and last token; padding slots read
+    token 0 at position 0 of row 0 and write into the null page."""
+    from deepinfer_jax.models.cache import NULL_PAGE
+    from deepinfer_jax.runner.inputs import Shapes, build_metadata
+    from deepinfer_jax.scheduler.scheduler import ScheduledSeq
+
+    shapes = Shapes(buckets=(4, 16), max_num_seqs=4, max_pages=4, page_size=4, max_model_len=16)
+    plan = [ScheduledSeq("a", [11, 12, 13, 14, 15], 0, [7, 3], True, 0),
+            ScheduledSeq("b", [21, 22, 23], 4, [5, 9], False, 0),
+            ScheduledSeq("c", [31], 9, [2, 6, 8], True, 5)]
+    meta = build_metadata(plan, shapes, 16)
+    pad = 16 - 9
+    assert meta.token_ids.tolist() == [11, 12, 13, 14, 15, 21, 22, 23, 31] + [0] * pad
+    assert meta.positions.tolist() == [0, 1, 2, 3, 4, 4, 5, 6, 9] + [0] * pad
+    assert meta.seq_ids.tolist() == [0, 0, 0, 0, 0, 1, 1, 1, 2] + [0] * pad
+    assert meta.slot_mapping.tolist() == [28, 29, 30, 31, 12, 36, 37, 38, 33] + [
+        NULL_PAGE * 4 + i % 4 for i in range(9, 16)]
+    assert meta.page_table.tolist() == [[7, 3, NULL_PAGE, NULL_PAGE], [5, 9, NULL_PAGE, NULL_PAGE],
+                                        [2, 6, 8, NULL_PAGE], [NULL_PAGE] * 4]
+    assert meta.logits_indices.tolist() == [4, 7, 8, 0]
+    assert all(a.dtype == np.int32 for a in (meta.token_ids, meta.positions, meta.seq_ids, meta.slot_mapping,
+                                             meta.page_table, meta.logits_indices))
+    empty = build_metadata([], shapes, 4)  # warm-up's padding step
+    assert empty.token_ids.tolist() == [0] * 4 and empty.page_table.tolist() == [[NULL_PAGE] * 4] * 4
+    short = [ScheduledSeq("d", [41, 42], 7, [4], True, 0)]  # position 7 needs a second page of 4
+    with pytest.raises(ValueError, match="do not cover"):
+        build_metadata(short, shapes, 16)
