@@ -57,9 +57,11 @@ vllm_peer() {
   PYTHONPATH=$vllm/pkgs:$vllm/site python3 $vllm/vllm_protocol_a.py
 }
 
-dummy_dir() {  # the preset's model directory for --load-format dummy (config.json, a word-level tokenizer)
-  local d; d=$(mktemp -d)
-  python3 benchmarks/dummy_model.py --preset "$preset" --out "$d" > /dev/null && echo "$d"
+dummy_dir() {  # sets dummy: the preset's model directory for --load-format dummy (config.json, a word-level
+               # tokenizer), and vocab: its vocabulary size (the client's random prompt ids)
+  dummy=$(mktemp -d)
+  python3 benchmarks/dummy_model.py --preset "$preset" --out "$dummy" > /dev/null
+  vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
 }
 
 serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health, run the client, stop it
@@ -75,16 +77,14 @@ serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health,
 }
 
 protocol_b() {
-  local dummy; dummy=$(dummy_dir)
-  vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
+  dummy_dir
   serve_and_measure protocol_b 8011 python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy \
     --port 8011 --max-num-seqs 128 --max-model-len 1024
 }
 
 vllm_serve() {  # vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights drawn from U(+-0.05))
   vllm_unpack > "$out/vllm_serve_unpack.log" 2>&1 || { echo "no vLLM bundle" > "$out/ready_vllm_serve.log"; return; }
-  local dummy; dummy=$(dummy_dir)
-  vocab=$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))['vocab_size'])" "$dummy/config.json")
+  dummy_dir
   serve_and_measure vllm_serve 8012 env PYTHONPATH=$vllm/pkgs:$vllm/site VLLM_USE_FLASHINFER_SAMPLER=0 \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$(mktemp -d)" \
     python3 -m vllm.entrypoints.openai.api_server --model "$dummy" --load-format dummy --dtype bfloat16 \

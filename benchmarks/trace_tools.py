@@ -111,13 +111,18 @@ def kernel_totals(kern: list[dict]) -> tuple[dict[str, float], dict[str, int]]:
     return total, count
 
 
+def count_steps(kern: list[dict], moe_layers: int) -> int:
+    """Steps in a trace: its MoE launches (MOE_FIRST) over the MoE layers a step, at least 1."""
+    return max(1, sum(1 for e in kern if re.search(MOE_FIRST, e["name"])) // moe_layers)
+
+
 def compare(kern_a: list[dict], kern_b: list[dict], moe_layers: int, top: int = 20) -> list[tuple[str, float, float]]:
     """Two traces of the same step program(s), e.g. one configuration against another: (kernel name, us a
     step in a, us a step in b) of the `top` kernels whose time a step differs most, the steps of each
     counted from its MoE launches."""
     per_step = []
     for kern in (kern_a, kern_b):
-        steps = max(1, sum(bool(re.search(MOE_FIRST, e["name"])) for e in kern) // moe_layers)
+        steps = count_steps(kern, moe_layers)
         per_step.append({n: us / steps for n, us in kernel_totals(kern)[0].items()})
     a, b = per_step
     names = sorted(set(a) | set(b), key=lambda n: -abs(b.get(n, 0.0) - a.get(n, 0.0)))
@@ -131,7 +136,7 @@ def print_compare(dir_a: str, dir_b: str, moe_layers: int, top: int = 20) -> boo
         print(f"no GPU kernels under {dir_a if not ka else dir_b}")
         return False
     for label, kern in (("a", ka), ("b", kb)):
-        steps = max(1, sum(bool(re.search(MOE_FIRST, e["name"])) for e in kern) // moe_layers)
+        steps = count_steps(kern, moe_layers)
         print(f"{label}: {steps} steps, kernels {sum(kernel_totals(kern)[0].values()) / steps / 1e3:.3f} ms a step, "
               f"busy {busy_union(kern) / steps / 1e3:.3f} ms a step")
     print("us a step:        a          b      b - a  kernel")
@@ -196,7 +201,7 @@ def idle_gaps(kern: list[dict], moe_layers: int, min_gap_us: float = 20.0) -> di
     per step, and the idle gaps of at least `min_gap_us` (count, total per step, the largest) with the
     kernels on either side of the largest, so a gap between steps (host-bound) shows as such."""
     kern = first_gpu(kern)
-    steps = max(1, sum(1 for e in kern if re.search(MOE_FIRST, e["name"])) // moe_layers)
+    steps = count_steps(kern, moe_layers)
     window = kern[-1]["ts"] + kern[-1].get("dur", 0.0) - kern[0]["ts"]
     busy = busy_union(kern)
     gaps = sorted(((b - a, before, after) for a, b, before, after in idle_windows(kern, min_gap_us)), reverse=True)

@@ -96,11 +96,11 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
     pos = (np.arange(T) - starts[seq_of] + first[seq_of]).astype(np.int32)  # [T]
     if (pos // ps >= npages[seq_of]).any():
         raise ValueError("a scheduled sequence's page_ids do not cover all of its positions")
+    P = int(npages.sum())
     page_table = np.full((S, shapes.max_pages), NULL_PAGE, np.int32)
     page_row = np.repeat(np.arange(R), npages)
-    page_col = np.arange(int(npages.sum())) - np.repeat(np.cumsum(npages) - npages, npages)
-    page_table[page_row, page_col] = np.fromiter(
-        (p for seq in plan_seqs for p in seq.page_ids), np.int32, int(npages.sum()))
+    page_col = np.arange(P) - np.repeat(np.cumsum(npages) - npages, npages)
+    page_table[page_row, page_col] = np.fromiter((p for seq in plan_seqs for p in seq.page_ids), np.int32, P)
     token_ids = np.zeros(bucket, np.int32)
     token_ids[:T] = np.fromiter((t for seq in plan_seqs for t in seq.token_ids), np.int32, T)
     positions = np.zeros(bucket, np.int32)
