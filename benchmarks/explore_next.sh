@@ -102,6 +102,12 @@ if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (de
       2>&1 | grep -E "vmm_device_address_allocator|va_remap_allocator" \
       | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/0x[0-9a-f]+/X/g; s/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -12
   done
+  # Without deepinfer's XLA defaults (XLA's own command-buffer mode, no VMM allocator): is the gap still there?
+  for u in 256 16384; do
+    echo "-- unroll $u, DEEPINFER_XLA_DEFAULTS=0"
+    DEEPINFER_XLA_DEFAULTS=0 timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 \
+      --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
+  done
   exit 0
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond

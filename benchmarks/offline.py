@@ -27,7 +27,9 @@ sys.path.insert(0, os.path.dirname(HERE))
 from benchmarks.runner_flags import add_variant_flags, variant_kwargs  # noqa: E402
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig  # noqa: E402
-from deepinfer_jax.types import SamplingParams  # noqa: E402
+from deepinfer_jax.types import RequestOutputKind, SamplingParams  # noqa: E402
+
+FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # only finished outputs are read, as vLLM's LLM.generate
 
 HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (GPU.md)
 BF16_FLOPS = 587e12  # measured XLA bf16 matmul on the H200
@@ -176,7 +178,7 @@ def main(argv=None) -> int:
         for p in prompts:
             counter[0] += 1
             eng.add_request(f"r{counter[0]}", p, SamplingParams(temperature=temp, max_tokens=n_out, ignore_eos=True,
-                                                                 seed=counter[0]))
+                                                                 seed=counter[0], output_kind=FINAL_ONLY))
         outs = {}
         timers.update(dispatch=0.0, fetch=0.0, steps=0)
         gc_pauses.clear()

@@ -10,7 +10,7 @@ apply_default_xla_flags()  # before JAX starts a backend (see xla_env.py)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,8 +19,8 @@ def __getattr__(name: str):
         from deepinfer_jax.engine.llm import LLM
 
         return LLM
-    if name == "SamplingParams":
-        from deepinfer_jax.types import SamplingParams
+    if name in ("SamplingParams", "RequestOutputKind"):
+        from deepinfer_jax import types
 
-        return SamplingParams
+        return getattr(types, name)
     raise AttributeError(f"module 'deepinfer_jax' has no attribute {name!r}")

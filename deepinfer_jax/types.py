@@ -31,6 +31,19 @@ def _is_num(x: Any) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request carries (vLLM's `RequestOutputKind`).
+
+    CUMULATIVE: the whole text, token ids and logprobs so far, every step (copies grow with the output).
+    DELTA: only what is new since the request's previous output; the host work a step stays O(1) in the
+    output's length (the server streams these). FINAL_ONLY: one output, the whole of it, when the
+    request finishes (`LLM.generate`)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling knobs (vLLM names). Frozen; `stop` normalised to a list of strings.
@@ -58,6 +71,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ValueError:
@@ -118,6 +132,13 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            if not _is_int(self.output_kind):
+                raise bad("output_kind", "a RequestOutputKind")
+            try:
+                object.__setattr__(self, "output_kind", RequestOutputKind(self.output_kind))
+            except ValueError:
+                raise bad("output_kind", "a RequestOutputKind") from None
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
 
@@ -245,7 +266,7 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """What the engine hands back per request per step (cumulative or delta, the engine decides)."""
+    """What the engine hands back per request per step (whole, new only, or final: SamplingParams.output_kind)."""
 
     request_id: str
     prompt: str | None

@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any, Callable
 
-from deepinfer_jax.types import CompletionOutput, RequestOutput, SamplingParams
+from deepinfer_jax.types import CompletionOutput, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -42,14 +42,6 @@ class QueueFullError(RuntimeError):
 
 class EngineStepError(RuntimeError):
     """An engine step raised; the requests in flight were aborted."""
-
-
-@dataclasses.dataclass
-class _ChildCursor:
-    text: int = 0
-    tokens: int = 0
-    logprobs: int = 0
-    finished: bool = False
 
 
 class RequestStream:
@@ -69,7 +61,6 @@ class RequestStream:
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._held: BaseException | None = None
-        self._cursors: dict[int, _ChildCursor] = {}
         self._gaps: list[float] = []
         self._last_token_time: float | None = None
         self.finished = False
@@ -119,23 +110,9 @@ class RequestStream:
         return gaps
 
     # -- producer side (loop thread) ---------------------------------------------------------------
-    def _delta(self, out: RequestOutput, step_start: float, now: float) -> RequestOutput | None:
-        """Turn the engine's cumulative output into a delta; None when nothing is new."""
-        outs = []
-        for c in out.outputs:
-            cur = self._cursors.setdefault(c.index, _ChildCursor())
-            new_tokens = c.token_ids[cur.tokens:]
-            done = c.finish_reason is not None
-            if not new_tokens and len(c.text) == cur.text and (not done or cur.finished):
-                continue
-            lps = None if c.logprobs is None else c.logprobs[cur.logprobs:]
-            outs.append(CompletionOutput(c.index, c.text[cur.text:], list(new_tokens), lps, c.finish_reason,
-                                         c.stop_reason, c.cumulative_logprob))
-            cur.text, cur.tokens, cur.finished = len(c.text), len(c.token_ids), done
-            cur.logprobs = 0 if c.logprobs is None else len(c.logprobs)
-        if not outs and not out.finished:
-            return None
-        if any(o.token_ids for o in outs):
+    def _note(self, out: RequestOutput, step_start: float, now: float) -> None:
+        """Record the timing facts of one engine delta (RequestOutputKind.DELTA, the kind `submit` asks for)."""
+        if any(o.token_ids for o in out.outputs):
             if self.first_token_time is None:
                 self.scheduled_time, self.first_token_time = step_start, now
             else:
@@ -143,8 +120,6 @@ class RequestStream:
             self._last_token_time = now
         if out.finished:
             self.finish_time = now
-        return RequestOutput(out.request_id, out.prompt, out.prompt_token_ids, out.num_cached_tokens, outs,
-                             out.finished)
 
 
 def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
@@ -246,6 +221,7 @@ class AsyncEngine:
             stream = RequestStream(self, request_id, n, loop)
             self._streams[request_id] = stream
             self._seqs_in_flight += n
+            params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             self._adds.append((stream, list(prompt_token_ids), params, prompt, tuple(keep_special_tokens)))
             self._cond.notify()
         return stream
@@ -338,9 +314,8 @@ class AsyncEngine:
                 stream = streams.get(out.request_id)
                 if stream is None:  # aborted by the client in the meantime
                     continue
-                delta = stream._delta(out, t0, now)
-                if delta is not None:
-                    self._push(pushes, stream, delta)
+                stream._note(out, t0, now)
+                self._push(pushes, stream, out)
         return True
 
     def _fail_all(self, eng, pushes, e: Exception, what: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ from typing import Any, Sequence
 
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
-from deepinfer_jax.types import RequestOutput, SamplingParams
+from deepinfer_jax.types import RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -194,6 +195,8 @@ class LLM:
         ids = []
         for (tok_ids, text), sp in zip(encoded, params):
             rid = eng.new_request_id()
+            # Only the finished outputs are kept: the engine builds nothing before (vLLM's LLM does the same).
+            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
             eng.add_request(rid, tok_ids, sp, prompt=text)
             ids.append(rid)
         done: dict[str, RequestOutput] = {}

@@ -2,7 +2,8 @@
 
 One engine owns one scheduler and one runner; it is not thread-safe (the async engine runs it on one
 loop thread). `step()` plans, runs one device step, appends the sampled tokens, detokenizes, applies
-stop strings and returns a RequestOutput for every request that progressed.
+stop strings and returns a RequestOutput for every request that progressed, shaped by its
+SamplingParams.output_kind (cumulative, only what is new, or only the final output).
 
 n > 1: a user request becomes n child requests ("{id}#{i}") sharing the prompt (the prefix cache
 shares its pages); outputs are gathered under the parent id with CompletionOutput.index = i.
@@ -28,23 +29,39 @@ from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
-from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, SamplingParams
+from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class _Child:
-    """Text-side state of one sampled sequence."""
+    """Text-side state of one sampled sequence.
+
+    `text_parts` holds the detokenized text in pieces (appending stays O(1) in the output's length):
+    all of it, or under RequestOutputKind.DELTA only what is not yet returned. `sent_tokens` /
+    `sent_logprobs` count the output tokens / logprob entries a DELTA output already returned."""
 
     request: Request
     index: int
     detok: Any = None
     stopper: Any = None
-    text: str = ""
+    text_parts: list[str] = field(default_factory=list)
     logprobs: list | None = None
     cumulative_logprob: float | None = None
+    sent_tokens: int = 0
+    sent_logprobs: int = 0
     reported_finished: bool = False
+
+    def take_text(self, delta: bool) -> str:
+        """The text not yet returned (delta) or all of it, joined once."""
+        parts = self.text_parts
+        text = parts[0] if len(parts) == 1 else "".join(parts)
+        if delta:
+            parts.clear()
+        elif len(parts) > 1:
+            parts[:] = [text]
+        return text
 
 
 @dataclass
@@ -219,7 +236,8 @@ class LLMEngine:
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
             self._append(child, [token], result.logprobs.get(req.request_id))
             touched[pid] = None
-        return [self._output(pid) for pid in touched if pid in self._parents]
+        outputs = (self._output(pid) for pid in touched if pid in self._parents)
+        return [out for out in outputs if out is not None]
 
     def _check_token_stop(self, req: Request) -> None:
         """EOS (unless ignore_eos) and stop_token_ids, once min_tokens outputs exist (vLLM's rules;
@@ -255,25 +273,43 @@ class LLMEngine:
             child.cumulative_logprob += sampled_lp
         if child.detok is None:
             return
-        delta = child.stopper.feed(child.detok.add(new_ids))
-        child.text += delta
+        parts = child.text_parts
+        parts.append(child.stopper.feed(child.detok.add(new_ids)))
         if child.stopper.stopped and not req.is_finished:
             self.scheduler.finish_request(req.request_id, "stop", stop_reason=child.stopper.matched)
         if req.is_finished and not child.stopper.stopped:
-            child.text += child.stopper.feed(child.detok.flush())
-            child.text += child.stopper.flush()
+            parts.append(child.stopper.feed(child.detok.flush()))
+            parts.append(child.stopper.flush())
 
-    def _output(self, pid: str) -> RequestOutput:
+    def _output(self, pid: str) -> RequestOutput | None:
+        """The parent's output after a step, shaped by its RequestOutputKind; None when that kind has
+        nothing to return (FINAL_ONLY before the end). A DELTA output lists only the children with
+        new tokens, text or a finish, each with only what is new; its host work is O(new)."""
         parent = self._parents[pid]
+        finished = all(c.request.is_finished for c in parent.children)
+        kind = parent.children[0].request.sampling_params.output_kind
+        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        delta = kind == RequestOutputKind.DELTA
         outs = []
         for c in parent.children:
             r = c.request
+            if delta:
+                done = r.is_finished and not c.reported_finished
+                if len(r.output_token_ids) == c.sent_tokens and not c.text_parts and not done:
+                    continue
+                token_ids = r.output_token_ids[c.sent_tokens:]
+                logprobs = None if c.logprobs is None else c.logprobs[c.sent_logprobs:]
+                c.sent_tokens += len(token_ids)
+                c.sent_logprobs += 0 if logprobs is None else len(logprobs)
+                c.reported_finished = r.is_finished
+            else:
+                token_ids = list(r.output_token_ids)
+                logprobs = None if c.logprobs is None else list(c.logprobs)
             outs.append(CompletionOutput(
-                index=c.index, text=c.text, token_ids=list(r.output_token_ids),
-                logprobs=None if c.logprobs is None else list(c.logprobs),
+                index=c.index, text=c.take_text(delta), token_ids=token_ids, logprobs=logprobs,
                 finish_reason=r.finish_reason, stop_reason=r.stop_reason,
                 cumulative_logprob=c.cumulative_logprob))
-        finished = all(c.request.is_finished for c in parent.children)
         out = RequestOutput(pid, parent.prompt, parent.prompt_token_ids,
                             parent.children[0].request.num_cached_tokens, outs, finished)
         if finished:

@@ -53,3 +53,51 @@ def test_async_engine_streams_deltas(llm, scripted_model):
     eng.shutdown()
     assert not eng.thread_alive
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0 and not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("stop", [None, ["look it"]])
+def test_output_kinds_return_the_same_output(llm, scripted_model, stop):
+    """CUMULATIVE, DELTA and FINAL_ONLY (vLLM's RequestOutputKind) over the same requests: the deltas
+    add up to the cumulative outputs, step by step, and FINAL_ONLY returns the last of them once."""
+    from deepinfer_jax.types import RequestOutputKind as Kind, SamplingParams
+
+    _, ids = scripted_model
+    eng, tok = llm.engine, llm.tokenizer
+    prompt = [0, ids["<｜Assistant｜>"]]
+
+    def run(kind):
+        sp = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, ignore_eos=True, logprobs=1, stop=stop,
+                            output_kind=kind)
+        eng.add_request("kinds", prompt, sp)
+        steps = []
+        while eng.has_unfinished_requests():
+            steps.append([o for o in eng.step() if o.request_id == "kinds"])
+        return steps
+
+    cumulative, delta, final = run(Kind.CUMULATIVE), run(Kind.DELTA), run(Kind.FINAL_ONLY)
+    want = [o for step in cumulative for o in step][-1]
+    assert want.finished and [c.index for c in want.outputs] == [0, 1]
+    assert [o for step in final for o in step] == [want]
+    assert len(delta) == len(cumulative) == len(final)
+    sums = {0: ("", [], []), 1: ("", [], [])}
+    for d_step, c_step in zip(delta, cumulative):
+        assert len(d_step) == len(c_step) <= 1
+        for d, c in zip(d_step, c_step):
+            assert d.finished == c.finished
+            for dc in d.outputs:
+                assert len(dc.token_ids) <= 1 and len(dc.logprobs) == len(dc.token_ids)
+                text, toks, lps = sums[dc.index]
+                sums[dc.index] = (text + dc.text, toks + dc.token_ids, lps + dc.logprobs)
+                cc = c.outputs[dc.index]
+                assert sums[dc.index] == (cc.text, cc.token_ids, cc.logprobs)
+                assert (dc.finish_reason, dc.stop_reason, dc.cumulative_logprob) == (
+                    cc.finish_reason, cc.stop_reason, cc.cumulative_logprob)
+    for c in want.outputs:
+        assert sums[c.index] == (c.text, c.token_ids, c.logprobs)
+        full = tok.decode(c.token_ids, skip_special_tokens=True)
+        if stop is None:
+            assert c.finish_reason == "length" and len(c.token_ids) == 12 and c.text == full
+        else:
+            assert c.finish_reason == "stop" and c.stop_reason == "look it"
+            assert c.text == full[: full.index("look it")] and c.text.endswith("I will ")
+    assert eng.scheduler.kv_cache_manager.usage == 0.0

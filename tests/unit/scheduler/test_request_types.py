@@ -6,6 +6,7 @@ from deepinfer_jax.types import (
     CompletionOutput,
     Request,
     RequestOutput,
+    RequestOutputKind,
     RequestStatus,
     SamplingParams,
 )
@@ -27,6 +28,7 @@ def test_normalisation():
     assert SamplingParams(stop_token_ids=(3, 4)).stop_token_ids == [3, 4]
     assert SamplingParams(top_k=-1).top_k == 0
     assert SamplingParams(max_tokens=None).max_tokens is None
+    assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
 
 
 @pytest.mark.parametrize(
@@ -54,6 +56,9 @@ def test_normalisation():
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),
+        ({"output_kind": 3}, "output_kind"),
+        ({"output_kind": "delta"}, "output_kind"),
+        ({"output_kind": True}, "output_kind"),
     ],
 )
 def test_validation_names_the_field(kwargs, field):

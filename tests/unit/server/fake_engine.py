@@ -1,7 +1,8 @@
 """A pure-Python stand-in for LLMEngine (same add / step / abort / stats surface, no JAX).
 
 Each running request emits one token per step: token = (last token + 1) % vocab, text "t{token} ";
-it finishes with "length" at max_tokens, or "stop" on a stop_token_id. `step_delay` makes steps slow,
+it finishes with "length" at max_tokens, or "stop" on a stop_token_id. Outputs are cumulative, or
+only each step's new token under RequestOutputKind.DELTA (what AsyncEngine asks for). `step_delay` makes steps slow,
 `fail_next_step` makes the next step raise. Counts calls so tests can see that an idle loop sleeps.
 """
 
@@ -11,7 +12,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from deepinfer_jax.types import CompletionOutput, Logprob, RequestOutput
+from deepinfer_jax.types import CompletionOutput, Logprob, RequestOutput, RequestOutputKind
 
 
 @dataclass
@@ -77,7 +78,8 @@ class FakeEngine:
         outs = []
         for rid in self.running():
             r = self.reqs[rid]
-            for c in r["children"]:
+            fresh = []  # (index, token) of the children that progressed this step
+            for i, c in enumerate(r["children"]):
                 if c["fin"]:
                     continue
                 last = (c["ids"] or r["prompt"])[-1]
@@ -90,10 +92,16 @@ class FakeEngine:
                     c["fin"] = "stop"
                 elif len(c["ids"]) >= r["max"]:
                     c["fin"] = "length"
+                fresh.append(i)
             finished = all(c["fin"] for c in r["children"])
-            outs.append(RequestOutput(rid, None, r["prompt"], r["cached"], [
-                CompletionOutput(i, c["text"], list(c["ids"]), list(c["lps"]) if r["params"].logprobs is not None
-                                 else None, c["fin"]) for i, c in enumerate(r["children"])], finished))
+            lp = r["params"].logprobs is not None
+            if r["params"].output_kind == RequestOutputKind.DELTA:  # the new token of each child that moved
+                cs = [CompletionOutput(i, f"t{c['ids'][-1]} ", c["ids"][-1:], c["lps"][-1:] if lp else None, c["fin"])
+                      for i, c in ((i, r["children"][i]) for i in fresh)]
+            else:
+                cs = [CompletionOutput(i, c["text"], list(c["ids"]), list(c["lps"]) if lp else None, c["fin"])
+                      for i, c in enumerate(r["children"])]
+            outs.append(RequestOutput(rid, None, r["prompt"], r["cached"], cs, finished))
             if finished:
                 del self.reqs[rid]
         return outs
