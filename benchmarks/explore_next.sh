@@ -34,6 +34,13 @@
 #                                                   than scanned, though the decode program is the same: both runs
 #                                                   with decode steps 100-129 traced, then the kernels whose time a
 #                                                   step differs most (trace_tools.py compare)
+#   bash benchmarks/explore_next.sh OUTDIR pdl
+#                                                   session 18: XLA's per-node use_pdl and programmatic edges in
+#                                                   both forms (VLOG), then both forms with PDL off
+#   bash benchmarks/explore_next.sh OUTDIR bisect
+#                                                   session 18: Protocol A scanned, unrolled, scanned with an
+#                                                   unrolled 512-token bucket beside, scanned with less memory
+#                                                   for XLA; GPU clocks and power sampled (smi.csv)
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -108,6 +115,47 @@ if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (de
     DEEPINFER_XLA_DEFAULTS=0 timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 \
       --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
   done
+  exit 0
+fi
+if [[ $mode == pdl ]]; then  # session 18: is the unrolled form's faster decode step programmatic dependent launch?
+  # The unrolled form's trace showed every kernel of the decode graph starting ~0.3 us before its predecessor
+  # ended (PDL-like); the scanned form's, after. XLA logs each graph kernel node's use_pdl and each programmatic
+  # edge (cuda_command_buffer.cc, VLOG 5); then both forms with PDL off.
+  for u in 256 16384; do
+    TF_CPP_VMODULE=cuda_command_buffer=5 TF_CPP_MIN_LOG_LEVEL=0 timeout 250 python3 benchmarks/offline.py \
+      --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u > "$out/pdl_$u.log" 2>&1
+    grep -E "cuda_command_buffer" "$out/pdl_$u.log" | gzip > "$out/pdl_vlog_$u.txt.gz"
+    echo "-- unroll $u: $(grep -h -E 'Protocol A' "$out/pdl_$u.log" | cut -c1-80)"
+    grep -E "cuda_command_buffer" "$out/pdl_$u.log" | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/0x[0-9a-f]+/X/g' \
+      | grep -o -E "use_pdl: ?[0-9]|[Pp]rogrammatic[a-z ]*|Create[A-Za-z]*Node|Add[A-Za-z]*Node" | sort | uniq -c
+  done
+  for u in 256 16384; do
+    echo "-- unroll $u, --xla_gpu_enable_pdl=false"
+    XLA_FLAGS=--xla_gpu_enable_pdl=false timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 \
+      --temperatures 0 --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
+  done
+  exit 0
+fi
+if [[ $mode == bisect ]]; then  # session 18: what about the unrolled prefill makes the decode steps faster?
+  # The decode graph is the same in both forms (398 kernel nodes, all with programmatic edges: `pdl` mode), and
+  # the gap stays with PDL off and without the VMM allocator. GPU clocks and power sampled every 50 ms meanwhile.
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu \
+    --format=csv,noheader -lms 50 > "$out/smi.csv" 2>&1 &
+  smi=$!
+  run() {  # label, offline.py flags...
+    local label=$1; shift
+    echo "$(date +%T.%N | cut -c1-12) start $label" >> "$out/marks.txt"
+    timeout 200 python3 benchmarks/offline.py --runs 2 --temperatures 0 "$@" > "$out/bisect_$label.log" 2>&1
+    echo "$(date +%T.%N | cut -c1-12) end $label" >> "$out/marks.txt"
+    echo "-- $label: $(grep -h -E 'Protocol A' "$out/bisect_$label.log" | cut -c20-60) | $(grep -h -E 'engine loop' "$out/bisect_$label.log" | cut -c3-40 | tr '\n' ' ')"
+  }
+  run scanned --buckets 32,16384
+  run unrolled --buckets 32,16384 --unroll-max-tokens 16384
+  run scanned_plus_unrolled512 --buckets 32,512,16384 --unroll-max-tokens 512
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.80 run scanned_mem080 --buckets 32,16384
+  run scanned_again --buckets 32,16384
+  kill $smi
+  cat "$out/marks.txt"
   exit 0
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond
