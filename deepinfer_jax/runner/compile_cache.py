@@ -7,8 +7,9 @@ disk; benchmarks/RESULTS.md, session 6). XLA keeps the results in its per-fusion
 JAX puts in `<cache dir>/xla_gpu_per_fusion_autotune_cache_dir`: one file per fusion, under a
 directory named by a fingerprint of the GPU and XLA version, so results measured on another GPU are
 never used. `assets/autotune/*.tgz` hold such entries, made by `benchmarks/serve_start.sh` (its
-`autotune.tgz`) on the GPUs named in the file names; `seed_autotune_results` adds the ones the cache
-lacks, as vLLM ships tuned MoE kernel configurations per GPU.
+`autotune.tgz`) on the GPUs named in the file names, plus (session 18) those of Protocol A's programs with
+the 16,384-token prefill bucket unrolled (its start on an empty cache: 29.4 s with them, 83.0 s without);
+`seed_autotune_results` adds the ones the cache lacks, as vLLM ships tuned MoE kernel configurations per GPU.
 """
 
 from __future__ import annotations
