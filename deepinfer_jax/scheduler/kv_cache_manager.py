@@ -62,8 +62,9 @@ class KVCacheManager:
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
-        if len(hashes) < request.num_tokens // self.page_size:
-            extend_block_hashes(hashes, request.all_token_ids, self.page_size)
+        if len(hashes) < request.num_tokens // self.page_size:  # only the tokens of the blocks not hashed yet
+            start = len(hashes) * self.page_size
+            extend_block_hashes(hashes, request.token_ids_slice(start, request.num_tokens), self.page_size, start)
         return hashes
 
     # ---- protocol ------------------------------------------------------------------------------

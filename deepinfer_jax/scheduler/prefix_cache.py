@@ -37,17 +37,22 @@ def hash_block_tokens(parent_hash: BlockHash | None, token_ids: Sequence[int]) -
 
 
 def extend_block_hashes(
-    block_hashes: list[BlockHash], token_ids: Sequence[int], page_size: int
+    block_hashes: list[BlockHash], token_ids: Sequence[int], page_size: int, start: int = 0
 ) -> list[BlockHash]:
     """Append to `block_hashes` (in place) the hashes of the full blocks of `token_ids` it lacks.
 
     `block_hashes` must be the hashes of the first len(block_hashes) blocks of the same sequence;
-    incremental use costs one hash per newly completed block. Returns `block_hashes`.
+    incremental use costs one hash per newly completed block. `token_ids` may start at token `start`
+    of the sequence (a multiple of page_size, at most len(block_hashes) * page_size), so a caller
+    need not build the whole sequence to hash its newest blocks. Returns `block_hashes`.
     """
-    num_full = len(token_ids) // page_size
+    if start % page_size or start > len(block_hashes) * page_size:
+        raise ValueError(f"start {start} must be a multiple of page_size {page_size} within the hashed blocks")
+    num_full = (start + len(token_ids)) // page_size
     for i in range(len(block_hashes), num_full):
         parent = block_hashes[i - 1] if i else None
-        block_hashes.append(hash_block_tokens(parent, token_ids[i * page_size : (i + 1) * page_size]))
+        lo = i * page_size - start
+        block_hashes.append(hash_block_tokens(parent, token_ids[lo : lo + page_size]))
     return block_hashes
 
 

@@ -11,7 +11,8 @@ Invariants (tested with random id sequences):
   the character completes or flush() is called. Only flush() may emit a trailing U+FFFD (the
   stream really ended mid-character).
 - Each step decodes only ids[prefix_offset:], a window that starts at the previous emission
-  point and so stays a few tokens long: O(1) work per token unless a character is incomplete.
+  point and so stays a few tokens long: O(1) work per token unless a character is incomplete
+  (the text emitted so far is kept in pieces, joined only when `text` is read).
 
 Why it is exact: the text emitted so far is decode(ids[:read_offset]) and that text ends in a
 complete character, so UTF-8 decoding restarts cleanly there; decoding the window
@@ -41,7 +42,7 @@ class IncrementalDetokenizer:
                                 if i not in self._skip]
         self._read = len(self._ids)
         self._prefix = max(self._read - INITIAL_PREFIX_TOKENS, 0)
-        self.text = ""  # everything emitted so far
+        self._pieces: list[str] = []  # everything emitted so far, joined on demand (`text`)
 
     def add(self, token_ids: int | Iterable[int]) -> str:
         """Append generated ids (an int, or any iterable of ints such as a NumPy array);
@@ -73,5 +74,12 @@ class IncrementalDetokenizer:
             return ""
         delta = new_text[len(prefix_text):]
         self._prefix, self._read = self._read, len(self._ids)
-        self.text += delta
+        self._pieces.append(delta)  # not `text += delta`: a copy of the whole text every token
         return delta
+
+    @property
+    def text(self) -> str:
+        """Everything emitted so far."""
+        if len(self._pieces) != 1:
+            self._pieces[:] = ["".join(self._pieces)]
+        return self._pieces[0]

@@ -1,5 +1,7 @@
 """Prefix cache: chained hashes over full blocks, last-token rule, hits through the KV manager."""
 
+import pytest
+
 from deepinfer_jax.scheduler.kv_cache_manager import KVCacheManager
 from deepinfer_jax.scheduler.prefix_cache import (
     PrefixCache,
@@ -44,6 +46,14 @@ def test_extend_block_hashes_full_blocks_only_and_incremental():
     extend_block_hashes(inc, toks, PS)
     assert inc == full
     assert full[1] == hash_block_tokens(full[0], toks[4:8])
+    # From a later start (the tokens of the blocks not hashed yet): the same hashes.
+    tail = extend_block_hashes(full[:1], toks[4:], PS, start=4)
+    assert tail == full
+    assert extend_block_hashes(full[:2], toks[8:], PS, start=8) == full
+    with pytest.raises(ValueError, match="start"):
+        extend_block_hashes([], toks[4:], PS, start=4)  # would skip the first block
+    with pytest.raises(ValueError, match="start"):
+        extend_block_hashes(full[:1], toks[3:], PS, start=3)
 
 
 def test_max_hit_blocks_last_token_rule():
