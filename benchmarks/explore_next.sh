@@ -37,6 +37,10 @@
 #   bash benchmarks/explore_next.sh OUTDIR pdl
 #                                                   session 18: XLA's per-node use_pdl and programmatic edges in
 #                                                   both forms (VLOG), then both forms with PDL off
+#   bash benchmarks/explore_next.sh OUTDIR lmem
+#                                                   the next call (session 18's lead): the CUDA context's stack
+#                                                   limit after warm-up in both forms, then the scanned form with
+#                                                   it set back to 1,024 bytes (offline.py --cuda-stack-limit)
 #   bash benchmarks/explore_next.sh OUTDIR bisect
 #                                                   session 18: Protocol A scanned, unrolled, scanned with an
 #                                                   unrolled 512-token bucket beside, scanned with less memory
@@ -156,6 +160,17 @@ if [[ $mode == bisect ]]; then  # session 18: what about the unrolled prefill ma
   run scanned_again --buckets 32,16384
   kill $smi
   cat "$out/marks.txt"
+  exit 0
+fi
+if [[ $mode == lmem ]]; then  # session 18's lead for the scanned form's slower decode steps: the context's stack
+  # The driver grows a context's per-thread stack (local memory) for any kernel that needs more and keeps it; if a
+  # kernel of the scanned step programs does, every later kernel may launch a little slower. Prints the limit in
+  # both forms, then the scanned form with the limit set back to the driver's default (1,024 bytes) after warm-up.
+  for f in "--unroll-max-tokens 256" "--unroll-max-tokens 16384" "--unroll-max-tokens 256 --cuda-stack-limit 1024"; do
+    echo "-- $f"
+    timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 $f 2>&1 \
+      | grep -E "CUDA stack|Protocol A|engine loop" | cut -c1-150
+  done
   exit 0
 fi
 if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, against its per-layer cond

@@ -52,6 +52,27 @@ def weight_bytes_per_decode_step(cfg: ModelConfig, distinct_experts: float, item
     return total
 
 
+def cuda_stack_limit(device, new: int | None = None) -> str:
+    """The context's CU_LIMIT_STACK_SIZE (bytes a thread) as the driver has it, then set to `new` if given.
+    Session 18's lead: a kernel that needs a larger stack grows the context's local memory for good, and the
+    decode steps ran slower whenever a scanned step program was in the process."""
+    import ctypes
+
+    from deepinfer_jax.runner.device_memory import cuda_mem_info
+
+    if cuda_mem_info(device) is None:  # also makes JAX's context current on this thread
+        return "unknown (no CUDA driver)"
+    cuda, value = ctypes.CDLL("libcuda.so.1"), ctypes.c_size_t()
+    if cuda.cuCtxGetLimit(ctypes.byref(value), 0):
+        return "unknown (cuCtxGetLimit failed)"
+    text = f"{value.value} bytes"
+    if new is not None:
+        rc = cuda.cuCtxSetLimit(0, ctypes.c_size_t(new))
+        cuda.cuCtxGetLimit(ctypes.byref(value), 0)
+        text += f", set to {new}: {value.value} bytes (rc {rc})"
+    return text
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="deepseek-v2-lite")
@@ -85,6 +106,10 @@ def main(argv=None) -> int:
                          "the start made (vLLM's way); the runs print the collections' pauses either way")
     ap.add_argument("--prompt-seed", type=int, default=0,
                     help="the random prompts' seed: another seed, another decode trajectory (and routing)")
+    ap.add_argument("--cuda-stack-limit", type=int, default=None,
+                    help="after warm-up, set the CUDA context's per-thread stack limit (CU_LIMIT_STACK_SIZE, bytes; "
+                         "the driver raises it for any kernel that needs more and never lowers it); the value "
+                         "before and after is printed on a GPU either way")
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="steps of at most this many token slots run their layers unrolled (RunnerConfig."
                          "unroll_max_tokens; default 256 on a GPU: the prefill bucket keeps lax.scan)")
@@ -137,6 +162,8 @@ def main(argv=None) -> int:
                                    **({} if args.warmup_runs is None else {"warmup_runs": args.warmup_runs})),
         progress=False)
     t_ready = time.time() - t0
+    if dev.platform == "gpu":
+        print(f"CUDA stack limit after warm-up: {cuda_stack_limit(dev, args.cuda_stack_limit)}", flush=True)
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
           f"KV cache {eng.kv_cache_report}", flush=True)
 
