@@ -11,11 +11,14 @@
 #   vllm_serve  the same Protocol B client against vLLM 0.26.0's OpenAI server on the same model directory
 #               (dummy weights, the same flags), from the bundle in /tmp/vllm plus the server's own
 #               dependencies carried into /tmp/vllm/serve_deps (benchmarks/vllm_serve_deps.sh)
+#   protocol_c  Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32, against
+#               `deepinfer serve` with prefix caching on and then off (TTFT is the figure)
+#   vllm_protocol_c  the same client against vLLM's server (prefix caching on, its default)
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts and their order (default: all but the two vLLM parts, in the order above); PRESET the model shape;
-# KERNELS_ARGS (default --quick), READY_LIMIT (seconds a server may take to answer /health, default 600),
-# OFFLINE_ARGS and SERVING_ARGS add flags to a part. The vLLM peer (../shared/peers/) needs its bundle
-# carried in separate calls first.
+# PARTS picks parts and their order (default: kernels gpu_vs_cpu protocol_a hf_peer protocol_b); PRESET the model
+# shape; KERNELS_ARGS (default --quick), READY_LIMIT (seconds a server may take to answer /health, default 600),
+# OFFLINE_ARGS and SERVING_ARGS add flags to a part; SHARED_PREFIX sets Protocol C's shared prefix (default 2,048
+# tokens). The vLLM peer (../shared/peers/) needs its bundle carried in separate calls first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -35,6 +38,8 @@ run_part() {
     vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;
     protocol_b) protocol_b ;;
     vllm_serve) vllm_serve ;;
+    protocol_c) protocol_c ;;
+    vllm_protocol_c) client_args=$protocol_c_client vllm_serve vllm_protocol_c $protocol_c_len ;;
     *) echo "unknown part $1" ;;
   esac
 }
@@ -68,11 +73,16 @@ serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health,
   local name=$1 port=$2; shift 2
   "$@" > "$out/server_$name.log" 2>&1 &
   local server=$!
-  echo "$name: $(python3 benchmarks/wait_ready.py http://127.0.0.1:$port "${READY_LIMIT:-600}") s from start to /health" \
-    > "$out/ready_$name.log"
-  python3 benchmarks/serving.py --base-url http://127.0.0.1:$port --vocab-size "$vocab" --input-len 512 \
-    --output-len 128 --max-concurrency 1,8,32,128 --result-file "$out/$name.json" ${SERVING_ARGS:-} \
-    > "$out/$name.log" 2>&1
+  local waited
+  if ! waited=$(python3 benchmarks/wait_ready.py http://127.0.0.1:$port "${READY_LIMIT:-600}" $server); then
+    echo "$name: $waited (server log: $out/server_$name.log)" > "$out/ready_$name.log"
+    kill -TERM $server 2> /dev/null; wait $server
+    return
+  fi
+  echo "$name: $waited s from start to /health" > "$out/ready_$name.log"
+  python3 benchmarks/serving.py --base-url http://127.0.0.1:$port --vocab-size "$vocab" \
+    ${client_args:---input-len 512 --output-len 128 --max-concurrency 1,8,32,128} --result-file "$out/$name.json" \
+    ${SERVING_ARGS:-} > "$out/$name.log" 2>&1
   kill -TERM $server; wait $server
 }
 
@@ -82,13 +92,27 @@ protocol_b() {
     --port 8011 --max-num-seqs 128 --max-model-len 1024
 }
 
-vllm_serve() {  # vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights drawn from U(+-0.05))
-  vllm_unpack > "$out/vllm_serve_unpack.log" 2>&1 || { echo "no vLLM bundle" > "$out/ready_vllm_serve.log"; return; }
+vllm_serve() {  # NAME [MAX_MODEL_LEN]: vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights
+                # drawn from U(+-0.05))
+  local name=${1:-vllm_serve}
+  vllm_unpack > "$out/${name}_unpack.log" 2>&1 || { echo "no vLLM bundle" > "$out/ready_$name.log"; return; }
   dummy_dir
-  serve_and_measure vllm_serve 8012 env PYTHONPATH=$vllm/pkgs:$vllm/site VLLM_USE_FLASHINFER_SAMPLER=0 \
+  serve_and_measure "$name" 8012 env PYTHONPATH=$vllm/pkgs:$vllm/site VLLM_USE_FLASHINFER_SAMPLER=0 \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$(mktemp -d)" \
     python3 -m vllm.entrypoints.openai.api_server --model "$dummy" --load-format dummy --dtype bfloat16 \
-    --port 8012 --max-num-seqs 128 --max-model-len 1024 --gpu-memory-utilization 0.85
+    --port 8012 --max-num-seqs 128 --max-model-len "${2:-1024}" --gpu-memory-utilization 0.85
+}
+
+prefix_len=${SHARED_PREFIX:-2048}
+protocol_c_len=$(( (prefix_len + 64 + 128 + 255) / 256 * 256 ))  # max-model-len: prefix + unique + output
+protocol_c_client="--dataset shared-prefix --shared-prefix-len $prefix_len --input-len 64 --output-len 128 --max-concurrency 1,8,32"
+protocol_c() {  # ours with prefix caching on, then off (the same requests)
+  dummy_dir
+  for pc in on off; do
+    local flag=--enable-prefix-caching; [[ $pc == off ]] && flag=--no-enable-prefix-caching
+    client_args=$protocol_c_client serve_and_measure "protocol_c_$pc" 8011 python3 -m deepinfer_jax.cli serve \
+      --model "$dummy" --load-format dummy --port 8011 --max-num-seqs 128 --max-model-len $protocol_c_len $flag
+  done
 }
 
 for part in $parts; do
@@ -102,7 +126,8 @@ has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
-for part in protocol_b vllm_serve; do
-  has $part && cat "$out/ready_$part.log" && grep -h -E "^concurrency" "$out/$part.log"
+for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c; do
+  has "${part%_o[nf]*}" && [[ -f "$out/ready_$part.log" ]] && cat "$out/ready_$part.log" &&
+    grep -h -E "^concurrency" "$out/$part.log"
 done
 exit 0
