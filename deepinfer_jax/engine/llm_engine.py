@@ -182,6 +182,7 @@ class LLMEngine:
     def _forget(self, cid: str) -> None:
         self._seeds.pop(cid, None)
         self._child_parent.pop(cid, None)
+        self.runner.page_rows.forget(cid)
 
     def has_unfinished_requests(self) -> bool:
         # A pending step holding only aborted requests needs no more steps (the next one drops it).

@@ -38,7 +38,8 @@ from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged, splits_prefill_attention
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
-from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling, needs_full_variant, next_pow2
+from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
+                                         next_pow2)
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, sizes, unpack, unpack_bits
 from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
@@ -166,6 +167,7 @@ class ModelRunner:
         # program takes the split attention, whose context part it names (one device, the Pallas path).
         self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
             cfg, runner_cfg.attn_impl, None, runner_cfg.prefill_attention)
+        self.page_rows = PageRows()  # the running requests' page ids, converted once (`forget` drops one)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
@@ -428,11 +430,11 @@ class ModelRunner:
         """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
         if self.num_ranks == 1:
             (seqs,) = groups
-            meta = build_metadata(seqs, self.shapes, bucket, self._mark_context)
+            meta = build_metadata(seqs, self.shapes, bucket, self._mark_context, self.page_rows)
             st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full)
             rows = [i for i, s in enumerate(seqs) if s.sample]
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full)
-        metas = [build_metadata(g, self.shapes, bucket) for g in groups]
+        metas = [build_metadata(g, self.shapes, bucket, page_rows=self.page_rows) for g in groups]
         sts = [build_sampling(g, requests, seeds, self.shapes, bucket, full) for g in groups]
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
         return HostStep(meta, st, rids, rows, bucket, full)

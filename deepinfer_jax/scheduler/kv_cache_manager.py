@@ -12,7 +12,9 @@ Protocol (vLLM v1's, with caching moved after the compute):
 4. `free(req)` returns its blocks in reverse order (sequence tail evicted first).
 
 Invariants: a request's block list covers exactly cdiv(tokens with KV slots, page_size) pages, in
-sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Block hashes of a
+sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Between its creation (the
+first allocation) and `free` the list only grows at its end; `block_list_generation` names that lifetime
+(a number no other list of any manager had), so a reader may keep what it copied and take only the new tail. Block hashes of a
 request are kept across preemption (token ids never change) and dropped when it finishes.
 Counters `prefix_cache_queries` / `prefix_cache_hits` are in tokens, counted once per successful
 first allocation (a re-admission after preemption counts again), as vLLM's metrics.
@@ -20,6 +22,7 @@ first allocation (a re-admission after preemption counts again), as vLLM's metri
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 from deepinfer_jax.scheduler.block_pool import BlockPool
@@ -36,6 +39,9 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+_generations = itertools.count(1)  # one number per block list's lifetime, over every manager (data-parallel ranks)
+
+
 class KVCacheManager:
     """Per-request page lists on top of a BlockPool (and a PrefixCache when caching is on)."""
 
@@ -47,6 +53,7 @@ class KVCacheManager:
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
+        self._generation: dict[str, int] = {}
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -59,6 +66,11 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's page table (a live list: copy before handing it out)."""
         return self._blocks.get(request_id, [])
+
+    def block_list_generation(self, request_id: str) -> int:
+        """The lifetime of the request's block list (0 while it holds none): equal numbers mean the later
+        list is the earlier one, grown at its end."""
+        return self._generation.get(request_id, 0)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -109,6 +121,7 @@ class KVCacheManager:
             return False
         if blocks is None:
             blocks = self._blocks[rid] = []
+            self._generation[rid] = next(_generations)
             self._num_cached[rid] = num_hit
             if self.prefix_cache is not None:
                 self.prefix_cache_queries += request.num_tokens
@@ -140,6 +153,7 @@ class KVCacheManager:
         rid = request.request_id
         blocks = self._blocks.pop(rid, None)
         self._num_cached.pop(rid, None)
+        self._generation.pop(rid, None)
         if blocks:
             self.block_pool.free_blocks(reversed(blocks))
         if request.is_finished:

@@ -54,6 +54,8 @@ class ScheduledSeq:
     page_ids: the sequence's full page table (covers every computed and scheduled position; the
     runner pads it with the null page 0). sample: a token is sampled from the last position.
     num_output_tokens: outputs generated before this step (seeded sampling, penalties).
+    page_gen: the page list's lifetime (KVCacheManager.block_list_generation; 0: unknown): a later step's
+    seq of the same request and page_gen has these page_ids as its prefix.
     """
 
     request_id: str
@@ -63,6 +65,7 @@ class ScheduledSeq:
     sample: bool
     num_output_tokens: int
     sampling_params: SamplingParams | None = None
+    page_gen: int = 0
 
     @property
     def is_decode(self) -> bool:
@@ -221,6 +224,7 @@ class Scheduler:
             sample=start + n == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=request.sampling_params,
+            page_gen=self.kv_cache_manager.block_list_generation(request.request_id),
         )
 
     def _preempt(self, request: Request) -> None:

@@ -43,6 +43,7 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
         assert o.outputs[0].finish_reason == "length"
     assert llm.engine.runner.compiles_after_warmup == 0
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
+    assert len(llm.engine.runner.page_rows) == 0  # every finished request's page ids dropped
     # Warm-up made one step program per bucket and sampling variant (base, full), and where prefill buckets
     # take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context variant of
     # each: each compiled (its bucket's forward traced once) or, when an earlier engine of the session
@@ -69,7 +70,14 @@ def test_greedy_matches_hf(hf_case, hf_greedy, case, caching):
     _check(_llm(path, enable_prefix_caching=caching), model, hf_greedy, prompts, MAX_TOKENS)
 
 
-def test_greedy_with_preemption(hf_case, hf_greedy):
+@pytest.mark.parametrize("page_rows_min", [None, 0])
+def test_greedy_with_preemption(hf_case, hf_greedy, monkeypatch, page_rows_min):
+    """page_rows_min 0: every step's page table from the runner's PageRows (kept across steps, rebuilt when a
+    preempted request's pages are allocated again) rather than only those of long sequences."""
+    if page_rows_min is not None:
+        from deepinfer_jax.runner import inputs
+
+        monkeypatch.setattr(inputs, "PAGE_ROWS_MIN", page_rows_min)
     model, path = hf_case("v3_flat_plain_rope")
     prompts = random_prompts(11, LENGTHS, model.config.vocab_size)
     llm = _llm(path, num_pages=80)  # ~640 token slots for ~2,000 prompt tokens in flight

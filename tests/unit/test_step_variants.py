@@ -79,3 +79,49 @@ def test_build_metadata_lays_out_a_mixed_step():
     short = [ScheduledSeq("d", [41, 42], 7, [4], True, 0)]  # position 7 needs a second page of 4
     with pytest.raises(ValueError, match="do not cover"):
         build_metadata(short, shapes, 16)
+
+
+def test_page_rows_give_the_page_tables_of_the_lists():
+    """runner/inputs.PageRows over evolving plans: lists growing at their end, lifetimes ending (preemption:
+    a new page_gen, a shorter list), requests forgotten, page_gen 0 (never kept): the page tables and slots
+    build_metadata makes from its arrays equal those made from the lists, and the views handed out earlier
+    never change."""
+    from deepinfer_jax.runner import inputs
+    from deepinfer_jax.runner.inputs import PageRows, Shapes, build_metadata
+    from deepinfer_jax.scheduler.scheduler import ScheduledSeq
+
+    ps, max_pages = 4, 40
+    shapes = Shapes(buckets=(8, 64), max_num_seqs=8, max_pages=max_pages, page_size=ps, max_model_len=ps * max_pages)
+    rng = np.random.default_rng(3)
+    rows, gen = PageRows(), iter(range(1, 10**6))
+    live: dict[str, tuple[int, list[int]]] = {}  # request id -> (page_gen, pages)
+    views = []
+    for step in range(200):
+        for rid in list(live):
+            g, pages = live[rid]
+            r = rng.random()
+            if r < 0.05:  # finished
+                del live[rid]
+                rows.forget(rid)
+            elif r < 0.1:  # preempted and admitted again: a new list
+                live[rid] = (next(gen), list(rng.integers(1, 1000, rng.integers(1, 5))))
+            elif len(pages) < max_pages and r < 0.5:
+                pages.extend(rng.integers(1, 1000, rng.integers(1, 3)).tolist()[: max_pages - len(pages)])
+        while len(live) < 8 and rng.random() < 0.5:
+            live[f"r{step}-{len(live)}"] = (next(gen) if rng.random() < 0.9 else 0,
+                                            list(rng.integers(1, 1000, rng.integers(1, 12))))
+        plan = [ScheduledSeq(rid, [7], len(p) * ps - 1, list(p), True, 0, page_gen=g) for rid, (g, p) in live.items()]
+        for page_rows_min in (0, 2):
+            inputs_min, inputs.PAGE_ROWS_MIN = inputs.PAGE_ROWS_MIN, page_rows_min
+            try:
+                got = build_metadata(plan, shapes, 8, page_rows=rows)
+            finally:
+                inputs.PAGE_ROWS_MIN = inputs_min
+            want = build_metadata(plan, shapes, 8)
+            assert np.array_equal(got.page_table, want.page_table) and np.array_equal(got.slot_mapping,
+                                                                                      want.slot_mapping)
+        if plan:
+            seq = plan[rng.integers(len(plan))]
+            views.append((rows(seq), list(seq.page_ids)))
+    assert all(v.tolist() == p for v, p in views)
+    assert len(rows) <= len(live)

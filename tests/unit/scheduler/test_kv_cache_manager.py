@@ -26,6 +26,27 @@ def test_allocate_grows_by_pages():
     assert kv.usage == pytest.approx(2 / 9)
 
 
+def test_block_list_generation_names_a_lifetime():
+    """Equal generations mean the later list is the earlier one grown at its end; a list freed and allocated
+    again (preemption) gets a new one, as does every other request's, in every manager."""
+    kv, other = KVCacheManager(num_pages=10, page_size=PS), KVCacheManager(num_pages=10, page_size=PS)
+    r, s = req("r", 12), req("s", 4)
+    assert kv.block_list_generation("r") == 0
+    assert kv.allocate_slots(r, 3)
+    g = kv.block_list_generation("r")
+    first = list(kv.get_block_ids("r"))
+    r.num_computed_tokens = 3
+    assert kv.allocate_slots(r, 6)
+    assert kv.block_list_generation("r") == g and kv.get_block_ids("r")[: len(first)] == first
+    assert kv.allocate_slots(s, 4) and other.allocate_slots(req("r", 4), 4)
+    assert len({g, kv.block_list_generation("s"), other.block_list_generation("r")}) == 3
+    kv.free(r)
+    assert kv.block_list_generation("r") == 0
+    r.num_computed_tokens = 0
+    assert kv.allocate_slots(r, 5)
+    assert kv.block_list_generation("r") not in (0, g)
+
+
 def test_cannot_schedule_unknown_tokens():
     kv = KVCacheManager(num_pages=10, page_size=PS)
     r = req("r", 6)
