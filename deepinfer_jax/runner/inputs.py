@@ -84,8 +84,8 @@ class PageRows:
 
     A step's page table needs every sequence's whole page list, but between two steps a request's list
     only grows at its end (ScheduledSeq.page_gen names that lifetime). Converting the lists from Python
-    ints every step took 3.45 ms at 128 sequences of 512 pages (a 32K context; the CPU of session 18);
-    with these arrays only the new page ids are converted (0.82 ms; below PAGE_ROWS_MIN pages a sequence the
+    ints every step took 4.54 ms at 128 sequences of 512 pages (a 32K context; the CPU of session 18);
+    with these arrays only the new page ids are converted (0.81 ms; below PAGE_ROWS_MIN pages a sequence the
     lists are converted, which is cheaper). `__call__(seq)` returns a view of the first
     len(seq.page_ids) entries, which later calls never change; `forget(request_id)` drops a request."""
 

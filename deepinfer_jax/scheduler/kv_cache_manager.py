@@ -14,8 +14,9 @@ Protocol (vLLM v1's, with caching moved after the compute):
 Invariants: a request's block list covers exactly cdiv(tokens with KV slots, page_size) pages, in
 sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Between its creation (the
 first allocation) and `free` the list only grows at its end; `block_list_generation` names that lifetime
-(a number no other list of any manager had), so a reader may keep what it copied and take only the new tail. Block hashes of a
-request are kept across preemption (token ids never change) and dropped when it finishes.
+(a number no other list of any manager had), so a reader may keep what it copied and take only the new
+tail. Block hashes of a request are kept across preemption (token ids never change) and dropped when it
+finishes.
 Counters `prefix_cache_queries` / `prefix_cache_hits` are in tokens, counted once per successful
 first allocation (a re-admission after preemption counts again), as vLLM's metrics.
 """
