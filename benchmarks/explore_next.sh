@@ -41,6 +41,12 @@
 #                                                   the next call (session 18's lead): the CUDA context's stack
 #                                                   limit after warm-up in both forms, then the scanned form with
 #                                                   it set back to 1,024 bytes (offline.py --cuda-stack-limit)
+#   bash benchmarks/explore_next.sh OUTDIR loops
+#                                                   session 19: Protocol A with XLA's while loops recorded unrolled
+#                                                   in the command buffer, then unrolled by XLA's HLO pass
+#   bash benchmarks/explore_next.sh OUTDIR norms
+#                                                   session 19: the step with the residual-norm and combine-norm
+#                                                   launches, each and both; with both, GPU vs CPU and Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR bisect
 #                                                   session 18: Protocol A scanned, unrolled, scanned with an
 #                                                   unrolled 512-token bucket beside, scanned with less memory
@@ -170,6 +176,43 @@ if [[ $mode == lmem ]]; then  # session 18's lead for the scanned form's slower 
     echo "-- $f"
     timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 $f 2>&1 \
       | grep -E "CUDA stack|Protocol A|engine loop" | cut -c1-150
+  done
+  exit 0
+fi
+if [[ $mode == loops ]]; then  # session 19: the scanned form's while loops, unrolled by XLA instead of by deepinfer
+  # The stack-limit lead failed (session 19 call 1: 1,024 bytes in both forms). The scanned prefill programs are
+  # XLA while loops; here the same programs with XLA's command buffer recording the loop's iterations as one graph
+  # (xla_gpu_command_buffer_unroll_loops) and with XLA's HLO pass unrolling them (..._FULL_UNROLL).
+  for x in "" "--xla_gpu_command_buffer_unroll_loops=true" \
+      "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"; do
+    echo "-- XLA_FLAGS=${x:-(defaults)}"
+    XLA_FLAGS="$x" timeout 240 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 2>&1 \
+      | grep -E "Protocol A|engine loop|start-up|rror" | cut -c1-170
+  done
+  exit 0
+fi
+if [[ $mode == norms ]]; then  # session 19: the residual adds and RMSNorms of a decode layer in Pallas launches
+  # The batch-32 step with neither, each and both (RunnerConfig.decode_residual_norm, decode_combine_norm; both
+  # traced, one layer printed); then, with both, the GPU-vs-CPU greedy check and Protocol A scanned and unrolled
+  # beside the defaults.
+  both=(--decode-residual-norm --decode-combine-norm)
+  for l in base rn cn both; do
+    f=(); [[ $l == rn ]] && f=(--decode-residual-norm); [[ $l == cn ]] && f=(--decode-combine-norm)
+    [[ $l == both ]] && f=("${both[@]}" --trace /tmp/tr_both)
+    timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
+  done
+  grep -h -A14 "one layer" "$out/step_both.log" | head -15
+  left 200 && timeout 200 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    "${both[@]}" > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  for v in "" "${both[*]}"; do
+    for u in 256 16384; do
+      left 480 || break
+      echo "-- ${v:-defaults}, unroll $u"
+      timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --unroll-max-tokens $u $v 2>&1 \
+        | grep -E "Protocol A|prefill [0-9]" | cut -c1-150
+    done
   done
   exit 0
 fi

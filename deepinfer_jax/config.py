@@ -375,6 +375,16 @@ class RunnerConfig:
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
     # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
     decode_route_launch: bool = False
+    # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
+    # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
+    # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
+    # two kernels (2.1 + 1.7 us a layer on an H200 at batch 32, session 19's trace).
+    decode_residual_norm: bool = False
+    # Decode-size MoE layers whose routing runs in its kernel with the shared MLP inside the expert kernels
+    # combine the expert rows into the residual and take the next layer's input RMSNorm in one launch of a
+    # program a token (kernels/residual_route.py combine_residual_norm), instead of XLA's two kernels (2.6 + 1.4
+    # us a layer on an H200 at batch 32, session 19's trace); the layers pass the normed input on.
+    decode_combine_norm: bool = False
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's
     # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_
@@ -400,4 +410,4 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch",
-                    "decode_merged_qkv")
+                    "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")

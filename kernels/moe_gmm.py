@@ -331,7 +331,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
-                        single_launch=False, down_tiles=None, interpret=False):
+                        single_launch=False, down_tiles=None, combine=True, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -343,7 +343,9 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     single_launch: both kernels in one launch, the down tiles of a row block waiting on its gate_up tiles
     (`_single_launch_kernel`; block-major order, `cols_first` ignored).
     down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
-    own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given."""
+    own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given.
+    combine=False: the expert rows y [M_pad, D] uncombined, as (y, row_of, weights) for a launch that
+    combines them itself (kernels/residual_route.py combine_residual_norm)."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -380,7 +382,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
                        jax.ShapeDtypeStruct((nb,), jnp.int32)),
             input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
         )(*args)
-        return _combine(out[1], row_of, weights, T, K, D, x.dtype)
+        return _combine(out[1], row_of, weights, T, K, D, x.dtype) if combine else (out[1], row_of, weights)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
@@ -388,7 +390,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, wd, *shared[1:]), *down_tiles[2:], interpret, t=t2,
               shared=bool(shared), cols_first=cols_first)
-    return _combine(y, row_of, weights, T, K, D, x.dtype)
+    return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
 
 
 def _combine(y, row_of, weights, T, K, D, dtype):

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import StackedWeight
-from deepinfer_jax.models.moe import routing_into_kernels
+from deepinfer_jax.models.moe import routing_into_kernels, rows_out_applies
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.quant import is_quantized
 
@@ -168,6 +169,61 @@ def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: d
     S = _shared_in_kernels(experts)
     ok = residual_route.supported(num_tokens, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, S)
     return (norm, gate) if ok else None
+
+
+def decode_residual_norm_weights(seg_params: dict, cfg: ModelConfig, projections: dict, route_w, oproj_launch: bool,
+                                 num_tokens: int, enabled: bool) -> jax.Array | None:
+    """post_attention_layernorm [L, D], layer-stacked, when this segment's decode step adds o_proj's split-K
+    partials to the residual and norms the sum in one launch (kernels/residual_route.py `residual_norm`):
+    with `enabled` (RunnerConfig.decode_residual_norm), o_proj read in place (`decode_stacked`) in a launch
+    of its own (no `oproj_launch`), no route launch taking the same work (`route_w`), and sizes the launch
+    takes. None otherwise."""
+    from deepinfer_jax.kernels import residual_route
+
+    if not enabled or ("attn", "o_proj") not in projections or route_w is not None or oproj_launch:
+        return None
+    norm = seg_params["post_attention_layernorm"]
+    return norm if residual_route.residual_norm_supported(num_tokens, cfg.hidden_size) else None
+
+
+def residual_norm_step(a: jax.Array, h: jax.Array, o_proj: StackedWeight, norm_w: jax.Array, j,
+                       cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """a [T, H, dv] through o_proj (read in place), added to the residual h [T, D], and the sum's
+    post-attention RMSNorm (layer j of norm_w [L, D]) -> (h_new, x): the values of the layer's
+    `h + mla.output_projection(a)` and `rms_norm`, up to fp32 summation order, in two launches (o_proj's
+    and kernels/residual_route.py `residual_norm`) instead of XLA's three."""
+    from deepinfer_jax.kernels import residual_route
+
+    return residual_route.residual_norm(oproj_partials(a, o_proj), h, norm_w, j, eps=cfg.rms_norm_eps,
+                                        interpret=o_proj.interpret)
+
+
+def decode_combine_norm_weights(seg, seg_params: dict, cfg: ModelConfig, experts: dict | None, num_tokens: int,
+                                moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
+                                enabled: bool) -> jax.Array | None:
+    """The next layers' input_layernorm [L, D] (row j: layer j + 1's; the last row repeats the segment's last,
+    whose output the segment's end drops) when this MoE segment's decode step combines the expert rows into
+    the residual and takes the next layer's RMSNorm in one launch (kernels/residual_route.py
+    `combine_residual_norm`): with `enabled` (RunnerConfig.decode_combine_norm), the MoE's rows handed out
+    uncombined (`moe.rows_out_applies`) and sizes the launch takes. None otherwise."""
+    from deepinfer_jax.kernels import residual_route
+
+    if not enabled or seg.kind != "moe" or not residual_route.residual_norm_supported(num_tokens, cfg.hidden_size):
+        return None
+    if not rows_out_applies(seg_params["moe"], cfg, moe_impl, mesh_rules, num_tokens, experts, fuse_moe_routing):
+        return None
+    norm = seg_params["input_layernorm"]
+    return jnp.concatenate([norm[1:], norm[-1:]], axis=0)
+
+
+def combine_norm_step(rows: tuple, h: jax.Array, next_norm: jax.Array, j, cfg: ModelConfig,
+                      interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The MoE's uncombined rows (y, row_of, weights) into the residual h [T, D], and the next layer's input
+    RMSNorm (row j of next_norm [L, D]) -> (h_new, x): the values of `h + moe_block(...)` and the next
+    layer's `rms_norm`, up to fp32 summation order, in one launch instead of XLA's two."""
+    from deepinfer_jax.kernels import residual_route
+
+    return residual_route.combine_residual_norm(*rows, h, next_norm, j, eps=cfg.rms_norm_eps, interpret=interpret)
 
 
 def _shared_in_kernels(experts: dict) -> int:

@@ -34,9 +34,11 @@ from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
-    decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
-    decode_qkv_weights, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
-    oproj_in_output_launch, oproj_partials, pallas_one_device, residual_route_step)
+    combine_norm_step, decode_absorb_weights, decode_attention_output, decode_combine_norm_weights,
+    decode_kernel_step, decode_latent_weights,
+    decode_qkv_weights, decode_residual_norm_weights, decode_route_weights, decode_stacked, decode_value_weights,
+    merged_qkv_applies, oproj_in_output_launch, oproj_partials, pallas_one_device, residual_norm_step,
+    residual_route_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
@@ -283,6 +285,8 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
     decode_merged_qkv: bool = False,
+    decode_residual_norm: bool = False,
+    decode_combine_norm: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -312,7 +316,12 @@ def forward_paged(
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
-    GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place."""
+    GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
+    `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
+    the residual and the sum's post-attention RMSNorm taken in one launch (kernels/residual_route.py).
+    `decode_combine_norm`: where `decode_combine_norm_weights` allows, a MoE layer's expert rows are combined
+    into the residual and the next layer's input RMSNorm taken in one launch; the layers then pass that
+    normed input on beside h (the scan's carry)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -342,18 +351,23 @@ def forward_paged(
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
+        norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
+                                              meta.token_ids.shape[0], decode_residual_norm)
+        next_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
+                                                mesh_rules, fuse_moe_routing, decode_combine_norm)
         taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
         for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
                  absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                 route_w=route_w, merged_qkv=merged_qkv):
-            h, cache = carry
+                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, next_norm=next_norm):
+            h, x, cache = carry  # x: this layer's normed input where the layer before made it (next_norm)
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
-            x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+            if x is None:
+                x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
                                                                   absorb_kv_b, latent_norm, qkv_w, attn_impl,
                                                                   merged_qkv, absorbed=split_plan is None)
@@ -383,22 +397,28 @@ def forward_paged(
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
                 h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
                                                    attn_impl == "pallas_interpret")
+            elif norm_w is not None:  # o_proj's partials to the residual and its RMSNorm, one launch
+                h, x = residual_norm_step(a, h, lp["attn"]["o_proj"], norm_w, j, cfg)
             else:  # oproj_launch: `a` is o_proj's output
                 h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
                 x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
-                return (h + swiglu_mlp(x, lp["mlp"]), cache), None
+                return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               routed=routed)
-            return (h + m, cache), (idx if return_routing else None)
+                               routed=routed, combine=next_norm is None)
+            if next_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
+                h, x = combine_norm_step(m, h, next_norm, j, cfg, moe_impl == "pallas_interpret")
+                return (h, x, cache), (idx if return_routing else None)
+            return (h + m, None, cache), (idx if return_routing else None)
 
         # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
         # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
         # ~0.9 us each on an H200).
         layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
         local_ids = np.arange(seg.num_layers, dtype=np.int32)
-        (h, kv_cache), ys = jax.lax.scan(body, (h, kv_cache), (scanned, layer_ids, local_ids), unroll=unroll)
+        x0 = None if next_norm is None else rms_norm(h, seg_params["input_layernorm"][0], cfg.rms_norm_eps)
+        (h, _, kv_cache), ys = jax.lax.scan(body, (h, x0, kv_cache), (scanned, layer_ids, local_ids), unroll=unroll)
         if ys is not None:
             routing.append(ys)
     logits = _logits(params, cfg, h[meta.logits_indices])

@@ -298,6 +298,28 @@ def test_residual_route_lowers_for_sm90(triton_modules):
     assert ir.count("tt.dot") == 1 and "tt.scan" in ir
 
 
+def test_residual_norm_lowers_for_sm90(triton_modules):
+    """The residual add and RMSNorm launch at V2-Lite's width, bf16."""
+    from deepinfer_jax.kernels.residual_route import residual_norm
+
+    T, D = 32, 2048
+    args = (jax.ShapeDtypeStruct((8, T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
+            jax.ShapeDtypeStruct((26, D), jnp.bfloat16))
+    (ir,) = triton_modules(lambda p, h, nw: residual_norm(p, h, nw, 5, eps=1e-6), *args)
+    assert "tt.reduce" in ir
+
+
+def test_combine_residual_norm_lowers_for_sm90(triton_modules):
+    """The MoE combine, residual add and RMSNorm launch at V2-Lite's batch-32 shape (8 copies a token), bf16."""
+    from deepinfer_jax.kernels.residual_route import combine_residual_norm
+
+    s = jax.ShapeDtypeStruct
+    args = (s((512, 2048), jnp.bfloat16), s((256,), jnp.int32), s((32, 8), jnp.float32), s((32, 2048), jnp.bfloat16),
+            s((26, 2048), jnp.bfloat16))
+    (ir,) = triton_modules(lambda y, r, w, h, nw: combine_residual_norm(y, r, w, h, nw, 5, eps=1e-6), *args)
+    assert "tt.reduce" in ir and ir.count("tt.store") == 2
+
+
 def test_qkv_projection_and_absorb_launch_lowers_for_sm90(triton_modules):
     """The q / kv_a projections in the absorb and latent launch at V2-Lite's shape (32 tokens, D 2048, q_proj
     [2048, 16, 192], kv_a [2048, 576]): 57 column tiles of 64 in 4 K chunks, then the 32 latent and 16 x 8

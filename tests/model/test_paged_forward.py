@@ -415,6 +415,57 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypat
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_residual_norm_equals_the_xla_path(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_residual_norm: in every layer of the steps whose o_proj is read in place (decode
+    sizes), o_proj's split-K partials are added to the residual and the post-attention RMSNorm taken in one
+    launch (kernels/residual_route.py residual_norm): the same logits and cache as XLA's add and norm, and
+    the full forward's logits; with the route launch on, that launch keeps the MoE layers' work."""
+    from deepinfer_jax.kernels import residual_route
+
+    calls = []
+    real = residual_route.residual_norm
+    monkeypatch.setattr(residual_route, "residual_norm",
+                        lambda *a, **k: calls.append((a[0].shape[1:], a[2].shape)) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_residual_norm", seed=19, decode_projection_kernel=True,
+                                       decode_output_kernel=True)
+    # The 64-slot prefill step and the two 16-slot decode steps, one traced body per segment, each with the
+    # partials [split_k, slots, D] and the segment's stacked norm [L, D].
+    D, segs = cfg.hidden_size, layer_segments(cfg)
+    assert calls == [((n, D), (seg.num_layers, D)) for n in (64, 16, 16) for seg in segs]
+    calls.clear()
+    _decode_kernel_on_and_off(hf_case, case, "decode_residual_norm", seed=20, decode_projection_kernel=True,
+                              decode_output_kernel=True, fuse_moe_routing=True, fuse_shared_experts=True,
+                              moe_single_launch=True, decode_route_launch=True)
+    assert calls == [((n, D), (seg.num_layers, D)) for n in (64, 16, 16) for seg in segs if seg.kind == "dense"]
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_combine_norm_equals_the_xla_path(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_combine_norm: in the MoE layers of the steps that route in the kernel (all three
+    here), the expert rows are combined into the residual and the next layer's input RMSNorm taken in one
+    launch (kernels/residual_route.py combine_residual_norm), the normed input passed on to the next layer:
+    the same logits and cache as XLA's combine, add and norm, and the full forward's logits; with the
+    residual norm launch on too."""
+    from deepinfer_jax.kernels import residual_route
+
+    calls = []
+    real = residual_route.combine_residual_norm
+    monkeypatch.setattr(residual_route, "combine_residual_norm",
+                        lambda *a, **k: calls.append((a[2].shape, a[4].shape)) or real(*a, **k))
+    kw = dict(fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True)
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_combine_norm", seed=21, **kw)
+    # The 64-slot prefill step and the two 16-slot decode steps, one traced body per MoE segment: the
+    # weights [slots, k + shared] and the segment's next norms [L, D].
+    K = cfg.num_experts_per_tok + cfg.n_shared_experts
+    moe = [seg for seg in layer_segments(cfg) if seg.kind == "moe"]
+    assert calls == [((n, K), (seg.num_layers, cfg.hidden_size)) for n in (64, 16, 16) for seg in moe]
+    calls.clear()
+    _decode_kernel_on_and_off(hf_case, case, "decode_combine_norm", seed=22, decode_projection_kernel=True,
+                              decode_output_kernel=True, decode_residual_norm=True, **kw)
+    assert len(calls) == 3 * len(moe)
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
 def test_decode_qkv_launch_equals_the_xla_projections(hf_case, case, monkeypatch):
     """RunnerConfig.decode_qkv_launch: in a decode step whose absorb launch writes the latents, on a model without
     q-LoRA, the q / kv_a projections run in that launch with both weights read in place from the segment's
