@@ -35,10 +35,9 @@ from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
     combine_norm_step, decode_absorb_weights, decode_attention_output, decode_combine_norm_weights,
-    decode_kernel_step, decode_latent_weights,
-    decode_qkv_weights, decode_residual_norm_weights, decode_route_weights, decode_stacked, decode_value_weights,
-    merged_qkv_applies, oproj_in_output_launch, oproj_partials, pallas_one_device, residual_norm_step,
-    residual_route_step)
+    decode_kernel_step, decode_latent_weights, decode_qkv_weights, decode_residual_norm_weights,
+    decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies, oproj_in_output_launch,
+    oproj_partials, pallas_one_device, residual_norm_step, residual_route_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
