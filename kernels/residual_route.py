@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
-from deepinfer_jax.kernels.moe_gmm import EXACT
+from deepinfer_jax.kernels.moe_gmm import EXACT, _combine
 from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, route_chunk
 from deepinfer_jax.kernels.moe_route import supported as route_supported
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -116,7 +116,19 @@ def _combine_norm_kernel(layer_ref, y_ref, row_of_ref, w_ref, h_ref, nw_ref, hn_
 def residual_norm_supported(num_tokens: int, D: int) -> bool:
     """Whether `residual_norm` takes a step of `num_tokens` tokens of width D (a whole row a program: D a
     power of two, as Triton's blocks)."""
-    return num_tokens >= 1 and D >= 16 and D & (D - 1) == 0
+    return num_tokens >= 1 and D >= 16 and _pow2(D)
+
+
+def _row_launch(kernel, h, norm_w, layer, *operands, eps, num_warps, interpret):
+    """A launch of one program a token of h [T, D]: kernel(layer, *operands, h, norm_w, h_new, x) ->
+    (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype)."""
+    T, D = h.shape
+    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
+    return pl.pallas_call(
+        functools.partial(kernel, eps=float(eps)), grid=(T,),
+        out_shape=(jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype)),
+        compiler_params=compiler_params(num_warps, 1, interpret), interpret=interpret,
+    )(jnp.asarray(layer, jnp.int32).reshape(1), *operands, h, norm_w)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
@@ -126,16 +138,12 @@ def residual_norm(parts, h, norm_w, layer, *, eps, num_warps=4, interpret=False)
     dtype): the values of the layer's `h + o_proj(a)` and `rms_norm`, up to fp32 summation order of the
     partials. It would replace XLA's two kernels (the partials' sum with the residual, 2.1 us, and the
     RMSNorm, 1.7 us a layer on an H200 at batch 32); its first form took 4.4 us (session 19)."""
-    S, R, D = parts.shape
+    _, R, D = parts.shape
     T = h.shape[0]
     assert R >= T and h.shape[1] == D == norm_w.shape[1] and residual_norm_supported(T, D), (
         parts.shape, h.shape, norm_w.shape)
-    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
-    return pl.pallas_call(
-        functools.partial(_residual_norm_kernel, eps=float(eps)), grid=(T,),
-        out_shape=(jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype)),
-        compiler_params=compiler_params(num_warps, 1, interpret), interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w)
+    return _row_launch(_residual_norm_kernel, h, norm_w, layer, parts, eps=eps, num_warps=num_warps,
+                       interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
@@ -146,24 +154,19 @@ def combine_residual_norm(y, row_of, weights, h, norm_w, layer, *, eps, num_warp
     dtype): the values of `h + moe_gmm`'s combine and the next layer's `rms_norm`, up to fp32 summation order
     of the copies. It would replace XLA's two kernels (the gather, weighted sum and add, 2.6 us, and the
     RMSNorm, 1.4 us a layer on an H200 at batch 32); its first form took 5.7 us (session 19)."""
-    M, D = y.shape
+    D = y.shape[1]
     T, K = weights.shape
     assert row_of.shape == (T * K,) and h.shape == (T, D) and norm_w.shape[1] == D and residual_norm_supported(T, D), (
         y.shape, row_of.shape, weights.shape, h.shape, norm_w.shape)
-    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
-    return pl.pallas_call(
-        functools.partial(_combine_norm_kernel, eps=float(eps)), grid=(T,),
-        out_shape=(jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype)),
-        compiler_params=compiler_params(num_warps, 1, interpret), interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), y, row_of.astype(jnp.int32), weights.astype(jnp.float32), h, norm_w)
+    return _row_launch(_combine_norm_kernel, h, norm_w, layer, y, row_of.astype(jnp.int32),
+                       weights.astype(jnp.float32), eps=eps, num_warps=num_warps, interpret=interpret)
 
 
 def combine_residual_norm_reference(y, row_of, weights, h, norm_w, layer, *, eps):
-    """Pure JAX: moe_gmm's combine (rows gathered, zeros for skipped copies, weighted fp32 sum, rounded), the
-    residual add in h's dtype and rms_norm."""
-    T, K = weights.shape
-    rows = jnp.take(y, row_of, axis=0, mode="fill", fill_value=0).reshape(T, K, -1).astype(jnp.float32)
-    o = jnp.einsum("tkd,tk->td", rows, weights.astype(jnp.float32))
+    """Pure JAX: moe_gmm's combine (rows gathered, zeros for skipped copies, weighted fp32 sum), rounded in
+    the residual add in h's dtype, and rms_norm."""
+    (T, K), D = weights.shape, y.shape[1]
+    o = _combine(y, row_of, weights, T, K, D, jnp.float32)
     return residual_norm_reference(o[None], h, norm_w, layer, eps=eps)
 
 

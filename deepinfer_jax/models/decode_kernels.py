@@ -201,9 +201,9 @@ def residual_norm_step(a: jax.Array, h: jax.Array, o_proj: StackedWeight, norm_w
 def decode_combine_norm_weights(seg, seg_params: dict, cfg: ModelConfig, experts: dict | None, num_tokens: int,
                                 moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
                                 enabled: bool) -> jax.Array | None:
-    """The next layers' input_layernorm [L, D] (row j: layer j + 1's; the last row repeats the segment's last,
-    whose output the segment's end drops) when this MoE segment's decode step combines the expert rows into
-    the residual and takes the next layer's RMSNorm in one launch (kernels/residual_route.py
+    """The segment's input_layernorm [L, D], layer-stacked (`combine_norm_step` reads layer j + 1's row), when
+    this MoE segment's decode step combines the expert rows into the residual and takes the next layer's
+    RMSNorm in one launch (kernels/residual_route.py
     `combine_residual_norm`): with `enabled` (RunnerConfig.decode_combine_norm), the MoE's rows handed out
     uncombined (`moe.rows_out_applies`) and sizes the launch takes. None otherwise."""
     from deepinfer_jax.kernels import residual_route
@@ -212,18 +212,19 @@ def decode_combine_norm_weights(seg, seg_params: dict, cfg: ModelConfig, experts
         return None
     if not rows_out_applies(seg_params["moe"], cfg, moe_impl, mesh_rules, num_tokens, experts, fuse_moe_routing):
         return None
-    norm = seg_params["input_layernorm"]
-    return jnp.concatenate([norm[1:], norm[-1:]], axis=0)
+    return seg_params["input_layernorm"]
 
 
-def combine_norm_step(rows: tuple, h: jax.Array, next_norm: jax.Array, j, cfg: ModelConfig,
+def combine_norm_step(rows: tuple, h: jax.Array, input_norm: jax.Array, j, cfg: ModelConfig,
                       interpret: bool) -> tuple[jax.Array, jax.Array]:
     """The MoE's uncombined rows (y, row_of, weights) into the residual h [T, D], and the next layer's input
-    RMSNorm (row j of next_norm [L, D]) -> (h_new, x): the values of `h + moe_block(...)` and the next
-    layer's `rms_norm`, up to fp32 summation order, in one launch instead of XLA's two."""
+    RMSNorm (row j + 1 of the segment's input_norm [L, D]; the segment's last layer reads its own row, and the
+    segment's end drops that x) -> (h_new, x): the values of `h + moe_block(...)` and the next layer's
+    `rms_norm`, up to fp32 summation order, in one launch instead of XLA's two."""
     from deepinfer_jax.kernels import residual_route
 
-    return residual_route.combine_residual_norm(*rows, h, next_norm, j, eps=cfg.rms_norm_eps, interpret=interpret)
+    nxt = jnp.minimum(j + 1, input_norm.shape[0] - 1)  # a constant where the layers are unrolled
+    return residual_route.combine_residual_norm(*rows, h, input_norm, nxt, eps=cfg.rms_norm_eps, interpret=interpret)
 
 
 def _shared_in_kernels(experts: dict) -> int:

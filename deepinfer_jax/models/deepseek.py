@@ -352,16 +352,16 @@ def forward_paged(
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
         norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
                                               meta.token_ids.shape[0], decode_residual_norm)
-        next_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
-                                                mesh_rules, fuse_moe_routing, decode_combine_norm)
+        input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
+                                                 mesh_rules, fuse_moe_routing, decode_combine_norm)
         taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
         for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
             scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
                  absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, next_norm=next_norm):
-            h, x, cache = carry  # x: this layer's normed input where the layer before made it (next_norm)
+                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm):
+            h, x, cache = carry  # x: this layer's normed input where the layer before made it (input_norm)
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
@@ -405,9 +405,9 @@ def forward_paged(
                 return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
             m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               routed=routed, combine=next_norm is None)
-            if next_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
-                h, x = combine_norm_step(m, h, next_norm, j, cfg, moe_impl == "pallas_interpret")
+                               routed=routed, combine=input_norm is None)
+            if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
+                h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
                 return (h, x, cache), (idx if return_routing else None)
             return (h + m, None, cache), (idx if return_routing else None)
 
@@ -416,7 +416,7 @@ def forward_paged(
         # ~0.9 us each on an H200).
         layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
         local_ids = np.arange(seg.num_layers, dtype=np.int32)
-        x0 = None if next_norm is None else rms_norm(h, seg_params["input_layernorm"][0], cfg.rms_norm_eps)
+        x0 = None if input_norm is None else rms_norm(h, input_norm[0], cfg.rms_norm_eps)
         (h, _, kv_cache), ys = jax.lax.scan(body, (h, x0, kv_cache), (scanned, layer_ids, local_ids), unroll=unroll)
         if ys is not None:
             routing.append(ys)

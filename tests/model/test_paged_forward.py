@@ -455,7 +455,7 @@ def test_decode_combine_norm_equals_the_xla_path(hf_case, case, monkeypatch):
     kw = dict(fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True)
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_combine_norm", seed=21, **kw)
     # The 64-slot prefill step and the two 16-slot decode steps, one traced body per MoE segment: the
-    # weights [slots, k + shared] and the segment's next norms [L, D].
+    # weights [slots, k + shared] and the segment's stacked input norms [L, D].
     K = cfg.num_experts_per_tok + cfg.n_shared_experts
     moe = [seg for seg in layer_segments(cfg) if seg.kind == "moe"]
     assert calls == [((n, K), (seg.num_layers, cfg.hidden_size)) for n in (64, 16, 16) for seg in moe]
