@@ -300,7 +300,10 @@ class RunnerConfig:
     # Steps of at most this many token slots run their layers unrolled (straight-line code: no per-layer
     # weight-slice copies, XLA schedules across layers; on an H200 a V2-Lite decode step at batch 32 drops
     # from 15.1 to 12.5 ms) at the price of a longer compile; bigger (prefill) buckets keep lax.scan.
-    # None: 256 on a GPU, 0 (never) elsewhere.
+    # None: 256 on a GPU, 0 (never) elsewhere. With every bucket unrolled, Protocol A ran 1.8% faster on an
+    # H200 (3,685-3,693 against 3,622-3,628 tok/s: a decode step is slower while any scanned step program is
+    # loaded) but `serve`'s 24 programs took 147 s to ready even with their autotuning results, 326 s
+    # without (benchmarks/RESULTS.md, session 20), so only a few buckets' engines should raise it.
     unroll_max_tokens: int | None = None
     # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
     # expert splitting, float weights) instead of as separate XLA GEMMs. H200, V2-Lite decode step at
