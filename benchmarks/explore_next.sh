@@ -47,6 +47,11 @@
 #   bash benchmarks/explore_next.sh OUTDIR norms
 #                                                   session 19: the step with the residual-norm and combine-norm
 #                                                   launches, each and both; with both, GPU vs CPU and Protocol A
+#   bash benchmarks/explore_next.sh OUTDIR indexed
+#                                                   session 21: Protocol A with the prefill bucket's layers
+#                                                   straight-line and compiled once (--prefill-layers indexed),
+#                                                   alternating with the defaults and the unrolled form; serve's
+#                                                   start and the GPU-vs-CPU check with it
 #   bash benchmarks/explore_next.sh OUTDIR bisect
 #                                                   session 18: Protocol A scanned, unrolled, scanned with an
 #                                                   unrolled 512-token bucket beside, scanned with less memory
@@ -144,6 +149,26 @@ if [[ $mode == pdl ]]; then  # session 18: is the unrolled form's faster decode 
     XLA_FLAGS=--xla_gpu_enable_pdl=false timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 \
       --temperatures 0 --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
   done
+  exit 0
+fi
+if [[ $mode == indexed ]]; then  # session 21: the prefill bucket's layers straight-line, compiled once
+  # RunnerConfig.prefill_layers "indexed": no while loop in any step program (the unrolled form's decode speed?)
+  # at about the scanned form's compile time. Protocol A alternating with the defaults and the unrolled form,
+  # the first run on an empty cache; then `serve`'s start with it (Protocol B's 24 programs), empty and warm.
+  run() {  # label, offline.py flags...
+    local label=$1; shift
+    timeout 250 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 "$@" > "$out/indexed_$label.log" 2>&1
+    echo "-- $label $(( $(date +%s) - start ))s: $(grep -h -E 'start-up' "$out/indexed_$label.log" | cut -c1-60)"
+    grep -h -E 'Protocol A|prefill [0-9]' "$out/indexed_$label.log" | cut -c1-150
+  }
+  run indexed_empty --prefill-layers indexed
+  run scanned
+  run indexed --prefill-layers indexed
+  run unrolled --unroll-max-tokens 16384
+  run indexed_again --prefill-layers indexed
+  left 330 && RUNS="empty warm" SERVE_ARGS="--prefill-layers indexed" bash benchmarks/serve_start.sh "$out/serve"
+  left 460 && timeout 130 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    --prefill-layers indexed > "$out/gpu_vs_cpu.log" 2>&1; grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
   exit 0
 fi
 if [[ $mode == bisect ]]; then  # session 18: what about the unrolled prefill makes the decode steps faster?

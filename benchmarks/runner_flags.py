@@ -38,8 +38,11 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
                         help=f"{what} (RunnerConfig.{field})")
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+    ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
+                    help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
-    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention}
+    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention,
+                                                                      "prefill_layers": args.prefill_layers}

@@ -305,6 +305,10 @@ class RunnerConfig:
     # loaded) but `serve`'s 24 programs took 147 s to ready even with their autotuning results, 326 s
     # without (benchmarks/RESULTS.md, session 20), so only a few buckets' engines should raise it.
     unroll_max_tokens: int | None = None
+    # How steps above unroll_max_tokens run their layers: "scan" (lax.scan) or "indexed" (straight-line, each
+    # layer reading its weights by an index XLA cannot see through, so all layers share their compiled
+    # kernels and autotuning: models/deepseek.py run_layers).
+    prefill_layers: str = "scan"
     # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
     # expert splitting, float weights) instead of as separate XLA GEMMs. H200, V2-Lite decode step at
     # batch 32: 9.93 -> 9.70 ms.
@@ -402,6 +406,10 @@ class RunnerConfig:
     # LLM (and so `serve`) puts it inside the compilation cache directory.
     program_cache_dir: str | None = None
 
+    def __post_init__(self) -> None:
+        if self.prefill_layers not in ("scan", "indexed"):
+            raise ValueError(f"prefill_layers must be 'scan' or 'indexed', got {self.prefill_layers!r}")
+
     def forward_switches(self) -> dict[str, Any]:
         """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
         return {name: getattr(self, name) for name in FORWARD_SWITCHES}
@@ -411,6 +419,12 @@ class RunnerConfig:
         if limit is None:
             limit = 256 if platform == "gpu" else 0
         return num_tokens <= limit
+
+    def layer_loop(self, num_tokens: int, platform: str) -> int | bool | str:
+        """forward_paged's `unroll` for a step of `num_tokens` token slots."""
+        if self.unroll_for(num_tokens, platform):
+            return True
+        return "indexed" if self.prefill_layers == "indexed" else 1
 
 
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.

@@ -58,7 +58,8 @@ class LLM:
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
-    None: 256 on a GPU, none elsewhere), fuse_shared_experts / fuse_moe_routing (the MoE
+    None: 256 on a GPU, none elsewhere), prefill_layers (how the larger steps run their layers: "scan" or
+    "indexed", RunnerConfig), fuse_shared_experts / fuse_moe_routing (the MoE
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
     read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
     steps merge the attention's splits and apply W_UV in one kernel, on by default), decode_absorb_kernel
@@ -78,7 +79,7 @@ class LLM:
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
-                 load_format: str = "auto", unroll_max_tokens: int | None = None,
+                 load_format: str = "auto", unroll_max_tokens: int | None = None, prefill_layers: str = "scan",
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
@@ -131,7 +132,8 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
-                              unroll_max_tokens=unroll_max_tokens, fuse_shared_experts=fuse_shared_experts,
+                              unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,
+                              fuse_shared_experts=fuse_shared_experts,
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,
                               decode_output_kernel=decode_output_kernel, decode_absorb_kernel=decode_absorb_kernel,
                               decode_latent_kernel=decode_latent_kernel,

@@ -261,6 +261,27 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
     return q_nope[..., :dn], q_lat, q_pe, latent, kv_cache
 
 
+def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.ndarray, unroll: int | bool | str):
+    """The segment's layers: `body(carry, (layer params, layer index, index in the segment)) -> (carry, y)`
+    over the stacked `scanned` params -> (carry, ys stacked over the layers, or None).
+
+    unroll an int or True: `lax.scan` with that unroll (True: straight-line layers whose weight slices and
+    indices are constants, so each layer's fusions are distinct HLO that XLA compiles and autotunes on
+    its own). "indexed": straight-line layers too, but each reads its weights by a layer index that XLA
+    cannot see through (one scalar each out of an optimization barrier), so every layer's fusions are the
+    same HLO: compiled and autotuned once, like the scanned body, with no while loop in the program."""
+    if unroll != "indexed":
+        return jax.lax.scan(body, carry, (scanned, layer_ids, local_ids), unroll=unroll)
+    ids = jax.lax.optimization_barrier(tuple(jnp.asarray(i) for i in (*layer_ids, *local_ids)))
+    n = len(layer_ids)
+    ys = []
+    for li, j in zip(ids[:n], ids[n:]):
+        lp = jax.tree.map(lambda a, j=j: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), scanned)
+        carry, y = body(carry, (lp, li, j))
+        ys.append(y)
+    return carry, (None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys))
+
+
 def forward_paged(
     params: dict,
     cfg: ModelConfig,
@@ -290,7 +311,8 @@ def forward_paged(
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
     `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
-    command buffer on GPU at the cost of compile time). `mesh_rules`: run sharded (module docstring).
+    command buffer on GPU at the cost of compile time), or "indexed" (`run_layers`: straight-line layers
+    compiled once). `mesh_rules`: run sharded (module docstring).
     `fuse_shared_experts`: where `moe.shared_into_kernels` allows, the shared MLP runs inside the
     Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs.
     `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel.
@@ -417,7 +439,7 @@ def forward_paged(
         layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
         local_ids = np.arange(seg.num_layers, dtype=np.int32)
         x0 = None if input_norm is None else rms_norm(h, input_norm[0], cfg.rms_norm_eps)
-        (h, _, kv_cache), ys = jax.lax.scan(body, (h, x0, kv_cache), (scanned, layer_ids, local_ids), unroll=unroll)
+        (h, _, kv_cache), ys = run_layers(body, (h, x0, kv_cache), scanned, layer_ids, local_ids, unroll)
         if ys is not None:
             routing.append(ys)
     logits = _logits(params, cfg, h[meta.logits_indices])

@@ -210,9 +210,9 @@ class ModelRunner:
                 meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
-                unroll = rc.unroll_for(meta.token_ids.shape[0], jax.default_backend())
+                unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                    return_routing=rc.collect_routing, unroll=True if unroll else 1,
+                                    return_routing=rc.collect_routing, unroll=unroll,
                                     mesh_rules=None if sh is None else sh.mesh_rules, **rc.forward_switches())
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:

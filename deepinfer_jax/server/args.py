@@ -53,6 +53,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="steps of at most this many token slots run the layers unrolled: faster decode steps, "
                         "but each such bucket's programs take tens of seconds more to compile on an empty "
                         "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
+    g.add_argument("--prefill-layers", choices=["scan", "indexed"], default=None,
+                   help="how steps above --unroll-max-tokens run their layers: lax.scan, or straight-line with "
+                        "each layer's weights read by a runtime index (compiled once for all layers)")
     g.add_argument("--prefill-context-variant", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill buckets get a program with the attention's context part and one without, picked "
                         "on the host, instead of a per-layer branch that keeps the host waiting for the step "
@@ -152,6 +155,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["moe_impl"] = ns.moe_impl
     if ns.unroll_max_tokens is not None:
         kw["unroll_max_tokens"] = ns.unroll_max_tokens
+    if ns.prefill_layers is not None:
+        kw["prefill_layers"] = ns.prefill_layers
     if ns.prefill_context_variant is not None:
         kw["prefill_context_variant"] = ns.prefill_context_variant
     return kw

@@ -86,9 +86,12 @@ def test_greedy_with_preemption(hf_case, hf_greedy, monkeypatch, page_rows_min):
 
 
 def test_greedy_with_chunked_prefill(hf_case, hf_greedy):
+    """Also RunnerConfig.prefill_layers "indexed": on the CPU (no layers unrolled) every step program runs its
+    layers straight-line, each reading its weights by a runtime index (models/deepseek.py run_layers)."""
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(12, LENGTHS, model.config.vocab_size)
-    llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8)  # prompts of up to 300 tokens: 10+ chunks
+    llm = _llm(path, max_num_batched_tokens=32, max_num_seqs=8,  # prompts of up to 300 tokens: 10+ chunks
+               prefill_layers="indexed")
     _check(llm, model, hf_greedy, prompts, MAX_TOKENS)
 
 

@@ -142,14 +142,51 @@ def test_unrolled_layers_equal_scanned(hf_case):
     ids = np.random.default_rng(6).integers(0, cfg.vocab_size, (1, 12))
     meta = _meta(ids, [[1, 2]], 0, 12)
     outs = []
-    for unroll in (1, True):
+    for unroll in (1, True, "indexed"):
         cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
-        outs.append(jax.jit(lambda p, c, m, u=unroll: forward_paged(p, cfg, c, m, unroll=u))(params, cache, meta))
-    np.testing.assert_allclose(np.asarray(outs[1][0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(outs[1][1]), np.asarray(outs[0][1]), rtol=1e-5, atol=1e-5)
+        outs.append(jax.jit(lambda p, c, m, u=unroll: forward_paged(p, cfg, c, m, unroll=u, return_routing=True))(
+            params, cache, meta))
+    for out in outs[1:]:
+        np.testing.assert_allclose(np.asarray(out[0]), np.asarray(outs[0][0]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(out[1]), np.asarray(outs[0][1]), rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(out[2]), np.asarray(outs[0][2]))  # the routed experts
     rc = RunnerConfig()
     assert rc.unroll_for(256, "gpu") and not rc.unroll_for(512, "gpu") and not rc.unroll_for(16, "cpu")
     assert RunnerConfig(unroll_max_tokens=64).unroll_for(64, "cpu")
+    assert rc.layer_loop(256, "gpu") is True and rc.layer_loop(512, "gpu") == 1
+    indexed = RunnerConfig(prefill_layers="indexed")
+    assert indexed.layer_loop(256, "gpu") is True and indexed.layer_loop(512, "gpu") == "indexed"
+    with pytest.raises(ValueError, match="prefill_layers"):
+        RunnerConfig(prefill_layers="unrolled")
+
+
+def test_indexed_layers_share_their_fusions():
+    """unroll="indexed" (models/deepseek.py run_layers): straight-line layers with no while loop that read
+    their weights by runtime indices, so a deeper model adds no new fused computations (XLA compiles and
+    autotunes each once), where unroll=True slices at constant offsets and adds computations with depth."""
+    import dataclasses
+    import os
+    import re
+
+    from deepinfer_jax.weights.random_init import random_params
+
+    base = ModelConfig.from_json_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
+                                                   "tiny-deepseek-v2.json"))
+
+    def computations(num_layers, unroll):
+        cfg = dataclasses.replace(base, num_hidden_layers=num_layers)
+        params = random_params(cfg, jnp.float32)
+        cache = init_kv_cache(cfg, 4, PAGE, jnp.float32)
+        meta = _meta(np.zeros((1, 12), np.int32), [[1, 2]], 0, 12)
+        text = jax.jit(lambda p, c, m: forward_paged(p, cfg, c, m, unroll=unroll)).lower(
+            params, cache, meta).compile().as_text()
+        assert " while(" not in text
+        bodies = re.findall(r"\n%[\w.]+ \(.*?\) -> [^\n]*\{\n(.*?)\n\}", text, re.S)
+        return {re.sub(r"%[\w.\-]+", "%", re.sub(r"metadata=\{[^}]*\}", "", b)) for b in bodies}
+
+    assert len(computations(8, "indexed")) == len(computations(5, "indexed"))
+    assert len(computations(8, True)) > len(computations(5, True))
+
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])

@@ -30,7 +30,9 @@ def test_defaults_and_vllm_names():
     assert kw["page_size"] == 16 and kw["enable_prefix_caching"] is False and "attn_impl" not in kw
     assert "unroll_max_tokens" not in kw  # the engine's default (256 on a GPU)
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--unroll-max-tokens", "0"]))
-    assert kw["unroll_max_tokens"] == 0
+    assert kw["unroll_max_tokens"] == 0 and "prefill_layers" not in kw
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-layers", "indexed"]))
+    assert kw["prefill_layers"] == "indexed"
     assert "prefill_context_variant" not in kw  # LLM's default (on)
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
     assert kw["prefill_context_variant"] is True
