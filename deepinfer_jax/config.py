@@ -299,16 +299,17 @@ class RunnerConfig:
     collect_routing: bool = False
     # Steps of at most this many token slots run their layers unrolled (straight-line code: no per-layer
     # weight-slice copies, XLA schedules across layers; on an H200 a V2-Lite decode step at batch 32 drops
-    # from 15.1 to 12.5 ms) at the price of a longer compile; bigger (prefill) buckets keep lax.scan.
-    # None: 256 on a GPU, 0 (never) elsewhere. With every bucket unrolled, Protocol A ran 1.8% faster on an
-    # H200 (3,685-3,693 against 3,622-3,628 tok/s: a decode step is slower while any scanned step program is
-    # loaded) but `serve`'s 24 programs took 147 s to ready even with their autotuning results, 326 s
-    # without (benchmarks/RESULTS.md, session 20), so only a few buckets' engines should raise it.
+    # from 15.1 to 12.5 ms) at the price of a longer compile; bigger (prefill) buckets run as prefill_layers
+    # says. None: 256 on a GPU, 0 (never) elsewhere. With every bucket unrolled `serve`'s 24 programs took 147 s
+    # to ready even with their autotuning results, 326 s without (benchmarks/RESULTS.md, session 20).
     unroll_max_tokens: int | None = None
     # How steps above unroll_max_tokens run their layers: "scan" (lax.scan) or "indexed" (straight-line, each
-    # layer reading its weights by an index XLA cannot see through, so all layers share their compiled
-    # kernels and autotuning: models/deepseek.py run_layers).
-    prefill_layers: str = "scan"
+    # layer reading its weights by an index XLA cannot see through, so all layers share their compiled kernels
+    # and autotuning, and no step program holds a while loop: models/deepseek.py run_layers). None: "indexed"
+    # on a GPU, "scan" elsewhere. While any step program with a scanned loop is loaded, an H200 runs the decode
+    # steps ~0.15 ms slower (sessions 17-20, cause unknown); session 21, Protocol A: indexed 3,639-3,645 tok/s,
+    # scanned 3,580-3,587, every bucket unrolled 3,643-3,645, on one machine; ready on an empty cache 20.9 s.
+    prefill_layers: str | None = None
     # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
     # expert splitting, float weights) instead of as separate XLA GEMMs. H200, V2-Lite decode step at
     # batch 32: 9.93 -> 9.70 ms.
@@ -407,7 +408,7 @@ class RunnerConfig:
     program_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
-        if self.prefill_layers not in ("scan", "indexed"):
+        if self.prefill_layers not in (None, "scan", "indexed"):
             raise ValueError(f"prefill_layers must be 'scan' or 'indexed', got {self.prefill_layers!r}")
 
     def forward_switches(self) -> dict[str, Any]:
@@ -424,7 +425,8 @@ class RunnerConfig:
         """forward_paged's `unroll` for a step of `num_tokens` token slots."""
         if self.unroll_for(num_tokens, platform):
             return True
-        return "indexed" if self.prefill_layers == "indexed" else 1
+        mode = self.prefill_layers or ("indexed" if platform == "gpu" else "scan")
+        return "indexed" if mode == "indexed" else 1
 
 
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.

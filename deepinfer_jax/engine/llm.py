@@ -59,7 +59,7 @@ class LLM:
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
     None: 256 on a GPU, none elsewhere), prefill_layers (how the larger steps run their layers: "scan" or
-    "indexed", RunnerConfig), fuse_shared_experts / fuse_moe_routing (the MoE
+    "indexed"; None: "indexed" on a GPU, RunnerConfig), fuse_shared_experts / fuse_moe_routing (the MoE
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
     read o_proj and the dense MLP in place, on by default, RunnerConfig), decode_output_kernel (decode
     steps merge the attention's splits and apply W_UV in one kernel, on by default), decode_absorb_kernel
@@ -79,7 +79,8 @@ class LLM:
                  data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
-                 load_format: str = "auto", unroll_max_tokens: int | None = None, prefill_layers: str = "scan",
+                 load_format: str = "auto", unroll_max_tokens: int | None = None,
+                 prefill_layers: str | None = None,
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,

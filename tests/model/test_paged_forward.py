@@ -153,7 +153,8 @@ def test_unrolled_layers_equal_scanned(hf_case):
     rc = RunnerConfig()
     assert rc.unroll_for(256, "gpu") and not rc.unroll_for(512, "gpu") and not rc.unroll_for(16, "cpu")
     assert RunnerConfig(unroll_max_tokens=64).unroll_for(64, "cpu")
-    assert rc.layer_loop(256, "gpu") is True and rc.layer_loop(512, "gpu") == 1
+    assert rc.layer_loop(256, "gpu") is True and rc.layer_loop(512, "gpu") == "indexed"
+    assert rc.layer_loop(16, "cpu") == 1 and RunnerConfig(prefill_layers="scan").layer_loop(512, "gpu") == 1
     indexed = RunnerConfig(prefill_layers="indexed")
     assert indexed.layer_loop(256, "gpu") is True and indexed.layer_loop(512, "gpu") == "indexed"
     with pytest.raises(ValueError, match="prefill_layers"):

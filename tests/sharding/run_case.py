@@ -3,7 +3,8 @@
     python tests/sharding/run_case.py MODEL_DIR [LAYOUT ...]
 
 LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep; environment
-DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference). Runs in its own
+DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference),
+DEEPINFER_PREFILL_LAYERS RunnerConfig.prefill_layers (scan). Runs in its own
 process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
 "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens": [[...] per request],
 "compiles_after_warmup", "seconds", "steps", "kv_usage_after", "ranks", "mesh", "kv_cache_spec"}}}.
@@ -37,7 +38,8 @@ def parse_layout(name: str):
     return ParallelConfig(tp, dp, ep)
 
 
-def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_impl: str = "reference") -> dict:
+def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_impl: str = "reference",
+        prefill_layers: str = "scan") -> dict:
     import jax.numpy as jnp
 
     from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
@@ -60,7 +62,7 @@ def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_imp
         scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, max_model_len=MODEL_LEN),
         cache_config=CacheConfig(page_size=PAGE, enable_prefix_caching=True),
         runner_config=RunnerConfig(dtype="float32", moe_impl=moe_impl, attn_impl=attn_impl, token_buckets=(BUDGET,),
-                                   warmup_full_variant=False),
+                                   warmup_full_variant=False, prefill_layers=prefill_layers),
         progress=False, sharding=sharding)
     ids = []
     for p, n in zip(prompts, MAX_TOKENS):
@@ -96,7 +98,8 @@ def main() -> None:
     rng = np.random.default_rng(7)
     prompts = [rng.integers(2, vocab, n).tolist() for n in PROMPT_LENGTHS]
     impls = dict(moe_impl=os.environ.get("DEEPINFER_MOE_IMPL", "ragged"),
-                 attn_impl=os.environ.get("DEEPINFER_ATTN_IMPL", "reference"))
+                 attn_impl=os.environ.get("DEEPINFER_ATTN_IMPL", "reference"),
+                 prefill_layers=os.environ.get("DEEPINFER_PREFILL_LAYERS", "scan"))
     results = {layout: run(model_dir, layout, prompts, **impls) for layout in layouts}
     print("RESULT " + json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "layouts": results}))
 
