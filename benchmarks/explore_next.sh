@@ -106,9 +106,9 @@ if [[ $mode == inrun ]]; then  # the decode step inside Protocol A against the i
   grep -h -A14 "GPU kernel time per step" "$out/step_iso.log" | head -15 | cut -c1-150
   exit 0
 fi
-if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (default) and unrolled, decode traced
+if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned and unrolled, decode traced
   for u in 256 16384; do
-    timeout 250 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u \
+    timeout 250 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u --prefill-layers scan \
       --trace /tmp/tr_unroll_$u --trace-steps 100:130 > "$out/unroll_$u.log" 2>&1
   done
   echo "== summary (the prefill bucket scanned: unroll 256, a; unrolled: unroll 16384, b) =="
@@ -120,7 +120,7 @@ if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (de
   for u in 256 16384; do
     echo "-- unroll $u: allocator and remap events in one run"
     TF_CPP_VMODULE=vmm_device_address_allocator=3,gpu_executable_va_remap_allocator=3 TF_CPP_MIN_LOG_LEVEL=0 \
-      timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u \
+      timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u --prefill-layers scan \
       2>&1 | grep -E "vmm_device_address_allocator|va_remap_allocator" \
       | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/0x[0-9a-f]+/X/g; s/[0-9]+/N/g' | sort | uniq -c | sort -rn | head -12
   done
@@ -128,7 +128,7 @@ if [[ $mode == unroll ]]; then  # Protocol A with the prefill bucket scanned (de
   for u in 256 16384; do
     echo "-- unroll $u, DEEPINFER_XLA_DEFAULTS=0"
     DEEPINFER_XLA_DEFAULTS=0 timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 \
-      --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
+      --unroll-max-tokens $u --prefill-layers scan 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
   done
   exit 0
 fi
@@ -138,7 +138,7 @@ if [[ $mode == pdl ]]; then  # session 18: is the unrolled form's faster decode 
   # edge (cuda_command_buffer.cc, VLOG 5); then both forms with PDL off.
   for u in 256 16384; do
     TF_CPP_VMODULE=cuda_command_buffer=5 TF_CPP_MIN_LOG_LEVEL=0 timeout 250 python3 benchmarks/offline.py \
-      --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u > "$out/pdl_$u.log" 2>&1
+      --buckets 32,16384 --runs 1 --temperatures 0 --unroll-max-tokens $u --prefill-layers scan > "$out/pdl_$u.log" 2>&1
     grep -E "cuda_command_buffer" "$out/pdl_$u.log" | gzip > "$out/pdl_vlog_$u.txt.gz"
     echo "-- unroll $u: $(grep -h -E 'Protocol A' "$out/pdl_$u.log" | cut -c1-80)"
     grep -E "cuda_command_buffer" "$out/pdl_$u.log" | sed -E 's/^[IWE][0-9]+ [0-9:.]+ +[0-9]+ //; s/0x[0-9a-f]+/X/g' \
@@ -147,7 +147,7 @@ if [[ $mode == pdl ]]; then  # session 18: is the unrolled form's faster decode 
   for u in 256 16384; do
     echo "-- unroll $u, --xla_gpu_enable_pdl=false"
     XLA_FLAGS=--xla_gpu_enable_pdl=false timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 \
-      --temperatures 0 --unroll-max-tokens $u 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
+      --temperatures 0 --unroll-max-tokens $u --prefill-layers scan 2>&1 | grep -E "Protocol A|engine loop|start-up" | cut -c1-160
   done
   exit 0
 fi
@@ -162,7 +162,7 @@ if [[ $mode == indexed ]]; then  # session 21: the prefill bucket's layers strai
     grep -h -E 'Protocol A|prefill [0-9]' "$out/indexed_$label.log" | cut -c1-150
   }
   run indexed_empty --prefill-layers indexed
-  run scanned
+  run scanned --prefill-layers scan
   run indexed --prefill-layers indexed
   run unrolled --unroll-max-tokens 16384
   run indexed_again --prefill-layers indexed
@@ -180,7 +180,7 @@ if [[ $mode == bisect ]]; then  # session 18: what about the unrolled prefill ma
   run() {  # label, offline.py flags...
     local label=$1; shift
     echo "$(date +%T.%N | cut -c1-12) start $label" >> "$out/marks.txt"
-    timeout 200 python3 benchmarks/offline.py --runs 2 --temperatures 0 "$@" > "$out/bisect_$label.log" 2>&1
+    timeout 200 python3 benchmarks/offline.py --runs 2 --temperatures 0 --prefill-layers scan "$@" > "$out/bisect_$label.log" 2>&1
     echo "$(date +%T.%N | cut -c1-12) end $label" >> "$out/marks.txt"
     echo "-- $label: $(grep -h -E 'Protocol A' "$out/bisect_$label.log" | cut -c20-60) | $(grep -h -E 'engine loop' "$out/bisect_$label.log" | cut -c3-40 | tr '\n' ' ')"
   }
@@ -197,7 +197,7 @@ if [[ $mode == lmem ]]; then  # session 18's lead for the scanned form's slower 
   # The driver grows a context's per-thread stack (local memory) for any kernel that needs more and keeps it; if a
   # kernel of the scanned step programs does, every later kernel may launch a little slower. Prints the limit in
   # both forms, then the scanned form with the limit set back to the driver's default (1,024 bytes) after warm-up.
-  for f in "--unroll-max-tokens 256" "--unroll-max-tokens 16384" "--unroll-max-tokens 256 --cuda-stack-limit 1024"; do
+  for f in "--unroll-max-tokens 256 --prefill-layers scan" "--unroll-max-tokens 16384" "--unroll-max-tokens 256 --prefill-layers scan --cuda-stack-limit 1024"; do
     echo "-- $f"
     timeout 200 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 $f 2>&1 \
       | grep -E "CUDA stack|Protocol A|engine loop" | cut -c1-150
@@ -211,7 +211,7 @@ if [[ $mode == loops ]]; then  # session 19: the scanned form's while loops, unr
   for x in "" "--xla_gpu_command_buffer_unroll_loops=true" \
       "--xla_gpu_enable_while_loop_unrolling=WHILE_LOOP_UNROLLING_FULL_UNROLL"; do
     echo "-- XLA_FLAGS=${x:-(defaults)}"
-    XLA_FLAGS="$x" timeout 240 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 2>&1 \
+    XLA_FLAGS="$x" timeout 240 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 --prefill-layers scan 2>&1 \
       | grep -E "Protocol A|engine loop|start-up|rror" | cut -c1-170
   done
   exit 0
@@ -235,7 +235,7 @@ if [[ $mode == norms ]]; then  # session 19: the residual adds and RMSNorms of a
     for u in 256 16384; do
       left 480 || break
       echo "-- ${v:-defaults}, unroll $u"
-      timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --unroll-max-tokens $u $v 2>&1 \
+      timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --unroll-max-tokens $u --prefill-layers scan $v 2>&1 \
         | grep -E "Protocol A|prefill [0-9]" | cut -c1-150
     done
   done

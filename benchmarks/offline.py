@@ -112,7 +112,7 @@ def main(argv=None) -> int:
                          "before and after is printed on a GPU either way")
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="steps of at most this many token slots run their layers unrolled (RunnerConfig."
-                         "unroll_max_tokens; default 256 on a GPU: the prefill bucket keeps lax.scan)")
+                         "unroll_max_tokens; default 256 on a GPU: the prefill bucket runs as --prefill-layers says)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "

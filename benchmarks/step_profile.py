@@ -29,7 +29,8 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-impl", default="pallas")
     ap.add_argument("--moe-impl", default="pallas")
     ap.add_argument("--unroll", choices=["auto", "on", "off"], default="auto",
-                    help="layers unrolled: auto = the engine's default (RunnerConfig.unroll_max_tokens)")
+                    help="layers unrolled: auto = the engine's default (RunnerConfig.unroll_max_tokens); off: "
+                         "lax.scan unless --prefill-layers says otherwise")
     ap.add_argument("--prefill", type=int, default=0,
                     help="time a prefill step instead: each of --batch seqs brings this many new tokens after "
                          "--context cached ones")
@@ -132,9 +133,12 @@ def main(argv=None) -> int:
     num_pages = max(args.num_pages, Br * pages_per + 1)  # per rank
     T = 1 << (Br * new - 1).bit_length()  # the token bucket (per rank)
     shapes = Shapes((T,), Br, pages_per, ps, max_len)
+    variants = variant_kwargs(args)
+    if args.unroll == "off" and variants["prefill_layers"] is None:
+        variants["prefill_layers"] = "scan"
     rc = RunnerConfig(dtype="bfloat16", attn_impl=args.attn_impl, moe_impl=args.moe_impl,
                       unroll_max_tokens={"auto": None, "on": 1 << 30, "off": 0}[args.unroll], warmup_full_variant=False,
-                      **variant_kwargs(args))
+                      **variants)
     t0 = time.time()
     runner = ModelRunner(cfg, params, rc, shapes, num_pages, sharding=sharding)
     # Random cache contents, filled in place (an engine-sized cache leaves no room for a second copy).
