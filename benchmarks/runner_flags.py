@@ -39,7 +39,8 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
     ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
-                    help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; default: indexed on a GPU)")
+                    help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; "
+                         "default: indexed on a GPU)")
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:

@@ -55,7 +55,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                         "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
     g.add_argument("--prefill-layers", choices=["scan", "indexed"], default=None,
                    help="how steps above --unroll-max-tokens run their layers: lax.scan, or straight-line with "
-                        "each layer's weights read by a runtime index (compiled once for all layers; the default on a GPU)")
+                        "each layer's weights read by a runtime index (compiled once for all layers; the default "
+                        "on a GPU)")
     g.add_argument("--prefill-context-variant", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill buckets get a program with the attention's context part and one without, picked "
                         "on the host, instead of a per-layer branch that keeps the host waiting for the step "

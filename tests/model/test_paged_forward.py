@@ -189,7 +189,6 @@ def test_indexed_layers_share_their_fusions():
     assert len(computations(8, True)) > len(computations(5, True))
 
 
-
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
 def test_shared_experts_inside_the_kernels_equal_the_shared_mlp(hf_case, case):
     """RunnerConfig.fuse_shared_experts: the shared MLP computed as extra experts inside the Pallas MoE

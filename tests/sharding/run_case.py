@@ -3,7 +3,7 @@
     python tests/sharding/run_case.py MODEL_DIR [LAYOUT ...]
 
 LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep; environment
-DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference),
+DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference) and
 DEEPINFER_PREFILL_LAYERS RunnerConfig.prefill_layers (scan). Runs in its own
 process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
 "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens": [[...] per request],
