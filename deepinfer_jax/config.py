@@ -397,6 +397,11 @@ class RunnerConfig:
     # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. The form
     # that gathers them in one load is not measured yet.
     decode_combine_norm: bool = False
+    # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
+    # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
+    # the logits never reach device memory and the Gumbel draw's threefry hides under the lm_head's weight
+    # stream; the same tokens. Requests with min-p then take the full variant. Not measured yet; off.
+    lm_head_sampler: bool = False
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's
     # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_

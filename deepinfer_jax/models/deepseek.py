@@ -51,10 +51,19 @@ def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> 
     return moe_block(lp["moe"], cfg, x, moe_impl)
 
 
+def final_hidden(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
+    """The final RMSNorm: h [..., D] -> [..., D], what the lm_head multiplies."""
+    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+
+
+def lm_head_logits(lm_head, h: jax.Array) -> jax.Array:
+    """The lm_head [D, V] on final-normed h [..., D] -> fp32 logits [..., V] (its output in h's dtype, then fp32)."""
+    return linear(h, lm_head).astype(jnp.float32)
+
+
 def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
     """Final norm and lm_head: h [..., D] -> fp32 logits [..., V]."""
-    h = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-    return linear(h, params["lm_head"]).astype(jnp.float32)
+    return lm_head_logits(params["lm_head"], final_hidden(params, cfg, h))
 
 
 def forward(
@@ -307,6 +316,7 @@ def forward_paged(
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
+    return_hidden: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -342,7 +352,9 @@ def forward_paged(
     the residual and the sum's post-attention RMSNorm taken in one launch (kernels/residual_route.py).
     `decode_combine_norm`: where `decode_combine_norm_weights` allows, a MoE layer's expert rows are combined
     into the residual and the next layer's input RMSNorm taken in one launch; the layers then pass that
-    normed input on beside h (the scan's carry)."""
+    normed input on beside h (the scan's carry).
+    `return_hidden`: the final-normed hidden states [S, D] (`final_hidden`) in place of the logits, for a
+    caller that applies the lm_head itself (kernels/lm_head_sample.py)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -442,7 +454,8 @@ def forward_paged(
         (h, _, kv_cache), ys = run_layers(body, (h, x0, kv_cache), scanned, layer_ids, local_ids, unroll)
         if ys is not None:
             routing.append(ys)
-    logits = _logits(params, cfg, h[meta.logits_indices])
+    h = h[meta.logits_indices]  # [S, D]: each sequence's last token
+    logits = final_hidden(params, cfg, h) if return_hidden else _logits(params, cfg, h)
     if return_routing:
         return logits, kv_cache, jnp.concatenate(routing, axis=0)
     return logits, kv_cache

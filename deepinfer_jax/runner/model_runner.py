@@ -41,7 +41,7 @@ from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, sizes, unpack, unpack_bits
-from deepinfer_jax.sampling import sample
+from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, sample_step_outputs
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
 log = logging.getLogger(__name__)
@@ -168,6 +168,9 @@ class ModelRunner:
         self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
             cfg, runner_cfg.attn_impl, None, runner_cfg.prefill_attention)
         self.page_rows = PageRows()  # the running requests' page ids, converted once (`forget` drops one)
+        # The forward hands the sampler the final-normed hidden states and the base variant samples inside the
+        # lm_head (runner/step_sampler.py), or it hands over the logits.
+        self.lm_head_sampler = lm_head_in_sampler(cfg, runner_cfg, params["lm_head"], sharding)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
@@ -201,10 +204,11 @@ class ModelRunner:
     # ---- compiled step ----------------------------------------------------------------------------
     def _forward_fn(self, layout: Layout):
         """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
-        ((logits [S, V] fp32, routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
+        ((logits [S, V] fp32, or the final-normed hidden states [S, D] where the sampler applies the lm_head,
+        routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
         cached, so a bucket's variants share one trace); not run on its own."""
         if layout not in self._fwd_fns:
-            cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
+            cfg, rc, sh, hidden = self.cfg, self.runner_cfg, self.sharding, self.lm_head_sampler
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
                 meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
@@ -213,7 +217,8 @@ class ModelRunner:
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                     return_routing=rc.collect_routing, unroll=unroll,
-                                    mesh_rules=None if sh is None else sh.mesh_rules, **rc.forward_switches())
+                                    mesh_rules=None if sh is None else sh.mesh_rules, return_hidden=hidden,
+                                    **rc.forward_switches())
                 logits, kv_cache = out[0], out[1]
                 if sh is not None:
                     logits = jax.lax.with_sharding_constraint(logits, sh.logits)
@@ -224,17 +229,19 @@ class ModelRunner:
         return self._fwd_fns[layout]
 
     def _sample_fn(self, full: bool, layout: Layout):
-        """The jitted sampler of one (bucket, variant): (logits, prev_tokens, ints, floats) ->
-        (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
+        """The jitted sampler of one (bucket, variant): (the forward's output, lm_head, prev_tokens, ints, floats)
+        -> (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
         key = (full, layout)
         if key not in self._smp_fns:
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
+            in_lm_head, interpret = self.lm_head_sampler, self.runner_cfg.attn_impl == "pallas_interpret"
 
-            def sample_step(logits, prev_tokens, ints, floats):
+            def sample_step(out, lm_head, prev_tokens, ints, floats):
                 st = resolve_placeholders(None, unpack(ints, floats, layout), prev_tokens)[1]
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
-                sampled = sample(logits, st, max_logprobs=k, full=full)
+                sampled = sample_step_outputs(out, lm_head, st, max_logprobs=k, full=full, in_lm_head=in_lm_head,
+                                              interpret=interpret)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
@@ -254,8 +261,8 @@ class ModelRunner:
             fwd, smp = self._forward_fn(meta_layout), self._sample_fn(full, sampling_layout)
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
-                (logits, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
-                sampled, nxt = smp(logits, prev_tokens, si, sf)
+                (out, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
+                sampled, nxt = smp(out, params["lm_head"], prev_tokens, si, sf)
                 return (sampled, routing), nxt, kv_cache
 
             self._core_fns[key] = jax.jit(core)
@@ -263,15 +270,17 @@ class ModelRunner:
 
     def _resident(self, key) -> "_Resident":
         """The resident inbox and outbox of one step program (made on first use), sized from the key's
-        layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on logits [S, V])
+        layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
         and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
         if key not in self._programs:
             meta_layout, full, sampling_layout = key
             parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
             meta = jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
                                                             for _, shape, dtype, _ in meta_layout.leaves])
-            logits = jax.ShapeDtypeStruct((meta.logits_indices.shape[0], self.cfg.vocab_size), jnp.float32)
-            sampled, _ = jax.eval_shape(self._sample_fn(full, sampling_layout), logits, self._prev_tokens,
+            rows, lm_head = meta.logits_indices.shape[0], self.params["lm_head"]
+            out = (jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype) if self.lm_head_sampler
+                   else jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32))
+            sampled, _ = jax.eval_shape(self._sample_fn(full, sampling_layout), out, lm_head, self._prev_tokens,
                                         *(jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32))))
             routing = None
             if self.runner_cfg.collect_routing:
@@ -423,7 +432,7 @@ class ModelRunner:
         else:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
-        want_full = any(needs_full_variant(requests[s.request_id]) for s in plan_seqs)
+        want_full = any(needs_full_variant(requests[s.request_id], self.lm_head_sampler) for s in plan_seqs)
         return self._host_step(groups, requests, seeds, bucket, want_full)
 
     def _host_step(self, groups, requests, seeds, bucket: int, full: bool) -> HostStep:

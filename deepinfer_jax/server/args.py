@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="prefill buckets get a program with the attention's context part and one without, picked "
                         "on the host, instead of a per-layer branch that keeps the host waiting for the step "
                         "(default: on; off compiles fewer programs)")
+    g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
+                   help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
+                        "kernel, the logits never written out (one device, the Pallas kernels; default: off)")
     g.add_argument("--compilation-cache-dir", default="default",
                    help='XLA compilation cache, and in its programs/ the compiled step programs a warm start '
                         'loads untraced ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; "none": off)')
@@ -160,4 +163,6 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["prefill_layers"] = ns.prefill_layers
     if ns.prefill_context_variant is not None:
         kw["prefill_context_variant"] = ns.prefill_context_variant
+    if ns.lm_head_sampler is not None:
+        kw["lm_head_sampler"] = ns.lm_head_sampler
     return kw

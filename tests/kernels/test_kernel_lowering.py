@@ -341,3 +341,19 @@ def test_qkv_projection_and_absorb_launch_lowers_for_sm90(triton_modules):
     assert "grid_x = 388" in hlo
     assert "output_operand_alias<output_tuple_indices = [2], operand_index = 10" in hlo
     assert "output_operand_alias<output_tuple_indices = [4], operand_index = 11" in hlo
+
+
+def test_lm_head_sampler_lowers_for_sm90(triton_modules):
+    """The lm_head with the sampler's reductions at V2-Lite's shape (32 rows, D 2048, V 102,400, 8 suppressed ids):
+    800 column tiles of 128 in one launch, one dot in the K loop, the threefry rounds and the two logs of the
+    Gumbel noise (libdevice's logf, as XLA's), seven stores."""
+    from deepinfer_jax.kernels.lm_head_sample import lm_head_sample_stats
+
+    s = jax.ShapeDtypeStruct
+    args = (s((32, 2048), jnp.bfloat16), s((2048, 102400), jnp.bfloat16), s((32,), jnp.float32),
+            s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
+    (ir,) = triton_modules(lm_head_sample_stats, *args)
+    assert ir.count("tt.dot") == 1 and ir.count("tt.store") == 7
+    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") >= 20
+    hlo = jax.jit(lm_head_sample_stats).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grid_x = 800" in hlo

@@ -37,7 +37,9 @@ def test_defaults_and_vllm_names():
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
     assert kw["prefill_context_variant"] is True
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-prefill-context-variant"]))
-    assert kw["prefill_context_variant"] is False
+    assert kw["prefill_context_variant"] is False and "lm_head_sampler" not in kw
+    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--lm-head-sampler"]))
+    assert kw["lm_head_sampler"] is True
 
 
 def test_yaml_then_flags(tmp_path):

@@ -1,0 +1,82 @@
+"""kernels/lm_head_sample.py in interpret mode: the lm_head's per-tile sampling reductions against their pure-JAX
+reference (the XLA path's logits, jax.random's Gumbel noise), and merged by sampling.sample_from_tile_stats
+against sampling.sample's base variant on the same logits: the same tokens, the same logprobs up to fp32
+summation order."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels import lm_head_sample as lhs
+from deepinfer_jax.sampling import SamplingTensors, sample, sample_from_tile_stats
+
+T, D, V = 5, 64, 1024  # T pads to 16 rows inside the kernel
+TEMPS = [0.0, 1.0, 0.7, 1.3, 0.0]
+
+
+def _case(seed, dtype, suppress):
+    rng = np.random.default_rng(seed)
+    h = jnp.asarray(rng.normal(size=(T, D)), dtype)
+    w = jnp.asarray(rng.normal(size=(D, V)) * 0.25, dtype)
+    temp = jnp.asarray(TEMPS, jnp.float32)
+    keys = jnp.asarray(rng.integers(0, 2**32, size=(T, 2), dtype=np.uint32))
+    logits = jnp.einsum("td,dv->tv", h, w).astype(jnp.float32)
+    if suppress:  # each row's greedy token among its suppressed ids, so suppression changes the greedy pick
+        top = np.asarray(jnp.argmax(logits, axis=-1))
+        sup = np.stack([top, rng.integers(0, V, T), np.full(T, -1)], axis=1).astype(np.int32)
+    else:
+        sup = np.zeros((T, 0), np.int32)
+    return h, w, temp, keys, jnp.asarray(sup), logits
+
+
+def test_noise_is_jax_gumbel_bit_for_bit():
+    for k in ([0, 0], [123, 456], [2**32 - 1, 7]):
+        key = jnp.asarray([k], jnp.uint32)
+        col = jnp.arange(3000, dtype=jnp.int32)[None, :]
+        got = lhs.gumbel_noise(key[:, :1], key[:, 1:], col)[0]
+        want = jax.random.gumbel(jax.random.wrap_key_data(key[0], impl="threefry2x32"), (3000,), jnp.float32)
+        assert np.array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("suppress", [True, False])
+def test_kernel_matches_reference(dtype, suppress):
+    h, w, temp, keys, sup, _ = _case(1, dtype, suppress)
+    got = lhs.lm_head_sample_stats(h, w, temp, keys, sup, block_v=128, block_k=32, interpret=True)
+    want = lhs.lm_head_sample_stats_reference(h, w, temp, keys, sup, block_v=128)
+    for name, a, b in zip(lhs.TileStats._fields, got, want):
+        assert a.shape == b.shape == (V // 128, T), name
+        if name in ("garg", "zarg"):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6, err_msg=name)
+    if suppress:  # no row's suppressed id is its greedy pick in any tile
+        garg = np.asarray(got.garg)
+        assert not any(np.isin(garg[:, t], np.asarray(sup)[t]).any() for t in range(T))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("suppress", [True, False])
+@pytest.mark.parametrize("seed", [2, 3])
+def test_merged_tiles_sample_as_the_sampler(dtype, suppress, seed):
+    h, w, temp, keys, sup, logits = _case(seed, dtype, suppress)
+    st = dataclasses.replace(SamplingTensors.defaults(T, suppress_len=sup.shape[1]), temperature=np.asarray(temp),
+                             rng_key_data=np.asarray(keys), suppress_token_ids=np.asarray(sup))
+    want = sample(logits, st, max_logprobs=0, full=False)
+    stats = lhs.lm_head_sample_stats(h, w, temp, keys, sup, interpret=True)  # the default tiles: 8 of 128
+    got = sample_from_tile_stats(stats, st, max_logprobs=0)
+    assert np.asarray(got.token_ids).tolist() == np.asarray(want.token_ids).tolist()
+    np.testing.assert_allclose(np.asarray(got.logprob), np.asarray(want.logprob), rtol=1e-5, atol=1e-5)
+    assert got.top_logprobs.shape == got.top_logprob_ids.shape == (T, 0)
+    # the draw differs from the greedy pick somewhere, so both halves of the merge are exercised
+    assert (np.asarray(got.token_ids) != np.asarray(jnp.argmax(logits, -1)))[np.asarray(temp) > 0].any()
+
+
+def test_tiles_need_powers_of_two():
+    assert lhs.supported(102400, 2048) and lhs.supported(129280, 7168)
+    assert not lhs.supported(1000, 2048)  # 1000 = 8 x 125: no 16-wide tile
