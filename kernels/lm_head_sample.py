@@ -142,12 +142,13 @@ def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, block_v=N
                          num_stages=4, interpret=False) -> TileStats:
     """h [T, D], w [D, V] (the lm_head, h's dtype), temperature [T] f32, key_data [T, 2] uint32, suppress_ids
     [T, S] int32 (-1 padded; S may be 0) -> TileStats of [V // block_v, T] arrays (module docstring).
-    Tiles left as None: the largest power of two dividing V (D) up to 128."""
+    Tiles left as None: the largest powers of two dividing V up to 128 and D up to 64 (two CTAs an SM with four
+    stages of bf16 tiles, as kernels/decode_matmul.py's)."""
     T, D = h.shape
     D2, V = w.shape
     assert D == D2 and supported(V, D), (h.shape, w.shape)
     block_v = block_v or _largest_pow2_divisor(V, 128)
-    block_k = block_k or _largest_pow2_divisor(D, 128)
+    block_k = block_k or _largest_pow2_divisor(D, 64)
     rows = max(16, 1 << (T - 1).bit_length())
 
     def pad(a, fill=0):
