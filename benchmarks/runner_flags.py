@@ -27,6 +27,7 @@ SWITCHES = [
                             "layer's RMSNorm in one launch"),
     ("prefill_context_variant", "prefill buckets' programs with and without the context part, picked on the "
                                 "host, instead of a lax.cond a layer"),
+    ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),
     ("lm_head_sampler", "the base sampling variant samples inside the lm_head's kernel (kernels/lm_head_sample.py)"),
 ]
 

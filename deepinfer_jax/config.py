@@ -400,8 +400,16 @@ class RunnerConfig:
     # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
     # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
     # the logits never reach device memory and the Gumbel draw's threefry hides under the lm_head's weight
-    # stream; the same tokens. Requests with min-p then take the full variant. Not measured yet; off.
+    # stream; the same tokens. Requests with min-p then take the full variant. Session 22 (H200, batch 32): the
+    # kernel and the merge took as long as XLA's GEMM and sampler (~146 against ~144 us a step: its weight stream
+    # is slower than XLA's GEMM by about what the sampler's passes cost), the step 8.12 ms against 8.10, Protocol A
+    # 3,647-3,653 tok/s against 3,686; off.
     lm_head_sampler: bool = False
+    # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy
+    # path): the argmax without the temperature, min-p and the Gumbel draw (whose threefry hash over the
+    # vocabulary takes ~22 us a step on an H200 at batch 32). One more program per decode bucket at warm-up.
+    # Session 22 (H200): Protocol A greedy 3,696 tok/s against 3,684 without it, temperature 1 even (3,687).
+    greedy_variant: bool = True
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's
     # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_

@@ -73,7 +73,13 @@ class HostStep:
     request_ids: list[str]  # row -> request id (real rows only)
     sample_rows: list[int]  # rows whose sampled token is used
     bucket: int
-    penalties: bool
+    penalties: bool  # the full sampling variant
+    greedy: bool = False  # the greedy variant: every row greedy, no draw (RunnerConfig.greedy_variant)
+
+    @property
+    def variant(self) -> str:
+        """The step program's sampling variant: "full", "greedy" or "base"."""
+        return "full" if self.penalties else "greedy" if self.greedy else "base"
 
 
 PAGE_ROWS_MIN = 32  # pages a sequence (mean over the step) above which build_metadata takes PageRows' arrays

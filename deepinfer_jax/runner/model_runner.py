@@ -6,9 +6,10 @@ which reads the logits of each sequence's last token on the device (logits never
 the sampled token ids (and logprobs) for the rows that sample.
 
 Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p, no top logprobs) and
-a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs); the host
-picks one per step (inputs.needs_full_variant), so the step has no device-side branch. A bucket's two
-programs share the forward's trace. `warmup()` compiles all of them; afterwards `CompileCounter` sees
+a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs), and for decode
+buckets (RunnerConfig.greedy_variant) a greedy one (every row greedy: no draw); the host picks one per step
+(inputs.needs_full_variant, `prepare`), so the step has no device-side branch. A bucket's programs share
+the forward's trace. `warmup()` compiles all of them; afterwards `CompileCounter` sees
 every backend compile (or persistent-cache load) during this runner's steps, and
 `compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
 
@@ -87,10 +88,10 @@ class CompileCounter:
 
 
 def _packed(host: HostStep):
-    """(the step program's key: (meta layout, full variant, sampling layout), the packed host inputs as
+    """(the step program's key: (meta layout, sampling variant, sampling layout), the packed host inputs as
     one int32 array: meta ints, meta floats, sampling ints, sampling floats, floats bit-cast)."""
     (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-    return (ml, host.penalties, sl), np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)])
+    return (ml, host.variant, sl), np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)])
 
 
 def _split_inbox(inbox, parts):
@@ -178,8 +179,8 @@ class ModelRunner:
         else:
             self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
         self._fwd_fns: dict[Any, Any] = {}  # meta layout (one per bucket) -> jitted forward
-        self._smp_fns: dict[Any, Any] = {}  # (full, sampling layout) -> jitted sampler
-        self._core_fns: dict[Any, Any] = {}  # (meta layout, full, sampling layout) -> jitted step core
+        self._smp_fns: dict[Any, Any] = {}  # (variant, sampling layout) -> jitted sampler
+        self._core_fns: dict[Any, Any] = {}  # (meta layout, variant, sampling layout) -> jitted step core
         self._step_fns: dict[Any, Any] = {}  # the same keys -> jitted step program (resident buffers)
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
         self._programs: dict[Any, _Resident] = {}  # the same keys -> the program's resident buffers
@@ -228,11 +229,12 @@ class ModelRunner:
             self._fwd_fns[layout] = jax.jit(forward)  # the step program donates the cache
         return self._fwd_fns[layout]
 
-    def _sample_fn(self, full: bool, layout: Layout):
+    def _sample_fn(self, variant: str, layout: Layout):
         """The jitted sampler of one (bucket, variant): (the forward's output, lm_head, prev_tokens, ints, floats)
         -> (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
-        key = (full, layout)
+        key = (variant, layout)
         if key not in self._smp_fns:
+            full, draw = variant == "full", variant != "greedy"
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
             in_lm_head, interpret = self.lm_head_sampler, self.runner_cfg.attn_impl == "pallas_interpret"
 
@@ -241,7 +243,7 @@ class ModelRunner:
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
                 sampled = sample_step_outputs(out, lm_head, st, max_logprobs=k, full=full, in_lm_head=in_lm_head,
-                                              interpret=interpret)
+                                              interpret=interpret, draw=draw)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
@@ -257,8 +259,8 @@ class ModelRunner:
         prev_tokens, kv_cache). The forward's and the sampler's traces are cached per bucket and per
         variant, so tracing the variants of a bucket traces its forward once."""
         if key not in self._core_fns:
-            meta_layout, full, sampling_layout = key
-            fwd, smp = self._forward_fn(meta_layout), self._sample_fn(full, sampling_layout)
+            meta_layout, variant, sampling_layout = key
+            fwd, smp = self._forward_fn(meta_layout), self._sample_fn(variant, sampling_layout)
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
                 (out, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
@@ -273,14 +275,14 @@ class ModelRunner:
         layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
         and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
         if key not in self._programs:
-            meta_layout, full, sampling_layout = key
+            meta_layout, variant, sampling_layout = key
             parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
             meta = jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
                                                             for _, shape, dtype, _ in meta_layout.leaves])
             rows, lm_head = meta.logits_indices.shape[0], self.params["lm_head"]
             out = (jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype) if self.lm_head_sampler
                    else jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32))
-            sampled, _ = jax.eval_shape(self._sample_fn(full, sampling_layout), out, lm_head, self._prev_tokens,
+            sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, lm_head, self._prev_tokens,
                                         *(jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32))))
             routing = None
             if self.runner_cfg.collect_routing:
@@ -356,6 +358,8 @@ class ModelRunner:
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
+        hosts += [dataclasses.replace(self._host_step([[]] * self.num_ranks, {}, {}, b, False), greedy=True)
+                  for b in buckets if self._greedy_bucket(b)]
         # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
         hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
                   if h.meta.has_context is False]
@@ -376,7 +380,7 @@ class ModelRunner:
         def compile_one(key, bucket, lowered, pkey):
             t = time.perf_counter()
             self._step_exes[key], storable = program_cache.compile_program(lowered)
-            log.info("warm-up: compiled the %s step of %d tokens in %.1f s", "full" if key[1] else "base",
+            log.info("warm-up: compiled the %s step of %d tokens in %.1f s", key[1],
                      bucket, time.perf_counter() - t)
             if pkey is not None and storable:
                 program_cache.store(cache_dir, pkey, self._step_exes[key])
@@ -433,7 +437,15 @@ class ModelRunner:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
         want_full = any(needs_full_variant(requests[s.request_id], self.lm_head_sampler) for s in plan_seqs)
-        return self._host_step(groups, requests, seeds, bucket, want_full)
+        host = self._host_step(groups, requests, seeds, bucket, want_full)
+        if not want_full and self._greedy_bucket(bucket) and all(
+                requests[s.request_id].sampling_params.is_greedy() for s in plan_seqs):
+            host.greedy = True
+        return host
+
+    def _greedy_bucket(self, bucket: int) -> bool:
+        """Whether `bucket` has the greedy sampling variant (RunnerConfig.greedy_variant: decode buckets)."""
+        return self.runner_cfg.greedy_variant and bucket <= self.shapes.seq_rows(bucket)
 
     def _host_step(self, groups, requests, seeds, bucket: int, full: bool) -> HostStep:
         """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
@@ -477,7 +489,7 @@ class ModelRunner:
         out.copy_to_host_async()
         if self._warm and CompileCounter.count() != before:
             self.compiles_after_warmup += CompileCounter.count() - before
-            log.warning("compiled a new step shape after warm-up (bucket %d, full=%s)", host.bucket, host.penalties)
+            log.warning("compiled a new step shape after warm-up (bucket %d, %s)", host.bucket, host.variant)
         return host, out
 
     def fetch(self, inflight: tuple[HostStep, Any]) -> StepResult:

@@ -33,11 +33,12 @@ def lm_head_in_sampler(cfg: ModelConfig, runner_cfg: RunnerConfig, lm_head: Any,
 
 
 def sample_step_outputs(out: jax.Array, lm_head: Any, st: SamplingTensors, *, max_logprobs: int, full: bool,
-                        in_lm_head: bool, interpret: bool) -> SampleOutput:
+                        in_lm_head: bool, interpret: bool, draw: bool = True) -> SampleOutput:
     """out: the forward's per-sequence output (logits [S, V] fp32, or with `in_lm_head` the final-normed
-    hidden states [S, D]) -> the step's SampleOutput (`sampling.sample` semantics)."""
+    hidden states [S, D]) -> the step's SampleOutput (`sampling.sample` semantics; `draw=False`: every row
+    greedy, the greedy variant)."""
     if not in_lm_head:
-        return sample(out, st, max_logprobs=max_logprobs, full=full)
+        return sample(out, st, max_logprobs=max_logprobs, full=full, draw=draw)
     if full:
         return sample(lm_head_logits(lm_head, out), st, max_logprobs=max_logprobs, full=True)
     from deepinfer_jax.kernels import lm_head_sample

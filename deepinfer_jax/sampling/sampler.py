@@ -175,10 +175,12 @@ def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
     return best * ARGMAX_CHUNK + jnp.take_along_axis(first, best[:, None], axis=-1)[:, 0]
 
 
-def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: bool = True) -> SampleOutput:
-    """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs`` and ``full`` must be static.
+def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: bool = True,
+           draw: bool = True) -> SampleOutput:
+    """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs``, ``full`` and ``draw`` must be static.
     ``full=False`` leaves out penalties and top-k / top-p (module docstring): the caller guarantees
-    that no row uses them."""
+    that no row uses them. ``draw=False`` leaves out the temperature, min-p and the random draw (the
+    greedy variant, vLLM's all-greedy path): the caller guarantees that every row is greedy."""
     logits = logits.astype(jnp.float32)                                # f32[B, V]
     batch, vocab = logits.shape
     k = min(max(max_logprobs, 0), vocab)
@@ -192,12 +194,15 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         x = apply_suppression(x, st.suppress_token_ids)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
 
-    temp = st.temperature.astype(jnp.float32)
-    is_greedy = temp < GREEDY_EPS                                      # bool[B]
-    scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
-    masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
-    drawn = categorical_rows(st.rng_key_data, masked)
-    token_ids = jnp.where(is_greedy, greedy_ids, drawn)
+    if draw:
+        temp = st.temperature.astype(jnp.float32)
+        is_greedy = temp < GREEDY_EPS                                  # bool[B]
+        scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
+        masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
+        drawn = categorical_rows(st.rng_key_data, masked)
+        token_ids = jnp.where(is_greedy, greedy_ids, drawn)
+    else:
+        token_ids = greedy_ids
 
     picked = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[B, 1]
     logprob = ((picked - row_max) - log_norm)[:, 0]

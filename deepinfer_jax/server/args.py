@@ -61,6 +61,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="prefill buckets get a program with the attention's context part and one without, picked "
                         "on the host, instead of a per-layer branch that keeps the host waiting for the step "
                         "(default: on; off compiles fewer programs)")
+    g.add_argument("--greedy-variant", action=argparse.BooleanOptionalAction, default=None,
+                   help="decode buckets get a program for steps whose every request is greedy, without the random "
+                        "draw (default: on; off compiles fewer programs)")
     g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
                         "kernel, the logits never written out (one device, the Pallas kernels; default: off)")
@@ -163,6 +166,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["prefill_layers"] = ns.prefill_layers
     if ns.prefill_context_variant is not None:
         kw["prefill_context_variant"] = ns.prefill_context_variant
+    if ns.greedy_variant is not None:
+        kw["greedy_variant"] = ns.greedy_variant
     if ns.lm_head_sampler is not None:
         kw["lm_head_sampler"] = ns.lm_head_sampler
     return kw

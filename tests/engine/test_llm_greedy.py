@@ -44,8 +44,8 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     assert llm.engine.runner.compiles_after_warmup == 0
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
     assert len(llm.engine.runner.page_rows) == 0  # every finished request's page ids dropped
-    # Warm-up made one step program per bucket and sampling variant (base, full), and where prefill buckets
-    # take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context variant of
+    # Warm-up made one step program per bucket and sampling variant (base, full; greedy for decode buckets), and
+    # where prefill buckets take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context variant of
     # each: each compiled (its bucket's forward traced once) or, when an earlier engine of the session
     # stored the same program, loaded from the program cache untraced.
     runner = llm.engine.runner
@@ -54,7 +54,8 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     split = rc.prefill_context_variant and splits_prefill_attention(runner.cfg, rc.attn_impl, None,
                                                                     rc.prefill_attention)
     assert split is (rc.attn_impl != "reference" and rc.prefill_context_variant)  # these tests' dims fit the kernels
-    programs = 2 * (len(buckets) + split * sum(b > runner.shapes.seq_rows(b) for b in buckets))
+    decode_buckets = sum(b <= runner.shapes.seq_rows(b) for b in buckets)  # each with a greedy variant too
+    programs = 2 * (len(buckets) + split * (len(buckets) - decode_buckets)) + rc.greedy_variant * decode_buckets
     assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
     assert set(runner._step_fns) <= set(runner._step_exes)
     assert len(runner._step_fns) + runner.programs_loaded == programs
@@ -169,8 +170,10 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
         assert o.outputs[0].token_ids == hf_greedy(model, p, n), f"prompt of {len(p)} tokens"
     assert True in seen and False in seen  # both programs of the prefill buckets served steps
     assert runner.compiles_after_warmup == 0
-    # Two sampling variants per bucket, and two context variants of each prefill bucket.
-    assert len(runner._step_exes) == 2 * (len(runner.shapes.buckets) + len(prefill_buckets))
+    # Two sampling variants per bucket (a third, greedy, for decode buckets), two context variants of each prefill
+    # bucket.
+    decode_buckets = len(runner.shapes.buckets) - len(prefill_buckets)
+    assert len(runner._step_exes) == 2 * (len(runner.shapes.buckets) + len(prefill_buckets)) + decode_buckets
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
 
 
@@ -219,3 +222,29 @@ def test_sampling_inside_the_lm_head(hf_case, hf_greedy):
     assert outs[True][0] == hf_greedy(model, prompts[0], 6)
     assert not set(outs[True][3]) & set(stop)
     assert len({tuple(o) for o in outs[True][1:]}) == 4  # the draws differ from one another
+
+
+def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):
+    """RunnerConfig.greedy_variant: a step whose every request is greedy runs its decode bucket's greedy program
+    (no draw); one with a sampled request runs the base program, and one asking for logprobs the full one.
+    The greedy requests get HF's tokens whichever program served them, and seeded draws repeat."""
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(19, [3, 12, 30], model.config.vocab_size)
+    llm = _llm(path)  # bucket 16 holds the 16 sequence rows: a decode bucket
+    runner, ran = llm.engine.runner, []
+    run = runner._run
+    monkeypatch.setattr(runner, "_run", lambda host: (ran.append((host.bucket, host.variant)), run(host))[1])
+    greedy = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 5) for p in prompts]
+    decode = {b for b in runner.shapes.buckets if b <= runner.shapes.seq_rows(b)}
+    assert {v for b, v in ran if b in decode} == {"greedy"} and {v for b, v in ran if b not in decode} == {"base"}
+    mixed = greedy[:2] + [SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True)]
+    for want_variant in ("base", "full"):
+        ran.clear()
+        if want_variant == "full":
+            mixed = mixed[:2] + [SamplingParams(temperature=1.0, seed=5, max_tokens=5, ignore_eos=True, logprobs=1)]
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], mixed)
+        assert [o.outputs[0].token_ids for o in outs[:2]] == [hf_greedy(model, p, 5) for p in prompts[:2]]
+        assert {v for _, v in ran} == {want_variant}
+    assert runner.compiles_after_warmup == 0

@@ -320,3 +320,17 @@ def test_chunked_draw_is_jax_categorical_bit_for_bit(vocab, monkeypatch):
         got = np.asarray(jax.jit(sampler.categorical_rows)(jnp.asarray(key_data), jnp.asarray(logits)))
         np.testing.assert_array_equal(got, want)
     assert got[4] == vocab - 1
+
+
+def test_greedy_variant_skips_only_the_draw():
+    """sample(draw=False), the runner's greedy variant: for rows that are all greedy, the same tokens and logprobs
+    as the full computation, with suppression still applied."""
+    rng = np.random.default_rng(21)
+    logits = jnp.asarray(rng.normal(size=(6, 300)) * 3, jnp.float32)
+    top = np.asarray(jnp.argmax(logits, axis=-1))
+    st = make_st(6, suppress_len=2, temperature=0.0, suppress_token_ids=np.stack([top, np.full(6, -1)], axis=1).astype(np.int32))
+    a = sample(logits, st, max_logprobs=0, full=False)
+    b = sample(logits, st, max_logprobs=0, full=False, draw=False)
+    assert np.asarray(a.token_ids).tolist() == np.asarray(b.token_ids).tolist()
+    assert not (np.asarray(b.token_ids) == top).any()  # suppressed
+    np.testing.assert_array_equal(np.asarray(a.logprob), np.asarray(b.logprob))
