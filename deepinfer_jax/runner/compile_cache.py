@@ -10,13 +10,16 @@ never used. `assets/autotune/*.tgz` hold such entries, made by `benchmarks/serve
 `autotune.tgz`) on the GPUs named in the file names, plus (session 18) those of Protocol A's programs with
 the 16,384-token prefill bucket unrolled (its start on an empty cache: 29.4 s with them, 83.0 s without);
 `seed_autotune_results` adds the ones the cache lacks, as vLLM ships tuned MoE kernel configurations per GPU.
+`CompileCounter` counts the process's compilations (the runner's recompile guard).
 """
 
 from __future__ import annotations
 
 import os
 import tarfile
+import threading
 from importlib import resources
+from typing import Any
 
 import jax
 
@@ -67,3 +70,29 @@ def seed_autotune_results(cache_dir: str, archives=None) -> int:
                 os.replace(target + ".part", target)  # whole or absent, should two starts race
                 added += 1
     return added
+
+
+class CompileCounter:
+    """Counts XLA backend compilations process-wide (jax.monitoring duration events)."""
+
+    _lock = threading.Lock()
+    _count = 0
+    _installed = False
+
+    @classmethod
+    def install(cls) -> None:
+        with cls._lock:
+            if cls._installed:
+                return
+
+            def listener(event: str, duration: float, **kw: Any) -> None:
+                if event == "/jax/compilation_cache/compile_time_saved_sec" or event.endswith("backend_compile_duration"):
+                    with cls._lock:
+                        cls._count += 1
+
+            jax.monitoring.register_event_duration_secs_listener(listener)
+            cls._installed = True
+
+    @classmethod
+    def count(cls) -> int:
+        return cls._count

@@ -26,7 +26,6 @@ import dataclasses
 import logging
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +37,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged, splits_prefill_attention
+from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
@@ -59,32 +59,6 @@ def resolve_placeholders(meta, st, prev_tokens):
     if st is not None:
         st = dataclasses.replace(st, output_token_ids=sub(st.output_token_ids))
     return meta, st
-
-
-class CompileCounter:
-    """Counts XLA backend compilations process-wide (jax.monitoring duration events)."""
-
-    _lock = threading.Lock()
-    _count = 0
-    _installed = False
-
-    @classmethod
-    def install(cls) -> None:
-        with cls._lock:
-            if cls._installed:
-                return
-
-            def listener(event: str, duration: float, **kw: Any) -> None:
-                if event == "/jax/compilation_cache/compile_time_saved_sec" or event.endswith("backend_compile_duration"):
-                    with cls._lock:
-                        cls._count += 1
-
-            jax.monitoring.register_event_duration_secs_listener(listener)
-            cls._installed = True
-
-    @classmethod
-    def count(cls) -> int:
-        return cls._count
 
 
 def _packed(host: HostStep):
