@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 
+from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -61,14 +62,7 @@ class TileStats(NamedTuple):
 
 def supported(vocab: int, hidden: int) -> bool:
     """Whether the kernel tiles an lm_head [hidden, vocab]."""
-    return _largest_pow2_divisor(vocab, 128) >= 16 and _largest_pow2_divisor(hidden, 128) >= 16
-
-
-def _largest_pow2_divisor(n: int, cap: int) -> int:
-    b = 1
-    while b * 2 <= cap and n % (b * 2) == 0:
-        b *= 2
-    return b
+    return largest_pow2_divisor(vocab, 128) >= 16 and largest_pow2_divisor(hidden, 128) >= 16
 
 
 def _rotl(x, d: int):
@@ -147,8 +141,8 @@ def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, block_v=N
     T, D = h.shape
     D2, V = w.shape
     assert D == D2 and supported(V, D), (h.shape, w.shape)
-    block_v = block_v or _largest_pow2_divisor(V, 128)
-    block_k = block_k or _largest_pow2_divisor(D, 64)
+    block_v = block_v or largest_pow2_divisor(V, 128)
+    block_k = block_k or largest_pow2_divisor(D, 64)
     rows = max(16, 1 << (T - 1).bit_length())
 
     def pad(a, fill=0):
@@ -177,7 +171,7 @@ def lm_head_sample_stats_reference(h, w, temperature, key_data, suppress_ids, *,
     same reductions over [T, V // block_v, block_v] tiles."""
     T, D = h.shape
     V = w.shape[1]
-    block_v = block_v or _largest_pow2_divisor(V, 128)
+    block_v = block_v or largest_pow2_divisor(V, 128)
     logits = jnp.einsum("td,dv->tv", h.astype(w.dtype), w).astype(jnp.float32)  # [T, V]
     keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl="threefry2x32")
     noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [T, V]

@@ -194,11 +194,11 @@ class ModelRunner:
                                     return_routing=rc.collect_routing, unroll=unroll,
                                     mesh_rules=None if sh is None else sh.mesh_rules, return_hidden=hidden,
                                     **rc.forward_switches())
-                logits, kv_cache = out[0], out[1]
-                if sh is not None:
-                    logits = jax.lax.with_sharding_constraint(logits, sh.logits)
+                last, kv_cache = out[0], out[1]  # the logits, or the hidden states
+                if sh is not None:  # (the logits: the lm_head samples only on one device)
+                    last = jax.lax.with_sharding_constraint(last, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
-                return (logits, out[2] if rc.collect_routing else None), kv_cache
+                return (last, out[2] if rc.collect_routing else None), kv_cache
 
             self._fwd_fns[layout] = jax.jit(forward)  # the step program donates the cache
         return self._fwd_fns[layout]
@@ -256,8 +256,9 @@ class ModelRunner:
             rows, lm_head = meta.logits_indices.shape[0], self.params["lm_head"]
             out = (jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype) if self.lm_head_sampler
                    else jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32))
+            ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
             sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, lm_head, self._prev_tokens,
-                                        *(jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32))))
+                                        *ints_floats)
             routing = None
             if self.runner_cfg.collect_routing:
                 n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
@@ -332,8 +333,8 @@ class ModelRunner:
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
         hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
-        hosts += [dataclasses.replace(self._host_step([[]] * self.num_ranks, {}, {}, b, False), greedy=True)
-                  for b in buckets if self._greedy_bucket(b)]
+        hosts += [dataclasses.replace(h, greedy=True) for h in hosts
+                  if not h.penalties and self._greedy_bucket(h.bucket)]
         # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
         hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
                   if h.meta.has_context is False]
