@@ -61,6 +61,19 @@
 #                                                   session 18: Protocol A scanned, unrolled, scanned with an
 #                                                   unrolled 512-token bucket beside, scanned with less memory
 #                                                   for XLA; GPU clocks and power sampled (smi.csv)
+#   bash benchmarks/explore_next.sh OUTDIR ncu
+#                                                   session 23: Nsight Compute over the batch-32 decode attention
+#                                                   and output kernels (ncu_attention.py): duration, DRAM bytes,
+#                                                   occupancy (ncu_table.py), the full sections' summary and the
+#                                                   warp stall samples
+#   bash benchmarks/explore_next.sh OUTDIR attn64
+#                                                   session 23: the decode attention walking whole 64-key pages a
+#                                                   step (attn_sweep.py's bk64 variants), then the batch-32 step
+#                                                   with --attn-block-keys 64 against the defaults, alternating
+#   bash benchmarks/explore_next.sh OUTDIR merge
+#                                                   session 23: the decode attention merging its splits in its own
+#                                                   launch (step_profile.py --attn-merge) against the defaults,
+#                                                   alternating; the W_UV kernel at 64-column steps; one traced
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -289,6 +302,45 @@ if [[ $mode == ctx ]]; then  # the prefill's context part known on the host, aga
     grep -h -E "idle gaps of|inside PjitFunction" "$out/ctx_gaps_$v.log" | head -4
     grep -h "^concurrency" "$out/pb_ctx_$v.log" | cut -c1-260
   done
+  exit 0
+fi
+if [[ $mode == ncu ]]; then  # session 23: the decode attention and the output kernel under Nsight Compute
+  # Each kernel replayed alone. XLA must not preallocate (ncu would back ~100 GB of device memory up at every replay
+  # pass); under ncu the whole engine step (step_profile.py) died with a segfault ~10 s in, cause not found.
+  export DEEPINFER_XLA_DEFAULTS=0 XLA_PYTHON_CLIENT_PREALLOCATE=false
+  ncu --version | tail -1
+  ncu=(ncu --profile-from-start off --clock-control none)
+  timeout -s KILL 120 "${ncu[@]}" --metrics "$(python3 benchmarks/ncu_table.py --metrics)" --csv --page raw \
+    python3 benchmarks/ncu_attention.py --output > "$out/ncu_attn.csv" 2> "$out/ncu_attn.err"
+  python3 benchmarks/ncu_table.py "$out/ncu_attn.csv"
+  timeout -s KILL 120 "${ncu[@]}" --set full --import-source no -o "$out/full" python3 benchmarks/ncu_attention.py \
+    --output > "$out/ncu_full.log" 2>&1
+  ncu --import "$out/full.ncu-rep" --page details > "$out/full_details.txt" 2>&1
+  grep -E "^  [_a-z].*\(|Duration|DRAM Throughput|Achieved Occupancy|Registers Per|Theoretical Occ|Grid Size" \
+    "$out/full_details.txt" | head -40
+  ncu --import "$out/full.ncu-rep" --page raw --csv 2>/dev/null | python3 benchmarks/ncu_table.py --stalls /dev/stdin
+  exit 0
+fi
+if [[ $mode == attn64 ]]; then  # session 23: 64-key blocks a loop step for the decode attention
+  timeout 240 python3 benchmarks/attn_sweep.py --cases 32x512,32x640,32x768,64x2048 \
+    --variants base,bk64,bk64_s2,bk64_w8,bk64_c1 2>&1 | quiet > "$out/sweep.log"
+  grep -h -E "^\|" "$out/sweep.log"
+  for l in base bk64 base2 bk64_2; do
+    f=(); [[ $l == bk64* ]] && f=(--attn-block-keys 64)
+    left 560 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
+  exit 0
+fi
+if [[ $mode == merge ]]; then  # session 23: the splits merged in the attention's launch
+  for l in base merge base2 merge2 merge_r64 merge_tr; do
+    f=(); [[ $l == merge* ]] && f=(--attn-merge)
+    [[ $l == merge_r64 ]] && f+=(--value-block-r 64)
+    [[ $l == merge_tr ]] && f+=(--trace /tmp/tr_merge)
+    left 540 && timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
+  grep -h -A16 "one layer" "$out/step_merge_tr.log" | head -17
   exit 0
 fi
 if [[ $mode == check ]]; then
