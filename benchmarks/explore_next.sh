@@ -70,10 +70,6 @@
 #                                                   session 23: the decode attention walking whole 64-key pages a
 #                                                   step (attn_sweep.py's bk64 variants), then the batch-32 step
 #                                                   with --attn-block-keys 64 against the defaults, alternating
-#   bash benchmarks/explore_next.sh OUTDIR merge
-#                                                   session 23: the decode attention merging its splits in its own
-#                                                   launch (step_profile.py --attn-merge) against the defaults,
-#                                                   alternating; the W_UV kernel at 64-column steps; one traced
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -330,17 +326,6 @@ if [[ $mode == attn64 ]]; then  # session 23: 64-key blocks a loop step for the 
     left 560 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
   done
-  exit 0
-fi
-if [[ $mode == merge ]]; then  # session 23: the splits merged in the attention's launch
-  for l in base merge base2 merge2 merge_r64 merge_tr; do
-    f=(); [[ $l == merge* ]] && f=(--attn-merge)
-    [[ $l == merge_r64 ]] && f+=(--value-block-r 64)
-    [[ $l == merge_tr ]] && f+=(--trace /tmp/tr_merge)
-    left 540 && timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
-    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
-  done
-  grep -h -A16 "one layer" "$out/step_merge_tr.log" | head -17
   exit 0
 fi
 if [[ $mode == check ]]; then

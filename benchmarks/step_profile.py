@@ -49,11 +49,6 @@ def main(argv=None) -> int:
                     help="pages the decode attention walks per loop step (kernels/mla_decode.PAGES_PER_STEP)")
     ap.add_argument("--attn-block-keys", type=int, default=0,
                     help="keys the decode attention reads per loop step, a divisor of the page (mla_decode.BLOCK_KEYS)")
-    ap.add_argument("--attn-merge", action="store_true",
-                    help="the decode attention merges its splits in its launch (models/decode_kernels.py "
-                         "MERGE_IN_ATTENTION) and the output kernel applies W_UV alone")
-    ap.add_argument("--value-block-r", type=int, default=0,
-                    help="with --attn-merge: latent columns a step of the W_UV kernel (mla_output.VALUE_BLOCK_R)")
     ap.add_argument("--attn-kernel", default="",
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
     ap.add_argument("--oproj-kernel", default="",
@@ -89,12 +84,6 @@ def main(argv=None) -> int:
     from deepinfer_jax.kernels import mla_decode, mla_output, mla_qkv
     from deepinfer_jax.sampling import sampler
 
-    if args.attn_merge:
-        from deepinfer_jax.models import decode_kernels
-
-        decode_kernels.MERGE_IN_ATTENTION = True
-    if args.value_block_r:
-        mla_output.VALUE_BLOCK_R = args.value_block_r
     if args.attn_splits:
         mla_decode.auto_splits = lambda num_tokens: args.attn_splits
     if args.attn_pages_per_step:

@@ -387,15 +387,15 @@ class RunnerConfig:
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
     # two kernels (2.1 + 1.7 us a layer on an H200 at batch 32, session 19's trace). Session 19, its first
-    # form (the partials loaded one after another): 4.4 us, step 8.25 ms against 8.23; off. The form that
-    # loads them as one block is not measured yet.
+    # form (the partials loaded one after another): 4.4 us, step 8.25 ms against 8.23; off. Session 23, the form
+    # that loads them as one block, with decode_combine_norm: step 8.20-8.21 ms against 8.16 (alternating); off.
     decode_residual_norm: bool = False
     # Decode-size MoE layers whose routing runs in its kernel with the shared MLP inside the expert kernels
     # combine the expert rows into the residual and take the next layer's input RMSNorm in one launch of a
     # program a token (kernels/residual_route.py combine_residual_norm), instead of XLA's two kernels (2.6 + 1.4
     # us a layer on an H200 at batch 32, session 19's trace); the layers pass the normed input on. Session 19,
-    # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. The form
-    # that gathers them in one load is not measured yet.
+    # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. Session 23,
+    # the form that gathers them in one load, with decode_residual_norm: step 8.20-8.21 ms against 8.16; off.
     decode_combine_norm: bool = False
     # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
     # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):

@@ -87,12 +87,9 @@ def softmax_steps(ss, vs, carry):
     return (accs if chunked else accs[0]), m_new, l
 
 
-def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, *refs, page_size, rank, scale,
-            pages_per_step, block_keys, prefetch_ids, qk_chunks=1, merge=False, spin=True):
-    """One (token, head block, split) program. Without `merge`: refs = o, m, l, this program's blocks. With it:
-    refs = counters in, o, m, l, the merged latent, counters out (whole arrays); the program stores its split,
-    and the last of its (token, head block) to finish merges all the splits into the latent (`_merge_splits`)."""
-    t, hb, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)  # without merge axis 1 is in the BlockSpecs
+def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
+            page_size, rank, scale, pages_per_step, block_keys, prefetch_ids, qk_chunks=1):
+    t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
     first = sp * pages_per_split
@@ -139,47 +136,10 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     else:
         steps = jnp.maximum(last - first + g - 1, 0) // g
         acc, m, l = jax.lax.fori_loop(0, steps, body_group, init)
-    if not merge:
-        o_ref, m_ref, l_ref = refs
-        for j, a in enumerate(acc if qk_chunks > 1 else (acc,)):
-            o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a
-        m_ref[0, 0, 0] = m
-        l_ref[0, 0, 0] = l
-        return
-    _, o_ref, m_ref, l_ref, lat_ref, cnt_ref = refs
     for j, a in enumerate(acc if qk_chunks > 1 else (acc,)):
-        o_ref[t, hb, sp, :, pl.ds(j * w, w)] = a
-    m_ref[t, hb, sp] = m
-    l_ref[t, hb, sp] = l
-    _merge_splits(t, hb, o_ref, m_ref, l_ref, lat_ref, cnt_ref, spin=spin)
-
-
-MERGE_COLUMNS = 128  # latent columns the merging program combines at a time (registers: 4 splits x [bh, 128])
-
-
-def _merge_splits(t, hb, o_ref, m_ref, l_ref, lat_ref, cnt_ref, *, spin):
-    """After a program stored its split: count it on its (token, head block)'s counter (a CTA barrier, then an
-    atomic add with release / acquire semantics: launch_sync's order), and if it was the last of the splits to
-    finish, merge them (`merge_splits`' arithmetic, its order of sums) into the latent [bh, R] in lat_ref's
-    dtype. In interpret mode the programs run in grid order, so the last split is the last to count."""
-    from jax.experimental.pallas import triton as plgpu
-
-    _, nh, splits, _, R = o_ref.shape
-    if spin:
-        plgpu.debug_barrier()  # every thread's stores precede the count
-    done = plgpu.atomic_add(cnt_ref, t * nh + hb, jnp.int32(1))
-
-    @pl.when(done == splits - 1)
-    def _():
-        ms = [m_ref[t, hb, s] for s in range(splits)]  # S x [bh]
-        M = functools.reduce(jnp.maximum, ms)
-        ws = [jnp.exp(m - M) for m in ms]  # empty splits: exp(NEG - M) = 0
-        den = functools.reduce(jnp.add, [w * l_ref[t, hb, s] for s, w in enumerate(ws)])
-        cw = min(MERGE_COLUMNS, R)
-        for c in range(R // cw):
-            cols = pl.ds(c * cw, cw)
-            num = functools.reduce(jnp.add, [w[:, None] * o_ref[t, hb, s, :, cols] for s, w in enumerate(ws)])
-            lat_ref[t, hb, :, cols] = (num / den[:, None]).astype(lat_ref.dtype)
+        o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a
+    m_ref[0, 0, 0] = m
+    l_ref[0, 0, 0] = l
 
 
 def auto_splits(num_tokens: int) -> int:
@@ -214,21 +174,6 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
                                              "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
-def paged_mla_attention_merged(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
-                               num_splits=None, block_h=16, num_warps=4, num_stages=3, pages_per_step=1,
-                               block_keys=None, prefetch_ids=True, qk_chunks=None, interpret=False):
-    """`paged_mla_attention_splits` with the splits merged in the same launch: the last program of each (token,
-    head block) to finish merges its splits (`_merge_splits`, `merge_splits`' arithmetic) -> the latent o_lat
-    [T, H, R] in q_lat's dtype, rounded as `merge_splits(...).astype(q_lat.dtype)`. Saves the output kernel the
-    merge (kernels/mla_output.py `value_projection`)."""
-    return _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
-                           block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-                           block_keys=block_keys, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, interpret=interpret,
-                           merge=True)
-
-
-@functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                num_splits=None, block_h=16, num_warps=4, num_stages=3, pages_per_step=1,
                                block_keys=None, prefetch_ids=True, qk_chunks=None, interpret=False):
@@ -247,14 +192,6 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     each block's scores a sum of independent dots (`page_scores`); None: QK_CHUNKS where that applies, else 1.
     H200 (attn_sweep.py, session 15): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
     against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4."""
-    return _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
-                           block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-                           block_keys=block_keys, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, interpret=interpret,
-                           merge=False)
-
-
-def _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits, block_h,
-                    num_warps, num_stages, pages_per_step, block_keys, prefetch_ids, qk_chunks, interpret, merge):
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -279,8 +216,7 @@ def _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table
     if qk_chunks > 1 and (pages_per_step != 1 or not prefetch_ids or R % qk_chunks):
         raise ValueError(f"qk_chunks {qk_chunks}: one block a step with the page id prefetch, dividing R = {R}")
     kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
-                               block_keys=bk, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, merge=merge,
-                               spin=not interpret)
+                               block_keys=bk, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),
         jax.ShapeDtypeStruct((T, nh, splits, bh), jnp.float32),
@@ -291,26 +227,15 @@ def _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table
     # the 227 KB of shared memory, as would two of several pages a step in bf16.
     stages = num_stages if kv_cache.dtype.itemsize < 4 and pages_per_step == 1 else 1
     params = compiler_params(num_warps, stages, interpret)
-    in_specs = [
-        full(layer), full(pps), full(seq_ids), full(positions), full(page_table),
-        pl.BlockSpec((1, 1, bh, R), lambda t, h, s: (t, h, 0, 0)),
-        pl.BlockSpec((1, 1, bh, dr), lambda t, h, s: (t, h, 0, 0)),
-        full(kv_cache),
-    ]
-    args = (layer, pps, seq_ids, positions, page_table, ql, qp, kv_cache)
-    if merge:  # whole arrays: the merging program reads every split; counters zeroed, aliased to the last output
-        counters = jnp.zeros((T * nh,), jnp.int32)
-        out_shape = (*out_shape, jax.ShapeDtypeStruct((T, nh, bh, R), q_lat.dtype), counters)
-        _, _, _, lat, _ = pl.pallas_call(
-            kernel, grid=(T, nh, splits), in_specs=[*in_specs, full(counters)],
-            out_specs=[full(a) for a in out_shape], out_shape=out_shape,
-            input_output_aliases={len(args): 4}, compiler_params=params, interpret=interpret,
-        )(*args, counters)
-        return lat.reshape(T, nh * bh, R)
     o, m, l = pl.pallas_call(
         kernel,
         grid=(T, nh, splits),
-        in_specs=in_specs,
+        in_specs=[
+            full(layer), full(pps), full(seq_ids), full(positions), full(page_table),
+            pl.BlockSpec((1, 1, bh, R), lambda t, h, s: (t, h, 0, 0)),
+            pl.BlockSpec((1, 1, bh, dr), lambda t, h, s: (t, h, 0, 0)),
+            full(kv_cache),
+        ],
         out_specs=[
             pl.BlockSpec((1, 1, 1, bh, R), lambda t, h, s: (t, h, s, 0, 0)),
             pl.BlockSpec((1, 1, 1, bh), lambda t, h, s: (t, h, s, 0)),
@@ -319,7 +244,7 @@ def _attention_call(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table
         out_shape=out_shape,
         compiler_params=params,
         interpret=interpret,
-    )(*args)
+    )(layer, pps, seq_ids, positions, page_table, ql, qp, kv_cache)
     return o, m, l
 
 

@@ -55,25 +55,18 @@ def _merge_tile(h, tb, vb, layer, o_ref, m_ref, l_ref, w_ref, store, *, bh, spli
                 dtype):
     """Program (h, tb, vb): tokens tb * block_t .. of head h, value columns vb * block_v ..; `store(rows, y)`
     writes the [block_t, block_v] result."""
+    hb, hi = h // bh, h % bh
     rows = pl.ds(tb * block_t, block_t)
+    ms = [m_ref[rows, hb, s, hi] for s in range(splits)]  # S x [bt]
+    M = functools.reduce(jnp.maximum, ms)
+    ws = [jnp.exp(m - M) for m in ms]  # empty splits: exp(NEG - M) = 0
+    den = functools.reduce(jnp.add, [w * l_ref[rows, hb, s, hi] for s, w in enumerate(ws)])
     cols = pl.ds(dn + vb * block_v, block_v)
-    if m_ref is None:  # o_ref is the merged latent [T, H, R] (mla_decode.paged_mla_attention_merged)
-        def latent(ks):
-            return o_ref[rows, h, ks].astype(dtype)
-    else:
-        hb, hi = h // bh, h % bh
-        ms = [m_ref[rows, hb, s, hi] for s in range(splits)]  # S x [bt]
-        M = functools.reduce(jnp.maximum, ms)
-        ws = [jnp.exp(m - M) for m in ms]  # empty splits: exp(NEG - M) = 0
-        den = functools.reduce(jnp.add, [w * l_ref[rows, hb, s, hi] for s, w in enumerate(ws)])
 
-        def latent(ks):  # a block_r slice of the latent, merged and rounded
-            num = functools.reduce(jnp.add, [w[:, None] * o_ref[rows, hb, s, hi, ks] for s, w in enumerate(ws)])
-            return (num / den[:, None]).astype(dtype)  # [bt, br]
-
-    def body(c, acc):  # one block_r slice of the latent times W_UV's rows
+    def body(c, acc):  # one block_r slice of the latent: merged, rounded, times W_UV's rows
         ks = pl.ds(c * block_r, block_r)
-        o_lat = latent(ks)
+        num = functools.reduce(jnp.add, [w[:, None] * o_ref[rows, hb, s, hi, ks] for s, w in enumerate(ws)])
+        o_lat = (num / den[:, None]).astype(dtype)  # [bt, br]
         w_uv = w_ref[layer, ks, h, cols].astype(dtype)  # [br, bv]
         return acc + jnp.dot(o_lat, w_uv, preferred_element_type=jnp.float32, precision=EXACT)
 
@@ -89,40 +82,6 @@ def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, block_
         out_ref[rows, h, pl.ds(vb * block_v, block_v)] = y
 
     _merge_tile(h, tb, vb, layer_ref[0], o_ref, m_ref, l_ref, w_ref, store, block_v=block_v, **kw)
-
-
-def _value_kernel(layer_ref, lat_ref, w_ref, out_ref, *, block_v, **kw):
-    h, tb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-
-    def store(rows, y):
-        out_ref[rows, h, pl.ds(vb * block_v, block_v)] = y
-
-    _merge_tile(h, tb, vb, layer_ref[0], lat_ref, None, None, w_ref, store, block_v=block_v, bh=1, splits=1, **kw)
-
-
-VALUE_BLOCK_R = 32  # latent columns a `value_projection` program multiplies a step (merge_value_projection's order)
-
-
-@functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
-                                             "interpret"))
-def value_projection(o_lat, kv_b, layer, *, dn, dtype, block_v=64, block_r=None, num_warps=4, num_stages=3,
-                     interpret=False):
-    """`merge_value_projection` for a latent already merged (mla_decode.paged_mla_attention_merged): o_lat
-    [T, H, R] -> [T, H, dv] = o_lat[t, h] . W_UV[h] in `dtype`, W_UV read in place from the stacked kv_b. Same
-    grid and tiles; block_r None: VALUE_BLOCK_R."""
-    T, H, R = o_lat.shape
-    _, R2, H2, W = kv_b.shape
-    dv = W - dn
-    block_v, block_r = min(block_v, dv), min(block_r or VALUE_BLOCK_R, R)
-    assert R == R2 and H == H2 and T % BLOCK_T == 0 and dv % block_v == 0 and R % block_r == 0, (
-        o_lat.shape, kv_b.shape, dn, block_v, block_r)
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    return pl.pallas_call(
-        functools.partial(_value_kernel, dn=dn, block_t=BLOCK_T, block_v=block_v, block_r=block_r,
-                          dtype=jnp.dtype(dtype)),
-        grid=(H, T // BLOCK_T, dv // block_v), out_shape=jax.ShapeDtypeStruct((T, H, dv), dtype),
-        compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
-    )(layer, o_lat, kv_b)
 
 
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",

@@ -28,12 +28,6 @@ from deepinfer_jax.models.quant import is_quantized
 # 10.5 us for the kernel's two launches (benchmarks/RESULTS.md, session 7).
 STACKABLE = (("attn", "o_proj", 2), ("mlp", "gate_up", 1), ("mlp", "down", 1))
 
-# Where the output kernel runs without o_proj in its launch, the decode attention's last split program of
-# each token merges the splits in the attention's launch (mla_decode.paged_mla_attention_merged) and the
-# output kernel only applies W_UV (mla_output.value_projection): the same values (the merge's arithmetic and
-# rounding are the output kernel's), one fp32 pass over the splits fewer. Session 23 measures it.
-MERGE_IN_ATTENTION = False
-
 
 def pallas_one_device(attn_impl: str, mesh_rules: MeshRules | None) -> bool:
     return attn_impl in ("pallas", "pallas_interpret") and mesh_rules is None
@@ -274,14 +268,9 @@ def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cf
     from deepinfer_jax.kernels import mla_decode, mla_output
 
     interpret = attn_impl == "pallas_interpret"
-    args = (q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale)
-    if MERGE_IN_ATTENTION and o_proj is None:
-        o_lat = mla_decode.paged_mla_attention_merged(*args, pages_per_step=mla_decode.PAGES_PER_STEP,
-                                                      interpret=interpret)  # [T, H, R]
-        return mla_output.value_projection(o_lat, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
-                                           interpret=interpret)
-    o, m, l = mla_decode.paged_mla_attention_splits(*args, pages_per_step=mla_decode.PAGES_PER_STEP,
-                                                    interpret=interpret)
+    o, m, l = mla_decode.paged_mla_attention_splits(
+        q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
+        pages_per_step=mla_decode.PAGES_PER_STEP, interpret=interpret)
     if o_proj is not None:
         w = o_proj.stacked
         parts = mla_output.merge_value_output_projection(

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.kernels import mla_decode
 from deepinfer_jax.kernels.mla_decode import paged_mla_attention
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 
@@ -132,24 +130,3 @@ def test_latent_in_column_chunks_matches_the_reference(qk_chunks, block_keys, sp
     ql, qp, kv, sid, pos, pt = _case(8)
     with pytest.raises(ValueError, match="qk_chunks"):
         paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, qk_chunks=2, prefetch_ids=False, interpret=True)
-
-
-@pytest.mark.parametrize("splits", [1, 3, 4])
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_splits_merged_in_the_launch_equal_merge_splits(splits, dtype):
-    """paged_mla_attention_merged: the last program of each (token, head block) merges the splits (counted on
-    atomic counters) into the latent, rounded to q's dtype: `merge_splits` of the split kernel's outputs, with
-    empty splits (short sequences) adding nothing."""
-    T, H, R, DR, PS, L = 4, 16, 512, 64, 64, 2
-    k = jax.random.split(jax.random.key(0), 3)
-    cache = jax.random.normal(k[0], (L, 20, PS, R + DR), dtype)
-    ql, qp = jax.random.normal(k[1], (T, H, R), dtype), jax.random.normal(k[2], (T, H, DR), dtype)
-    pt = jnp.asarray(np.arange(1, 1 + T * 4).reshape(T, 4), jnp.int32)
-    pos, sid = jnp.asarray([5, 70, 200, 130], jnp.int32), jnp.arange(T, dtype=jnp.int32)
-    o, m, l = mla_decode.paged_mla_attention_splits(ql, qp, cache, 1, sid, pos, pt, 0.1, num_splits=splits,
-                                                    interpret=True)
-    want = mla_decode.merge_splits(o, m, l).astype(dtype)
-    got = mla_decode.paged_mla_attention_merged(ql, qp, cache, 1, sid, pos, pt, 0.1, num_splits=splits,
-                                                interpret=True)
-    assert got.shape == (T, H, R) and got.dtype == dtype
-    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=1e-6, atol=1e-6)

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.kernels.mla_decode import NEG, paged_mla_attention, paged_mla_attention_splits
-from deepinfer_jax.kernels import mla_decode, mla_output
 from deepinfer_jax.kernels.mla_output import merge_value_projection, merge_value_projection_reference, supported
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 
@@ -110,21 +109,3 @@ def test_output_projection_supported_steps():
     assert output_projection_supported(32, 16, 128, 2048)  # V2-Lite at batch 32
     assert not output_projection_supported(8, 16, 128, 2048)  # the output kernel's own limit
     assert not output_projection_supported(32, 16, 128, 20)  # no tiling of o_proj's columns
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_value_projection_of_the_merged_latent_equals_the_merging_kernel(dtype):
-    """value_projection (W_UV applied to a latent the attention already merged) at its default tiles gives
-    merge_value_projection's result bit for bit: the same rounding of the merged latent, the same order of sums."""
-    T, H, R, DR, PS, L = 16, 16, 512, 64, 64, 2
-    k = jax.random.split(jax.random.key(1), 4)
-    cache = jax.random.normal(k[0], (L, 70, PS, R + DR), dtype)
-    ql, qp = jax.random.normal(k[1], (T, H, R), dtype), jax.random.normal(k[2], (T, H, DR), dtype)
-    kv_b = jax.random.normal(k[3], (L, R, H, 256), dtype) * 0.05
-    pt = jnp.asarray(np.arange(1, 1 + T * 4).reshape(T, 4), jnp.int32)
-    pos, sid = jnp.asarray(np.arange(T) * 13 + 3, jnp.int32), jnp.arange(T, dtype=jnp.int32)
-    o, m, l = mla_decode.paged_mla_attention_splits(ql, qp, cache, 1, sid, pos, pt, 0.1, num_splits=4, interpret=True)
-    want = mla_output.merge_value_projection(o, m, l, kv_b, 1, dn=128, dtype=dtype, interpret=True)
-    lat = mla_decode.paged_mla_attention_merged(ql, qp, cache, 1, sid, pos, pt, 0.1, num_splits=4, interpret=True)
-    got = mla_output.value_projection(lat, kv_b, 1, dn=128, dtype=dtype, interpret=True)
-    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))

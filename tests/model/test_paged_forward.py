@@ -341,23 +341,6 @@ def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatc
                          for i, seg in enumerate(layer_segments(cfg))]
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn"])
-def test_splits_merged_in_the_attention_launch(hf_case, case, monkeypatch):
-    """decode_kernels.MERGE_IN_ATTENTION: the decode attention's last split program of each token merges the
-    splits in its launch and the output kernel only applies W_UV: the same logits and cache as the output
-    kernel's merge (decode_output_kernel off, then on with the merged path), and the full forward's logits."""
-    from deepinfer_jax.kernels import mla_output
-    from deepinfer_jax.models import decode_kernels
-
-    calls = []
-    real = mla_output.value_projection
-    monkeypatch.setattr(decode_kernels, "MERGE_IN_ATTENTION", True)
-    monkeypatch.setattr(mla_output, "value_projection", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_output_kernel", seed=11)
-    H, R = cfg.num_attention_heads, cfg.kv_lora_rank
-    assert calls == 2 * len(layer_segments(cfg)) * [(16, H, R)]  # the two decode steps, [T, H, R] merged latents
-
-
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
 def test_decode_absorb_kernel_equals_the_xla_absorption(hf_case, case, monkeypatch):
     """RunnerConfig.decode_absorb_kernel: a decode step the per-token kernel serves absorbs the query
