@@ -70,6 +70,10 @@
 #                                                   session 23: the decode attention walking whole 64-key pages a
 #                                                   step (attn_sweep.py's bk64 variants), then the batch-32 step
 #                                                   with --attn-block-keys 64 against the defaults, alternating
+#   bash benchmarks/explore_next.sh OUTDIR outr
+#                                                   session 23: the output kernel walking the latent 64 columns a
+#                                                   step (--output-kernel block_r=64) against 32, in the batch-32
+#                                                   step, alternating
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -324,6 +328,14 @@ if [[ $mode == attn64 ]]; then  # session 23: 64-key blocks a loop step for the 
   for l in base bk64 base2 bk64_2; do
     f=(); [[ $l == bk64* ]] && f=(--attn-block-keys 64)
     left 560 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
+  exit 0
+fi
+if [[ $mode == outr ]]; then  # session 23: the output kernel's latent slice, in the step
+  for l in base r64 base2 r64_2; do
+    f=(); [[ $l == r64* ]] && f=(--output-kernel block_r=64)
+    left 420 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
   done
   exit 0

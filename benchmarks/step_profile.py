@@ -51,6 +51,8 @@ def main(argv=None) -> int:
                     help="keys the decode attention reads per loop step, a divisor of the page (mla_decode.BLOCK_KEYS)")
     ap.add_argument("--attn-kernel", default="",
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
+    ap.add_argument("--output-kernel", default="",
+                    help="block_v=V,block_r=R,num_warps=W,num_stages=S: the output kernel's (merge and W_UV) tiles")
     ap.add_argument("--oproj-kernel", default="",
                     help="num_warps=W,num_stages=S: the output kernel's launch with o_proj (decode_oproj_launch)")
     ap.add_argument("--qkv-kernel", default="",
@@ -93,6 +95,7 @@ def main(argv=None) -> int:
     if args.attn_block_keys:
         mla_decode.BLOCK_KEYS = args.attn_block_keys
     for module, name, spec in ((mla_decode, "paged_mla_attention_splits", args.attn_kernel),
+                               (mla_output, "merge_value_projection", args.output_kernel),
                                (mla_output, "merge_value_output_projection", args.oproj_kernel),
                                (mla_qkv, "project_absorb_write_latents", args.qkv_kernel)):
         if spec:  # k=v,..: keyword arguments of the kernel's wrapper

@@ -86,11 +86,13 @@ def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, block_
 
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
                                              "interpret"))
-def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=32, num_warps=4, num_stages=3,
+def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=64, num_warps=4, num_stages=3,
                            interpret=False):
     """o [T, nh, S, bh, R], m / l [T, nh, S, bh] (fp32 splits), kv_b [L, R, H, dn + dv] stacked, layer:
-    int32 scalar -> [T, H, dv] in `dtype` (the module docstring). The default tiles were the fastest of
-    nine on an H200 at batch 32 with four splits (7.0 us; 64 x 64: 8.0) and at batch 64 (7.4 us)."""
+    int32 scalar -> [T, H, dv] in `dtype` (the module docstring). Tiles: of nine on an H200 alone at batch 32
+    with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0; session 8), but in the batch-32 step 64 x
+    64 is (8.05, 8.05 ms a step against 8.07, 8.08, alternating; session 23: half the slices, so half the
+    merge's barriers and layout changes; Nsight Compute found the kernel bound by its warps' issue latency)."""
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv = W - dn
@@ -159,7 +161,7 @@ def output_projection_supported(num_tokens: int, H: int, dv: int, D: int, block_
 
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
                                              "interpret"))
-def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block_v=64, block_r=32, num_warps=4,
+def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block_v=64, block_r=64, num_warps=4,
                                   num_stages=3, interpret=False):
     """`merge_value_projection` and then o_proj in one launch: o, m, l, kv_b, layer as there; w_o [L, H * dv, D]
     (o_proj, layer-stacked, read in place) -> o_proj's split-K partials [split_k, T, D] fp32, whose sum is
