@@ -74,6 +74,13 @@
 #                                                   session 23: the output kernel walking the latent 64 columns a
 #                                                   step (--output-kernel block_r=64) against 32, in the batch-32
 #                                                   step, alternating
+#   bash benchmarks/explore_next.sh OUTDIR occupancy
+#                                                   the next call (session 23's ncu: the attention and output
+#                                                   kernels run one warp a scheduler and wait on their own
+#                                                   instruction chains): the batch-32 step with twice the attention's
+#                                                   splits (256 programs, two an SM, half the chain each), with the
+#                                                   output kernel's 32-column value tiles (128 programs), and both,
+#                                                   against the defaults, alternating
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -336,6 +343,16 @@ if [[ $mode == outr ]]; then  # session 23: the output kernel's latent slice, in
   for l in base r64 base2 r64_2; do
     f=(); [[ $l == r64* ]] && f=(--output-kernel block_r=64)
     left 420 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
+  exit 0
+fi
+if [[ $mode == occupancy ]]; then  # more programs an SM for the two latency-bound attention kernels
+  for l in base s8 v32 both base2 s8_2 v32_2 both2; do
+    f=()
+    [[ $l == s8* || $l == both* ]] && f+=(--attn-splits 8)
+    [[ $l == v32* || $l == both* ]] && f+=(--output-kernel block_v=32)
+    left 540 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
   done
   exit 0
