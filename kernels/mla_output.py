@@ -84,19 +84,26 @@ def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, block_
     _merge_tile(h, tb, vb, layer_ref[0], o_ref, m_ref, l_ref, w_ref, store, block_v=block_v, **kw)
 
 
+def merge_slice(splits: int) -> int:
+    """Latent columns a program merges and multiplies a step (`block_r`) for `splits` context splits: 64 up to
+    four splits, else 32, so that a step's merged slices stay at most 64 x 16 x 4 fp32 values (a thread's 32).
+    In the batch-32 step (four splits) 64 beat 32 on an H200: 8.05, 8.05 ms a step against 8.07, 8.08,
+    alternating (session 23; half the loop steps, so half the merge's barriers and layout changes: Nsight Compute
+    found the kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32, as measured."""
+    return 64 if splits <= 4 else 32
+
+
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
                                              "interpret"))
-def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=64, num_warps=4, num_stages=3,
+def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block_r=None, num_warps=4, num_stages=3,
                            interpret=False):
     """o [T, nh, S, bh, R], m / l [T, nh, S, bh] (fp32 splits), kv_b [L, R, H, dn + dv] stacked, layer:
-    int32 scalar -> [T, H, dv] in `dtype` (the module docstring). Tiles: of nine on an H200 alone at batch 32
-    with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0; session 8), but in the batch-32 step 64 x
-    64 is (8.05, 8.05 ms a step against 8.07, 8.08, alternating; session 23: half the slices, so half the
-    merge's barriers and layout changes; Nsight Compute found the kernel bound by its warps' issue latency)."""
+    int32 scalar -> [T, H, dv] in `dtype` (the module docstring). block_r None: `merge_slice(S)`. Of nine tiles
+    on an H200 alone at batch 32 with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0; session 8)."""
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv = W - dn
-    block_v, block_r = min(block_v, dv), min(block_r, R)
+    block_v, block_r = min(block_v, dv), min(block_r or merge_slice(S), R)
     assert R == R2 and H == nh * bh and T % BLOCK_T == 0 and dv % block_v == 0 and R % block_r == 0, (
         o.shape, kv_b.shape, dn, block_v, block_r)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -161,7 +168,7 @@ def output_projection_supported(num_tokens: int, H: int, dv: int, D: int, block_
 
 @functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
                                              "interpret"))
-def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block_v=64, block_r=64, num_warps=4,
+def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block_v=64, block_r=None, num_warps=4,
                                   num_stages=3, interpret=False):
     """`merge_value_projection` and then o_proj in one launch: o, m, l, kv_b, layer as there; w_o [L, H * dv, D]
     (o_proj, layer-stacked, read in place) -> o_proj's split-K partials [split_k, T, D] fp32, whose sum is
@@ -174,7 +181,7 @@ def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv, D = W - dn, w_o.shape[-1]
-    block_v, block_r = min(block_v, dv), min(block_r, R)
+    block_v, block_r = min(block_v, dv), min(block_r or merge_slice(S), R)
     assert R == R2 and H == nh * bh and w_o.shape[1] == H * dv and output_projection_supported(T, H, dv, D, block_v), (
         o.shape, kv_b.shape, w_o.shape, dn, block_v)
     block_n, block_k, split_k = decode_matmul.plan(H * dv, D)

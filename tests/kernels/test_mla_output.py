@@ -109,3 +109,24 @@ def test_output_projection_supported_steps():
     assert output_projection_supported(32, 16, 128, 2048)  # V2-Lite at batch 32
     assert not output_projection_supported(8, 16, 128, 2048)  # the output kernel's own limit
     assert not output_projection_supported(32, 16, 128, 20)  # no tiling of o_proj's columns
+
+
+@pytest.mark.parametrize("S", [4, 8])
+def test_merge_slices_follow_the_split_count(S):
+    """The default slice of the latent a program merges a step (`merge_slice`): 64 columns up to four splits, 32
+    above; either way the reference's result (fp32), and the same as the other slice width up to fp32 sums."""
+    from deepinfer_jax.kernels.mla_output import merge_slice
+
+    assert merge_slice(S) == (64 if S <= 4 else 32)
+    rng = np.random.default_rng(S)
+    T, nh, bh, R, dn, dv, L = 16, 1, 16, 128, 16, 32, 2
+    o = jnp.asarray(rng.standard_normal((T, nh, S, bh, R)), jnp.float32)
+    m = jnp.asarray(rng.standard_normal((T, nh, S, bh)), jnp.float32)
+    l = jnp.asarray(rng.uniform(0.5, 3.0, (T, nh, S, bh)), jnp.float32)
+    kv_b = jnp.asarray(rng.standard_normal((L, R, nh * bh, dn + dv)), jnp.float32)
+    want = merge_value_projection_reference(o, m, l, kv_b, 1, dn=dn, dtype=jnp.float32)
+    got = merge_value_projection(o, m, l, kv_b, 1, dn=dn, dtype=jnp.float32, interpret=True)
+    other = merge_value_projection(o, m, l, kv_b, 1, dn=dn, dtype=jnp.float32, block_r=96 - merge_slice(S),
+                                   interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(other), rtol=1e-5, atol=1e-5)
