@@ -134,7 +134,10 @@ def main(argv=None) -> int:
         return 0
     with open(args.csv) as f:
         rows = read_rows(f.read())
-    print_stalls(rows) if args.stalls else print_tables(rows)
+    if args.stalls:
+        print_stalls(rows)
+    else:
+        print_tables(rows)
     return 0
 
 

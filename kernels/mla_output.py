@@ -89,7 +89,8 @@ def merge_slice(splits: int) -> int:
     four splits, else 32, so that a step's merged slices stay at most 64 x 16 x 4 fp32 values (a thread's 32).
     In the batch-32 step (four splits) 64 beat 32 on an H200: 8.05, 8.05 ms a step against 8.07, 8.08,
     alternating (session 23; half the loop steps, so half the merge's barriers and layout changes: Nsight Compute
-    found the kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32, as measured."""
+    found the kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32, the width they
+    ran at before; 64 was not measured there."""
     return 64 if splits <= 4 else 32
 
 
