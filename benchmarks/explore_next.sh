@@ -81,6 +81,12 @@
 #                                                   splits (256 programs, two an SM, half the chain each), with the
 #                                                   output kernel's 32-column value tiles (128 programs), and both,
 #                                                   against the defaults, alternating
+#   bash benchmarks/explore_next.sh OUTDIR moelaunch
+#                                                   session 24: the route launch and the experts' launch as one
+#                                                   (--decode-route-launch --decode-moe-launch,
+#                                                   kernels/route_experts.py) against the defaults and the route
+#                                                   launch alone, alternating, one traced; the GPU-vs-CPU check
+#                                                   with it
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -355,6 +361,22 @@ if [[ $mode == occupancy ]]; then  # more programs an SM for the two latency-bou
     left 540 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
   done
+  exit 0
+fi
+if [[ $mode == moelaunch ]]; then  # the shared experts' tiles streaming while the routing runs
+  moe=(--decode-route-launch --decode-moe-launch)
+  for l in base moe route moe2 base2; do
+    f=()
+    [[ $l == moe* ]] && f=("${moe[@]}")
+    [[ $l == route ]] && f=(--decode-route-launch)
+    [[ $l == moe2 ]] && f+=(--trace /tmp/tr_moe)
+    left 380 && timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
+  grep -h -A17 "one layer" "$out/step_moe2.log" | head -18
+  left 420 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    "${moe[@]}" > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
   exit 0
 fi
 if [[ $mode == check ]]; then

@@ -22,6 +22,8 @@ SWITCHES = [
     ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
     ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
+    ("decode_moe_launch", "with the route launch, the routing and the expert kernels in one launch, the shared "
+                          "experts' tiles streaming while the routing runs"),
     ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
     ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
                             "layer's RMSNorm in one launch"),

@@ -383,6 +383,11 @@ class RunnerConfig:
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
     # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
     decode_route_launch: bool = False
+    # Where the route launch runs (decode_route_launch) and the expert kernels run in one launch
+    # (moe_single_launch), the two launches are one (kernels/route_experts.py): the shared experts' tiles (which
+    # need only the normed x) stream while the router and the routing run, and the routed tiles follow with no
+    # launch boundary. Not measured on a GPU yet; off.
+    decode_moe_launch: bool = False
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
@@ -446,4 +451,4 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch",
-                    "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")
+                    "decode_moe_launch", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")

@@ -119,6 +119,34 @@ def _expert_tile(t: _Tiles, b, be_ref, routed, shared, after=None):
                 after()
 
 
+def gate_up_rows(t: _Tiles, load_x, tile, h_ref, rows, cols) -> None:
+    """h[rows, cols] = silu(x @ W_gate[:, cols]) * (x @ W_up[:, cols]) over K = t.K in t.block_k steps:
+    load_x(ks) -> the rows' x [bm, bk], tile(ks, g) -> the gate (g = 0) or up (g = 1) weight tile [bk, bn]."""
+
+    def body(i, acc):
+        g, u = acc
+        ks = pl.ds(i * t.block_k, t.block_k)
+        x = load_x(ks)  # [bm, bk]
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
+        return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
+
+    zero = jnp.zeros((t.block_m, t.block_n), jnp.float32)
+    g, u = jax.lax.fori_loop(0, t.K // t.block_k, body, (zero, zero))
+    h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+
+
+def down_rows(t: _Tiles, h_ref, tile, y_ref, rows, cols) -> None:
+    """y[rows, cols] = h[rows] @ W_down[:, cols] over K = t.K in t.block_k steps: tile(i) -> the i-th K tile
+    of the weights [bk, bn]."""
+
+    def body(i, acc):
+        h = h_ref[rows, pl.ds(i * t.block_k, t.block_k)]
+        return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
+
+    acc = jax.lax.fori_loop(0, t.K // t.block_k, body, jnp.zeros((t.block_m, t.block_n), jnp.float32))
+    y_ref[rows, cols] = acc.astype(y_ref.dtype)
+
+
 def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
     """h[rows, tile n] = silu(x[rows] @ W_gate[e][:, n]) * (x[rows] @ W_up[e][:, n]) for row block b."""
     layer = layer_ref[0]
@@ -131,17 +159,7 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
             rc = rc_ref[rows]
             tok = jnp.where(rc >= 0, rc // t.copies_per_token, 0)  # [bm]
             load_x = lambda ks: x_ref[tok, ks]  # noqa: E731
-
-        def body(i, acc):
-            g, u = acc
-            ks = pl.ds(i * t.block_k, t.block_k)
-            x = load_x(ks)  # [bm, bk]
-            dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
-            return g + dot(x, tile(ks, 0)), u + dot(x, tile(ks, 1))  # [bm, bk] x [bk, bn]
-
-        zero = jnp.zeros((t.block_m, t.block_n), jnp.float32)
-        g, u = jax.lax.fori_loop(0, t.K // t.block_k, body, (zero, zero))
-        h_ref[rows, cols] = (jax.nn.silu(g) * u).astype(h_ref.dtype)
+        gate_up_rows(t, load_x, tile, h_ref, rows, cols)
 
     routed = lambda rows, e: run(rows, lambda ks, g: w_ref[layer, e, ks, g, cols])  # noqa: E731
     shared = None if sw_ref is None else (  # columns s*I .. s*I + I of the shared MLP
@@ -157,13 +175,7 @@ def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, befor
     def run(rows, tile):  # tile(i) -> [bk, bn]: the i-th K tile of this expert's down weights
         if before is not None:
             before()
-
-        def body(i, acc):
-            h = h_ref[rows, pl.ds(i * t.block_k, t.block_k)]
-            return acc + jnp.dot(h, tile(i), preferred_element_type=jnp.float32, precision=EXACT)
-
-        acc = jax.lax.fori_loop(0, t.K // t.block_k, body, jnp.zeros((t.block_m, t.block_n), jnp.float32))
-        y_ref[rows, cols] = acc.astype(y_ref.dtype)
+        down_rows(t, h_ref, tile, y_ref, rows, cols)
 
     routed = lambda rows, e: run(rows, lambda i: w_ref[layer, e, pl.ds(i * t.block_k, t.block_k), cols])  # noqa: E731
     shared = None if sw_ref is None else (  # rows s*I .. s*I + I of the shared down weights
@@ -233,6 +245,16 @@ def _fit(block: int, dim: int) -> int:
     if dim % b:
         raise ValueError(f"no tile of at least 16 divides the dimension {dim}")
     return b
+
+
+def single_launch_tiles(num_copies: int, D: int, E: int, I: int, K: int, block_m: int, dtype) -> tuple:
+    """(t1, t2, num_warps, num_stages): the gate_up and down tiles and the compiler parameters of a launch that
+    runs both expert kernels (`single_launch`, kernels/route_experts.py) at `tile_config(num_copies)`'s sizes;
+    one stage for fp32 operands (twice the bytes a tile)."""
+    _, block_n, block_k, num_warps, num_stages = tile_config(num_copies)
+    t1 = _Tiles(block_m, _fit(block_n, I), _fit(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, _fit(block_n, D), _fit(block_k, I), I, E, I, K)
+    return t1, t2, num_warps, 1 if jnp.dtype(dtype).itemsize >= 4 else num_stages
 
 
 def _call(kernel, grid, out_shape, args, num_warps, num_stages, interpret, **kw):

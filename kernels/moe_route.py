@@ -59,10 +59,13 @@ def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
 
 
 def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *, k, S, block_m, softmax, norm,
-                scale, row_chunk):
+                scale, row_chunk, shared_base=None):
     """Program c of the routing kernel, from the logits x [T, E] fp32: the routing (every program) and the
     c-th row chunk of the alignment; chunk 0 also writes the weights, ids and row_of. Shared with kernels
-    that route inside a larger launch (kernels/residual_route.py)."""
+    that route inside a larger launch (kernels/residual_route.py, kernels/route_experts.py).
+    shared_base: where a launch runs the shared experts' rows apart (kernels/route_experts.py), shared expert
+    s's group is rows shared_base + s * T_pad .. (T_pad: T padded to block_m), past the aligned rows, and no
+    block of block_expert (nor row of row_copy) covers it; None: the groups follow the routed ones."""
     T, E = x.shape
     K = k + S
     if softmax:
@@ -105,7 +108,8 @@ def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref
             hit = eio == ids[j][:, None]
             rows.append(jnp.sum(jnp.where(hit, starts[None, :] + earlier, 0), axis=1))  # [T]
         else:
-            rows.append(routed_rows + (j - k) * shared_pad + tio)
+            base = routed_rows if shared_base is None else shared_base
+            rows.append(base + (j - k) * shared_pad + tio)
 
     @pl.when(c == 0)
     def _():
@@ -128,7 +132,8 @@ def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref
     n_before = jnp.sum((start[:, None] >= ends[None, :]).astype(jnp.int32), axis=1)  # routed groups ended
     past = jnp.maximum(start - routed_rows, 0) // shared_pad  # shared groups ended (start >= routed_rows)
     be = jnp.where(start >= routed_rows, E + past, n_before)
-    be_ref[pl.ds(c * nb, nb)] = jnp.where(start < routed_rows + S * shared_pad, be, -1)
+    shared_end = routed_rows + (0 if shared_base is not None else S * shared_pad)
+    be_ref[pl.ds(c * nb, nb)] = jnp.where(start < shared_end, be, -1)
 
 
 @functools.partial(jax.jit, static_argnames=("k", "num_shared", "block_m", "scoring_func", "norm_topk_prob",

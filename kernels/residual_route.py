@@ -179,11 +179,11 @@ def residual_norm_reference(parts, h, norm_w, layer, *, eps):
     return h_new, jax.lax.dynamic_index_in_dim(norm_w, layer, keepdims=False) * normed
 
 
-def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, eps, spin, has_bias, route_kw):
-    refs = list(refs)
-    bias_ref = refs.pop(0) if has_bias else None
-    _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, cnt_ref = refs
-    p, layer = pl.program_id(0), layer_ref[0]
+def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, x_ref, lp_ref, w_ref, idx_ref,
+                   row_of_ref, row_copy_ref, be_ref, cnt_ref, *, T, C, R, eps, spin, route_kw, routed_counter=None):
+    """Programs 0 .. T + C + R - 1 of a launch: the module docstring's three phases (counters 0 and 1 of
+    cnt_ref). With `routed_counter`, each routing program adds 1 to that counter once its chunk is stored, for
+    later programs of the launch that wait on the routing (kernels/route_experts.py)."""
     D = parts_ref.shape[2]
     KC = D // C
 
@@ -215,13 +215,43 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, eps, spin, 
         lp_ref[c] = lg
         release(1)
 
-    @pl.when(p >= T + C)  # phase 3: the routing, one alignment row chunk a program
+    @pl.when((p >= T + C) & (p < T + C + R))  # phase 3: the routing, one alignment row chunk a program
     def _():
         acquire(1, C)
         logits = lp_ref[0]
         for c in range(1, C):
             logits = logits + lp_ref[c]
         route_chunk(p - T - C, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, **route_kw)
+        if routed_counter is not None:
+            release(routed_counter)
+
+
+def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, R, eps, spin, has_bias, route_kw):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    _cnt_in, *outs = refs
+    route_programs(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, bias_ref, *outs, T=T, C=C, R=R,
+                   eps=eps, spin=spin, route_kw=route_kw)
+
+
+def route_kwargs(T: int, E: int, k: int, num_shared: int, block_m: int, scoring_func: str, norm_topk_prob: bool,
+                 routed_scaling_factor: float, shared_apart: bool = False) -> tuple[int, int, dict]:
+    """(M, R, route_chunk's keywords) of a launch that routes T tokens: M aligned rows (the shared experts' groups
+    among them unless `shared_apart`, where they start at row M), R routing programs of min(M, 128) rows each."""
+    M = padded_rows(T, k, 0 if shared_apart else num_shared, E, block_m)
+    row_chunk = min(M, 128)
+    kw = dict(k=k, S=num_shared, block_m=block_m, softmax=scoring_func == "softmax", norm=norm_topk_prob,
+              scale=float(routed_scaling_factor), row_chunk=row_chunk, shared_base=M if shared_apart else None)
+    return M, M // row_chunk, kw
+
+
+def route_out_shapes(T: int, D: int, E: int, K: int, M: int, block_m: int, chunks: int, h_dtype, x_dtype) -> tuple:
+    """The shapes of route_programs' outputs: h_new, x, the logits' partials, weights, idx, row_of, row_copy,
+    block_expert."""
+    return (jax.ShapeDtypeStruct((T, D), h_dtype), jax.ShapeDtypeStruct((T, D), x_dtype),
+            jax.ShapeDtypeStruct((chunks, T, E), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.float32),
+            jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((T, K), jnp.int32),
+            jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M // block_m,), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "num_shared", "block_m", "scoring_func", "norm_topk_prob",
@@ -237,24 +267,19 @@ def residual_route(parts, h, norm_w, gate, layer, bias=None, *, eps, k, num_shar
     _, D2, E = gate.shape
     assert D == D2 == h.shape[1] == norm_w.shape[1] and h.shape[0] == T and supported(T, D, E, k, num_shared, chunks), (
         parts.shape, h.shape, norm_w.shape, gate.shape)
-    K, M = k + num_shared, padded_rows(T, k, num_shared, E, block_m)
-    row_chunk = min(M, 128)
-    route_kw = dict(k=k, S=num_shared, block_m=block_m, softmax=scoring_func == "softmax", norm=norm_topk_prob,
-                    scale=float(routed_scaling_factor), row_chunk=row_chunk)
+    K = k + num_shared
+    M, R, route_kw = route_kwargs(T, E, k, num_shared, block_m, scoring_func, norm_topk_prob, routed_scaling_factor)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
     params = compiler_params(num_warps, 1, interpret)
     args = (layer, parts, h, norm_w, gate, *(() if bias is None else (bias.astype(jnp.float32),)),
             jnp.zeros((2,), jnp.int32))  # the phases' counters
-    out_shape = (jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype),
-                 jax.ShapeDtypeStruct((chunks, T, E), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.float32),
-                 jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((T, K), jnp.int32),
-                 jax.ShapeDtypeStruct((M,), jnp.int32), jax.ShapeDtypeStruct((M // block_m,), jnp.int32),
+    out_shape = (*route_out_shapes(T, D, E, K, M, block_m, chunks, h.dtype, x_dtype),
                  jax.ShapeDtypeStruct((2,), jnp.int32))
     h_new, x, _, w, idx, row_of, row_copy, block_expert, _ = pl.pallas_call(
-        functools.partial(_kernel, T=T, C=chunks, eps=float(eps), spin=not interpret, has_bias=bias is not None,
+        functools.partial(_kernel, T=T, C=chunks, R=R, eps=float(eps), spin=not interpret, has_bias=bias is not None,
                           route_kw=route_kw),
-        grid=(T + chunks + M // row_chunk,), out_shape=out_shape, input_output_aliases={len(args) - 1: 8},
+        grid=(T + chunks + R,), out_shape=out_shape, input_output_aliases={len(args) - 1: 8},
         compiler_params=params, interpret=interpret,
     )(*args)
     return h_new, x, w, idx, row_copy, block_expert, row_of.reshape(-1)

@@ -248,6 +248,30 @@ def residual_route_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, expert
     return h, x, tuple(routed)
 
 
+def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, single_launch: bool,
+                              enabled: bool) -> bool:
+    """Whether this MoE segment's decode step runs its route launch and its expert kernels as one launch
+    (kernels/route_experts.py): with `enabled` (RunnerConfig.decode_moe_launch), the route launch
+    (`decode_route_weights`), the expert kernels' single launch, and no shared MLP left outside the kernels."""
+    return (enabled and route_w is not None and single_launch
+            and ("shared" in experts or "shared" not in seg_params["moe"]))
+
+
+def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, combine: bool,
+                       interpret: bool):
+    """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
+    post-attention RMSNorm x, the MoE block of x (or its rows uncombined: `combine`), the routed ids [T, k]), in
+    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`."""
+    from deepinfer_jax.kernels.route_experts import route_experts
+
+    shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
+    bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
+    return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
+                         eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
+                         norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                         combine=combine, interpret=interpret)
+
+
 def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:
     """a [T, H, dv] through o_proj read in place, its split-K partials [split_k, T, D] fp32 unsummed
     (kernels/decode_matmul.py; T a power of two of at least 16)."""

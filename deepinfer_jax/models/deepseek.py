@@ -35,9 +35,10 @@ from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
     combine_norm_step, decode_absorb_weights, decode_attention_output, decode_combine_norm_weights,
-    decode_kernel_step, decode_latent_weights, decode_qkv_weights, decode_residual_norm_weights,
-    decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies, oproj_in_output_launch,
-    oproj_partials, pallas_one_device, residual_norm_step, residual_route_step)
+    decode_kernel_step, decode_latent_weights, decode_moe_launch_applies, decode_qkv_weights,
+    decode_residual_norm_weights, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
+    oproj_in_output_launch, oproj_partials, pallas_one_device, residual_norm_step, residual_route_step,
+    route_experts_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
@@ -313,6 +314,7 @@ def forward_paged(
     moe_single_launch: bool = False,
     decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
+    decode_moe_launch: bool = False,
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
@@ -346,6 +348,8 @@ def forward_paged(
     launch, its programs loading their weights while the merge runs (kernels/mla_output.py).
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
+    `decode_moe_launch`: where `decode_moe_launch_applies` allows, that launch also runs the expert kernels'
+    single launch, the shared experts' tiles streaming while the routing runs (kernels/route_experts.py).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
@@ -384,6 +388,7 @@ def forward_paged(
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
+        moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch)
         norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
                                               meta.token_ids.shape[0], decode_residual_norm)
         input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
@@ -394,7 +399,8 @@ def forward_paged(
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
                  absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm):
+                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm,
+                 moe_launch=moe_launch):
             h, x, cache = carry  # x: this layer's normed input where the layer before made it (input_norm)
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
@@ -425,11 +431,15 @@ def forward_paged(
                     o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
                                                             cfg.softmax_scale, attn_impl)
                 a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-            routed = None
+            routed, m = None, None
             if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
-                h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
-                                                   attn_impl == "pallas_interpret")
+                if moe_launch:  # ... and on to the experts' rows in the same launch
+                    h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
+                                                      moe_impl == "pallas_interpret")
+                else:
+                    h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
+                                                       attn_impl == "pallas_interpret")
             elif norm_w is not None:  # o_proj's partials to the residual and its RMSNorm, one launch
                 h, x = residual_norm_step(a, h, lp["attn"]["o_proj"], norm_w, j, cfg)
             else:  # oproj_launch: `a` is o_proj's output
@@ -437,9 +447,10 @@ def forward_paged(
                 x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
-            m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                               mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing, single_launch=moe_single_launch,
-                               routed=routed, combine=input_norm is None)
+            if m is None:
+                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                                   mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
+                                   single_launch=moe_single_launch, routed=routed, combine=input_norm is None)
             if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
                 h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
                 return (h, x, cache), (idx if return_routing else None)

@@ -357,3 +357,23 @@ def test_lm_head_sampler_lowers_for_sm90(triton_modules):
     assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") >= 20
     hlo = jax.jit(lm_head_sample_stats).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "grid_x = 800" in hlo
+
+
+def test_route_and_experts_launch_lowers_for_sm90(triton_modules):
+    """The route launch and the experts' single launch as one grid (kernels/route_experts.py) at V2-Lite's shape
+    (batch 32, 64 experts + 2 shared): one kernel; the router's dot, the gate_up tiles' two and the down tiles' one
+    for the shared and the routed branch; the routing's scans; acquire loops for x, the router chunks, the routing
+    (routed gate_up and down tiles) and the row blocks (shared and routed down tiles)."""
+    from deepinfer_jax.kernels.route_experts import route_experts
+
+    s = jax.ShapeDtypeStruct
+    Lm, E, D, I, S = 26, 64, 2048, 1408, 2
+    args = (s((8, 32, D), jnp.float32), s((32, D), jnp.bfloat16), s((Lm, D), jnp.bfloat16), s((Lm, D, E), jnp.bfloat16),
+            s((Lm, E, D, 2, I), jnp.bfloat16), s((Lm, E, I, D), jnp.bfloat16), s((Lm, D, 2, S * I), jnp.bfloat16),
+            s((Lm, S * I, D), jnp.bfloat16))
+    (ir,) = triton_modules(lambda p, h, nw, g, a, d, sa, sd: route_experts(p, h, nw, g, 5, a, d, sa, sd, eps=1e-6, k=6),
+                           *args)
+    assert ir.count("tt.dot") == 1 + 2 * 3 and "tt.scan" in ir and "gpu.barrier" in ir
+    # waits: router chunks on x, routing on the chunks, shared gate_up on x, shared down on its block, routed
+    # gate_up on the routing, routed down on the routing and on its block
+    assert ir.count("scf.while") == 7

@@ -451,6 +451,28 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypat
     assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
 
 
+@pytest.mark.parametrize("case, combine_norm", [("v2_greedy_yarn", False), ("v3_flat_plain_rope", False),
+                                                 ("v3_flat_plain_rope", True)])
+def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, monkeypatch):
+    """RunnerConfig.decode_moe_launch: with the route launch on, a decode step's MoE layers run the route launch
+    and the experts' single launch as one launch (kernels/route_experts.py), the shared MLP inside it: the same
+    logits and cache as the two launches, and the full forward's; with decode_combine_norm the launch hands its
+    rows uncombined to the combine-and-norm launch."""
+    from deepinfer_jax.kernels import route_experts
+
+    calls = []
+    real = route_experts.route_experts
+    monkeypatch.setattr(route_experts, "route_experts",
+                        lambda *a, **k: calls.append((a[0].shape[1], k["combine"])) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_moe_launch", seed=21, decode_projection_kernel=True,
+                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
+                                       decode_output_kernel=True, decode_route_launch=True,
+                                       decode_combine_norm=combine_norm)
+    # The MoE segments of the 64-slot prefill step and of the two 16-slot decode steps.
+    moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
+    assert calls == [(n, not combine_norm) for n in (64, 16, 16) for _ in range(moe)]
+
+
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
 def test_decode_residual_norm_equals_the_xla_path(hf_case, case, monkeypatch):
     """RunnerConfig.decode_residual_norm: in every layer of the steps whose o_proj is read in place (decode

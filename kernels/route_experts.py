@@ -1,0 +1,170 @@
+"""A decode MoE layer from o_proj's split-K partials to its expert rows, in one launch (Pallas, Triton backend):
+kernels/residual_route.py's launch (the residual add, the post-attention RMSNorm, the router's logits, the
+routing) and the expert kernels' single launch (kernels/moe_gmm.py `single_launch`) as one grid.
+
+    parts [S, T, D] fp32, h [T, D], norm_w [L, D], gate [L, D, E], bias [E] or None    (as residual_route)
+    w_gate_up [L, E, D, 2, I], w_down [L, E, I, D]                                      (as moe_gmm, stacked)
+    shared_gate_up [L, D, 2, S*I], shared_down [L, S*I, D] or None                      (the shared MLP)
+        -> h_new [T, D], x [T, D], out [T, D] = the MoE block of x (routed + shared), idx [T, k]
+
+Why: with two launches the DRAM idles while the route launch runs (~10-13 us a layer on an H200 at batch 32:
+latency-bound rows, a small GEMM and the routing's chain of reductions), and the shared experts' 34.6 MB
+(V2-Lite) then stream inside the bandwidth-bound expert launch. Here the shared experts need only x, so their
+tiles stream while the router and the routing run, and the routed tiles follow with no launch boundary.
+
+Grid, 1-D (CUDA starts its programs in order; each program waits only on programs before it, on atomic
+counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared expert:
+1. T token programs, C router chunks, R routing programs: residual_route's phases (counters 0, 1); each routing
+   program adds 1 to counter 2 once its chunk of the alignment is stored. The shared experts' groups sit apart,
+   rows M + s * T + t of the intermediate and the output (`moe_route.route_chunk`'s shared_base = M).
+2. S * Tb * (I / bn1) shared gate_up tiles: wait for x (counter 0 = T), each adds 1 to its block's counter.
+3. S * Tb * (D / bn2) shared down tiles: wait for their block's gate_up tiles.
+4. nb * (I / bn1) routed gate_up tiles, block-major, then nb * (D / bn2) routed down tiles: wait for the routing
+   (counter 2 = R), then as moe_gmm's single launch (an unused block, -1, does nothing).
+
+Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU), and
+`route_experts_reference` (pure JAX: residual_route_reference's routing, every copy through its expert and the
+shared MLP as S more experts, summed in fp32). Its outputs equal, bit for bit, residual_route followed by
+moe_route.moe_fused_decode's single launch (the same tiles and sums, the shared rows placed apart).
+Invariants: residual_route's (`supported`) and T a multiple of the row block.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from deepinfer_jax.kernels import launch_sync
+from deepinfer_jax.kernels.moe_gmm import _combine, _down, _gate_up, down_rows, gate_up_rows, moe_experts_reference
+from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
+from deepinfer_jax.kernels.moe_route import decode_block_m
+from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,
+                                                  route_out_shapes, route_programs, supported)
+from deepinfer_jax.kernels.triton_params import compiler_params
+
+ROUTED = 2  # the counter the routing programs add to; block b's gate_up tiles add to counter BLOCKS + b
+BLOCKS = 3
+
+
+def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, T, C, R, M, t1, t2, has_bias, shared,
+            eps, spin, route_kw):
+    refs = list(refs)
+    bias_ref = refs.pop(0) if has_bias else None
+    sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
+    _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, act_ref, y_ref, cnt_ref = refs
+    p, layer = pl.program_id(0), layer_ref[0]
+    route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, x_ref, lp_ref, w_ref, idx_ref,
+                   row_of_ref, row_copy_ref, be_ref, cnt_ref, T=T, C=C, R=R, eps=eps, spin=spin, route_kw=route_kw,
+                   routed_counter=ROUTED)
+    bm, I, S = t1.block_m, t1.I, route_kw["S"] if shared else 0
+    nb, Tb = be_ref.shape[0], T // bm
+    tiles1, tiles2 = I // t1.block_n, y_ref.shape[1] // t2.block_n
+    release = lambda i: launch_sync.release(cnt_ref, i, spin)  # noqa: E731
+    acquire = lambda i, target: launch_sync.acquire(cnt_ref, i, target, spin)  # noqa: E731
+    first = T + C + R  # the first expert program
+
+    if S:
+        @pl.when((p >= first) & (p < first + S * Tb * tiles1))  # shared gate_up tiles
+        def _():
+            sb, n = (p - first) // tiles1, (p - first) % tiles1  # shared block sb: expert sb // Tb, tokens (sb % Tb)*bm..
+            cols = pl.ds(n * t1.block_n, t1.block_n)
+            tokens = pl.ds((sb % Tb) * bm, bm)
+            acquire(0, T)
+            gate_up_rows(t1, lambda ks: x_ref[tokens, ks],
+                         lambda ks, g: sgu_ref[layer, ks, g, pl.ds((sb // Tb) * I + n * t1.block_n, t1.block_n)],
+                         act_ref, pl.ds(M + sb * bm, bm), cols)
+            release(BLOCKS + nb + sb)
+
+        down0 = first + S * Tb * tiles1
+
+        @pl.when((p >= down0) & (p < down0 + S * Tb * tiles2))  # shared down tiles
+        def _():
+            sb, n = (p - down0) // tiles2, (p - down0) % tiles2
+            acquire(BLOCKS + nb + sb, tiles1)
+            down_rows(t2, act_ref, lambda i: sd_ref[layer, pl.ds((sb // Tb) * I + i * t2.block_k, t2.block_k),
+                                                    pl.ds(n * t2.block_n, t2.block_n)],
+                      y_ref, pl.ds(M + sb * bm, bm), pl.ds(n * t2.block_n, t2.block_n))
+
+    routed0 = first + S * Tb * (tiles1 + tiles2)
+    n1 = nb * tiles1
+
+    @pl.when((p >= routed0) & (p < routed0 + n1))  # routed gate_up tiles, block-major
+    def _():
+        b = (p - routed0) // tiles1
+        acquire(ROUTED, R)
+        _gate_up(t1, b, (p - routed0) % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
+                 after=lambda: release(BLOCKS + b))
+
+    @pl.when(p >= routed0 + n1)  # routed down tiles, block-major
+    def _():
+        b, n = (p - routed0 - n1) // tiles2, (p - routed0 - n1) % tiles2
+        acquire(ROUTED, R)
+        _down(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref,
+              before=lambda: acquire(BLOCKS + b, tiles1))
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
+                                             "chunks", "combine", "interpret"))
+def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
+                  eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
+                  chunks=ROUTER_CHUNKS, combine=True, interpret=False):
+    """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
+    MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
+    weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed)."""
+    P, T, D = parts.shape
+    _, E, _, _, I = w_gate_up.shape
+    S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
+    K = k + S
+    block_m = decode_block_m(T, k, S)
+    assert supported(T, D, E, k, S, chunks) and T % block_m == 0, (parts.shape, w_gate_up.shape, k, S)
+    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
+    M, R, route_kw = route_kwargs(T, E, k, S, block_m, scoring_func, norm_topk_prob, routed_scaling_factor,
+                                  shared_apart=True)
+    t1, t2, num_warps, num_stages = single_launch_tiles(T * K, D, E, I, K, block_m, x_dtype)
+    nb, rows = M // block_m, M + S * T
+    tiles1, tiles2 = I // t1.block_n, D // t2.block_n
+    grid = T + chunks + R + (S * T // block_m + nb) * (tiles1 + tiles2)
+    shared = () if S == 0 else (shared_gate_up.astype(x_dtype), shared_down.astype(x_dtype))
+    args = (jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w, gate, w_gate_up.astype(x_dtype),
+            w_down.astype(x_dtype), *(() if bias is None else (bias.astype(jnp.float32),)), *shared,
+            jnp.zeros((3 + nb + S * T // block_m,), jnp.int32))  # the counters
+    out_shape = (*route_out_shapes(T, D, E, K, M, block_m, chunks, h.dtype, x_dtype),
+                 jax.ShapeDtypeStruct((rows, I), x_dtype), jax.ShapeDtypeStruct((rows, D), x_dtype),
+                 jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
+    h_new, x, _, w, idx, row_of, _, _, _, y, _ = pl.pallas_call(
+        functools.partial(_kernel, T=T, C=chunks, R=R, M=M, t1=t1, t2=t2, has_bias=bias is not None, shared=bool(S),
+                          eps=float(eps), spin=not interpret, route_kw=route_kw),
+        grid=(grid,), out_shape=out_shape, input_output_aliases={len(args) - 1: len(out_shape) - 1},
+        compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
+    )(*args)
+    row_of = row_of.reshape(-1)
+    out = _combine(y, row_of, w, T, K, D, x_dtype) if combine else (y, row_of, w)
+    return h_new, x, out, idx[:, :k]
+
+
+def route_experts_reference(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None,
+                            bias=None, *, eps, k, scoring_func="softmax", norm_topk_prob=False,
+                            routed_scaling_factor=1.0):
+    """Pure JAX: residual_route_reference's h_new, x and routing, then every routed copy through its expert and
+    the shared MLP as S experts of width I with weight 1 (its SwiGLU splits exactly over the intermediate
+    dim), summed in fp32 and rounded once (moe_gmm.moe_experts_reference) -> (h_new, x, out, idx [T, k])."""
+    h_new, x, w, idx, *_ = residual_route_reference(parts, h, norm_w, gate, layer, bias, eps=eps, k=k, num_shared=0,
+                                                    block_m=16, scoring_func=scoring_func,
+                                                    norm_topk_prob=norm_topk_prob,
+                                                    routed_scaling_factor=routed_scaling_factor)
+    wgu, wd = w_gate_up[layer], w_down[layer]  # [E, D, 2, I], [E, I, D]
+    E, D, _, I = wgu.shape
+    w_all, idx_all = w, idx
+    if shared_gate_up is not None:
+        S = shared_gate_up.shape[-1] // I
+        sgu = shared_gate_up[layer].reshape(D, 2, S, I).transpose(2, 0, 1, 3)  # [S, D, 2, I]
+        wgu = jnp.concatenate([wgu, sgu.astype(wgu.dtype)])
+        wd = jnp.concatenate([wd, shared_down[layer].reshape(S, I, D).astype(wd.dtype)])
+        T = x.shape[0]
+        idx_all = jnp.concatenate([idx, jnp.broadcast_to(E + jnp.arange(S, dtype=idx.dtype), (T, S))], axis=1)
+        w_all = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)
+    out = moe_experts_reference(x, wgu.astype(x.dtype), wd.astype(x.dtype), w_all, idx_all)
+    return h_new, x, out, idx

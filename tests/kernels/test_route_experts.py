@@ -1,0 +1,70 @@
+"""kernels/route_experts.py (interpret mode): the route launch and the experts' single launch as one grid,
+against its pure-JAX reference, and bit for bit against the two launches it replaces (residual_route, then
+moe_route.moe_fused_decode's single launch)."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels.moe_route import decode_block_m, moe_fused_decode
+from deepinfer_jax.kernels.residual_route import combine_residual_norm, residual_route
+from deepinfer_jax.kernels.route_experts import route_experts, route_experts_reference
+
+
+def _case(T, D, E, I, S, dtype, bias, seed):
+    rng = np.random.default_rng(seed)
+    f = lambda *shape, scale=0.05: jnp.asarray(rng.standard_normal(shape) * scale, dtype)  # noqa: E731
+    L = 3
+    parts = jnp.asarray(rng.standard_normal((8, T, D)) * 0.3, jnp.float32)
+    h, norm_w, gate = f(T, D, scale=1.0), jnp.asarray(rng.uniform(0.5, 1.5, (L, D)), dtype), f(L, D, E)
+    experts = (f(L, E, D, 2, I), f(L, E, I, D))
+    shared = (f(L, D, 2, S * I), f(L, S * I, D)) if S else (None, None)
+    b = jnp.asarray(rng.random(E) * 0.1, jnp.float32) if bias else None
+    return parts, h, norm_w, gate, experts, shared, b
+
+
+CASES = [  # T, D, E, I, k, S, scoring, bias
+    (32, 256, 64, 128, 6, 2, "softmax", False),  # V2-Lite's routing and shared experts at Protocol A's batch
+    (16, 128, 16, 64, 4, 1, "sigmoid", True),  # noaux_tc's bias, normalised weights, one shared expert
+    (16, 128, 16, 64, 4, 0, "softmax", False),  # no shared experts
+]
+
+
+@pytest.mark.parametrize("T, D, E, I, k, S, scoring, bias", CASES)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_equals_the_two_launches_and_the_reference(T, D, E, I, k, S, scoring, bias, dtype):
+    parts, h, norm_w, gate, (wgu, wd), (sgu, sd), b = _case(T, D, E, I, S, dtype, bias, seed=T + E + S)
+    kw = dict(eps=1e-6, k=k, scoring_func=scoring, norm_topk_prob=bias, routed_scaling_factor=2.5 if bias else 1.0)
+    got = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, b, interpret=True, **kw)
+    h_new, x, *routed = residual_route(parts, h, norm_w, gate, 1, b, num_shared=S, block_m=decode_block_m(T, k, S),
+                                       interpret=True, **kw)
+    out, idx = moe_fused_decode(x, None, None, wgu, wd, 1, sgu, sd, k=k, single_launch=True, routed=tuple(routed),
+                                interpret=True)
+    for name, g, w in zip(("h_new", "x", "out", "idx"), got, (h_new, x, out, idx)):
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32), err_msg=name)
+    want = route_experts_reference(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, b, **kw)
+    tol = 2e-6 if dtype == jnp.float32 else 1e-2  # bf16: one rounding step of out (|out| < 1)
+    for name, g, w in zip(("h_new", "x", "out"), got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=tol, atol=tol,
+                                   err_msg=name)
+    np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
+    assert float(jnp.max(jnp.abs(got[2].astype(jnp.float32)))) > 0.01  # the experts contributed
+    # Layer 1's weights, not another layer's.
+    other = route_experts(parts, h, norm_w, gate, 2, wgu, wd, sgu, sd, b, interpret=True, **kw)
+    assert not np.allclose(np.asarray(other[2], np.float32), np.asarray(got[2], np.float32))
+
+
+def test_uncombined_rows_combine_to_the_output():
+    """combine=False: the rows (shared ones placed past the aligned rows) and row_of, combined by the
+    combine-and-norm launch, give the residual the combined output would."""
+    T, D, E, I, k, S = 32, 256, 64, 128, 6, 2
+    parts, h, norm_w, gate, (wgu, wd), (sgu, sd), _ = _case(T, D, E, I, S, jnp.float32, False, seed=5)
+    kw = dict(eps=1e-6, k=k)
+    h_new, _, out, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, interpret=True, **kw)
+    _, _, rows, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, combine=False, interpret=True, **kw)
+    y, row_of, weights = rows
+    assert y.shape[0] > int(jnp.max(row_of)) >= y.shape[0] - S * T  # the shared rows are the last S * T
+    got, _ = combine_residual_norm(y, row_of, weights, h_new, norm_w, 1, eps=1e-6, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(h_new + out), rtol=2e-6, atol=2e-6)
