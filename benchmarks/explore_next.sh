@@ -87,6 +87,10 @@
 #                                                   kernels/route_experts.py) against the defaults and the route
 #                                                   launch alone, alternating, one traced; the GPU-vs-CPU check
 #                                                   with it
+#   bash benchmarks/explore_next.sh OUTDIR moesweep
+#                                                   session 24: moe_launch_sweep.py (the two launches against the
+#                                                   one, its warps and its order, in isolation), then the step
+#                                                   with the one launch's shared down tiles late, at 4 and 8 warps
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -377,6 +381,19 @@ if [[ $mode == moelaunch ]]; then  # the shared experts' tiles streaming while t
   left 420 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
     "${moe[@]}" > "$out/gpu_vs_cpu.log" 2>&1
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  exit 0
+fi
+if [[ $mode == moesweep ]]; then  # the launch's variants in isolation, then the step with the chosen ones
+  timeout 240 python3 benchmarks/moe_launch_sweep.py --layers 8 2>&1 | quiet > "$out/sweep.log"
+  grep -h -E "^\|" "$out/sweep.log"
+  moe=(--decode-route-launch --decode-moe-launch)
+  for l in base late w8late base2; do
+    f=()
+    [[ $l == late* ]] && f=("${moe[@]}" --route-experts shared_down_late=1)
+    [[ $l == w8late* ]] && f=("${moe[@]}" --route-experts num_warps=8,shared_down_late=1)
+    left 330 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "$l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
+  done
   exit 0
 fi
 if [[ $mode == check ]]; then

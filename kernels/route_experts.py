@@ -49,8 +49,20 @@ ROUTED = 2  # the counter the routing programs add to; block b's gate_up tiles a
 BLOCKS = 3
 
 
+def _segments(first: int, shared_tiles: tuple[int, int], routed_tiles: tuple[int, int], shared_down_late: bool):
+    """{segment: (first program, programs)} of the expert programs after the `first` routing programs: the
+    shared gate_up and down tiles ("sgu", "sd") and the routed ones ("rgu", "rd"), in launch order."""
+    order = ("sgu", "rgu", "sd", "rd") if shared_down_late else ("sgu", "sd", "rgu", "rd")
+    sizes = {"sgu": shared_tiles[0], "sd": shared_tiles[1], "rgu": routed_tiles[0], "rd": routed_tiles[1]}
+    out = {}
+    for name in order:
+        out[name] = (first, sizes[name])
+        first += sizes[name]
+    return out
+
+
 def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, T, C, R, M, t1, t2, has_bias, shared,
-            eps, spin, route_kw):
+            eps, spin, route_kw, shared_down_late):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
@@ -64,12 +76,18 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     tiles1, tiles2 = I // t1.block_n, y_ref.shape[1] // t2.block_n
     release = lambda i: launch_sync.release(cnt_ref, i, spin)  # noqa: E731
     acquire = lambda i, target: launch_sync.acquire(cnt_ref, i, target, spin)  # noqa: E731
-    first = T + C + R  # the first expert program
+    seg = _segments(T + C + R, (S * Tb * tiles1, S * Tb * tiles2), (nb * tiles1, nb * tiles2), shared_down_late)
+
+    def within(name):
+        start, n = seg[name]
+        return (p >= start) & (p < start + n), p - start
 
     if S:
-        @pl.when((p >= first) & (p < first + S * Tb * tiles1))  # shared gate_up tiles
+        on, q = within("sgu")
+
+        @pl.when(on)  # shared gate_up tiles
         def _():
-            sb, n = (p - first) // tiles1, (p - first) % tiles1  # shared block sb: expert sb // Tb, tokens (sb % Tb)*bm..
+            sb, n = q // tiles1, q % tiles1  # shared block sb: expert sb // Tb, tokens (sb % Tb) * bm ..
             cols = pl.ds(n * t1.block_n, t1.block_n)
             tokens = pl.ds((sb % Tb) * bm, bm)
             acquire(0, T)
@@ -78,42 +96,44 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
                          act_ref, pl.ds(M + sb * bm, bm), cols)
             release(BLOCKS + nb + sb)
 
-        down0 = first + S * Tb * tiles1
+        on, q = within("sd")
 
-        @pl.when((p >= down0) & (p < down0 + S * Tb * tiles2))  # shared down tiles
+        @pl.when(on)  # shared down tiles
         def _():
-            sb, n = (p - down0) // tiles2, (p - down0) % tiles2
+            sb, n = q // tiles2, q % tiles2
             acquire(BLOCKS + nb + sb, tiles1)
             down_rows(t2, act_ref, lambda i: sd_ref[layer, pl.ds((sb // Tb) * I + i * t2.block_k, t2.block_k),
                                                     pl.ds(n * t2.block_n, t2.block_n)],
                       y_ref, pl.ds(M + sb * bm, bm), pl.ds(n * t2.block_n, t2.block_n))
 
-    routed0 = first + S * Tb * (tiles1 + tiles2)
-    n1 = nb * tiles1
+    on, q = within("rgu")
 
-    @pl.when((p >= routed0) & (p < routed0 + n1))  # routed gate_up tiles, block-major
+    @pl.when(on)  # routed gate_up tiles, block-major
     def _():
-        b = (p - routed0) // tiles1
+        b = q // tiles1
         acquire(ROUTED, R)
-        _gate_up(t1, b, (p - routed0) % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
+        _gate_up(t1, b, q % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
                  after=lambda: release(BLOCKS + b))
 
-    @pl.when(p >= routed0 + n1)  # routed down tiles, block-major
+    on, q = within("rd")
+
+    @pl.when(on)  # routed down tiles, block-major
     def _():
-        b, n = (p - routed0 - n1) // tiles2, (p - routed0 - n1) % tiles2
+        b, n = q // tiles2, q % tiles2
         acquire(ROUTED, R)
-        _down(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref,
-              before=lambda: acquire(BLOCKS + b, tiles1))
+        _down(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref, before=lambda: acquire(BLOCKS + b, tiles1))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                             "chunks", "combine", "interpret"))
+                                             "chunks", "combine", "num_warps", "shared_down_late", "interpret"))
 def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
                   eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                  chunks=ROUTER_CHUNKS, combine=True, interpret=False):
+                  chunks=ROUTER_CHUNKS, combine=True, num_warps=None, shared_down_late=False, interpret=False):
     """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
     MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
-    weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed)."""
+    weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed).
+    num_warps: the launch's warps (None: the expert tiles', moe_gmm.tile_config); shared_down_late: launch the
+    shared down tiles after the routed gate_up tiles instead of before them."""
     P, T, D = parts.shape
     _, E, _, _, I = w_gate_up.shape
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
@@ -123,7 +143,7 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
     M, R, route_kw = route_kwargs(T, E, k, S, block_m, scoring_func, norm_topk_prob, routed_scaling_factor,
                                   shared_apart=True)
-    t1, t2, num_warps, num_stages = single_launch_tiles(T * K, D, E, I, K, block_m, x_dtype)
+    t1, t2, warps, num_stages = single_launch_tiles(T * K, D, E, I, K, block_m, x_dtype)
     nb, rows = M // block_m, M + S * T
     tiles1, tiles2 = I // t1.block_n, D // t2.block_n
     grid = T + chunks + R + (S * T // block_m + nb) * (tiles1 + tiles2)
@@ -136,9 +156,9 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
                  jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
     h_new, x, _, w, idx, row_of, _, _, _, y, _ = pl.pallas_call(
         functools.partial(_kernel, T=T, C=chunks, R=R, M=M, t1=t1, t2=t2, has_bias=bias is not None, shared=bool(S),
-                          eps=float(eps), spin=not interpret, route_kw=route_kw),
+                          eps=float(eps), spin=not interpret, route_kw=route_kw, shared_down_late=shared_down_late),
         grid=(grid,), out_shape=out_shape, input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
+        compiler_params=compiler_params(num_warps or warps, num_stages, interpret), interpret=interpret,
     )(*args)
     row_of = row_of.reshape(-1)
     out = _combine(y, row_of, w, T, K, D, x_dtype) if combine else (y, row_of, w)

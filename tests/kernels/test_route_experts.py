@@ -68,3 +68,14 @@ def test_uncombined_rows_combine_to_the_output():
     assert y.shape[0] > int(jnp.max(row_of)) >= y.shape[0] - S * T  # the shared rows are the last S * T
     got, _ = combine_residual_norm(y, row_of, weights, h_new, norm_w, 1, eps=1e-6, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(h_new + out), rtol=2e-6, atol=2e-6)
+
+
+def test_launch_order_and_warps_keep_the_output():
+    """The shared down tiles launched after the routed gate_up tiles, and 8 warps: the same output bit for bit."""
+    T, D, E, I, k, S = 16, 128, 16, 64, 4, 1
+    parts, h, norm_w, gate, (wgu, wd), (sgu, sd), _ = _case(T, D, E, I, S, jnp.bfloat16, False, seed=9)
+    base = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, eps=1e-6, k=k, interpret=True)
+    for kw in ({"shared_down_late": True}, {"num_warps": 8, "shared_down_late": True}):
+        got = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, eps=1e-6, k=k, interpret=True, **kw)
+        for g, w in zip(got, base):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
