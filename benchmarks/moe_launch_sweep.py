@@ -64,7 +64,8 @@ def main(argv=None) -> int:
         launch, vkw = VARIANTS[name]
 
         @jax.jit
-        def layers(parts, h, launch=launch, vkw=vkw):
+        def layers(parts, h, norm_w, gate, wgu, wd, sgu, sd, launch=launch, vkw=vkw):  # weights as operands, not
+            # constants folded into the program
             outs = []
             for j in range(L):
                 if launch == "two":
@@ -79,14 +80,15 @@ def main(argv=None) -> int:
                 outs.append(hn + out)
             return jnp.stack(outs)
 
-        out = jax.block_until_ready(layers(parts, h))
+        operands = (parts, h, norm_w, gate, wgu, wd, sgu, sd)
+        out = jax.block_until_ready(layers(*operands))
         ref = out if ref is None else ref
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
         d = tempfile.mkdtemp()
         runs = 3
         with jax.profiler.trace(d, create_perfetto_trace=True):
             for _ in range(runs):
-                jax.block_until_ready(layers(parts, h))
+                jax.block_until_ready(layers(*operands))
         per_name, spans = defaultdict(float), []
         events = sorted(gpu_kernels(d) or [], key=lambda e: e["ts"])
         for e in events:

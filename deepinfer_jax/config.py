@@ -381,13 +381,18 @@ class RunnerConfig:
     # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
     # launches (12.9 us a layer on an H200 at batch 32; session 10's first try, a per-token kernel, was slower
     # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
-    # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each); off.
-    decode_route_launch: bool = False
+    # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each). Session 24: 8.14 ms against 8.14
+    # alone; on since session 24 as the base of decode_moe_launch.
+    decode_route_launch: bool = True
     # Where the route launch runs (decode_route_launch) and the expert kernels run in one launch
     # (moe_single_launch), the two launches are one (kernels/route_experts.py): the shared experts' tiles (which
     # need only the normed x) stream while the router and the routing run, and the routed tiles follow with no
-    # launch boundary. Not measured on a GPU yet; off.
-    decode_moe_launch: bool = False
+    # launch boundary. Session 24 (H200, V2-Lite, batch 32): in isolation 268.1 us a layer against 270.1 for the
+    # two launches (moe_launch_sweep.py); Protocol A alternating on one machine 3,672 / 3,664 and 3,674 / 3,661
+    # tok/s (temp 0 / 1) against 3,666 / 3,655 and 3,669 / 3,658 without; fp32 greedy tokens 8/8 equal to the
+    # CPU reference. The shared tiles stream on ~44 programs while the routing runs, a third of the bandwidth,
+    # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth.
+    decode_moe_launch: bool = True
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
