@@ -58,16 +58,10 @@ def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
                 norm=norm, scale=scale, row_chunk=row_chunk)
 
 
-def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *, k, S, block_m, softmax, norm,
-                scale, row_chunk, shared_base=None):
-    """Program c of the routing kernel, from the logits x [T, E] fp32: the routing (every program) and the
-    c-th row chunk of the alignment; chunk 0 also writes the weights, ids and row_of. Shared with kernels
-    that route inside a larger launch (kernels/residual_route.py, kernels/route_experts.py).
-    shared_base: where a launch runs the shared experts' rows apart (kernels/route_experts.py), shared expert
-    s's group is rows shared_base + s * T_pad .. (T_pad: T padded to block_m), past the aligned rows, and no
-    block of block_expert (nor row of row_copy) covers it; None: the groups follow the routed ones."""
+def route_topk(x, bias_ref, *, k, softmax, norm, scale):
+    """The routing of logits x [T, E] fp32 (module docstring): (ids, weights) as k lists of [T] (a token's j-th
+    choice), and chosen [T, E] int32, 1 where token t chose expert e."""
     T, E = x.shape
-    K = k + S
     if softmax:
         ex = jnp.exp(x - jnp.max(x, axis=1, keepdims=True))
         s = ex / jnp.sum(ex, axis=1, keepdims=True)
@@ -75,7 +69,6 @@ def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref
         s = jax.nn.sigmoid(x)
     choice = s if bias_ref is None else s + bias_ref[...][None, :]  # noaux_tc's correction bias
     eio = jax.lax.broadcasted_iota(jnp.int32, (T, E), 1)
-    tio = jax.lax.broadcasted_iota(jnp.int32, (T,), 0)
     ids, ws = [], []
     chosen = jnp.zeros((T, E), jnp.int32)  # 1 where token t chose expert e
     for _ in range(k):
@@ -90,7 +83,22 @@ def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref
     if norm:
         total = functools.reduce(jnp.add, ws) + 1e-20
         ws = [w / total for w in ws]
-    ws = [w * scale for w in ws]
+    return ids, [w * scale for w in ws], chosen
+
+
+def route_chunk(c, x, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, *, k, S, block_m, softmax, norm,
+                scale, row_chunk, shared_base=None):
+    """Program c of the routing kernel, from the logits x [T, E] fp32: the routing (every program) and the
+    c-th row chunk of the alignment; chunk 0 also writes the weights, ids and row_of. Shared with kernels
+    that route inside a larger launch (kernels/residual_route.py, kernels/route_experts.py).
+    shared_base: where a launch runs the shared experts' rows apart (kernels/route_experts.py), shared expert
+    s's group is rows shared_base + s * T_pad .. (T_pad: T padded to block_m), past the aligned rows, and no
+    block of block_expert (nor row of row_copy) covers it; None: the groups follow the routed ones."""
+    T, E = x.shape
+    K = k + S
+    ids, ws, chosen = route_topk(x, bias_ref, k=k, softmax=softmax, norm=norm, scale=scale)
+    eio = jax.lax.broadcasted_iota(jnp.int32, (T, E), 1)
+    tio = jax.lax.broadcasted_iota(jnp.int32, (T,), 0)
 
     # Alignment. Routed expert e's group: rows starts[e] .. + counts[e] (padded to block_m); the shared
     # experts' groups follow, T rows each (padded). A copy's rank in its group = earlier tokens that

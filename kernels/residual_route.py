@@ -179,10 +179,11 @@ def residual_norm_reference(parts, h, norm_w, layer, *, eps):
     return h_new, jax.lax.dynamic_index_in_dim(norm_w, layer, keepdims=False) * normed
 
 
-def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, x_ref, lp_ref, w_ref, idx_ref,
-                   row_of_ref, row_copy_ref, be_ref, cnt_ref, *, T, C, R, eps, spin, route_kw, routed_counter=None):
+def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref, route, *, T, C, R, eps,
+                   spin, routed_counter=None):
     """Programs 0 .. T + C + R - 1 of a launch: the module docstring's three phases (counters 0 and 1 of
-    cnt_ref). With `routed_counter`, each routing program adds 1 to that counter once its chunk is stored, for
+    cnt_ref), phase 3 as `route(r, logits [T, E] fp32)` for routing program r (`route_chunk` with its output
+    refs). With `routed_counter`, each routing program adds 1 to that counter once its outputs are stored, for
     later programs of the launch that wait on the routing (kernels/route_experts.py)."""
     D = parts_ref.shape[2]
     KC = D // C
@@ -221,7 +222,7 @@ def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, 
         logits = lp_ref[0]
         for c in range(1, C):
             logits = logits + lp_ref[c]
-        route_chunk(p - T - C, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, **route_kw)
+        route(p - T - C, logits)
         if routed_counter is not None:
             release(routed_counter)
 
@@ -229,9 +230,10 @@ def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, 
 def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, R, eps, spin, has_bias, route_kw):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
-    _cnt_in, *outs = refs
-    route_programs(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, bias_ref, *outs, T=T, C=C, R=R,
-                   eps=eps, spin=spin, route_kw=route_kw)
+    _cnt_in, hn_ref, x_ref, lp_ref, *route_refs, cnt_ref = refs
+    route_programs(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref,
+                   lambda r, logits: route_chunk(r, logits, bias_ref, *route_refs, **route_kw), T=T, C=C, R=R,
+                   eps=eps, spin=spin)
 
 
 def route_kwargs(T: int, E: int, k: int, num_shared: int, block_m: int, scoring_func: str, norm_topk_prob: bool,

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import _combine, _down, _gate_up, down_rows, gate_up_rows, moe_experts_reference
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
-from deepinfer_jax.kernels.moe_route import decode_block_m
+from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
 from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,
                                                   route_out_shapes, route_programs, supported)
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -68,9 +68,10 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, act_ref, y_ref, cnt_ref = refs
     p, layer = pl.program_id(0), layer_ref[0]
-    route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, bias_ref, hn_ref, x_ref, lp_ref, w_ref, idx_ref,
-                   row_of_ref, row_copy_ref, be_ref, cnt_ref, T=T, C=C, R=R, eps=eps, spin=spin, route_kw=route_kw,
-                   routed_counter=ROUTED)
+    route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref,
+                   lambda r, logits: route_chunk(r, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref,
+                                                 **route_kw),
+                   T=T, C=C, R=R, eps=eps, spin=spin, routed_counter=ROUTED)
     bm, I, S = t1.block_m, t1.I, route_kw["S"] if shared else 0
     nb, Tb = be_ref.shape[0], T // bm
     tiles1, tiles2 = I // t1.block_n, y_ref.shape[1] // t2.block_n
