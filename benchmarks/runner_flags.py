@@ -24,6 +24,8 @@ SWITCHES = [
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
     ("decode_moe_launch", "with the route launch, the routing and the expert kernels in one launch, the shared "
                           "experts' tiles streaming while the routing runs"),
+    ("decode_moe_dense", "that launch in its token-dense form at 16-32 tokens: no alignment, the experts' weights "
+                         "streaming before the routing ends"),
     ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
     ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
                             "layer's RMSNorm in one launch"),

@@ -393,6 +393,12 @@ class RunnerConfig:
     # CPU reference. The shared tiles stream on ~44 programs while the routing runs, a third of the bandwidth,
     # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth.
     decode_moe_launch: bool = True
+    # That launch in its token-dense form for steps of 16-32 tokens (kernels/route_experts.py
+    # route_experts_dense): no alignment, each expert's tiles multiply all the step's rows of x, so the weights
+    # stream from the launch's start instead of waiting for the routing (~12 us a layer of mostly idle DRAM in
+    # the aligned form), and tiles past the first wave skip the experts no token chose. Not measured on a GPU
+    # yet; off.
+    decode_moe_dense: bool = False
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
@@ -455,5 +461,5 @@ class RunnerConfig:
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "decode_route_launch",
-                    "decode_moe_launch", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")
+                    "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
+                    "decode_moe_dense", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")

@@ -258,15 +258,22 @@ def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, s
 
 
 def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, combine: bool,
-                       interpret: bool):
+                       interpret: bool, dense: bool = False):
     """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
     post-attention RMSNorm x, the MoE block of x (or its rows uncombined: `combine`), the routed ids [T, k]), in
-    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`."""
-    from deepinfer_jax.kernels.route_experts import route_experts
+    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`.
+    `dense` (RunnerConfig.decode_moe_dense): the launch's token-dense form where it takes the step."""
+    from deepinfer_jax.kernels import route_experts as launch
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
+    S = _shared_in_kernels(experts)
+    T, D = h.shape
+    if dense and launch.dense_supported(T, D, cfg.n_routed_experts, cfg.num_experts_per_tok, S):
+        run = launch.route_experts_dense
+    else:
+        run = launch.route_experts
     bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
-    return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
+    return run(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
                          eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                          norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
                          combine=combine, interpret=interpret)

@@ -315,6 +315,7 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
     decode_moe_launch: bool = False,
+    decode_moe_dense: bool = False,
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
@@ -350,6 +351,7 @@ def forward_paged(
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_moe_launch`: where `decode_moe_launch_applies` allows, that launch also runs the expert kernels'
     single launch, the shared experts' tiles streaming while the routing runs (kernels/route_experts.py).
+    `decode_moe_dense`: that launch in its token-dense form where `route_experts.dense_supported` allows.
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
@@ -436,7 +438,7 @@ def forward_paged(
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
                 if moe_launch:  # ... and on to the experts' rows in the same launch
                     h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
-                                                      moe_impl == "pallas_interpret")
+                                                      moe_impl == "pallas_interpret", decode_moe_dense)
                 else:
                     h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
                                                        attn_impl == "pallas_interpret")

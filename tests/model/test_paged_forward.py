@@ -474,6 +474,23 @@ def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, monk
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
+def test_decode_moe_dense_equals_the_aligned_launch(hf_case, case, monkeypatch):
+    """RunnerConfig.decode_moe_dense: the 16-slot decode steps run the route-and-experts launch in its token-dense
+    form (kernels/route_experts.py route_experts_dense); the 64-slot prefill step keeps the aligned form: the same
+    logits and cache as the aligned form, and the full forward's."""
+    from deepinfer_jax.kernels import route_experts
+
+    calls = []
+    real = route_experts.route_experts_dense
+    monkeypatch.setattr(route_experts, "route_experts_dense", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
+    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_moe_dense", seed=22, decode_projection_kernel=True,
+                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
+                                       decode_output_kernel=True, decode_route_launch=True, decode_moe_launch=True)
+    moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
+    assert calls == [16] * 2 * moe
+
+
+@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
 def test_decode_residual_norm_equals_the_xla_path(hf_case, case, monkeypatch):
     """RunnerConfig.decode_residual_norm: in every layer of the steps whose o_proj is read in place (decode
     sizes), o_proj's split-K partials are added to the residual and the post-attention RMSNorm taken in one
