@@ -18,15 +18,23 @@ counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared e
    program adds 1 to counter 2 once its chunk of the alignment is stored. The shared experts' groups sit apart,
    rows M + s * T + t of the intermediate and the output (`moe_route.route_chunk`'s shared_base = M).
 2. S * Tb * (I / bn1) shared gate_up tiles: wait for x (counter 0 = T), each adds 1 to its block's counter.
-3. S * Tb * (D / bn2) shared down tiles: wait for their block's gate_up tiles.
-4. nb * (I / bn1) routed gate_up tiles, block-major, then nb * (D / bn2) routed down tiles: wait for the routing
-   (counter 2 = R), then as moe_gmm's single launch (an unused block, -1, does nothing).
+3. nb * (I / bn1) routed gate_up tiles, block-major: wait for the routing (counter 2 = R), then as moe_gmm's
+   single launch (an unused block, -1, does nothing).
+4. S * Tb * (D / bn2) shared down tiles (before step 3's tiles with shared_down_late=False): wait for their
+   block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
+Measured (H200, V2-Lite, batch 32; benchmarks/RESULTS.md session 24): 268.1 us a layer against 270.1 for the two
+launches, Protocol A +0.15%. The shared gate_up tiles are only 44 programs, so the DRAM stays mostly idle while
+the routing runs.
 
-Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU), and
-`route_experts_reference` (pure JAX: residual_route_reference's routing, every copy through its expert and the
-shared MLP as S more experts, summed in fp32). Its outputs equal, bit for bit, residual_route followed by
-moe_route.moe_fused_decode's single launch (the same tiles and sums, the shared rows placed apart).
-Invariants: residual_route's (`supported`) and T a multiple of the row block.
+`route_experts_dense` is the token-dense form of the same launch, for steps of 16-32 tokens: no alignment; every
+expert's tiles multiply all T rows of x, so no weight waits for the routing (its docstring).
+
+Three parts (ARCHITECTURE.md rule 6): `route_experts` and `route_experts_dense` (the kernels; `interpret=True`
+runs them on the CPU), and `route_experts_reference` (pure JAX: residual_route_reference's routing, every copy
+through its expert and the shared MLP as S more experts, summed in fp32). In interpret mode both forms' outputs
+equal, bit for bit, residual_route followed by moe_route.moe_fused_decode's single launch (the same tile sums per
+row).
+Invariants: residual_route's (`supported`) and T a multiple of the row block; the dense form T <= 32.
 """
 
 from __future__ import annotations
