@@ -43,7 +43,7 @@
 #                                                   session 18: XLA's per-node use_pdl and programmatic edges in
 #                                                   both forms (VLOG), then both forms with PDL off
 #   bash benchmarks/explore_next.sh OUTDIR lmem
-#                                                   the next call (session 18's lead): the CUDA context's stack
+#                                                   session 18's lead: the CUDA context's stack
 #                                                   limit after warm-up in both forms, then the scanned form with
 #                                                   it set back to 1,024 bytes (offline.py --cuda-stack-limit)
 #   bash benchmarks/explore_next.sh OUTDIR loops
@@ -75,7 +75,7 @@
 #                                                   step (--output-kernel block_r=64) against 32, in the batch-32
 #                                                   step, alternating
 #   bash benchmarks/explore_next.sh OUTDIR occupancy
-#                                                   the next call (session 23's ncu: the attention and output
+#                                                   session 23, not run yet (its ncu: the attention and output
 #                                                   kernels run one warp a scheduler and wait on their own
 #                                                   instruction chains): the batch-32 step with twice the attention's
 #                                                   splits (256 programs, two an SM, half the chain each), with the
