@@ -162,7 +162,7 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     shared = () if S == 0 else (shared_gate_up.astype(x_dtype), shared_down.astype(x_dtype))
     args = (jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w, gate, w_gate_up.astype(x_dtype),
             w_down.astype(x_dtype), *(() if bias is None else (bias.astype(jnp.float32),)), *shared,
-            jnp.zeros((3 + nb + S * T // block_m,), jnp.int32))  # the counters
+            jnp.zeros((BLOCKS + nb + S * T // block_m,), jnp.int32))  # the counters
     out_shape = (*route_out_shapes(T, D, E, K, M, block_m, chunks, h.dtype, x_dtype),
                  jax.ShapeDtypeStruct((rows, I), x_dtype), jax.ShapeDtypeStruct((rows, D), x_dtype),
                  jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
