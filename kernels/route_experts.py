@@ -146,7 +146,7 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     session 24's measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
     layer against 271.1 at 4 warps and 270.1 for the two launches; the order alone made no difference (the
     routing's chain of reductions runs faster at 8 warps, the expert tiles did not slow)."""
-    P, T, D = parts.shape
+    _, T, D = parts.shape
     _, E, _, _, I = w_gate_up.shape
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
     K = k + S
@@ -297,7 +297,7 @@ def route_experts_dense(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared
     unused it is; its down tiles wait for the routing and skip an unused expert; so past the first wave only
     the chosen experts' weights are read. A chosen expert's rows of the other tokens are computed and never read.
     With combine=False, y is [(S + E) * T, D]. Requires `dense_supported`."""
-    P, T, D = parts.shape
+    _, T, D = parts.shape
     _, E, _, _, I = w_gate_up.shape
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
     K = k + S
@@ -310,9 +310,7 @@ def route_experts_dense(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared
     args = (jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w, gate, w_gate_up.astype(x_dtype),
             w_down.astype(x_dtype), *(() if bias is None else (bias.astype(jnp.float32),)), *shared,
             jnp.zeros((BLOCKS + slots,), jnp.int32))  # the counters
-    out_shape = (jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype),
-                 jax.ShapeDtypeStruct((chunks, T, E), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.float32),
-                 jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((T, K), jnp.int32),
+    out_shape = (*route_out_shapes(T, D, E, K, T, T, chunks, h.dtype, x_dtype)[:6],  # no alignment
                  jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((slots * T, I), x_dtype),
                  jax.ShapeDtypeStruct((slots * T, D), x_dtype), jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
     topk_kw = dict(k=k, softmax=scoring_func == "softmax", norm=norm_topk_prob, scale=float(routed_scaling_factor))

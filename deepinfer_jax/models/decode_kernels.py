@@ -273,10 +273,9 @@ def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts
     else:
         run = launch.route_experts
     bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
-    return run(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
-                         eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
-                         norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                         combine=combine, interpret=interpret)
+    return run(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias, eps=cfg.rms_norm_eps,
+               k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
+               routed_scaling_factor=cfg.routed_scaling_factor, combine=combine, interpret=interpret)
 
 
 def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:
