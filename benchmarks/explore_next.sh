@@ -91,12 +91,12 @@
 #                                                   session 24: moe_launch_sweep.py (the two launches against the
 #                                                   one, its warps and its order, in isolation), then the step
 #                                                   with the one launch's shared down tiles late, at 4 and 8 warps
-#   bash benchmarks/explore_next.sh OUTDIR dense
-#                                                   the next call (session 24): the route-and-experts launch in its
-#                                                   token-dense form (--decode-moe-dense, route_experts_dense) in
-#                                                   isolation at batch 32 and 16, the batch-32 step against the
-#                                                   defaults, alternating; if it wins, the GPU-vs-CPU check and
-#                                                   Protocol A alternating
+#   bash benchmarks/explore_next.sh OUTDIR moetokens
+#                                                   session 25: the route-and-experts launch at 16 and 64 tokens,
+#                                                   where it lost at its defaults (8 warps, shared down tiles late):
+#                                                   moe_launch_sweep.py with every warps / order variant, then the
+#                                                   steps at the default token counts (32 only) against
+#                                                   --decode-moe-launch-tokens all, alternating
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -402,27 +402,18 @@ if [[ $mode == moesweep ]]; then  # the launch's variants in isolation, then the
   done
   exit 0
 fi
-if [[ $mode == dense ]]; then  # the experts' weights streaming from the launch's start, before the routing ends
-  for b in 32 16; do
-    timeout 100 python3 benchmarks/moe_launch_sweep.py --batch $b --layers 4 --variants two,merged_w8_late,dense,dense_w4 \
-      2>&1 | quiet > "$out/sweep_$b.log"
+if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, and with what warps and order
+  for b in 16 64; do
+    timeout 100 python3 benchmarks/moe_launch_sweep.py --batch $b --layers 4 2>&1 | quiet > "$out/sweep_$b.log"
     grep -h -E "^\|" "$out/sweep_$b.log"
   done
-  for l in base dense base2 dense2; do
-    f=(); [[ $l == dense* ]] && f=(--decode-moe-dense)
-    left 330 && timeout 90 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
-    echo "$l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_$l.log")"
-  done
-  ms() { grep -h -oE "pipelined via compiled: [0-9.]+" "$out/step_$1.log" | grep -oE "[0-9.]+$"; }
-  b=$(ms base2); c=$(ms dense2)
-  [[ -n $b && -n $c ]] && awk "BEGIN{exit !($c <= $b - 0.03)}" || exit 0
-  left 330 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
-    --decode-moe-dense > "$out/gpu_vs_cpu.log" 2>&1
-  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-  for l in dense base; do
-    f=(); [[ $l == dense ]] && f=(--decode-moe-dense)
-    left 520 && timeout 60 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 "${f[@]}" > "$out/pa_$l.log" 2>&1
-    echo "-- $l"; grep -h -E 'Protocol A' "$out/pa_$l.log" | cut -c1-110
+  for b in 16 64; do
+    for l in base all base2 all2; do
+      f=(); [[ $l == all* ]] && f=(--decode-moe-launch-tokens all)
+      left 450 && timeout 80 python3 benchmarks/step_profile.py --label "$l" --batch $b "${f[@]}" 2>&1 | quiet \
+        > "$out/step_${b}_$l.log"
+      echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
+    done
   done
   exit 0
 fi

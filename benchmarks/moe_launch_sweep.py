@@ -5,9 +5,9 @@
 One jitted program runs `--layers` MoE layers at V2-Lite's shape (D 2048, 64 experts of 1,408 + 2 shared, top-6,
 random bf16 weights, each layer its own so no weight stays in L2) on random partials and residuals, as a decode
 step's MoE layers do: either the route launch then the experts' single launch (kernels/residual_route.py, then
-moe_route.moe_fused_decode) or the two as one launch (kernels/route_experts.py), aligned or token-dense. A profiler trace of a few runs
-gives each kernel's device time per layer and the span per layer (first kernel's start to last one's end, the
-gaps included). Each variant's output is checked against the first one's. The table prints last.
+moe_route.moe_fused_decode) or the two as one launch (kernels/route_experts.py). A profiler trace of a few runs
+gives each kernel's device time per layer and the span per layer (first kernel's start to last one's end, the gaps
+included). Each variant's output is checked against the first one's. The table prints last.
 """
 
 from __future__ import annotations
@@ -23,16 +23,13 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
-VARIANTS = {  # name -> (launch, keyword arguments): "two" = residual_route + moe_fused_decode, "one" = route_experts,
-    # "dense" = route_experts_dense
+VARIANTS = {  # name -> (launch, keyword arguments): "two" = residual_route + moe_fused_decode, "one" = route_experts
     "two": ("two", {}),
-    "two_w4": ("two", {"num_warps": 4}),  # the route launch at the experts' 4 warps, as inside the one launch
-    "merged": ("one", {}),
-    "merged_w8": ("one", {"num_warps": 8}),
-    "merged_late": ("one", {"shared_down_late": True}),
-    "merged_w8_late": ("one", {"num_warps": 8, "shared_down_late": True}),
-    "dense": ("dense", {}),
-    "dense_w4": ("dense", {"num_warps": 4}),
+    "two_w4": ("two", {"num_warps": 4}),  # the route launch at the experts' 4 warps
+    "merged": ("one", {}),  # route_experts' defaults: 8 warps, the shared down tiles after the routed gate_up tiles
+    "merged_early": ("one", {"shared_down_late": False}),
+    "merged_w4": ("one", {"num_warps": 4}),
+    "merged_w4_early": ("one", {"num_warps": 4, "shared_down_late": False}),
 }
 
 
@@ -78,8 +75,8 @@ def main(argv=None) -> int:
                     out, _ = moe_route.moe_fused_decode(x, None, None, wgu, wd, j, sgu, sd, k=k, single_launch=True,
                                                         routed=tuple(routed), interpret=interpret)
                 else:
-                    run = route_experts.route_experts if launch == "one" else route_experts.route_experts_dense
-                    hn, x, out, _ = run(parts, h, norm_w, gate, j, wgu, wd, sgu, sd, interpret=interpret, **kw, **vkw)
+                    hn, x, out, _ = route_experts.route_experts(parts, h, norm_w, gate, j, wgu, wd, sgu, sd,
+                                                                interpret=interpret, **kw, **vkw)
                 outs.append(hn + out)
             return jnp.stack(outs)
 

@@ -24,8 +24,6 @@ SWITCHES = [
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
     ("decode_moe_launch", "with the route launch, the routing and the expert kernels in one launch, the shared "
                           "experts' tiles streaming while the routing runs"),
-    ("decode_moe_dense", "that launch in its token-dense form at 16-32 tokens: no alignment, the experts' weights "
-                         "streaming before the routing ends"),
     ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
     ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
                             "layer's RMSNorm in one launch"),
@@ -44,12 +42,21 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
                         help=f"{what} (RunnerConfig.{field})")
     ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
+    ap.add_argument("--decode-moe-launch-tokens", type=_token_counts, default=RunnerConfig.decode_moe_launch_tokens,
+                    help="the step sizes (token slots, comma-separated, or 'all') the route-and-experts launch runs "
+                         "at (RunnerConfig.decode_moe_launch_tokens)")
     ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
                     help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; "
                          "default: indexed on a GPU)")
 
 
+def _token_counts(text: str) -> tuple[int, ...] | None:
+    """'32,64' -> (32, 64); 'all' -> None."""
+    return None if text == "all" else tuple(int(t) for t in text.split(","))
+
+
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
-    return {field: getattr(args, field) for field, _ in SWITCHES} | {"prefill_attention": args.prefill_attention,
-                                                                      "prefill_layers": args.prefill_layers}
+    return {field: getattr(args, field) for field, _ in SWITCHES} | {
+        "prefill_attention": args.prefill_attention, "prefill_layers": args.prefill_layers,
+        "decode_moe_launch_tokens": args.decode_moe_launch_tokens}

@@ -393,12 +393,12 @@ class RunnerConfig:
     # CPU reference. The shared tiles stream on ~44 programs while the routing runs, a third of the bandwidth,
     # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth.
     decode_moe_launch: bool = True
-    # That launch in its token-dense form for steps of 16-32 tokens (kernels/route_experts.py
-    # route_experts_dense): no alignment, each expert's tiles multiply all the step's rows of x, so the weights
-    # stream from the launch's start instead of waiting for the routing (~12 us a layer of mostly idle DRAM in
-    # the aligned form), and tiles past the first wave skip the experts no token chose. Not measured on a GPU
-    # yet; off.
-    decode_moe_dense: bool = False
+    # The step sizes (token slots) that launch runs at; None: every size it takes. Session 25 (H200, V2-Lite, at
+    # 640 tokens of context, alternating): batch 8 5.40 / 5.41 ms against 5.41 / 5.38 without, batch 16 7.13 /
+    # 7.14 against 7.02 / 7.03, batch 32 Protocol A 3,677 / 3,677 tok/s against 3,665 / 3,662, batch 64 9.01 / 9.03
+    # against 8.97 / 8.97; session 24, batch 128 even. In isolation (moe_launch_sweep.py, its defaults: 8 warps,
+    # the shared down tiles late) the one launch is slower than the two at 16 and 64 tokens too.
+    decode_moe_launch_tokens: tuple[int, ...] | None = (32,)
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
@@ -439,6 +439,8 @@ class RunnerConfig:
     def __post_init__(self) -> None:
         if self.prefill_layers not in (None, "scan", "indexed"):
             raise ValueError(f"prefill_layers must be 'scan' or 'indexed', got {self.prefill_layers!r}")
+        if self.decode_moe_launch_tokens is not None:  # hashable: a static argument of the step's jit
+            object.__setattr__(self, "decode_moe_launch_tokens", tuple(int(t) for t in self.decode_moe_launch_tokens))
 
     def forward_switches(self) -> dict[str, Any]:
         """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
@@ -462,4 +464,4 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
-                    "decode_moe_dense", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")
+                    "decode_moe_launch_tokens", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")

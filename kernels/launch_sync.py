@@ -35,12 +35,3 @@ def acquire(cnt_ref, i, target, spin: bool) -> None:
         read = lambda _: plgpu.atomic_add(cnt_ref, i, jnp.int32(0))  # noqa: E731  acquire
         jax.lax.while_loop(lambda r: r < target, read, read(None))
 
-
-def read(cnt_ref, i, spin: bool):
-    """Counter i's value now, without waiting (an atomic read with acquire semantics: what its releasers stored
-    before adding is visible after it). Interpret mode: a plain load."""
-    from jax.experimental.pallas import triton as plgpu
-
-    if not spin:
-        return cnt_ref[i]
-    return plgpu.atomic_add(cnt_ref, jnp.asarray(i, jnp.int32), jnp.int32(0))

@@ -22,19 +22,18 @@ counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared e
    single launch (an unused block, -1, does nothing).
 4. S * Tb * (D / bn2) shared down tiles (before step 3's tiles with shared_down_late=False): wait for their
    block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
-Measured (H200, V2-Lite, batch 32; benchmarks/RESULTS.md session 24): 268.1 us a layer against 270.1 for the two
-launches, Protocol A +0.15%. The shared gate_up tiles are only 44 programs, so the DRAM stays mostly idle while
-the routing runs.
+Measured (H200, V2-Lite; benchmarks/RESULTS.md sessions 24, 25): at batch 32, 264.7-268.1 us a layer against
+266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared gate_up tiles are only 44 programs, so the
+DRAM stays mostly idle while the routing runs. At 16 and 64 tokens the one launch is slower (233 against 232 us,
+287 against 285; steps +0.11 and +0.05 ms), at 8 and 128 even: the model runs it at the token counts of
+RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
+from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
 
-`route_experts_dense` is the token-dense form of the same launch, for steps of 16-32 tokens: no alignment; every
-expert's tiles multiply all T rows of x, so no weight waits for the routing (its docstring).
-
-Three parts (ARCHITECTURE.md rule 6): `route_experts` and `route_experts_dense` (the kernels; `interpret=True`
-runs them on the CPU), and `route_experts_reference` (pure JAX: residual_route_reference's routing, every copy
-through its expert and the shared MLP as S more experts, summed in fp32). In interpret mode both forms' outputs
-equal, bit for bit, residual_route followed by moe_route.moe_fused_decode's single launch (the same tile sums per
-row).
-Invariants: residual_route's (`supported`) and T a multiple of the row block; the dense form T <= 32.
+Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU) and
+`route_experts_reference` (pure JAX: residual_route_reference's routing, every copy through its expert and the
+shared MLP as S more experts, summed in fp32). In interpret mode its outputs equal, bit for bit, residual_route
+followed by moe_route.moe_fused_decode's single launch (the same tile sums per row).
+Invariants: residual_route's (`supported`) and T a multiple of the row block.
 """
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ from jax.experimental import pallas as pl
 from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import _combine, _down, _gate_up, down_rows, gate_up_rows, moe_experts_reference
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
-from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk, route_topk
+from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
 from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,
                                                   route_out_shapes, route_programs, supported)
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -200,127 +199,3 @@ def route_experts_reference(parts, h, norm_w, gate, layer, w_gate_up, w_down, sh
         w_all = jnp.concatenate([w, jnp.ones((T, S), w.dtype)], axis=1)
     out = moe_experts_reference(x, wgu.astype(x.dtype), wd.astype(x.dtype), w_all, idx_all)
     return h_new, x, out, idx
-
-
-# The token-dense form (`route_experts_dense`) takes steps of up to this many tokens: each expert's tiles multiply
-# all T rows of x, so the [T, bn] accumulators must fit, and the waste (rows of tokens that did not choose the
-# expert) stays far below the weights' bytes.
-DENSE_MAX_TOKENS = 32
-
-
-def dense_supported(num_tokens: int, D: int, E: int, k: int, num_shared: int, chunks: int = ROUTER_CHUNKS) -> bool:
-    """Whether `route_experts_dense` takes a step of `num_tokens` tokens with these sizes."""
-    return supported(num_tokens, D, E, k, num_shared, chunks) and num_tokens <= DENSE_MAX_TOKENS
-
-
-def _dense_kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, T, C, S, t1, t2, has_bias, eps,
-                  spin, topk_kw):
-    refs = list(refs)
-    bias_ref = refs.pop(0) if has_bias else None
-    sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if S else (None, None)
-    _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, used_ref, act_ref, y_ref, cnt_ref = refs
-    p, layer = pl.program_id(0), layer_ref[0]
-    E, k, I = used_ref.shape[0], topk_kw["k"], t1.I
-    tio = jax.lax.broadcasted_iota(jnp.int32, (T,), 0)
-
-    def route(_, logits):  # the one routing program: the top-k, each copy's row and the experts' token counts
-        ids, ws, chosen = route_topk(logits, bias_ref, **topk_kw)
-        for j in range(k + S):
-            w_ref[:, j] = ws[j] if j < k else jnp.ones((T,), jnp.float32)
-            idx_ref[:, j] = ids[j] if j < k else jnp.full((T,), E + j - k, jnp.int32)
-            row_of_ref[:, j] = ((S + ids[j]) if j < k else (j - k)) * T + tio  # slot * T + t
-        used_ref[...] = jnp.sum(chosen, axis=0)
-
-    route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref, route, T=T, C=C, R=1,
-                   eps=eps, spin=spin, routed_counter=ROUTED)
-    tiles1, tiles2 = I // t1.block_n, y_ref.shape[1] // t2.block_n
-    slots = S + E
-    gu0 = T + C + 1
-    dn0 = gu0 + slots * tiles1
-    release = lambda i: launch_sync.release(cnt_ref, i, spin)  # noqa: E731
-    acquire = lambda i, target: launch_sync.acquire(cnt_ref, i, target, spin)  # noqa: E731
-
-    @pl.when((p >= gu0) & (p < dn0))  # gate_up tiles, slot-major: the shared experts first
-    def _():
-        slot, n = (p - gu0) // tiles1, (p - gu0) % tiles1
-        cols = pl.ds(n * t1.block_n, t1.block_n)
-        acquire(0, T)  # x
-
-        def run(tile):
-            gate_up_rows(t1, lambda ks: x_ref[pl.ds(0, T), ks], tile, act_ref, pl.ds(slot * T, T), cols)
-            release(BLOCKS + slot)
-
-        if S:
-            @pl.when(slot < S)
-            def _():
-                run(lambda ks, g: sgu_ref[layer, ks, g, pl.ds(slot * I + n * t1.block_n, t1.block_n)])
-
-        # A routed expert's tiles skip only where the routing is known and no token chose the expert; before it is
-        # known they run (their rows go unread if the expert turns out unused).
-        unused = (launch_sync.read(cnt_ref, ROUTED, spin) == 1) & (used_ref[jnp.maximum(slot - S, 0)] == 0)
-
-        @pl.when((slot >= S) & jnp.logical_not(unused))
-        def _():
-            run(lambda ks, g: wgu_ref[layer, slot - S, ks, g, cols])
-
-    @pl.when(p >= dn0)  # down tiles, slot-major
-    def _():
-        slot, n = (p - dn0) // tiles2, (p - dn0) % tiles2
-        cols = pl.ds(n * t2.block_n, t2.block_n)
-
-        def run(tile):
-            acquire(BLOCKS + slot, tiles1)
-            down_rows(t2, act_ref, tile, y_ref, pl.ds(slot * T, T), cols)
-
-        if S:
-            @pl.when(slot < S)
-            def _():
-                run(lambda i: sd_ref[layer, pl.ds(slot * I + i * t2.block_k, t2.block_k), cols])
-
-        acquire(ROUTED, 1)
-
-        @pl.when((slot >= S) & (used_ref[jnp.maximum(slot - S, 0)] > 0))
-        def _():
-            run(lambda i: wd_ref[layer, slot - S, pl.ds(i * t2.block_k, t2.block_k), cols])
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                             "chunks", "combine", "num_warps", "interpret"))
-def route_experts_dense(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None,
-                        bias=None, *, eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                        chunks=ROUTER_CHUNKS, combine=True, num_warps=8, interpret=False):
-    """`route_experts`' outputs, in the token-dense form: no alignment; every expert's tiles multiply all T rows
-    of x, so they need not wait for the routing and their weights stream from the launch's start. Grid: T + C
-    residual and router programs, one routing program (top-k, each copy's row slot * T + t, the experts' token
-    counts), then (S + E) x I / bn1 gate_up tiles and (S + E) x D / bn2 down tiles, slot-major with the shared
-    experts' slots first. A routed expert's gate_up tile skips its work where the routing is already known and
-    unused it is; its down tiles wait for the routing and skip an unused expert; so past the first wave only
-    the chosen experts' weights are read. A chosen expert's rows of the other tokens are computed and never read.
-    With combine=False, y is [(S + E) * T, D]. Requires `dense_supported`."""
-    _, T, D = parts.shape
-    _, E, _, _, I = w_gate_up.shape
-    S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
-    K = k + S
-    assert dense_supported(T, D, E, k, S, chunks), (parts.shape, w_gate_up.shape, k, S)
-    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
-    t1, t2, _, num_stages = single_launch_tiles(T * K, D, E, I, K, T, x_dtype)
-    tiles1, tiles2 = I // t1.block_n, D // t2.block_n
-    slots = S + E
-    shared = () if S == 0 else (shared_gate_up.astype(x_dtype), shared_down.astype(x_dtype))
-    args = (jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w, gate, w_gate_up.astype(x_dtype),
-            w_down.astype(x_dtype), *(() if bias is None else (bias.astype(jnp.float32),)), *shared,
-            jnp.zeros((BLOCKS + slots,), jnp.int32))  # the counters
-    out_shape = (*route_out_shapes(T, D, E, K, T, T, chunks, h.dtype, x_dtype)[:6],  # no alignment
-                 jax.ShapeDtypeStruct((E,), jnp.int32), jax.ShapeDtypeStruct((slots * T, I), x_dtype),
-                 jax.ShapeDtypeStruct((slots * T, D), x_dtype), jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
-    topk_kw = dict(k=k, softmax=scoring_func == "softmax", norm=norm_topk_prob, scale=float(routed_scaling_factor))
-    h_new, x, _, w, idx, row_of, _, _, y, _ = pl.pallas_call(
-        functools.partial(_dense_kernel, T=T, C=chunks, S=S, t1=t1, t2=t2, has_bias=bias is not None, eps=float(eps),
-                          spin=not interpret, topk_kw=topk_kw),
-        grid=(T + chunks + 1 + slots * (tiles1 + tiles2),), out_shape=out_shape,
-        input_output_aliases={len(args) - 1: len(out_shape) - 1},
-        compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
-    )(*args)
-    row_of = row_of.reshape(-1)
-    out = _combine(y, row_of, w, T, K, D, x_dtype) if combine else (y, row_of, w)
-    return h_new, x, out, idx[:, :k]

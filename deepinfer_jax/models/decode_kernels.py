@@ -249,31 +249,25 @@ def residual_route_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, expert
 
 
 def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, single_launch: bool,
-                              enabled: bool) -> bool:
-    """Whether this MoE segment's decode step runs its route launch and its expert kernels as one launch
-    (kernels/route_experts.py): with `enabled` (RunnerConfig.decode_moe_launch), the route launch
-    (`decode_route_weights`), the expert kernels' single launch, and no shared MLP left outside the kernels."""
-    return (enabled and route_w is not None and single_launch
+                              enabled: bool, num_tokens: int, tokens: tuple[int, ...] | None) -> bool:
+    """Whether this MoE segment's step of `num_tokens` token slots runs its route launch and its expert kernels
+    as one launch (kernels/route_experts.py): with `enabled` (RunnerConfig.decode_moe_launch), num_tokens one of
+    `tokens` (RunnerConfig.decode_moe_launch_tokens; None: any), the route launch (`decode_route_weights`), the
+    expert kernels' single launch, and no shared MLP left outside the kernels."""
+    return (enabled and (tokens is None or num_tokens in tokens) and route_w is not None and single_launch
             and ("shared" in experts or "shared" not in seg_params["moe"]))
 
 
 def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, combine: bool,
-                       interpret: bool, dense: bool = False):
+                       interpret: bool):
     """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
     post-attention RMSNorm x, the MoE block of x (or its rows uncombined: `combine`), the routed ids [T, k]), in
-    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`.
-    `dense` (RunnerConfig.decode_moe_dense): the launch's token-dense form where it takes the step."""
-    from deepinfer_jax.kernels import route_experts as launch
+    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`."""
+    from deepinfer_jax.kernels.route_experts import route_experts
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
-    S = _shared_in_kernels(experts)
-    T, D = h.shape
-    if dense and launch.dense_supported(T, D, cfg.n_routed_experts, cfg.num_experts_per_tok, S):
-        run = launch.route_experts_dense
-    else:
-        run = launch.route_experts
     bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
-    return run(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias, eps=cfg.rms_norm_eps,
+    return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias, eps=cfg.rms_norm_eps,
                k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
                routed_scaling_factor=cfg.routed_scaling_factor, combine=combine, interpret=interpret)
 

@@ -315,7 +315,7 @@ def forward_paged(
     decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
     decode_moe_launch: bool = False,
-    decode_moe_dense: bool = False,
+    decode_moe_launch_tokens: tuple[int, ...] | None = None,
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
@@ -350,8 +350,8 @@ def forward_paged(
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_moe_launch`: where `decode_moe_launch_applies` allows, that launch also runs the expert kernels'
-    single launch, the shared experts' tiles streaming while the routing runs (kernels/route_experts.py).
-    `decode_moe_dense`: that launch in its token-dense form where `route_experts.dense_supported` allows.
+    single launch, the shared experts' tiles streaming while the routing runs (kernels/route_experts.py);
+    `decode_moe_launch_tokens`: the step sizes (token slots) it runs at (None: any).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
@@ -390,7 +390,8 @@ def forward_paged(
         oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
         route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl,
                                        mesh_rules, fuse_moe_routing, decode_route_launch)
-        moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch)
+        moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
+                                               meta.token_ids.shape[0], decode_moe_launch_tokens)
         norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
                                               meta.token_ids.shape[0], decode_residual_norm)
         input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
@@ -438,7 +439,7 @@ def forward_paged(
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
                 if moe_launch:  # ... and on to the experts' rows in the same launch
                     h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
-                                                      moe_impl == "pallas_interpret", decode_moe_dense)
+                                                      moe_impl == "pallas_interpret")
                 else:
                     h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
                                                        attn_impl == "pallas_interpret")

@@ -378,20 +378,3 @@ def test_route_and_experts_launch_lowers_for_sm90(triton_modules):
     # gate_up on the routing, routed down on the routing and on its block
     assert ir.count("scf.while") == 7
 
-
-def test_token_dense_route_and_experts_launch_lowers_for_sm90(triton_modules):
-    """The token-dense form (route_experts_dense) at V2-Lite's shape, batch 32: one kernel; the router's dot, the
-    gate_up tiles' two and the down tiles' one for the shared and the routed branch; the routing's top-k, no
-    alignment scans; acquire loops for x (router chunks, gate_up tiles), the chunks (routing), the routing and the
-    experts' gate_up tiles (shared and routed down tiles)."""
-    from deepinfer_jax.kernels.route_experts import route_experts_dense
-
-    s = jax.ShapeDtypeStruct
-    Lm, E, D, I, S = 26, 64, 2048, 1408, 2
-    args = (s((8, 32, D), jnp.float32), s((32, D), jnp.bfloat16), s((Lm, D), jnp.bfloat16), s((Lm, D, E), jnp.bfloat16),
-            s((Lm, E, D, 2, I), jnp.bfloat16), s((Lm, E, I, D), jnp.bfloat16), s((Lm, D, 2, S * I), jnp.bfloat16),
-            s((Lm, S * I, D), jnp.bfloat16))
-    (ir,) = triton_modules(lambda p, h, nw, g, a, d, sa, sd: route_experts_dense(p, h, nw, g, 5, a, d, sa, sd,
-                                                                                 eps=1e-6, k=6), *args)
-    assert ir.count("tt.dot") == 1 + 2 * 3 and "gpu.barrier" in ir
-    assert ir.count("scf.while") == 6

@@ -1,6 +1,6 @@
-"""kernels/route_experts.py (interpret mode): the route launch and the experts' single launch as one grid, in its
-aligned form and its token-dense form, against the pure-JAX reference, and bit for bit against the two launches
-it replaces (residual_route, then moe_route.moe_fused_decode's single launch)."""
+"""kernels/route_experts.py (interpret mode): the route launch and the experts' single launch as one grid, against
+the pure-JAX reference, and bit for bit against the two launches it replaces (residual_route, then
+moe_route.moe_fused_decode's single launch)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,7 @@ import pytest
 
 from deepinfer_jax.kernels.moe_route import decode_block_m, moe_fused_decode
 from deepinfer_jax.kernels.residual_route import combine_residual_norm, residual_route
-from deepinfer_jax.kernels.route_experts import (dense_supported, route_experts, route_experts_dense,
-                                                  route_experts_reference)
+from deepinfer_jax.kernels.route_experts import route_experts, route_experts_reference
 
 
 def _case(T, D, E, I, S, dtype, bias, seed):
@@ -33,17 +32,12 @@ CASES = [  # T, D, E, I, k, S, scoring, bias
 ]
 
 
-FORMS = {"aligned": route_experts, "dense": route_experts_dense}
-
-
 @pytest.mark.parametrize("T, D, E, I, k, S, scoring, bias", CASES)
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize("form", FORMS)
-def test_equals_the_two_launches_and_the_reference(T, D, E, I, k, S, scoring, bias, dtype, form):
+def test_equals_the_two_launches_and_the_reference(T, D, E, I, k, S, scoring, bias, dtype):
     parts, h, norm_w, gate, (wgu, wd), (sgu, sd), b = _case(T, D, E, I, S, dtype, bias, seed=T + E + S)
     kw = dict(eps=1e-6, k=k, scoring_func=scoring, norm_topk_prob=bias, routed_scaling_factor=2.5 if bias else 1.0)
-    launch = FORMS[form]
-    got = launch(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, b, interpret=True, **kw)
+    got = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, b, interpret=True, **kw)
     h_new, x, *routed = residual_route(parts, h, norm_w, gate, 1, b, num_shared=S, block_m=decode_block_m(T, k, S),
                                        interpret=True, **kw)
     out, idx = moe_fused_decode(x, None, None, wgu, wd, 1, sgu, sd, k=k, single_launch=True, routed=tuple(routed),
@@ -58,28 +52,20 @@ def test_equals_the_two_launches_and_the_reference(T, D, E, I, k, S, scoring, bi
     np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(want[3]))
     assert float(jnp.max(jnp.abs(got[2].astype(jnp.float32)))) > 0.01  # the experts contributed
     # Layer 1's weights, not another layer's.
-    other = launch(parts, h, norm_w, gate, 2, wgu, wd, sgu, sd, b, interpret=True, **kw)
+    other = route_experts(parts, h, norm_w, gate, 2, wgu, wd, sgu, sd, b, interpret=True, **kw)
     assert not np.allclose(np.asarray(other[2], np.float32), np.asarray(got[2], np.float32))
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_uncombined_rows_combine_to_the_output(form):
-    """combine=False: the rows and row_of (aligned: the shared rows past the aligned ones; dense: expert slot s's
-    rows s * T .., the shared experts' slots first), combined by the combine-and-norm launch, give the residual
-    the combined output would."""
+def test_uncombined_rows_combine_to_the_output():
+    """combine=False: the rows (the shared rows past the aligned ones) and row_of, combined by the combine-and-norm
+    launch, give the residual the combined output would."""
     T, D, E, I, k, S = 32, 256, 64, 128, 6, 2
     parts, h, norm_w, gate, (wgu, wd), (sgu, sd), _ = _case(T, D, E, I, S, jnp.float32, False, seed=5)
     kw = dict(eps=1e-6, k=k)
-    launch = FORMS[form]
-    h_new, _, out, idx = launch(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, interpret=True, **kw)
-    _, _, rows, _ = launch(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, combine=False, interpret=True, **kw)
+    h_new, _, out, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, interpret=True, **kw)
+    _, _, rows, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, combine=False, interpret=True, **kw)
     y, row_of, weights = rows
-    if form == "aligned":
-        assert y.shape[0] > int(jnp.max(row_of)) >= y.shape[0] - S * T  # the shared rows are the last S * T
-    else:
-        t = np.arange(T)[:, None]
-        want = np.concatenate([(S + np.asarray(idx)) * T + t, np.arange(S)[None, :] * T + t], axis=1)
-        np.testing.assert_array_equal(np.asarray(row_of).reshape(T, k + S), want)
+    assert y.shape[0] > int(jnp.max(row_of)) >= y.shape[0] - S * T  # the shared rows are the last S * T
     got, _ = combine_residual_norm(y, row_of, weights, h_new, norm_w, 1, eps=1e-6, interpret=True)
     np.testing.assert_allclose(np.asarray(got), np.asarray(h_new + out), rtol=2e-6, atol=2e-6)
 
@@ -94,8 +80,3 @@ def test_launch_order_and_warps_keep_the_output():
         for g, w in zip(got, base):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
-
-def test_dense_form_takes_steps_of_at_most_32_tokens():
-    assert dense_supported(16, 2048, 64, 6, 2) and dense_supported(32, 2048, 64, 6, 2)
-    assert not dense_supported(64, 2048, 64, 6, 2)  # the [T, bn] accumulators of 64 rows: the aligned form
-    assert not dense_supported(8, 2048, 64, 6, 2)  # below the route launch's 16 tokens

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
 from deepinfer_jax.models.deepseek import forward
 from deepinfer_jax.models.params import layer_segments
@@ -162,13 +162,15 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypat
     assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
 
 
-@pytest.mark.parametrize("case, combine_norm", [("v2_greedy_yarn", False), ("v3_flat_plain_rope", False),
-                                                 ("v3_flat_plain_rope", True)])
-def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, monkeypatch):
+@pytest.mark.parametrize("case, combine_norm, tokens", [("v2_greedy_yarn", False, None),
+                                                         ("v3_flat_plain_rope", False, (16,)),
+                                                         ("v3_flat_plain_rope", True, None)])
+def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, tokens, monkeypatch):
     """RunnerConfig.decode_moe_launch: with the route launch on, a decode step's MoE layers run the route launch
     and the experts' single launch as one launch (kernels/route_experts.py), the shared MLP inside it: the same
     logits and cache as the two launches, and the full forward's; with decode_combine_norm the launch hands its
-    rows uncombined to the combine-and-norm launch."""
+    rows uncombined to the combine-and-norm launch; decode_moe_launch_tokens (16,) keeps the 64-slot step on the
+    two launches."""
     from deepinfer_jax.kernels import route_experts
 
     calls = []
@@ -178,27 +180,19 @@ def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, monk
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_moe_launch", seed=21, decode_projection_kernel=True,
                                        fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
                                        decode_output_kernel=True, decode_route_launch=True,
-                                       decode_combine_norm=combine_norm)
-    # The MoE segments of the 64-slot prefill step and of the two 16-slot decode steps.
+                                       decode_combine_norm=combine_norm, decode_moe_launch_tokens=tokens)
+    # The MoE segments of the 64-slot prefill step (unless `tokens` leaves it out) and of the two 16-slot decode steps.
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
-    assert calls == [(n, not combine_norm) for n in (64, 16, 16) for _ in range(moe)]
+    sizes = (64, 16, 16) if tokens is None else (16, 16)
+    assert calls == [(n, not combine_norm) for n in sizes for _ in range(moe)]
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_moe_dense_equals_the_aligned_launch(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_moe_dense: the 16-slot decode steps run the route-and-experts launch in its token-dense
-    form (kernels/route_experts.py route_experts_dense); the 64-slot prefill step keeps the aligned form: the same
-    logits and cache as the aligned form, and the full forward's."""
-    from deepinfer_jax.kernels import route_experts
-
-    calls = []
-    real = route_experts.route_experts_dense
-    monkeypatch.setattr(route_experts, "route_experts_dense", lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_moe_dense", seed=22, decode_projection_kernel=True,
-                                       fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
-                                       decode_output_kernel=True, decode_route_launch=True, decode_moe_launch=True)
-    moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
-    assert calls == [16] * 2 * moe
+def test_moe_launch_tokens_reach_the_forward_as_a_tuple():
+    """RunnerConfig.decode_moe_launch_tokens: the measured default (32,), a list from a config file made a tuple (the
+    step's jit closes over it), None for every size."""
+    assert RunnerConfig().forward_switches()["decode_moe_launch_tokens"] == (32,)
+    assert RunnerConfig(decode_moe_launch_tokens=[16, "64"]).forward_switches()["decode_moe_launch_tokens"] == (16, 64)
+    assert RunnerConfig(decode_moe_launch_tokens=None).forward_switches()["decode_moe_launch_tokens"] is None
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
