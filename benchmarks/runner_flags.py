@@ -30,6 +30,8 @@ SWITCHES = [
     ("prefill_context_variant", "prefill buckets' programs with and without the context part, picked on the "
                                 "host, instead of a lax.cond a layer"),
     ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),
+    ("prefill_shared_forward", "prefill buckets run a step as the bucket's forward, shared by its sampling "
+                               "variants, then the variant's sampler: fewer programs to compile"),
     ("lm_head_sampler", "the base sampling variant samples inside the lm_head's kernel (kernels/lm_head_sample.py)"),
 ]
 

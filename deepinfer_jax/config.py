@@ -426,6 +426,14 @@ class RunnerConfig:
     # vocabulary takes ~22 us a step on an H200 at batch 32). One more program per decode bucket at warm-up.
     # Session 22 (H200): Protocol A greedy 3,696 tok/s against 3,684 without it, temperature 1 even (3,687).
     greedy_variant: bool = True
+    # Prefill buckets (more token slots than sequence rows; one device, no routing collected) run a step as two
+    # programs: the bucket's forward, shared by its sampling variants, which writes each sequence's output into
+    # a resident buffer, then the variant's sampler. Warm-up then compiles one forward a (bucket, context
+    # variant) instead of one a sampling variant too: `serve` at Protocol B's flags compiles 8 prefill forwards
+    # instead of 16 whole programs, and its cold start is bound by the compile threads' CPU (85 s, session 25).
+    # The price: a second program and input copy a prefill step (tens of microseconds against milliseconds).
+    # Not measured on a GPU yet; off.
+    prefill_shared_forward: bool = False
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's
     # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_

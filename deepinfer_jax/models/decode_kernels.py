@@ -267,9 +267,10 @@ def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
     bias = lp["moe"]["e_score_correction_bias"] if cfg.topk_method == "noaux_tc" else None
-    return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias, eps=cfg.rms_norm_eps,
-               k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
-               routed_scaling_factor=cfg.routed_scaling_factor, combine=combine, interpret=interpret)
+    return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
+                         eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
+                         norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
+                         combine=combine, interpret=interpret)
 
 
 def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:

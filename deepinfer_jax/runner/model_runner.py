@@ -9,9 +9,11 @@ Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p,
 a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs), and for decode
 buckets (RunnerConfig.greedy_variant) a greedy one (every row greedy: no draw); the host picks one per step
 (inputs.needs_full_variant, `prepare`), so the step has no device-side branch. A bucket's programs share
-the forward's trace. `warmup()` compiles all of them; afterwards `CompileCounter` sees
-every backend compile (or persistent-cache load) during this runner's steps, and
-`compiles_after_warmup` must stay 0 (tests assert it; production logs a warning).
+the forward's trace; with RunnerConfig.prefill_shared_forward a prefill bucket's variants share its compiled
+forward too, each step then the forward and the variant's sampler as two programs (`_shares_forward`).
+`warmup()` compiles all of them; afterwards `CompileCounter` sees every backend compile (or persistent-cache
+load) during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a
+warning).
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
 their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
@@ -68,6 +70,12 @@ def _packed(host: HostStep):
     return (ml, host.variant, sl), np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)])
 
 
+def _meta_struct(meta_layout: Layout):
+    """The StepMetadata of a meta layout, its leaves jax.ShapeDtypeStructs."""
+    return jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
+                                                    for _, shape, dtype, _ in meta_layout.leaves])
+
+
 def _split_inbox(inbox, parts):
     """int32 [sum(parts)] -> (meta ints, meta floats, sampling ints, sampling floats); floats bit-cast."""
     out, off = [], 0
@@ -88,7 +96,8 @@ def _extract(outbox, n_sampled: int, routing_shape: tuple[int, ...] | None):
 @dataclass
 class _Resident:
     """One step program's resident buffers: `inbox` int32 [sum(parts)] holds the step's packed inputs
-    (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast), rewritten in place by
+    (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast; only the sampling ones where the
+    step shares its bucket's forward: ModelRunner._shares_forward), rewritten in place by
     ModelRunner._stage; `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
     sampled tokens first (`sampled_layout`), rewritten in place by the step."""
     parts: tuple[int, int, int, int]
@@ -158,6 +167,15 @@ class ModelRunner:
         self._step_fns: dict[Any, Any] = {}  # the same keys -> jitted step program (resident buffers)
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
         self._programs: dict[Any, _Resident] = {}  # the same keys -> the program's resident buffers
+        # RunnerConfig.prefill_shared_forward (`_shares_forward`): a prefill bucket's forward and its variants'
+        # samplers are programs of their own, under ("forward", meta layout) and ("sampler", key) in _step_fns
+        # and _step_exes. The forward's resident buffers: its inbox int32 [meta ints + meta floats] a meta
+        # layout, and its output (logits [S, V] fp32, or the hidden states [S, D]) one a shape, rewritten in place
+        # by the forward and read by the sampler.
+        self._shares: dict[Any, bool] = {}
+        self._fwd_inboxes: dict[Any, Any] = {}
+        self._fwd_outs: dict[jax.ShapeDtypeStruct, Any] = {}
+        self._fwd_out_keys: dict[Any, jax.ShapeDtypeStruct] = {}  # a meta layout -> its output's key
         # Buffers the step programs read and write at fixed addresses (see _step_fn): replicated.
         self._resident_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if sharding is None
                                    else jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
@@ -251,11 +269,7 @@ class ModelRunner:
         if key not in self._programs:
             meta_layout, variant, sampling_layout = key
             parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
-            meta = jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
-                                                            for _, shape, dtype, _ in meta_layout.leaves])
-            rows, lm_head = meta.logits_indices.shape[0], self.params["lm_head"]
-            out = (jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype) if self.lm_head_sampler
-                   else jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32))
+            meta, out, lm_head = _meta_struct(meta_layout), self._forward_out(meta_layout), self.params["lm_head"]
             ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
             sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, lm_head, self._prev_tokens,
                                         *ints_floats)
@@ -265,9 +279,75 @@ class ModelRunner:
                 routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
             layout = bits_layout(sampled)
             size = bits_size(layout) + (math.prod(routing) if routing else 0)
-            zeros = lambda n: jax.device_put(jnp.zeros((n,), jnp.int32), self._resident_sharding)  # noqa: E731
-            self._programs[key] = _Resident(parts, zeros(sum(parts)), zeros(size), layout, routing)
+            inbox = sum(parts[2:]) if self._shares_forward(key) else sum(parts)  # the sampler's inputs alone
+            self._programs[key] = _Resident(parts, self._zeros((inbox,), jnp.int32), self._zeros((size,), jnp.int32),
+                                            layout, routing)
         return self._programs[key]
+
+    def _zeros(self, shape, dtype):
+        """A resident buffer of zeros (see _step_fn)."""
+        return jax.device_put(jnp.zeros(shape, dtype), self._resident_sharding)
+
+    def _forward_out(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
+        """The forward's per-sequence output of one bucket: logits [S, V] fp32, or the final-normed hidden states
+        [S, D] where the sampler applies the lm_head."""
+        rows, lm_head = _meta_struct(meta_layout).logits_indices.shape[0], self.params["lm_head"]
+        if self.lm_head_sampler:
+            return jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype)
+        return jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
+
+    def _shares_forward(self, key) -> bool:
+        """Whether `key`'s step runs as two programs (RunnerConfig.prefill_shared_forward): its bucket's forward,
+        shared by the bucket's sampling variants, then the variant's sampler. Prefill buckets (more token slots
+        than sequence rows) on one device, with no routing collected."""
+        if key not in self._shares:
+            rc, meta = self.runner_cfg, _meta_struct(key[0])
+            self._shares[key] = (rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
+                                 and meta.token_ids.shape[0] > meta.logits_indices.shape[0])
+        return self._shares[key]
+
+    def _forward_buffers(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
+        """Makes the resident inbox and output of the shared forward of `meta_layout`'s bucket on first use;
+        returns the output's key in `_fwd_outs`."""
+        if meta_layout not in self._fwd_inboxes:
+            self._fwd_inboxes[meta_layout] = self._zeros((sum(sizes(meta_layout)),), jnp.int32)
+            out = self._forward_out(meta_layout)
+            if out not in self._fwd_outs:
+                self._fwd_outs[out] = self._zeros(out.shape, out.dtype)
+            self._fwd_out_keys[meta_layout] = out
+        return self._fwd_out_keys[meta_layout]
+
+    def _forward_step_fn(self, meta_layout: Layout):
+        """The jitted shared forward of a prefill bucket (`_shares_forward`): (params, kv_cache, prev_tokens,
+        inbox, out) -> (kv_cache, out), the cache and `out` donated: the per-sequence output written over `out`
+        in place (one address from step to step, as _step_fn's buffers)."""
+        pid = ("forward", meta_layout)
+        if pid not in self._step_fns:
+            fwd, parts = self._forward_fn(meta_layout), sizes(meta_layout)
+
+            def forward_step(params, kv_cache, prev_tokens, inbox, out):
+                mi, mf = _split_inbox(inbox, parts)
+                (last, _), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
+                return kv_cache, jax.lax.dynamic_update_slice(out, last.astype(out.dtype), (0, 0))
+
+            self._step_fns[pid] = jax.jit(forward_step, donate_argnums=(1, 4))
+        return self._step_fns[pid]
+
+    def _sampler_step_fn(self, key):
+        """The jitted sampler program of one (prefill bucket, variant) (`_shares_forward`): (lm_head, the shared
+        forward's output, prev_tokens, inbox, outbox) -> (next prev_tokens, outbox), prev_tokens and the outbox
+        donated; the outbox as _step_fn's (no routing)."""
+        pid = ("sampler", key)
+        if pid not in self._step_fns:
+            smp, res = self._sample_fn(key[1], key[2]), self._resident(key)
+
+            def sampler_step(lm_head, out, prev_tokens, inbox, outbox):
+                si, sf = _split_inbox(inbox, res.parts[2:])
+                sampled, nxt = smp(out, lm_head, prev_tokens, si, sf)
+                return nxt, jax.lax.dynamic_update_slice(outbox, pack_bits((sampled, None)), (0,))
+
+            self._step_fns[pid] = jax.jit(sampler_step, donate_argnums=(2, 4))
+        return self._step_fns[pid]
 
     def _step_fn(self, key):
         """The jitted step program of one (bucket, variant): (params, kv_cache, prev_tokens, inbox,
@@ -281,7 +361,8 @@ class ModelRunner:
         re-recorded the ~700-command graph at every step of the engine: ~1 ms of host time and the
         graph's upload on the device (benchmarks/RESULTS.md, session 6). For the same reason the
         forward and the sampler are one program: as two, the forward's graph was re-recorded at every
-        step (1.6 ms; session 5)."""
+        step (1.6 ms; session 5), its output then a fresh buffer each step. (RunnerConfig.prefill_shared_forward's
+        two programs keep every buffer resident: `_forward_step_fn`.)"""
         if key not in self._step_fns:
             core, res = self._core_fn(key), self._resident(key)
             # no `self` in the closure: the runner (and its KV cache) must go when its owner drops it
@@ -302,21 +383,43 @@ class ModelRunner:
             self._step_fns[key] = jax.jit(step, donate_argnums=(1, 2, 4))
         return self._step_fns[key]
 
-    def _program_key(self, key, res: "_Resident", state_signature: tuple) -> str:
-        """The program cache's key of one step program (runner/program_cache.py): the configurations,
-        shapes, the program's layouts (which fix its inbox and outbox) and `state_signature`, the
-        signature of the arguments every step program shares (params, KV cache, previous tokens); the
-        cache adds the code and the device."""
+    def _program_key(self, pid, state_signature: tuple) -> str:
+        """The program cache's key of one program (runner/program_cache.py; `pid`: a step's key, or ("forward",
+        meta layout) / ("sampler", key) where steps share their bucket's forward): the configurations, shapes,
+        the program's layouts (which fix its inbox and outbox) and `state_signature`, the signature of the
+        arguments every step program shares (params, KV cache, previous tokens); the cache adds the code and
+        the device."""
         from deepinfer_jax.runner import program_cache
 
         rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
-        return program_cache.program_key("step", self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
-                                         key, res.parts, res.sampled_layout, res.routing_shape, state_signature)
+        kind, key = pid if isinstance(pid[0], str) else ("step", pid)
+        if kind == "forward":
+            layouts = (key, sizes(key), self._forward_out(key))
+        else:
+            res = self._resident(key)
+            layouts = (key, res.parts, res.sampled_layout, res.routing_shape)
+        return program_cache.program_key(kind, self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
+                                         *layouts, state_signature)
+
+    def _lower(self, pid):
+        """Trace and lower one program (`_program_key`'s `pid`) on the runner's resident buffers."""
+        kind, key = pid if isinstance(pid[0], str) else ("step", pid)
+        if kind == "forward":
+            out = self._forward_buffers(key)
+            return self._forward_step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
+                                                    self._fwd_inboxes[key], self._fwd_outs[out])
+        res = self._resident(key)
+        if kind == "sampler":
+            out = self._fwd_outs[self._forward_buffers(key[0])]
+            return self._sampler_step_fn(key).lower(self.params["lm_head"], out, self._prev_tokens, res.inbox,
+                                                    res.outbox)
+        return self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
 
     def warmup(self, progress: bool = True) -> int:
         """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
         of each prefill bucket's two context variants, then run each `warmup_runs` times on padding. Returns
-        the number of step programs.
+        the number of programs compiled or loaded: with RunnerConfig.prefill_shared_forward a prefill bucket's
+        steps count its forward once (a context variant) and each variant's sampler.
 
         With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
         the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
@@ -338,27 +441,35 @@ class ModelRunner:
         # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
         hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
                   if h.meta.has_context is False]
-        keyed: dict[Any, HostStep] = {}  # each program's key -> its first host, the slowest program first
+        # each program -> (its bucket, what it runs), the slowest program first; where a step shares its bucket's
+        # forward (RunnerConfig.prefill_shared_forward), the forward once and the variant's sampler
+        programs: dict[Any, tuple[int, str]] = {}
         for host in hosts:
-            keyed.setdefault(_packed(host)[0], host)
+            key = _packed(host)[0]
+            if self._shares_forward(key):
+                programs.setdefault(("forward", key[0]), (host.bucket, "shared forward"))
+                programs.setdefault(("sampler", key), (host.bucket, f"{key[1]} sampler"))
+            else:
+                programs.setdefault(key, (host.bucket, f"{key[1]} step"))
         bar = None
         if progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(keyed), desc=f"compiling {len(keyed)} step programs", unit="program", leave=False)
+            bar = tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
+                       leave=False)
 
         from deepinfer_jax.runner import program_cache
 
         cache_dir = self.runner_cfg.program_cache_dir if self.sharding is None else None
         device = jax.devices()[0]
 
-        def compile_one(key, bucket, lowered, pkey):
+        def compile_one(pid, lowered, pkey):
             t = time.perf_counter()
-            self._step_exes[key], storable = program_cache.compile_program(lowered)
-            log.info("warm-up: compiled the %s step of %d tokens in %.1f s", key[1],
-                     bucket, time.perf_counter() - t)
+            self._step_exes[pid], storable = program_cache.compile_program(lowered)
+            bucket, what = programs[pid]
+            log.info("warm-up: compiled the %s of %d tokens in %.1f s", what, bucket, time.perf_counter() - t)
             if pkey is not None and storable:
-                program_cache.store(cache_dir, pkey, self._step_exes[key])
+                program_cache.store(cache_dir, pkey, self._step_exes[pid])
             if bar is not None:
                 bar.update(1)
 
@@ -366,25 +477,22 @@ class ModelRunner:
         # threads at once (H200, serve's 16 programs: 170 s; 58 s from start to ready with the
         # autotuning results on disk, runner/compile_cache.py). Compiling base variants before full
         # ones, so that a bucket's second program found the first one's results, made no difference.
-        workers = max(1, min(len(keyed), os.cpu_count() or 1))
+        workers = max(1, min(len(programs), os.cpu_count() or 1))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             state = program_cache.signature((self.params, self.kv_cache, self._prev_tokens)) if cache_dir else None
-            pkeys = {key: self._program_key(key, self._resident(key), state) if cache_dir else None for key in keyed}
-            loads = {key: pool.submit(program_cache.load, cache_dir, pkey, device) for key, pkey in pkeys.items()
+            pkeys = {pid: self._program_key(pid, state) if cache_dir else None for pid in programs}
+            loads = {pid: pool.submit(program_cache.load, cache_dir, pkey, device) for pid, pkey in pkeys.items()
                      if pkey is not None}
             futures = []
-            for key, host in keyed.items():
-                exe = loads[key].result() if key in loads else None
+            for pid in programs:
+                exe = loads[pid].result() if pid in loads else None
                 if exe is not None:
-                    self._step_exes[key] = exe
+                    self._step_exes[pid] = exe
                     self.programs_loaded += 1
                     if bar is not None:
                         bar.update(1)
                     continue
-                res = self._resident(key)
-                lowered = self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
-                                                   res.inbox, res.outbox)
-                futures.append(pool.submit(compile_one, key, host.bucket, lowered, pkeys[key]))
+                futures.append(pool.submit(compile_one, pid, self._lower(pid), pkeys[pid]))
             if self.programs_loaded:
                 log.info("warm-up: loaded %d step programs from %s in %.1f s", self.programs_loaded, cache_dir,
                          time.perf_counter() - t0)
@@ -399,7 +507,7 @@ class ModelRunner:
             for _ in range(max(1, self.runner_cfg.warmup_runs)):
                 jax.block_until_ready(self._run(host))
         self._warm = True
-        return len(keyed)
+        return len(programs)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
@@ -437,13 +545,27 @@ class ModelRunner:
 
     def _run(self, host: HostStep) -> "StepOut":
         """Queue the step: one host->device copy of its packed inputs, the small program that puts them
-        in the step program's inbox, the step program, and the small one that copies its results out."""
+        in the step program's inbox, the step program, and the small one that copies its results out. Where
+        the step shares its bucket's forward (`_shares_forward`): two copies and two stagings (the forward's
+        inputs, the sampler's), the forward, then the sampler."""
         key, inputs = _packed(host)
         res = self._resident(key)
-        step = self._step_exes.get(key) or self._step_fn(key)
-        res.inbox = self._stage(res.inbox, inputs)
-        self.kv_cache, self._prev_tokens, res.outbox = step(
-            self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
+        if self._shares_forward(key):  # the bucket's forward, then the variant's sampler
+            ml, n = key[0], sum(res.parts[:2])
+            out_key = self._forward_buffers(ml)
+            self._fwd_inboxes[ml] = self._stage(self._fwd_inboxes[ml], inputs[:n])
+            res.inbox = self._stage(res.inbox, inputs[n:])
+            fwd = self._step_exes.get(("forward", ml)) or self._forward_step_fn(ml)
+            smp = self._step_exes.get(("sampler", key)) or self._sampler_step_fn(key)
+            self.kv_cache, self._fwd_outs[out_key] = fwd(self.params, self.kv_cache, self._prev_tokens,
+                                                         self._fwd_inboxes[ml], self._fwd_outs[out_key])
+            self._prev_tokens, res.outbox = smp(self.params["lm_head"], self._fwd_outs[out_key], self._prev_tokens,
+                                                res.inbox, res.outbox)
+        else:
+            step = self._step_exes.get(key) or self._step_fn(key)
+            res.inbox = self._stage(res.inbox, inputs)
+            self.kv_cache, self._prev_tokens, res.outbox = step(
+                self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
         buf, routing = self._extract(res.outbox, res.n_sampled, res.routing_shape)
         out = StepOut(buf, res.sampled_layout, routing)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing

@@ -64,6 +64,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--greedy-variant", action=argparse.BooleanOptionalAction, default=None,
                    help="decode buckets get a program for steps whose every request is greedy, without the random "
                         "draw (default: on; off compiles fewer programs)")
+    g.add_argument("--prefill-shared-forward", action=argparse.BooleanOptionalAction, default=None,
+                   help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
+                        "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
+                        "device; default: off)")
     g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
                         "kernel, the logits never written out (one device, the Pallas kernels; default: off)")
@@ -170,4 +174,6 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["greedy_variant"] = ns.greedy_variant
     if ns.lm_head_sampler is not None:
         kw["lm_head_sampler"] = ns.lm_head_sampler
+    if ns.prefill_shared_forward is not None:
+        kw["prefill_shared_forward"] = ns.prefill_shared_forward
     return kw

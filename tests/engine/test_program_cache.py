@@ -94,6 +94,24 @@ def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, 
     assert second.runner.compiles_after_warmup == 0
 
 
+def test_shared_prefill_forwards_and_their_samplers_are_stored_and_loaded(hf_case, hf_greedy, tmp_path, xla_compiles):
+    """RunnerConfig.prefill_shared_forward: both buckets (16 and 64 slots for 4 sequence rows) are prefill
+    buckets, so each compiles its forward and its base sampler as programs of their own; a second engine loads
+    all four and generates HF's tokens."""
+    model, path = hf_case("v2_greedy_yarn")
+    prompts = random_prompts(43, [7, 19, 3], model.config.vocab_size)
+    first = _engine(path, tmp_path, 160, prefill_shared_forward=True)
+    assert len(_entries(tmp_path)) == first.num_warmup_compiles == 4
+    assert {pid[0] for pid in first.runner._step_exes} == {"forward", "sampler"}
+    want = _greedy(first, prompts)
+    second = _engine(path, tmp_path, 160, prefill_shared_forward=True)
+    assert second.runner.programs_loaded == second.num_warmup_compiles == 4
+    assert second.runner._step_fns == {}  # nothing was traced or lowered
+    got = _greedy(second, prompts)
+    assert got == want == [hf_greedy(model, p, N_NEW) for p in prompts]
+    assert second.runner.compiles_after_warmup == 0
+
+
 def test_a_broken_entry_is_compiled_again_and_rewritten(hf_case, tmp_path, xla_compiles):
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(41, [11, 5], model.config.vocab_size)
