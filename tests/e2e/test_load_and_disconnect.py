@@ -71,17 +71,30 @@ def test_disconnect_mid_stream_frees_blocks(server):
         async with aiohttp.ClientSession(server.url) as s:
             before = await _metrics(s)
             base = before[("deepinfer:kv_cache_usage_perc", LABEL)]
-            aborts0 = before[("deepinfer:request_success_total", (("finished_reason", "abort"),) + LABEL)]
-            body = {"model": MODEL, "prompt": [0, 7] * 20, "max_tokens": 400, "ignore_eos": True, "stream": True}
-            r = await s.post("/v1/completions", json=body, headers=AUTH)
-            for _ in range(5):
-                assert (await r.content.readline()).startswith(b"data: ") or True
-            during = await _metrics(s)
-            assert during[("deepinfer:num_requests_running", LABEL)] == 1
-            assert during[("deepinfer:kv_cache_usage_perc", LABEL)] > base
-            r.close()  # the client goes away mid-stream
-            after = await _until_released(s, base)
-            assert after[("deepinfer:request_success_total", (("finished_reason", "abort"),) + LABEL)] == aborts0 + 1
+            body = {"model": MODEL, "prompt": [0, 7] * 20, "max_tokens": 460, "ignore_eos": True, "stream": True}
+            # The tiny model may generate all its tokens before the close reaches the server (a busy machine);
+            # such a try finishes by length and proves nothing, so it is tried again.
+            for _ in range(3):
+                counts = {k: before[("deepinfer:request_success_total", (("finished_reason", k),) + LABEL)]
+                          for k in ("abort", "length")}
+                r = await s.post("/v1/completions", json=body, headers=AUTH)
+                events = 0
+                while events < 5:  # five events of the stream (blank lines between them)
+                    line = await r.content.readline()
+                    assert line, "the stream ended early"
+                    events += line.startswith(b"data: ")
+                during = await _metrics(s)
+                assert during[("deepinfer:num_requests_running", LABEL)] == 1
+                assert during[("deepinfer:kv_cache_usage_perc", LABEL)] > base
+                r.close()  # the client goes away mid-stream
+                before = after = await _until_released(s, base)
+                ended = {k: after[("deepinfer:request_success_total", (("finished_reason", k),) + LABEL)] - n
+                         for k, n in counts.items()}
+                assert sum(ended.values()) == 1, ended
+                if ended["abort"] == 1:
+                    break
+            else:
+                raise AssertionError("three streams finished before their client's close reached the server")
             # a non-streaming request whose client gives up is aborted too
             try:
                 await s.post("/v1/completions", json={**body, "stream": False}, headers=AUTH,
