@@ -29,12 +29,10 @@ import logging
 import math
 import os
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
@@ -43,98 +41,19 @@ from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
-from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack, pack_bits, sizes, unpack, unpack_bits
+from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
+from deepinfer_jax.runner.step_io import (Resident, StepOut, StepResult, extract_results, meta_struct, packed,
+                                          resolve_placeholders, split_inbox)
 from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, sample_step_outputs
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 
 log = logging.getLogger(__name__)
 
 
-def resolve_placeholders(meta, st, prev_tokens):
-    """Replace placeholder ids (<= -2, see ModelRunner.dispatch) with the previous step's samples, in
-    the metadata's token ids and the sampling penalty histories (either may be None)."""
-    def sub(ids):
-        return jnp.where(ids <= -2, prev_tokens[jnp.maximum(-ids - 2, 0)], ids)
-
-    if meta is not None:
-        meta = dataclasses.replace(meta, token_ids=sub(meta.token_ids))
-    if st is not None:
-        st = dataclasses.replace(st, output_token_ids=sub(st.output_token_ids))
-    return meta, st
-
-
-def _packed(host: HostStep):
-    """(the step program's key: (meta layout, sampling variant, sampling layout), the packed host inputs as
-    one int32 array: meta ints, meta floats, sampling ints, sampling floats, floats bit-cast)."""
-    (mi, mf, ml), (si, sf, sl) = pack(host.meta), pack(host.sampling)
-    return (ml, host.variant, sl), np.concatenate([mi, mf.view(np.int32), si, sf.view(np.int32)])
-
-
-def _meta_struct(meta_layout: Layout):
-    """The StepMetadata of a meta layout, its leaves jax.ShapeDtypeStructs."""
-    return jax.tree.unflatten(meta_layout.treedef, [jax.ShapeDtypeStruct(shape, dtype)
-                                                    for _, shape, dtype, _ in meta_layout.leaves])
-
-
-def _split_inbox(inbox, parts):
-    """int32 [sum(parts)] -> (meta ints, meta floats, sampling ints, sampling floats); floats bit-cast."""
-    out, off = [], 0
-    for i, n in enumerate(parts):
-        a = jax.lax.slice(inbox, (off,), (off + n,))
-        out.append(jax.lax.bitcast_convert_type(a, jnp.float32) if i % 2 else a)
-        off += n
-    return out
-
-
-def _extract(outbox, n_sampled: int, routing_shape: tuple[int, ...] | None):
-    """Copies of the packed sampled tokens (for the host) and of the routed expert ids (when collected:
-    int32 [num_moe_layers, T, k]), so that the next step can overwrite the outbox."""
-    routing = None if routing_shape is None else outbox[n_sampled:].reshape(routing_shape)
-    return jnp.array(outbox[:n_sampled], copy=True), routing
-
-
-@dataclass
-class _Resident:
-    """One step program's resident buffers: `inbox` int32 [sum(parts)] holds the step's packed inputs
-    (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast; only the sampling ones where the
-    step shares its bucket's forward: ModelRunner._shares_forward), rewritten in place by
-    ModelRunner._stage; `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
-    sampled tokens first (`sampled_layout`), rewritten in place by the step."""
-    parts: tuple[int, int, int, int]
-    inbox: Any
-    outbox: Any
-    sampled_layout: Layout
-    routing_shape: tuple[int, ...] | None
-
-    @property
-    def n_sampled(self) -> int:
-        return bits_size(self.sampled_layout)
-
-
-@dataclass
-class StepOut:
-    """One queued step's results on the device: `buf`, its packed SampleOutput (int32, unpacked with
-    `layout`); `routing`, the routed expert ids (None unless RunnerConfig.collect_routing)."""
-    buf: Any
-    layout: Layout
-    routing: Any
-
-    def block_until_ready(self) -> "StepOut":
-        self.buf.block_until_ready()
-        return self
-
-    def copy_to_host_async(self) -> None:
-        self.buf.copy_to_host_async()
-
-    def to_host(self):
-        """The step's SampleOutput with numpy leaves (waits for the step)."""
-        return unpack_bits(np.asarray(self.buf), self.layout)
-
-
-@dataclass
-class StepResult:
-    token_ids: dict[str, int]
-    logprobs: dict[str, tuple[float, list[int], list[float]]]  # rid -> (sampled lp, top ids, top lps)
+def _program_kind(pid) -> tuple[str, Any]:
+    """A program id -> ("step", the step's key), or ("forward", meta layout) / ("sampler", key) where steps share
+    their bucket's forward (ModelRunner._shares_forward)."""
+    return pid if isinstance(pid[0], str) else ("step", pid)
 
 
 class ModelRunner:
@@ -166,7 +85,7 @@ class ModelRunner:
         self._core_fns: dict[Any, Any] = {}  # (meta layout, variant, sampling layout) -> jitted step core
         self._step_fns: dict[Any, Any] = {}  # the same keys -> jitted step program (resident buffers)
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
-        self._programs: dict[Any, _Resident] = {}  # the same keys -> the program's resident buffers
+        self._programs: dict[Any, Resident] = {}  # the same keys -> the program's resident buffers
         # RunnerConfig.prefill_shared_forward (`_shares_forward`): a prefill bucket's forward and its variants'
         # samplers are programs of their own, under ("forward", meta layout) and ("sampler", key) in _step_fns
         # and _step_exes. The forward's resident buffers: its inbox int32 [meta ints + meta floats] a meta
@@ -187,7 +106,7 @@ class ModelRunner:
             self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
         self._stage = jax.jit(lambda inbox, host: jax.lax.dynamic_update_slice(inbox, host, (0,)),
                               donate_argnums=0, out_shardings=self._resident_sharding)
-        self._extract = jax.jit(_extract, static_argnums=(1, 2))
+        self._extract = jax.jit(extract_results, static_argnums=(1, 2))
         self._warm = False
         self.last_routing = None
         self.last_num_tokens = 0
@@ -262,14 +181,14 @@ class ModelRunner:
             self._core_fns[key] = jax.jit(core)
         return self._core_fns[key]
 
-    def _resident(self, key) -> "_Resident":
+    def _resident(self, key) -> "Resident":
         """The resident inbox and outbox of one step program (made on first use), sized from the key's
         layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
         and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
         if key not in self._programs:
             meta_layout, variant, sampling_layout = key
             parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
-            meta, out, lm_head = _meta_struct(meta_layout), self._forward_out(meta_layout), self.params["lm_head"]
+            meta, out, lm_head = meta_struct(meta_layout), self._forward_out(meta_layout), self.params["lm_head"]
             ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
             sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, lm_head, self._prev_tokens,
                                         *ints_floats)
@@ -280,7 +199,7 @@ class ModelRunner:
             layout = bits_layout(sampled)
             size = bits_size(layout) + (math.prod(routing) if routing else 0)
             inbox = sum(parts[2:]) if self._shares_forward(key) else sum(parts)  # the sampler's inputs alone
-            self._programs[key] = _Resident(parts, self._zeros((inbox,), jnp.int32), self._zeros((size,), jnp.int32),
+            self._programs[key] = Resident(parts, self._zeros((inbox,), jnp.int32), self._zeros((size,), jnp.int32),
                                             layout, routing)
         return self._programs[key]
 
@@ -291,7 +210,7 @@ class ModelRunner:
     def _forward_out(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
         """The forward's per-sequence output of one bucket: logits [S, V] fp32, or the final-normed hidden states
         [S, D] where the sampler applies the lm_head."""
-        rows, lm_head = _meta_struct(meta_layout).logits_indices.shape[0], self.params["lm_head"]
+        rows, lm_head = meta_struct(meta_layout).logits_indices.shape[0], self.params["lm_head"]
         if self.lm_head_sampler:
             return jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype)
         return jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
@@ -301,7 +220,7 @@ class ModelRunner:
         shared by the bucket's sampling variants, then the variant's sampler. Prefill buckets (more token slots
         than sequence rows) on one device, with no routing collected."""
         if key not in self._shares:
-            rc, meta = self.runner_cfg, _meta_struct(key[0])
+            rc, meta = self.runner_cfg, meta_struct(key[0])
             self._shares[key] = (rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
                                  and meta.token_ids.shape[0] > meta.logits_indices.shape[0])
         return self._shares[key]
@@ -326,7 +245,7 @@ class ModelRunner:
             fwd, parts = self._forward_fn(meta_layout), sizes(meta_layout)
 
             def forward_step(params, kv_cache, prev_tokens, inbox, out):
-                mi, mf = _split_inbox(inbox, parts)
+                mi, mf = split_inbox(inbox, parts)
                 (last, _), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
                 return kv_cache, jax.lax.dynamic_update_slice(out, last.astype(out.dtype), (0, 0))
 
@@ -342,7 +261,7 @@ class ModelRunner:
             smp, res = self._sample_fn(key[1], key[2]), self._resident(key)
 
             def sampler_step(lm_head, out, prev_tokens, inbox, outbox):
-                si, sf = _split_inbox(inbox, res.parts[2:])
+                si, sf = split_inbox(inbox, res.parts[2:])
                 sampled, nxt = smp(out, lm_head, prev_tokens, si, sf)
                 return nxt, jax.lax.dynamic_update_slice(outbox, pack_bits((sampled, None)), (0,))
 
@@ -356,7 +275,7 @@ class ModelRunner:
         Every buffer its CUDA graph touches keeps one address from step to step, so XLA replays the
         graph as recorded. The step's host inputs arrive in a fresh buffer that a small program
         (`_stage`) copies into this program's resident inbox; the results (packed, pack_bits) overwrite
-        its resident outbox, which another small program (`_extract`) copies out for the
+        its resident outbox, which another small program (`extract_results`) copies out for the
         host. Fed fresh buffers instead, XLA's VA remapping left 8 of the graph's allocations out and
         re-recorded the ~700-command graph at every step of the engine: ~1 ms of host time and the
         graph's upload on the device (benchmarks/RESULTS.md, session 6). For the same reason the
@@ -369,7 +288,7 @@ class ModelRunner:
             resident_sharding = self._resident_sharding if self.sharding is not None else None
 
             def step(params, kv_cache, prev_tokens, inbox, outbox):
-                mi, mf, si, sf = _split_inbox(inbox, res.parts)
+                mi, mf, si, sf = split_inbox(inbox, res.parts)
                 results, nxt, kv_cache = core(params, kv_cache, prev_tokens, mi, mf, si, sf)
                 sampled, routing = results
                 if (bits_layout(sampled) != res.sampled_layout or
@@ -392,7 +311,7 @@ class ModelRunner:
         from deepinfer_jax.runner import program_cache
 
         rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
-        kind, key = pid if isinstance(pid[0], str) else ("step", pid)
+        kind, key = _program_kind(pid)
         if kind == "forward":
             layouts = (key, sizes(key), self._forward_out(key))
         else:
@@ -403,7 +322,7 @@ class ModelRunner:
 
     def _lower(self, pid):
         """Trace and lower one program (`_program_key`'s `pid`) on the runner's resident buffers."""
-        kind, key = pid if isinstance(pid[0], str) else ("step", pid)
+        kind, key = _program_kind(pid)
         if kind == "forward":
             out = self._forward_buffers(key)
             return self._forward_step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
@@ -445,7 +364,7 @@ class ModelRunner:
         # forward (RunnerConfig.prefill_shared_forward), the forward once and the variant's sampler
         programs: dict[Any, tuple[int, str]] = {}
         for host in hosts:
-            key = _packed(host)[0]
+            key = packed(host)[0]
             if self._shares_forward(key):
                 programs.setdefault(("forward", key[0]), (host.bucket, "shared forward"))
                 programs.setdefault(("sampler", key), (host.bucket, f"{key[1]} sampler"))
@@ -548,7 +467,7 @@ class ModelRunner:
         in the step program's inbox, the step program, and the small one that copies its results out. Where
         the step shares its bucket's forward (`_shares_forward`): two copies and two stagings (the forward's
         inputs, the sampler's), the forward, then the sampler."""
-        key, inputs = _packed(host)
+        key, inputs = packed(host)
         res = self._resident(key)
         if self._shares_forward(key):  # the bucket's forward, then the variant's sampler
             ml, n = key[0], sum(res.parts[:2])
