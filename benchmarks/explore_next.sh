@@ -98,11 +98,10 @@
 #                                                   steps at the default token counts (32 only) against
 #                                                   --decode-moe-launch-tokens all, alternating
 #   bash benchmarks/explore_next.sh OUTDIR sharedfwd
-#                                                   the next call (session 25): serve's start on an empty cache
-#                                                   with --prefill-shared-forward (a prefill bucket's sampling
-#                                                   variants share its compiled forward) and without; the
-#                                                   GPU-vs-CPU check with it; Protocol A with and without it,
-#                                                   alternating (its prefill bucket takes the two programs)
+#                                                   session 26: serve's programs traced and lowered under cProfile
+#                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
+#                                                   check with --prefill-shared-forward; Protocol A with, without,
+#                                                   with it (its prefill bucket takes the two programs)
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -423,15 +422,14 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
   done
   exit 0
 fi
-if [[ $mode == sharedfwd ]]; then  # fewer whole forwards to compile: serve's cold start
-  RUNS=empty SERVE_ARGS=--prefill-shared-forward timeout 200 bash benchmarks/serve_start.sh "$out/shared" 2>&1 \
-    | grep -E "from start|ready in|lowered"
-  RUNS=empty timeout 200 bash benchmarks/serve_start.sh "$out/whole" 2>&1 | grep -E "from start|ready in|lowered"
+if [[ $mode == sharedfwd ]]; then  # session 26: the shared prefill forwards' check and Protocol A; the lowering profile
+  timeout 150 python3 benchmarks/lower_profile.py --prefill-shared-forward --top 35 > "$out/lower.log" 2>&1
+  grep -h -E "^\| all" "$out/lower.log"
   left 420 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
     --prefill-shared-forward > "$out/gpu_vs_cpu.log" 2>&1
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-  for l in shared whole; do
-    f=(); [[ $l == shared ]] && f=(--prefill-shared-forward)
+  for l in shared whole shared2; do
+    f=(); [[ $l == shared* ]] && f=(--prefill-shared-forward)
     left 520 && timeout 70 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 "${f[@]}" > "$out/pa_$l.log" 2>&1
     echo "-- $l"; grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa_$l.log" | cut -c1-130
   done

@@ -334,23 +334,10 @@ class ModelRunner:
                                                     res.outbox)
         return self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
 
-    def warmup(self, progress: bool = True) -> int:
-        """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
-        of each prefill bucket's two context variants, then run each `warmup_runs` times on padding. Returns
-        the number of programs compiled or loaded: with RunnerConfig.prefill_shared_forward a prefill bucket's
-        steps count its forward once (a context variant) and each variant's sampler.
-
-        With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
-        the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
-        compiled, and stored when XLA compiled them rather than JAX's compilation cache serving them
-        (runner/program_cache.py). Programs are traced and lowered one after another on this thread (a
-        bucket's forward is traced once for both variants); each goes to a pool of compile threads as
-        soon as it is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger
-        buckets before smaller ones, then the scanned ones. Steps then call the compiled executables
-        directly."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        t0 = time.perf_counter()
+    def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
+        """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for
+        them: each program id (`_program_key`'s `pid`) -> (its bucket, what it runs), the slowest to compile
+        first."""
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
@@ -370,6 +357,26 @@ class ModelRunner:
                 programs.setdefault(("sampler", key), (host.bucket, f"{key[1]} sampler"))
             else:
                 programs.setdefault(key, (host.bucket, f"{key[1]} step"))
+        return hosts, programs
+
+    def warmup(self, progress: bool = True) -> int:
+        """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
+        of each prefill bucket's two context variants, then run each `warmup_runs` times on padding. Returns
+        the number of programs compiled or loaded: with RunnerConfig.prefill_shared_forward a prefill bucket's
+        steps count its forward once (a context variant) and each variant's sampler.
+
+        With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
+        the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
+        compiled, and stored when XLA compiled them rather than JAX's compilation cache serving them
+        (runner/program_cache.py). Programs are traced and lowered one after another on this thread (a
+        bucket's forward is traced once for both variants); each goes to a pool of compile threads as
+        soon as it is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger
+        buckets before smaller ones, then the scanned ones. Steps then call the compiled executables
+        directly."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        t0 = time.perf_counter()
+        hosts, programs = self.warmup_plan()
         bar = None
         if progress:
             from tqdm import tqdm
