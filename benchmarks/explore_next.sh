@@ -102,6 +102,10 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR lowering
+#                                                   session 26: serve's programs traced and lowered under cProfile
+#                                                   with runner/lowering.py's patches, then serve's start on an
+#                                                   empty cache with --prefill-shared-forward
 #   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
@@ -420,6 +424,13 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
   done
+  exit 0
+fi
+if [[ $mode == lowering ]]; then  # session 26: runner/lowering.py's two patches; serve's start with shared forwards
+  timeout 150 python3 benchmarks/lower_profile.py --prefill-shared-forward --top 35 > "$out/lower.log" 2>&1
+  grep -h -E "^\| all|hits" "$out/lower.log"
+  RUNS=empty SERVE_ARGS=--prefill-shared-forward timeout 200 bash benchmarks/serve_start.sh "$out/shared" 2>&1 \
+    | grep -E "from start|ready in|lowered"
   exit 0
 fi
 if [[ $mode == sharedfwd ]]; then  # session 26: the shared prefill forwards' check and Protocol A; the lowering profile

@@ -68,6 +68,11 @@ def main(argv=None) -> int:
     for (bucket, what), sec in rows:
         print(f"| {bucket} | {what} | {sec:.2f} |")
     print(f"| all | {len(rows)} programs | {sum(s for _, s in rows):.1f} |")
+    from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
+
+    cache = speed_up_kernel_lowering()
+    if cache is not None:
+        print(f"Triton lowerings: {cache.misses} made, {cache.hits} hits")
     stats = pstats.Stats(prof)
     stats.sort_stats("tottime").print_stats(args.top)
     stats.sort_stats("cumulative").print_stats(args.top * 2)

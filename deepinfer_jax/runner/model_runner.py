@@ -38,6 +38,7 @@ from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged, splits_prefill_attention
 from deepinfer_jax.runner.compile_cache import CompileCounter
+from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
 from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
@@ -60,6 +61,7 @@ class ModelRunner:
     def __init__(self, cfg: ModelConfig, params: Any, runner_cfg: RunnerConfig, shapes: Shapes,
                  num_pages: int, max_logprobs: int = 20, sharding: Any = None):
         CompileCounter.install()
+        speed_up_kernel_lowering()  # runner/lowering.py: less of warm-up's lowering on one thread
         self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
         self.num_pages = num_pages
         self.max_logprobs = max_logprobs
