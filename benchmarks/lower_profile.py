@@ -3,7 +3,7 @@ traced and lowered one after another under cProfile, without compiling them. War
 one thread while the compile threads work, so its total is the least a cold start spends before the last
 program can start compiling.
 
-    python benchmarks/lower_profile.py [--prefill-shared-forward] [--top 30] [--only decode|prefill]
+    python benchmarks/lower_profile.py [--no-prefill-shared-forward] [--top 30] [--limit N]
 
 Prints each program's trace-and-lower seconds, then the profile's functions by own time and by
 cumulative time.
@@ -32,7 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="deepseek-v2-lite")
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--prefill-shared-forward", action="store_true")
+    ap.add_argument("--prefill-shared-forward", action=argparse.BooleanOptionalAction, default=True,
+                    help="RunnerConfig.prefill_shared_forward")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--limit", type=int, default=0, help="lower only the first N programs")
     args = ap.parse_args(argv)

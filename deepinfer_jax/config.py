@@ -430,10 +430,11 @@ class RunnerConfig:
     # programs: the bucket's forward, shared by its sampling variants, which writes each sequence's output into
     # a resident buffer, then the variant's sampler. Warm-up then compiles one forward a (bucket, context
     # variant) instead of one a sampling variant too: `serve` at Protocol B's flags compiles 8 prefill forwards
-    # instead of 16 whole programs, and its cold start is bound by the compile threads' CPU. Session 25 (H200, one
-    # machine, empty cache): ready in 71.6 s against ~89 s without (75.5 s to /health). The price: a second program
-    # and input copy a prefill step (tens of microseconds against milliseconds), not yet measured; off.
-    prefill_shared_forward: bool = False
+    # instead of 16 whole programs. Session 26 (H200, one machine, empty cache, with runner/lowering.py): 53.4 s
+    # to /health against 66.6 s without. The price, a second program and input copy a prefill step, did not
+    # show: Protocol A 3,671 / 3,663 tok/s (temp 0 / 1) and prefill 153-155 ms with it, 3,674 / 3,663 and 154 ms
+    # without; the GPU-vs-CPU check equal (8/8 greedy).
+    prefill_shared_forward: bool = True
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's
     # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_

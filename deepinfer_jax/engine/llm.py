@@ -69,7 +69,7 @@ class LLM:
     host instead of a lax.cond a layer; on by default, RunnerConfig), lm_head_sampler (the base sampling
     variant samples inside the lm_head's kernel, RunnerConfig), greedy_variant (decode buckets get a program
     for steps whose every request is greedy, without the draw; on by default, RunnerConfig),
-    prefill_shared_forward (prefill buckets' sampling variants share one forward program; off by default,
+    prefill_shared_forward (prefill buckets' sampling variants share one forward program; on by default,
     RunnerConfig), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
@@ -89,7 +89,7 @@ class LLM:
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, lm_head_sampler: bool = False, greedy_variant: bool = True,
-                 prefill_shared_forward: bool = False, progress: bool = True):
+                 prefill_shared_forward: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache

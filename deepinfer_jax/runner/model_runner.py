@@ -267,7 +267,10 @@ class ModelRunner:
                 sampled, nxt = smp(out, lm_head, prev_tokens, si, sf)
                 return nxt, jax.lax.dynamic_update_slice(outbox, pack_bits((sampled, None)), (0,))
 
-            self._step_fns[pid] = jax.jit(sampler_step, donate_argnums=(2, 4))
+            # keep_unused: a variant that reads no placeholder leaves prev_tokens unused, and jit would drop it and
+            # its donation, so the next ids would land at a new address (and the next decode step's CUDA graph be
+            # recorded again)
+            self._step_fns[pid] = jax.jit(sampler_step, donate_argnums=(2, 4), keep_unused=True)
         return self._step_fns[pid]
 
     def _step_fn(self, key):

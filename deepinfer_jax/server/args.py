@@ -67,7 +67,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--prefill-shared-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
                         "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
-                        "device; default: off)")
+                        "device; default: on)")
     g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
                         "kernel, the logits never written out (one device, the Pallas kernels; default: off)")

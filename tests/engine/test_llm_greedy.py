@@ -9,6 +9,7 @@ import pytest
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.models.deepseek import splits_prefill_attention
+from deepinfer_jax.runner.model_runner import _program_kind
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
 MAX_TOKENS = [4, 9, 16, 12] * 5
@@ -27,6 +28,10 @@ def _addresses(runner):
     at = {"kv_cache": runner.kv_cache.unsafe_buffer_pointer(), "prev": runner._prev_tokens.unsafe_buffer_pointer()}
     for key, res in runner._programs.items():
         at[key, "inbox"], at[key, "outbox"] = res.inbox.unsafe_buffer_pointer(), res.outbox.unsafe_buffer_pointer()
+    for layout, inbox in runner._fwd_inboxes.items():  # the shared prefill forwards' (prefill_shared_forward)
+        at[layout, "forward inbox"] = inbox.unsafe_buffer_pointer()
+    for shape, out in runner._fwd_outs.items():
+        at[shape, "forward out"] = out.unsafe_buffer_pointer()
     return at
 
 
@@ -45,9 +50,10 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0  # every block back in the pool
     assert len(llm.engine.runner.page_rows) == 0  # every finished request's page ids dropped
     # Warm-up made one step program per bucket and sampling variant (base, full; greedy for decode buckets), and
-    # where prefill buckets take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context variant of
-    # each: each compiled (its bucket's forward traced once) or, when an earlier engine of the session
-    # stored the same program, loaded from the program cache untraced.
+    # where prefill buckets take the split attention (Pallas, RunnerConfig.prefill_context_variant) one per context
+    # variant of each; with RunnerConfig.prefill_shared_forward a prefill bucket's context variant is its forward
+    # and the two variants' samplers instead. Each compiled (its bucket's forward traced once) or, when an earlier
+    # engine of the session stored the same program, loaded from the program cache untraced.
     runner = llm.engine.runner
     buckets = runner.shapes.buckets
     rc = runner.runner_cfg
@@ -55,11 +61,14 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
                                                                     rc.prefill_attention)
     assert split is (rc.attn_impl != "reference" and rc.prefill_context_variant)  # these tests' dims fit the kernels
     decode_buckets = sum(b <= runner.shapes.seq_rows(b) for b in buckets)  # each with a greedy variant too
-    programs = 2 * (len(buckets) + split * (len(buckets) - decode_buckets)) + rc.greedy_variant * decode_buckets
+    shared = rc.prefill_shared_forward and not rc.collect_routing  # (one device here)
+    per_prefill = (1 + split) * (3 if shared else 2)
+    programs = (2 + rc.greedy_variant) * decode_buckets + per_prefill * (len(buckets) - decode_buckets)
     assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
     assert set(runner._step_fns) <= set(runner._step_exes)
     assert len(runner._step_fns) + runner.programs_loaded == programs
-    assert len(runner._fwd_fns) == len({key[0] for key in runner._step_fns})
+    layouts = {key if kind == "forward" else key[0] for kind, key in map(_program_kind, runner._step_fns)}
+    assert len(runner._fwd_fns) == len(layouts)
     return outs
 
 
@@ -170,10 +179,10 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
         assert o.outputs[0].token_ids == hf_greedy(model, p, n), f"prompt of {len(p)} tokens"
     assert True in seen and False in seen  # both programs of the prefill buckets served steps
     assert runner.compiles_after_warmup == 0
-    # Two sampling variants per bucket (a third, greedy, for decode buckets), two context variants of each prefill
-    # bucket.
+    # Two sampling variants per decode bucket and a third, greedy; two context variants of each prefill bucket,
+    # each its shared forward and the two sampling variants' samplers (RunnerConfig.prefill_shared_forward).
     decode_buckets = len(runner.shapes.buckets) - len(prefill_buckets)
-    assert len(runner._step_exes) == 2 * (len(runner.shapes.buckets) + len(prefill_buckets)) + decode_buckets
+    assert len(runner._step_exes) == 3 * decode_buckets + 2 * 3 * len(prefill_buckets)
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
 
 

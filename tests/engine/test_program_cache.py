@@ -27,6 +27,9 @@ N_NEW = 6
 
 
 def _engine(path, cache_dir, max_model_len, **runner_kw):
+    """Both buckets are prefill buckets (16 and 64 slots for 4 sequence rows): one whole program each, unless
+    the test asks for RunnerConfig.prefill_shared_forward."""
+    runner_kw.setdefault("prefill_shared_forward", False)
     cfg, params = load_model(path, jnp.float32, progress=False)
     rc = RunnerConfig(dtype="float32", attn_impl="reference", moe_impl="ragged", token_buckets=(16, 64),
                       warmup_full_variant=False, program_cache_dir=str(cache_dir), **runner_kw)
