@@ -102,6 +102,9 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR start
+#                                                   session 26: serve's start at the defaults on an empty cache,
+#                                                   then a warm one; the GPU-vs-CPU check; Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR lowering
 #                                                   session 26: serve's programs traced and lowered under cProfile
 #                                                   with runner/lowering.py's patches, then serve's start on an
@@ -424,6 +427,15 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
   done
+  exit 0
+fi
+if [[ $mode == start ]]; then  # session 26: serve's start (empty, then warm cache), the check, Protocol A; defaults
+  RUNS="empty warm" timeout 200 bash benchmarks/serve_start.sh "$out/serve" 2>&1 | grep -E "from start|ready in|lowered"
+  left 330 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  left 450 && timeout 100 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 > "$out/pa.log" 2>&1
+  grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa.log" | cut -c1-130
   exit 0
 fi
 if [[ $mode == lowering ]]; then  # session 26: runner/lowering.py's two patches; serve's start with shared forwards
