@@ -279,15 +279,20 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     indices are constants, so each layer's fusions are distinct HLO that XLA compiles and autotunes on
     its own). "indexed": straight-line layers too, but each reads its weights by a layer index that XLA
     cannot see through (one scalar each out of an optimization barrier), so every layer's fusions are the
-    same HLO: compiled and autotuned once, like the scanned body, with no while loop in the program."""
+    same HLO: compiled and autotuned once, like the scanned body, with no while loop in the program. Its
+    layers call one jitted `body`, traced once (twice where the first layer's carry differs in structure)
+    and lowered to one function that each layer calls: XLA inlines the calls, so the program is the
+    straight-line one, but tracing and lowering no longer grow with the depth (8 such forwards of V2-Lite's
+    26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md session 26)."""
     if unroll != "indexed":
         return jax.lax.scan(body, carry, (scanned, layer_ids, local_ids), unroll=unroll)
     ids = jax.lax.optimization_barrier(tuple(jnp.asarray(i) for i in (*layer_ids, *local_ids)))
     n = len(layer_ids)
+    layer = jax.jit(body)
     ys = []
     for li, j in zip(ids[:n], ids[n:]):
         lp = jax.tree.map(lambda a, j=j: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), scanned)
-        carry, y = body(carry, (lp, li, j))
+        carry, y = layer(carry, (lp, li, j))
         ys.append(y)
     return carry, (None if ys[0] is None else jax.tree.map(lambda *a: jnp.stack(a), *ys))
 
