@@ -33,6 +33,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
@@ -206,8 +207,9 @@ class ModelRunner:
         return self._programs[key]
 
     def _zeros(self, shape, dtype):
-        """A resident buffer of zeros (see _step_fn)."""
-        return jax.device_put(jnp.zeros(shape, dtype), self._resident_sharding)
+        """A resident buffer of zeros (see _step_fn), copied from the host: jnp.zeros would compile a program a
+        shape on warm-up's lowering thread (23 of them, ~1 s, at serve's flags on an H200)."""
+        return jax.device_put(np.zeros(shape, dtype), self._resident_sharding)
 
     def _forward_out(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
         """The forward's per-sequence output of one bucket: logits [S, V] fp32, or the final-normed hidden states
