@@ -102,6 +102,10 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR protob
+#                                                   the next call (session 26): Protocol B at the defaults (prefill
+#                                                   forwards shared) and with --no-prefill-shared-forward, each on
+#                                                   an empty cache
 #   bash benchmarks/explore_next.sh OUTDIR start
 #                                                   session 26: serve's start at the defaults on an empty cache,
 #                                                   then a warm one; the GPU-vs-CPU check; Protocol A
@@ -426,6 +430,14 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
         > "$out/step_${b}_$l.log"
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
+  done
+  exit 0
+fi
+if [[ $mode == protob ]]; then  # session 27's call: Protocol B with the shared prefill forwards (default) and without
+  for l in shared whole; do
+    a=""; [[ $l == whole ]] && a=--no-prefill-shared-forward
+    left 300 && SERVE_ARGS=$a PARTS=protocol_b timeout 280 bash benchmarks/gpu.sh "$out/$l" > /dev/null 2>&1
+    echo "-- $l"; cat "$out/$l"/ready_protocol_b.log 2>/dev/null; grep -h -E "^\|" "$out/$l"/protocol_b.log 2>/dev/null
   done
   exit 0
 fi

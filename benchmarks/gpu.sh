@@ -17,7 +17,7 @@
 #   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
 # PARTS picks parts and their order (default: kernels gpu_vs_cpu protocol_a hf_peer protocol_b); PRESET the model
 # shape; KERNELS_ARGS (default --quick), READY_LIMIT (seconds a server may take to answer /health, default 600),
-# OFFLINE_ARGS and SERVING_ARGS add flags to a part; SHARED_PREFIX sets Protocol C's shared prefix (default 2,048
+# OFFLINE_ARGS and SERVING_ARGS add flags to a part, SERVE_ARGS to protocol_b's server; SHARED_PREFIX sets Protocol C's shared prefix (default 2,048
 # tokens). The vLLM peer (../shared/peers/) needs its bundle carried in separate calls first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,7 +89,7 @@ serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health,
 protocol_b() {
   dummy_dir
   serve_and_measure protocol_b 8011 python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy \
-    --port 8011 --max-num-seqs 128 --max-model-len 1024
+    --port 8011 --max-num-seqs 128 --max-model-len 1024 ${SERVE_ARGS:-}
 }
 
 vllm_serve() {  # NAME [MAX_MODEL_LEN]: vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights
