@@ -436,7 +436,7 @@ fi
 if [[ $mode == protob ]]; then  # session 27's call: Protocol B with the shared prefill forwards (default) and without
   for l in shared whole; do
     a=""; [[ $l == whole ]] && a=--no-prefill-shared-forward
-    left 300 && SERVE_ARGS=$a PARTS=protocol_b timeout 280 bash benchmarks/gpu.sh "$out/$l" > /dev/null 2>&1
+    left 310 && SERVE_ARGS=$a PARTS=protocol_b timeout 280 bash benchmarks/gpu.sh "$out/$l" > /dev/null 2>&1
     echo "-- $l"; cat "$out/$l"/ready_protocol_b.log 2>/dev/null; grep -h "^concurrency" "$out/$l"/protocol_b.log 2>/dev/null | cut -c1-230
   done
   exit 0
