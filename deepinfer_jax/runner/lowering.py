@@ -34,7 +34,6 @@ log = logging.getLogger(__name__)
 
 TT_MODULE = "jaxlib.mlir.dialects.tt"
 _LOWERING_ARGS = ["jaxpr", "grid_mapping", "platform", "compute_capability", "mlir_ctx"]
-_installed = False
 _lock = threading.Lock()
 
 
@@ -70,7 +69,7 @@ class TritonLoweringCache:
         key = (id(jaxpr), id(grid_mapping), platform, compute_capability)
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry[0] is jaxpr and entry[1] is grid_mapping:
+            if entry is not None:
                 self.hits += 1
                 return entry[2]
         result = self._lower(jaxpr, grid_mapping, platform, compute_capability, mlir_ctx=mlir_ctx)
@@ -99,10 +98,8 @@ def _memoize_triton_lowering() -> TritonLoweringCache | None:
 
 
 def speed_up_kernel_lowering() -> TritonLoweringCache | None:
-    """Apply both patches once per process (idempotent, thread-safe); returns the lowering cache, if any."""
-    global _installed
+    """Apply both patches (idempotent, thread-safe: each checks whether it is in place); returns the lowering
+    cache, if any."""
     with _lock:
-        if not _installed:
-            _alias_tt_dialect()
-            _installed = True
+        _alias_tt_dialect()
         return _memoize_triton_lowering()
