@@ -22,12 +22,9 @@ T, H, R, DR, PS, L = 64, 16, 512, 64, 64, 27
 
 
 @pytest.fixture
-def triton_modules(monkeypatch):
-    """Lower for CUDA on this CPU machine (an sm_90 device assumed) and return the Triton modules."""
+def triton_modules(cuda_lowering, monkeypatch):
+    """Lower for CUDA on this CPU machine (conftest.py) and return the Triton modules."""
     from jax._src.pallas.triton import pallas_call_registration as reg
-
-    class _H200:
-        compute_capability = "9.0"
 
     captured = []
     lower = reg.lowering.lower_jaxpr_to_triton_module
@@ -37,12 +34,11 @@ def triton_modules(monkeypatch):
         captured.append(out.module.operation.get_asm())
         return out
 
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: _H200())
     monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
 
     def run(fn, *args):
         captured.clear()
-        jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+        cuda_lowering(fn, *args)
         return list(captured)
 
     return run

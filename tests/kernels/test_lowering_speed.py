@@ -8,7 +8,6 @@ import builtins
 
 import jax
 import jax.numpy as jnp
-import pytest
 
 from deepinfer_jax.kernels.mla_decode import paged_mla_attention
 from deepinfer_jax.runner import lowering
@@ -16,22 +15,14 @@ from deepinfer_jax.runner import lowering
 T, H, R, DR, PS, L, PAGES = 16, 16, 512, 64, 64, 2, 8
 
 
-@pytest.fixture
-def cuda_lowering(monkeypatch):
-    """lower(fn, *args) -> the StableHLO text of fn lowered for CUDA on this machine."""
-    from jax._src.pallas.triton import pallas_call_registration as reg
-
-    class _H200:
-        compute_capability = "9.0"
-
-    monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: _H200())
-    return lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-
-
 def _attention_args():
     s = jax.ShapeDtypeStruct
     return (s((T, H, R), jnp.bfloat16), s((T, H, DR), jnp.bfloat16), s((L, PAGES, PS, R + DR), jnp.bfloat16),
             s((), jnp.int32), s((T,), jnp.int32), s((T,), jnp.int32), s((T, 4), jnp.int32))
+
+
+def _text(cuda_lowering, fn, *args) -> str:
+    return cuda_lowering(fn, *args).as_text()
 
 
 def _program(scale_out):
@@ -48,14 +39,14 @@ def test_a_kernel_met_again_is_lowered_once_and_lowers_to_the_same_text(cuda_low
     assert isinstance(cache, lowering.TritonLoweringCache)
     assert lowering.speed_up_kernel_lowering() is cache  # idempotent
     args = _attention_args()
-    first = cuda_lowering(_program(2.0), *args)
+    first = _text(cuda_lowering, _program(2.0), *args)
     misses, hits = cache.misses, cache.hits
-    second = cuda_lowering(_program(3.0), *args)
+    second = _text(cuda_lowering, _program(3.0), *args)
     assert cache.misses == misses and cache.hits > hits  # the kernel's Triton module came from the cache
     assert "__gpu$xla.gpu.triton" in second
 
     monkeypatch.setattr(triton_lowering, "lower_jaxpr_to_triton_module", cache._lower)  # without the cache
-    uncached = cuda_lowering(_program(3.0), *args)
+    uncached = _text(cuda_lowering, _program(3.0), *args)
     assert second == uncached
     assert first != second  # (the programs differ outside the kernel)
 
@@ -64,11 +55,11 @@ def test_a_kernel_of_other_shapes_is_lowered_anew(cuda_lowering):
     cache = lowering.speed_up_kernel_lowering()
     s = jax.ShapeDtypeStruct
     args = list(_attention_args())
-    cuda_lowering(_program(2.0), *args)
+    _text(cuda_lowering, _program(2.0), *args)
     misses = cache.misses
     args[0], args[1] = s((2 * T, H, R), jnp.bfloat16), s((2 * T, H, DR), jnp.bfloat16)
     args[4:7] = [s((2 * T,), jnp.int32), s((2 * T,), jnp.int32), s((2 * T, 4), jnp.int32)]
-    cuda_lowering(_program(2.0), *args)
+    _text(cuda_lowering, _program(2.0), *args)
     assert cache.misses > misses
 
 
@@ -89,5 +80,5 @@ def test_lowering_a_kernel_imports_no_missing_dialect_module(cuda_lowering, monk
     # shapes no other test lowers, so the kernel's Triton lowering runs here
     args = list(_attention_args())
     args[2] = s((L, PAGES + 1, PS, R + DR), jnp.bfloat16)
-    cuda_lowering(_program(5.0), *args)
+    _text(cuda_lowering, _program(5.0), *args)
     assert not [n for n in failed if n.endswith(".tt")], failed
