@@ -102,6 +102,11 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR overlap
+#                                                   session 27: serve's cold start with the weights loading during
+#                                                   warm-up, the slowest programs lowered first, warm-up runs as
+#                                                   programs compile, compile threads at nice +10; again with
+#                                                   --compile-thread-nice 0; the warm start; the check; Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR protob
 #                                                   the next call (session 26): Protocol B at the defaults (prefill
 #                                                   forwards shared) and with --no-prefill-shared-forward, each on
@@ -431,6 +436,20 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
   done
+  exit 0
+fi
+if [[ $mode == overlap ]]; then  # session 27: serve's cold start with the weights loading during warm-up, the slowest
+  # programs lowered first, the warm-up runs as programs compile, the compile threads at nice +10 (the defaults);
+  # then with --compile-thread-nice 0; the warm start; the check; Protocol A
+  RUNS="empty warm" timeout 230 bash benchmarks/serve_start.sh "$out/serve" 2>&1 \
+    | grep -E "from start|ready in|lowered|waited|KV cache"
+  left 300 && RUNS=empty SERVE_ARGS="--compile-thread-nice 0" timeout 150 bash benchmarks/serve_start.sh \
+    "$out/nice0" 2>&1 | grep -E "from start|ready in|lowered|waited"
+  left 420 && timeout 120 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
+  left 500 && timeout 90 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 > "$out/pa.log" 2>&1
+  grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa.log" | cut -c1-130
   exit 0
 fi
 if [[ $mode == protob ]]; then  # session 27's call: Protocol B with the shared prefill forwards (default) and without

@@ -11,6 +11,9 @@ shares its pages); outputs are gathered under the parent id with CompletionOutpu
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the runner places everything on the mesh;
 with data-parallel attention each rank gets its own scheduler and page pool (sharding/data_parallel.py),
 `num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank.
+
+`params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
+cache counting their bytes, then starts their load, which runs while the runner compiles its step programs.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
+from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
 
@@ -81,12 +85,17 @@ class LLMEngine:
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
         max_pages = cdiv(self.max_model_len, ps)
+        # Params may still be to load (weights/pending.py): their bytes count as in use, and they load (on a thread
+        # of their own) from here on, while the runner lowers and compiles the step programs.
+        pending = params if isinstance(params, PendingParams) else None
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
             num_pages, how = ModelRunner.pages_for_memory(
-                cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback)
+                cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback, loading=pending)
         else:
             how = f"{num_pages} pages (set explicitly)"
+        if pending is not None:
+            pending.start()
         # No cap for the Pallas kernels: their loads from a cache over 4 GiB use 64-bit offsets
         # (tests/kernels/test_kernel_lowering.py checks the Triton IR).
         if sharding is not None and sharding.num_ranks > 1:

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import math
 import os
+import threading
 import time
 from typing import Any
 
@@ -48,8 +49,29 @@ from deepinfer_jax.runner.step_io import (Resident, StepOut, StepResult, extract
                                           resolve_placeholders, split_inbox)
 from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, sample_step_outputs
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
+from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
+
+
+def _compile_rank(kind: str) -> int:
+    """Warm-up lowers the programs in this order, the slowest to compile first so that the last to start compiling
+    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others, session 26),
+    the whole step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
+    return {"forward": 0, "step": 1, "sampler": 2}[kind]
+
+
+def _set_thread_nice(nice: int) -> None:
+    """Set the calling thread's nice value (Linux: per thread; the threads it starts inherit it); where that is
+    not allowed or not supported, nothing."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+    except OSError:
+        pass
 
 
 def _program_kind(pid) -> tuple[str, Any]:
@@ -63,6 +85,14 @@ class ModelRunner:
                  num_pages: int, max_logprobs: int = 20, sharding: Any = None):
         CompileCounter.install()
         speed_up_kernel_lowering()  # runner/lowering.py: less of warm-up's lowering on one thread
+        # Params still loading (weights/pending.py): on one device warm-up lowers and compiles from their abstract
+        # tree and takes the arrays before its runs (`_await_params`); sharded, they are needed here.
+        self._pending = None
+        if isinstance(params, PendingParams):
+            if sharding is None:
+                self._pending, params = params, params.abstract
+            else:
+                params = params.result()
         self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
         self.num_pages = num_pages
         self.max_logprobs = max_logprobs
@@ -317,7 +347,7 @@ class ModelRunner:
         the device."""
         from deepinfer_jax.runner import program_cache
 
-        rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
+        rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None, compile_thread_nice=0)  # not the program's
         kind, key = _program_kind(pid)
         if kind == "forward":
             layouts = (key, sizes(key), self._forward_out(key))
@@ -341,10 +371,15 @@ class ModelRunner:
                                                     res.outbox)
         return self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
 
+    def _host_programs(self, key) -> tuple:
+        """The program ids (`_program_key`'s `pid`) a step of `key` runs: its step program, or where it shares its
+        bucket's forward (RunnerConfig.prefill_shared_forward) that forward and the variant's sampler."""
+        return (("forward", key[0]), ("sampler", key)) if self._shares_forward(key) else (key,)
+
     def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
         """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for
-        them: each program id (`_program_key`'s `pid`) -> (its bucket, what it runs), the slowest to compile
-        first."""
+        them: each program id (`_program_key`'s `pid`) -> (its bucket, what it runs), in the order warm-up lowers
+        them, the slowest to compile first (`_compile_rank`)."""
         variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
         platform = jax.default_backend()
         buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
@@ -354,17 +389,15 @@ class ModelRunner:
         # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
         hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
                   if h.meta.has_context is False]
-        # each program -> (its bucket, what it runs), the slowest program first; where a step shares its bucket's
-        # forward (RunnerConfig.prefill_shared_forward), the forward once and the variant's sampler
         programs: dict[Any, tuple[int, str]] = {}
         for host in hosts:
             key = packed(host)[0]
-            if self._shares_forward(key):
-                programs.setdefault(("forward", key[0]), (host.bucket, "shared forward"))
-                programs.setdefault(("sampler", key), (host.bucket, f"{key[1]} sampler"))
-            else:
-                programs.setdefault(key, (host.bucket, f"{key[1]} step"))
-        return hosts, programs
+            for pid in self._host_programs(key):
+                kind = _program_kind(pid)[0]
+                what = {"forward": "shared forward", "sampler": f"{key[1]} sampler"}.get(kind, f"{key[1]} step")
+                programs.setdefault(pid, (host.bucket, what))
+        order = sorted(programs, key=lambda pid: _compile_rank(_program_kind(pid)[0]))  # stable: host order within
+        return hosts, {pid: programs[pid] for pid in order}
 
     def warmup(self, progress: bool = True) -> int:
         """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
@@ -376,10 +409,11 @@ class ModelRunner:
         the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
         compiled, and stored when XLA compiled them rather than JAX's compilation cache serving them
         (runner/program_cache.py). Programs are traced and lowered one after another on this thread (a
-        bucket's forward is traced once for both variants); each goes to a pool of compile threads as
-        soon as it is lowered (XLA releases the GIL), the slowest first: the unrolled programs, larger
-        buckets before smaller ones, then the scanned ones. Steps then call the compiled executables
-        directly."""
+        bucket's forward is traced once for all its variants), from the params' abstract tree while they still
+        load (weights/pending.py); each goes to a pool of compile threads as soon as it is lowered (XLA releases
+        the GIL), the slowest first (`warmup_plan`). Then the params are awaited, and each step's runs on padding
+        start as soon as its programs are compiled, while the others still compile. Steps then call the
+        compiled executables directly."""
         from concurrent.futures import ThreadPoolExecutor
 
         t0 = time.perf_counter()
@@ -396,7 +430,10 @@ class ModelRunner:
         cache_dir = self.runner_cfg.program_cache_dir if self.sharding is None else None
         device = jax.devices()[0]
 
+        base_nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0  # this thread's
+
         def compile_one(pid, lowered, pkey):
+            _set_thread_nice(base_nice + self.runner_cfg.compile_thread_nice)
             t = time.perf_counter()
             self._step_exes[pid], storable = program_cache.compile_program(lowered)
             bucket, what = programs[pid]
@@ -416,7 +453,7 @@ class ModelRunner:
             pkeys = {pid: self._program_key(pid, state) if cache_dir else None for pid in programs}
             loads = {pid: pool.submit(program_cache.load, cache_dir, pkey, device) for pid, pkey in pkeys.items()
                      if pkey is not None}
-            futures = []
+            futures = {}
             for pid in programs:
                 exe = loads[pid].result() if pid in loads else None
                 if exe is not None:
@@ -425,22 +462,47 @@ class ModelRunner:
                     if bar is not None:
                         bar.update(1)
                     continue
-                futures.append(pool.submit(compile_one, pid, self._lower(pid), pkeys[pid]))
+                futures[pid] = pool.submit(compile_one, pid, self._lower(pid), pkeys[pid])
             if self.programs_loaded:
                 log.info("warm-up: loaded %d step programs from %s in %.1f s", self.programs_loaded, cache_dir,
                          time.perf_counter() - t0)
             if futures:
                 log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures),
                          time.perf_counter() - t0)
-            for f in futures:
-                f.result()
+            self._await_params()
+            self._warmup_runs(hosts, futures)
         if bar is not None:
             bar.close()
-        for host in hosts:  # one at a time, each finished before the next (RunnerConfig.warmup_runs)
-            for _ in range(max(1, self.runner_cfg.warmup_runs)):
-                jax.block_until_ready(self._run(host))
         self._warm = True
         return len(programs)
+
+    def _await_params(self) -> None:
+        """Take the params once loaded (weights/pending.py; a no-op when they were given loaded)."""
+        if self._pending is not None:
+            t = time.perf_counter()
+            self.params, self._pending = self._pending.result(), None
+            log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
+
+    def _warmup_runs(self, hosts: list[HostStep], compiling: dict) -> None:
+        """Run each warm-up step RunnerConfig.warmup_runs times, one at a time (each finished before the next),
+        each as soon as its programs are compiled (`compiling`: program id -> its compile's future; the others
+        are ready). A failed compile raises here."""
+        from concurrent.futures import FIRST_COMPLETED, wait
+
+        waiting = list(hosts)
+        while waiting:
+            deps = {id(h): [compiling[p] for p in self._host_programs(packed(h)[0]) if p in compiling]
+                    for h in waiting}
+            ready = [h for h in waiting if all(f.done() for f in deps[id(h)])]
+            if not ready:
+                wait({f for fs in deps.values() for f in fs if not f.done()}, return_when=FIRST_COMPLETED)
+                continue
+            for host in ready:
+                for f in deps[id(host)]:
+                    f.result()
+                for _ in range(max(1, self.runner_cfg.warmup_runs)):
+                    jax.block_until_ready(self._run(host))
+            waiting = [h for h in waiting if all(h is not r for r in ready)]
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
@@ -481,6 +543,8 @@ class ModelRunner:
         in the step program's inbox, the step program, and the small one that copies its results out. Where
         the step shares its bucket's forward (`_shares_forward`): two copies and two stagings (the forward's
         inputs, the sampler's), the forward, then the sampler."""
+        if self._pending is not None:  # the first step before warm-up (warm-up takes the params itself)
+            self._await_params()
         key, inputs = packed(host)
         res = self._resident(key)
         if self._shares_forward(key):  # the bucket's forward, then the variant's sampler
@@ -545,14 +609,17 @@ class ModelRunner:
     # ---- memory ----------------------------------------------------------------------------------
     @staticmethod
     def pages_for_memory(cfg: ModelConfig, page_size: int, dtype, gpu_memory_utilization: float,
-                         fallback_pages: int) -> tuple[int, str]:
+                         fallback_pages: int, loading: PendingParams | None = None) -> tuple[int, str]:
         """KV pages that fit in gpu_memory_utilization of the device memory, less what is in use (the
-        weights), within the share XLA's scheduler assumes (runner/device_memory.py); a device
-        without memory figures (CPU) -> fallback."""
+        weights) and what `loading` will take (weights not yet loaded: weights/pending.py), within the share
+        XLA's scheduler assumes (runner/device_memory.py); a device without memory figures (CPU) -> fallback."""
         per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
-        mem = device_memory(jax.devices()[0])
+        device = jax.devices()[0]
+        mem = device_memory(device)
         if mem is None:
             return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
+        if loading is not None:
+            mem = dataclasses.replace(mem, in_use=mem.in_use + loading.bytes_on(device))
         pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
         return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
                        f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")

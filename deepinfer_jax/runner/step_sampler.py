@@ -29,7 +29,7 @@ def lm_head_in_sampler(cfg: ModelConfig, runner_cfg: RunnerConfig, lm_head: Any,
     from deepinfer_jax.kernels import lm_head_sample
 
     return (runner_cfg.lm_head_sampler and sharding is None and runner_cfg.attn_impl.startswith("pallas")
-            and isinstance(lm_head, jax.Array) and jnp.issubdtype(lm_head.dtype, jnp.floating)
+            and isinstance(lm_head, (jax.Array, jax.ShapeDtypeStruct)) and jnp.issubdtype(lm_head.dtype, jnp.floating)
             and lm_head_sample.supported(cfg.vocab_size, cfg.hidden_size))
 
 

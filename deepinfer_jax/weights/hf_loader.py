@@ -25,6 +25,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import ParamSpec, is_spec, param_specs, spec_dtype
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
+from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor
 
 log = logging.getLogger(__name__)
@@ -147,6 +148,20 @@ def load_hf_checkpoint(
 ) -> tuple[ModelConfig, dict]:
     """Returns (config actually loaded, params). `shardings`: optional pytree of jax.sharding.Sharding
     matching the params, so each leaf is created straight on its devices."""
+    cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings, progress, hf_config)
+    return cfg, pending.result()
+
+
+def prepare_hf_checkpoint(
+    model_dir: str,
+    cfg: ModelConfig,
+    dtype: Any = jnp.bfloat16,
+    shardings: Any = None,
+    progress: bool = True,
+    hf_config: dict | None = None,
+) -> tuple[ModelConfig, PendingParams]:
+    """(config actually loaded, the params pending): the checkpoint's index read and every tensor checked now
+    (a CheckpointError before any device work), the tensors read when the load starts."""
     tensors = index_checkpoint(model_dir)
     cfg = effective_config(cfg, tensors)
     rules = expected_tensors(cfg, fused_moe_layers(tensors))
@@ -163,16 +178,19 @@ def load_hf_checkpoint(
         sh = None if shardings is None else _get(shardings, tuple(_key(k) for k in path))
         return jnp.zeros(spec.shape, spec_dtype(spec, dtype), device=sh)
 
-    params = jax.tree_util.tree_map_with_path(alloc, specs, is_leaf=is_spec)
-    it = rules
-    if progress:
-        from tqdm import tqdm
+    def load() -> dict:
+        params = jax.tree_util.tree_map_with_path(alloc, specs, is_leaf=is_spec)
+        it = rules
+        if progress:
+            from tqdm import tqdm
 
-        it = tqdm(rules, desc="loading weights", unit="tensor", leave=False)
-    for rule in it:
-        value = read_rule_tensor(rule, tensors, fp8_block)
-        _set(params, rule.path, _write(_get(params, rule.path), rule.index, value))
-    return cfg, params
+            it = tqdm(rules, desc="loading weights", unit="tensor", leave=False)
+        for rule in it:
+            value = read_rule_tensor(rule, tensors, fp8_block)
+            _set(params, rule.path, _write(_get(params, rule.path), rule.index, value))
+        return params
+
+    return cfg, PendingParams(abstract_from_specs(cfg, dtype, shardings), load)
 
 
 def _key(k) -> Any:

@@ -17,12 +17,13 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.quant import weights_nbytes
-from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
-from deepinfer_jax.weights.orbax_io import is_converted, load_converted
+from deepinfer_jax.weights.hf_loader import prepare_hf_checkpoint
+from deepinfer_jax.weights.orbax_io import is_converted, prepare_converted
+from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
 
-__all__ = ["load_model", "is_converted", "weights_nbytes"]
+__all__ = ["load_model", "prepare_model", "is_converted", "weights_nbytes"]
 
 
 def load_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
@@ -30,16 +31,30 @@ def load_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None,
     """Returns (ModelConfig, params) with every leaf on its device (or `shardings`, a params-shaped tree
     of jax.sharding.Sharding; at a quantized leaf either the float leaf's sharding or a
     QuantizedWeight of shardings for q and scale)."""
+    cfg, pending = prepare_model(model_dir, dtype, shardings, progress)
+    return cfg, pending.result()
+
+
+def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
+                  ) -> tuple[ModelConfig, PendingParams]:
+    """`load_model` with the params pending (weights/pending.py): the directory is read and checked now (a
+    CheckpointError before any device work), the arrays load once the engine starts the load."""
     if is_converted(model_dir):
-        cfg, params = load_converted(model_dir, dtype, shardings=shardings, progress=progress)
+        cfg, pending = prepare_converted(model_dir, dtype, shardings=shardings, progress=progress)
         kind = "converted"
     else:
         cfg = ModelConfig.from_model_dir(model_dir)
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)
-        cfg, params = load_hf_checkpoint(model_dir, cfg, dtype, shardings=shardings, progress=progress,
-                                         hf_config=hf_config)
+        cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings=shardings, progress=progress,
+                                             hf_config=hf_config)
         kind = "HF"
-    log.info("loaded %s checkpoint %s: weights take %.3f GiB on device", kind, model_dir,
-             weights_nbytes(params) / 2**30)
-    return cfg, params
+    load = pending.load
+
+    def logged_load() -> Any:
+        params = load()
+        log.info("loaded %s checkpoint %s: weights take %.3f GiB on device", kind, model_dir,
+                 weights_nbytes(params) / 2**30)
+        return params
+
+    return cfg, PendingParams(pending.abstract, logged_load)

@@ -36,6 +36,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import is_spec, layer_segments, layer_specs, param_specs, spec_dtype
 from deepinfer_jax.models.quant import METHODS, QuantizedWeight, is_quantized, quant_layout, quantized_shapes
+from deepinfer_jax.weights.pending import PendingParams
 from deepinfer_jax.weights.safetensors_io import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -237,6 +238,14 @@ def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = N
     """(ModelConfig, params) from a converted directory; every array restored straight onto its
     sharding (`shardings`: params-shaped tree of Sharding, float-leaf shaped at quantized leaves or a
     QuantizedWeight of shardings; None: the default device)."""
+    cfg, pending = prepare_converted(model_dir, dtype, shardings, progress)
+    return cfg, pending.result()
+
+
+def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
+                      ) -> tuple[ModelConfig, PendingParams]:
+    """(ModelConfig, the params pending), as `load_converted`: the metadata read and every stored entry checked
+    now (a CheckpointError before any device work), the arrays restored when the load starts."""
     import orbax.checkpoint as ocp
 
     meta = read_meta(model_dir)
@@ -260,61 +269,80 @@ def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = N
     def leaf_sharding(unit: Unit, path: tuple) -> Any:
         return default if shardings is None else _get(shardings, unit.path + path)
 
-    # Stacked leaves are allocated once, on their full shardings, and filled layer by layer.
-    params: dict = {"segments": [None] * len(layer_segments(cfg))}
-    if cfg.num_nextn_predict_layers:
-        params["mtp"] = [None] * cfg.num_nextn_predict_layers
-    for si, seg in enumerate(layer_segments(cfg)):
-        u = next(x for x in units if x.path == ("segments", si))
+    def params_tree(make: Any, stacked_only: bool = False) -> dict:
+        """The params' tree with every array made by make(shape, dtype, sharding): stacked leaves once a segment,
+        on their full shardings; the other units' leaves on theirs (`stacked_only`: left out)."""
+        params: dict = {"segments": [None] * len(layer_segments(cfg))}
+        if cfg.num_nextn_predict_layers:
+            params["mtp"] = [None] * cfg.num_nextn_predict_layers
+        for u in units:
+            stacked = u.index is not None
+            if (stacked and params["segments"][u.path[1]] is not None) or (stacked_only and not stacked):
+                continue
+            lead = (layer_segments(cfg)[u.path[1]].num_layers,) if stacked else ()
 
-        def alloc(path, sds, u=u, n=seg.num_layers):
-            s = leaf_sharding(u, _keys(path))
-            if is_quantized(sds):
-                sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
-                shp_q, shp_s = (n,) + sds.q.shape, (n,) + sds.scale.shape
-                return QuantizedWeight(jnp.zeros(shp_q, sds.q.dtype, device=_fit_sharding(sq, shp_q, False)),
-                                       jnp.zeros(shp_s, sds.scale.dtype, device=_fit_sharding(ss, shp_s, False)),
-                                       sds.bits, sds.group_size, sds.n_out)
-            return jnp.zeros((n,) + sds.shape, sds.dtype, device=_fit_sharding(s, (n,) + sds.shape, False))
+            def one(path, sds, u=u, lead=lead):
+                s = leaf_sharding(u, _keys(path))
+                if is_quantized(sds):
+                    sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
+                    shp_q, shp_s = lead + sds.q.shape, lead + sds.scale.shape
+                    return QuantizedWeight(make(shp_q, sds.q.dtype, _fit_sharding(sq, shp_q, False)),
+                                           make(shp_s, sds.scale.dtype, _fit_sharding(ss, shp_s, False)),
+                                           sds.bits, sds.group_size, sds.n_out)
+                shp = lead + sds.shape
+                return make(shp, sds.dtype, _fit_sharding(s, shp, False))
 
-        params["segments"][si] = jax.tree_util.tree_map_with_path(alloc, expected[u.name], is_leaf=is_quantized)
-
-    it = units
-    if progress:
-        from tqdm import tqdm
-
-        it = tqdm(units, desc="loading converted weights", unit="unit", leave=False)
-    for u in it:
-        stacked = u.index is not None
-
-        def restore_arg(path, sds, u=u):
-            s = leaf_sharding(u, _keys(path))
-            m = _get(stored_meta[u.name], _keys(path))
-
-            def arg(sh, x, m):
-                # A cast only where the stored dtype differs (tensorstore's cast driver costs time).
-                cast = None if jnp.dtype(m.dtype) == jnp.dtype(x.dtype) else x.dtype
-                return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=cast,
-                                            global_shape=x.shape)
-
-            if is_quantized(sds):
-                sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
-                return {"q": arg(sq, sds.q, m["q"]), "scale": arg(ss, sds.scale, m["scale"])}
-            return arg(s, sds, m)
-
-        stored = to_stored(expected[u.name])
-        args = jax.tree_util.tree_map_with_path(restore_arg, expected[u.name], is_leaf=is_quantized)
-        with _quiet_orbax():
-            got = ckptr.restore(tree_dir, args=ocp.args.PyTreeRestore(
-                item={u.name: jax.tree.map(lambda _: 0, stored)}, restore_args={u.name: args},
-                partial_restore=True))[u.name]
-        got = jax.tree.map(lambda sds, x: QuantizedWeight(x["q"], x["scale"], sds.bits, sds.group_size, sds.n_out)
-                           if is_quantized(sds) else x, expected[u.name], got, is_leaf=is_quantized)
-        if not stacked:
-            if u.path:
-                params[u.path[0]][u.path[1]] = got
+            tree = jax.tree_util.tree_map_with_path(one, expected[u.name], is_leaf=is_quantized)
+            if stacked:
+                params["segments"][u.path[1]] = tree
+            elif u.path:
+                params[u.path[0]][u.path[1]] = tree
             else:
-                params.update(got)
-            continue
-        params["segments"][u.path[1]] = _place_donated(params["segments"][u.path[1]], got, np.int32(u.index))
-    return cfg, params
+                params.update(tree)
+        return params
+
+    def load() -> dict:
+        # Stacked leaves are allocated once, on their full shardings, and filled layer by layer.
+        params = params_tree(lambda shape, dt, sh: jnp.zeros(shape, dt, device=sh), stacked_only=True)
+        it = units
+        if progress:
+            from tqdm import tqdm
+
+            it = tqdm(units, desc="loading converted weights", unit="unit", leave=False)
+        for u in it:
+            stacked = u.index is not None
+
+            def restore_arg(path, sds, u=u, stacked=stacked):
+                s = leaf_sharding(u, _keys(path))
+                m = _get(stored_meta[u.name], _keys(path))
+
+                def arg(sh, x, m):
+                    # A cast only where the stored dtype differs (tensorstore's cast driver costs time).
+                    cast = None if jnp.dtype(m.dtype) == jnp.dtype(x.dtype) else x.dtype
+                    return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=cast,
+                                                global_shape=x.shape)
+
+                if is_quantized(sds):
+                    sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
+                    return {"q": arg(sq, sds.q, m["q"]), "scale": arg(ss, sds.scale, m["scale"])}
+                return arg(s, sds, m)
+
+            stored = to_stored(expected[u.name])
+            args = jax.tree_util.tree_map_with_path(restore_arg, expected[u.name], is_leaf=is_quantized)
+            with _quiet_orbax():
+                got = ckptr.restore(tree_dir, args=ocp.args.PyTreeRestore(
+                    item={u.name: jax.tree.map(lambda _: 0, stored)}, restore_args={u.name: args},
+                    partial_restore=True))[u.name]
+            got = jax.tree.map(lambda sds, x: QuantizedWeight(x["q"], x["scale"], sds.bits, sds.group_size, sds.n_out)
+                               if is_quantized(sds) else x, expected[u.name], got, is_leaf=is_quantized)
+            if not stacked:
+                if u.path:
+                    params[u.path[0]][u.path[1]] = got
+                else:
+                    params.update(got)
+                continue
+            params["segments"][u.path[1]] = _place_donated(params["segments"][u.path[1]], got, np.int32(u.index))
+        return params
+
+    abstract = params_tree(lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh))
+    return cfg, PendingParams(abstract, load)

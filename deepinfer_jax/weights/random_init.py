@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 
 
 def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, scale: float = 0.05,
@@ -39,3 +40,10 @@ def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, sc
     out_shardings = None if shardings is None else jax.tree.leaves(shardings)
     out = jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed))
     return jax.tree.unflatten(treedef, out)
+
+
+def pending_random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, scale: float = 0.05,
+                          shardings: Any = None) -> PendingParams:
+    """`random_params` pending (weights/pending.py): drawn when the engine starts the load."""
+    return PendingParams(abstract_from_specs(cfg, jnp.dtype(dtype), shardings),
+                         lambda: random_params(cfg, dtype, seed=seed, scale=scale, shardings=shardings))

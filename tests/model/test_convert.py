@@ -311,7 +311,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from deepinfer_jax.models.params import logical_axes, param_specs
 from deepinfer_jax.models.quant import is_quantized
 from deepinfer_jax.models.deepseek import forward
-from deepinfer_jax.weights.loader import load_model
+from deepinfer_jax.weights.loader import load_model, prepare_model
 from deepinfer_jax.config import ModelConfig
 dst = sys.argv[1]
 mesh = Mesh(np.array(jax.devices()), ("tp",))
@@ -319,8 +319,13 @@ rules = {"heads": "tp", "expert": "tp"}
 cfg = ModelConfig.from_model_dir(dst)
 sh = jax.tree.map(lambda axes: NamedSharding(mesh, P(*[rules.get(a) for a in axes])), logical_axes(cfg),
                   is_leaf=lambda x: isinstance(x, tuple))
-cfg, p = load_model(dst, jnp.float32, shardings=sh, progress=False)
+cfg, pending = prepare_model(dst, jnp.float32, shardings=sh, progress=False)
+p = pending.result()  # checked against the abstract tree the loader announced
 _, ref = load_model(dst, jnp.float32, progress=False)
+# what the engine counts in use on a device before the weights arrive: that device's shards of them
+for d in jax.devices():
+    on_d = sum(s.data.nbytes for x in jax.tree.leaves(p) for s in x.addressable_shards if s.device == d)
+    assert pending.bytes_on(d) == on_d < sum(x.nbytes for x in jax.tree.leaves(p)), (d, pending.bytes_on(d), on_d)
 gu = p["segments"][1]["moe"]["experts"]["gate_up"]
 o = p["segments"][1]["attn"]["o_proj"]
 spec = lambda x: tuple(x.sharding.spec) + (None,) * (x.ndim - len(x.sharding.spec))
@@ -342,7 +347,8 @@ print("OK")
 
 def test_load_onto_shardings(hf_case, tmp_path):
     """Two CPU devices: experts and heads split over "tp"; int8 scales of o_proj (one per output
-    channel, shared by the heads) come back replicated; logits match the single-device load."""
+    channel, shared by the heads) come back replicated; logits match the single-device load; the bytes the
+    pending load announces for each device are that device's shards."""
     _, src = hf_case("v2_greedy_yarn")
     dst = str(tmp_path / "int8")
     convert(src, dst, "float32", "int8", progress=False)

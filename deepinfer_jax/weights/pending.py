@@ -1,0 +1,86 @@
+"""Params that arrive while the engine warms up.
+
+Warm-up traces, lowers and compiles the step programs from the params' shapes, dtypes and placements alone;
+only its runs on padding need the values. A `PendingParams` holds that abstract tree at once and loads the
+arrays on a thread of its own from `start()`, which the engine calls after measuring the device memory the
+KV cache may take (the weights' bytes then come from the abstract tree, `bytes_on`). `result()` waits for the
+arrays and checks them against the abstract tree leaf by leaf (tree structure, shape, dtype, placement: `fits`), so a
+program compiled for the abstract tree takes them as they are; a mismatch is a loader bug and raises.
+
+Invariant: `abstract` is exactly what `load()` returns, with every leaf a jax.ShapeDtypeStruct carrying the
+sharding its array will have.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+
+
+def fits(abstract: jax.ShapeDtypeStruct, x: Any) -> bool:
+    """Whether array `x` is what a program compiled for `abstract` takes: its shape, dtype and placement (an
+    equivalent sharding: P() and P(None, None) place alike)."""
+    return (tuple(x.shape) == tuple(abstract.shape) and jnp.dtype(x.dtype) == jnp.dtype(abstract.dtype)
+            and x.sharding.is_equivalent_to(abstract.sharding, len(x.shape)))
+
+
+class PendingParams:
+    """The params' abstract tree now; the arrays from `load()` (on its own thread once started) later."""
+
+    def __init__(self, abstract: Any, load: Callable[[], Any]):
+        self.abstract = abstract
+        self.load = load  # () -> the params; run by start() on its own thread
+        self._future: Future | None = None
+
+    def bytes_on(self, device: Any) -> int:
+        """Bytes the arrays will take on `device` (its shards of them)."""
+        return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(self.abstract) if device in x.sharding.device_set)
+
+    def start(self) -> None:
+        """Start loading on a thread of its own (a second call does nothing)."""
+        if self._future is not None:
+            return
+        self._future = Future()
+
+        def run(future: Future = self._future) -> None:
+            try:
+                future.set_result(self.load())
+            except BaseException as e:  # noqa: BLE001 - re-raised by result() on the engine's thread
+                future.set_exception(e)
+
+        threading.Thread(target=run, name="deepinfer-load-weights", daemon=True).start()
+
+    def result(self) -> Any:
+        """The loaded params (starting the load if nobody did), checked against `abstract`; re-raises the load's
+        error."""
+        self.start()
+        params = self._future.result()
+        want, got = jax.tree.structure(self.abstract), jax.tree.structure(params)
+        if want != got:
+            raise RuntimeError(f"the loaded params' tree {got} is not the announced {want}")
+        for path, a, x in zip(jax.tree_util.tree_flatten_with_path(self.abstract)[0], jax.tree.leaves(self.abstract),
+                              jax.tree.leaves(params)):
+            if not fits(a, x):
+                raise RuntimeError(f"the loaded param {jax.tree_util.keystr(path[0])} is {x.shape} {x.dtype} on "
+                                   f"{x.sharding}, announced as {a.shape} {a.dtype} on {a.sharding}")
+        return params
+
+
+def abstract_from_specs(cfg: ModelConfig, dtype: Any, shardings: Any = None) -> Any:
+    """The params' abstract tree from the model's param specs (every leaf in `dtype` where the spec says "model";
+    `shardings`: a params-shaped tree of shardings, None: the default device)."""
+    specs = param_specs(cfg)
+    if shardings is None:
+        default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)
+    return jax.tree.map(lambda spec, sh: jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, dtype), sharding=sh),
+                        specs, shardings, is_leaf=is_spec)
