@@ -443,12 +443,17 @@ if [[ $mode == overlap ]]; then  # session 27: serve's cold start with the weigh
   # then with --compile-thread-nice 0; the warm start; the check; Protocol A
   RUNS="empty warm" timeout 230 bash benchmarks/serve_start.sh "$out/serve" 2>&1 \
     | grep -E "from start|ready in|lowered|waited|KV cache"
-  left 300 && RUNS=empty SERVE_ARGS="--compile-thread-nice 0" timeout 150 bash benchmarks/serve_start.sh \
+  if [[ -d .old ]]; then  # the code before, on the same machine (a copy carried in .old)
+    echo "-- before"; (cd .old && left 250 && RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/old" 2>&1 \
+      | grep -E "from start|ready in|lowered")
+  fi
+  echo "-- --compile-thread-nice 0"
+  left 330 && RUNS=empty SERVE_ARGS="--compile-thread-nice 0" timeout 150 bash benchmarks/serve_start.sh \
     "$out/nice0" 2>&1 | grep -E "from start|ready in|lowered|waited"
-  left 420 && timeout 120 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+  left 450 && timeout 100 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
     > "$out/gpu_vs_cpu.log" 2>&1
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-  left 500 && timeout 90 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 > "$out/pa.log" 2>&1
+  left 510 && timeout 85 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 > "$out/pa.log" 2>&1
   grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa.log" | cut -c1-130
   exit 0
 fi
