@@ -102,6 +102,10 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR cpu
+#                                                   session 27: the machine's CPU use through serve's cold start
+#                                                   (cpu_sample.py), programs of each kind compiled alone
+#                                                   (lower_profile.py --compile), the GPU-vs-CPU check
 #   bash benchmarks/explore_next.sh OUTDIR overlap
 #                                                   session 27: serve's cold start with the weights loading during
 #                                                   warm-up, the slowest programs lowered first, warm-up runs as
@@ -436,6 +440,19 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
   done
+  exit 0
+fi
+if [[ $mode == cpu ]]; then  # session 27: is serve's cold start bound by the CPU? The machine's busy share each second
+  # through an empty start; then programs of each kind compiled alone (wall, CPU seconds); then the check
+  python3 benchmarks/cpu_sample.py 120 > "$out/cpu.txt" & sampler=$!
+  RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/serve" 2>&1 | grep -E "from start|ready in|lowered"
+  kill $sampler; awk 'NR == 1 || NR % 4 == 0' "$out/cpu.txt" | tr '\n' ';'; echo
+  left 280 && timeout 150 python3 benchmarks/lower_profile.py --top 5 --compile \
+    --pick "2048 shared forward,32 base step,32 greedy step,2048 base sampler" > "$out/alone.log" 2>&1
+  grep -h "^| " "$out/alone.log" | grep -v "traced and lowered" | tail -9
+  left 420 && timeout 170 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
+    > "$out/gpu_vs_cpu.log" 2>&1
+  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
   exit 0
 fi
 if [[ $mode == overlap ]]; then  # session 27: serve's cold start with the weights loading during warm-up, the slowest
