@@ -102,6 +102,9 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR passes
+#                                                   session 27: a prefill forward and a decode step compiled alone
+#                                                   with XLA's pass timings logged (compile_passes.py)
 #   bash benchmarks/explore_next.sh OUTDIR cpu
 #                                                   session 27: the machine's CPU use through serve's cold start
 #                                                   (cpu_sample.py), programs of each kind compiled alone
@@ -439,6 +442,16 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
         > "$out/step_${b}_$l.log"
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
+  done
+  exit 0
+fi
+if [[ $mode == passes ]]; then  # session 27: where XLA's compile of a prefill forward and a decode step goes
+  for pick in "2048 shared forward" "32 base step"; do
+    f="$out/passes_${pick// /_}.log"
+    TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=hlo_pass_pipeline=1,gpu_compiler=1,nvptx_compiler=1 timeout 120 \
+      python3 benchmarks/lower_profile.py --compile --pick "$pick" --limit 1 --top 3 > "$out/alone_${pick// /_}.txt" 2> "$f"
+    echo "-- $pick"; grep -h "^| " "$out/alone_${pick// /_}.txt" | tail -1
+    python3 benchmarks/compile_passes.py "$f" --top 15; gzip "$f"
   done
   exit 0
 fi

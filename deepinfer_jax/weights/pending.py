@@ -57,7 +57,9 @@ class PendingParams:
             except BaseException as e:  # noqa: BLE001 - re-raised by result() on the engine's thread
                 future.set_exception(e)
 
-        threading.Thread(target=run, name="deepinfer-load-weights", daemon=True).start()
+        # Not a daemon: should the engine fail while the weights load, the interpreter waits for the load at exit
+        # instead of tearing JAX down under it (a segfault).
+        threading.Thread(target=run, name="deepinfer-load-weights").start()
 
     def result(self) -> Any:
         """The loaded params (starting the load if nobody did), checked against `abstract`; re-raises the load's
