@@ -19,7 +19,8 @@ import sys
 from collections import defaultdict
 from datetime import datetime
 
-PASS = re.compile(r"HLO pass: (\S+) time: (\d+) us")
+PASS = re.compile(r"HLO pass: (\S+) time: ([\d.]+) (us|ms|s) ")
+US = {"us": 1, "ms": 1e3, "s": 1e6}
 HEAD = re.compile(r"^[IWE](\d{4} \d\d:\d\d:\d\d\.\d+)\s+(\d+) ")
 
 
@@ -34,7 +35,7 @@ def summarize(lines) -> tuple[dict, dict, dict]:
             span[head.group(2)] = (first, t)
         m = PASS.search(line)
         if m:
-            total[m.group(1)] += int(m.group(2))
+            total[m.group(1)] += float(m.group(2)) * US[m.group(3)]
             runs[m.group(1)] += 1
     return total, runs, span
 

@@ -112,8 +112,8 @@
 #   bash benchmarks/explore_next.sh OUTDIR overlap
 #                                                   session 27: serve's cold start with the weights loading during
 #                                                   warm-up, the slowest programs lowered first, warm-up runs as
-#                                                   programs compile, compile threads at nice +10; again with
-#                                                   --compile-thread-nice 0; the warm start; the check; Protocol A
+#                                                   programs compile; the warm start; the code before (.old); the
+#                                                   check; Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR protob
 #                                                   the next call (session 26): Protocol B at the defaults (prefill
 #                                                   forwards shared) and with --no-prefill-shared-forward, each on
@@ -469,17 +469,15 @@ if [[ $mode == cpu ]]; then  # session 27: is serve's cold start bound by the CP
   exit 0
 fi
 if [[ $mode == overlap ]]; then  # session 27: serve's cold start with the weights loading during warm-up, the slowest
-  # programs lowered first, the warm-up runs as programs compile, the compile threads at nice +10 (the defaults);
-  # then with --compile-thread-nice 0; the warm start; the check; Protocol A
+  # programs lowered first, the warm-up runs as programs compile; the warm start; the code before (a copy in .old);
+  # the check; Protocol A. (Session 27's run, at 5718479, also ran the compile threads at nice +10 and then without,
+  # --compile-thread-nice 0: no gain, and the flag went.)
   RUNS="empty warm" timeout 230 bash benchmarks/serve_start.sh "$out/serve" 2>&1 \
     | grep -E "from start|ready in|lowered|waited|KV cache"
   if [[ -d .old ]]; then  # the code before, on the same machine (a copy carried in .old)
     echo "-- before"; (cd .old && left 250 && RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/old" 2>&1 \
       | grep -E "from start|ready in|lowered")
   fi
-  echo "-- --compile-thread-nice 0"
-  left 330 && RUNS=empty SERVE_ARGS="--compile-thread-nice 0" timeout 150 bash benchmarks/serve_start.sh \
-    "$out/nice0" 2>&1 | grep -E "from start|ready in|lowered|waited"
   left 450 && timeout 100 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
     > "$out/gpu_vs_cpu.log" 2>&1
   grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"

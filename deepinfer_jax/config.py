@@ -440,11 +440,6 @@ class RunnerConfig:
     # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_
     # allocator.cc); under SKIP_TEMP one would do, and three cost milliseconds, so it is kept.
     warmup_runs: int = 3
-    # The nice value warm-up's compile threads add to their own (Linux; the threads XLA starts from them inherit
-    # it), so the one thread that traces and lowers the programs, whose pace every compile waits on, keeps a core
-    # while 16 threads compile beside it (on an H200's host that lowering took 23-33 s beside them, 14 s alone:
-    # session 26). 0: the compile threads at the process's priority.
-    compile_thread_nice: int = 10
     # Where warm-up keeps the compiled step programs (runner/program_cache.py): a later start with the
     # same code, model, configuration and device loads them without tracing. None: off. One device only.
     # LLM (and so `serve`) puts it inside the compilation cache directory.

@@ -70,8 +70,7 @@ class LLM:
     variant samples inside the lm_head's kernel, RunnerConfig), greedy_variant (decode buckets get a program
     for steps whose every request is greedy, without the draw; on by default, RunnerConfig),
     prefill_shared_forward (prefill buckets' sampling variants share one forward program; on by default,
-    RunnerConfig), compile_thread_nice (the nice value warm-up's compile threads add, so the lowering thread keeps
-    a core; RunnerConfig), chat_template,
+    RunnerConfig), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
     start skip tracing: runner/program_cache.py), progress.
@@ -90,7 +89,7 @@ class LLM:
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, lm_head_sampler: bool = False, greedy_variant: bool = True,
-                 prefill_shared_forward: bool = True, compile_thread_nice: int = 10, progress: bool = True):
+                 prefill_shared_forward: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -147,7 +146,6 @@ class LLM:
                               decode_latent_kernel=decode_latent_kernel,
                               prefill_context_variant=prefill_context_variant, lm_head_sampler=lm_head_sampler,
                               greedy_variant=greedy_variant, prefill_shared_forward=prefill_shared_forward,
-                              compile_thread_nice=compile_thread_nice,
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,

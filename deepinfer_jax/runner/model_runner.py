@@ -11,9 +11,13 @@ buckets (RunnerConfig.greedy_variant) a greedy one (every row greedy: no draw); 
 (inputs.needs_full_variant, `prepare`), so the step has no device-side branch. A bucket's programs share
 the forward's trace; with RunnerConfig.prefill_shared_forward a prefill bucket's variants share its compiled
 forward too, each step then the forward and the variant's sampler as two programs (`_shares_forward`).
-`warmup()` compiles all of them; afterwards `CompileCounter` sees every backend compile (or persistent-cache
-load) during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it; production logs a
-warning).
+`warmup()` compiles all of them (runner/warmup.py); afterwards `CompileCounter` sees every backend compile (or
+persistent-cache load) during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it;
+production logs a warning).
+
+`params` may still be loading (a weights.pending.PendingParams): on one device the runner then holds their abstract
+tree, from which warm-up lowers and compiles every program, and takes the arrays before the first step runs
+(`_await_params`).
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the params and the KV cache are placed on
 their shardings, the step's inputs are constrained to theirs inside the jit (token arrays and rows over
@@ -27,8 +31,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-import os
-import threading
 import time
 from typing import Any
 
@@ -52,26 +54,6 @@ from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
-
-
-def _compile_rank(kind: str) -> int:
-    """Warm-up lowers the programs in this order, the slowest to compile first so that the last to start compiling
-    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others, session 26),
-    the whole step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
-    return {"forward": 0, "step": 1, "sampler": 2}[kind]
-
-
-def _set_thread_nice(nice: int) -> None:
-    """Set the calling thread's nice value (Linux: per thread; the threads it starts inherit it); where that is
-    not allowed or not supported, nothing."""
-    if not hasattr(os, "setpriority"):
-        return
-    try:
-        tid = threading.get_native_id()
-        if os.getpriority(os.PRIO_PROCESS, tid) != nice:
-            os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError:
-        pass
 
 
 def _program_kind(pid) -> tuple[str, Any]:
@@ -347,7 +329,7 @@ class ModelRunner:
         the device."""
         from deepinfer_jax.runner import program_cache
 
-        rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None, compile_thread_nice=0)  # not the program's
+        rc = dataclasses.replace(self.runner_cfg, program_cache_dir=None)
         kind, key = _program_kind(pid)
         if kind == "forward":
             layouts = (key, sizes(key), self._forward_out(key))
@@ -377,104 +359,19 @@ class ModelRunner:
         return (("forward", key[0]), ("sampler", key)) if self._shares_forward(key) else (key,)
 
     def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
-        """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for
-        them: each program id (`_program_key`'s `pid`) -> (its bucket, what it runs), in the order warm-up lowers
-        them, the slowest to compile first (`_compile_rank`)."""
-        variants = (False, True) if self.runner_cfg.warmup_full_variant else (False,)
-        platform = jax.default_backend()
-        buckets = sorted(self.shapes.buckets, key=lambda b: (not self.runner_cfg.unroll_for(b, platform), -b))
-        hosts = [self._host_step([[]] * self.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
-        hosts += [dataclasses.replace(h, greedy=True) for h in hosts
-                  if not h.penalties and self._greedy_bucket(h.bucket)]
-        # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
-        hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
-                  if h.meta.has_context is False]
-        programs: dict[Any, tuple[int, str]] = {}
-        for host in hosts:
-            key = packed(host)[0]
-            for pid in self._host_programs(key):
-                kind = _program_kind(pid)[0]
-                what = {"forward": "shared forward", "sampler": f"{key[1]} sampler"}.get(kind, f"{key[1]} step")
-                programs.setdefault(pid, (host.bucket, what))
-        order = sorted(programs, key=lambda pid: _compile_rank(_program_kind(pid)[0]))  # stable: host order within
-        return hosts, {pid: programs[pid] for pid in order}
+        """The steps warm-up runs and the programs it compiles for them, in order (runner/warmup.py: `plan`)."""
+        from deepinfer_jax.runner import warmup
+
+        return warmup.plan(self)
 
     def warmup(self, progress: bool = True) -> int:
-        """Compile the step of every (bucket, sampling variant), and with RunnerConfig.prefill_context_variant
-        of each prefill bucket's two context variants, then run each `warmup_runs` times on padding. Returns
-        the number of programs compiled or loaded: with RunnerConfig.prefill_shared_forward a prefill bucket's
-        steps count its forward once (a context variant) and each variant's sampler.
+        """Compile every step program and run each step on padding (runner/warmup.py: `warm_up`); returns the
+        number of programs compiled or loaded."""
+        from deepinfer_jax.runner import warmup
 
-        With RunnerConfig.program_cache_dir (one device), programs stored there by an earlier start under
-        the same key are loaded as they are (`programs_loaded`), on the compile threads; the others are
-        compiled, and stored when XLA compiled them rather than JAX's compilation cache serving them
-        (runner/program_cache.py). Programs are traced and lowered one after another on this thread (a
-        bucket's forward is traced once for all its variants), from the params' abstract tree while they still
-        load (weights/pending.py); each goes to a pool of compile threads as soon as it is lowered (XLA releases
-        the GIL), the slowest first (`warmup_plan`). Then the params are awaited, and each step's runs on padding
-        start as soon as its programs are compiled, while the others still compile. Steps then call the
-        compiled executables directly."""
-        from concurrent.futures import ThreadPoolExecutor
-
-        t0 = time.perf_counter()
-        hosts, programs = self.warmup_plan()
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
-                       leave=False)
-
-        from deepinfer_jax.runner import program_cache
-
-        cache_dir = self.runner_cfg.program_cache_dir if self.sharding is None else None
-        device = jax.devices()[0]
-
-        base_nice = os.getpriority(os.PRIO_PROCESS, 0) if hasattr(os, "getpriority") else 0  # this thread's
-
-        def compile_one(pid, lowered, pkey):
-            _set_thread_nice(base_nice + self.runner_cfg.compile_thread_nice)
-            t = time.perf_counter()
-            self._step_exes[pid], storable = program_cache.compile_program(lowered)
-            bucket, what = programs[pid]
-            log.info("warm-up: compiled the %s of %d tokens in %.1f s", what, bucket, time.perf_counter() - t)
-            if pkey is not None and storable:
-                program_cache.store(cache_dir, pkey, self._step_exes[pid])
-            if bar is not None:
-                bar.update(1)
-
-        # On an empty cache most of the time goes to XLA's GEMM autotuning, timed on the device by all
-        # threads at once (H200, serve's 16 programs: 170 s; 58 s from start to ready with the
-        # autotuning results on disk, runner/compile_cache.py). Compiling base variants before full
-        # ones, so that a bucket's second program found the first one's results, made no difference.
-        workers = max(1, min(len(programs), os.cpu_count() or 1))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            state = program_cache.signature((self.params, self.kv_cache, self._prev_tokens)) if cache_dir else None
-            pkeys = {pid: self._program_key(pid, state) if cache_dir else None for pid in programs}
-            loads = {pid: pool.submit(program_cache.load, cache_dir, pkey, device) for pid, pkey in pkeys.items()
-                     if pkey is not None}
-            futures = {}
-            for pid in programs:
-                exe = loads[pid].result() if pid in loads else None
-                if exe is not None:
-                    self._step_exes[pid] = exe
-                    self.programs_loaded += 1
-                    if bar is not None:
-                        bar.update(1)
-                    continue
-                futures[pid] = pool.submit(compile_one, pid, self._lower(pid), pkeys[pid])
-            if self.programs_loaded:
-                log.info("warm-up: loaded %d step programs from %s in %.1f s", self.programs_loaded, cache_dir,
-                         time.perf_counter() - t0)
-            if futures:
-                log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures),
-                         time.perf_counter() - t0)
-            self._await_params()
-            self._warmup_runs(hosts, futures)
-        if bar is not None:
-            bar.close()
+        n = warmup.warm_up(self, progress)
         self._warm = True
-        return len(programs)
+        return n
 
     def _await_params(self) -> None:
         """Take the params once loaded (weights/pending.py; a no-op when they were given loaded)."""
@@ -482,27 +379,6 @@ class ModelRunner:
             t = time.perf_counter()
             self.params, self._pending = self._pending.result(), None
             log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
-
-    def _warmup_runs(self, hosts: list[HostStep], compiling: dict) -> None:
-        """Run each warm-up step RunnerConfig.warmup_runs times, one at a time (each finished before the next),
-        each as soon as its programs are compiled (`compiling`: program id -> its compile's future; the others
-        are ready). A failed compile raises here."""
-        from concurrent.futures import FIRST_COMPLETED, wait
-
-        waiting = list(hosts)
-        while waiting:
-            deps = {id(h): [compiling[p] for p in self._host_programs(packed(h)[0]) if p in compiling]
-                    for h in waiting}
-            ready = [h for h in waiting if all(f.done() for f in deps[id(h)])]
-            if not ready:
-                wait({f for fs in deps.values() for f in fs if not f.done()}, return_when=FIRST_COMPLETED)
-                continue
-            for host in ready:
-                for f in deps[id(host)]:
-                    f.result()
-                for _ in range(max(1, self.runner_cfg.warmup_runs)):
-                    jax.block_until_ready(self._run(host))
-            waiting = [h for h in waiting if all(h is not r for r in ready)]
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:

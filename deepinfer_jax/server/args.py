@@ -68,9 +68,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
                         "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
                         "device; default: on)")
-    g.add_argument("--compile-thread-nice", type=int, default=None,
-                   help="the nice value warm-up's compile threads add to the server's, so the thread that lowers "
-                        "the programs keeps a core (default: 10; 0: none)")
     g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
                    help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
                         "kernel, the logits never written out (one device, the Pallas kernels; default: off)")
@@ -179,6 +176,4 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["lm_head_sampler"] = ns.lm_head_sampler
     if ns.prefill_shared_forward is not None:
         kw["prefill_shared_forward"] = ns.prefill_shared_forward
-    if ns.compile_thread_nice is not None:
-        kw["compile_thread_nice"] = ns.compile_thread_nice
     return kw

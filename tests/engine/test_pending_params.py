@@ -1,12 +1,10 @@
 """The weights load while warm-up compiles (weights/pending.py): the engine lowers and compiles its step programs
-from the params' abstract tree (on compile threads at a lower priority than the lowering thread), takes the arrays
-for its warm-up runs, and then generates exactly what HF transformers does. A loader whose arrays do not fit the
-tree it announced is an error, not a recompile."""
+from the params' abstract tree, takes the arrays for its warm-up runs, and then generates exactly what HF
+transformers does. A loader whose arrays do not fit the tree it announced is an error, not a recompile."""
 
 from __future__ import annotations
 
 import logging
-import os
 import threading
 
 import jax
@@ -22,16 +20,14 @@ from deepinfer_jax.weights.pending import PendingParams
 
 
 class _Seen(logging.Handler):
-    """Sets `event` at the first log record containing `text`; `nice`: the nice values of the threads that logged
-    it."""
+    """Sets `event` at the first log record containing `text`."""
 
     def __init__(self, text: str):
         super().__init__(logging.INFO)
-        self.text, self.event, self.nice = text, threading.Event(), set()
+        self.text, self.event = text, threading.Event()
 
     def emit(self, record: logging.LogRecord) -> None:
         if self.text in record.getMessage():
-            self.nice.add(os.getpriority(os.PRIO_PROCESS, 0))
             self.event.set()
 
 
@@ -47,7 +43,7 @@ def test_weights_load_while_warmup_compiles(hf_case, hf_greedy):
     cfg, pending = prepare_model(path, jnp.float32, progress=False)
     # The load is held until warm-up has compiled a step program: were the programs waiting for the weights,
     # the hold would time out.
-    logger = logging.getLogger("deepinfer_jax.runner.model_runner")
+    logger = logging.getLogger("deepinfer_jax.runner.warmup")
     seen, level = _Seen("warm-up: compiled the"), logger.level
     logger.addHandler(seen)
     logger.setLevel(logging.INFO)
@@ -64,8 +60,6 @@ def test_weights_load_while_warmup_compiles(hf_case, hf_greedy):
         logger.removeHandler(seen)
         logger.setLevel(level)
     assert held == {"compiled first": True, "thread": "deepinfer-load-weights"}
-    # the compile threads ran at RunnerConfig.compile_thread_nice above this thread, which kept its own
-    assert seen.nice == {os.getpriority(os.PRIO_PROCESS, 0) + RunnerConfig.compile_thread_nice}
     assert eng.runner.compiles_after_warmup == 0
     prompts = random_prompts(3, [5, 40, 1, 70], cfg.vocab_size)
     for i, p in enumerate(prompts):
