@@ -33,9 +33,9 @@ def _compile_rank(kind: str) -> int:
 
 
 def plan(runner) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
-    """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for
-    them: each program id (`ModelRunner._program_key`'s `pid`) -> (its bucket, what it runs), in the order warm-up lowers
-    them, the slowest to compile first (`_compile_rank`)."""
+    """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for them: each
+    program id (`ModelRunner._program_key`'s `pid`) -> (its bucket, what it runs), in the order warm-up lowers them,
+    the slowest to compile first (`_compile_rank`)."""
     variants = (False, True) if runner.runner_cfg.warmup_full_variant else (False,)
     platform = jax.default_backend()
     buckets = sorted(runner.shapes.buckets, key=lambda b: (not runner.runner_cfg.unroll_for(b, platform), -b))

@@ -4,8 +4,8 @@ Warm-up traces, lowers and compiles the step programs from the params' shapes, d
 only its runs on padding need the values. A `PendingParams` holds that abstract tree at once and loads the
 arrays on a thread of its own from `start()`, which the engine calls after measuring the device memory the
 KV cache may take (the weights' bytes then come from the abstract tree, `bytes_on`). `result()` waits for the
-arrays and checks them against the abstract tree leaf by leaf (tree structure, shape, dtype, placement: `fits`), so a
-program compiled for the abstract tree takes them as they are; a mismatch is a loader bug and raises.
+arrays and checks them against the abstract tree leaf by leaf (tree structure, shape, dtype, placement: `fits`),
+so a program compiled for the abstract tree takes them as they are; a mismatch is a loader bug and raises.
 
 Invariant: `abstract` is exactly what `load()` returns, with every leaf a jax.ShapeDtypeStruct carrying the
 sharding its array will have.
@@ -69,10 +69,9 @@ class PendingParams:
         want, got = jax.tree.structure(self.abstract), jax.tree.structure(params)
         if want != got:
             raise RuntimeError(f"the loaded params' tree {got} is not the announced {want}")
-        for path, a, x in zip(jax.tree_util.tree_flatten_with_path(self.abstract)[0], jax.tree.leaves(self.abstract),
-                              jax.tree.leaves(params)):
+        for (path, a), x in zip(jax.tree_util.tree_flatten_with_path(self.abstract)[0], jax.tree.leaves(params)):
             if not fits(a, x):
-                raise RuntimeError(f"the loaded param {jax.tree_util.keystr(path[0])} is {x.shape} {x.dtype} on "
+                raise RuntimeError(f"the loaded param {jax.tree_util.keystr(path)} is {x.shape} {x.dtype} on "
                                    f"{x.sharding}, announced as {a.shape} {a.dtype} on {a.sharding}")
         return params
 
