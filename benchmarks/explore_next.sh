@@ -102,6 +102,10 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR kcache
+#                                                   the next call (session 27's lead): serve's cold start with XLA's
+#                                                   kernel cache file, twice (the second with every kernel cached),
+#                                                   the defaults, Protocol A with the flag
 #   bash benchmarks/explore_next.sh OUTDIR passes
 #                                                   session 27: a prefill forward and a decode step compiled alone
 #                                                   with XLA's pass timings logged (compile_passes.py)
@@ -443,6 +447,25 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
     done
   done
+  exit 0
+fi
+if [[ $mode == kcache ]]; then  # the next call (session 27's lead): XLA's kernel cache across compilations. Two thirds
+  # of serve's compile CPU is code generation, and a bucket's programs share most kernels. Does the cache fill while
+  # warm-up compiles everything at once (the file's entries after one cold start), and what would a start with every
+  # kernel cached take (a second cold start: a fresh JAX cache, the kernel file kept)? Then the defaults, back to
+  # back, and Protocol A with the flag (kernels from the file: the same speed?)
+  kc="$(mktemp -d)/kernels.bin"
+  for run in first second; do
+    echo "-- kernel cache, $run start"
+    XLA_FLAGS="--xla_gpu_kernel_cache_file=$kc" RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/k_$run" \
+      2>&1 | grep -E "from start|ready in|lowered"
+    ls -la "$kc" 2>&1 | cut -c1-120
+  done
+  echo "-- defaults"
+  left 400 && RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/k_none" 2>&1 | grep -E "from start|ready in"
+  left 500 && XLA_FLAGS="--xla_gpu_kernel_cache_file=$kc" timeout 90 python3 benchmarks/offline.py --buckets 32,16384 \
+    --runs 2 > "$out/pa.log" 2>&1
+  grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa.log" | cut -c1-130
   exit 0
 fi
 if [[ $mode == passes ]]; then  # session 27: where XLA's compile of a prefill forward and a decode step goes
