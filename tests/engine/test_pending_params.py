@@ -15,6 +15,7 @@ from hf_models import random_prompts
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
+from deepinfer_jax.runner.model_runner import _program_kind
 from deepinfer_jax.weights.loader import prepare_model
 from deepinfer_jax.weights.pending import PendingParams
 
@@ -33,7 +34,7 @@ class _Seen(logging.Handler):
 
 def _engine(cfg, params) -> LLMEngine:
     return LLMEngine(cfg, params, None,
-                     scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256),
+                     scheduler_config=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=64, max_model_len=256),
                      cache_config=CacheConfig(page_size=8), runner_config=RunnerConfig(dtype="float32"),
                      progress=False)
 
@@ -60,6 +61,10 @@ def test_weights_load_while_warmup_compiles(hf_case, hf_greedy):
         logger.removeHandler(seen)
         logger.setLevel(level)
     assert held == {"compiled first": True, "thread": "deepinfer-load-weights"}
+    # warm-up lowered the slowest programs first: the prefill buckets' shared forwards, the whole steps, the samplers
+    kinds = [_program_kind(pid)[0] for pid in eng.runner.warmup_plan()[1]]
+    assert kinds == sorted(kinds, key=["forward", "step", "sampler"].index) and set(kinds) == {"forward", "step",
+                                                                                                 "sampler"}
     assert eng.runner.compiles_after_warmup == 0
     prompts = random_prompts(3, [5, 40, 1, 70], cfg.vocab_size)
     for i, p in enumerate(prompts):
