@@ -102,10 +102,14 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR shtiles
+#                                                   session 28: the one MoE launch's shared-expert tiles swept
+#                                                   (moe_launch_sweep.py sh* variants), the batch-32 step at the
+#                                                   defaults against the sweep's two best, alternating
 #   bash benchmarks/explore_next.sh OUTDIR kcache
-#                                                   the next call (session 27's lead): serve's cold start with XLA's
-#                                                   kernel cache file, twice (the second with every kernel cached),
-#                                                   the defaults, Protocol A with the flag
+#                                                   session 28: serve's cold start with XLA's kernel cache file,
+#                                                   twice (the second with every kernel cached), Protocol A with it:
+#                                                   illegal instructions from the first start (RESULTS.md)
 #   bash benchmarks/explore_next.sh OUTDIR passes
 #                                                   session 27: a prefill forward and a decode step compiled alone
 #                                                   with XLA's pass timings logged (compile_passes.py)
@@ -449,21 +453,39 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
   done
   exit 0
 fi
+if [[ $mode == shtiles ]]; then  # session 28: the one MoE launch's shared-expert tiles (RunnerConfig.decode_moe_shared_tiles).
+  # Session 24 read the launch's overlap as short of its bound because the shared gate_up tiles are only 44 programs
+  # (16-row blocks, 128 columns) while the routing runs. The sweep over (rows, gate_up columns, down columns); then the
+  # batch-32 step at the defaults against the sweep's two best, alternating
+  v="merged,sh32_64_256,sh32_32_256,sh32_16_256,sh16_64_256,sh16_32_256,sh32_32_128,sh32_64_128,merged"
+  timeout 200 python3 benchmarks/moe_launch_sweep.py --layers 4 --variants "$v" 2>&1 | quiet > "$out/sweep.log"
+  grep -h -E "^\|" "$out/sweep.log"
+  best=$(grep -h -E "^\| sh" "$out/sweep.log" | sort -t'|' -k4 -n | head -2 | cut -d'|' -f2 | tr -d ' sh' | tr '_' ',')
+  for round in 1 2; do
+    for t in none $best; do
+      timeout 100 python3 benchmarks/step_profile.py --label "$t" --decode-moe-shared-tiles "$t" 2>&1 | quiet \
+        > "$out/step_${t}_$round.log"
+      echo "step $t: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step_${t}_$round.log") $(( $(date +%s) - start ))s"
+    done
+  done
+  exit 0
+fi
 if [[ $mode == kcache ]]; then  # the next call (session 27's lead): XLA's kernel cache across compilations. Two thirds
   # of serve's compile CPU is code generation, and a bucket's programs share most kernels. Does the cache fill while
-  # warm-up compiles everything at once (the file's entries after one cold start), and what would a start with every
-  # kernel cached take (a second cold start: a fresh JAX cache, the kernel file kept)? Then the defaults, back to
-  # back, and Protocol A with the flag (kernels from the file: the same speed?)
+  # warm-up compiles everything at once (the file's size after one cold start; XLA rewrites the file after each
+  # program, unguarded, so concurrent compiles may race on it), and what would a start with every kernel cached take
+  # (a second cold start: a fresh JAX cache, the kernel file kept)? Then Protocol A with the flag (kernels from the
+  # file: the same speed?). (Session 28's first try also set xla_gpu_enable_llvm_module_compilation_parallelism,
+  # which jaxlib 0.11.2 no longer knows: every start failed at once. The cache needs only the file now.)
   kc="$(mktemp -d)/kernels.bin"
   for run in first second; do
     echo "-- kernel cache, $run start"
     XLA_FLAGS="--xla_gpu_kernel_cache_file=$kc" RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/k_$run" \
       2>&1 | grep -E "from start|ready in|lowered"
     ls -la "$kc" 2>&1 | cut -c1-120
+    grep -h -i -m3 -E "^[EF][0-9]{4}|Traceback|cache" "$out/k_$run/server_empty.log" | cut -c1-200
   done
-  echo "-- defaults"
-  left 400 && RUNS=empty timeout 150 bash benchmarks/serve_start.sh "$out/k_none" 2>&1 | grep -E "from start|ready in"
-  left 500 && XLA_FLAGS="--xla_gpu_kernel_cache_file=$kc" timeout 90 python3 benchmarks/offline.py --buckets 32,16384 \
+  left 420 && XLA_FLAGS="--xla_gpu_kernel_cache_file=$kc" timeout 100 python3 benchmarks/offline.py --buckets 32,16384 \
     --runs 2 > "$out/pa.log" 2>&1
   grep -h -E 'Protocol A|prefill [0-9]|ready' "$out/pa.log" | cut -c1-130
   exit 0

@@ -47,9 +47,17 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-moe-launch-tokens", type=_token_counts, default=RunnerConfig.decode_moe_launch_tokens,
                     help="the step sizes (token slots, comma-separated, or 'all') the route-and-experts launch runs "
                          "at (RunnerConfig.decode_moe_launch_tokens)")
+    ap.add_argument("--decode-moe-shared-tiles", type=_tiles, default=RunnerConfig.decode_moe_shared_tiles,
+                    help="the route-and-experts launch's shared-expert tiles: rows,gate_up columns,down columns "
+                         "(RunnerConfig.decode_moe_shared_tiles; 'none': the routed tiles' sizes)")
     ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
                     help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; "
                          "default: indexed on a GPU)")
+
+
+def _tiles(text: str) -> tuple[int, int, int] | None:
+    """'32,32,256' -> (32, 32, 256); 'none' -> None."""
+    return None if text == "none" else tuple(int(t) for t in text.split(","))
 
 
 def _token_counts(text: str) -> tuple[int, ...] | None:
@@ -61,4 +69,5 @@ def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
     return {field: getattr(args, field) for field, _ in SWITCHES} | {
         "prefill_attention": args.prefill_attention, "prefill_layers": args.prefill_layers,
-        "decode_moe_launch_tokens": args.decode_moe_launch_tokens}
+        "decode_moe_launch_tokens": args.decode_moe_launch_tokens,
+        "decode_moe_shared_tiles": args.decode_moe_shared_tiles}

@@ -399,6 +399,12 @@ class RunnerConfig:
     # against 8.97 / 8.97; session 24, batch 128 even. In isolation (moe_launch_sweep.py, its defaults: 8 warps,
     # the shared down tiles late) the one launch is slower than the two at 16 and 64 tokens too.
     decode_moe_launch_tokens: tuple[int, ...] | None = (32,)
+    # That launch's shared-expert tiles: (row block, gate_up column tile, down column tile), the row block cut to
+    # its greatest common divisor with the step's token slots; None: the routed tiles' sizes (16 rows, 128 / 256
+    # columns at batch 32: each shared gate_up weight tile read by two 16-row programs). Session 28 (H200, V2-Lite,
+    # batch 32 at 640, alternating): the step 7.99, 7.99 ms with (32, 64, 256) and 8.00, 7.97 with (16, 64, 256)
+    # against 8.04, 8.04 with None; in isolation 262.2 us a layer against 263.9-265.0 (moe_launch_sweep.py).
+    decode_moe_shared_tiles: tuple[int, int, int] | None = (32, 64, 256)
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
     # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
@@ -450,6 +456,8 @@ class RunnerConfig:
             raise ValueError(f"prefill_layers must be 'scan' or 'indexed', got {self.prefill_layers!r}")
         if self.decode_moe_launch_tokens is not None:  # hashable: a static argument of the step's jit
             object.__setattr__(self, "decode_moe_launch_tokens", tuple(int(t) for t in self.decode_moe_launch_tokens))
+        if self.decode_moe_shared_tiles is not None:
+            object.__setattr__(self, "decode_moe_shared_tiles", tuple(int(t) for t in self.decode_moe_shared_tiles))
 
     def forward_switches(self) -> dict[str, Any]:
         """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
@@ -473,4 +481,4 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
-                    "decode_moe_launch_tokens", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")
+                    "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")

@@ -23,8 +23,9 @@ counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared e
 4. S * Tb * (D / bn2) shared down tiles (before step 3's tiles with shared_down_late=False): wait for their
    block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
 Measured (H200, V2-Lite; benchmarks/RESULTS.md sessions 24, 25): at batch 32, 264.7-268.1 us a layer against
-266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared gate_up tiles are only 44 programs, so the
-DRAM stays mostly idle while the routing runs. At 16 and 64 tokens the one launch is slower (233 against 232 us,
+266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared tiles take sizes of their own (`shared_tiles`,
+RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two programs;
+whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter (session 28). At 16 and 64 tokens the one launch is slower (233 against 232 us,
 287 against 285; steps +0.11 and +0.05 ms), at 8 and 128 even: the model runs it at the token counts of
 RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
 from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
@@ -38,14 +39,16 @@ Invariants: residual_route's (`supported`) and T a multiple of the row block.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
-from deepinfer_jax.kernels.moe_gmm import _combine, _down, _gate_up, down_rows, gate_up_rows, moe_experts_reference
+from deepinfer_jax.kernels.moe_gmm import _combine, _down, _fit, _gate_up, down_rows, gate_up_rows, moe_experts_reference
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
 from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,
@@ -68,8 +71,8 @@ def _segments(first: int, shared_tiles: tuple[int, int], routed_tiles: tuple[int
     return out
 
 
-def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, T, C, R, M, t1, t2, has_bias, shared,
-            eps, spin, route_kw, shared_down_late):
+def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, T, C, R, M, t1, t2, ts1, ts2, has_bias,
+            shared, eps, spin, route_kw, shared_down_late):
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
@@ -79,12 +82,13 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
                    lambda r, logits: route_chunk(r, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref,
                                                  **route_kw),
                    T=T, C=C, R=R, eps=eps, spin=spin, routed_counter=ROUTED)
-    bm, I, S = t1.block_m, t1.I, route_kw["S"] if shared else 0
+    bm, I, S = ts1.block_m, t1.I, route_kw["S"] if shared else 0  # bm, Tb: the shared tiles' row blocks
     nb, Tb = be_ref.shape[0], T // bm
     tiles1, tiles2 = I // t1.block_n, y_ref.shape[1] // t2.block_n
+    stiles1, stiles2 = I // ts1.block_n, y_ref.shape[1] // ts2.block_n
     release = lambda i: launch_sync.release(cnt_ref, i, spin)  # noqa: E731
     acquire = lambda i, target: launch_sync.acquire(cnt_ref, i, target, spin)  # noqa: E731
-    seg = _segments(T + C + R, (S * Tb * tiles1, S * Tb * tiles2), (nb * tiles1, nb * tiles2), shared_down_late)
+    seg = _segments(T + C + R, (S * Tb * stiles1, S * Tb * stiles2), (nb * tiles1, nb * tiles2), shared_down_late)
 
     def within(name):
         start, n = seg[name]
@@ -95,12 +99,12 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
 
         @pl.when(on)  # shared gate_up tiles
         def _():
-            sb, n = q // tiles1, q % tiles1  # shared block sb: expert sb // Tb, tokens (sb % Tb) * bm ..
-            cols = pl.ds(n * t1.block_n, t1.block_n)
+            sb, n = q // stiles1, q % stiles1  # shared block sb: expert sb // Tb, tokens (sb % Tb) * bm ..
+            cols = pl.ds(n * ts1.block_n, ts1.block_n)
             tokens = pl.ds((sb % Tb) * bm, bm)
             acquire(0, T)
-            gate_up_rows(t1, lambda ks: x_ref[tokens, ks],
-                         lambda ks, g: sgu_ref[layer, ks, g, pl.ds((sb // Tb) * I + n * t1.block_n, t1.block_n)],
+            gate_up_rows(ts1, lambda ks: x_ref[tokens, ks],
+                         lambda ks, g: sgu_ref[layer, ks, g, pl.ds((sb // Tb) * I + n * ts1.block_n, ts1.block_n)],
                          act_ref, pl.ds(M + sb * bm, bm), cols)
             release(BLOCKS + nb + sb)
 
@@ -108,11 +112,11 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
 
         @pl.when(on)  # shared down tiles
         def _():
-            sb, n = q // tiles2, q % tiles2
-            acquire(BLOCKS + nb + sb, tiles1)
-            down_rows(t2, act_ref, lambda i: sd_ref[layer, pl.ds((sb // Tb) * I + i * t2.block_k, t2.block_k),
-                                                    pl.ds(n * t2.block_n, t2.block_n)],
-                      y_ref, pl.ds(M + sb * bm, bm), pl.ds(n * t2.block_n, t2.block_n))
+            sb, n = q // stiles2, q % stiles2
+            acquire(BLOCKS + nb + sb, stiles1)
+            down_rows(ts2, act_ref, lambda i: sd_ref[layer, pl.ds((sb // Tb) * I + i * ts2.block_k, ts2.block_k),
+                                                     pl.ds(n * ts2.block_n, ts2.block_n)],
+                      y_ref, pl.ds(M + sb * bm, bm), pl.ds(n * ts2.block_n, ts2.block_n))
 
     on, q = within("rgu")
 
@@ -133,10 +137,12 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                             "chunks", "combine", "num_warps", "shared_down_late", "interpret"))
+                                             "chunks", "combine", "num_warps", "shared_down_late", "shared_tiles",
+                                             "interpret"))
 def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
                   eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                  chunks=ROUTER_CHUNKS, combine=True, num_warps=8, shared_down_late=True, interpret=False):
+                  chunks=ROUTER_CHUNKS, combine=True, num_warps=8, shared_down_late=True, shared_tiles=None,
+                  interpret=False):
     """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
     MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
     weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed).
@@ -144,7 +150,13 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     shared down tiles after the routed gate_up tiles instead of before them. The defaults (8 warps, late) are
     session 24's measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
     layer against 271.1 at 4 warps and 270.1 for the two launches; the order alone made no difference (the
-    routing's chain of reductions runs faster at 8 warps, the expert tiles did not slow)."""
+    routing's chain of reductions runs faster at 8 warps, the expert tiles did not slow).
+    shared_tiles: (block_m, gate_up block_n, down block_n) of the shared experts' tiles, the row block cut to its
+    greatest common divisor with T (None: the routed tiles'); e.g. whole-T row blocks and narrow columns, so that
+    more programs stream the shared weights while the routing runs. The sums per row are the same dots in other
+    tiles: equal within fp32 rounding. Session 28 (H200, V2-Lite, batch 32, moe_launch_sweep.py): (32, 64, 256),
+    44 gate_up programs of 64 columns that read each weight tile once, 262.2 us a layer against 263.9-265.0 at the
+    routed tiles' (16, 128, 256); (16, 64, 256) 263.2, (32, 32, 256) 263.9, (32, 16, 256) 273.0."""
     _, T, D = parts.shape
     _, E, _, _, I = w_gate_up.shape
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
@@ -155,19 +167,27 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     M, R, route_kw = route_kwargs(T, E, k, S, block_m, scoring_func, norm_topk_prob, routed_scaling_factor,
                                   shared_apart=True)
     t1, t2, warps, num_stages = single_launch_tiles(T * K, D, E, I, K, block_m, x_dtype)
+    ts1, ts2 = t1, t2
+    if shared_tiles is not None:
+        sbm, sbn1, sbn2 = shared_tiles
+        sbm = math.gcd(sbm, T)
+        assert sbm >= 16, (T, shared_tiles)
+        ts1 = dataclasses.replace(t1, block_m=sbm, block_n=_fit(sbn1, I))
+        ts2 = dataclasses.replace(t2, block_m=sbm, block_n=_fit(sbn2, D))
     nb, rows = M // block_m, M + S * T
     tiles1, tiles2 = I // t1.block_n, D // t2.block_n
-    grid = T + chunks + R + (S * T // block_m + nb) * (tiles1 + tiles2)
+    grid = T + chunks + R + nb * (tiles1 + tiles2) + S * T // ts1.block_m * (I // ts1.block_n + D // ts2.block_n)
     shared = () if S == 0 else (shared_gate_up.astype(x_dtype), shared_down.astype(x_dtype))
     args = (jnp.asarray(layer, jnp.int32).reshape(1), parts, h, norm_w, gate, w_gate_up.astype(x_dtype),
             w_down.astype(x_dtype), *(() if bias is None else (bias.astype(jnp.float32),)), *shared,
-            jnp.zeros((BLOCKS + nb + S * T // block_m,), jnp.int32))  # the counters
+            jnp.zeros((BLOCKS + nb + S * T // ts1.block_m,), jnp.int32))  # the counters
     out_shape = (*route_out_shapes(T, D, E, K, M, block_m, chunks, h.dtype, x_dtype),
                  jax.ShapeDtypeStruct((rows, I), x_dtype), jax.ShapeDtypeStruct((rows, D), x_dtype),
                  jax.ShapeDtypeStruct(args[-1].shape, jnp.int32))
     h_new, x, _, w, idx, row_of, _, _, _, y, _ = pl.pallas_call(
-        functools.partial(_kernel, T=T, C=chunks, R=R, M=M, t1=t1, t2=t2, has_bias=bias is not None, shared=bool(S),
-                          eps=float(eps), spin=not interpret, route_kw=route_kw, shared_down_late=shared_down_late),
+        functools.partial(_kernel, T=T, C=chunks, R=R, M=M, t1=t1, t2=t2, ts1=ts1, ts2=ts2, has_bias=bias is not None,
+                          shared=bool(S), eps=float(eps), spin=not interpret, route_kw=route_kw,
+                          shared_down_late=shared_down_late),
         grid=(grid,), out_shape=out_shape, input_output_aliases={len(args) - 1: len(out_shape) - 1},
         compiler_params=compiler_params(num_warps or warps, num_stages, interpret), interpret=interpret,
     )(*args)

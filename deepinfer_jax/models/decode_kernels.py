@@ -259,10 +259,11 @@ def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, s
 
 
 def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, combine: bool,
-                       interpret: bool):
+                       interpret: bool, shared_tiles: tuple[int, int, int] | None = None):
     """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
     post-attention RMSNorm x, the MoE block of x (or its rows uncombined: `combine`), the routed ids [T, k]), in
-    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`."""
+    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`;
+    `shared_tiles`: the shared experts' tiles (RunnerConfig.decode_moe_shared_tiles)."""
     from deepinfer_jax.kernels.route_experts import route_experts
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
@@ -270,7 +271,7 @@ def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts
     return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
                          eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                          norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                         combine=combine, interpret=interpret)
+                         combine=combine, shared_tiles=shared_tiles, interpret=interpret)
 
 
 def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:

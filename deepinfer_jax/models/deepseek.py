@@ -321,6 +321,7 @@ def forward_paged(
     decode_route_launch: bool = False,
     decode_moe_launch: bool = False,
     decode_moe_launch_tokens: tuple[int, ...] | None = None,
+    decode_moe_shared_tiles: tuple[int, int, int] | None = None,
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
@@ -356,7 +357,8 @@ def forward_paged(
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_moe_launch`: where `decode_moe_launch_applies` allows, that launch also runs the expert kernels'
     single launch, the shared experts' tiles streaming while the routing runs (kernels/route_experts.py);
-    `decode_moe_launch_tokens`: the step sizes (token slots) it runs at (None: any).
+    `decode_moe_launch_tokens`: the step sizes (token slots) it runs at (None: any); `decode_moe_shared_tiles`: its
+    shared experts' tiles (route_experts' `shared_tiles`).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
@@ -444,7 +446,7 @@ def forward_paged(
                 parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
                 if moe_launch:  # ... and on to the experts' rows in the same launch
                     h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
-                                                      moe_impl == "pallas_interpret")
+                                                      moe_impl == "pallas_interpret", decode_moe_shared_tiles)
                 else:
                     h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
                                                        attn_impl == "pallas_interpret")

@@ -80,3 +80,21 @@ def test_launch_order_and_warps_keep_the_output():
         for g, w in zip(got, base):
             np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
 
+
+
+@pytest.mark.parametrize("shared_tiles", [(32, 32, 64), (16, 64, 128), (32, 16, 32)])
+def test_shared_tiles_keep_the_output(shared_tiles):
+    """The shared experts' tiles at their own row blocks and column widths (whole-T rows, narrow columns): the
+    routing as before, bit for bit, and the output as the routed tiles' sizes give it and the reference's, within
+    fp32 rounding (a dot's summation order may follow its tile's shape)."""
+    T, D, E, I, k, S = 32, 256, 64, 128, 6, 2
+    parts, h, norm_w, gate, (wgu, wd), (sgu, sd), _ = _case(T, D, E, I, S, jnp.float32, False, seed=11)
+    kw = dict(eps=1e-6, k=k)
+    base = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, interpret=True, **kw)
+    got = route_experts(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, shared_tiles=shared_tiles, interpret=True, **kw)
+    for name, g, w in zip(("h_new", "x", "idx"), got[:2] + got[3:], base[:2] + base[3:]):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(base[2]), rtol=2e-6, atol=2e-6)
+    want = route_experts_reference(parts, h, norm_w, gate, 1, wgu, wd, sgu, sd, **kw)
+    np.testing.assert_allclose(np.asarray(got[2]), np.asarray(want[2]), rtol=2e-6, atol=2e-6)
+    assert float(jnp.max(jnp.abs(got[2]))) > 0.01
