@@ -391,7 +391,8 @@ class RunnerConfig:
     # two launches (moe_launch_sweep.py); Protocol A alternating on one machine 3,672 / 3,664 and 3,674 / 3,661
     # tok/s (temp 0 / 1) against 3,666 / 3,655 and 3,669 / 3,658 without; fp32 greedy tokens 8/8 equal to the
     # CPU reference. The shared tiles stream on ~44 programs while the routing runs, a third of the bandwidth,
-    # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth.
+    # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth (session 28: ~2 us more with tiles of
+    # their own, decode_moe_shared_tiles).
     decode_moe_launch: bool = True
     # The step sizes (token slots) that launch runs at; None: every size it takes. Session 25 (H200, V2-Lite, at
     # 640 tokens of context, alternating): batch 8 5.40 / 5.41 ms against 5.41 / 5.38 without, batch 16 7.13 /
@@ -403,7 +404,9 @@ class RunnerConfig:
     # its greatest common divisor with the step's token slots; None: the routed tiles' sizes (16 rows, 128 / 256
     # columns at batch 32: each shared gate_up weight tile read by two 16-row programs). Session 28 (H200, V2-Lite,
     # batch 32 at 640, alternating): the step 7.99, 7.99 ms with (32, 64, 256) and 8.00, 7.97 with (16, 64, 256)
-    # against 8.04, 8.04 with None; in isolation 262.2 us a layer against 263.9-265.0 (moe_launch_sweep.py).
+    # against 8.04, 8.04 with None; in isolation 262.2 us a layer against 263.9-265.0 (moe_launch_sweep.py);
+    # Protocol A on another machine, alternating: 3,682 / 3,674 and 3,688 / 3,677 tok/s (temp 0 / 1) against 3,673
+    # / 3,659 and 3,674 / 3,659 with None (vLLM 0.26 there: 3,066 / 3,054); fp32 greedy tokens 8/8 equal to the CPU.
     decode_moe_shared_tiles: tuple[int, int, int] | None = (32, 64, 256)
     # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
     # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
