@@ -102,6 +102,9 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR launchsizes
+#                                                   the next call (session 28): the one MoE launch at 16 and 64
+#                                                   tokens with its new shared tiles, against the two launches
 #   bash benchmarks/explore_next.sh OUTDIR shtiles
 #                                                   session 28: the one MoE launch's shared-expert tiles swept
 #                                                   (moe_launch_sweep.py sh* variants), the batch-32 step at the
@@ -449,6 +452,21 @@ if [[ $mode == moetokens ]]; then  # which step sizes the one launch pays at, an
       left 450 && timeout 80 python3 benchmarks/step_profile.py --label "$l" --batch $b "${f[@]}" 2>&1 | quiet \
         > "$out/step_${b}_$l.log"
       echo "batch $b $l $(( $(date +%s) - start ))s: $(grep -h -E "pipelined via compiled" "$out/step_${b}_$l.log")"
+    done
+  done
+  exit 0
+fi
+if [[ $mode == launchsizes ]]; then  # session 28's next call: the one MoE launch at 16 and 64 tokens with the shared tiles
+  # of their own (session 25, before them: 0.11 and 0.05 ms a step slower than the two launches there). The step at
+  # the defaults (two launches) against --decode-moe-launch-tokens 16,32,64, alternating
+  for b in 64 16; do
+    for round in 1 2; do
+      for l in base one; do
+        f=(); [[ $l == one ]] && f=(--decode-moe-launch-tokens 16,32,64)
+        left 560 && timeout 90 python3 benchmarks/step_profile.py --batch $b --label "$l" "${f[@]}" 2>&1 | quiet \
+          > "$out/step_${b}_${l}_$round.log"
+        echo "batch $b $l: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step_${b}_${l}_$round.log") $(( $(date +%s) - start ))s"
+      done
     done
   done
   exit 0

@@ -398,7 +398,8 @@ class RunnerConfig:
     # 640 tokens of context, alternating): batch 8 5.40 / 5.41 ms against 5.41 / 5.38 without, batch 16 7.13 /
     # 7.14 against 7.02 / 7.03, batch 32 Protocol A 3,677 / 3,677 tok/s against 3,665 / 3,662, batch 64 9.01 / 9.03
     # against 8.97 / 8.97; session 24, batch 128 even. In isolation (moe_launch_sweep.py, its defaults: 8 warps,
-    # the shared down tiles late) the one launch is slower than the two at 16 and 64 tokens too.
+    # the shared down tiles late) the one launch is slower than the two at 16 and 64 tokens too. Session 28, with
+    # decode_moe_shared_tiles: batch 64 9.05, 9.03 ms against 9.00, 8.98; batch 16 7.06, 7.08 against 7.02, 7.02.
     decode_moe_launch_tokens: tuple[int, ...] | None = (32,)
     # That launch's shared-expert tiles: (row block, gate_up column tile, down column tile), the row block cut to
     # its greatest common divisor with the step's token slots; None: the routed tiles' sizes (16 rows, 128 / 256
