@@ -57,8 +57,8 @@ log = logging.getLogger(__name__)
 
 
 def _program_kind(pid) -> tuple[str, Any]:
-    """A program id -> ("step", the step's key), or ("forward", meta layout) / ("sampler", key) where steps share
-    their bucket's forward (ModelRunner._shares_forward)."""
+    """A program id -> ("step", the step's key), or ("forward", meta layout) / ("sampler", sampler id) where steps
+    share their bucket's forward (ModelRunner._shares_forward, ModelRunner._sampler_id)."""
     return pid if isinstance(pid[0], str) else ("step", pid)
 
 
@@ -102,10 +102,10 @@ class ModelRunner:
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
         self._programs: dict[Any, Resident] = {}  # the same keys -> the program's resident buffers
         # RunnerConfig.prefill_shared_forward (`_shares_forward`): a prefill bucket's forward and its variants'
-        # samplers are programs of their own, under ("forward", meta layout) and ("sampler", key) in _step_fns
-        # and _step_exes. The forward's resident buffers: its inbox int32 [meta ints + meta floats] a meta
-        # layout, and its output (logits [S, V] fp32, or the hidden states [S, D]) one a shape, rewritten in place
-        # by the forward and read by the sampler.
+        # samplers are programs of their own, under ("forward", meta layout) and ("sampler", sampler id) in
+        # _step_fns, _step_exes and (the sampler's inbox and outbox) _programs. The forward's resident buffers: its
+        # inbox int32 [meta ints + meta floats] a meta layout, and its output (logits [S, V] fp32, or the hidden
+        # states [S, D]) one a shape, rewritten in place by the forward and read by the sampler.
         self._shares: dict[Any, bool] = {}
         self._fwd_inboxes: dict[Any, Any] = {}
         self._fwd_outs: dict[jax.ShapeDtypeStruct, Any] = {}
@@ -199,24 +199,42 @@ class ModelRunner:
     def _resident(self, key) -> "Resident":
         """The resident inbox and outbox of one step program (made on first use), sized from the key's
         layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
-        and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]."""
+        and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]. Where the step shares its
+        bucket's forward, its sampler's (`_sampler_resident`), which the bucket's context variants share."""
+        if self._shares_forward(key):
+            return self._sampler_resident(self._sampler_id(key))
         if key not in self._programs:
             meta_layout, variant, sampling_layout = key
             parts = (*sizes(meta_layout), *sizes(sampling_layout))  # mi, mf, si, sf
-            meta, out, lm_head = meta_struct(meta_layout), self._forward_out(meta_layout), self.params["lm_head"]
-            ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
-            sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, lm_head, self._prev_tokens,
-                                        *ints_floats)
+            meta = meta_struct(meta_layout)
             routing = None
             if self.runner_cfg.collect_routing:
                 n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
                 routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
-            layout = bits_layout(sampled)
-            size = bits_size(layout) + (math.prod(routing) if routing else 0)
-            inbox = sum(parts[2:]) if self._shares_forward(key) else sum(parts)  # the sampler's inputs alone
-            self._programs[key] = Resident(parts, self._zeros((inbox,), jnp.int32), self._zeros((size,), jnp.int32),
-                                            layout, routing)
+            self._programs[key] = self._new_resident(parts, self._forward_out(meta_layout), variant, sampling_layout,
+                                                     routing)
         return self._programs[key]
+
+    def _sampler_resident(self, sid) -> "Resident":
+        """The resident inbox (the sampling ints and floats alone: parts (0, 0, si, sf)) and outbox of the sampler
+        program `sid` (`_sampler_id`), made on first use."""
+        pid = ("sampler", sid)
+        if pid not in self._programs:
+            out, variant, sampling_layout = sid
+            self._programs[pid] = self._new_resident((0, 0, *sizes(sampling_layout)), out, variant, sampling_layout,
+                                                     None)
+        return self._programs[pid]
+
+    def _new_resident(self, parts, out: jax.ShapeDtypeStruct, variant: str, sampling_layout: Layout,
+                      routing) -> "Resident":
+        """Zeroed resident buffers: an inbox int32 [sum(parts)] and an outbox for the sampled tokens of `variant`
+        on the forward's output `out` (jax.eval_shape of the sampler) and the routed ids `routing` (or None)."""
+        ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
+        sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self.params["lm_head"],
+                                    self._prev_tokens, *ints_floats)
+        layout = bits_layout(sampled)
+        size = bits_size(layout) + (math.prod(routing) if routing else 0)
+        return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing)
 
     def _zeros(self, shape, dtype):
         """A resident buffer of zeros (see _step_fn), copied from the host: jnp.zeros would compile a program a
@@ -246,11 +264,19 @@ class ModelRunner:
         returns the output's key in `_fwd_outs`."""
         if meta_layout not in self._fwd_inboxes:
             self._fwd_inboxes[meta_layout] = self._zeros((sum(sizes(meta_layout)),), jnp.int32)
-            out = self._forward_out(meta_layout)
-            if out not in self._fwd_outs:
-                self._fwd_outs[out] = self._zeros(out.shape, out.dtype)
-            self._fwd_out_keys[meta_layout] = out
+            self._fwd_out_keys[meta_layout] = self._forward_output(self._forward_out(meta_layout))
         return self._fwd_out_keys[meta_layout]
+
+    def _forward_output(self, out: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
+        """Makes the resident output buffer of shape `out` the shared forwards write on first use; returns `out`."""
+        if out not in self._fwd_outs:
+            self._fwd_outs[out] = self._zeros(out.shape, out.dtype)
+        return out
+
+    def _sampler_id(self, key) -> tuple:
+        """The sampler program of a step that shares its bucket's forward: (the forward's output, variant, sampling
+        layout). A prefill bucket's context variants (their meta layouts differ) share it, and its buffers."""
+        return self._forward_out(key[0]), key[1], key[2]
 
     def _forward_step_fn(self, meta_layout: Layout):
         """The jitted shared forward of a prefill bucket (`_shares_forward`): (params, kv_cache, prev_tokens,
@@ -268,13 +294,13 @@ class ModelRunner:
             self._step_fns[pid] = jax.jit(forward_step, donate_argnums=(1, 4))
         return self._step_fns[pid]
 
-    def _sampler_step_fn(self, key):
-        """The jitted sampler program of one (prefill bucket, variant) (`_shares_forward`): (lm_head, the shared
-        forward's output, prev_tokens, inbox, outbox) -> (next prev_tokens, outbox), prev_tokens and the outbox
-        donated; the outbox as _step_fn's (no routing)."""
-        pid = ("sampler", key)
+    def _sampler_step_fn(self, sid):
+        """The jitted sampler program `sid` (`_sampler_id`) of a (prefill bucket, variant) (`_shares_forward`):
+        (lm_head, the shared forward's output, prev_tokens, inbox, outbox) -> (next prev_tokens, outbox),
+        prev_tokens and the outbox donated; the outbox as _step_fn's (no routing)."""
+        pid = ("sampler", sid)
         if pid not in self._step_fns:
-            smp, res = self._sample_fn(key[1], key[2]), self._resident(key)
+            smp, res = self._sample_fn(sid[1], sid[2]), self._sampler_resident(sid)
 
             def sampler_step(lm_head, out, prev_tokens, inbox, outbox):
                 si, sf = split_inbox(inbox, res.parts[2:])
@@ -334,7 +360,7 @@ class ModelRunner:
         if kind == "forward":
             layouts = (key, sizes(key), self._forward_out(key))
         else:
-            res = self._resident(key)
+            res = self._sampler_resident(key) if kind == "sampler" else self._resident(key)
             layouts = (key, res.parts, res.sampled_layout, res.routing_shape)
         return program_cache.program_key(kind, self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
                                          *layouts, state_signature)
@@ -346,17 +372,17 @@ class ModelRunner:
             out = self._forward_buffers(key)
             return self._forward_step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens,
                                                     self._fwd_inboxes[key], self._fwd_outs[out])
-        res = self._resident(key)
         if kind == "sampler":
-            out = self._fwd_outs[self._forward_buffers(key[0])]
+            res, out = self._sampler_resident(key), self._fwd_outs[self._forward_output(key[0])]
             return self._sampler_step_fn(key).lower(self.params["lm_head"], out, self._prev_tokens, res.inbox,
                                                     res.outbox)
+        res = self._resident(key)
         return self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
 
     def _host_programs(self, key) -> tuple:
         """The program ids (`_program_key`'s `pid`) a step of `key` runs: its step program, or where it shares its
         bucket's forward (RunnerConfig.prefill_shared_forward) that forward and the variant's sampler."""
-        return (("forward", key[0]), ("sampler", key)) if self._shares_forward(key) else (key,)
+        return (("forward", key[0]), ("sampler", self._sampler_id(key))) if self._shares_forward(key) else (key,)
 
     def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
         """The steps warm-up runs and the programs it compiles for them, in order (runner/warmup.py: `plan`)."""
@@ -424,12 +450,12 @@ class ModelRunner:
         key, inputs = packed(host)
         res = self._resident(key)
         if self._shares_forward(key):  # the bucket's forward, then the variant's sampler
-            ml, n = key[0], sum(res.parts[:2])
-            out_key = self._forward_buffers(ml)
+            ml, sid = key[0], self._sampler_id(key)
+            n, out_key = sum(sizes(ml)), self._forward_buffers(ml)
             self._fwd_inboxes[ml] = self._stage(self._fwd_inboxes[ml], inputs[:n])
             res.inbox = self._stage(res.inbox, inputs[n:])
             fwd = self._step_exes.get(("forward", ml)) or self._forward_step_fn(ml)
-            smp = self._step_exes.get(("sampler", key)) or self._sampler_step_fn(key)
+            smp = self._step_exes.get(("sampler", sid)) or self._sampler_step_fn(sid)
             self.kv_cache, self._fwd_outs[out_key] = fwd(self.params, self.kv_cache, self._prev_tokens,
                                                          self._fwd_inboxes[ml], self._fwd_outs[out_key])
             self._prev_tokens, res.outbox = smp(self.params["lm_head"], self._fwd_outs[out_key], self._prev_tokens,

@@ -62,8 +62,12 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     assert split is (rc.attn_impl != "reference" and rc.prefill_context_variant)  # these tests' dims fit the kernels
     decode_buckets = sum(b <= runner.shapes.seq_rows(b) for b in buckets)  # each with a greedy variant too
     shared = rc.prefill_shared_forward and not rc.collect_routing  # (one device here)
-    per_prefill = (1 + split) * (3 if shared else 2)
-    programs = (2 + rc.greedy_variant) * decode_buckets + per_prefill * (len(buckets) - decode_buckets)
+    prefill = [b for b in buckets if b > runner.shapes.seq_rows(b)]
+    # shared: a forward a context variant, and the two variants' samplers a number of sequence rows (runner's
+    # _sampler_id); else a whole program a context variant and sampling variant
+    prefill_programs = ((1 + split) * len(prefill) + 2 * len({runner.shapes.seq_rows(b) for b in prefill})
+                        if shared else (1 + split) * 2 * len(prefill))
+    programs = (2 + rc.greedy_variant) * decode_buckets + prefill_programs
     assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
     assert set(runner._step_fns) <= set(runner._step_exes)
     assert len(runner._step_fns) + runner.programs_loaded == programs
@@ -183,9 +187,11 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
     assert True in seen and False in seen  # both programs of the prefill buckets served steps
     assert runner.compiles_after_warmup == 0
     # Two sampling variants per decode bucket and a third, greedy; two context variants of each prefill bucket,
-    # each its shared forward and the two sampling variants' samplers (RunnerConfig.prefill_shared_forward).
+    # each its shared forward (RunnerConfig.prefill_shared_forward); the two sampling variants' samplers, shared
+    # by the context variants and by buckets of as many sequence rows.
     decode_buckets = len(runner.shapes.buckets) - len(prefill_buckets)
-    assert len(runner._step_exes) == 3 * decode_buckets + 2 * 3 * len(prefill_buckets)
+    rows = {runner.shapes.seq_rows(b) for b in prefill_buckets}
+    assert len(runner._step_exes) == 3 * decode_buckets + 2 * len(prefill_buckets) + 2 * len(rows)
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
 
 
