@@ -100,7 +100,7 @@ class ModelRunner:
         self._core_fns: dict[Any, Any] = {}  # (meta layout, variant, sampling layout) -> jitted step core
         self._step_fns: dict[Any, Any] = {}  # the same keys -> jitted step program (resident buffers)
         self._step_exes: dict[Any, Any] = {}  # the same keys -> compiled executables (from warmup)
-        self._programs: dict[Any, Resident] = {}  # the same keys -> the program's resident buffers
+        self._programs: dict[Any, Resident] = {}  # the same keys (samplers: their pids) -> resident buffers
         # RunnerConfig.prefill_shared_forward (`_shares_forward`): a prefill bucket's forward and its variants'
         # samplers are programs of their own, under ("forward", meta layout) and ("sampler", sampler id) in
         # _step_fns, _step_exes and (the sampler's inbox and outbox) _programs. The forward's resident buffers: its
@@ -200,7 +200,7 @@ class ModelRunner:
         """The resident inbox and outbox of one step program (made on first use), sized from the key's
         layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
         and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]. Where the step shares its
-        bucket's forward, its sampler's (`_sampler_resident`), which the bucket's context variants share."""
+        bucket's forward, its sampler's (`_sampler_resident`, shared with the steps of the same `_sampler_id`)."""
         if self._shares_forward(key):
             return self._sampler_resident(self._sampler_id(key))
         if key not in self._programs:
