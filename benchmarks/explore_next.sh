@@ -102,9 +102,13 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR start
+#                                                   the next call (session 28's lead): serve's start with the
+#                                                   samplers shared (22 programs, not 36), empty then warm; the
+#                                                   check; Protocol A (the mode is session 26's)
 #   bash benchmarks/explore_next.sh OUTDIR launchsizes
-#                                                   the next call (session 28): the one MoE launch at 16 and 64
-#                                                   tokens with its new shared tiles, against the two launches
+#                                                   session 28: the one MoE launch at 16 and 64 tokens with its
+#                                                   new shared tiles, against the two launches (still slower)
 #   bash benchmarks/explore_next.sh OUTDIR shtiles
 #                                                   session 28: the one MoE launch's shared-expert tiles swept
 #                                                   (moe_launch_sweep.py sh* variants), the batch-32 step at the
