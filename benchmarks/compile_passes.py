@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     with open(args.log, errors="replace") as f:
         total, runs, span = summarize(f)
-    print(f"| HLO pass | seconds | runs |\n|---|---|---|")
+    print("| HLO pass | seconds | runs |\n|---|---|---|")
     for name, us in sorted(total.items(), key=lambda kv: -kv[1])[: args.top]:
         print(f"| {name} | {us / 1e6:.2f} | {runs[name]} |")
     print(f"| all {len(total)} passes | {sum(total.values()) / 1e6:.2f} | {sum(runs.values())} |")

@@ -485,4 +485,5 @@ class RunnerConfig:
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
-                    "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm", "decode_combine_norm")
+                    "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm",
+                    "decode_combine_norm")

@@ -18,7 +18,7 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   mapped them again: ~6 ms of host time per switch, and Protocol A's GPU sat idle 11.4 ms a run at the
   prefill (SKIP_TEMP: 1.0 ms; 3,588 against 3,572 tok/s on one H200, session 16). The mode switches
   the GPU client to XLA's VMM allocator, which reports no memory stats; the KV cache is then sized
-  from the driver's free-memory figure (`ModelRunner.pages_for_memory`). CPU ignores it. Applied only
+  from the driver's free-memory figure (`runner/device_memory.py: pages_for_memory`). CPU ignores it. Applied only
   where at most one CUDA device is visible: with several GPUs the collectives would run from
   VMM-allocated buffers inside the graphs, which has not been measured yet (set the flag by hand to
   try it).

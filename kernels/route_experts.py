@@ -13,7 +13,7 @@ latency-bound rows, a small GEMM and the routing's chain of reductions), and the
 tiles stream while the router and the routing run, and the routed tiles follow with no launch boundary.
 
 Grid, 1-D (CUDA starts its programs in order; each program waits only on programs before it, on atomic
-counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared expert:
+counters: kernels/launch_sync.py), with Tb = T / (the shared tiles' row block) row blocks per shared expert:
 1. T token programs, C router chunks, R routing programs: residual_route's phases (counters 0, 1); each routing
    program adds 1 to counter 2 once its chunk of the alignment is stored. The shared experts' groups sit apart,
    rows M + s * T + t of the intermediate and the output (`moe_route.route_chunk`'s shared_base = M).
@@ -24,8 +24,9 @@ counters: kernels/launch_sync.py), with Tb = T / block_m row blocks per shared e
    block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
 Measured (H200, V2-Lite; benchmarks/RESULTS.md sessions 24, 25): at batch 32, 264.7-268.1 us a layer against
 266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared tiles take sizes of their own (`shared_tiles`,
-RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two programs;
-whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter (session 28). At 16 and 64 tokens the one launch is slower (233 against 232 us,
+RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two
+programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter
+(session 28). At 16 and 64 tokens the one launch is slower (233 against 232 us,
 287 against 285; steps +0.11 and +0.05 ms), at 8 and 128 even: the model runs it at the token counts of
 RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
 from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
@@ -48,7 +49,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
-from deepinfer_jax.kernels.moe_gmm import _combine, _down, _fit, _gate_up, down_rows, gate_up_rows, moe_experts_reference
+from deepinfer_jax.kernels.moe_gmm import (_combine, _down, _fit, _gate_up, down_rows, gate_up_rows,
+                                           moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
 from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,

@@ -88,3 +88,27 @@ def kv_cache_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
         budget = min(budget, mem.device_total * XLA_PROGRAM_SHARE - mem.in_use)
     budget = max(0, int(budget))
     return budget - budget % CACHE_GRANULE if budget >= CACHE_GRANULE else budget
+
+
+def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, fallback_pages: int,
+                     loading=None) -> tuple[int, str]:
+    """KV pages that fit in gpu_memory_utilization of the first device's memory, less what is in use (the
+    weights) and what `loading` (a weights/pending.py PendingParams, or None) will take, within the share XLA's
+    scheduler assumes (`kv_cache_bytes`); a device without memory figures (CPU) -> fallback_pages. -> (pages, a
+    line for the log)."""
+    import dataclasses
+
+    import jax
+
+    from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+
+    per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
+    device = jax.devices()[0]
+    mem = device_memory(device)
+    if mem is None:
+        return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
+    if loading is not None:
+        mem = dataclasses.replace(mem, in_use=mem.in_use + loading.bytes_on(device))
+    pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
+    return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
+                   f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")

@@ -39,16 +39,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
-from deepinfer_jax.models.cache import init_kv_cache, kv_cache_bytes_per_page, kv_cache_shape
+from deepinfer_jax.models.cache import init_kv_cache, kv_cache_shape
 from deepinfer_jax.models.deepseek import forward_paged, splits_prefill_attention
 from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
-from deepinfer_jax.runner.device_memory import device_memory, kv_cache_bytes
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import (Resident, StepOut, StepResult, extract_results, meta_struct, packed,
-                                          resolve_placeholders, split_inbox)
+                                          resolve_placeholders, split_inbox, step_result)
 from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, sample_step_outputs
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 from deepinfer_jax.weights.pending import PendingParams
@@ -495,33 +494,4 @@ class ModelRunner:
         return self.fetch(self.dispatch(plan_seqs, requests, seeds, ranks))
 
     def collect(self, host: HostStep, out: "StepOut") -> StepResult:
-        sampled = out.to_host()
-        ids = sampled.token_ids
-        result = StepResult({}, {})
-        lp = sampled.logprob if host.penalties else None
-        top_ids = sampled.top_logprob_ids if host.penalties else None
-        top_lps = sampled.top_logprobs if host.penalties else None
-        for row in host.sample_rows:
-            rid = host.request_ids[row]
-            result.token_ids[rid] = int(ids[row])
-            if lp is not None:
-                result.logprobs[rid] = (float(lp[row]), top_ids[row].tolist(), top_lps[row].tolist())
-        return result
-
-    # ---- memory ----------------------------------------------------------------------------------
-    @staticmethod
-    def pages_for_memory(cfg: ModelConfig, page_size: int, dtype, gpu_memory_utilization: float,
-                         fallback_pages: int, loading: PendingParams | None = None) -> tuple[int, str]:
-        """KV pages that fit in gpu_memory_utilization of the device memory, less what is in use (the
-        weights) and what `loading` will take (weights not yet loaded: weights/pending.py), within the share
-        XLA's scheduler assumes (runner/device_memory.py); a device without memory figures (CPU) -> fallback."""
-        per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
-        device = jax.devices()[0]
-        mem = device_memory(device)
-        if mem is None:
-            return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
-        if loading is not None:
-            mem = dataclasses.replace(mem, in_use=mem.in_use + loading.bytes_on(device))
-        pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
-        return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
-                       f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")
+        return step_result(host, out.to_host())

@@ -105,3 +105,17 @@ class StepOut:
 class StepResult:
     token_ids: dict[str, int]
     logprobs: dict[str, tuple[float, list[int], list[float]]]  # rid -> (sampled lp, top ids, top lps)
+
+
+def step_result(host: HostStep, sampled) -> StepResult:
+    """A step's SampleOutput on the host (`StepOut.to_host`) -> each sampling row's token id by request, and where
+    the step ran the full variant (`host.penalties`), its logprob and top logprobs."""
+    result = StepResult({}, {})
+    full = host.penalties
+    for row in host.sample_rows:
+        rid = host.request_ids[row]
+        result.token_ids[rid] = int(sampled.token_ids[row])
+        if full:
+            result.logprobs[rid] = (float(sampled.logprob[row]), sampled.top_logprob_ids[row].tolist(),
+                                    sampled.top_logprobs[row].tolist())
+    return result

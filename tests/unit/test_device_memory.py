@@ -7,8 +7,7 @@ import jax
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.runner.device_memory import (CACHE_GRANULE, XLA_PROGRAM_SHARE, DeviceMemory, device_memory,
-                                                driver_memory, kv_cache_bytes)
-from deepinfer_jax.runner.model_runner import ModelRunner
+                                                driver_memory, kv_cache_bytes, pages_for_memory)
 
 GB = 10**9
 
@@ -54,7 +53,7 @@ def test_kv_cache_size_is_stable_across_starts():
 def test_cpu_falls_back_to_pages_for_max_num_seqs():
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(__file__), "..", "..", "configs", "models",
                                                   "tiny-deepseek-v2.json"))
-    pages, how = ModelRunner.pages_for_memory(cfg, 16, "float32", 0.9, fallback_pages=77)
+    pages, how = pages_for_memory(cfg, 16, "float32", 0.9, fallback_pages=77)
     assert (pages, how.split(" (")[0]) == (77, "77 pages")
 
 
