@@ -55,14 +55,13 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
                          "default: indexed on a GPU)")
 
 
-def _tiles(text: str) -> tuple[int, int, int] | None:
-    """'32,32,256' -> (32, 32, 256); 'none' -> None."""
-    return None if text == "none" else tuple(int(t) for t in text.split(","))
+def _ints(none_word: str):
+    """A parser of comma-separated ints ('32,64' -> (32, 64)) that reads `none_word` as None."""
+    return lambda text: None if text == none_word else tuple(int(t) for t in text.split(","))
 
 
-def _token_counts(text: str) -> tuple[int, ...] | None:
-    """'32,64' -> (32, 64); 'all' -> None."""
-    return None if text == "all" else tuple(int(t) for t in text.split(","))
+_tiles = _ints("none")  # '32,64,256' -> (32, 64, 256)
+_token_counts = _ints("all")  # '32,64' -> (32, 64)
 
 
 def variant_kwargs(args: argparse.Namespace) -> dict:

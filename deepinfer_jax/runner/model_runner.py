@@ -109,6 +109,7 @@ class ModelRunner:
         self._fwd_inboxes: dict[Any, Any] = {}
         self._fwd_outs: dict[jax.ShapeDtypeStruct, Any] = {}
         self._fwd_out_keys: dict[Any, jax.ShapeDtypeStruct] = {}  # a meta layout -> its output's key
+        self._sampler_ids: dict[Any, tuple] = {}  # a step's key -> `_sampler_id`, cached for the host's path
         # Buffers the step programs read and write at fixed addresses (see _step_fn): replicated.
         self._resident_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if sharding is None
                                    else jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
@@ -275,7 +276,9 @@ class ModelRunner:
     def _sampler_id(self, key) -> tuple:
         """The sampler program of a step that shares its bucket's forward: (the forward's output, variant, sampling
         layout). A prefill bucket's context variants (their meta layouts differ) share it, and its buffers."""
-        return self._forward_out(key[0]), key[1], key[2]
+        if key not in self._sampler_ids:
+            self._sampler_ids[key] = (self._forward_out(key[0]), key[1], key[2])
+        return self._sampler_ids[key]
 
     def _forward_step_fn(self, meta_layout: Layout):
         """The jitted shared forward of a prefill bucket (`_shares_forward`): (params, kv_cache, prev_tokens,
