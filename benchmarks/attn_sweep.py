@@ -50,6 +50,14 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "bk64_s2": {"block_keys": 64, "num_stages": 2},
     "bk64_w8": {"block_keys": 64, "num_warps": 8},
     "bk64_c1": {"block_keys": 64, "qk_chunks": 1},
+    # session 29: the keys as the dots' rows (`transposed`, `_kernel_t`): a 64-key block fills a Hopper warpgroup
+    # MMA's 64 rows, which the 16-head query block cannot; "splits" sets the context splits outright
+    "t64": {"transposed": True, "block_keys": 64},
+    "t64_s2": {"transposed": True, "block_keys": 64, "num_stages": 2},
+    "t64_s2_c1": {"transposed": True, "block_keys": 64, "num_stages": 2, "qk_chunks": 1},
+    "t64_s2_sp5": {"transposed": True, "block_keys": 64, "num_stages": 2, "splits": 5},
+    "t64_s2_w8": {"transposed": True, "block_keys": 64, "num_stages": 2, "num_warps": 8},
+    "t32": {"transposed": True, "block_keys": 32},
 }
 
 
@@ -83,7 +91,7 @@ def main(argv=None) -> int:
         ref = None
         for name in args.variants.split(","):
             kw = dict(VARIANTS[name], interpret=jax.default_backend() == "cpu")  # CPU: a smoke test
-            kw["num_splits"] = mla_decode.auto_splits(B) * kw.pop("splits_x", 1)
+            kw["num_splits"] = kw.pop("splits", None) or mla_decode.auto_splits(B) * kw.pop("splits_x", 1)
 
             @jax.jit
             def step(ql, qp, kv, pos, kw=kw, pt=pt, sid=sid):
