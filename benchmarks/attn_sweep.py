@@ -50,14 +50,6 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "bk64_s2": {"block_keys": 64, "num_stages": 2},
     "bk64_w8": {"block_keys": 64, "num_warps": 8},
     "bk64_c1": {"block_keys": 64, "qk_chunks": 1},
-    # session 29: the keys as the dots' rows (`transposed`, `_kernel_t`): a 64-key block fills a Hopper warpgroup
-    # MMA's 64 rows, which the 16-head query block cannot; "splits" sets the context splits outright
-    "t64": {"transposed": True, "block_keys": 64},
-    "t64_s2": {"transposed": True, "block_keys": 64, "num_stages": 2},
-    "t64_s2_c1": {"transposed": True, "block_keys": 64, "num_stages": 2, "qk_chunks": 1},
-    "t64_s2_sp5": {"transposed": True, "block_keys": 64, "num_stages": 2, "splits": 5},
-    "t64_s2_w8": {"transposed": True, "block_keys": 64, "num_stages": 2, "num_warps": 8},
-    "t32": {"transposed": True, "block_keys": 32},
 }
 
 

@@ -102,13 +102,8 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
-#   bash benchmarks/explore_next.sh OUTDIR trows
-#                                                   session 29: the decode attention with the keys as the dots'
-#                                                   rows (mla_decode transposed: Hopper's warpgroup MMA needs 64
-#                                                   rows): attn_sweep.py's t* variants, then the batch-32 step
-#                                                   with the best forms against the defaults, alternating
 #   bash benchmarks/explore_next.sh OUTDIR start
-#                                                   session 29, run: (session 28's lead): serve's start with the
+#                                                   session 28's lead, run in session 29: serve's start with the
 #                                                   samplers shared (22 programs, not 36), empty then warm; the
 #                                                   check; Protocol A (the mode is session 26's)
 #   bash benchmarks/explore_next.sh OUTDIR launchsizes
@@ -562,19 +557,6 @@ if [[ $mode == protob ]]; then  # session 27's call: Protocol B with the shared 
     a=""; [[ $l == whole ]] && a=--no-prefill-shared-forward
     left 310 && SERVE_ARGS=$a PARTS=protocol_b timeout 280 bash benchmarks/gpu.sh "$out/$l" > /dev/null 2>&1
     echo "-- $l"; cat "$out/$l"/ready_protocol_b.log 2>/dev/null; grep -h "^concurrency" "$out/$l"/protocol_b.log 2>/dev/null | cut -c1-230
-  done
-  exit 0
-fi
-if [[ $mode == trows ]]; then  # session 29: the attention's keys as the dots' rows (mla_decode._kernel_t)
-  timeout 240 python3 benchmarks/attn_sweep.py --cases 32x512,32x640,32x768,64x2048 \
-    --variants "${VARIANTS:-base,t64,t64_s2,t64_s2_c1,t64_s2_sp5,t64_s2_w8,t32}" 2>&1 | quiet > "$out/sweep.log"
-  grep -h -E "^\|" "$out/sweep.log"
-  t=(--attn-kernel transposed=1,block_keys=64,num_stages=2)
-  for l in base t64 t64sp5 base t64 t64sp5; do
-    f=(); [[ $l == t64 ]] && f=("${t[@]}"); [[ $l == t64sp5 ]] && f=("${t[@]}" --attn-splits 5)
-    left 560 || break
-    timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
-    echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step_$l.log")"
   done
   exit 0
 fi

@@ -142,53 +142,6 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     l_ref[0, 0, 0] = l
 
 
-def _kernel_t(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
-              page_size, rank, scale, block_keys, qk_chunks, **_):
-    """`_kernel` (one key block a step, its page id loaded a step ahead) with the keys as the dots' rows:
-    the scores transposed, s^T [block_keys, bh] = K . q^T, and the accumulator acc^T [R, bh] += K_lat^T . p^T.
-    A block of 64 keys then fills the M side of a Hopper warpgroup MMA (64 rows), which a 16-head query block
-    cannot (the other orientation's M is the heads); the online softmax reduces over the rows instead."""
-    t, sp = pl.program_id(0), pl.program_id(2)
-    layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
-    n_blocks = pos // block_keys + 1
-    first = sp * pages_per_split
-    last = jnp.minimum(first + pages_per_split, n_blocks)
-    bh, dr = ql_ref.shape[2], qp_ref.shape[-1]
-    w = rank // qk_chunks
-    qs = tuple(ql_ref[0, 0, :, pl.ds(j * w, w)] for j in range(qk_chunks))  # qk_chunks x [bh, w]
-    q_pe = qp_ref[0, 0]  # [bh, dr]
-    per_page = page_size // block_keys
-
-    def body(i, carry):  # key block i, in page `page`; the next block's page id loaded now
-        *accs, m, l, page = carry
-        nxt = pt_ref[seq, jnp.minimum(i + 1, last - 1) // per_page]
-        keys = slice(None) if per_page == 1 else pl.ds((i % per_page) * block_keys, block_keys)
-        kv = [kv_ref[layer, page, keys, pl.ds(j * w, w)] for j in range(qk_chunks)]  # qk_chunks x [bk, w]
-        pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [bk, dr]
-        dots = [jnp.dot(k, q.T, preferred_element_type=jnp.float32, precision=EXACT) for k, q in zip(kv, qs)]
-        dots.append(jnp.dot(pe, q_pe.T, preferred_element_type=jnp.float32, precision=EXACT))
-        s = functools.reduce(jnp.add, dots)  # [bk, bh]
-        key_pos = i * block_keys + jnp.arange(block_keys)
-        s = jnp.where(key_pos[:, None] <= pos, s * scale, NEG)
-        m_new = jnp.maximum(m, s.max(axis=0))  # [bh]
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[None, :])  # [bk, bh]
-        l = l * corr + p.sum(axis=0)
-        pb = p.astype(kv[0].dtype)
-        accs = [a * corr[None, :] + jnp.dot(k.T, pb, preferred_element_type=jnp.float32, precision=EXACT)
-                for a, k in zip(accs, kv)]  # qk_chunks x [w, bh]
-        return (*accs, m_new, l, nxt)
-
-    page0 = pt_ref[seq, jnp.minimum(first // per_page, pt_ref.shape[1] - 1)]
-    init = (*(jnp.zeros((w, bh), jnp.float32) for _ in range(qk_chunks)), jnp.full((bh,), NEG, jnp.float32),
-            jnp.zeros((bh,), jnp.float32), page0)
-    *accs, m, l, _ = jax.lax.fori_loop(first, jnp.maximum(last, first), body, init)
-    for j, a in enumerate(accs):
-        o_ref[0, 0, 0, :, pl.ds(j * w, w)] = a.T
-    m_ref[0, 0, 0] = m
-    l_ref[0, 0, 0] = l
-
-
 def auto_splits(num_tokens: int) -> int:
     """Context splits for a step of `num_tokens` query tokens: about 128 (token, split) programs, so a
     few long sequences still spread over the GPU's 132 SMs; at most 16, the most measured (1-8 tokens
@@ -204,11 +157,10 @@ QK_CHUNKS = 4  # column chunks of the latent in a key block's dots (`qk_chunks`)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "transposed",
-                                             "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
 def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *, num_splits=None,
                         block_h=16, num_warps=4, num_stages=3, pages_per_step=1, block_keys=None, prefetch_ids=True,
-                        qk_chunks=None, transposed=False, interpret=False):
+                        qk_chunks=None, interpret=False):
     """q_lat [T, H, R], q_pe [T, H, dr], kv_cache [L, P, ps, R + dr] (the whole cache: slicing a layer out
     would copy it), layer: int32 scalar -> o_lat [T, H, R] (q_lat's dtype). num_splits None: auto_splits(T).
     pages_per_step > 1 loads that many pages per loop step, independent loads in flight together
@@ -216,18 +168,15 @@ def paged_mla_attention(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_t
     o, m, l = paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, num_splits=num_splits,
         block_h=block_h, num_warps=num_warps, num_stages=num_stages, pages_per_step=pages_per_step,
-        block_keys=block_keys, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, transposed=transposed,
-        interpret=interpret)
+        block_keys=block_keys, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks, interpret=interpret)
     return merge_splits(o, m, l).astype(q_lat.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "num_splits", "block_h", "num_warps", "num_stages",
-                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "transposed",
-                                             "interpret"))
+                                             "pages_per_step", "block_keys", "prefetch_ids", "qk_chunks", "interpret"))
 def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions, page_table, scale, *,
                                num_splits=None, block_h=16, num_warps=4, num_stages=3, pages_per_step=1,
-                               block_keys=None, prefetch_ids=True, qk_chunks=None, transposed=False,
-                               interpret=False):
+                               block_keys=None, prefetch_ids=True, qk_chunks=None, interpret=False):
     """`paged_mla_attention` before the merge: each context split's unnormalised accumulator o [T, nh,
     splits, bh, R] fp32, running max m and sum l [T, nh, splits, bh] (heads h = hb * bh + i; a split
     past a sequence's pages has l = 0, m = NEG). `merge_splits` (or kernels/mla_output.py, which also
@@ -242,8 +191,7 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     qk_chunks > 1 (with the page id prefetch, one block a step): the latent cut into that many column chunks,
     each block's scores a sum of independent dots (`page_scores`); None: QK_CHUNKS where that applies, else 1.
     H200 (attn_sweep.py, session 15): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
-    against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4.
-    transposed: `_kernel_t`, the keys as the dots' rows (one block a step with the page id prefetch)."""
+    against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]
     _, _, ps, _ = kv_cache.shape
@@ -267,9 +215,7 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
         qk_chunks = QK_CHUNKS if pages_per_step == 1 and prefetch_ids and R % QK_CHUNKS == 0 else 1
     if qk_chunks > 1 and (pages_per_step != 1 or not prefetch_ids or R % qk_chunks):
         raise ValueError(f"qk_chunks {qk_chunks}: one block a step with the page id prefetch, dividing R = {R}")
-    if transposed and (pages_per_step != 1 or not prefetch_ids):
-        raise ValueError("transposed: one key block a step with the page id prefetch")
-    kernel = functools.partial(_kernel_t if transposed else _kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
+    kernel = functools.partial(_kernel, page_size=ps, rank=R, scale=scale, pages_per_step=pages_per_step,
                                block_keys=bk, prefetch_ids=prefetch_ids, qk_chunks=qk_chunks)
     out_shape = (
         jax.ShapeDtypeStruct((T, nh, splits, bh, R), jnp.float32),

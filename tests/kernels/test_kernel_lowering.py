@@ -92,18 +92,6 @@ def test_decode_attention_with_key_blocks_under_a_page_lowers_for_sm90(triton_mo
     assert f"tensor<{block_keys}x{R // QK_CHUNKS}xbf16>" in ir
 
 
-@pytest.mark.parametrize("block_keys", [32, 64])
-def test_decode_attention_with_keys_as_rows_lowers_for_sm90(triton_modules, block_keys):
-    """transposed: the scores K . q^T ([block_keys, 16] per latent chunk and the rope part) and the values'
-    product K_lat^T . p^T, one per chunk, all in one loop step."""
-    s = jax.ShapeDtypeStruct
-    args = (s((32, H, R), jnp.bfloat16), s((32, H, DR), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16),
-            s((), jnp.int32), s((32,), jnp.int32), s((32,), jnp.int32), s((32, 64), jnp.int32))
-    (ir,) = triton_modules(lambda *a: paged_mla_attention(*a, 0.1, block_keys=block_keys, transposed=True), *args)
-    assert ir.count("tt.dot") == 2 * QK_CHUNKS + 1
-    assert f"tensor<{block_keys}x16xf32>" in ir  # the transposed scores
-
-
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_kernels_lower_for_sm90(triton_modules, shared):
     """Both MoE kernels lower at the V2-Lite layer shape (stacked weights read in place); with the

@@ -130,14 +130,3 @@ def test_latent_in_column_chunks_matches_the_reference(qk_chunks, block_keys, sp
     ql, qp, kv, sid, pos, pt = _case(8)
     with pytest.raises(ValueError, match="qk_chunks"):
         paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, qk_chunks=2, prefetch_ids=False, interpret=True)
-
-
-@pytest.mark.parametrize("qk_chunks", [1, 4])
-@pytest.mark.parametrize("block_keys, splits", [(8, 1), (8, 3), (4, 7), (2, 2)])
-def test_keys_as_rows_match_the_reference(qk_chunks, block_keys, splits):
-    """transposed: the scores as K . q^T and the accumulator as K_lat^T . p^T (`_kernel_t`), the softmax over
-    the rows: the reference's output, whole pages (8 keys here) or slices of them, every split's keys once."""
-    _matches_reference(9, num_splits=splits, block_h=4, block_keys=block_keys, qk_chunks=qk_chunks, transposed=True)
-    ql, qp, kv, sid, pos, pt = _case(9)
-    with pytest.raises(ValueError, match="transposed"):
-        paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, transposed=True, prefetch_ids=False, interpret=True)
