@@ -102,6 +102,18 @@
 #                                                   (lower_profile.py, --prefill-shared-forward); the GPU-vs-CPU
 #                                                   check with --prefill-shared-forward; Protocol A with, without,
 #                                                   with it (its prefill bucket takes the two programs)
+#   bash benchmarks/explore_next.sh OUTDIR b256
+#                                                   session 29: the route launch at 256 tokens with 8 router chunks
+#                                                   (4 overflowed shared memory): moe_launch_sweep.py at batch 256,
+#                                                   then the batch-256 step with and without --decode-route-launch,
+#                                                   alternating: one program twice (the model runs the launch only
+#                                                   up to 64 tokens), so the spread between two compiles
+#   bash benchmarks/explore_next.sh OUTDIR tables
+#                                                   session 29: the per-kernel tables at the head, device time from
+#                                                   profiler traces: the decode attention over batch 1-256 and
+#                                                   context 512-32K (attn_sweep.py), a MoE layer's launches over
+#                                                   batch 16-256 (moe_launch_sweep.py: touched bytes / span), the
+#                                                   prefill expert kernels at 16,384 x top-6 (kernels.py)
 #   bash benchmarks/explore_next.sh OUTDIR start
 #                                                   session 28's lead, run in session 29: serve's start with the
 #                                                   samplers shared (22 programs, not 36), empty then warm; the
@@ -558,6 +570,30 @@ if [[ $mode == protob ]]; then  # session 27's call: Protocol B with the shared 
     left 310 && SERVE_ARGS=$a PARTS=protocol_b timeout 280 bash benchmarks/gpu.sh "$out/$l" > /dev/null 2>&1
     echo "-- $l"; cat "$out/$l"/ready_protocol_b.log 2>/dev/null; grep -h "^concurrency" "$out/$l"/protocol_b.log 2>/dev/null | cut -c1-230
   done
+  exit 0
+fi
+if [[ $mode == b256 ]]; then  # session 29: the route launch at 256 tokens (residual_route.router_chunks)
+  timeout 120 python3 benchmarks/moe_launch_sweep.py --batch 256 --variants two 2>&1 | quiet > "$out/moe_256.log"
+  grep -h -E "^\| two |Error" "$out/moe_256.log" | cut -c1-200
+  for l in base off base off; do
+    f=(); [[ $l == off ]] && f=(--no-decode-route-launch)
+    left 500 || break
+    timeout 120 python3 benchmarks/step_profile.py --batch 256 --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_$l.log" | head -2)"
+  done
+  exit 0
+fi
+if [[ $mode == tables ]]; then  # session 29: the per-kernel tables at the head (device time)
+  timeout 200 python3 benchmarks/attn_sweep.py --variants base \
+    --cases 1x512,1x32768,8x4096,32x768,32x4096,64x2048,128x2048,256x512,256x2048 2>&1 | quiet > "$out/attn.log"
+  grep -h -E "^\|" "$out/attn.log"
+  for b in 16 32 64 128 256; do
+    v=two; [[ $b == 32 ]] && v=two,merged
+    left 330 && timeout 90 python3 benchmarks/moe_launch_sweep.py --batch $b --variants $v 2>&1 | quiet > "$out/moe_$b.log"
+    grep -h -E "^\| (two|merged) " "$out/moe_$b.log" | sed "s/^/batch $b /" | cut -c1-190
+  done
+  left 400 && timeout 180 python3 benchmarks/kernels.py --only moe_prefill 2>&1 | quiet > "$out/moe_prefill.log"
+  grep -h -E "^\|" "$out/moe_prefill.log"
   exit 0
 fi
 if [[ $mode == start ]]; then  # session 26: serve's start (empty, then warm cache), the check, Protocol A; defaults

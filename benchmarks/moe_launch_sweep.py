@@ -69,22 +69,26 @@ def main(argv=None) -> int:
         @jax.jit
         def layers(parts, h, norm_w, gate, wgu, wd, sgu, sd, launch=launch, vkw=vkw):  # weights as operands, not
             # constants folded into the program
-            outs = []
+            outs, idxs = [], []
             for j in range(L):
                 if launch == "two":
                     hn, x, *routed = residual_route.residual_route(
                         parts, h, norm_w, gate, j, num_shared=S, block_m=moe_route.decode_block_m(T, k, S),
                         interpret=interpret, **kw, **vkw)
-                    out, _ = moe_route.moe_fused_decode(x, None, None, wgu, wd, j, sgu, sd, k=k, single_launch=True,
-                                                        routed=tuple(routed), interpret=interpret)
+                    out, idx = moe_route.moe_fused_decode(x, None, None, wgu, wd, j, sgu, sd, k=k, single_launch=True,
+                                                          routed=tuple(routed), interpret=interpret)
                 else:
-                    hn, x, out, _ = route_experts.route_experts(parts, h, norm_w, gate, j, wgu, wd, sgu, sd,
-                                                                interpret=interpret, **kw, **vkw)
+                    hn, x, out, idx = route_experts.route_experts(parts, h, norm_w, gate, j, wgu, wd, sgu, sd,
+                                                                  interpret=interpret, **kw, **vkw)
                 outs.append(hn + out)
-            return jnp.stack(outs)
+                idxs.append(idx)
+            return jnp.stack(outs), jnp.stack(idxs)
 
         operands = (parts, h, norm_w, gate, wgu, wd, sgu, sd)
-        out = jax.block_until_ready(layers(*operands))
+        out, idx = jax.block_until_ready(layers(*operands))
+        # the bytes a layer must read: its touched experts' and the shared experts' weights, the router's
+        touched = float(np.mean([len(np.unique(np.asarray(i))) for i in idx]))
+        layer_bytes = (touched + S) * 3 * D * I * 2 + D * E * 2
         ref = out if ref is None else ref
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
         d = tempfile.mkdtemp()
@@ -108,9 +112,11 @@ def main(argv=None) -> int:
             spans.append(end - start)
         span = float(np.median(spans)) / L if spans else float("nan")
         top = ", ".join(f"{n} {us:.1f}" for n, us in sorted(per_name.items(), key=lambda kv: -kv[1])[:4])
-        rows.append((name, sum(per_name.values()), span, f"max diff {err:.2e}; {top}"))
+        rows.append((name, sum(per_name.values()), span, f"{touched:.1f} experts, {layer_bytes / span / 1e6:.2f} TB/s "
+                     f"over the span; max diff {err:.2e}; {top}"))
         print(rows[-1], flush=True)
-    print(f"\n| variant | kernels, us / layer | span, us / layer | check; the largest kernels, us / layer |"
+    print(f"\n| variant | kernels, us / layer | span, us / layer | touched experts, bytes / span; check; the largest "
+          f"kernels, us / layer |"
           f"  (batch {T}, {L} layers)")
     print("|---|---|---|---|")
     for name, us, span, note in rows:

@@ -55,12 +55,32 @@ from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, 
 from deepinfer_jax.kernels.moe_route import supported as route_supported
 from deepinfer_jax.kernels.triton_params import compiler_params
 
-ROUTER_CHUNKS = 4  # C: the router GEMM's K chunks ([512, 64] gate slices at V2-Lite's D = 2048)
+ROUTER_CHUNKS = 4  # C: the router GEMM's K chunks ([512, 64] gate slices at V2-Lite's D = 2048), at least
+# A router chunk's program holds its [T, D / C] slice of x and [D / C, E] slice of the gate in shared memory (an
+# H200 SM has 227 KiB). At 256 bf16 tokens and 4 chunks that is 320 KiB: the launch failed to compile
+# (benchmarks/moe_launch_sweep.py --batch 256, session 29), as would fp32 from 64 tokens. The model runs the launch
+# up to decode_matmul.MAX_TOKENS (64) tokens, in bf16, where 4 chunks fit.
+ROUTER_SMEM = 200 * 1024
 
 
-def supported(num_tokens: int, D: int, E: int, k: int, num_shared: int, chunks: int = ROUTER_CHUNKS) -> bool:
-    """Whether the launch takes a step of `num_tokens` tokens with these sizes."""
-    return route_supported(num_tokens, E, k, num_shared) and num_tokens >= 16 and D % chunks == 0 and D // chunks >= 16
+def router_chunks(T: int, D: int, E: int, x_bytes: int = 2, gate_bytes: int = 2) -> int:
+    """C for T tokens: ROUTER_CHUNKS, doubled while a chunk's slices of x and the gate ((T * x_bytes + E *
+    gate_bytes) * D / C bytes) exceed ROUTER_SMEM and D / 2C is still a whole number of at least 16. V2-Lite
+    (D 2048, 64 experts, bf16): 4 up to 128 tokens (192 KiB), 8 at 256."""
+    c = ROUTER_CHUNKS
+    while (T * x_bytes + E * gate_bytes) * (D // c) > ROUTER_SMEM and D % (2 * c) == 0 and D // (2 * c) >= 16:
+        c *= 2
+    return c
+
+
+def supported(num_tokens: int, D: int, E: int, k: int, num_shared: int, chunks: int | None = None) -> bool:
+    """Whether the launch takes a step of `num_tokens` tokens with these sizes (chunks None: `router_chunks`, bf16)."""
+    if D % ROUTER_CHUNKS:
+        return False
+    chunks = chunks or router_chunks(num_tokens, D, E)
+    fits = (2 * num_tokens + 2 * E) * (D // chunks) <= ROUTER_SMEM
+    return (route_supported(num_tokens, E, k, num_shared) and num_tokens >= 16 and D % chunks == 0
+            and D // chunks >= 16 and fits)
 
 
 def _add_norm_row(t, layer, o, h_ref, nw_ref, hn_ref, x_ref, eps):
@@ -259,20 +279,20 @@ def route_out_shapes(T: int, D: int, E: int, K: int, M: int, block_m: int, chunk
 @functools.partial(jax.jit, static_argnames=("eps", "k", "num_shared", "block_m", "scoring_func", "norm_topk_prob",
                                              "routed_scaling_factor", "chunks", "num_warps", "interpret"))
 def residual_route(parts, h, norm_w, gate, layer, bias=None, *, eps, k, num_shared, block_m, scoring_func="softmax",
-                   norm_topk_prob=False, routed_scaling_factor=1.0, chunks=ROUTER_CHUNKS, num_warps=8,
-                   interpret=False):
+                   norm_topk_prob=False, routed_scaling_factor=1.0, chunks=None, num_warps=8, interpret=False):
     """The module docstring: -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, weights [T, K] fp32,
     idx [T, K] int32, row_copy [M], block_expert [M // block_m], row_of [T * K]); K = k + num_shared, the
     last four as `moe_route.route_align`'s. 8 warps: the routing's chain of reductions (moe_route's
-    measured best)."""
+    measured best). chunks None: `router_chunks` for these sizes and dtypes."""
     S, T, D = parts.shape
     _, D2, E = gate.shape
+    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
+    chunks = chunks or router_chunks(T, D, E, jnp.dtype(x_dtype).itemsize, gate.dtype.itemsize)
     assert D == D2 == h.shape[1] == norm_w.shape[1] and h.shape[0] == T and supported(T, D, E, k, num_shared, chunks), (
         parts.shape, h.shape, norm_w.shape, gate.shape)
     K = k + num_shared
     M, R, route_kw = route_kwargs(T, E, k, num_shared, block_m, scoring_func, norm_topk_prob, routed_scaling_factor)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
     params = compiler_params(num_warps, 1, interpret)
     args = (layer, parts, h, norm_w, gate, *(() if bias is None else (bias.astype(jnp.float32),)),
             jnp.zeros((2,), jnp.int32))  # the phases' counters

@@ -53,8 +53,8 @@ from deepinfer_jax.kernels.moe_gmm import (_combine, _down, _fit, _gate_up, down
                                            moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
-from deepinfer_jax.kernels.residual_route import (ROUTER_CHUNKS, residual_route_reference, route_kwargs,
-                                                  route_out_shapes, route_programs, supported)
+from deepinfer_jax.kernels.residual_route import (residual_route_reference, route_kwargs, route_out_shapes,
+                                                  route_programs, router_chunks, supported)
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 ROUTED = 2  # the counter the routing programs add to; block b's gate_up tiles add to counter BLOCKS + b
@@ -143,7 +143,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
                                              "interpret"))
 def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
                   eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                  chunks=ROUTER_CHUNKS, combine=True, num_warps=8, shared_down_late=True, shared_tiles=None,
+                  chunks=None, combine=True, num_warps=8, shared_down_late=True, shared_tiles=None,
                   interpret=False):
     """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
     MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
@@ -164,8 +164,9 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     S = 0 if shared_gate_up is None else shared_gate_up.shape[-1] // I
     K = k + S
     block_m = decode_block_m(T, k, S)
-    assert supported(T, D, E, k, S, chunks) and T % block_m == 0, (parts.shape, w_gate_up.shape, k, S)
     x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
+    chunks = chunks or router_chunks(T, D, E, jnp.dtype(x_dtype).itemsize, gate.dtype.itemsize)  # residual_route's
+    assert supported(T, D, E, k, S, chunks) and T % block_m == 0, (parts.shape, w_gate_up.shape, k, S)
     M, R, route_kw = route_kwargs(T, E, k, S, block_m, scoring_func, norm_topk_prob, routed_scaling_factor,
                                   shared_apart=True)
     t1, t2, warps, num_stages = single_launch_tiles(T * K, D, E, I, K, block_m, x_dtype)

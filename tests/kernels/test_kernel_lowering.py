@@ -92,6 +92,19 @@ def test_decode_attention_with_key_blocks_under_a_page_lowers_for_sm90(triton_mo
     assert f"tensor<{block_keys}x{R // QK_CHUNKS}xbf16>" in ir
 
 
+@pytest.mark.parametrize("T, chunk", [(128, 512), (256, 256)])
+def test_route_launch_slices_x_to_fit_shared_memory(triton_modules, T, chunk):
+    """The route launch's router chunks at V2-Lite's shape: [T, D / C] slices of x, 4 chunks up to 128 tokens and 8
+    at 256 (4 would hold 320 KiB of x and gate slices in shared memory: an H200 refused to compile it)."""
+    from deepinfer_jax.kernels.residual_route import residual_route
+
+    s = jax.ShapeDtypeStruct
+    args = (s((8, T, 2048), jnp.float32), s((T, 2048), jnp.bfloat16), s((26, 2048), jnp.bfloat16),
+            s((26, 2048, 64), jnp.bfloat16), s((), jnp.int32))
+    (ir,) = triton_modules(lambda *a: residual_route(*a, eps=1e-6, k=6, num_shared=2, block_m=16), *args)
+    assert f"tensor<{T}x{chunk}xbf16>" in ir and f"tensor<{chunk}x64xbf16>" in ir
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_moe_kernels_lower_for_sm90(triton_modules, shared):
     """Both MoE kernels lower at the V2-Lite layer shape (stacked weights read in place); with the

@@ -87,6 +87,37 @@ def test_supported_sizes():
     assert not supported(8, 2048, 64, 6, 2)  # fewer rows than Triton's dot takes
     assert not supported(512, 2048, 64, 6, 2)  # past the routing kernel's copies
     assert not supported(32, 48, 64, 6, 2)  # K chunks under 16
+    assert supported(256, 2048, 64, 6, 2)  # V2-Lite at batch 256: 8 router chunks
+
+
+def test_router_chunks_keep_a_chunks_slices_in_shared_memory():
+    """A router chunk's [T, D / C] slice of x and [D / C, E] slice of the gate stay within ROUTER_SMEM: V2-Lite in
+    bf16 keeps 4 chunks up to 128 tokens (192 KiB, measured to compile) and takes 8 at 256 (4 chunks asked for 320
+    KiB and failed to compile on an H200); fp32 takes more chunks sooner; D / C stays at least 16."""
+    from deepinfer_jax.kernels.residual_route import ROUTER_SMEM, router_chunks
+
+    assert [router_chunks(t, 2048, 64) for t in (16, 32, 64, 128, 256)] == [4, 4, 4, 4, 8]
+    assert [router_chunks(t, 2048, 64, 4, 4) for t in (16, 64, 128, 256)] == [4, 8, 8, 16]
+    assert [router_chunks(t, 7168, 256) for t in (16, 128)] == [32, 32]  # V3's D and experts: the gate's slices
+    for t in (16, 64, 128):
+        c = router_chunks(t, 7168, 256)
+        assert 7168 % c == 0 and (2 * t + 2 * 256) * (7168 // c) <= ROUTER_SMEM
+    assert router_chunks(256, 64, 8) == 4  # D / 8 would be under 16: no further split
+
+
+def test_more_router_chunks_keep_the_routing():
+    """8 chunks instead of 4 (what 256 tokens take): the logits' partials summed in another order, the same
+    routing and h_new / x, the weights within fp32 rounding of the reference."""
+    T, D, E, k, S = 32, 256, 64, 6, 2
+    parts, h, norm_w, gate, _ = _case(T, D, E, 2, jnp.float32, False, seed=7)
+    kw = dict(eps=1e-6, k=k, num_shared=S, block_m=16)
+    got = residual_route(parts, h, norm_w, gate, 1, chunks=8, interpret=True, **kw)
+    want = residual_route_reference(parts, h, norm_w, gate, 1, **kw)
+    for name, g, w in zip(NAMES, got, want):
+        if name in ("h_new", "x", "weights"):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-6, atol=2e-6, err_msg=name)
+        else:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w), err_msg=name)
 
 
 # Protocol A's batch (8 partials: one [8, D] load); 3 tokens in decode_matmul's 16 rows, 3 partials (row by row)
