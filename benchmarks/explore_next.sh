@@ -108,6 +108,10 @@
 #                                                   then the batch-256 step with and without --decode-route-launch,
 #                                                   alternating: one program twice (the model runs the launch only
 #                                                   up to 64 tokens), so the spread between two compiles
+#   bash benchmarks/explore_next.sh OUTDIR repeat
+#                                                   session 29: the spread between processes: the batch-32 step four
+#                                                   times at the defaults, then the batch-256 step twice with and
+#                                                   twice without --decode-route-launch (one program: see b256)
 #   bash benchmarks/explore_next.sh OUTDIR tables
 #                                                   session 29: the per-kernel tables at the head, device time from
 #                                                   profiler traces: the decode attention over batch 1-256 and
@@ -580,6 +584,15 @@ if [[ $mode == b256 ]]; then  # session 29: the route launch at 256 tokens (resi
     left 500 || break
     timeout 120 python3 benchmarks/step_profile.py --batch 256 --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_$l.log" | head -2)"
+  done
+  exit 0
+fi
+if [[ $mode == repeat ]]; then  # session 29: the same step in four processes; b256's two labels, each twice in a row
+  for l in a b c d base256 base256 off256 off256; do
+    f=(); [[ $l == *256 ]] && f=(--batch 256); [[ $l == off256 ]] && f+=(--no-decode-route-launch)
+    left 420 || break
+    timeout 120 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
+    echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step_$l.log")"
   done
   exit 0
 fi
