@@ -75,8 +75,6 @@ def router_chunks(T: int, D: int, E: int, x_bytes: int = 2, gate_bytes: int = 2)
 
 def supported(num_tokens: int, D: int, E: int, k: int, num_shared: int, chunks: int | None = None) -> bool:
     """Whether the launch takes a step of `num_tokens` tokens with these sizes (chunks None: `router_chunks`, bf16)."""
-    if D % ROUTER_CHUNKS:
-        return False
     chunks = chunks or router_chunks(num_tokens, D, E)
     fits = (2 * num_tokens + 2 * E) * (D // chunks) <= ROUTER_SMEM
     return (route_supported(num_tokens, E, k, num_shared) and num_tokens >= 16 and D % chunks == 0

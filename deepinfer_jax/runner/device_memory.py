@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import ctypes
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 XLA_PROGRAM_SHARE = 0.75
 CACHE_GRANULE = 2**30  # bytes; a restart lands on another page count ~20 MB / 1 GiB = 2% of the time
@@ -96,8 +96,6 @@ def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, 
     weights) and what `loading` (a weights/pending.py PendingParams, or None) will take, within the share XLA's
     scheduler assumes (`kv_cache_bytes`); a device without memory figures (CPU) -> fallback_pages. -> (pages, a
     line for the log)."""
-    import dataclasses
-
     import jax
 
     from deepinfer_jax.models.cache import kv_cache_bytes_per_page
@@ -108,7 +106,7 @@ def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, 
     if mem is None:
         return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
     if loading is not None:
-        mem = dataclasses.replace(mem, in_use=mem.in_use + loading.bytes_on(device))
+        mem = replace(mem, in_use=mem.in_use + loading.bytes_on(device))
     pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
     return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
                    f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")
