@@ -36,7 +36,7 @@ def _cases():
     from jax import ShapeDtypeStruct as s
 
     from deepinfer_jax.kernels import (decode_matmul, mla_absorb, mla_decode, mla_output, mla_qkv, moe_route,
-                                       residual_route)
+                                       residual_route, route_experts)
 
     H, R, DR, PS, L, T, D = 16, 512, 64, 64, 27, 32, 2048
     Lm, E, I, S = 26, 64, 1408, 2
@@ -69,6 +69,9 @@ def _cases():
          (s((8, T, D), f32), s((T, D), bf), s((Lm, D), bf), s((Lm, D, E), bf))),
         ("routing + MoE single launch", lambda x, lg, a, d, l, sa, sd: moe_route.moe_fused_decode(
             x, lg, None, a, d, l, sa, sd, k=6, single_launch=True), moe),
+        ("partials -> routing -> experts (the MoE launch)", lambda p, h, nw, g, a, d, sa, sd:
+            route_experts.route_experts(p, h, nw, g, 5, a, d, sa, sd, eps=1e-6, k=6, shared_tiles=(32, 64, 256)),
+         (s((8, T, D), f32), s((T, D), bf), s((Lm, D), bf), s((Lm, D, E), bf), *moe[2:4], *moe[5:])),
     ]
 
 
@@ -102,12 +105,14 @@ def _prefill_cases():
     ]
 
 
-def dump(out: str, prefill: bool = False) -> None:
+def dump(out: str, prefill: bool = False, launch_dependents=()) -> None:
     """Lower every case (the decode step's, or with `prefill` a prefill step's) for an sm_90 device and write
     DIR/NN.ttir plus DIR/kernels.json (name, warps, stages, grid of each kernel, in launch order within its
-    case)."""
+    case); `launch_dependents`: the kernel families that signal early (kernels/pdl.py)."""
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
+
+    from deepinfer_jax.kernels import pdl
 
     class _H200:
         compute_capability = "9.0"
@@ -126,7 +131,8 @@ def dump(out: str, prefill: bool = False) -> None:
     try:
         for case, fn, args in (_prefill_cases() if prefill else _cases()):
             captured.clear()
-            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            with pdl.launching(launch_dependents):
+                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             for i, (ir, warps, stages, grid) in enumerate(captured):
                 path = f"{len(index):02d}.ttir"
                 with open(os.path.join(out, path), "w") as f:
@@ -183,12 +189,16 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=["dump", "report"])
     ap.add_argument("dir")
     ap.add_argument("--prefill", action="store_true", help="dump: a Protocol A prefill step's kernels instead")
+    ap.add_argument("--launch-dependents", default="none",
+                    help="dump: the kernel families that signal early, as RunnerConfig.launch_dependents ('all')")
     ap.add_argument("--num-warps", type=int, default=None, help="report: compile every kernel at these warps")
     ap.add_argument("--num-stages", type=int, default=None, help="report: compile every kernel at these stages")
     args = ap.parse_args(argv)
     if args.mode == "dump":
         sys.path.insert(0, os.path.dirname(HERE))
-        dump(args.dir, args.prefill)
+        from deepinfer_jax.kernels import pdl
+
+        dump(args.dir, args.prefill, pdl.parse(args.launch_dependents))
     else:
         report(args.dir, args.num_warps, args.num_stages)
     return 0

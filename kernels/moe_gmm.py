@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync
+from deepinfer_jax.kernels import launch_sync, pdl
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -193,7 +193,10 @@ def _refs(refs, shared, with_rc):
 
 def _block_and_tile(cols_first: bool):
     """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
-    return (pl.program_id(1), pl.program_id(0)) if cols_first else (pl.program_id(0), pl.program_id(1))
+    if cols_first:
+        n = pdl.program_id(0, "moe")
+        return pl.program_id(1), n
+    return pdl.program_id(0, "moe"), pl.program_id(1)
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, with_rc, gathered, cols_first):
@@ -221,7 +224,7 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
     _ready_in, h_ref, y_ref, ready_ref = refs
-    p = pl.program_id(0)
+    p = pdl.program_id(0, "moe")
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
 
     @pl.when(p < n1)

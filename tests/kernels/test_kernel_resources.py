@@ -14,7 +14,7 @@ from benchmarks import kernel_resources  # noqa: E402
 def test_dump_writes_each_kernel_with_its_launch_parameters(tmp_path):
     kernel_resources.main(["dump", str(tmp_path)])
     kernels = {k["name"]: k for k in json.load(open(tmp_path / "kernels.json"))}
-    assert len(kernels) == 9
+    assert len(kernels) == 10
     qkv = kernels["q / kv_a + absorb + latents"]
     assert (qkv["num_warps"], qkv["num_stages"], qkv["grid"]) == (4, 4, [388])
     absorb = kernels["absorb + latents (merged q / kv_a read in place)"]
