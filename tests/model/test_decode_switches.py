@@ -15,9 +15,9 @@ from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
 from paged_steps import PAGE, step as _step
 
 
-def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, **extra):
+def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, values=(False, True), **extra):
     """Three sequences prefilled in one 64-slot step, then two decode steps of 16 token slots and 16
-    sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (Pallas
+    sequence rows (the per-token decode kernel's steps), with forward_paged's `flag` off and on (`values`; Pallas
     path, interpret mode; `extra`: more forward_paged flags, the same both times). Each decode step's logits
     must equal the full forward's; returns (cfg, params)."""
     _, path = hf_case(case)
@@ -26,7 +26,7 @@ def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, **extra):
     full = np.asarray(forward(params, cfg, jnp.asarray(ids, jnp.int32)))
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]] + [[0]] * 13  # 16 sequence rows
     outs = []
-    for enabled in (False, True):
+    for enabled in values:
         kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", **extra, flag: enabled}
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
         _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
@@ -306,3 +306,30 @@ def test_decode_qkv_launch_applies_without_q_lora_only(hf_case):
             assert got is None
         assert decode_qkv_weights(sp, cfg, meta, None, "pallas_interpret", True) is None
         assert decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", False) is None
+
+
+def test_launch_dependents_reach_every_kernel_and_change_no_value(hf_case, monkeypatch):
+    """RunnerConfig.launch_dependents (kernels/pdl.py): with every family named, each decode kernel of the
+    defaults' steps (and the combine-and-norm launch) is traced with the early signal (the setting reaches the
+    kernels through forward_paged, and their jitted wrappers are traced again under it); the logits and cache as
+    without, and the full forward's."""
+    from deepinfer_jax.kernels import pdl
+
+    seen = []
+    real = pdl.program_id
+    monkeypatch.setattr(pdl, "program_id", lambda axis, family: seen.append((family, pdl.signals(family))) or
+                        real(axis, family))
+    switches = {k: v for k, v in RunnerConfig().forward_switches().items() if k != "launch_dependents"}
+    switches["decode_combine_norm"] = True  # the "norm" family
+    _decode_kernel_on_and_off(hf_case, "v2_greedy_yarn", "launch_dependents", seed=31, values=((), pdl.FAMILIES),
+                              **switches)
+    # The pass without, then the pass with: every family traced with the signal, none before it was set (the pass
+    # without may trace fewer kernels where an earlier test left their wrappers compiled at these shapes).
+    assert {f for f, on in seen if on} == set(pdl.FAMILIES)
+    assert [on for _, on in seen] == sorted(on for _, on in seen)
+
+
+def test_launch_dependents_reach_the_forward_sorted():
+    assert RunnerConfig().forward_switches()["launch_dependents"] == ()
+    assert RunnerConfig(launch_dependents=["moe", "attention", "moe"]).forward_switches()["launch_dependents"] == (
+        "attention", "moe")
