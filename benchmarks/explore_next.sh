@@ -109,7 +109,7 @@
 #                                                   alternating: one program twice (the model runs the launch only
 #                                                   up to 64 tokens), so the spread between two compiles
 #   bash benchmarks/explore_next.sh OUTDIR gdc
-#                                                   the next call (session 29's lead): does this XLA make our Pallas
+#                                                   session 29's lead (`early` does it too): does this XLA make our Pallas
 #                                                   kernels, which it launches with PDL (session 18), wait on their
 #                                                   predecessor (griddepcontrol.wait) or signal early
 #                                                   (launch_dependents)? The batch-32 step with its PTX dumped: the
@@ -117,6 +117,13 @@
 #                                                   none, a kernel could stream its weights before a wait of its own
 #                                                   and let the next kernel start early (the ramp of ~8 kernels a
 #                                                   layer, 1-3 us each, is the step's largest slack after the MoE's)
+#   bash benchmarks/explore_next.sh OUTDIR early
+#                                                   the next call (session 30): RunnerConfig.launch_dependents, our
+#                                                   kernels signalling griddepcontrol.launch_dependents as they start
+#                                                   (kernels/pdl.py): the batch-32 step with all of them, its PTX
+#                                                   dumped (waits and signals per kernel name), then the step at the
+#                                                   defaults against all, alternating, then the MoE launch alone
+#                                                   and all but the attention
 #   bash benchmarks/explore_next.sh OUTDIR repeat
 #                                                   session 29: the spread between processes: the batch-32 step four
 #                                                   times at the defaults, then the batch-256 step twice with and
@@ -604,6 +611,32 @@ if [[ $mode == gdc ]]; then  # session 29's lead: griddepcontrol in the step's k
     [[ -e $f ]] || continue
     echo "$(basename "$f"): $(grep -c '^.visible .entry' "$f") entries, $(grep -c 'griddepcontrol.wait' "$f") waits, $(grep -c 'griddepcontrol.launch_dependents' "$f") launch_dependents"
     awk '/^.visible .entry/{name=$3} /griddepcontrol/{print name, $1}' "$f" | sort | uniq -c | head -40
+  done
+  exit 0
+fi
+if [[ $mode == early ]]; then  # session 30: RunnerConfig.launch_dependents (kernels/pdl.py), not yet on a GPU
+  # 1. The batch-32 step with every family signalling early, its PTX dumped: per kernel name, how many entries wait
+  #    (griddepcontrol.wait: XLA's own, and ours) and signal (launch_dependents: XLA's Triton GEMMs, and ours).
+  # 2. The step at the defaults (none) against all, alternating, then the MoE launch alone and all but the
+  #    attention (whose 128 programs, launched early, may land two on some SMs). Where one wins by >= 0.02 ms, the
+  #    next call is FLAGS="--launch-dependents X" ab.
+  timeout 150 python3 benchmarks/step_profile.py --label dump --launch-dependents all --dump-hlo "$out/dump" 2>&1 \
+    | quiet > "$out/step_dump.log"
+  echo "all (dumped): $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_dump.log" | head -2)"
+  cat "$out"/dump/*.ptx 2>/dev/null | awk '
+    function flush() { if (cur != "") { e[cur]++; if (hw) w[cur]++; if (hl) l[cur]++ } }
+    /^\.visible \.entry/ { flush(); n = $3; sub(/\(.*/, "", n); sub(/(_[0-9]+)+$/, "", n); cur = n; hw = 0; hl = 0 }
+    /griddepcontrol\.wait/ { hw = 1 }
+    /griddepcontrol\.launch_dependents/ { hl = 1 }
+    END { flush(); for (k in e) printf "%-44s %4d entries %4d wait %4d signal\n", k, e[k], w[k] + 0, l[k] + 0 }' \
+    | sort -k2 -n -r | head -40
+  i=0
+  for l in none all none all moe absorb,matmul,moe,output; do
+    left 540 || break
+    i=$((i + 1)); log="$out/step_${i}_${l//,/_}.log"
+    timeout 90 python3 benchmarks/step_profile.py --label "$l" --launch-dependents "$l" 2>&1 | quiet > "$log"
+    echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$log" \
+      | head -2)"
   done
   exit 0
 fi
