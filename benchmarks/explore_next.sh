@@ -632,7 +632,7 @@ if [[ $mode == early ]]; then  # session 30: RunnerConfig.launch_dependents (ker
     | sort -k2 -n -r | head -40
   i=0
   for l in none all none all moe absorb,matmul,moe,output; do
-    left 540 || break
+    left 510 || break
     i=$((i + 1)); log="$out/step_${i}_${l//,/_}.log"
     timeout 90 python3 benchmarks/step_profile.py --label "$l" --launch-dependents "$l" 2>&1 | quiet > "$log"
     echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$log" \
