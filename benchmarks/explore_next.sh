@@ -118,7 +118,8 @@
 #                                                   and let the next kernel start early (the ramp of ~8 kernels a
 #                                                   layer, 1-3 us each, is the step's largest slack after the MoE's)
 #   bash benchmarks/explore_next.sh OUTDIR early
-#                                                   the next call (session 30): RunnerConfig.launch_dependents, our
+#                                                   session 30 (measured in 31 on an H100: no gain; EARLY="..." sets
+#                                                   the list of settings): RunnerConfig.launch_dependents, our
 #                                                   kernels signalling griddepcontrol.launch_dependents as they start
 #                                                   (kernels/pdl.py): the batch-32 step with all of them, its PTX
 #                                                   dumped (waits and signals per kernel name), then the step at the
@@ -607,7 +608,7 @@ if [[ $mode == gdc ]]; then  # session 29's lead: griddepcontrol in the step's k
   timeout 150 python3 benchmarks/step_profile.py --label gdc --dump-hlo "$out/dump" 2>&1 | quiet > "$out/step.log"
   grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step.log"
   ls "$out/dump" | sed -E 's/.*\.//' | sort | uniq -c
-  for f in "$out"/dump/*.ptx; do
+  for f in $(find "$out/dump" -name '*.ptx'); do  # XLA dumps each module into a folder of its own
     [[ -e $f ]] || continue
     echo "$(basename "$f"): $(grep -c '^.visible .entry' "$f") entries, $(grep -c 'griddepcontrol.wait' "$f") waits, $(grep -c 'griddepcontrol.launch_dependents' "$f") launch_dependents"
     awk '/^.visible .entry/{name=$3} /griddepcontrol/{print name, $1}' "$f" | sort | uniq -c | head -40
@@ -623,7 +624,7 @@ if [[ $mode == early ]]; then  # session 30: RunnerConfig.launch_dependents (ker
   timeout 150 python3 benchmarks/step_profile.py --label dump --launch-dependents all --dump-hlo "$out/dump" 2>&1 \
     | quiet > "$out/step_dump.log"
   echo "all (dumped): $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_dump.log" | head -2)"
-  cat "$out"/dump/*.ptx 2>/dev/null | awk '
+  find "$out/dump" -name '*.ptx' -exec cat {} + 2>/dev/null | awk '
     function flush() { if (cur != "") { e[cur]++; if (hw) w[cur]++; if (hl) l[cur]++ } }
     /^\.visible \.entry/ { flush(); n = $3; sub(/\(.*/, "", n); sub(/(_[0-9]+)+$/, "", n); cur = n; hw = 0; hl = 0 }
     /griddepcontrol\.wait/ { hw = 1 }
@@ -631,7 +632,8 @@ if [[ $mode == early ]]; then  # session 30: RunnerConfig.launch_dependents (ker
     END { flush(); for (k in e) printf "%-44s %4d entries %4d wait %4d signal\n", k, e[k], w[k] + 0, l[k] + 0 }' \
     | sort -k2 -n -r | head -40
   i=0
-  for l in none all none all moe absorb,matmul,moe,output; do
+  ls -R "$out/dump" | grep -c '\.ptx$' | sed 's/^/ptx files: /'
+  for l in ${EARLY:-none all none all moe absorb,matmul,moe,output}; do
     left 510 || break
     i=$((i + 1)); log="$out/step_${i}_${l//,/_}.log"
     timeout 90 python3 benchmarks/step_profile.py --label "$l" --launch-dependents "$l" 2>&1 | quiet > "$log"

@@ -276,8 +276,9 @@ def main(argv=None) -> int:
         tps = args.batch * args.output_len / best
         floor_step = weight_bytes_per_decode_step(cfg, experts) / HBM_BYTES_PER_S
         limit = args.batch / floor_step
-        print(f"Protocol A temp={temp}: {best:.2f}s -> {tps:,.0f} output tok/s (decode-only limit {limit:,.0f}; "
-              f"runs {', '.join(f'{r[0]:.2f}' for r in runs)}); distinct experts/layer/step {experts:.1f} of "
+        print(f"Protocol A temp={temp}: {best:.2f}s -> {tps:,.0f} output tok/s (decode-only limit at the "
+              f"H200's 4.3 TB/s {limit:,.0f}; runs {', '.join(f'{r[0]:.2f}' for r in runs)}); "
+              f"distinct experts/layer/step {experts:.1f} of "
               f"{cfg.n_routed_experts}; distinct tokens (last 64 steps) {distinct}", flush=True)
         results[f"temp{temp}"] = {"seconds": best, "tok_s": tps, "limit_tok_s": limit, "experts": experts,
                                   "distinct_tokens": distinct}
