@@ -108,21 +108,13 @@
 #                                                   then the batch-256 step with and without --decode-route-launch,
 #                                                   alternating: one program twice (the model runs the launch only
 #                                                   up to 64 tokens), so the spread between two compiles
-#   bash benchmarks/explore_next.sh OUTDIR gdc
-#                                                   session 29's lead (`early` does it too): does this XLA make our Pallas
-#                                                   kernels, which it launches with PDL (session 18), wait on their
-#                                                   predecessor (griddepcontrol.wait) or signal early
-#                                                   (launch_dependents)? The batch-32 step with its PTX dumped: the
-#                                                   griddepcontrol instructions per kernel. If the Pallas kernels have
-#                                                   none, a kernel could stream its weights before a wait of its own
-#                                                   and let the next kernel start early (the ramp of ~8 kernels a
-#                                                   layer, 1-3 us each, is the step's largest slack after the MoE's)
 #   bash benchmarks/explore_next.sh OUTDIR early
 #                                                   session 30 (measured in 31 on an H100: no gain; EARLY="..." sets
 #                                                   the list of settings): RunnerConfig.launch_dependents, our
 #                                                   kernels signalling griddepcontrol.launch_dependents as they start
-#                                                   (kernels/pdl.py): the batch-32 step with all of them, its PTX
-#                                                   dumped (waits and signals per kernel name), then the step at the
+#                                                   (kernels/pdl.py): the batch-32 step with all of them, its PTX (if
+#                                                   XLA dumps any; session 31 found none) scanned for waits and
+#                                                   signals per kernel name, then the step at the
 #                                                   defaults against all, alternating, then the MoE launch alone
 #                                                   and all but the attention
 #   bash benchmarks/explore_next.sh OUTDIR repeat
@@ -601,17 +593,6 @@ if [[ $mode == b256 ]]; then  # session 29: the route launch at 256 tokens (resi
     left 500 || break
     timeout 120 python3 benchmarks/step_profile.py --batch 256 --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_$l.log" | head -2)"
-  done
-  exit 0
-fi
-if [[ $mode == gdc ]]; then  # session 29's lead: griddepcontrol in the step's kernels (PTX)
-  timeout 150 python3 benchmarks/step_profile.py --label gdc --dump-hlo "$out/dump" 2>&1 | quiet > "$out/step.log"
-  grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step.log"
-  ls "$out/dump" | sed -E 's/.*\.//' | sort | uniq -c
-  for f in $(find "$out/dump" -name '*.ptx'); do  # XLA dumps each module into a folder of its own
-    [[ -e $f ]] || continue
-    echo "$(basename "$f"): $(grep -c '^.visible .entry' "$f") entries, $(grep -c 'griddepcontrol.wait' "$f") waits, $(grep -c 'griddepcontrol.launch_dependents' "$f") launch_dependents"
-    awk '/^.visible .entry/{name=$3} /griddepcontrol/{print name, $1}' "$f" | sort | uniq -c | head -40
   done
   exit 0
 fi

@@ -193,10 +193,8 @@ def _refs(refs, shared, with_rc):
 
 def _block_and_tile(cols_first: bool):
     """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
-    if cols_first:
-        n = pdl.program_id(0, "moe")
-        return pl.program_id(1), n
-    return pdl.program_id(0, "moe"), pl.program_id(1)
+    first = pdl.program_id(0, "moe")
+    return (pl.program_id(1), first) if cols_first else (first, pl.program_id(1))
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, with_rc, gathered, cols_first):
