@@ -40,7 +40,7 @@ def main(argv=None) -> int:
 
     from deepinfer_jax.kernels.lm_head_sample import lm_head_sample_stats
     from deepinfer_jax.models.deepseek import lm_head_logits
-    from deepinfer_jax.sampling import SamplingTensors, sample, sample_from_tile_stats
+    from deepinfer_jax.sampling import SamplingTensors, gumbel_noise, sample, sample_from_tile_stats
 
     B, D, V = args.batch, args.hidden, args.vocab
     rng = np.random.default_rng(0)
@@ -59,8 +59,9 @@ def main(argv=None) -> int:
         bv, bk, nw, ns = cfg
 
         def run(h, st):
-            stats = lm_head_sample_stats(h, w, st.temperature, st.rng_key_data, st.suppress_token_ids, block_v=bv,
-                                         block_k=bk, num_warps=nw, num_stages=ns, interpret=args.interpret)
+            stats = lm_head_sample_stats(h, w, st.temperature, st.rng_key_data, st.suppress_token_ids,
+                                         noise=gumbel_noise, block_v=bv, block_k=bk, num_warps=nw, num_stages=ns,
+                                         interpret=args.interpret)
             return sample_from_tile_stats(stats, st, max_logprobs=0)
         return run
 

@@ -432,7 +432,7 @@ class RunnerConfig:
     launch_dependents: tuple[str, ...] = ()
     # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
     # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
-    # the logits never reach device memory and the Gumbel draw's threefry hides under the lm_head's weight
+    # the logits never reach device memory and the Gumbel draw's integer hash hides under the lm_head's weight
     # stream; the same tokens. Requests with min-p then take the full variant. Session 22 (H200, batch 32): the
     # kernel and the merge took as long as XLA's GEMM and sampler (~146 against ~144 us a step: its weight stream
     # is slower than XLA's GEMM by about what the sampler's passes cost), the step 8.12 ms against 8.10, Protocol A
@@ -440,7 +440,8 @@ class RunnerConfig:
     lm_head_sampler: bool = False
     # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy
     # path): the argmax without the temperature, min-p and the Gumbel draw (whose threefry hash over the
-    # vocabulary takes ~22 us a step on an H200 at batch 32). One more program per decode bucket at warm-up.
+    # vocabulary took ~22 us a step on an H200 at batch 32 until session 32's cheaper one, sampler.noise_bits). One
+    # more program per decode bucket at warm-up.
     # Session 22 (H200): Protocol A greedy 3,696 tok/s against 3,684 without it, temperature 1 even (3,687).
     greedy_variant: bool = True
     # Prefill buckets (more token slots than sequence rows; one device, no routing collected) run a step as two

@@ -1,31 +1,31 @@
 """The lm_head and the base sampler's reductions over the vocabulary in one kernel (Pallas, Triton backend).
 
-    h [T, D] (final-normed hidden states), W [D, V] (lm_head), per row t: temperature [T], threefry key
-    data [T, 2], suppressed ids [T, S] (-1 padded)
+    h [T, D] (final-normed hidden states), W [D, V] (lm_head), per row t: temperature [T], key data [T, 2],
+    suppressed ids [T, S] (-1 padded)
         -> TileStats, each [V // block_v, T]: per vocabulary tile and row, what sampling/sampler.py
            `sample_from_tile_stats` merges into the row's token and its logprob
 
 The XLA path writes the fp32 logits [T, V] and the sampler reads them several times over (the row max
 and log-normaliser, the suppression, the greedy argmax, the Gumbel draw and its argmax): ~50 us a step
 on an H200 at batch 32 beside the lm_head's 104 (benchmarks/RESULTS.md, session 16), 22 of them the
-draw's threefry hash, integer work that the lm_head's weight stream leaves the SMs time for. Here program
+draw's threefry hash then (now a cheaper one: sampling.noise_bits), integer work that the lm_head's weight
+stream leaves the SMs time for. Here program
 v multiplies h by W's column tile v in block_k steps (fp32 accumulation), rounds the logits to h's dtype
 as the XLA path's einsum does, and reduces the tile to (col = the tile's vocabulary ids):
 
     m            max of the logits                            (the row max: the log-normaliser's shift)
     s            sum of exp(logits - m)
     gmax, garg   max and first argmax of x = the logits with suppressed ids at -inf        (greedy)
-    zmax, zarg   max and first argmax of z = x / t + gumbel(key, col), t the temperature  (the draw;
+    zmax, zarg   max and first argmax of z = x / t + noise(key, col), t the temperature   (the draw;
                  a greedy row, t < GREEDY_EPS, divides by 1 as sampling.sample does)
     zraw         the logit at zarg (the drawn token's logprob; a greedy token's logit is gmax)
 
-The noise is `jax.random.gumbel(jax.random.wrap_key_data(key), (V,))[col]` bit for bit (`gumbel_noise`):
-jax's partitionable threefry bits (the two words of threefry2x32(key, (0, col)) xor-ed), their top 23
-bits as a uniform in [tiny, 1), then -log(-log(u)). So the merged draw is `sampling.sample`'s base
-variant's token for token: the Gumbel-max over all V ids, the first maximum winning.
+The noise is the caller's (`noise`: sampling.gumbel_noise, elementwise jnp, the function the XLA path's
+draw calls), so the merged draw is `sampling.sample`'s base variant's token for token: the Gumbel-max over
+all V ids, the first maximum winning.
 
 Three parts (ARCHITECTURE.md rule 6): `lm_head_sample_stats` (the kernel; `interpret=True` runs it on
-the CPU) and `lm_head_sample_stats_reference` (pure JAX over the XLA path's logits and jax.random's
+the CPU) and `lm_head_sample_stats_reference` (pure JAX over the XLA path's logits and the same
 noise). Invariants: block_v (a power of two, at least 16) divides V and block_k D; T is padded to a
 power of two of at least 16 rows (Triton's dot), the padding rows dropped.
 """
@@ -37,7 +37,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
@@ -46,7 +45,6 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
 EXACT = jax.lax.Precision.HIGHEST
 GREEDY_EPS = 1e-5  # temperature below this => greedy (sampling.GREEDY_EPS)
-_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
 class TileStats(NamedTuple):
@@ -65,39 +63,10 @@ def supported(vocab: int, hidden: int) -> bool:
     return largest_pow2_divisor(vocab, 128) >= 16 and largest_pow2_divisor(hidden, 128) >= 16
 
 
-def _rotl(x, d: int):
-    return jax.lax.shift_left(x, jnp.uint32(d)) | jax.lax.shift_right_logical(x, jnp.uint32(32 - d))
-
-
-def threefry2x32(k0, k1, x0, x1):
-    """Threefry-2x32 (20 rounds) as jax's lowering, on uint32 arrays that broadcast together -> (y0, y1)."""
-    ks = (k0, k1, k0 ^ k1 ^ jnp.uint32(0x1BD11BDA))
-    x0, x1 = x0 + ks[0], x1 + ks[1]
-    for i in range(5):
-        for r in _ROTATIONS[i % 2]:
-            x0 = x0 + x1
-            x1 = _rotl(x1, r) ^ x0
-        x0 = x0 + ks[(i + 1) % 3]
-        x1 = x1 + ks[(i + 2) % 3] + jnp.uint32(i + 1)
-    return x0, x1
-
-
-def gumbel_noise(k0, k1, col):
-    """k0, k1 [T, 1] uint32 (a row's key data), col [T, n] int32 vocabulary ids -> [T, n] f32 equal bit for bit
-    to jax.random.gumbel(wrap_key_data((k0, k1)), (V,))[col] (mode "low", jax_threefry_partitionable)."""
-    y0, y1 = threefry2x32(k0, k1, jnp.zeros(col.shape, jnp.uint32), col.astype(jnp.uint32))
-    bits = y0 ^ y1
-    one = jnp.uint32(np.float32(1.0).view(np.uint32))
-    u = jax.lax.bitcast_convert_type(jax.lax.shift_right_logical(bits, jnp.uint32(9)) | one, jnp.float32) - 1.0
-    tiny = jnp.float32(np.finfo(np.float32).tiny)
-    u = jnp.maximum(tiny, u * (jnp.float32(1.0) - tiny) + tiny)  # jax.random.uniform(minval=tiny, maxval=1)
-    return -jnp.log(-jnp.log(u))
-
-
-def tile_stats(logits, first, temperature, k0, k1, suppress_cols) -> tuple:
+def tile_stats(logits, first, temperature, k0, k1, suppress_cols, noise) -> tuple:
     """One tile's reductions (module docstring): logits [T, n] f32 of vocabulary ids first .. first + n - 1,
-    temperature [T], k0 / k1 [T, 1] uint32, suppress_cols a list of [T] suppressed ids (-1: none) -> seven [T]
-    arrays in TileStats' order."""
+    temperature [T], k0 / k1 [T, 1] uint32, suppress_cols a list of [T] suppressed ids (-1: none), `noise` the
+    Gumbel noise (k0, k1, ids [T, n]) -> [T, n] f32 -> seven [T] arrays in TileStats' order."""
     pos = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     col = first + pos
     suppressed = jnp.zeros(col.shape, jnp.bool_)
@@ -108,13 +77,13 @@ def tile_stats(logits, first, temperature, k0, k1, suppress_cols) -> tuple:
     x = jnp.where(suppressed, -jnp.inf, logits)
     gmax, garg = x.max(axis=1), jnp.argmax(x, axis=1).astype(jnp.int32)
     t = jnp.where(temperature < GREEDY_EPS, jnp.float32(1.0), temperature)
-    z = x / t[:, None] + gumbel_noise(k0, k1, col)
+    z = x / t[:, None] + noise(k0, k1, col)
     zmax, zpos = z.max(axis=1), jnp.argmax(z, axis=1).astype(jnp.int32)
     zraw = jnp.where(pos == zpos[:, None], logits, -jnp.inf).max(axis=1)
     return m, s, gmax, garg + first, zmax, zpos + first, zraw
 
 
-def _kernel(h_ref, w_ref, t_ref, k0_ref, k1_ref, sup_ref, *out_refs, block_v, block_k, num_suppress):
+def _kernel(h_ref, w_ref, t_ref, k0_ref, k1_ref, sup_ref, *out_refs, block_v, block_k, num_suppress, noise):
     v = pl.program_id(0)
     cols = pl.ds(v * block_v, block_v)
 
@@ -126,16 +95,17 @@ def _kernel(h_ref, w_ref, t_ref, k0_ref, k1_ref, sup_ref, *out_refs, block_v, bl
     acc = jax.lax.fori_loop(0, d // block_k, body, jnp.zeros((rows, block_v), jnp.float32))
     logits = acc.astype(h_ref.dtype).astype(jnp.float32)  # the XLA path's einsum output, in fp32
     stats = tile_stats(logits, v * block_v, t_ref[...], k0_ref[...][:, None], k1_ref[...][:, None],
-                       [sup_ref[:, j] for j in range(num_suppress)])
+                       [sup_ref[:, j] for j in range(num_suppress)], noise)
     for ref, x in zip(out_refs, stats):
         ref[0, :] = x
 
 
-@functools.partial(jax.jit, static_argnames=("block_v", "block_k", "num_warps", "num_stages", "interpret"))
-def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, block_v=None, block_k=None, num_warps=4,
+@functools.partial(jax.jit, static_argnames=("noise", "block_v", "block_k", "num_warps", "num_stages", "interpret"))
+def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, noise, block_v=None, block_k=None, num_warps=4,
                          num_stages=4, interpret=False) -> TileStats:
     """h [T, D], w [D, V] (the lm_head, h's dtype), temperature [T] f32, key_data [T, 2] uint32, suppress_ids
-    [T, S] int32 (-1 padded; S may be 0) -> TileStats of [V // block_v, T] arrays (module docstring).
+    [T, S] int32 (-1 padded; S may be 0), `noise` the sampler's Gumbel noise (sampling.gumbel_noise: elementwise
+    jnp) -> TileStats of [V // block_v, T] arrays (module docstring).
     Tiles left as None: the largest powers of two dividing V up to 128 and D up to 64 (two CTAs an SM with four
     stages of bf16 tiles, as kernels/decode_matmul.py's)."""
     T, D = h.shape
@@ -157,7 +127,7 @@ def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, block_v=N
     stages = num_stages if w.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
     dtypes = [jnp.int32 if name in ("garg", "zarg") else jnp.float32 for name in TileStats._fields]
     out = pl.pallas_call(
-        functools.partial(_kernel, block_v=block_v, block_k=block_k, num_suppress=num_suppress),
+        functools.partial(_kernel, block_v=block_v, block_k=block_k, num_suppress=num_suppress, noise=noise),
         grid=(tiles,),
         out_shape=[jax.ShapeDtypeStruct((tiles, rows), dt) for dt in dtypes],
         out_specs=[pl.BlockSpec((1, rows), lambda v: (v, 0)) for _ in dtypes],
@@ -166,22 +136,21 @@ def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, block_v=N
     return TileStats(*(a[:, :T] for a in out))
 
 
-def lm_head_sample_stats_reference(h, w, temperature, key_data, suppress_ids, *, block_v=None) -> TileStats:
-    """Pure JAX: the XLA path's logits (einsum in h's dtype, then fp32), jax.random.gumbel's noise, and the
+def lm_head_sample_stats_reference(h, w, temperature, key_data, suppress_ids, *, noise, block_v=None) -> TileStats:
+    """Pure JAX: the XLA path's logits (einsum in h's dtype, then fp32), the same noise over [T, V], and the
     same reductions over [T, V // block_v, block_v] tiles."""
     T, D = h.shape
     V = w.shape[1]
     block_v = block_v or largest_pow2_divisor(V, 128)
     logits = jnp.einsum("td,dv->tv", h.astype(w.dtype), w).astype(jnp.float32)  # [T, V]
-    keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl="threefry2x32")
-    noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # [T, V]
     col = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (T, V))
+    kd = key_data.astype(jnp.uint32)
     sup = jnp.zeros((T, V), jnp.bool_)
     for j in range(suppress_ids.shape[1]):
         sup = sup | (col == suppress_ids[:, j : j + 1])
     x = jnp.where(sup, -jnp.inf, logits)
     t = jnp.where(temperature < GREEDY_EPS, 1.0, temperature).astype(jnp.float32)
-    z = x / t[:, None] + noise
+    z = x / t[:, None] + noise(kd[:, :1], kd[:, 1:], col)
     tiles = lambda a: a.reshape(T, V // block_v, block_v)  # noqa: E731  [T, tiles, block_v]
     lg, xt, zt = tiles(logits), tiles(x), tiles(z)
     m = lg.max(axis=2)

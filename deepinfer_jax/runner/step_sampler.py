@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.deepseek import lm_head_logits
-from deepinfer_jax.sampling import SampleOutput, SamplingTensors, sample, sample_from_tile_stats
+from deepinfer_jax.sampling import SampleOutput, SamplingTensors, gumbel_noise, sample, sample_from_tile_stats
 
 
 def lm_head_in_sampler(cfg: ModelConfig, runner_cfg: RunnerConfig, lm_head: Any, sharding: Any) -> bool:
@@ -45,5 +45,5 @@ def sample_step_outputs(out: jax.Array, lm_head: Any, st: SamplingTensors, *, ma
     from deepinfer_jax.kernels import lm_head_sample
 
     stats = lm_head_sample.lm_head_sample_stats(out, lm_head, st.temperature, st.rng_key_data,
-                                                st.suppress_token_ids, interpret=interpret)
+                                                st.suppress_token_ids, noise=gumbel_noise, interpret=interpret)
     return sample_from_tile_stats(stats, st, max_logprobs=max_logprobs)

@@ -8,8 +8,8 @@ Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   3. suppressed ids -> -inf.
   4. greedy rows (temperature < 1e-5): exact argmax of the result of 3.
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
-     renormalised distribution, then min-p), then ``jax.random.categorical`` with the row key
-     (`categorical_rows`: the same draw, its argmax split in chunks).
+     renormalised distribution, then min-p), then a Gumbel-max draw keyed by the row's key data
+     (`categorical_rows`: the argmax of logits + `gumbel_noise`, taken in chunks).
 
 Invariants:
   * Rows are independent: the output of a row depends only on that row's logits and
@@ -52,7 +52,7 @@ class SamplingTensors:
     prompt_token_ids: jax.Array    # i32[B, Lp] padded with -1 (repetition only)
     output_token_ids: jax.Array    # i32[B, Lo] padded with -1 (all three penalties)
     suppress_token_ids: jax.Array  # i32[B, S]  padded with -1 (logit -> -inf)
-    rng_key_data: jax.Array        # u32[B, 2]  threefry key data (see keys.make_key_data)
+    rng_key_data: jax.Array        # u32[B, 2]  key data (keys.make_key_data; the draw's noise_bits)
 
     @classmethod
     def defaults(cls, batch: int, prompt_len: int = 0, output_len: int = 0,
@@ -156,16 +156,43 @@ def apply_truncation(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
 ARGMAX_CHUNK = 1024  # the categorical draw's argmax runs over chunks of this many ids first
 
 
+def _mix32(x: jax.Array) -> jax.Array:
+    """uint32 -> uint32, a bijection with a low avalanche bias ("lowbias32": two xorshift-multiply rounds)."""
+    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
+    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def noise_bits(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
+    """A row's key data words k0, k1 (uint32, e.g. [B, 1]) and vocabulary ids col (int32, e.g. [B, n], broadcasting
+    with them) -> uint32 random bits: `_mix32` twice, a key word folded in before each. For each key the map from
+    id to bits is a bijection, so no two ids of a row share their bits. About 15 integer operations an id, where
+    jax.random's threefry2x32 takes ~100: over 32 x 102,400 ids the latter is ~22 us of integer throughput a step
+    on an H200 (benchmarks/RESULTS.md, session 10). The key data comes from threefry (`keys.make_key_data`)."""
+    return _mix32(_mix32(col.astype(jnp.uint32) + k0) ^ k1)
+
+
+def gumbel_noise(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
+    """`noise_bits` -> float32 Gumbel(0, 1) noise: the bits' top 23 as a uniform u in [tiny, 1) (jax.random.uniform's
+    mapping), then -log(-log(u)). Pure elementwise jnp, so XLA fuses it into the draw's argmax and the Pallas
+    kernels (kernels/lm_head_sample.py) take it as their noise."""
+    bits = noise_bits(k0, k1, col)
+    u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
+    tiny = jnp.float32(np.finfo(np.float32).tiny)
+    u = jnp.maximum(tiny, u * (1.0 - tiny) + tiny)
+    return -jnp.log(-jnp.log(u))
+
+
 def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
-    """key_data u32[B, 2] (threefry), logits f32[B, V] -> i32[B]: each row's ``jax.random.categorical``
-    draw, bit for bit (the argmax of logits + gumbel(key, [V])), with the argmax taken over chunks of
-    ARGMAX_CHUNK ids and then over the chunks' maxima. The first maximum wins either way (the first chunk
-    holding it, its first index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took
-    26.5 us a step as one [B, V] reduction and 21.8 us in chunks (benchmarks/RESULTS.md, session 10); most
-    of the rest is the V threefry draws a row."""
+    """key_data u32[B, 2], logits f32[B, V] -> i32[B]: each row's Gumbel-max draw, the argmax of logits +
+    gumbel_noise(key, id) (an id at -inf is never drawn unless all are), taken over chunks of ARGMAX_CHUNK ids
+    and then over the chunks' maxima. The first maximum wins either way (the first chunk holding it, its first
+    index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took 26.5 us a step as one
+    [B, V] reduction and 21.8 us in chunks with threefry's noise (benchmarks/RESULTS.md, session 10)."""
     batch, vocab = logits.shape
-    keys = jax.random.wrap_key_data(key_data.astype(jnp.uint32), impl="threefry2x32")
-    z = logits + jax.vmap(lambda k: jax.random.gumbel(k, (vocab,), logits.dtype))(keys)  # f32[B, V]
+    kd = key_data.astype(jnp.uint32)
+    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
+    z = logits + gumbel_noise(kd[:, :1], kd[:, 1:], col)  # f32[B, V]
     n = -(-vocab // ARGMAX_CHUNK)
     if n == 1:
         return jnp.argmax(z, axis=-1).astype(jnp.int32)

@@ -300,9 +300,9 @@ def test_base_variant_equals_full_when_no_row_needs_it():
 
 
 @pytest.mark.parametrize("vocab", [5, 1024, 3000, 102400])
-def test_chunked_draw_is_jax_categorical_bit_for_bit(vocab, monkeypatch):
+def test_chunked_draw_is_the_whole_rows_gumbel_max(vocab, monkeypatch):
     """categorical_rows takes its argmax in chunks (ARGMAX_CHUNK, here also small, so that every size splits):
-    the same ids as jax.random.categorical on the same keys, ties and masked (-inf) ids included."""
+    the same ids as one argmax of logits + gumbel_noise over the whole row, ties and masked (-inf) ids included."""
     from deepinfer_jax.sampling import sampler
 
     rng = np.random.default_rng(vocab)
@@ -312,14 +312,52 @@ def test_chunked_draw_is_jax_categorical_bit_for_bit(vocab, monkeypatch):
     logits[2] = 0.0  # all tied
     logits[3, : vocab // 2] = -np.inf  # the first chunks masked
     logits[4, -1] = 60.0  # the last id, in the padded chunk
-    key_data = make_key_data_batch(np.arange(batch) * 7 + 1, np.arange(batch))
-    keys = jax.random.wrap_key_data(jnp.asarray(key_data, jnp.uint32), impl="threefry2x32")
-    want = np.asarray(jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, jnp.asarray(logits)))
+    key_data = jnp.asarray(make_key_data_batch(np.arange(batch) * 7 + 1, np.arange(batch)), jnp.uint32)
+    col = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (batch, vocab))
+    want = np.asarray(jnp.argmax(logits + sampler.gumbel_noise(key_data[:, :1], key_data[:, 1:], col), axis=-1))
     for chunk in (sampler.ARGMAX_CHUNK, 7, 64):
         monkeypatch.setattr(sampler, "ARGMAX_CHUNK", chunk)
-        got = np.asarray(jax.jit(sampler.categorical_rows)(jnp.asarray(key_data), jnp.asarray(logits)))
+        got = np.asarray(jax.jit(sampler.categorical_rows)(key_data, jnp.asarray(logits)))
         np.testing.assert_array_equal(got, want)
     assert got[4] == vocab - 1
+    assert np.isfinite(logits[1, got[1]]) or not np.isfinite(logits[1]).any()  # a masked id only if all are
+    assert got[3] >= vocab // 2
+
+
+def test_noise_bits_are_a_bijection_per_key_and_uniform():
+    """sampler.noise_bits: for each key, distinct ids get distinct bits (2**16 ids); over many keys and ids each bit
+    is set half the time, neighbouring ids and keys one step apart are uncorrelated, and the Gumbel noise has the
+    distribution's mean (Euler's gamma) and variance (pi^2 / 6)."""
+    from deepinfer_jax.sampling import sampler
+
+    keys = jnp.asarray(make_key_data_batch(np.arange(64) + 5, np.zeros(64, np.int64)), jnp.uint32)  # [64, 2]
+    col = jnp.broadcast_to(jnp.arange(1 << 16, dtype=jnp.int32), (64, 1 << 16))
+    bits = np.asarray(sampler.noise_bits(keys[:, :1], keys[:, 1:], col))  # [64, 65536]
+    assert all(len(np.unique(row)) == row.size for row in bits)
+    ones = np.stack([(bits >> b) & 1 for b in range(32)]).mean(axis=(1, 2))  # each bit's frequency
+    assert np.abs(ones - 0.5).max() < 0.003, ones
+    u = (bits >> 9).astype(np.float64) / (1 << 23)  # the top 23 bits, as the noise takes them
+    assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.003  # neighbouring ids
+    steps = jnp.asarray(make_key_data_batch(np.full(64, 5), np.arange(64)), jnp.uint32)  # one seed, 64 steps
+    v = np.asarray(sampler.noise_bits(steps[:, :1], steps[:, 1:], col[:, :4096]) >> 9).astype(np.float64)
+    assert abs(np.corrcoef(v[:-1].ravel(), v[1:].ravel())[0, 1]) < 0.01  # consecutive steps
+    g = np.asarray(sampler.gumbel_noise(keys[:, :1], keys[:, 1:], col), np.float64)
+    assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.var() - np.pi ** 2 / 6) < 0.02
+
+
+def test_draw_frequencies_over_a_large_vocabulary():
+    """The draw over 3,000 ids, 20,000 keys: each id's frequency matches softmax (chi-square over the ids expected
+    at least 5 times, the rest pooled; p-value ~1e-3 bound), so the noise is uniform across ids too."""
+    n, v = 20000, 3000
+    logits = (np.random.RandomState(11).randn(v) * 2).astype(np.float32)
+    p = np.exp(logits - logits.max())
+    p /= p.sum()
+    st = make_st(n, seeds=np.arange(n) + 77, temperature=1.0)
+    obs = counts(jsample(tile(logits, n), st).token_ids, v)
+    big = p * n >= 5
+    dof = int(big.sum())
+    pooled_obs, pooled_p = np.append(obs[big], obs[~big].sum()), np.append(p[big], p[~big].sum())
+    assert chi2(pooled_obs, pooled_p) < dof + 3.1 * np.sqrt(2 * dof), dof
 
 
 def test_greedy_variant_skips_only_the_draw():
@@ -328,7 +366,8 @@ def test_greedy_variant_skips_only_the_draw():
     rng = np.random.default_rng(21)
     logits = jnp.asarray(rng.normal(size=(6, 300)) * 3, jnp.float32)
     top = np.asarray(jnp.argmax(logits, axis=-1))
-    st = make_st(6, suppress_len=2, temperature=0.0, suppress_token_ids=np.stack([top, np.full(6, -1)], axis=1).astype(np.int32))
+    sup = np.stack([top, np.full(6, -1)], axis=1).astype(np.int32)
+    st = make_st(6, suppress_len=2, temperature=0.0, suppress_token_ids=sup)
     a = sample(logits, st, max_logprobs=0, full=False)
     b = sample(logits, st, max_logprobs=0, full=False, draw=False)
     assert np.asarray(a.token_ids).tolist() == np.asarray(b.token_ids).tolist()

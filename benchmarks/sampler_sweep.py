@@ -1,0 +1,94 @@
+"""The decode step's sampler after XLA's lm_head: what each sampling form costs beside the GEMM, V2-Lite's shape
+(D 2048, V 102,400), batch 32, random U(+-0.05) weights, bf16. Forms (each `sampling.sample`, its draw swapped):
+
+    gemm      the lm_head alone (the logits' row sums consumed)
+    greedy    sample(draw=False): the greedy variant
+    hash      sample(full=False) at temperature 1: the Gumbel-max draw over `sampler.noise_bits` (two
+              multiply-xorshift rounds an id; the default since session 32)
+    threefry  the same with jax.random.gumbel's noise (threefry2x32, ~100 integer operations an id: the draw
+              before session 32)
+
+    python benchmarks/sampler_sweep.py [--batch 32] [--repeat 8] [--iters 20]
+
+Timing as lm_head_sweep.py: `--repeat` copies chained in one jitted program, the device time per copy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--vocab", type=int, default=102400)
+    ap.add_argument("--repeat", type=int, default=8)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--forms", default="gemm,greedy,hash,threefry")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.models.deepseek import lm_head_logits
+    from deepinfer_jax.sampling import SamplingTensors, sample, sampler
+
+    B, D, V = args.batch, args.hidden, args.vocab
+    rng = np.random.default_rng(0)
+    h0 = jnp.asarray(rng.normal(size=(B, D)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(-0.05, 0.05, size=(D, V)), jnp.bfloat16)
+    st = dataclasses.replace(SamplingTensors.defaults(B, suppress_len=8),
+                             rng_key_data=rng.integers(0, 2**32, size=(B, 2), dtype=np.uint32))
+    base_noise = sampler.gumbel_noise
+
+    def threefry_noise(k0, k1, col):  # [B, 1] key words -> jax.random.gumbel's noise [B, V] (col: 0 .. V - 1)
+        keys = jax.random.wrap_key_data(jnp.concatenate([k0, k1], axis=1), impl="threefry2x32")
+        return jax.vmap(lambda k: jax.random.gumbel(k, (col.shape[1],), jnp.float32))(keys)
+
+    def form(name):
+        def run(h):
+            logits = lm_head_logits(w, h)
+            if name == "gemm":
+                return logits.sum(axis=-1)
+            sampler.gumbel_noise = threefry_noise if name == "threefry" else base_noise
+            try:
+                return sample(logits, st, max_logprobs=0, full=False, draw=name != "greedy").logprob
+            finally:
+                sampler.gumbel_noise = base_noise
+        return run
+
+    def timed(fn):
+        def chain(h):
+            for _ in range(args.repeat):  # each copy's input depends on the last one's result (a float product)
+                out = fn(h)
+                h = h + (out[:, None] * 0.0).astype(h.dtype)
+            return out
+        prog = jax.jit(chain)
+        jax.block_until_ready(prog(h0))
+        t0 = time.perf_counter()
+        for _ in range(args.iters):
+            out = prog(h0)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t0) / (args.iters * args.repeat) * 1e6
+
+    rows = [(name, timed(form(name))) for name in args.forms.split(",")]
+    gemm = dict(rows).get("gemm")
+    print(f"\n| form | us a step, B {B} | beyond the GEMM |")
+    print("|---|---|---|")
+    for name, us in rows:
+        print(f"| {name} | {us:.1f} | {'' if gemm is None or name == 'gemm' else f'{us - gemm:.1f}'} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
