@@ -7,6 +7,9 @@
               multiply-xorshift rounds an id; the default since session 32)
     threefry  the same with jax.random.gumbel's noise (threefry2x32, ~100 integer operations an id: the draw
               before session 32)
+    kernel    the base variant through kernels/lm_head_sample.py logits_sample_stats (one pass over the logits)
+              and sampling.sample_from_tile_stats (RunnerConfig.sampler_kernel), at each of --configs
+              (block_v x num_warps), its tokens checked against `hash`'s first
 
     python benchmarks/sampler_sweep.py [--batch 32] [--repeat 8] [--iters 20]
 
@@ -34,14 +37,17 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=102400)
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--forms", default="gemm,greedy,hash,threefry")
+    ap.add_argument("--forms", default="gemm,greedy,hash,threefry,kernel")
+    ap.add_argument("--configs", default="512x8,512x4,256x4,1024x8")
+    ap.add_argument("--interpret", action="store_true", help="the CPU: the kernel in interpret mode (check only)")
     args = ap.parse_args(argv)
 
     import jax
     import jax.numpy as jnp
 
+    from deepinfer_jax.kernels.lm_head_sample import logits_sample_stats
     from deepinfer_jax.models.deepseek import lm_head_logits
-    from deepinfer_jax.sampling import SamplingTensors, sample, sampler
+    from deepinfer_jax.sampling import SamplingTensors, sample, sample_from_tile_stats, sampler
 
     B, D, V = args.batch, args.hidden, args.vocab
     rng = np.random.default_rng(0)
@@ -55,14 +61,21 @@ def main(argv=None) -> int:
         keys = jax.random.wrap_key_data(jnp.concatenate([k0, k1], axis=1), impl="threefry2x32")
         return jax.vmap(lambda k: jax.random.gumbel(k, (col.shape[1],), jnp.float32))(keys)
 
-    def form(name):
-        def run(h):
+    def form(name, config=None):
+        def run(h, tokens=False):
             logits = lm_head_logits(w, h)
             if name == "gemm":
                 return logits.sum(axis=-1)
+            if name == "kernel":
+                bv, nw = config
+                stats = logits_sample_stats(logits, st.temperature, st.rng_key_data, st.suppress_token_ids,
+                                            noise=base_noise, block_v=bv, num_warps=nw, interpret=args.interpret)
+                out = sample_from_tile_stats(stats, st, max_logprobs=0)
+                return out.token_ids if tokens else out.logprob
             sampler.gumbel_noise = threefry_noise if name == "threefry" else base_noise
             try:
-                return sample(logits, st, max_logprobs=0, full=False, draw=name != "greedy").logprob
+                out = sample(logits, st, max_logprobs=0, full=False, draw=name != "greedy")
+                return out.token_ids if tokens else out.logprob
             finally:
                 sampler.gumbel_noise = base_noise
         return run
@@ -81,7 +94,17 @@ def main(argv=None) -> int:
         jax.block_until_ready(out)
         return (time.perf_counter() - t0) / (args.iters * args.repeat) * 1e6
 
-    rows = [(name, timed(form(name))) for name in args.forms.split(",")]
+    rows = []
+    for name in args.forms.split(","):
+        if name != "kernel":
+            rows.append((name, timed(form(name))))
+            continue
+        want = np.asarray(jax.jit(lambda h: form("hash")(h, tokens=True))(h0))
+        for c in args.configs.split(","):
+            config = tuple(int(x) for x in c.split("x"))
+            got = np.asarray(jax.jit(lambda h: form(name, config)(h, tokens=True))(h0))
+            rows.append((f"kernel {c}" + ("" if np.array_equal(got, want) else " (TOKENS DIFFER)"),
+                         timed(form(name, config))))
     gemm = dict(rows).get("gemm")
     print(f"\n| form | us a step, B {B} | beyond the GEMM |")
     print("|---|---|---|")

@@ -136,13 +136,61 @@ def lm_head_sample_stats(h, w, temperature, key_data, suppress_ids, *, noise, bl
     return TileStats(*(a[:, :T] for a in out))
 
 
+def logits_supported(vocab: int) -> bool:
+    """Whether `logits_sample_stats` tiles a vocabulary of `vocab` ids."""
+    return largest_pow2_divisor(vocab, 128) >= 16
+
+
+def _logits_kernel(l_ref, t_ref, k0_ref, k1_ref, sup_ref, *out_refs, block_v, num_suppress, noise):
+    stats = tile_stats(l_ref[...], pl.program_id(0) * block_v, t_ref[...], k0_ref[...][:, None],
+                       k1_ref[...][:, None], [sup_ref[:, j] for j in range(num_suppress)], noise)
+    for ref, x in zip(out_refs, stats):
+        ref[0, :] = x
+
+
+@functools.partial(jax.jit, static_argnames=("noise", "block_t", "block_v", "num_warps", "interpret"))
+def logits_sample_stats(logits, temperature, key_data, suppress_ids, *, noise, block_t=None, block_v=None,
+                        num_warps=8, interpret=False) -> TileStats:
+    """The same reductions over the XLA lm_head's fp32 logits [T, V] (the sampler's base variant after XLA's GEMM:
+    one pass over the logits instead of XLA's several, RunnerConfig.sampler_kernel): temperature [T] f32, key_data
+    [T, 2] uint32, suppress_ids [T, S] int32 (-1 padded; S may be 0) -> TileStats of [V // block_v, T] arrays.
+    Grid (V // block_v, T // block_t), program (v, tb) reducing rows tb * block_t .. of column tile v. Tiles left as
+    None: block_t the largest power of two dividing T up to 32, block_v the largest dividing V up to 16,384 ids a
+    program (512 at 32 rows)."""
+    T, V = logits.shape
+    assert logits_supported(V), logits.shape
+    block_t = block_t or largest_pow2_divisor(T, 32)
+    block_v = block_v or largest_pow2_divisor(V, max(16, 16384 // block_t))
+    assert T % block_t == 0 and V % block_v == 0, (logits.shape, block_t, block_v)
+    num_suppress = suppress_ids.shape[1]
+    sup = suppress_ids.astype(jnp.int32) if num_suppress else jnp.full((T, 1), -1, jnp.int32)
+    key_data = key_data.astype(jnp.uint32)
+    tiles, rows = V // block_v, pl.BlockSpec((block_t,), lambda v, tb: (tb,))
+    dtypes = [jnp.int32 if name in ("garg", "zarg") else jnp.float32 for name in TileStats._fields]
+    out = pl.pallas_call(
+        functools.partial(_logits_kernel, block_v=block_v, num_suppress=num_suppress, noise=noise),
+        grid=(tiles, T // block_t),
+        in_specs=[pl.BlockSpec((block_t, block_v), lambda v, tb: (tb, v)), rows, rows, rows,
+                  pl.BlockSpec((block_t, sup.shape[1]), lambda v, tb: (tb, 0))],
+        out_shape=[jax.ShapeDtypeStruct((tiles, T), dt) for dt in dtypes],
+        out_specs=[pl.BlockSpec((1, block_t), lambda v, tb: (v, tb)) for _ in dtypes],
+        compiler_params=compiler_params(num_warps, 1, interpret), interpret=interpret,
+    )(logits.astype(jnp.float32), temperature.astype(jnp.float32), key_data[:, 0], key_data[:, 1], sup)
+    return TileStats(*out)
+
+
 def lm_head_sample_stats_reference(h, w, temperature, key_data, suppress_ids, *, noise, block_v=None) -> TileStats:
-    """Pure JAX: the XLA path's logits (einsum in h's dtype, then fp32), the same noise over [T, V], and the
-    same reductions over [T, V // block_v, block_v] tiles."""
-    T, D = h.shape
+    """Pure JAX: the XLA path's logits (einsum in h's dtype, then fp32), then `logits_sample_stats_reference`."""
     V = w.shape[1]
-    block_v = block_v or largest_pow2_divisor(V, 128)
     logits = jnp.einsum("td,dv->tv", h.astype(w.dtype), w).astype(jnp.float32)  # [T, V]
+    return logits_sample_stats_reference(logits, temperature, key_data, suppress_ids, noise=noise,
+                                         block_v=block_v or largest_pow2_divisor(V, 128))
+
+
+def logits_sample_stats_reference(logits, temperature, key_data, suppress_ids, *, noise, block_v) -> TileStats:
+    """Pure JAX: the same noise over [T, V] and the same reductions over [T, V // block_v, block_v] tiles of the
+    fp32 logits [T, V]."""
+    T, V = logits.shape
     col = jnp.broadcast_to(jnp.arange(V, dtype=jnp.int32), (T, V))
     kd = key_data.astype(jnp.uint32)
     sup = jnp.zeros((T, V), jnp.bool_)

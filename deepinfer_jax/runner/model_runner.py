@@ -48,7 +48,7 @@ from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metad
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import (Resident, StepOut, StepResult, extract_results, meta_struct, packed,
                                           resolve_placeholders, split_inbox, step_result)
-from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, sample_step_outputs
+from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, logits_stats_sampler, sample_step_outputs
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 from deepinfer_jax.weights.pending import PendingParams
 
@@ -88,6 +88,8 @@ class ModelRunner:
         # The forward hands the sampler the final-normed hidden states and the base variant samples inside the
         # lm_head (runner/step_sampler.py), or it hands over the logits.
         self.lm_head_sampler = lm_head_in_sampler(cfg, runner_cfg, params["lm_head"], sharding)
+        # Or the base variant reads the logits in one kernel pass (RunnerConfig.sampler_kernel).
+        self.logits_sampler = not self.lm_head_sampler and logits_stats_sampler(cfg, runner_cfg, sharding)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
@@ -163,13 +165,14 @@ class ModelRunner:
             full, draw = variant == "full", variant != "greedy"
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
             in_lm_head, interpret = self.lm_head_sampler, self.runner_cfg.attn_impl == "pallas_interpret"
+            logits_kernel = self.logits_sampler
 
             def sample_step(out, lm_head, prev_tokens, ints, floats):
                 st = resolve_placeholders(None, unpack(ints, floats, layout), prev_tokens)[1]
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
                 sampled = sample_step_outputs(out, lm_head, st, max_logprobs=k, full=full, in_lm_head=in_lm_head,
-                                              interpret=interpret, draw=draw)
+                                              interpret=interpret, draw=draw, logits_kernel=logits_kernel)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
@@ -418,7 +421,8 @@ class ModelRunner:
         else:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
-        want_full = any(needs_full_variant(requests[s.request_id], self.lm_head_sampler) for s in plan_seqs)
+        no_min_p = self.lm_head_sampler or self.logits_sampler  # the base variant samples from tile stats
+        want_full = any(needs_full_variant(requests[s.request_id], no_min_p) for s in plan_seqs)
         host = self._host_step(groups, requests, seeds, bucket, want_full)
         if not want_full and self._greedy_bucket(bucket) and all(
                 requests[s.request_id].sampling_params.is_greedy() for s in plan_seqs):

@@ -214,11 +214,12 @@ def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
         gc.enable()
 
 
-def test_sampling_inside_the_lm_head(hf_case, hf_greedy):
-    """RunnerConfig.lm_head_sampler (kernels/lm_head_sample.py in interpret mode): the base variant's steps
-    sample inside the lm_head, and every request's tokens equal those of the same engine sampling from the
-    logits: greedy (HF's tokens), seeded draws at two temperatures, a min_tokens request whose stop ids are
-    suppressed, and a min-p request (which the host now sends to the full variant)."""
+def test_sampling_from_tile_stats(hf_case, hf_greedy):
+    """RunnerConfig.lm_head_sampler and sampler_kernel (kernels/lm_head_sample.py in interpret mode): the base
+    variant's steps sample inside the lm_head, or from the logits in one kernel pass, and every request's tokens
+    equal those of the same engine sampling from the logits with XLA: greedy (HF's tokens), seeded draws at two
+    temperatures, a min_tokens request whose stop ids are suppressed, and a min-p request (which the host then
+    sends to the full variant)."""
     model, path = hf_case("v2_greedy_yarn")
     vocab = model.config.vocab_size
     prompts = random_prompts(18, [1, 9, 40, 70, 12], vocab)
@@ -230,16 +231,17 @@ def test_sampling_inside_the_lm_head(hf_case, hf_greedy):
                              ignore_eos=True),
               SamplingParams(temperature=1.0, seed=14, min_p=0.05, max_tokens=4, ignore_eos=True)]
     outs = {}
-    for on in (False, True):
+    for mode in ("xla", "lm_head_sampler", "sampler_kernel"):
         llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
-                   max_num_seqs=4, unroll_max_tokens=16, lm_head_sampler=on)
-        assert llm.engine.runner.lm_head_sampler is on
-        outs[on] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        assert llm.engine.runner.compiles_after_warmup == 0
-    assert outs[True] == outs[False]
-    assert outs[True][0] == hf_greedy(model, prompts[0], 6)
-    assert not set(outs[True][3]) & set(stop)
-    assert len({tuple(o) for o in outs[True][1:]}) == 4  # the draws differ from one another
+                   max_num_seqs=4, unroll_max_tokens=16, **({mode: True} if mode != "xla" else {}))
+        runner = llm.engine.runner
+        assert (runner.lm_head_sampler, runner.logits_sampler) == (mode == "lm_head_sampler", mode == "sampler_kernel")
+        outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+        assert runner.compiles_after_warmup == 0
+    assert outs["lm_head_sampler"] == outs["sampler_kernel"] == outs["xla"]
+    assert outs["xla"][0] == hf_greedy(model, prompts[0], 6)
+    assert not set(outs["xla"][3]) & set(stop)
+    assert len({tuple(o) for o in outs["xla"][1:]}) == 4  # the draws differ from one another
 
 
 def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):

@@ -374,6 +374,23 @@ def test_lm_head_sampler_lowers_for_sm90(triton_modules):
     assert "grid_x = 800" in hlo
 
 
+def test_logits_sampler_lowers_for_sm90(triton_modules):
+    """The base sampler's one pass over the logits (RunnerConfig.sampler_kernel) at V2-Lite's shape (32 rows, V
+    102,400, 8 suppressed ids): 200 tiles of 512 ids in one launch, no dot, the noise hash's seven xor-shifts, the
+    Gumbel noise's two logs, seven stores."""
+    from deepinfer_jax.kernels.lm_head_sample import logits_sample_stats
+    from deepinfer_jax.sampling import gumbel_noise
+
+    fn = functools.partial(logits_sample_stats, noise=gumbel_noise)
+    s = jax.ShapeDtypeStruct
+    args = (s((32, 102400), jnp.float32), s((32,), jnp.float32), s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.dot") == 0 and ir.count("tt.store") == 7 and "tensor<32x512xf32>" in ir
+    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
+    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "grid_x = 200" in hlo and "num_warps = 8" in hlo
+
+
 def test_route_and_experts_launch_lowers_for_sm90(triton_modules):
     """The route launch and the experts' single launch as one grid (kernels/route_experts.py) at V2-Lite's shape
     (batch 32, 64 experts + 2 shared): one kernel; the router's dot, the gate_up tiles' two and the down tiles' one

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -70,3 +71,42 @@ def test_merged_tiles_sample_as_the_sampler(dtype, suppress, seed):
 def test_tiles_need_powers_of_two():
     assert lhs.supported(102400, 2048) and lhs.supported(129280, 7168)
     assert not lhs.supported(1000, 2048)  # 1000 = 8 x 125: no 16-wide tile
+
+
+@pytest.mark.parametrize("rows,vocab,block_t,block_v",
+                         [(5, 1024, None, 256), (32, 2048, None, None), (12, 768, 4, None), (16, 1024, 16, 128)])
+def test_logits_kernel_matches_reference_and_samples_as_the_sampler(rows, vocab, block_t, block_v):
+    """logits_sample_stats (RunnerConfig.sampler_kernel) over the XLA lm_head's fp32 logits: the reference's tile
+    reductions at several row blocks (odd row counts take one-row blocks), and merged, `sample`'s base variant:
+    the same tokens, the logprobs up to fp32 summation order."""
+    rng = np.random.default_rng(rows * vocab)
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 3, jnp.float32)
+    temp = jnp.asarray(rng.choice([0.0, 1.0, 0.7, 1.3], rows), jnp.float32)
+    keys = jnp.asarray(rng.integers(0, 2**32, size=(rows, 2), dtype=np.uint32))
+    top = np.asarray(jnp.argmax(logits, axis=-1))
+    sup = jnp.asarray(np.stack([top, rng.integers(0, vocab, rows), np.full(rows, -1)], axis=1).astype(np.int32))
+    got = lhs.logits_sample_stats(logits, temp, keys, sup, noise=gumbel_noise, block_t=block_t, block_v=block_v,
+                                  interpret=True)
+    tiles = got.m.shape[0]
+    assert tiles > 1 and vocab % tiles == 0
+    want = lhs.logits_sample_stats_reference(logits, temp, keys, sup, noise=gumbel_noise, block_v=vocab // tiles)
+    for name, a, b in zip(lhs.TileStats._fields, got, want):
+        assert a.shape == b.shape == (tiles, rows), name
+        if name in ("garg", "zarg"):
+            assert np.array_equal(np.asarray(a), np.asarray(b)), name
+        else:
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6, err_msg=name)
+    st = dataclasses.replace(SamplingTensors.defaults(rows, suppress_len=3), temperature=np.asarray(temp),
+                             rng_key_data=np.asarray(keys), suppress_token_ids=np.asarray(sup))
+    merged, base = sample_from_tile_stats(got, st, max_logprobs=0), sample(logits, st, max_logprobs=0, full=False)
+    assert np.asarray(merged.token_ids).tolist() == np.asarray(base.token_ids).tolist()
+    np.testing.assert_allclose(np.asarray(merged.logprob), np.asarray(base.logprob), rtol=1e-5, atol=1e-5)
+    assert not np.isin(np.asarray(merged.token_ids)[np.asarray(temp) == 0], top).any()  # the greedy picks suppressed
+
+
+def test_logits_kernel_tiles():
+    assert lhs.logits_supported(102400) and lhs.logits_supported(129280) and not lhs.logits_supported(1000)
+    stats = jax.eval_shape(lambda *a: lhs.logits_sample_stats(*a, noise=gumbel_noise, interpret=True),
+                           jnp.zeros((32, 102400), jnp.float32), jnp.ones((32,)), jnp.zeros((32, 2), jnp.uint32),
+                           jnp.full((32, 0), -1, jnp.int32))
+    assert stats.m.shape == (200, 32)  # V2-Lite at 32 rows: tiles of 512 ids, one row block
