@@ -16,7 +16,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -36,17 +35,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import jax
-    import jax.numpy as jnp
 
     from deepinfer_jax.kernels.lm_head_sample import lm_head_sample_stats
     from deepinfer_jax.models.deepseek import lm_head_logits
     from deepinfer_jax.sampling import SamplingTensors, gumbel_noise, sample, sample_from_tile_stats
 
-    B, D, V = args.batch, args.hidden, args.vocab
-    rng = np.random.default_rng(0)
-    h0 = jnp.asarray(rng.normal(size=(B, D)), jnp.bfloat16)
-    w = jnp.asarray(rng.uniform(-0.05, 0.05, size=(D, V)), jnp.bfloat16)
-    keys = rng.integers(0, 2**32, size=(B, 2), dtype=np.uint32)
+    from tail_timing import chained_us, tail_inputs
+
+    B = args.batch
+    h0, w, keys = tail_inputs(B, args.hidden, args.vocab)
 
     def tensors(temperature):
         return dataclasses.replace(SamplingTensors.defaults(B, suppress_len=8),
@@ -66,19 +63,7 @@ def main(argv=None) -> int:
         return run
 
     def timed(fn, st):
-        def chain(h):
-            for _ in range(args.repeat):  # each copy's input depends on the last one's result
-                out = fn(h, st)
-                # a float product (XLA folds an integer x * 0, and then CSEs the copies: session 22's first sweep)
-                h = h + (out.logprob[:, None] * 0.0).astype(h.dtype)
-            return out.token_ids
-        prog = jax.jit(chain)
-        jax.block_until_ready(prog(h0))
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = prog(h0)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / (args.iters * args.repeat) * 1e6
+        return chained_us(lambda h: fn(h, st).logprob, h0, repeat=args.repeat, iters=args.iters)
 
     configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",") if c]
     st0, st1 = tensors(0.0), tensors(1.0)

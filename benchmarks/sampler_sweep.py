@@ -22,7 +22,6 @@ import argparse
 import dataclasses
 import os
 import sys
-import time
 
 import numpy as np
 
@@ -49,12 +48,11 @@ def main(argv=None) -> int:
     from deepinfer_jax.models.deepseek import lm_head_logits
     from deepinfer_jax.sampling import SamplingTensors, sample, sample_from_tile_stats, sampler
 
-    B, D, V = args.batch, args.hidden, args.vocab
-    rng = np.random.default_rng(0)
-    h0 = jnp.asarray(rng.normal(size=(B, D)), jnp.bfloat16)
-    w = jnp.asarray(rng.uniform(-0.05, 0.05, size=(D, V)), jnp.bfloat16)
-    st = dataclasses.replace(SamplingTensors.defaults(B, suppress_len=8),
-                             rng_key_data=rng.integers(0, 2**32, size=(B, 2), dtype=np.uint32))
+    from tail_timing import chained_us, tail_inputs
+
+    B = args.batch
+    h0, w, keys = tail_inputs(B, args.hidden, args.vocab)
+    st = dataclasses.replace(SamplingTensors.defaults(B, suppress_len=8), rng_key_data=keys)
     base_noise = sampler.gumbel_noise
 
     def threefry_noise(k0, k1, col):  # [B, 1] key words -> jax.random.gumbel's noise [B, V] (col: 0 .. V - 1)
@@ -81,18 +79,7 @@ def main(argv=None) -> int:
         return run
 
     def timed(fn):
-        def chain(h):
-            for _ in range(args.repeat):  # each copy's input depends on the last one's result (a float product)
-                out = fn(h)
-                h = h + (out[:, None] * 0.0).astype(h.dtype)
-            return out
-        prog = jax.jit(chain)
-        jax.block_until_ready(prog(h0))
-        t0 = time.perf_counter()
-        for _ in range(args.iters):
-            out = prog(h0)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / (args.iters * args.repeat) * 1e6
+        return chained_us(fn, h0, repeat=args.repeat, iters=args.iters)
 
     rows = []
     for name in args.forms.split(","):
