@@ -48,7 +48,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.models.deepseek import lm_head_logits
     from deepinfer_jax.sampling import SamplingTensors, sample, sample_from_tile_stats, sampler
 
-    from tail_timing import chained_us, tail_inputs
+    from benchmarks.tail_timing import chained_us, tail_inputs
 
     B = args.batch
     h0, w, keys = tail_inputs(B, args.hidden, args.vocab)
