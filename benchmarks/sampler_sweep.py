@@ -10,6 +10,8 @@
     kernel    the base variant through kernels/lm_head_sample.py logits_sample_stats (one pass over the logits)
               and sampling.sample_from_tile_stats (RunnerConfig.sampler_kernel), at each of --configs
               (block_v x num_warps), its tokens checked against `hash`'s first
+    kgreedy   the greedy variant through the same kernel without the noise (every row at temperature 0), its tokens
+              checked against `greedy`'s
 
     python benchmarks/sampler_sweep.py [--batch 32] [--repeat 8] [--iters 20]
 
@@ -36,7 +38,7 @@ def main(argv=None) -> int:
     ap.add_argument("--vocab", type=int, default=102400)
     ap.add_argument("--repeat", type=int, default=8)
     ap.add_argument("--iters", type=int, default=20)
-    ap.add_argument("--forms", default="gemm,greedy,hash,threefry,kernel")
+    ap.add_argument("--forms", default="gemm,greedy,hash,threefry,kernel,kgreedy")
     ap.add_argument("--configs", default="512x8,512x4,256x4,1024x8")
     ap.add_argument("--interpret", action="store_true", help="the CPU: the kernel in interpret mode (check only)")
     args = ap.parse_args(argv)
@@ -53,6 +55,7 @@ def main(argv=None) -> int:
     B = args.batch
     h0, w, keys = tail_inputs(B, args.hidden, args.vocab)
     st = dataclasses.replace(SamplingTensors.defaults(B, suppress_len=8), rng_key_data=keys)
+    st0 = dataclasses.replace(st, temperature=np.zeros((B,), np.float32))  # every row greedy
     base_noise = sampler.gumbel_noise
 
     def threefry_noise(k0, k1, col):  # [B, 1] key words -> jax.random.gumbel's noise [B, V] (col: 0 .. V - 1)
@@ -64,11 +67,12 @@ def main(argv=None) -> int:
             logits = lm_head_logits(w, h)
             if name == "gemm":
                 return logits.sum(axis=-1)
-            if name == "kernel":
-                bv, nw = config
-                stats = logits_sample_stats(logits, st.temperature, st.rng_key_data, st.suppress_token_ids,
-                                            noise=base_noise, block_v=bv, num_warps=nw, interpret=args.interpret)
-                out = sample_from_tile_stats(stats, st, max_logprobs=0)
+            if name in ("kernel", "kgreedy"):
+                (bv, nw), t = config, st if name == "kernel" else st0
+                stats = logits_sample_stats(logits, t.temperature, t.rng_key_data, t.suppress_token_ids,
+                                            noise=base_noise if name == "kernel" else None, block_v=bv, num_warps=nw,
+                                            interpret=args.interpret)
+                out = sample_from_tile_stats(stats, t, max_logprobs=0)
                 return out.token_ids if tokens else out.logprob
             sampler.gumbel_noise = threefry_noise if name == "threefry" else base_noise
             try:
@@ -83,14 +87,14 @@ def main(argv=None) -> int:
 
     rows = []
     for name in args.forms.split(","):
-        if name != "kernel":
+        if name not in ("kernel", "kgreedy"):
             rows.append((name, timed(form(name))))
             continue
-        want = np.asarray(jax.jit(lambda h: form("hash")(h, tokens=True))(h0))
+        want = np.asarray(jax.jit(lambda h: form("hash" if name == "kernel" else "greedy")(h, tokens=True))(h0))
         for c in args.configs.split(","):
             config = tuple(int(x) for x in c.split("x"))
             got = np.asarray(jax.jit(lambda h: form(name, config)(h, tokens=True))(h0))
-            rows.append((f"kernel {c}" + ("" if np.array_equal(got, want) else " (TOKENS DIFFER)"),
+            rows.append((f"{name} {c}" + ("" if np.array_equal(got, want) else " (TOKENS DIFFER)"),
                          timed(form(name, config))))
     gemm = dict(rows).get("gemm")
     print(f"\n| form | us a step, B {B} | beyond the GEMM |")

@@ -438,10 +438,11 @@ class RunnerConfig:
     # is slower than XLA's GEMM by about what the sampler's passes cost), the step 8.12 ms against 8.10, Protocol A
     # 3,647-3,653 tok/s against 3,686; off.
     lm_head_sampler: bool = False
-    # Where the lm_head stays XLA's GEMM, the base sampling variant reads its fp32 logits in one Pallas pass
-    # (kernels/lm_head_sample.py logits_sample_stats: per vocabulary tile the row max and exp-sum, the greedy pick,
-    # the Gumbel-max draw) and merges the tiles (sampling.sample_from_tile_stats), instead of XLA's several passes
-    # over them; the same tokens. One device, the Pallas path; requests with min-p then take the full variant.
+    # Where the lm_head stays XLA's GEMM, the base and greedy sampling variants read its fp32 logits in one Pallas
+    # pass (kernels/lm_head_sample.py logits_sample_stats: per vocabulary tile the row max and exp-sum, the greedy
+    # pick, the Gumbel-max draw in the base variant) and merge the tiles (sampling.sample_from_tile_stats), instead
+    # of XLA's several passes over them; the same tokens. One device, the Pallas path; requests with min-p then
+    # take the full variant.
     # Not yet measured on a GPU (session 32); off.
     sampler_kernel: bool = False
     # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy

@@ -22,7 +22,8 @@ as the XLA path's einsum does, and reduces the tile to (col = the tile's vocabul
 
 The noise is the caller's (`noise`: sampling.gumbel_noise, elementwise jnp, the function the XLA path's
 draw calls), so the merged draw is `sampling.sample`'s base variant's token for token: the Gumbel-max over
-all V ids, the first maximum winning.
+all V ids, the first maximum winning. `noise=None` is the greedy variant's form (every row greedy, no draw):
+zmax, zarg, zraw are gmax, garg, gmax and no noise is computed.
 
 Three parts (ARCHITECTURE.md rule 6): `lm_head_sample_stats` (the kernel; `interpret=True` runs it on
 the CPU) and `lm_head_sample_stats_reference` (pure JAX over the XLA path's logits and the same
@@ -66,7 +67,8 @@ def supported(vocab: int, hidden: int) -> bool:
 def tile_stats(logits, first, temperature, k0, k1, suppress_cols, noise) -> tuple:
     """One tile's reductions (module docstring): logits [T, n] f32 of vocabulary ids first .. first + n - 1,
     temperature [T], k0 / k1 [T, 1] uint32, suppress_cols a list of [T] suppressed ids (-1: none), `noise` the
-    Gumbel noise (k0, k1, ids [T, n]) -> [T, n] f32 -> seven [T] arrays in TileStats' order."""
+    Gumbel noise (k0, k1, ids [T, n]) -> [T, n] f32, or None (no draw: the z stats are the greedy ones) -> seven
+    [T] arrays in TileStats' order."""
     pos = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
     col = first + pos
     suppressed = jnp.zeros(col.shape, jnp.bool_)
@@ -76,6 +78,8 @@ def tile_stats(logits, first, temperature, k0, k1, suppress_cols, noise) -> tupl
     s = jnp.exp(logits - m[:, None]).sum(axis=1)
     x = jnp.where(suppressed, -jnp.inf, logits)
     gmax, garg = x.max(axis=1), jnp.argmax(x, axis=1).astype(jnp.int32)
+    if noise is None:
+        return m, s, gmax, garg + first, gmax, garg + first, gmax
     t = jnp.where(temperature < GREEDY_EPS, jnp.float32(1.0), temperature)
     z = x / t[:, None] + noise(k0, k1, col)
     zmax, zpos = z.max(axis=1), jnp.argmax(z, axis=1).astype(jnp.int32)
@@ -198,13 +202,14 @@ def logits_sample_stats_reference(logits, temperature, key_data, suppress_ids, *
         sup = sup | (col == suppress_ids[:, j : j + 1])
     x = jnp.where(sup, -jnp.inf, logits)
     t = jnp.where(temperature < GREEDY_EPS, 1.0, temperature).astype(jnp.float32)
-    z = x / t[:, None] + noise(kd[:, :1], kd[:, 1:], col)
+    z = x if noise is None else x / t[:, None] + noise(kd[:, :1], kd[:, 1:], col)
     tiles = lambda a: a.reshape(T, V // block_v, block_v)  # noqa: E731  [T, tiles, block_v]
     lg, xt, zt = tiles(logits), tiles(x), tiles(z)
     m = lg.max(axis=2)
     first = jnp.arange(V // block_v, dtype=jnp.int32)[None, :] * block_v
     zpos = jnp.argmax(zt, axis=2).astype(jnp.int32)
-    stats = (m, jnp.exp(lg - m[..., None]).sum(axis=2), xt.max(axis=2),
-             jnp.argmax(xt, axis=2).astype(jnp.int32) + first, zt.max(axis=2), zpos + first,
-             jnp.take_along_axis(lg, zpos[..., None], axis=2)[..., 0])
+    gmax, garg = xt.max(axis=2), jnp.argmax(xt, axis=2).astype(jnp.int32) + first
+    z_stats = ((gmax, garg, gmax) if noise is None else
+               (zt.max(axis=2), zpos + first, jnp.take_along_axis(lg, zpos[..., None], axis=2)[..., 0]))
+    stats = (m, jnp.exp(lg - m[..., None]).sum(axis=2), gmax, garg, *z_stats)
     return TileStats(*(a.T for a in stats))

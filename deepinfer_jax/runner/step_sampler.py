@@ -3,9 +3,10 @@
 Three forms, fixed per runner (`lm_head_in_sampler`, `logits_stats_sampler`):
 
 - the forward returns the fp32 logits [S, V] and `sampling.sample` reads them (every variant);
-- the same, with RunnerConfig.sampler_kernel (one device, the Pallas path): the base variant reads the logits
-  in one kernel pass (kernels/lm_head_sample.py logits_sample_stats) and `sampling.sample_from_tile_stats`
-  merges its tiles, the same tokens as `sample`'s base variant and, as in the next form, no min-p;
+- the same, with RunnerConfig.sampler_kernel (one device, the Pallas path): the base and greedy variants read
+  the logits in one kernel pass (kernels/lm_head_sample.py logits_sample_stats; the greedy one without the
+  noise) and `sampling.sample_from_tile_stats` merges its tiles, the same tokens as `sample`'s and, as in the
+  next form, no min-p in the base variant;
 - with RunnerConfig.lm_head_sampler, on the Pallas path of one device with a float lm_head the kernel
   tiles, the forward returns the final-normed hidden states [S, D] instead. The base variant then runs
   the lm_head and the sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py),
@@ -49,13 +50,13 @@ def sample_step_outputs(out: jax.Array, lm_head: Any, st: SamplingTensors, *, ma
                         logits_kernel: bool = False) -> SampleOutput:
     """out: the forward's per-sequence output (logits [S, V] fp32, or with `in_lm_head` the final-normed
     hidden states [S, D]) -> the step's SampleOutput (`sampling.sample` semantics; `draw=False`: every row
-    greedy, the greedy variant; `logits_kernel`: the base variant through the logits kernel)."""
+    greedy, the greedy variant; `logits_kernel`: the base and greedy variants through the logits kernel)."""
     if not in_lm_head:
-        if logits_kernel and draw and not full:
+        if logits_kernel and not full:
             from deepinfer_jax.kernels import lm_head_sample
 
             stats = lm_head_sample.logits_sample_stats(out, st.temperature, st.rng_key_data, st.suppress_token_ids,
-                                                       noise=gumbel_noise, interpret=interpret)
+                                                       noise=gumbel_noise if draw else None, interpret=interpret)
             return sample_from_tile_stats(stats, st, max_logprobs=max_logprobs)
         return sample(out, st, max_logprobs=max_logprobs, full=full, draw=draw)
     if full:

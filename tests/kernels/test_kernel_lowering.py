@@ -389,6 +389,9 @@ def test_logits_sampler_lowers_for_sm90(triton_modules):
     assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
     hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "grid_x = 200" in hlo and "num_warps = 8" in hlo
+    # the greedy variant's form (noise=None): no hash and no logs, still seven stores
+    (ir,) = triton_modules(functools.partial(logits_sample_stats, noise=None), *args)
+    assert ir.count("tt.store") == 7 and ir.count("__nv_logf") == 0 and ir.count("arith.xori") == 0
 
 
 def test_route_and_experts_launch_lowers_for_sm90(triton_modules):

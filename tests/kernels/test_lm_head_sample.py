@@ -104,6 +104,30 @@ def test_logits_kernel_matches_reference_and_samples_as_the_sampler(rows, vocab,
     assert not np.isin(np.asarray(merged.token_ids)[np.asarray(temp) == 0], top).any()  # the greedy picks suppressed
 
 
+def test_logits_kernel_greedy_form_samples_as_the_greedy_variant():
+    """noise=None (the greedy variant through the kernel): the z stats are the greedy ones, the reference agrees,
+    and merged it is `sample(draw=False)`: the argmax past the suppressed ids and its logprob."""
+    rng = np.random.default_rng(3)
+    rows, vocab = 8, 1024
+    logits = jnp.asarray(rng.normal(size=(rows, vocab)) * 3, jnp.float32)
+    temp = jnp.zeros((rows,), jnp.float32)
+    keys = jnp.asarray(rng.integers(0, 2**32, size=(rows, 2), dtype=np.uint32))
+    top = np.asarray(jnp.argmax(logits, axis=-1))
+    sup = jnp.asarray(np.stack([top, np.full(rows, -1)], axis=1).astype(np.int32))
+    got = lhs.logits_sample_stats(logits, temp, keys, sup, noise=None, block_v=128, interpret=True)
+    want = lhs.logits_sample_stats_reference(logits, temp, keys, sup, noise=None, block_v=128)
+    for name, a, b in zip(lhs.TileStats._fields, got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6, atol=2e-6, err_msg=name)
+    assert np.array_equal(np.asarray(got.zarg), np.asarray(got.garg))
+    st = dataclasses.replace(SamplingTensors.defaults(rows, suppress_len=2), temperature=np.asarray(temp),
+                             rng_key_data=np.asarray(keys), suppress_token_ids=np.asarray(sup))
+    merged = sample_from_tile_stats(got, st, max_logprobs=0)
+    greedy = sample(logits, st, max_logprobs=0, full=False, draw=False)
+    assert np.asarray(merged.token_ids).tolist() == np.asarray(greedy.token_ids).tolist()
+    assert (np.asarray(merged.token_ids) != top).all()  # each row's suppressed top id was not picked
+    np.testing.assert_allclose(np.asarray(merged.logprob), np.asarray(greedy.logprob), rtol=1e-5, atol=1e-5)
+
+
 def test_logits_kernel_tiles():
     assert lhs.logits_supported(102400) and lhs.logits_supported(129280) and not lhs.logits_supported(1000)
     stats = jax.eval_shape(lambda *a: lhs.logits_sample_stats(*a, noise=gumbel_noise, interpret=True),

@@ -21,7 +21,8 @@ def _table(out: str) -> dict[str, list[str]]:
 def test_sampler_sweep_kernel_tokens_equal_the_hash_draw(capsys):
     assert sampler_sweep.main(TINY + ["--configs", "512x8,256x4"]) == 0
     rows = _table(capsys.readouterr().out)
-    assert list(rows) == ["gemm", "greedy", "hash", "threefry", "kernel 512x8", "kernel 256x4"]  # no TOKENS DIFFER
+    assert list(rows) == ["gemm", "greedy", "hash", "threefry", "kernel 512x8", "kernel 256x4", "kgreedy 512x8",
+                          "kgreedy 256x4"]  # no TOKENS DIFFER
     assert all(float(r[0]) > 0 for r in rows.values())
 
 
