@@ -51,6 +51,8 @@ def main(argv=None) -> int:
             out, ms = profiler.measure(f, iterations=5)(*xs)
         except Exception as e:  # shared memory or register overflows: report, go on
             return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+        if ms is None:
+            return out, "no kernel timed"
         return out, statistics.median(ms) * 1e3 if isinstance(ms, list) else ms * 1e3
 
     rows = []
