@@ -443,12 +443,14 @@ class RunnerConfig:
     # pick, the Gumbel-max draw in the base variant) and merge the tiles (sampling.sample_from_tile_stats), instead
     # of XLA's several passes over them; the same tokens. One device, the Pallas path; requests with min-p then
     # take the full variant.
-    # Not yet measured on a GPU (session 32); off.
+    # Session 33 (H100, batch 32): slower. The one pass took 95 us beyond the lm_head against XLA's 17.8 (the
+    # greedy form 28 against 11): each program's [32, 512] tile reductions (max, first argmax, exp-sum, the noise)
+    # are compute-bound in Triton, where XLA's fusions stream the 13 MB of logits. Protocol A 2,729-2,734 /
+    # 2,717-2,718 tok/s (temp 0 / 1) against 2,738-2,739 / 2,737 without it; off.
     sampler_kernel: bool = False
     # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy
-    # path): the argmax without the temperature, min-p and the Gumbel draw (whose threefry hash over the
-    # vocabulary took ~22 us a step on an H200 at batch 32 until session 32's cheaper one, sampler.noise_bits). One
-    # more program per decode bucket at warm-up.
+    # path): the argmax without the temperature, min-p and the Gumbel draw (session 33, H100, batch 32: 11.3 us
+    # beyond the lm_head against the base variant's 17.8). One more program per decode bucket at warm-up.
     # Session 22 (H200): Protocol A greedy 3,696 tok/s against 3,684 without it, temperature 1 even (3,687).
     greedy_variant: bool = True
     # Prefill buckets (more token slots than sequence rows; one device, no routing collected) run a step as two

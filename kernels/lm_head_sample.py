@@ -7,11 +7,11 @@
 
 The XLA path writes the fp32 logits [T, V] and the sampler reads them several times over (the row max
 and log-normaliser, the suppression, the greedy argmax, the Gumbel draw and its argmax): ~50 us a step
-on an H200 at batch 32 beside the lm_head's 104 (benchmarks/RESULTS.md, session 16), 22 of them the
-draw's threefry hash then (now a cheaper one: sampling.noise_bits), integer work that the lm_head's weight
-stream leaves the SMs time for. Here program
-v multiplies h by W's column tile v in block_k steps (fp32 accumulation), rounds the logits to h's dtype
-as the XLA path's einsum does, and reduces the tile to (col = the tile's vocabulary ids):
+on an H200 at batch 32 beside the lm_head's 104 (benchmarks/RESULTS.md, session 16; ~18 on an H100 in
+session 33, the noise from sampling.noise_bits), and the draw's integer work is what the lm_head's weight
+stream leaves the SMs time for. Neither form here has beaten XLA on the GPU (RunnerConfig's comments have the
+figures). Here program v multiplies h by W's column tile v in block_k steps (fp32 accumulation), rounds
+the logits to h's dtype as the XLA path's einsum does, and reduces the tile to (col = the tile's vocabulary ids):
 
     m            max of the logits                            (the row max: the log-normaliser's shift)
     s            sum of exp(logits - m)

@@ -167,8 +167,10 @@ def noise_bits(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
     """A row's key data words k0, k1 (uint32, e.g. [B, 1]) and vocabulary ids col (int32, e.g. [B, n], broadcasting
     with them) -> uint32 random bits: `_mix32` twice, a key word folded in before each. For each key the map from
     id to bits is a bijection, so no two ids of a row share their bits. About 15 integer operations an id, where
-    jax.random's threefry2x32 takes ~100: over 32 x 102,400 ids the latter is ~22 us of integer throughput a step
-    on an H200 (benchmarks/RESULTS.md, session 10). The key data comes from threefry (`keys.make_key_data`)."""
+    jax.random's threefry2x32 takes ~100; yet at batch 32 x 102,400 ids on an H100 the base sampler cost the same
+    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md, session
+    33): the draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
+    (`keys.make_key_data`)."""
     return _mix32(_mix32(col.astype(jnp.uint32) + k0) ^ k1)
 
 
@@ -188,7 +190,8 @@ def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
     gumbel_noise(key, id) (an id at -inf is never drawn unless all are), taken over chunks of ARGMAX_CHUNK ids
     and then over the chunks' maxima. The first maximum wins either way (the first chunk holding it, its first
     index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took 26.5 us a step as one
-    [B, V] reduction and 21.8 us in chunks with threefry's noise (benchmarks/RESULTS.md, session 10)."""
+    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included (benchmarks/RESULTS.md,
+    session 10)."""
     batch, vocab = logits.shape
     kd = key_data.astype(jnp.uint32)
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
