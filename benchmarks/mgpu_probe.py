@@ -9,6 +9,7 @@ Rows (bf16, V2-Lite's experts: 64 x [2048, 2 x 1408] gate_up, 64 x [1408, 2048] 
   mgpu ragged      `ragged_dot_mgpu.ragged_dot` over the T*6 expert-sorted rows (group sizes of a random routing)
   ours grouped     kernels/moe_gmm_mgpu.py over the same rows aligned to 128-row blocks per expert (align_tokens'
                    layout; the TFLOP/s count the T*6 real rows), four of its blocks checked against XLA's product
+  ours swiglu      its gate_up form (the SwiGLU in the epilogue, h [rows, 1,408] out), checked the same way
 Our kernels' figures at this shape come from `kernels.py --only moe_prefill` (session 29: gate_up 1,904 us = 595
 TFLOP/s, down 914 us = 617 TFLOP/s on an H200). A Mosaic grouped GEMM is worth writing only where a row here beats
 those by more than the grouping costs.
@@ -40,7 +41,7 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     from jax.experimental.mosaic.gpu import profiler
 
-    from deepinfer_jax.kernels.moe_gmm_mgpu import grouped_matmul
+    from deepinfer_jax.kernels.moe_gmm_mgpu import grouped_matmul, grouped_swiglu
     from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
     from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu as rd
 
@@ -105,19 +106,25 @@ def main(argv=None) -> int:
             xa = jax.random.normal(jax.random.fold_in(key, 2), (R, K), jnp.bfloat16)
             check = [0, 1, block_expert.shape[0] // 2, block_expert.shape[0] - 1]  # blocks checked
             grouped = list(itertools.product((4, 3), ("m", "n"), (8, 4)))
-            for steps, minor, width in grouped[:2] if args.quick else grouped:
-                f = jax.jit(functools.partial(grouped_matmul, tile_m=128, tile_n=128, tile_k=64, steps=steps,
-                                              minor=minor, width=width))
+            kernels = [("ours grouped", grouped_matmul, "128x256")]
+            if name == "gate_up":  # the same FLOPs with the SwiGLU in the epilogue: h [R, 1,408]
+                kernels.append(("ours swiglu", grouped_swiglu, "128x128 (gate + up)"))
+            for (form, kernel, tiles), (steps, minor, width) in itertools.product(
+                    kernels, grouped[:2] if args.quick else grouped):
+                f = jax.jit(functools.partial(kernel, tile_m=128, tile_n=128, tile_k=64, steps=steps, minor=minor,
+                                              width=width))
                 out, us = timed(f, xa, w, block_expert)
                 if out is not None:
                     err = 0.0
                     for b in check:
                         rows_b = slice(b * 128, (b + 1) * 128)
                         ref = xa[rows_b].astype(jnp.float32) @ w[int(block_expert[b])].astype(jnp.float32)
+                        if kernel is grouped_swiglu:
+                            ref = jax.nn.silu(ref[:, : N // 2]) * ref[:, N // 2:]
                         got = out[rows_b].astype(jnp.float32)
                         err = max(err, float(jnp.max(jnp.abs(got - ref)) / jnp.max(jnp.abs(ref))))
                     us = us if err < 2e-2 else f"wrong (relative error {err:.3f})"
-                add("ours grouped", f"128x256 steps {steps} minor {minor} width {width}", us)
+                add(form, f"{tiles} steps {steps} minor {minor} width {width}", us)
 
     print("\n| matrix | form | config | us | TFLOP/s |")
     print("|---|---|---|---|---|")

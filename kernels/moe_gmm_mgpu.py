@@ -1,7 +1,9 @@
-"""The prefill experts' grouped GEMM on Mosaic GPU (Pallas' wgmma + TMA backend), warp-specialized.
+"""The prefill experts' grouped GEMMs on Mosaic GPU (Pallas' wgmma + TMA backend), warp-specialized.
 
-    x [R, K] (token copies in moe_gmm's expert-aligned rows), w [G, K, N], block_expert [R // tile_m] int32
-        -> y [R, N]: for each row block b with g = block_expert[b] >= 0, y[b's rows] = x[b's rows] @ w[g]
+    grouped_matmul (down):    x [R, K], w [G, K, N]      -> y [R, N],  y[b] = x[b] @ w[g]
+    grouped_swiglu (gate_up): x [R, K], w [G, K, 2 * I]  -> h [R, I],  h[b] = silu(x[b] @ W_gate[g]) * (x[b] @ W_up[g])
+    for each row block b with g = block_expert[b] >= 0 (block_expert [R // tile_m] int32; W_gate / W_up the two
+    halves of w's columns, moe_gmm's [.., D, 2, I] gate_up weights reshaped)
 
 The layout is `moe_gmm.align_tokens`' (vLLM's fused-MoE one) at block_m = tile_m: every row block belongs to one
 expert, so every tile multiplies one expert's weights and is stored whole (no laddered store as in jax's
@@ -9,16 +11,18 @@ expert, so every tile multiplies one expert's weights and is stored whole (no la
 block ids offset by layer * E. Rows of blocks with id -1 are not written (their contents are undefined).
 
 Why (benchmarks/RESULTS.md, session 33, one H100 at Protocol A's prefill, 98,304 rows): our Triton experts reach
-577-592 TFLOP/s, jax's warp-specialized dense example 745-772, cuBLAS 799-813. This kernel is that example's
-structure with the grouping added: per SM a persistent loop over (row block, 2 x tile_n column tile); one memory
-warpgroup streams [tile_m, tile_k] of x and [tile_k, 2 x tile_n] of w[g] by TMA through `steps` shared-memory
-stages; two compute warpgroups each accumulate a [tile_m, tile_n] half with wgmma in fp32 registers, then store
-it in 64 x 64 epilogue tiles through shared memory by TMA.
+577-592 TFLOP/s, jax's warp-specialized dense example 745-772, cuBLAS 799-813. These kernels are that example's
+structure with the grouping added: per SM a persistent loop over (row block, column tile); one memory warpgroup
+streams [tile_m, tile_k] of x and [tile_k, n] column tiles of w[g] (two in the SwiGLU form: the gate's and the
+up's) by TMA through `steps` shared-memory stages; two compute warpgroups accumulate with wgmma in fp32 registers
+(the plain form splits the CTA's 2 x tile_n columns between them, the SwiGLU form its tile_m rows, each with a gate
+and an up accumulator), then store in 64 x 64 epilogue tiles through shared memory by TMA, the SwiGLU applied to
+the accumulators first.
 
-Not yet measured on a GPU, and not yet in the model: the gather of x's rows (TMA has no row gather on Hopper) and
-gate_up's SwiGLU stay outside it. Three parts (ARCHITECTURE.md rule 6): `grouped_matmul` (the kernel;
-`interpret=True` runs it in Mosaic GPU's interpreter on the CPU) and `grouped_matmul_reference` (pure JAX).
-Invariants: R % tile_m == 0, N % (2 * tile_n) == 0, K % tile_k == 0; bf16 or fp16 operands.
+Not yet measured on a GPU, and not yet in the model: the gather of x's rows (TMA has no row gather on Hopper) stays
+outside. Three parts (ARCHITECTURE.md rule 6): the kernels (`interpret=True` runs them in Mosaic GPU's interpreter
+on the CPU) and `grouped_matmul_reference` / `grouped_swiglu_reference` (pure JAX). Invariants: R % tile_m == 0,
+K % tile_k == 0, the output columns a multiple of the CTA's tile; bf16 or fp16 operands.
 """
 
 from __future__ import annotations
@@ -43,48 +47,88 @@ def grouped_matmul_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array
     return y.reshape(R, -1).astype(x.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("tile_m", "tile_n", "tile_k", "steps", "minor", "width",
-                                             "num_programs", "interpret"))
+def grouped_swiglu_reference(x: jax.Array, w: jax.Array, block_expert: jax.Array, tile_m: int) -> jax.Array:
+    """Pure JAX: h = silu(x @ W_gate) * (x @ W_up) per row block, W_gate / W_up the halves of w [G, K, 2 * I]."""
+    y = grouped_matmul_reference(x.astype(jnp.float32), w, block_expert, tile_m)   # f32 [R, 2 * I]
+    half = w.shape[2] // 2
+    return (jax.nn.silu(y[:, :half]) * y[:, half:]).astype(x.dtype)
+
+
+_STATIC = ("tile_m", "tile_n", "tile_k", "steps", "minor", "width", "num_programs", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def grouped_matmul(x, w, block_expert, *, tile_m=128, tile_n=128, tile_k=64, steps=4, minor="m", width=8,
                    num_programs=None, interpret=False) -> jax.Array:
-    """The kernel (module docstring). Tiles: tile_m rows (= align_tokens' block_m), 2 x tile_n columns a CTA (one
-    tile_n half a compute warpgroup), tile_k deep, `steps` pipeline stages; the (row block, column tile) pairs are
-    walked in bands `width` wide along the `minor` dimension ("m": consecutive CTAs take the next row blocks of one
-    column tile, mostly one expert's weights). `num_programs` CTAs (default: the device's SMs)."""
+    """The kernel (module docstring): y = x @ w[g] per row block. Tiles: tile_m rows (= align_tokens' block_m),
+    2 x tile_n columns a CTA (one tile_n half a compute warpgroup), tile_k deep, `steps` pipeline stages; the (row
+    block, column tile) pairs are walked in bands `width` wide along the `minor` dimension ("m": consecutive CTAs
+    take the next row blocks of one column tile, mostly one expert's weights). `num_programs` CTAs (default: the
+    device's SMs)."""
+    R, K = x.shape
+    G, K2, N = w.shape
+    assert N % (2 * tile_n) == 0, (w.shape, tile_n)
+    return _launch(x, w, block_expert, swiglu=False, cols=N, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
+                   steps=steps, minor=minor, width=width, num_programs=num_programs, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def grouped_swiglu(x, w, block_expert, *, tile_m=128, tile_n=128, tile_k=64, steps=4, minor="m", width=8,
+                   num_programs=None, interpret=False) -> jax.Array:
+    """The gate_up form: w [G, K, 2 * I] (moe_gmm's [.., D, 2, I] reshaped), h [R, I] = silu(x @ W_gate[g]) *
+    (x @ W_up[g]) per row block, W_gate / W_up the two halves of w's columns. A CTA takes a [tile_m, tile_n] tile
+    of h: each compute warpgroup half its rows, with two accumulators (the gate and up columns), and the SwiGLU in
+    its epilogue; the memory warpgroup streams x's rows and both halves' column tiles."""
+    R, K = x.shape
+    G, K2, N2 = w.shape
+    assert N2 % 2 == 0 and (N2 // 2) % tile_n == 0 and tile_m % (2 * EPILOGUE) == 0, (w.shape, tile_m, tile_n)
+    return _launch(x, w, block_expert, swiglu=True, cols=N2 // 2, tile_m=tile_m, tile_n=tile_n, tile_k=tile_k,
+                   steps=steps, minor=minor, width=width, num_programs=num_programs, interpret=interpret)
+
+
+def _launch(x, w, block_expert, *, swiglu, cols, tile_m, tile_n, tile_k, steps, minor, width, num_programs,
+            interpret):
+    """One persistent launch over (row block, column tile) pairs; `cols` output columns. The plain form's CTA tile
+    is [tile_m, 2 x tile_n] (the warpgroups split the columns), the SwiGLU form's [tile_m, tile_n] over two
+    weight column tiles (the warpgroups split the rows)."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     R, K = x.shape
-    G, K2, N = w.shape
-    cta_n = 2 * tile_n
-    assert K == K2 and R % tile_m == 0 and N % cta_n == 0 and K % tile_k == 0, (x.shape, w.shape)
+    G, K2, _ = w.shape
+    cta_n = tile_n if swiglu else 2 * tile_n
+    wg_m = tile_m // 2 if swiglu else tile_m  # rows a compute warpgroup holds
+    assert K == K2 and R % tile_m == 0 and cols % cta_n == 0 and K % tile_k == 0, (x.shape, w.shape)
     assert block_expert.shape == (R // tile_m,), (block_expert.shape, R, tile_m)
-    assert tile_m % EPILOGUE == 0 and tile_n % EPILOGUE == 0
-    m_iters, n_iters, k_iters = R // tile_m, N // cta_n, K // tile_k
+    assert wg_m % EPILOGUE == 0 and tile_n % EPILOGUE == 0
+    m_iters, n_iters, k_iters = R // tile_m, cols // cta_n, K // tile_k
     bits = jnp.dtype(x.dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(tile_k * bits)
     transforms = (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
     out_swizzle = plgpu.find_swizzle(EPILOGUE * bits)
     out_transforms = (plgpu.TilingTransform((8, out_swizzle * 8 // bits)), plgpu.SwizzleTransform(out_swizzle))
     minor_dim = 0 if minor == "m" else 1  # plgpu.planar_snake's minor dimension
+    w_spec = plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms, memory_space=plgpu.SMEM)
 
     def pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
             body, grid=(k_iters,), memory_registers=40,
             in_specs=[plgpu.BlockSpec((tile_m, tile_k), lambda k: (0, k), transforms=transforms,
-                                      memory_space=plgpu.SMEM),
-                      plgpu.BlockSpec((tile_k, cta_n), lambda k: (k, 0), transforms=transforms,
-                                      memory_space=plgpu.SMEM)],
+                                      memory_space=plgpu.SMEM)] + [w_spec] * (2 if swiglu else 1),
             wg_axis="wg", num_compute_wgs=2, max_concurrent_steps=steps, compute_context=context)
 
     def body(be_gmem, x_gmem, w_gmem, y_gmem):
         ignore = lambda *_, **__: None  # noqa: E731  the allocations do not depend on the bodies
+        w_tile = w_gmem.at[0, :, pl.ds(0, cta_n)]
+        allocs = pipeline(ignore, ignore).get_allocations(x_gmem, *[w_tile] * (2 if swiglu else 1))
 
-        @functools.partial(pl.run_scoped, allocs=pipeline(ignore, ignore).get_allocations(x_gmem, w_gmem.at[0]),
+        @functools.partial(pl.run_scoped, allocs=allocs,
                            out_smem=plgpu.SMEM((2, 2, EPILOGUE, EPILOGUE), y_gmem.dtype, transforms=out_transforms),
                            collective_axes="wg")
         def scope(allocs, out_smem):
             wg = lax.axis_index("wg")
-            wg_n = pl.ds(wg * tile_n, tile_n)
+            # the warpgroup's part of the CTA tile: rows (SwiGLU) or columns (plain)
+            wg_rows = pl.ds(wg * wg_m, wg_m) if swiglu else slice(None)
+            wg_cols = slice(None) if swiglu else pl.ds(wg * tile_n, tile_n)
 
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def tile_loop(info):
@@ -92,39 +136,54 @@ def grouped_matmul(x, w, block_expert, *, tile_m=128, tile_n=128, tile_k=64, ste
                 g = be_gmem[m_idx]
                 m_rows, n_cols = pl.ds(m_idx * tile_m, tile_m), pl.ds(n_idx * cta_n, cta_n)
 
-                def context(eval_pipeline):
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-                    def acc_scope(acc_ref):
-                        eval_pipeline(acc_ref)
-                        acc = acc_ref[...].astype(y_gmem.dtype)
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        tiles_n = tile_n // EPILOGUE
-                        for i in range(tile_m // EPILOGUE):
-                            for j in range(tiles_n):
-                                rows, cols = slice(i * EPILOGUE, (i + 1) * EPILOGUE), slice(j * EPILOGUE,
-                                                                                            (j + 1) * EPILOGUE)
-                                slot = (i * tiles_n + j) % 2
-                                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                                out_smem[wg, slot] = acc[rows, cols]
-                                plgpu.commit_smem()
-                                plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                                        y_gmem.at[m_rows, n_cols].at[:, wg_n].at[rows, cols])
+                def store(result):  # [wg_m, tile_n] -> y's tile of this warpgroup, in epilogue tiles via smem
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    tiles_n = tile_n // EPILOGUE
+                    for i in range(wg_m // EPILOGUE):
+                        for j in range(tiles_n):
+                            rows = slice(i * EPILOGUE, (i + 1) * EPILOGUE)
+                            cols_ = slice(j * EPILOGUE, (j + 1) * EPILOGUE)
+                            slot = (i * tiles_n + j) % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = result[rows, cols_]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                                    y_gmem.at[m_rows, n_cols].at[wg_rows, wg_cols].at[rows, cols_])
 
-                def mma(idxs, x_smem, w_smem, acc_ref):
-                    plgpu.wgmma(acc_ref, x_smem, w_smem.at[:, wg_n])
+                def context(eval_pipeline):
+                    accs = [plgpu.ACC((wg_m, tile_n), jnp.float32)] * (2 if swiglu else 1)
+
+                    @functools.partial(pl.run_scoped, accs=accs)
+                    def acc_scope(accs):
+                        eval_pipeline(accs)
+                        if swiglu:
+                            gate, up = accs[0][...], accs[1][...]
+                            store((gate / (1.0 + jnp.exp(-gate)) * up).astype(y_gmem.dtype))
+                        else:
+                            store(accs[0][...].astype(y_gmem.dtype))
+
+                def mma(idxs, x_smem, *w_and_accs):
+                    *w_smems, accs = w_and_accs
+                    for w_smem, acc in zip(w_smems, accs):
+                        plgpu.wgmma(acc, x_smem.at[wg_rows], w_smem.at[:, wg_cols])
                     plgpu.wgmma_wait(0)
-                    return acc_ref
+                    return accs
 
                 @pl.when(g >= 0)
                 def _():
-                    pipeline(mma, context)(x_gmem.at[m_rows, :], w_gmem.at[g, :, n_cols], allocations=allocs)
+                    if swiglu:  # the gate's and the up's column tiles
+                        half = w_gmem.shape[2] // 2
+                        ws = (w_gmem.at[g, :, n_cols], w_gmem.at[g, :, pl.ds(half + n_idx * cta_n, cta_n)])
+                    else:
+                        ws = (w_gmem.at[g, :, n_cols],)
+                    pipeline(mma, context)(x_gmem.at[m_rows, :], *ws, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     if num_programs is None:
         num_programs = jax.devices()[0].core_count if not interpret else 4
     kernel = plgpu.kernel(
-        body, out_type=jax.ShapeDtypeStruct((R, N), x.dtype), grid=(num_programs,), grid_names=("sm",),
+        body, out_type=jax.ShapeDtypeStruct((R, cols), x.dtype), grid=(num_programs,), grid_names=("sm",),
         num_threads=3, thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else False)

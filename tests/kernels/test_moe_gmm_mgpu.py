@@ -1,6 +1,7 @@
-"""kernels/moe_gmm_mgpu.py in Mosaic GPU's interpreter: the warp-specialized grouped GEMM against its pure-JAX
-reference (skipped blocks, several tiles and loop orders, a layer of stacked weights through the flattened expert
-ids), on moe_gmm.align_tokens' rows against each token copy's own product, and its lowering for the GPU."""
+"""kernels/moe_gmm_mgpu.py in Mosaic GPU's interpreter: the warp-specialized grouped GEMM and its SwiGLU (gate_up)
+form against their pure-JAX references (skipped blocks, several tiles and loop orders, a layer of stacked weights
+through the flattened expert ids), on moe_gmm.align_tokens' rows against each token copy's own product, and their
+lowering for the GPU."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.kernels.moe_gmm import align_tokens
-from deepinfer_jax.kernels.moe_gmm_mgpu import grouped_matmul, grouped_matmul_reference
+from deepinfer_jax.kernels.moe_gmm_mgpu import (grouped_matmul, grouped_matmul_reference, grouped_swiglu,
+                                                grouped_swiglu_reference)
 
 
 def _close(got, want, valid_rows):
@@ -39,6 +41,30 @@ def test_matches_reference(tile_m, tile_n, steps, minor, width):
            np.ones(tile_m, bool))
 
 
+@pytest.mark.parametrize("tile_m,tile_n,steps", [(128, 64, 2), (256, 128, 3)])
+def test_swiglu_form_matches_reference(tile_m, tile_n, steps):
+    """h = silu(x @ W_gate) * (x @ W_up), W_gate / W_up the halves of w's columns, and the halves really used: the
+    same as the model's silu_mul over moe_gmm's [D, 2, I] weights."""
+    from deepinfer_jax.models.layers import silu_mul
+
+    G, K, I = 3, 128, 256
+    be = jnp.array([2, -1, 0, 2], jnp.int32)
+    R = be.shape[0] * tile_m
+    kx, kw = jax.random.split(jax.random.key(tile_m + steps))
+    x = jax.random.normal(kx, (R, K), jnp.bfloat16)
+    w4 = (jax.random.normal(kw, (G, K, 2, I)) * 0.1).astype(jnp.bfloat16)  # moe_gmm's gate_up layout
+    w = w4.reshape(G, K, 2 * I)
+    got = grouped_swiglu(x, w, be, tile_m=tile_m, tile_n=tile_n, tile_k=64, steps=steps, width=2, interpret=True)
+    assert got.shape == (R, I)
+    valid = np.repeat(np.asarray(be) >= 0, tile_m)
+    want = grouped_swiglu_reference(x, w, be, tile_m)
+    _close(got, want, valid)
+    rows = slice(0, tile_m)  # block 0: expert 2
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    direct = silu_mul(f32(x[rows]) @ f32(w4[2, :, 0]), f32(x[rows]) @ f32(w4[2, :, 1])).astype(jnp.bfloat16)
+    _close(want[rows], direct, np.ones(tile_m, bool))
+
+
 def test_aligned_token_copies_of_one_layer():
     """A layer's experts from stacked weights [L, E, K, N] as [L * E, K, N] with the ids offset by layer * E, over
     align_tokens' rows: every token copy's row is that token's x times its expert's matrix of that layer."""
@@ -59,11 +85,15 @@ def test_aligned_token_copies_of_one_layer():
 
 
 def test_lowers_for_the_gpu_at_the_prefill_shape():
-    """Protocol A's prefill down GEMM (16,384 x top-6 copies aligned to 128-row blocks, 26 layers x 64 experts of
-    [1,408, 2,048]): one Mosaic GPU custom call over 132 programs."""
+    """Protocol A's prefill experts (16,384 x top-6 copies aligned to 128-row blocks, 26 layers x 64 experts): the
+    down GEMM ([1,408, 2,048]) and the gate_up SwiGLU ([2,048, 2 x 1,408]), each one Mosaic GPU custom call."""
     s = jax.ShapeDtypeStruct
     R = -(-(16384 * 6 + 64 * 127) // 128) * 128
     args = (s((R, 1408), jnp.bfloat16), s((26 * 64, 1408, 2048), jnp.bfloat16), s((R // 128,), jnp.int32))
     hlo = jax.jit(lambda x, w, b: grouped_matmul(x, w, b, num_programs=132)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 1
+    args = (s((R, 2048), jnp.bfloat16), s((26 * 64, 2048, 2 * 1408), jnp.bfloat16), s((R // 128,), jnp.int32))
+    hlo = jax.jit(lambda x, w, b: grouped_swiglu(x, w, b, num_programs=132)).trace(*args).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 1 and "tensor<106496x1408xbf16>" in hlo
