@@ -27,6 +27,7 @@ SWITCHES = [
     ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
     ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
                             "layer's RMSNorm in one launch"),
+    ("moe_prefill_mosaic", "prefill-size MoE steps run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py)"),
     ("prefill_context_variant", "prefill buckets' programs with and without the context part, picked on the "
                                 "host, instead of a lax.cond a layer"),
     ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),

@@ -430,6 +430,12 @@ class RunnerConfig:
     # with all against 11.04-11.14 with none, 11.03 with all but the attention; Protocol A +0.07% (noise). None by
     # default.
     launch_dependents: tuple[str, ...] = ()
+    # Prefill-size MoE steps (4,096+ token copies, 16-bit weights, no shared experts in the kernels) run the expert
+    # GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py: warp-specialized wgmma + TMA, the gate_up SwiGLU in its
+    # epilogue) over XLA's gather of the rows, instead of the Triton kernels. Session 33 (H100, 98,304 rows): jax's
+    # dense warp-specialized GEMM 745-772 TFLOP/s at these shapes against the Triton kernels' 577-592. Not yet
+    # measured on a GPU itself (CPU-tested in Mosaic GPU's interpreter); off.
+    moe_prefill_mosaic: bool = False
     # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
     # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
     # the logits never reach device memory and the Gumbel draw's integer hash hides under the lm_head's weight
@@ -504,4 +510,4 @@ FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attentio
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
                     "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm",
-                    "decode_combine_norm", "launch_dependents")
+                    "decode_combine_norm", "launch_dependents", "moe_prefill_mosaic")

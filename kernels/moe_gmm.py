@@ -294,6 +294,18 @@ def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
     return tile_config(num_copies)[1:]
 
 
+# The Mosaic GPU experts (RunnerConfig.moe_prefill_mosaic) from this many token copies: prefill sizes, where the
+# GEMMs are compute-bound (session 33: jax's warp-specialized GEMM 745-772 TFLOP/s against these kernels' 577-592).
+MOSAIC_MIN_COPIES = 4096
+
+
+def mosaic_applies(num_copies: int, D: int, I: int, block_m: int, dtype, shared: bool) -> bool:
+    """Whether kernels/moe_gmm_mgpu.py takes a step's experts: prefill sizes, 16-bit weights, no shared experts
+    inside the kernels, and its tiles dividing the shapes (128-row blocks, I by 128, D by 256 columns)."""
+    return (num_copies >= MOSAIC_MIN_COPIES and jnp.dtype(dtype).itemsize == 2 and not shared
+            and block_m % 128 == 0 and I % 128 == 0 and D % 256 == 0)
+
+
 def gather_in_kernel_for(num_copies: int) -> bool:
     """Whether the gate_up kernel reads its rows' tokens from x itself at this size (no [M_pad, D] copy of the
     rows first). At Protocol A's prefill (16,384 tokens x top-6 on an H200, `kernels.py --only moe_prefill`) the
@@ -309,11 +321,12 @@ def cols_first_for(num_copies: int) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("block_m", "block_n", "block_k", "num_warps", "num_stages",
-                                             "cols_first", "gather_in_kernel", "interpret"))
+                                             "cols_first", "gather_in_kernel", "mosaic", "interpret"))
 def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_up=None, shared_down=None,
                 block_m=None, block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
-                gather_in_kernel=None, interpret=False):
+                gather_in_kernel=None, mosaic=False, interpret=False):
     """x [T, D], w_gate_up [E, D, 2, I], w_down [E, I, D], weights/idx [T, k] -> [T, D] (x's dtype).
+    `mosaic`: where `mosaic_applies`, the two expert GEMMs run on Mosaic GPU (kernels/moe_gmm_mgpu.py).
     Copies whose id is outside [0, E) are skipped (they contribute nothing and cost no work).
     Tiles left as None come from `tile_config(T * k)` (T * (k + S) with shared experts).
 
@@ -348,13 +361,14 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
     return moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer, *shared,
                                block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                                num_stages=num_stages, cols_first=cols_first, gather_in_kernel=gather_in_kernel,
+                               mosaic=mosaic and mosaic_applies(idx.size, D, I, block_m, x.dtype, bool(shared)),
                                interpret=interpret)
 
 
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
-                        single_launch=False, down_tiles=None, combine=True, interpret=False):
+                        single_launch=False, down_tiles=None, combine=True, mosaic=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -368,7 +382,9 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
     own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given.
     combine=False: the expert rows y [M_pad, D] uncombined, as (y, row_of, weights) for a launch that
-    combines them itself (kernels/residual_route.py combine_residual_norm)."""
+    combines them itself (kernels/residual_route.py combine_residual_norm).
+    mosaic: the gate_up SwiGLU and the down GEMM on Mosaic GPU (kernels/moe_gmm_mgpu.py, tile_m = block_m) over
+    XLA's gather of the rows, instead of the two Triton kernels; the caller checks `mosaic_applies`."""
     T, D = x.shape
     _, E, _, _, I = w_gate_up.shape
     K = weights.shape[-1]
@@ -387,6 +403,17 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     xs = x if gather_in_kernel else x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D] gathered
     rc1 = (row_copy,) if gather_in_kernel else ()  # each row's token, read in the kernel
+    if mosaic:
+        from deepinfer_jax.kernels import moe_gmm_mgpu
+
+        L = w_gate_up.shape[0]
+        ids = jnp.where(block_expert >= 0, block_expert + layer[0] * E, -1)  # into the [L * E, ...] experts
+        xs = x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D]: TMA has no row gather on Hopper
+        h = moe_gmm_mgpu.grouped_swiglu(xs, w_gate_up.astype(x.dtype).reshape(L * E, D, 2 * I), ids, tile_m=block_m,
+                                        interpret=interpret)
+        y = moe_gmm_mgpu.grouped_matmul(h, w_down.astype(x.dtype).reshape(L * E, I, D), ids, tile_m=block_m,
+                                        interpret=interpret)
+        return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
     if single_launch:  # one launch, one set of compiler parameters
         down_tiles = (block_n, block_k, num_warps, num_stages)
     bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)

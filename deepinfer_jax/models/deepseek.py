@@ -327,6 +327,7 @@ def forward_paged(
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
     launch_dependents: tuple[str, ...] = (),
+    moe_prefill_mosaic: bool = False,
     return_hidden: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
@@ -370,6 +371,8 @@ def forward_paged(
     normed input on beside h (the scan's carry).
     `launch_dependents`: the kernel families (kernels/pdl.py FAMILIES) whose programs signal the next kernel's
     launch at their start (PDL; the same outputs).
+    `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
+    moe.moe_block `mosaic`).
     `return_hidden`: the final-normed hidden states [S, D] (`final_hidden`) in place of the logits, for a
     caller that applies the lm_head itself (kernels/lm_head_sample.py)."""
     with pdl.launching(launch_dependents):  # read by the kernels as they are traced (kernels/pdl.py)
@@ -465,7 +468,8 @@ def forward_paged(
                 if m is None:
                     m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
                                        mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
-                                       single_launch=moe_single_launch, routed=routed, combine=input_norm is None)
+                                       single_launch=moe_single_launch, routed=routed, combine=input_norm is None,
+                                       mosaic=moe_prefill_mosaic)
                 if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
                     h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
                     return (h, x, cache), (idx if return_routing else None)

@@ -239,7 +239,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
               fuse_routing: bool = False, single_launch: bool = False, routed: tuple | None = None,
-              combine: bool = True):
+              combine: bool = True, mosaic: bool = False):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -253,8 +253,10 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
     in its kernel. `combine=False`: out is the expert kernels' rows uncombined, (y, row_of, weights), for a
     launch that combines them (kernels/residual_route.py combine_residual_norm); only where the routing runs
-    in its kernel and no shared MLP is left outside the kernels (`rows_out_applies`)."""
-    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine)
+    in its kernel and no shared MLP is left outside the kernels (`rows_out_applies`). `mosaic`: moe_impl
+    "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`)."""
+    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine,
+                    mosaic)
     return (out, idx) if return_routing else out
 
 
@@ -267,7 +269,8 @@ def rows_out_applies(p: dict, cfg: ModelConfig, moe_impl: str, mesh_rules: MeshR
             and ("shared" in ex or "shared" not in p))
 
 
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine=True):
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine=True,
+         mosaic=False):
     """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
@@ -308,7 +311,7 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
             ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
             layer = None
         out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,
-                          layer=layer, interpret=moe_impl == "pallas_interpret")
+                          layer=layer, mosaic=mosaic, interpret=moe_impl == "pallas_interpret")
         return _plus_shared(p, x, out), idx
     if experts is not None:
         ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)

@@ -97,3 +97,39 @@ def test_lowers_for_the_gpu_at_the_prefill_shape():
     hlo = jax.jit(lambda x, w, b: grouped_swiglu(x, w, b, num_programs=132)).trace(*args).lower(
         lowering_platforms=("cuda",)).as_text()
     assert hlo.count("stablehlo.custom_call @mosaic_gpu") == 1 and "tensor<106496x1408xbf16>" in hlo
+
+
+def test_moe_experts_take_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
+    """RunnerConfig.moe_prefill_mosaic's path (moe_gmm.moe_experts(mosaic=True)): at a step of prefill size (the
+    threshold lowered to these copies) the Mosaic kernels run, over XLA's gather of the rows and a layer of stacked
+    weights, and the MoE output equals the Triton kernels' and the reference's; below the threshold, or with the
+    shared experts inside the kernels, the Triton kernels keep the step."""
+    from deepinfer_jax.kernels import moe_gmm, moe_gmm_mgpu
+    from deepinfer_jax.kernels.moe_gmm import moe_experts, moe_experts_reference
+
+    L, E, D, I, T, k = 2, 4, 256, 128, 48, 2
+    keys = jax.random.split(jax.random.key(3), 5)
+    x = jax.random.normal(keys[0], (T, D), jnp.bfloat16)
+    wgu = (jax.random.normal(keys[1], (L, E, D, 2, I)) * 0.1).astype(jnp.bfloat16)
+    wd = (jax.random.normal(keys[2], (L, E, I, D)) * 0.1).astype(jnp.bfloat16)
+    w, idx = jax.lax.top_k(jax.nn.softmax(jax.random.normal(keys[3], (T, E))), k)
+    idx = idx.astype(jnp.int32).at[0, 1].set(-1)  # a skipped copy (another device's expert)
+    ran = []
+    for name in ("grouped_swiglu", "grouped_matmul"):
+        real = getattr(moe_gmm_mgpu, name)
+        monkeypatch.setattr(moe_gmm_mgpu, name, lambda *a, real=real, name=name, **kw: (ran.append(name),
+                                                                                          real(*a, **kw))[1])
+    monkeypatch.setattr(moe_gmm, "MOSAIC_MIN_COPIES", T * k)
+    run = lambda mosaic, **kw: moe_experts(x, wgu, wd, w, idx, layer=1, block_m=128, mosaic=mosaic,  # noqa: E731
+                                           interpret=True, **kw)
+    got = run(True)
+    assert ran == ["grouped_swiglu", "grouped_matmul"]
+    triton = run(False)
+    _close(got, triton, np.ones(T, bool))
+    # the reference at layer 1, the skipped copy as a copy of weight 0
+    ref = moe_experts_reference(x, wgu[1], wd[1], jnp.where(idx >= 0, w, 0.0), jnp.maximum(idx, 0))
+    _close(got, ref, np.ones(T, bool))
+    ran.clear()
+    monkeypatch.setattr(moe_gmm, "MOSAIC_MIN_COPIES", T * k + 1)
+    run(True)
+    assert ran == []  # under the threshold: the Triton kernels
