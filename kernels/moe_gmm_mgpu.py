@@ -62,9 +62,10 @@ def grouped_matmul(x, w, block_expert, *, tile_m=128, tile_n=128, tile_k=64, ste
                    num_programs=None, interpret=False) -> jax.Array:
     """The kernel (module docstring): y = x @ w[g] per row block. Tiles: tile_m rows (= align_tokens' block_m),
     2 x tile_n columns a CTA (one tile_n half a compute warpgroup), tile_k deep, `steps` pipeline stages; the (row
-    block, column tile) pairs are walked in bands `width` wide along the `minor` dimension ("m": consecutive CTAs
-    take the next row blocks of one column tile, mostly one expert's weights). `num_programs` CTAs (default: the
-    device's SMs)."""
+    block, column tile) pairs are walked in bands `width` wide along the `minor` dimension (plgpu.planar_snake;
+    "m": bands of row blocks, each walking all column tiles while its rows stay in L2; "n": bands of column tiles,
+    each walking all row blocks while its weight columns stay in L2, most of an expert's blocks being adjacent).
+    `num_programs` CTAs (default: the device's SMs)."""
     R, K = x.shape
     G, K2, N = w.shape
     assert N % (2 * tile_n) == 0, (w.shape, tile_n)
