@@ -202,14 +202,15 @@ def logits_sample_stats_reference(logits, temperature, key_data, suppress_ids, *
         sup = sup | (col == suppress_ids[:, j : j + 1])
     x = jnp.where(sup, -jnp.inf, logits)
     t = jnp.where(temperature < GREEDY_EPS, 1.0, temperature).astype(jnp.float32)
-    z = x if noise is None else x / t[:, None] + noise(kd[:, :1], kd[:, 1:], col)
     tiles = lambda a: a.reshape(T, V // block_v, block_v)  # noqa: E731  [T, tiles, block_v]
-    lg, xt, zt = tiles(logits), tiles(x), tiles(z)
+    lg, xt = tiles(logits), tiles(x)
     m = lg.max(axis=2)
     first = jnp.arange(V // block_v, dtype=jnp.int32)[None, :] * block_v
-    zpos = jnp.argmax(zt, axis=2).astype(jnp.int32)
     gmax, garg = xt.max(axis=2), jnp.argmax(xt, axis=2).astype(jnp.int32) + first
-    z_stats = ((gmax, garg, gmax) if noise is None else
-               (zt.max(axis=2), zpos + first, jnp.take_along_axis(lg, zpos[..., None], axis=2)[..., 0]))
+    z_stats = (gmax, garg, gmax)  # no noise: the greedy variant's form
+    if noise is not None:
+        zt = tiles(x / t[:, None] + noise(kd[:, :1], kd[:, 1:], col))
+        zpos = jnp.argmax(zt, axis=2).astype(jnp.int32)
+        z_stats = (zt.max(axis=2), zpos + first, jnp.take_along_axis(lg, zpos[..., None], axis=2)[..., 0])
     stats = (m, jnp.exp(lg - m[..., None]).sum(axis=2), gmax, garg, *z_stats)
     return TileStats(*(a.T for a in stats))

@@ -401,25 +401,23 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         down_tiles = (*down_tiles[:3], 1)
     shared = () if shared_gate_up is None else (shared_gate_up.astype(x.dtype), shared_down.astype(x.dtype))
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
+    gather_in_kernel = gather_in_kernel and not mosaic  # TMA has no row gather on Hopper
     xs = x if gather_in_kernel else x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D] gathered
     rc1 = (row_copy,) if gather_in_kernel else ()  # each row's token, read in the kernel
+    wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if mosaic:
         from deepinfer_jax.kernels import moe_gmm_mgpu
 
         L = w_gate_up.shape[0]
         ids = jnp.where(block_expert >= 0, block_expert + layer[0] * E, -1)  # into the [L * E, ...] experts
-        xs = x[jnp.where(row_copy >= 0, row_copy // K, 0)]  # [M_pad, D]: TMA has no row gather on Hopper
-        h = moe_gmm_mgpu.grouped_swiglu(xs, w_gate_up.astype(x.dtype).reshape(L * E, D, 2 * I), ids, tile_m=block_m,
-                                        interpret=interpret)
-        y = moe_gmm_mgpu.grouped_matmul(h, w_down.astype(x.dtype).reshape(L * E, I, D), ids, tile_m=block_m,
-                                        interpret=interpret)
+        h = moe_gmm_mgpu.grouped_swiglu(xs, wgu.reshape(L * E, D, 2 * I), ids, tile_m=block_m, interpret=interpret)
+        y = moe_gmm_mgpu.grouped_matmul(h, wd.reshape(L * E, I, D), ids, tile_m=block_m, interpret=interpret)
         return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
     if single_launch:  # one launch, one set of compiler parameters
         down_tiles = (block_n, block_k, num_warps, num_stages)
     bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)
     t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
     t2 = _Tiles(block_m, bn2, _fit(down_tiles[1], I), I, E, I, K)
-    wgu, wd = w_gate_up.astype(x.dtype), w_down.astype(x.dtype)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
         args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready [nb]
