@@ -132,14 +132,18 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
         print(f"| {T} | lax.ragged_dot | - | {t*1e6:.0f} | {moved/t/1e12:.2f} | {flops/t/1e12:.1f} | {err} |", flush=True)
 
 
-def moe_prefill_sweep(T: int = 16384):
+def moe_prefill_sweep(T: int = 16384, engine_only: bool = False):
     """The two expert kernels at a prefill size, each timed alone (GPU time from a trace) over tile configs:
     Protocol A's prefill routes 16,384 tokens x top-6 through them (two launches; the single launch is for
-    decode sizes). Checked against `lax.ragged_dot` once."""
+    decode sizes). Checked against `lax.ragged_dot` once. The last rows are what the engine runs at this size:
+    its Triton defaults, and the Mosaic GPU kernels (RunnerConfig.moe_prefill_mosaic) where `mosaic_applies`,
+    each with the total GPU time of the step's experts (kernels, XLA's gather of the rows and combine).
+    `engine_only`: those rows alone."""
     import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
+    from deepinfer_jax.kernels.moe_gmm import (align_tokens, down_tile_config, gather_in_kernel_for, mosaic_applies,
+                                               moe_experts_aligned, tile_config)
 
     E, D, I, k = 64, 2048, 1408, 6
     key = jax.random.key(0)
@@ -151,9 +155,11 @@ def moe_prefill_sweep(T: int = 16384):
     idx = idx.astype(jnp.int32)
     layer = jnp.zeros((1,), jnp.int32)
     flops_half = 2 * T * k * D * I * 3 / 3  # one [D, I] matrix's worth: gate_up is 2 of these, down 1
-    print(f"\n## MoE expert kernels at {T} tokens x top-{k} (each kernel's GPU time; default {tile_config(T * k)})")
-    print("| block_m | gate_up bn bk w s | us | TFLOP/s | down bn bk w s | us | TFLOP/s | XLA kernels us | max err vs ragged |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    auto = tile_config(T * k)
+    print(f"\n## MoE expert kernels at {T} tokens x top-{k} (each kernel's GPU time; default {auto})")
+    print("| block_m | gate_up bn bk w s | us | TFLOP/s | down bn bk w s | us | TFLOP/s | XLA kernels us | all us "
+          "| max err vs ragged |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
 
     def ragged(x, wgu, wd, w, idx):
         from deepinfer_jax.models.moe import experts_ragged
@@ -161,30 +167,43 @@ def moe_prefill_sweep(T: int = 16384):
         return experts_ragged({"gate_up": wgu[0], "down": wd[0]}, x, w, idx)
 
     ref = np.asarray(jax.jit(ragged)(x, wgu, wd, w, idx).astype(jnp.float32))
-    # (gate_up bn bk warps stages, down bn bk warps stages, gather_in_kernel) by block_m
-    pairs = {128: [((128, 64, 8, 4), (128, 64, 8, 4), False), ((128, 64, 8, 3), (256, 64, 8, 3), False),
-                   ((128, 64, 8, 4), (256, 64, 8, 3), True), ((128, 64, 8, 3), (256, 64, 8, 3), True),
-                   ((128, 64, 8, 4), (256, 64, 8, 4), False), ((128, 64, 8, 4), (256, 128, 8, 2), False)],
-             256: [((64, 64, 8, 3), (128, 64, 8, 3), False)]}
+    # (gate_up bn bk warps stages, down bn bk warps stages, gather_in_kernel, mosaic) by block_m
+    pairs = {128: [((128, 64, 8, 4), (128, 64, 8, 4), False, False), ((128, 64, 8, 3), (256, 64, 8, 3), False, False),
+                   ((128, 64, 8, 4), (256, 64, 8, 3), True, False), ((128, 64, 8, 3), (256, 64, 8, 3), True, False),
+                   ((128, 64, 8, 4), (256, 64, 8, 4), False, False), ((128, 64, 8, 4), (256, 128, 8, 2), False, False)],
+             256: [((64, 64, 8, 3), (128, 64, 8, 3), False, False)]}
+    engine = [(auto[1:], down_tile_config(T * k), gather_in_kernel_for(T * k), False)]
+    if mosaic_applies(T * k, D, I, auto[0], x.dtype, False):
+        engine.append((None, None, False, True))
+    pairs = {auto[0]: engine} if engine_only else {**pairs, auto[0]: pairs.get(auto[0], []) + engine}
     for bm, configs in pairs.items():
         rc, be, ro = jax.jit(lambda i, bm=bm: align_tokens(i, E, bm))(idx)
-        for gu, dn, gk in configs:
-            fn = jax.jit(lambda x, a, b, w, rc, be, ro, gu=gu, dn=dn, bm=bm, gk=gk: moe_experts_aligned(
-                x, a, b, w, rc, be, ro, layer, block_m=bm, block_n=gu[0], block_k=gu[1], num_warps=gu[2],
-                num_stages=gu[3], cols_first=True, down_tiles=dn, gather_in_kernel=gk))
+        for gu, dn, gk, mosaic in configs:
+            fn = jax.jit(lambda x, a, b, w, rc, be, ro, gu=gu or (None,) * 4, dn=dn, bm=bm, gk=gk, mosaic=mosaic:
+                         moe_experts_aligned(x, a, b, w, rc, be, ro, layer, block_m=bm, block_n=gu[0], block_k=gu[1],
+                                             num_warps=gu[2], num_stages=gu[3], cols_first=True, down_tiles=dn,
+                                             gather_in_kernel=gk, mosaic=mosaic))
+            label = ("Mosaic GPU" if mosaic else " ".join(map(str, gu))) + (" gather" if gk else "")
             try:
                 err = np.abs(np.asarray(fn(x, wgu, wd, w, rc, be, ro).astype(jnp.float32)) - ref).max()
                 us = device_us(fn, x, wgu, wd, w, rc, be, ro)
-                t1 = sum(v for n, v in us.items() if "gate_up" in n)
-                t2 = sum(v for n, v in us.items() if "down" in n)
-                tx = sum(v for n, v in us.items() if "gate_up" not in n and "down" not in n)
-                print(f"| {bm} | {' '.join(map(str, gu))}{' gather' if gk else ''} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
-                      f"{' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} | {tx:.0f} | {err:.3g} |",
-                      flush=True)
+                if mosaic:  # both kernels are named "body_mosaic_gpu_kernel": one figure for the two
+                    t1 = sum(v for n, v in us.items() if "mosaic" in n)
+                    tx = sum(v for n, v in us.items() if "mosaic" not in n)
+                    print(f"| {bm} | Mosaic GPU, gate_up + down | {t1:.0f} | {3 * flops_half / t1 / 1e6:.0f} | - | - "
+                          f"| - | {tx:.0f} | {t1 + tx:.0f} | {err:.3g} |", flush=True)
+                    continue
+                else:
+                    t1 = sum(v for n, v in us.items() if "gate_up" in n)
+                    t2 = sum(v for n, v in us.items() if "down" in n)
+                    tx = sum(v for n, v in us.items() if "gate_up" not in n and "down" not in n)
+                print(f"| {bm} | {label} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
+                      f"{'-' if mosaic else ' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} "
+                      f"| {tx:.0f} | {t1 + t2 + tx:.0f} | {err:.3g} |", flush=True)
                 if t1 == 0 or t2 == 0:
                     print("  kernels:", {n[:60]: round(v, 1) for n, v in us.items()}, flush=True)
             except Exception as e:  # noqa: BLE001 - report and go on
-                print(f"| {bm} | {gu} | failed | | {dn} | {type(e).__name__}: {str(e)[:200]} |", flush=True)
+                print(f"| {bm} | {label} | failed | | {dn} | {type(e).__name__}: {str(e)[:200]} |", flush=True)
 
 
 def decode_attention_inputs(key, B: int, ctx: int, dtype, positions=None):
@@ -389,8 +408,9 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}, jax {jax.__version__}")
     if args.only in (None, "moe"):
         moe_tables(args.quick, [int(t) for t in args.moe_tokens.split(",") if t] or None)
-    if args.only == "moe_prefill":  # not part of the default tables
-        moe_prefill_sweep()
+    if args.only == "moe_prefill":  # not part of the default tables; --moe-tokens: only the engine's rows at each
+        for T in [int(t) for t in args.moe_tokens.split(",") if t] or [16384]:
+            moe_prefill_sweep(T, engine_only=bool(args.moe_tokens))
     if args.only in (None, "mla"):
         mla_tables(args.quick)
     if args.only in (None, "mla_output"):

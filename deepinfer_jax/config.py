@@ -430,12 +430,13 @@ class RunnerConfig:
     # with all against 11.04-11.14 with none, 11.03 with all but the attention; Protocol A +0.07% (noise). None by
     # default.
     launch_dependents: tuple[str, ...] = ()
-    # Prefill-size MoE steps (4,096+ token copies, 16-bit weights, no shared experts in the kernels) run the expert
-    # GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py: warp-specialized wgmma + TMA, the gate_up SwiGLU in its
-    # epilogue) over XLA's gather of the rows, instead of the Triton kernels. Session 33 (H100, 98,304 rows): jax's
-    # dense warp-specialized GEMM 745-772 TFLOP/s at these shapes against the Triton kernels' 577-592. Not yet
-    # measured on a GPU itself (CPU-tested in Mosaic GPU's interpreter); off.
-    moe_prefill_mosaic: bool = False
+    # Prefill-size MoE steps (16,384+ token copies, where tile_config's row blocks are 128, 16-bit weights, no shared
+    # experts in the kernels, a Hopper GPU) run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py:
+    # warp-specialized wgmma + TMA, the gate_up SwiGLU in its epilogue) over XLA's gather of the rows, instead of the
+    # Triton kernels. Session 34 (H100): a step's experts (kernels + XLA's gather and combine) 689 / 867 / 1,529 /
+    # 2,914 us against 764 / 1,007 / 1,795 / 3,168 at 2,731 / 4,096 / 8,192 / 16,384 tokens x top-6; Protocol A's
+    # 32 x 512 prefill 150-153 ms against 157-159, greedy tokens and bf16 error as the Triton path's. On.
+    moe_prefill_mosaic: bool = True
     # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
     # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
     # the logits never reach device memory and the Gumbel draw's integer hash hides under the lm_head's weight

@@ -294,16 +294,24 @@ def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
     return tile_config(num_copies)[1:]
 
 
-# The Mosaic GPU experts (RunnerConfig.moe_prefill_mosaic) from this many token copies: prefill sizes, where the
-# GEMMs are compute-bound (session 33: jax's warp-specialized GEMM 745-772 TFLOP/s against these kernels' 577-592).
-MOSAIC_MIN_COPIES = 4096
+# The Mosaic GPU experts (RunnerConfig.moe_prefill_mosaic) from this many token copies: prefill sizes, where
+# tile_config's row blocks are 128 (the kernels' tile_m; each compute warpgroup takes 64 rows of gate_up's tile) and
+# the GEMMs compute-bound. Session 34 (H100): a step's experts 8-15% faster at 2,731-16,384 tokens x top-6.
+MOSAIC_MIN_COPIES = 16384
 
 
-def mosaic_applies(num_copies: int, D: int, I: int, block_m: int, dtype, shared: bool) -> bool:
+def mosaic_applies(num_copies: int, D: int, I: int, block_m: int, dtype, shared: bool, interpret: bool = False) -> bool:
     """Whether kernels/moe_gmm_mgpu.py takes a step's experts: prefill sizes, 16-bit weights, no shared experts
-    inside the kernels, and its tiles dividing the shapes (128-row blocks, I by 128, D by 256 columns)."""
+    inside the kernels, its tiles dividing the shapes (128-row blocks, I by 128, D by 256 columns), and a Hopper
+    GPU (wgmma; sm_90) to run on, or Mosaic GPU's interpreter."""
     return (num_copies >= MOSAIC_MIN_COPIES and jnp.dtype(dtype).itemsize == 2 and not shared
-            and block_m % 128 == 0 and I % 128 == 0 and D % 256 == 0)
+            and block_m % 128 == 0 and I % 128 == 0 and D % 256 == 0 and (interpret or _hopper()))
+
+
+def _hopper() -> bool:
+    """The default device is a Hopper GPU (compute capability 9.x), which the Mosaic kernels' wgmma needs."""
+    dev = jax.devices()[0]
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
 
 
 def gather_in_kernel_for(num_copies: int) -> bool:
@@ -361,7 +369,8 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
     return moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer, *shared,
                                block_m=block_m, block_n=block_n, block_k=block_k, num_warps=num_warps,
                                num_stages=num_stages, cols_first=cols_first, gather_in_kernel=gather_in_kernel,
-                               mosaic=mosaic and mosaic_applies(idx.size, D, I, block_m, x.dtype, bool(shared)),
+                               mosaic=mosaic and mosaic_applies(idx.size, D, I, block_m, x.dtype, bool(shared),
+                                                                interpret),
                                interpret=interpret)
 
 

@@ -133,3 +133,41 @@ def test_moe_experts_take_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
     monkeypatch.setattr(moe_gmm, "MOSAIC_MIN_COPIES", T * k + 1)
     run(True)
     assert ran == []  # under the threshold: the Triton kernels
+
+
+def test_paged_forward_takes_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
+    """RunnerConfig.moe_prefill_mosaic through models/deepseek.py forward_paged (bf16, the shared MLP apart as at
+    prefill sizes, 128-row blocks and the threshold lowered to this step): the MoE layers' experts run on the
+    Mosaic kernels, and the logits equal those of the Triton kernels' path; off, the Mosaic kernels never run."""
+    import sys
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.kernels import moe_gmm, moe_gmm_mgpu
+    from deepinfer_jax.models.cache import init_kv_cache
+    from deepinfer_jax.models.params import init_params
+
+    sys.path.insert(0, "tests")
+    from hf_models import CASES, COMMON
+    from paged_steps import step
+
+    hf = {**COMMON, **CASES["v2_greedy_yarn"], "hidden_size": 256, "moe_intermediate_size": 128,
+          "num_hidden_layers": 3, "architectures": ["DeepseekV2ForCausalLM"]}
+    hf["rope_scaling"] = hf.pop("rope_parameters")
+    cfg = ModelConfig.from_hf_dict(hf)
+    params = init_params(cfg, 0, jnp.bfloat16, std=0.05)
+    ran = []
+    for name in ("grouped_swiglu", "grouped_matmul"):
+        real = getattr(moe_gmm_mgpu, name)
+        monkeypatch.setattr(moe_gmm_mgpu, name, lambda *a, real=real, name=name, **kw: (ran.append(name),
+                                                                                          real(*a, **kw))[1])
+    monkeypatch.setattr(moe_gmm, "MOSAIC_MIN_COPIES", 64)
+    monkeypatch.setattr(moe_gmm, "tile_config", lambda n: (128, 128, 64, 8, 4))
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 40))
+    logits = {}
+    for mosaic in (False, True):
+        cache = init_kv_cache(cfg, 16, 8, jnp.bfloat16)
+        out, _ = step(params, cfg, cache, ids, [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]], [(0, 40), (0, 40)],
+                      moe_impl="pallas_interpret", moe_prefill_mosaic=mosaic, fuse_shared_experts=False)
+        logits[mosaic] = np.asarray(out, np.float32)
+        assert ran == (["grouped_swiglu", "grouped_matmul"] if mosaic else [])  # the MoE layers' scan, traced once
+    np.testing.assert_allclose(logits[True], logits[False], rtol=0, atol=2e-2 * np.abs(logits[False]).max())
