@@ -190,15 +190,14 @@ def moe_prefill_sweep(T: int = 16384, engine_only: bool = False):
                 if mosaic:  # both kernels are named "body_mosaic_gpu_kernel": one figure for the two
                     t1 = sum(v for n, v in us.items() if "mosaic" in n)
                     tx = sum(v for n, v in us.items() if "mosaic" not in n)
-                    print(f"| {bm} | Mosaic GPU, gate_up + down | {t1:.0f} | {3 * flops_half / t1 / 1e6:.0f} | - | - "
+                    print(f"| {bm} | {label}, gate_up + down | {t1:.0f} | {3 * flops_half / t1 / 1e6:.0f} | - | - "
                           f"| - | {tx:.0f} | {t1 + tx:.0f} | {err:.3g} |", flush=True)
                     continue
-                else:
-                    t1 = sum(v for n, v in us.items() if "gate_up" in n)
-                    t2 = sum(v for n, v in us.items() if "down" in n)
-                    tx = sum(v for n, v in us.items() if "gate_up" not in n and "down" not in n)
+                t1 = sum(v for n, v in us.items() if "gate_up" in n)
+                t2 = sum(v for n, v in us.items() if "down" in n)
+                tx = sum(v for n, v in us.items() if "gate_up" not in n and "down" not in n)
                 print(f"| {bm} | {label} | {t1:.0f} | {2 * flops_half / max(t1, 1e-9) / 1e6:.0f} | "
-                      f"{'-' if mosaic else ' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} "
+                      f"{' '.join(map(str, dn))} | {t2:.0f} | {flops_half / max(t2, 1e-9) / 1e6:.0f} "
                       f"| {tx:.0f} | {t1 + t2 + tx:.0f} | {err:.3g} |", flush=True)
                 if t1 == 0 or t2 == 0:
                     print("  kernels:", {n[:60]: round(v, 1) for n, v in us.items()}, flush=True)

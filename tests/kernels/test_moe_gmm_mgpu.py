@@ -139,16 +139,13 @@ def test_paged_forward_takes_the_mosaic_kernels_at_prefill_sizes(monkeypatch):
     """RunnerConfig.moe_prefill_mosaic through models/deepseek.py forward_paged (bf16, the shared MLP apart as at
     prefill sizes, 128-row blocks and the threshold lowered to this step): the MoE layers' experts run on the
     Mosaic kernels, and the logits equal those of the Triton kernels' path; off, the Mosaic kernels never run."""
-    import sys
+    from hf_models import CASES, COMMON
+    from paged_steps import step
 
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.kernels import moe_gmm, moe_gmm_mgpu
     from deepinfer_jax.models.cache import init_kv_cache
     from deepinfer_jax.models.params import init_params
-
-    sys.path.insert(0, "tests")
-    from hf_models import CASES, COMMON
-    from paged_steps import step
 
     hf = {**COMMON, **CASES["v2_greedy_yarn"], "hidden_size": 256, "moe_intermediate_size": 128,
           "num_hidden_layers": 3, "architectures": ["DeepseekV2ForCausalLM"]}
