@@ -44,8 +44,8 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "c8": {"qk_chunks": 8},
     "c4_w8": {"qk_chunks": 4, "num_warps": 8},
     "c4_s2": {"qk_chunks": 4, "num_stages": 2},
-    # session 23: whole 64-key pages a loop step with the page id prefetch (half the steps, so half the
-    # cross-warp softmax reductions and barriers a key: ncu found the kernel bound by its warps' issue latency)
+    # whole 64-key pages a loop step with the page id prefetch (half the steps, so half the cross-warp softmax
+    # reductions and barriers a key, for a kernel that ncu finds bound by its warps' issue latency)
     "bk64": {"block_keys": 64},
     "bk64_s2": {"block_keys": 64, "num_stages": 2},
     "bk64_w8": {"block_keys": 64, "num_warps": 8},

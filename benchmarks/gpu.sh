@@ -1,24 +1,32 @@
 #!/usr/bin/env bash
-# Everything measured on the one-GPU machine, in one command, a short table last:
-#   kernels     kernel tables (MoE grouped GEMM, MLA decode and prefill attention) against references
-#   gpu_vs_cpu  greedy tokens of the GPU kernels vs the CPU reference path (fp32), and bf16 vs fp32
-#   protocol_a  offline Protocol A (V2-Lite shape, random weights)
-#   hf_peer     the HF transformers peer of Protocol A (grouped_mm experts) on the same GPU
-#   vllm_peer   vLLM 0.26.0's Protocol A (../shared/peers/vllm_protocol_a.py), when its bundle's parts were
-#               carried into /tmp/vllm by the calls before (../shared/peers/vllm_bundle.sh); unpacked here
-#   protocol_b  Protocol B against `deepinfer serve --load-format dummy` at the same shape: concurrency
-#               1, 8, 32, 128, 512 in / 128 out, random-id prompts
-#   vllm_serve  the same Protocol B client against vLLM 0.26.0's OpenAI server on the same model directory
-#               (dummy weights, the same flags), from the bundle in /tmp/vllm plus the server's own
-#               dependencies carried into /tmp/vllm/serve_deps (benchmarks/vllm_serve_deps.sh)
-#   protocol_c  Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32, against
-#               `deepinfer serve` with prefix caching on and then off (TTFT is the figure)
+# Every benchmark of the project on a GPU machine, in one command, a short summary table last.
+#
+#   bash benchmarks/gpu.sh [OUTDIR]                       logs and JSON go to OUTDIR (default ./bench-out)
+#   PARTS="protocol_a protocol_b" bash benchmarks/gpu.sh  only these parts, in this order
+#
+# Parts (default: kernels gpu_vs_cpu protocol_a hf_peer protocol_b):
+#   kernels          kernels.py: each kernel against its reference, then its time, bytes/s and FLOP/s
+#                    (MoE grouped GEMM, MLA decode / prefill / output)
+#   gpu_vs_cpu       gpu_vs_cpu.py: greedy tokens of the GPU kernels against the CPU reference (fp32), bf16 vs fp32
+#   protocol_a       offline.py: Protocol A (V2-Lite shape, random weights, batch 32, 512 in / 256 out)
+#   hf_peer          hf_peer.py: HF transformers' `generate` on the same protocol (needs torch + transformers)
+#   vllm_peer        vLLM 0.26.0's Protocol A, from a vLLM bundle unpacked into /tmp/vllm (see vllm_unpack below;
+#                    with vLLM installed, run its `LLM` on the same shape instead)
+#   protocol_b       Protocol B: serving.py against `deepinfer serve --load-format dummy` at the same shape,
+#                    concurrency 1, 8, 32, 128, 512 in / 128 out, random-id prompts
+#   vllm_serve       the same client against vLLM's OpenAI server on the same model directory (dummy weights,
+#                    the same flags; its extra wheels: vllm_serve_deps.sh)
+#   protocol_c       Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32,
+#                    prefix caching on and then off (TTFT is the figure)
 #   vllm_protocol_c  the same client against vLLM's server (prefix caching on, its default)
-#   bash benchmarks/gpu.sh [OUTDIR]      (logs and JSON go to OUTDIR, default ./bench-out)
-# PARTS picks parts and their order (default: kernels gpu_vs_cpu protocol_a hf_peer protocol_b); PRESET the model
-# shape; KERNELS_ARGS (default --quick), READY_LIMIT (seconds a server may take to answer /health, default 600),
-# OFFLINE_ARGS and SERVING_ARGS add flags to a part, SERVE_ARGS to protocol_b's server; SHARED_PREFIX sets Protocol C's shared prefix (default 2,048
-# tokens). The vLLM peer (../shared/peers/) needs its bundle carried in separate calls first.
+#   serve_start      serve_start.sh: `deepinfer serve` from start to /health on an empty, a warm and a
+#                    tuned-only compilation cache (writes OUTDIR/serve_start/autotune.tgz)
+#   sharded          sharded_check.py on two GPUs: TP=2 and DP=2 x EP=2 against one GPU, bf16
+#
+# Knobs: PRESET (model shape, default deepseek-v2-lite: configs/models/PRESET.json), KERNELS_ARGS (default
+# --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py), SERVE_ARGS (more flags for
+# protocol_b's server), READY_LIMIT (seconds a server may take to answer /health, default 600), SHARED_PREFIX
+# (Protocol C's shared prefix, default 2,048 tokens). Write what you measure into benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -40,10 +48,14 @@ run_part() {
     vllm_serve) vllm_serve ;;
     protocol_c) protocol_c ;;
     vllm_protocol_c) client_args=$protocol_c_client vllm_serve vllm_protocol_c $protocol_c_len ;;
+    serve_start) bash benchmarks/serve_start.sh "$out/serve_start" "$preset" > "$out/serve_start.log" 2>&1 ;;
+    sharded) python3 benchmarks/sharded_check.py --layouts tp2,dp2ep2 --preset "$preset" > "$out/sharded.log" 2>&1 ;;
     *) echo "unknown part $1" ;;
   esac
 }
 
+# The vLLM peer: a bundle of vLLM 0.26.0 and its wheels (vllm.part* = a tar.xz in parts, deps/*.whl, and
+# vllm_protocol_a.py, Protocol A through vLLM's `LLM`), carried into /tmp/vllm on a machine without internet.
 vllm=/tmp/vllm
 vllm_unpack() {  # the bundle's parts (and the server's dependencies, where carried) into $vllm/site, $vllm/pkgs
   if [[ ! -d $vllm/site ]]; then
@@ -125,6 +137,8 @@ has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/ker
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
+has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
+has sharded && grep -h -E "^\|" "$out/sharded.log"
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
 for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c; do
   has "${part%_o[nf]*}" && [[ -f "$out/ready_$part.log" ]] && cat "$out/ready_$part.log" &&

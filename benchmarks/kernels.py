@@ -1,7 +1,8 @@
 """Per-kernel checks and timings on the GPU: each kernel against its reference, then achieved bytes/s
-and FLOP/s against the measured ceilings (GPU.md: 4.3 TB/s copy, 587 TFLOP/s bf16 matmul).
+and FLOP/s against the ceilings measured on an H200 (4.3 TB/s copy, 587 TFLOP/s bf16 matmul).
 
-    python benchmarks/kernels.py [--quick]
+    python benchmarks/kernels.py [--quick] [--only moe|moe_prefill|mla|mla_output|mla_prefill|decode_sweep]
+    python benchmarks/kernels.py --only moe_prefill --moe-tokens 2731,16384   # Triton against Mosaic GPU experts
 
 MoE (V2-Lite expert shape: 64 experts, 2048 -> 1408, top-6): the Pallas block-aligned grouped GEMM
 (several tile configs), `jax.lax.ragged_dot`, and Mosaic GPU `ragged_dot_mgpu` when present, at

@@ -32,7 +32,7 @@ VARIANTS = {  # name -> (launch, keyword arguments): "two" = residual_route + mo
     "merged_w4_early": ("one", {"num_warps": 4, "shared_down_late": False}),
 }
 for _t in ((32, 64, 256), (32, 32, 256), (32, 16, 256), (16, 64, 256), (16, 32, 256), (32, 32, 128), (32, 64, 128)):
-    # session 28: the shared experts' tiles (rows, gate_up columns, down columns); the routed 16 / 128 / 256
+    # the shared experts' tiles (rows, gate_up columns, down columns); the routed 16 / 128 / 256
     VARIANTS["sh%d_%d_%d" % _t] = ("one", {"shared_tiles": _t})
 
 

@@ -3,7 +3,7 @@
     export DEEPINFER_XLA_DEFAULTS=0 XLA_PYTHON_CLIENT_PREALLOCATE=false  # else ncu backs up ~100 GB a replay pass
     ncu --profile-from-start off --clock-control none --set full -o REPORT python3 benchmarks/ncu_attention.py
 
-(benchmarks/ncu_table.py prints tables from its CSV; `bash benchmarks/explore_next.sh OUT ncu` runs both.)
+(benchmarks/ncu_table.py prints tables from its CSV: see its docstring for the metrics command.)
 
 V2-Lite's latent cache (16 heads, 512 + 64, pages of 64, bf16), random queries and cache, `--context` keys a
 sequence; the kernel's wrapper keywords from `--kernel k=v,...` (e.g. num_warps=8)."""

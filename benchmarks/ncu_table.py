@@ -11,7 +11,7 @@ ncu replays each kernel on its own (serialised, its inputs restored), so a kerne
 time, without the overlap PDL gives its neighbours in a step's CUDA graph and without the profiler-trace
 overhead of `step_profile.py --trace`. DRAM bytes are what the kernel moved to and from device memory; the
 bandwidth column is those bytes over the duration. Reads no JAX. (Under ncu the engine's whole step program,
-step_profile.py, died with a segfault ~10 s in, in session 23; the attention script runs.)
+step_profile.py, has segfaulted ~10 s in; profile the attention script instead.)
 """
 
 from __future__ import annotations

@@ -54,8 +54,8 @@ def weight_bytes_per_decode_step(cfg: ModelConfig, distinct_experts: float, item
 
 def cuda_stack_limit(device, new: int | None = None) -> str:
     """The context's CU_LIMIT_STACK_SIZE (bytes a thread) as the driver has it, then set to `new` if given.
-    Session 18's lead: a kernel that needs a larger stack grows the context's local memory for good, and the
-    decode steps ran slower whenever a scanned step program was in the process."""
+    Printed because a kernel that needs a larger stack grows the context's local memory for good, which is one
+    suspect for decode steps running slower while a scanned step program is loaded."""
     import ctypes
 
     from deepinfer_jax.runner.device_memory import cuda_mem_info
@@ -92,11 +92,11 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
     ap.add_argument("--warmup-runs", type=int, default=None,
-                    help="runs of each step program at warm-up (RunnerConfig.warmup_runs; 1 = before session 5)")
+                    help="runs of each step program at warm-up (RunnerConfig.warmup_runs)")
     ap.add_argument("--routing", choices=["host", "device", "off"], default="host",
                     help="the routed expert ids behind the experts-touched figure: read to the host one step "
-                         "later, as the sampled ids are (host), kept on the device until the run ends (device, "
-                         "as before session 5: a fresh output buffer every step), or not returned by the step "
+                         "later, as the sampled ids are (host), kept on the device until the run ends (device: "
+                         "a fresh output buffer every step), or not returned by the step "
                          "at all (off: an A/B of what collecting them costs)")
     ap.add_argument("--early-copy", action=argparse.BooleanOptionalAction, default=True,
                     help="start each step's device-to-host copy of its sampled ids at dispatch (the engine's way); "

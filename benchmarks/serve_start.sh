@@ -6,6 +6,8 @@
 # the device (`--load-format dummy`), Protocol B's server flags. Prints the times and the warm-up's log.
 #   bash benchmarks/serve_start.sh [OUTDIR] [PRESET]     (SERVE_ARGS: more serve flags, e.g. fewer buckets;
 #   CACHE_DIR: the first runs' cache directory instead of a fresh one, e.g. to reuse it afterwards)
+# To ship the autotuning results for another GPU or model shape, copy OUTDIR/autotune.tgz to
+# deepinfer_jax/assets/autotune/<gpu>-<model>.tgz (runner/compile_cache.py seeds the cache from every .tgz there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"

@@ -1,7 +1,8 @@
 """Reading jax.profiler's perfetto traces of decode steps: GPU time per kernel and category, one
 decoder layer in launch order, and the device's idle gaps (is the engine keeping the GPU busy?).
 
-Used by step_profile.py (isolated steps) and offline.py (the engine's own loop)."""
+Used by offline.py (the engine's own loop), step_profile.py (isolated steps), kernels.py, attn_sweep.py,
+moe_launch_sweep.py and host_gaps.py."""
 
 from __future__ import annotations
 
