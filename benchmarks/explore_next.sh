@@ -108,15 +108,6 @@
 #                                                   then the batch-256 step with and without --decode-route-launch,
 #                                                   alternating: one program twice (the model runs the launch only
 #                                                   up to 64 tokens), so the spread between two compiles
-#   bash benchmarks/explore_next.sh OUTDIR early
-#                                                   session 30 (measured in 31 on an H100: no gain; EARLY="..." sets
-#                                                   the list of settings): RunnerConfig.launch_dependents, our
-#                                                   kernels signalling griddepcontrol.launch_dependents as they start
-#                                                   (kernels/pdl.py): the batch-32 step with all of them, its PTX (if
-#                                                   XLA dumps any; session 31 found none) scanned for waits and
-#                                                   signals per kernel name, then the step at the
-#                                                   defaults against all, alternating, then the MoE launch alone
-#                                                   and all but the attention
 #   bash benchmarks/explore_next.sh OUTDIR repeat
 #                                                   session 29: the spread between processes: the batch-32 step four
 #                                                   times at the defaults, then the batch-256 step twice with and
@@ -593,33 +584,6 @@ if [[ $mode == b256 ]]; then  # session 29: the route launch at 256 tokens (resi
     left 500 || break
     timeout 120 python3 benchmarks/step_profile.py --batch 256 --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
     echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_$l.log" | head -2)"
-  done
-  exit 0
-fi
-if [[ $mode == early ]]; then  # session 30: RunnerConfig.launch_dependents (kernels/pdl.py), not yet on a GPU
-  # 1. The batch-32 step with every family signalling early, its PTX dumped: per kernel name, how many entries wait
-  #    (griddepcontrol.wait: XLA's own, and ours) and signal (launch_dependents: XLA's Triton GEMMs, and ours).
-  # 2. The step at the defaults (none) against all, alternating, then the MoE launch alone and all but the
-  #    attention (whose 128 programs, launched early, may land two on some SMs). Where one wins by >= 0.02 ms, the
-  #    next call is FLAGS="--launch-dependents X" ab.
-  timeout 150 python3 benchmarks/step_profile.py --label dump --launch-dependents all --dump-hlo "$out/dump" 2>&1 \
-    | quiet > "$out/step_dump.log"
-  echo "all (dumped): $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$out/step_dump.log" | head -2)"
-  find "$out/dump" -name '*.ptx' -exec cat {} + 2>/dev/null | awk '
-    function flush() { if (cur != "") { e[cur]++; if (hw) w[cur]++; if (hl) l[cur]++ } }
-    /^\.visible \.entry/ { flush(); n = $3; sub(/\(.*/, "", n); sub(/(_[0-9]+)+$/, "", n); cur = n; hw = 0; hl = 0 }
-    /griddepcontrol\.wait/ { hw = 1 }
-    /griddepcontrol\.launch_dependents/ { hl = 1 }
-    END { flush(); for (k in e) printf "%-44s %4d entries %4d wait %4d signal\n", k, e[k], w[k] + 0, l[k] + 0 }' \
-    | sort -k2 -n -r | head -40
-  i=0
-  ls -R "$out/dump" | grep -c '\.ptx$' | sed 's/^/ptx files: /'
-  for l in ${EARLY:-none all none all moe absorb,matmul,moe,output}; do
-    left 510 || break
-    i=$((i + 1)); log="$out/step_${i}_${l//,/_}.log"
-    timeout 90 python3 benchmarks/step_profile.py --label "$l" --launch-dependents "$l" 2>&1 | quiet > "$log"
-    echo "step $l $(( $(date +%s) - start ))s: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms|[A-Za-z]*Error.*" "$log" \
-      | head -2)"
   done
   exit 0
 fi

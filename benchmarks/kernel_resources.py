@@ -105,14 +105,12 @@ def _prefill_cases():
     ]
 
 
-def dump(out: str, prefill: bool = False, launch_dependents=()) -> None:
+def dump(out: str, prefill: bool = False) -> None:
     """Lower every case (the decode step's, or with `prefill` a prefill step's) for an sm_90 device and write
     DIR/NN.ttir plus DIR/kernels.json (name, warps, stages, grid of each kernel, in launch order within its
-    case); `launch_dependents`: the kernel families that signal early (kernels/pdl.py)."""
+    case)."""
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
-
-    from deepinfer_jax.kernels import pdl
 
     class _H200:
         compute_capability = "9.0"
@@ -131,8 +129,7 @@ def dump(out: str, prefill: bool = False, launch_dependents=()) -> None:
     try:
         for case, fn, args in (_prefill_cases() if prefill else _cases()):
             captured.clear()
-            with pdl.launching(launch_dependents):
-                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             for i, (ir, warps, stages, grid) in enumerate(captured):
                 path = f"{len(index):02d}.ttir"
                 with open(os.path.join(out, path), "w") as f:
@@ -189,16 +186,12 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=["dump", "report"])
     ap.add_argument("dir")
     ap.add_argument("--prefill", action="store_true", help="dump: a Protocol A prefill step's kernels instead")
-    ap.add_argument("--launch-dependents", default="none",
-                    help="dump: the kernel families that signal early, as RunnerConfig.launch_dependents ('all')")
     ap.add_argument("--num-warps", type=int, default=None, help="report: compile every kernel at these warps")
     ap.add_argument("--num-stages", type=int, default=None, help="report: compile every kernel at these stages")
     args = ap.parse_args(argv)
     if args.mode == "dump":
         sys.path.insert(0, os.path.dirname(HERE))
-        from deepinfer_jax.kernels import pdl
-
-        dump(args.dir, args.prefill, pdl.parse(args.launch_dependents))
+        dump(args.dir, args.prefill)
     else:
         report(args.dir, args.num_warps, args.num_stages)
     return 0

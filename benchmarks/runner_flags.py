@@ -52,10 +52,6 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-moe-shared-tiles", type=_tiles, default=RunnerConfig.decode_moe_shared_tiles,
                     help="the route-and-experts launch's shared-expert tiles: rows,gate_up columns,down columns "
                          "(RunnerConfig.decode_moe_shared_tiles; 'none': the routed tiles' sizes)")
-    ap.add_argument("--launch-dependents", type=_families, default=RunnerConfig.launch_dependents,
-                    help="the kernel families that signal the next kernel's launch as they start: comma-separated "
-                         "moe, absorb, attention, output, matmul, norm, or 'all' / 'none' "
-                         "(RunnerConfig.launch_dependents)")
     ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
                     help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; "
                          "default: indexed on a GPU)")
@@ -70,15 +66,9 @@ _tiles = _ints("none")  # '32,64,256' -> (32, 64, 256)
 _token_counts = _ints("all")  # '32,64' -> (32, 64)
 
 
-def _families(text: str) -> tuple[str, ...]:
-    from deepinfer_jax.kernels import pdl
-
-    return pdl.parse(text)
-
-
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
     return {field: getattr(args, field) for field, _ in SWITCHES} | {
         "prefill_attention": args.prefill_attention, "prefill_layers": args.prefill_layers,
         "decode_moe_launch_tokens": args.decode_moe_launch_tokens,
-        "decode_moe_shared_tiles": args.decode_moe_shared_tiles, "launch_dependents": args.launch_dependents}
+        "decode_moe_shared_tiles": args.decode_moe_shared_tiles}

@@ -423,13 +423,6 @@ class RunnerConfig:
     # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. Session 23,
     # the form that gathers them in one load, with decode_residual_norm: step 8.20-8.21 ms against 8.16; off.
     decode_combine_norm: bool = False
-    # The kernel families ("moe", "absorb", "attention", "output", "matmul", "norm"; kernels/pdl.py) whose programs
-    # signal `griddepcontrol.launch_dependents` as they start, so that the next kernel of the step's CUDA graph
-    # (launched with PDL by XLA, waiting at its entry) launches while they run instead of after them; the same
-    # outputs. XLA signals early only in its own Triton GEMMs. Session 31 (H100): the batch-32 step 11.11-11.13 ms
-    # with all against 11.04-11.14 with none, 11.03 with all but the attention; Protocol A +0.07% (noise). None by
-    # default.
-    launch_dependents: tuple[str, ...] = ()
     # Prefill-size MoE steps (16,384+ token copies, where tile_config's row blocks are 128, 16-bit weights, no shared
     # experts in the kernels, a Hopper GPU) run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py:
     # warp-specialized wgmma + TMA, the gate_up SwiGLU in its epilogue) over XLA's gather of the rows, instead of the
@@ -486,7 +479,6 @@ class RunnerConfig:
             object.__setattr__(self, "decode_moe_launch_tokens", tuple(int(t) for t in self.decode_moe_launch_tokens))
         if self.decode_moe_shared_tiles is not None:
             object.__setattr__(self, "decode_moe_shared_tiles", tuple(int(t) for t in self.decode_moe_shared_tiles))
-        object.__setattr__(self, "launch_dependents", tuple(sorted(set(self.launch_dependents))))
 
     def forward_switches(self) -> dict[str, Any]:
         """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
@@ -511,4 +503,4 @@ FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attentio
                     "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
                     "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
                     "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm",
-                    "decode_combine_norm", "launch_dependents", "moe_prefill_mosaic")
+                    "decode_combine_norm", "moe_prefill_mosaic")

@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -69,7 +68,7 @@ def supported(num_tokens: int, K: int, N: int) -> bool:
 
 
 def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k_steps):
-    n, s = pdl.program_id(0, "matmul"), pl.program_id(1)
+    n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     cols = pl.ds(n * block_n, block_n)
 

@@ -48,7 +48,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.mla_decode import EXACT
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -104,7 +103,7 @@ def _q_loader(q_ref, width=None):
 
 
 def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
-    absorb_tile(pdl.program_id(0, "absorb"), pl.program_id(1), layer_ref[0], _q_loader(q_ref), w_ref, cos_ref,
+    absorb_tile(pl.program_id(0), pl.program_id(1), layer_ref[0], _q_loader(q_ref), w_ref, cos_ref,
                 sin_ref, lat_ref, pe_ref, dn=dn, dr=dr, block_r=block_r)
 
 
@@ -164,7 +163,7 @@ def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, co
                           _cache_in, lat_ref, pe_ref, cache_ref, *, dn, dr, block_r, eps, merged):
     T, R = ckv_ref.shape[0], cache_ref.shape[3] - dr
     H, nrb = w_ref.shape[2], w_ref.shape[1] // block_r
-    pid = pdl.program_id(0, "absorb")
+    pid = pl.program_id(0)
     layer = layer_ref[0]
     off = H * (dn + dr) if merged else 0  # where the kv_a rows start in ckv's columns
 

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -90,7 +89,7 @@ def softmax_steps(ss, vs, carry):
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
             page_size, rank, scale, pages_per_step, block_keys, prefetch_ids, qk_chunks=1):
-    t, sp = pdl.program_id(0, "attention"), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
+    t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
     first = sp * pages_per_split

@@ -39,7 +39,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.launch_sync import acquire, release
 from deepinfer_jax.kernels.mla_decode import EXACT, merge_splits
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -77,7 +76,7 @@ def _merge_tile(h, tb, vb, layer, o_ref, m_ref, l_ref, w_ref, store, *, bh, spli
 
 
 def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, block_v, **kw):
-    h, tb, vb = pdl.program_id(0, "output"), pl.program_id(1), pl.program_id(2)
+    h, tb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def store(rows, y):
         out_ref[rows, h, pl.ds(vb * block_v, block_v)] = y
@@ -125,7 +124,7 @@ def _merge_project_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, wo_ref, _ready_
     o_proj's (chunk s, column tile n), s-major, each loading its weight tiles first, then waiting for its
     chunk's tiles of the attention's output, then multiplying. Every producer has started before any
     consumer waits (a 1-D grid starts in order): no deadlock."""
-    p = pdl.program_id(0, "output")
+    p = pl.program_id(0)
     layer = layer_ref[0]
     vblocks = dv // block_v
     per_chunk = chunk // block_v * token_blocks  # producer tiles in one K chunk

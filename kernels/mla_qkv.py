@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.decode_matmul import fewest_chunks, largest_pow2_divisor
 from deepinfer_jax.kernels.mla_absorb import (absorb_query_write_latents_reference, absorb_tile, cols, latent_row,
                                               latent_supported)
@@ -68,7 +68,7 @@ def supported(num_tokens: int, D: int, H: int, dn: int, dr: int, R: int, interpr
 def _kernel(layer_ref, cache_layer_ref, slot_ref, x_ref, wq_ref, wkv_ref, kvb_ref, cos_ref, sin_ref, norm_ref,
             _cache_in, _cnt_in, lat_ref, pe_ref, cache_ref, part_ref, cnt_ref, *, H, dn, dr, block_n, block_k,
             split_k, block_r, eps, spin):
-    p, layer = pdl.program_id(0, "absorb"), layer_ref[0]
+    p, layer = pl.program_id(0), layer_ref[0]
     T, D = x_ref.shape
     W, Wkv = dn + dr, wkv_ref.shape[2]
     R, Nq, nrb = Wkv - dr, H * W, kvb_ref.shape[1] // block_r

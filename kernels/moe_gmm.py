@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -193,7 +193,7 @@ def _refs(refs, shared, with_rc):
 
 def _block_and_tile(cols_first: bool):
     """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
-    first = pdl.program_id(0, "moe")
+    first = pl.program_id(0)
     return (pl.program_id(1), first) if cols_first else (first, pl.program_id(1))
 
 
@@ -222,7 +222,7 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
     _ready_in, h_ref, y_ref, ready_ref = refs
-    p = pdl.program_id(0, "moe")
+    p = pl.program_id(0)
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
 
     @pl.when(p < n1)

@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -55,7 +54,7 @@ def supported(num_tokens: int, num_experts: int, k: int, num_shared: int) -> boo
 
 def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
     bias_ref = refs[0] if len(refs) == 6 else None
-    route_chunk(pdl.program_id(0, "moe"), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m,
+    route_chunk(pl.program_id(0), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m,
                 softmax=softmax, norm=norm, scale=scale, row_chunk=row_chunk)
 
 

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import EXACT, _combine
 from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, route_chunk
 from deepinfer_jax.kernels.moe_route import supported as route_supported
@@ -110,13 +110,13 @@ def _residual_norm_row(t, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps):
 
 
 def _residual_norm_kernel(layer_ref, parts_ref, h_ref, nw_ref, hn_ref, x_ref, *, eps):
-    _residual_norm_row(pdl.program_id(0, "norm"), layer_ref[0], parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps)
+    _residual_norm_row(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps)
 
 
 def _combine_norm_kernel(layer_ref, y_ref, row_of_ref, w_ref, h_ref, nw_ref, hn_ref, x_ref, *, eps):
     """Token t: its K copies' expert rows gathered (row_of; M: a skipped copy, zeros), weighted and summed in
     fp32 (moe_gmm's combine), then `_add_norm_row`."""
-    t, layer = pdl.program_id(0, "norm"), layer_ref[0]
+    t, layer = pl.program_id(0), layer_ref[0]
     M, K = y_ref.shape[0], w_ref.shape[1]
     if _pow2(K):  # the K rows gathered in one [K, D] load, the weighted rows reduced as a tree
         r = row_of_ref[pl.ds(t * K, K)]  # [K]
@@ -249,7 +249,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, R, eps, spi
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     _cnt_in, hn_ref, x_ref, lp_ref, *route_refs, cnt_ref = refs
-    route_programs(pdl.program_id(0, "moe"), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref,
+    route_programs(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref,
                    cnt_ref, lambda r, logits: route_chunk(r, logits, bias_ref, *route_refs, **route_kw), T=T, C=C,
                    R=R, eps=eps, spin=spin)
 

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.moe_gmm import (_combine, _down, _fit, _gate_up, down_rows, gate_up_rows,
                                            moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
@@ -79,7 +79,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     bias_ref = refs.pop(0) if has_bias else None
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, act_ref, y_ref, cnt_ref = refs
-    p, layer = pdl.program_id(0, "moe"), layer_ref[0]
+    p, layer = pl.program_id(0), layer_ref[0]
     route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref,
                    lambda r, logits: route_chunk(r, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref,
                                                  **route_kw),

@@ -30,7 +30,6 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
@@ -326,7 +325,6 @@ def forward_paged(
     decode_merged_qkv: bool = False,
     decode_residual_norm: bool = False,
     decode_combine_norm: bool = False,
-    launch_dependents: tuple[str, ...] = (),
     moe_prefill_mosaic: bool = False,
     return_hidden: bool = False,
 ):
@@ -369,123 +367,120 @@ def forward_paged(
     `decode_combine_norm`: where `decode_combine_norm_weights` allows, a MoE layer's expert rows are combined
     into the residual and the next layer's input RMSNorm taken in one launch; the layers then pass that
     normed input on beside h (the scan's carry).
-    `launch_dependents`: the kernel families (kernels/pdl.py FAMILIES) whose programs signal the next kernel's
-    launch at their start (PDL; the same outputs).
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
     moe.moe_block `mosaic`).
     `return_hidden`: the final-normed hidden states [S, D] (`final_hidden`) in place of the logits, for a
     caller that applies the lm_head itself (kernels/lm_head_sample.py)."""
-    with pdl.launching(launch_dependents):  # read by the kernels as they are traced (kernels/pdl.py)
-        cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
-        split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
-        h = params["embed"][meta.token_ids]  # [T, D]
-        routing: list[jax.Array] = []
+    cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
+    split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
+    h = params["embed"][meta.token_ids]  # [T, D]
+    routing: list[jax.Array] = []
 
-        for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
-            # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
-            # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
-            experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
-            scanned = seg_params
-            if experts is not None:
-                stacked = ("experts",)
-                if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
-                                                                 meta.token_ids.shape[0]):
-                    experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
-                scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
-            projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
-                                         decode_projection_kernel)
-            # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
-            value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                              decode_output_kernel)
-            absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                                decode_absorb_kernel)
-            latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
-            qkv_w = decode_qkv_weights(seg_params, cfg, meta, latent_norm, attn_impl, decode_qkv_launch)
-            merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, qkv_w, decode_merged_qkv)
-            oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
-            route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
-                                           moe_impl, mesh_rules, fuse_moe_routing, decode_route_launch)
-            moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
-                                                   meta.token_ids.shape[0], decode_moe_launch_tokens)
-            norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
-                                                  meta.token_ids.shape[0], decode_residual_norm)
-            input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
-                                                     mesh_rules, fuse_moe_routing, decode_combine_norm)
-            taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
-            for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
-                scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
+    for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+        # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
+        # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
+        experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
+        scanned = seg_params
+        if experts is not None:
+            stacked = ("experts",)
+            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
+                                                             meta.token_ids.shape[0]):
+                experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
+            scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
+        projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
+                                     decode_projection_kernel)
+        # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
+        value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                          decode_output_kernel)
+        absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                            decode_absorb_kernel)
+        latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
+        qkv_w = decode_qkv_weights(seg_params, cfg, meta, latent_norm, attn_impl, decode_qkv_launch)
+        merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, qkv_w, decode_merged_qkv)
+        oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
+        route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
+                                       moe_impl, mesh_rules, fuse_moe_routing, decode_route_launch)
+        moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
+                                               meta.token_ids.shape[0], decode_moe_launch_tokens)
+        norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
+                                              meta.token_ids.shape[0], decode_residual_norm)
+        input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
+                                                 mesh_rules, fuse_moe_routing, decode_combine_norm)
+        taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
+        for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
+            scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
-            def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                     absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                     route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm,
-                     moe_launch=moe_launch):
-                h, x, cache = carry  # x: this layer's normed input where the layer before made it (input_norm)
-                lp, li, j = xs
-                for (group, name), w in projections.items():  # read in place by the decode kernel
-                    lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
-                if x is None:
-                    x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-                q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
-                                                                      absorb_kv_b, latent_norm, qkv_w, attn_impl,
-                                                                      merged_qkv, absorbed=split_plan is None)
-                written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
-                if split_plan is not None:
+        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
+                 route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm,
+                 moe_launch=moe_launch):
+            h, x, cache = carry  # x: this layer's normed input where the layer before made it (input_norm)
+            lp, li, j = xs
+            for (group, name), w in projections.items():  # read in place by the decode kernel
+                lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
+            if x is None:
+                x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+            q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
+                                                                  absorb_kv_b, latent_norm, qkv_w, attn_impl,
+                                                                  merged_qkv, absorbed=split_plan is None)
+            written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
+            if split_plan is not None:
+                cache = write_latents(cache, li, meta, latent)
+                a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
+                                 attn_impl)  # [T, H, dv]
+            elif value_kv_b is not None:
+                if not written:
                     cache = write_latents(cache, li, meta, latent)
-                    a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
-                                     attn_impl)  # [T, H, dv]
-                elif value_kv_b is not None:
-                    if not written:
-                        cache = write_latents(cache, li, meta, latent)
-                    a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl,
-                                                o_proj=lp["attn"]["o_proj"] if oproj_launch else None,
-                                                reduce=route_w is None)
+                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl,
+                                            o_proj=lp["attn"]["o_proj"] if oproj_launch else None,
+                                            reduce=route_w is None)
+            else:
+                if written:  # one device (decode_latent_weights)
+                    o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+                elif mesh_rules is None:
+                    o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
+                                                    attn_impl)
                 else:
-                    if written:  # one device (decode_latent_weights)
-                        o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
-                    elif mesh_rules is None:
-                        o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
-                                                        attn_impl)
-                    else:
-                        o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
-                                                                cfg.softmax_scale, attn_impl)
-                    a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-                routed, m = None, None
-                if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
-                    parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
-                    if moe_launch:  # ... and on to the experts' rows in the same launch
-                        h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
-                                                          moe_impl == "pallas_interpret", decode_moe_shared_tiles)
-                    else:
-                        h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
-                                                           attn_impl == "pallas_interpret")
-                elif norm_w is not None:  # o_proj's partials to the residual and its RMSNorm, one launch
-                    h, x = residual_norm_step(a, h, lp["attn"]["o_proj"], norm_w, j, cfg)
-                else:  # oproj_launch: `a` is o_proj's output
-                    h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
-                    x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-                if kind == "dense":
-                    return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
-                if m is None:
-                    m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                                       mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
-                                       single_launch=moe_single_launch, routed=routed, combine=input_norm is None,
-                                       mosaic=moe_prefill_mosaic)
-                if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
-                    h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
-                    return (h, x, cache), (idx if return_routing else None)
-                return (h + m, None, cache), (idx if return_routing else None)
+                    o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                            cfg.softmax_scale, attn_impl)
+                a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+            routed, m = None, None
+            if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
+                parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
+                if moe_launch:  # ... and on to the experts' rows in the same launch
+                    h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
+                                                      moe_impl == "pallas_interpret", decode_moe_shared_tiles)
+                else:
+                    h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
+                                                       attn_impl == "pallas_interpret")
+            elif norm_w is not None:  # o_proj's partials to the residual and its RMSNorm, one launch
+                h, x = residual_norm_step(a, h, lp["attn"]["o_proj"], norm_w, j, cfg)
+            else:  # oproj_launch: `a` is o_proj's output
+                h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
+                x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            if kind == "dense":
+                return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
+            if m is None:
+                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                                   mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
+                                   single_launch=moe_single_launch, routed=routed, combine=input_norm is None,
+                                   mosaic=moe_prefill_mosaic)
+            if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
+                h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
+                return (h, x, cache), (idx if return_routing else None)
+            return (h + m, None, cache), (idx if return_routing else None)
 
-            # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
-            # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
-            # ~0.9 us each on an H200).
-            layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
-            local_ids = np.arange(seg.num_layers, dtype=np.int32)
-            x0 = None if input_norm is None else rms_norm(h, input_norm[0], cfg.rms_norm_eps)
-            (h, _, kv_cache), ys = run_layers(body, (h, x0, kv_cache), scanned, layer_ids, local_ids, unroll)
-            if ys is not None:
-                routing.append(ys)
-        h = h[meta.logits_indices]  # [S, D]: each sequence's last token
-        logits = final_hidden(params, cfg, h) if return_hidden else _logits(params, cfg, h)
-        if return_routing:
-            return logits, kv_cache, jnp.concatenate(routing, axis=0)
-        return logits, kv_cache
+        # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
+        # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
+        # ~0.9 us each on an H200).
+        layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
+        local_ids = np.arange(seg.num_layers, dtype=np.int32)
+        x0 = None if input_norm is None else rms_norm(h, input_norm[0], cfg.rms_norm_eps)
+        (h, _, kv_cache), ys = run_layers(body, (h, x0, kv_cache), scanned, layer_ids, local_ids, unroll)
+        if ys is not None:
+            routing.append(ys)
+    h = h[meta.logits_indices]  # [S, D]: each sequence's last token
+    logits = final_hidden(params, cfg, h) if return_hidden else _logits(params, cfg, h)
+    if return_routing:
+        return logits, kv_cache, jnp.concatenate(routing, axis=0)
+    return logits, kv_cache

@@ -306,30 +306,3 @@ def test_decode_qkv_launch_applies_without_q_lora_only(hf_case):
             assert got is None
         assert decode_qkv_weights(sp, cfg, meta, None, "pallas_interpret", True) is None
         assert decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", False) is None
-
-
-def test_launch_dependents_reach_every_kernel_and_change_no_value(hf_case, monkeypatch):
-    """RunnerConfig.launch_dependents (kernels/pdl.py): with every family named, each decode kernel of the
-    defaults' steps (and the combine-and-norm launch) is traced with the early signal (the setting reaches the
-    kernels through forward_paged, and their jitted wrappers are traced again under it); the logits and cache as
-    without, and the full forward's."""
-    from deepinfer_jax.kernels import pdl
-
-    seen = []
-    real = pdl.program_id
-    monkeypatch.setattr(pdl, "program_id", lambda axis, family: seen.append((family, pdl.signals(family))) or
-                        real(axis, family))
-    switches = {k: v for k, v in RunnerConfig().forward_switches().items() if k != "launch_dependents"}
-    switches["decode_combine_norm"] = True  # the "norm" family
-    _decode_kernel_on_and_off(hf_case, "v2_greedy_yarn", "launch_dependents", seed=31, values=((), pdl.FAMILIES),
-                              **switches)
-    # The pass without, then the pass with: every family traced with the signal, none before it was set (the pass
-    # without may trace fewer kernels where an earlier test left their wrappers compiled at these shapes).
-    assert {f for f, on in seen if on} == set(pdl.FAMILIES)
-    assert [on for _, on in seen] == sorted(on for _, on in seen)
-
-
-def test_launch_dependents_reach_the_forward_sorted():
-    assert RunnerConfig().forward_switches()["launch_dependents"] == ()
-    assert RunnerConfig(launch_dependents=["moe", "attention", "moe"]).forward_switches()["launch_dependents"] == (
-        "attention", "moe")
