@@ -1,19 +1,6 @@
 #!/usr/bin/env bash
-# The next GPU calls' open question, a short table last. Session 13 measured four off-by-default switches
-# at batch 32 on an H200 (benchmarks/RESULTS.md "Session 13"): none pays there. Their launches save small kernels'
-# fixed costs, which weigh more in smaller steps. Of the four, the combine in the single MoE launch grew that
-# launch's tail by 8 us a layer and was removed. At batch 8 (one run each) only the route launch may pay: 5.36 ms
-# against 5.41. The open question: repeated runs at batch 1 and 8 (Protocol B's concurrency 1 and 8 decode at 3.5
-# and 6.3 ms a step). The other three:
-#   qkv      RunnerConfig.decode_qkv_launch: the q / kv_a projections in the absorb kernel's launch
-#   oproj    RunnerConfig.decode_oproj_launch: o_proj in the output kernel's launch
-#   route    RunnerConfig.decode_route_launch: o_proj's partials to the routing in one launch
+# GPU experiments, one mode a call (the second argument), a short table last:
 #
-#   BATCH=8 CONTEXT=640 bash benchmarks/explore_next.sh OUTDIR
-#                                                   the decode step with all three (traced, one layer printed),
-#                                                   with none, and with each alone; qkv2: the qkv launch's GEMM in
-#                                                   2 K chunks. `python3 benchmarks/pick_switches.py OUTDIR`
-#                                                   then prints the flags of those that beat the base step.
 #   FLAGS="--decode-merged-qkv" bash benchmarks/explore_next.sh OUTDIR ab
 #                                                   one candidate: the batch-32 step without and with FLAGS (traced);
 #                                                   where it is 0.02 ms faster, the GPU-vs-CPU check and Protocol A
@@ -49,9 +36,6 @@
 #   bash benchmarks/explore_next.sh OUTDIR loops
 #                                                   session 19: Protocol A with XLA's while loops recorded unrolled
 #                                                   in the command buffer, then unrolled by XLA's HLO pass
-#   bash benchmarks/explore_next.sh OUTDIR norms
-#                                                   session 19: the step with the residual-norm and combine-norm
-#                                                   launches, each and both; with both, GPU vs CPU and Protocol A
 #   bash benchmarks/explore_next.sh OUTDIR indexed
 #                                                   session 21: Protocol A with the prefill bucket's layers
 #                                                   straight-line and compiled once (--prefill-layers indexed),
@@ -156,11 +140,11 @@
 #                                                   session 26: serve's programs traced and lowered under cProfile
 #                                                   with runner/lowering.py's patches, then serve's start on an
 #                                                   empty cache with --prefill-shared-forward
-#   FLAGS="--decode-qkv-launch ..." bash benchmarks/explore_next.sh OUTDIR check
+#   FLAGS="..." bash benchmarks/explore_next.sh OUTDIR check
 #                                                   with the winners: the GPU-vs-CPU greedy check and Protocol A
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${1:-bench-out}"; mode="${2:-steps}"; mkdir -p "$out"
+out="${1:-bench-out}"; mode="${2:?the mode: see the list above}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 start=$(date +%s)
 left() { (( $(date +%s) - start < ${1:-500} )); }
@@ -332,31 +316,6 @@ if [[ $mode == loops ]]; then  # session 19: the scanned form's while loops, unr
     echo "-- XLA_FLAGS=${x:-(defaults)}"
     XLA_FLAGS="$x" timeout 240 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --temperatures 0 --prefill-layers scan 2>&1 \
       | grep -E "Protocol A|engine loop|start-up|rror" | cut -c1-170
-  done
-  exit 0
-fi
-if [[ $mode == norms ]]; then  # session 19: the residual adds and RMSNorms of a decode layer in Pallas launches
-  # The batch-32 step with neither, each and both (RunnerConfig.decode_residual_norm, decode_combine_norm; both
-  # traced, one layer printed); then, with both, the GPU-vs-CPU greedy check and Protocol A scanned and unrolled
-  # beside the defaults.
-  both=(--decode-residual-norm --decode-combine-norm)
-  for l in base rn cn both; do
-    f=(); [[ $l == rn ]] && f=(--decode-residual-norm); [[ $l == cn ]] && f=(--decode-combine-norm)
-    [[ $l == both ]] && f=("${both[@]}" --trace /tmp/tr_both)
-    timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
-    echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
-  done
-  grep -h -A14 "one layer" "$out/step_both.log" | head -15
-  left 200 && timeout 200 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
-    "${both[@]}" > "$out/gpu_vs_cpu.log" 2>&1
-  grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-  for v in "" "${both[*]}"; do
-    for u in 256 16384; do
-      left 480 || break
-      echo "-- ${v:-defaults}, unroll $u"
-      timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 --unroll-max-tokens $u --prefill-layers scan $v 2>&1 \
-        | grep -E "Protocol A|prefill [0-9]" | cut -c1-150
-    done
   done
   exit 0
 fi
@@ -653,20 +612,5 @@ if [[ $mode == check ]]; then
   grep -h -E "Protocol A|prefill [0-9]" "$out"/protocol_a_*.log | cut -c1-220
   exit 0
 fi
-sp() { local label=$1; shift; left 450 || return; echo "$label $(( $(date +%s) - start ))s"
-       timeout 100 python3 benchmarks/step_profile.py --label "$label" --batch "${BATCH:-32}" --context "${CONTEXT:-640}" \
-    "$@" 2>&1 | quiet > "$out/step_$label.log"; }
-all=(--decode-qkv-launch --decode-oproj-launch --decode-route-launch)
-sp all "${all[@]}" --trace /tmp/tr_all
-sp base
-sp qkv --decode-qkv-launch
-sp oproj --decode-oproj-launch
-sp route --decode-route-launch
-sp qkv2 --decode-qkv-launch --qkv-kernel split_k=2
-echo "done $(( $(date +%s) - start ))s"
-echo "== summary =="
-for l in all base qkv oproj route qkv2; do
-  [[ -f $out/step_$l.log ]] || continue
-  echo "$l: $(grep -h -E "pipelined via compiled" "$out/step_$l.log") | $(grep -h -E "GPU kernel time" "$out/step_$l.log")"
-done
-grep -h -A14 "one layer" "$out/step_all.log" | head -15
+echo "unknown mode: $mode" >&2
+exit 2

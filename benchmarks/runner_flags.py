@@ -17,16 +17,11 @@ SWITCHES = [
                              "W_UK in place"),
     ("decode_latent_kernel", "the absorb kernel's launch also norms, ropes and writes the step's latents "
                              "into the KV cache"),
-    ("decode_qkv_launch", "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
     ("decode_merged_qkv", "the q / kv_a projections as one GEMM whose output the absorb launch reads in place"),
     ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
-    ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
     ("decode_moe_launch", "with the route launch, the routing and the expert kernels in one launch, the shared "
                           "experts' tiles streaming while the routing runs"),
-    ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
-    ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
-                            "layer's RMSNorm in one launch"),
     ("moe_prefill_mosaic", "prefill-size MoE steps run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py)"),
     ("prefill_context_variant", "prefill buckets' programs with and without the context part, picked on the "
                                 "host, instead of a lax.cond a layer"),

@@ -53,12 +53,8 @@ def main(argv=None) -> int:
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
     ap.add_argument("--output-kernel", default="",
                     help="block_v=V,block_r=R,num_warps=W,num_stages=S: the output kernel's (merge and W_UV) tiles")
-    ap.add_argument("--oproj-kernel", default="",
-                    help="num_warps=W,num_stages=S: the output kernel's launch with o_proj (decode_oproj_launch)")
     ap.add_argument("--route-experts", default="",
                     help="num_warps=W,shared_down_late=0|1: the route and experts launch (decode_moe_launch)")
-    ap.add_argument("--qkv-kernel", default="",
-                    help="num_warps=W,num_stages=S,split_k=K: the q / kv_a projections' launch (decode_qkv_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
@@ -85,7 +81,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.scheduler.scheduler import ScheduledSeq
     from deepinfer_jax.types import Request, SamplingParams
     from deepinfer_jax.weights.random_init import random_params
-    from deepinfer_jax.kernels import mla_decode, mla_output, mla_qkv, route_experts
+    from deepinfer_jax.kernels import mla_decode, mla_output, route_experts
     from deepinfer_jax.sampling import sampler
 
     if args.attn_splits:
@@ -98,8 +94,6 @@ def main(argv=None) -> int:
         mla_decode.BLOCK_KEYS = args.attn_block_keys
     for module, name, spec in ((mla_decode, "paged_mla_attention_splits", args.attn_kernel),
                                (mla_output, "merge_value_projection", args.output_kernel),
-                               (mla_output, "merge_value_output_projection", args.oproj_kernel),
-                               (mla_qkv, "project_absorb_write_latents", args.qkv_kernel),
                                (route_experts, "route_experts", args.route_experts)):
         if spec:  # k=v,..: keyword arguments of the kernel's wrapper
             kw = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}

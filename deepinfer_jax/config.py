@@ -349,13 +349,6 @@ class RunnerConfig:
     # step: 8.23 ms against 8.28 (session 11; the kernel 4.2 us against 3.6 for the absorption alone, and XLA
     # now copies the latents out of its merged q / kv_a GEMM too: a second 1.4 us slice).
     decode_latent_kernel: bool = True
-    # Where that launch writes the latents, on models without q-LoRA (V2-Lite, Moonlight), the q / kv_a
-    # projections run in it too (kernels/mla_qkv.py): GEMM programs read q_proj and kv_a_proj_with_mqa in place
-    # and release per-head counters, on which the latent and absorb programs wait. It replaces XLA's split-K
-    # GEMM and its two slice copies of q and the latents (7.4 + 1.7 + 1.3 us a layer on an H200 at batch 32,
-    # session 11). Measured in session 13 (H200, V2-Lite, batch 32 at 640): the launch takes 13.2 us against
-    # 14.8 for what it replaces, but the step is 8.22-8.23 ms against 8.23-8.24, within noise; off.
-    decode_qkv_launch: bool = False
     # Where that launch writes the latents and does not run the projections itself, on models without q-LoRA,
     # the q / kv_a projections are written as one GEMM over the two weights, concatenated (models/mla.py
     # project_qkv_merged), and the launch reads q and the kv_a rows in place out of its output, instead of XLA
@@ -370,12 +363,6 @@ class RunnerConfig:
     # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py
     # `single_launch`). H200, V2-Lite batch-32 step: 8.34 ms against 8.64 (session 11).
     moe_single_launch: bool = True
-    # Where the output kernel runs (decode_output_kernel) and o_proj is read in place (decode_projection_kernel),
-    # o_proj runs in the output kernel's launch (kernels/mla_output.py merge_value_output_projection): its
-    # programs load their weight tiles while the merge runs, then wait (atomic counters) for their K chunk
-    # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32).
-    # Session 13 (H200, batch 32): 15.1 us against 9.2 + 4.7 for the two launches, step 8.26 ms against 8.23; off.
-    decode_oproj_launch: bool = False
     # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel) go
     # from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py: the residual
     # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
@@ -409,20 +396,6 @@ class RunnerConfig:
     # Protocol A on another machine, alternating: 3,682 / 3,674 and 3,688 / 3,677 tok/s (temp 0 / 1) against 3,673
     # / 3,659 and 3,674 / 3,659 with None (vLLM 0.26 there: 3,066 / 3,054); fp32 greedy tokens 8/8 equal to the CPU.
     decode_moe_shared_tiles: tuple[int, int, int] | None = (32, 64, 256)
-    # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
-    # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
-    # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
-    # two kernels (2.1 + 1.7 us a layer on an H200 at batch 32, session 19's trace). Session 19, its first
-    # form (the partials loaded one after another): 4.4 us, step 8.25 ms against 8.23; off. Session 23, the form
-    # that loads them as one block, with decode_combine_norm: step 8.20-8.21 ms against 8.16 (alternating); off.
-    decode_residual_norm: bool = False
-    # Decode-size MoE layers whose routing runs in its kernel with the shared MLP inside the expert kernels
-    # combine the expert rows into the residual and take the next layer's input RMSNorm in one launch of a
-    # program a token (kernels/residual_route.py combine_residual_norm), instead of XLA's two kernels (2.6 + 1.4
-    # us a layer on an H200 at batch 32, session 19's trace); the layers pass the normed input on. Session 19,
-    # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. Session 23,
-    # the form that gathers them in one load, with decode_residual_norm: step 8.20-8.21 ms against 8.16; off.
-    decode_combine_norm: bool = False
     # Prefill-size MoE steps (16,384+ token copies, where tile_config's row blocks are 128, 16-bit weights, no shared
     # experts in the kernels, a Hopper GPU) run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py:
     # warp-specialized wgmma + TMA, the gate_up SwiGLU in its epilogue) over XLA's gather of the rows, instead of the
@@ -500,7 +473,6 @@ class RunnerConfig:
 
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
-                    "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
-                    "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm",
-                    "decode_combine_norm", "moe_prefill_mosaic")
+                    "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_merged_qkv",
+                    "moe_single_launch", "decode_route_launch", "decode_moe_launch", "decode_moe_launch_tokens",
+                    "decode_moe_shared_tiles", "moe_prefill_mosaic")

@@ -87,8 +87,8 @@ def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_
                   reduce=True, interpret=False):
     """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
     Tiles left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
-    fp32 instead (rows: T padded to a power of two of at least 16), as a kernel that adds them up itself
-    produces them (kernels/mla_output.py merge_value_output_projection, whose test compares them)."""
+    fp32 instead (rows: T padded to a power of two of at least 16), for a launch that adds them up itself
+    (kernels/residual_route.py, kernels/route_experts.py)."""
     T, K = x.shape
     _, K2, N = w.shape
     assert K == K2, (x.shape, w.shape)

@@ -12,8 +12,7 @@ In XLA the same took three kernels a layer on an H200 at batch 32: a pad of q_no
 GEMM could read kv_b's whole rows in place instead of copying W_UK's strided slice out), the GEMM, and
 the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). Where XLA merged the q / kv_a GEMMs
 itself, it copied q out of their output for the kernel (1.8 us); the kernel now reads that output in place
-(ckv None, below), and kernels/mla_qkv.py runs the GEMM in the launch instead, with this module's
-`absorb_tile` and `latent_row` reading its partial sums.
+(ckv None, below).
 
 Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head h [T, dn] by the
 [block_r, dn] tile of W_UK[h] (fp32 accumulation, one dot: dn is a single tile) and writes q_lat's

@@ -377,7 +377,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
-                        single_launch=False, down_tiles=None, combine=True, mosaic=False, interpret=False):
+                        single_launch=False, down_tiles=None, mosaic=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -390,8 +390,6 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     (`_single_launch_kernel`; block-major order, `cols_first` ignored).
     down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
     own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given.
-    combine=False: the expert rows y [M_pad, D] uncombined, as (y, row_of, weights) for a launch that
-    combines them itself (kernels/residual_route.py combine_residual_norm).
     mosaic: the gate_up SwiGLU and the down GEMM on Mosaic GPU (kernels/moe_gmm_mgpu.py, tile_m = block_m) over
     XLA's gather of the rows, instead of the two Triton kernels; the caller checks `mosaic_applies`."""
     T, D = x.shape
@@ -421,7 +419,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         ids = jnp.where(block_expert >= 0, block_expert + layer[0] * E, -1)  # into the [L * E, ...] experts
         h = moe_gmm_mgpu.grouped_swiglu(xs, wgu.reshape(L * E, D, 2 * I), ids, tile_m=block_m, interpret=interpret)
         y = moe_gmm_mgpu.grouped_matmul(h, wd.reshape(L * E, I, D), ids, tile_m=block_m, interpret=interpret)
-        return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
+        return combine_rows(y, row_of, weights, T, K, D, x.dtype)
     if single_launch:  # one launch, one set of compiler parameters
         down_tiles = (block_n, block_k, num_warps, num_stages)
     bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)
@@ -439,7 +437,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
                        jax.ShapeDtypeStruct((nb,), jnp.int32)),
             input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
         )(*args)
-        return _combine(out[1], row_of, weights, T, K, D, x.dtype) if combine else (out[1], row_of, weights)
+        return combine_rows(out[1], row_of, weights, T, K, D, x.dtype)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
@@ -447,10 +445,10 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, wd, *shared[1:]), *down_tiles[2:], interpret, t=t2,
               shared=bool(shared), cols_first=cols_first)
-    return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
+    return combine_rows(y, row_of, weights, T, K, D, x.dtype)
 
 
-def _combine(y, row_of, weights, T, K, D, dtype):
+def combine_rows(y, row_of, weights, T, K, D, dtype):
     """The expert rows y [M_pad, D] back to tokens [T, D]: each copy's row gathered (no scatter-add of
     [M_pad, D] rows; row_of[c] is the row of copy c, or M_pad for a skipped copy, which reads zeros),
     weighted and summed in fp32."""

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
-from deepinfer_jax.kernels.moe_gmm import (_combine, _down, _fit, _gate_up, down_rows, gate_up_rows,
+from deepinfer_jax.kernels.moe_gmm import (_down, _fit, _gate_up, combine_rows, down_rows, gate_up_rows,
                                            moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
@@ -139,15 +139,14 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                             "chunks", "combine", "num_warps", "shared_down_late", "shared_tiles",
+                                             "chunks", "num_warps", "shared_down_late", "shared_tiles",
                                              "interpret"))
 def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
                   eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                  chunks=None, combine=True, num_warps=8, shared_down_late=True, shared_tiles=None,
+                  chunks=None, num_warps=8, shared_down_late=True, shared_tiles=None,
                   interpret=False):
     """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
-    MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
-    weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed).
+    MoE block of x [T, D] in x's dtype.
     num_warps: the launch's warps (None: the expert tiles', moe_gmm.tile_config); shared_down_late: launch the
     shared down tiles after the routed gate_up tiles instead of before them. The defaults (8 warps, late) are
     session 24's measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
@@ -195,7 +194,7 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
         compiler_params=compiler_params(num_warps or warps, num_stages, interpret), interpret=interpret,
     )(*args)
     row_of = row_of.reshape(-1)
-    out = _combine(y, row_of, w, T, K, D, x_dtype) if combine else (y, row_of, w)
+    out = combine_rows(y, row_of, w, T, K, D, x_dtype)
     return h_new, x, out, idx[:, :k]
 
 
