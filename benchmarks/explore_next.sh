@@ -15,11 +15,6 @@
 #                                                   without and with it, the prefill and first decode step traced
 #                                                   (host_gaps.py: the host's wait in the prefill's call), then
 #                                                   Protocol B at concurrency 32 and 128 without and with it
-#   bash benchmarks/explore_next.sh OUTDIR lmhead
-#                                                   session 22: the lm_head and the base sampler in one kernel
-#                                                   (RunnerConfig.lm_head_sampler): its tiles (lm_head_sweep.py,
-#                                                   CONFIGS=...), the step and Protocol A without and with it, the
-#                                                   GPU-vs-CPU check with it
 #   bash benchmarks/explore_next.sh OUTDIR unroll
 #                                                   session 17: Protocol A's decode steps ran ~0.15-0.2 ms faster
 #                                                   with the prefill bucket unrolled (--unroll-max-tokens 16384)
@@ -149,25 +144,6 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHO
 start=$(date +%s)
 left() { (( $(date +%s) - start < ${1:-500} )); }
 quiet() { grep -v -E "^\s*$|Warning|warn|^[WI][0-9]{4} " ; }
-if [[ $mode == lmhead ]]; then  # session 22: RunnerConfig.lm_head_sampler (kernels/lm_head_sample.py)
-  # The lm_head and the base sampler's reductions in one kernel: its tiles against XLA's GEMM + sampler (tokens
-  # checked); the batch-32 step without and with it; Protocol A alternating; the GPU-vs-CPU check with it.
-  timeout 200 python3 benchmarks/lm_head_sweep.py ${CONFIGS:+--configs $CONFIGS} 2>&1 | quiet > "$out/sweep.log"
-  grep -h -E "^\|" "$out/sweep.log"
-  for l in base cand; do
-    f=(); [[ $l == cand ]] && f=(--lm-head-sampler)
-    timeout 100 python3 benchmarks/step_profile.py --label "$l" "${f[@]}" 2>&1 | quiet > "$out/step_$l.log"
-    echo "step $l: $(grep -h -oE "pipelined via compiled: [0-9.]+ ms" "$out/step_$l.log")"
-  done
-  for l in cand base cand; do
-    f=(); [[ $l == cand ]] && f=(--lm-head-sampler)
-    timeout 150 python3 benchmarks/offline.py --buckets 32,16384 --runs 2 "${f[@]}" > "$out/pa_$l.log" 2>&1
-    echo "-- $l $(( $(date +%s) - start ))s"; grep -h -E 'Protocol A|prefill [0-9]' "$out/pa_$l.log" | cut -c1-150
-  done
-  left 420 && timeout 150 python3 benchmarks/gpu_vs_cpu.py --check benchmarks/data/gpu_vs_cpu_expected.json \
-    --lm-head-sampler > "$out/gpu_vs_cpu.log" 2>&1; grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
-  exit 0
-fi
 if [[ $mode == ab ]]; then  # one candidate: the step without and with FLAGS (traced); if it wins, the check once
   read -r -a flags <<< "${FLAGS:?FLAGS: the candidate flags}"
   for l in base cand; do

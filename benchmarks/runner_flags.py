@@ -28,8 +28,6 @@ SWITCHES = [
     ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),
     ("prefill_shared_forward", "prefill buckets run a step as the bucket's forward, shared by its sampling "
                                "variants, then the variant's sampler: fewer programs to compile"),
-    ("lm_head_sampler", "the base sampling variant samples inside the lm_head's kernel (kernels/lm_head_sample.py)"),
-    ("sampler_kernel", "the base and greedy sampling variants read the logits in one kernel pass (lm_head_sample.py)"),
 ]
 
 

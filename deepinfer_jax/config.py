@@ -403,24 +403,6 @@ class RunnerConfig:
     # 2,914 us against 764 / 1,007 / 1,795 / 3,168 at 2,731 / 4,096 / 8,192 / 16,384 tokens x top-6; Protocol A's
     # 32 x 512 prefill 150-153 ms against 157-159, greedy tokens and bf16 error as the Triton path's. On.
     moe_prefill_mosaic: bool = True
-    # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
-    # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
-    # the logits never reach device memory and the Gumbel draw's integer hash hides under the lm_head's weight
-    # stream; the same tokens. Requests with min-p then take the full variant. Session 22 (H200, batch 32): the
-    # kernel and the merge took as long as XLA's GEMM and sampler (~146 against ~144 us a step: its weight stream
-    # is slower than XLA's GEMM by about what the sampler's passes cost), the step 8.12 ms against 8.10, Protocol A
-    # 3,647-3,653 tok/s against 3,686; off.
-    lm_head_sampler: bool = False
-    # Where the lm_head stays XLA's GEMM, the base and greedy sampling variants read its fp32 logits in one Pallas
-    # pass (kernels/lm_head_sample.py logits_sample_stats: per vocabulary tile the row max and exp-sum, the greedy
-    # pick, the Gumbel-max draw in the base variant) and merge the tiles (sampling.sample_from_tile_stats), instead
-    # of XLA's several passes over them; the same tokens. One device, the Pallas path; requests with min-p then
-    # take the full variant.
-    # Session 33 (H100, batch 32): slower. The one pass took 95 us beyond the lm_head against XLA's 17.8 (the
-    # greedy form 28 against 11): each program's [32, 512] tile reductions (max, first argmax, exp-sum, the noise)
-    # are compute-bound in Triton, where XLA's fusions stream the 13 MB of logits. Protocol A 2,729-2,734 /
-    # 2,717-2,718 tok/s (temp 0 / 1) against 2,738-2,739 / 2,737 without it; off.
-    sampler_kernel: bool = False
     # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy
     # path): the argmax without the temperature, min-p and the Gumbel draw (session 33, H100, batch 32: 11.3 us
     # beyond the lm_head against the base variant's 17.8). One more program per decode bucket at warm-up.

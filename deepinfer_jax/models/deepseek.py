@@ -50,19 +50,9 @@ def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> 
     return moe_block(lp["moe"], cfg, x, moe_impl)
 
 
-def final_hidden(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """The final RMSNorm: h [..., D] -> [..., D], what the lm_head multiplies."""
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-
-
-def lm_head_logits(lm_head, h: jax.Array) -> jax.Array:
-    """The lm_head [D, V] on final-normed h [..., D] -> fp32 logits [..., V] (its output in h's dtype, then fp32)."""
-    return linear(h, lm_head).astype(jnp.float32)
-
-
 def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V]."""
-    return lm_head_logits(params["lm_head"], final_hidden(params, cfg, h))
+    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32)."""
+    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
 
 
 def forward(
@@ -312,7 +302,6 @@ def forward_paged(
     decode_moe_shared_tiles: tuple[int, int, int] | None = None,
     decode_merged_qkv: bool = False,
     moe_prefill_mosaic: bool = False,
-    return_hidden: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -345,9 +334,7 @@ def forward_paged(
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
-    moe.moe_block `mosaic`).
-    `return_hidden`: the final-normed hidden states [S, D] (`final_hidden`) in place of the logits, for a
-    caller that applies the lm_head itself (kernels/lm_head_sample.py)."""
+    moe.moe_block `mosaic`)."""
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -439,7 +426,7 @@ def forward_paged(
         if ys is not None:
             routing.append(ys)
     h = h[meta.logits_indices]  # [S, D]: each sequence's last token
-    logits = final_hidden(params, cfg, h) if return_hidden else _logits(params, cfg, h)
+    logits = _logits(params, cfg, h)
     if return_routing:
         return logits, kv_cache, jnp.concatenate(routing, axis=0)
     return logits, kv_cache

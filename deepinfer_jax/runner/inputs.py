@@ -173,12 +173,11 @@ def uses_penalties(req: Request) -> bool:
     return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
 
 
-def needs_full_variant(req: Request, min_p_full: bool = False) -> bool:
+def needs_full_variant(req: Request) -> bool:
     """Whether a request needs the step's full variant: penalties (history arrays), logprobs, or the
-    sort that top-k / top-p take; with `min_p_full` (the base variant samples inside the lm_head:
-    runner/step_sampler.py) min-p too. Decided on the host so that the step has no device-side branches."""
+    sort that top-k / top-p take. Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
-    truncates = sp.top_k > 0 or sp.top_p < 1.0 or (min_p_full and sp.min_p > 0)  # top_k is stored as 0 when off
+    truncates = sp.top_k > 0 or sp.top_p < 1.0  # top_k is stored as 0 when off
     return uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
 
 

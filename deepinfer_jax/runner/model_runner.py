@@ -48,7 +48,7 @@ from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metad
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import (Resident, StepOut, StepResult, extract_results, meta_struct, packed,
                                           resolve_placeholders, split_inbox, step_result)
-from deepinfer_jax.runner.step_sampler import lm_head_in_sampler, logits_stats_sampler, sample_step_outputs
+from deepinfer_jax.sampling import sample
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 from deepinfer_jax.weights.pending import PendingParams
 
@@ -85,11 +85,6 @@ class ModelRunner:
         self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
             cfg, runner_cfg.attn_impl, None, runner_cfg.prefill_attention)
         self.page_rows = PageRows()  # the running requests' page ids, converted once (`forget` drops one)
-        # The forward hands the sampler the final-normed hidden states and the base variant samples inside the
-        # lm_head (runner/step_sampler.py), or it hands over the logits.
-        self.lm_head_sampler = lm_head_in_sampler(cfg, runner_cfg, params["lm_head"], sharding)
-        # Or the base variant reads the logits in one kernel pass (RunnerConfig.sampler_kernel).
-        self.logits_sampler = not self.lm_head_sampler and logits_stats_sampler(cfg, runner_cfg, sharding)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
@@ -105,8 +100,7 @@ class ModelRunner:
         # RunnerConfig.prefill_shared_forward (`_shares_forward`): a prefill bucket's forward and its variants'
         # samplers are programs of their own, under ("forward", meta layout) and ("sampler", sampler id) in
         # _step_fns, _step_exes and (the sampler's inbox and outbox) _programs. The forward's resident buffers: its
-        # inbox int32 [meta ints + meta floats] a meta layout, and its output (logits [S, V] fp32, or the hidden
-        # states [S, D]) one a shape, rewritten in place by the forward and read by the sampler.
+        # inbox int32 [meta ints + meta floats] a meta layout, and its output (logits [S, V] fp32) one a shape, rewritten in place by the forward and read by the sampler.
         self._shares: dict[Any, bool] = {}
         self._fwd_inboxes: dict[Any, Any] = {}
         self._fwd_outs: dict[jax.ShapeDtypeStruct, Any] = {}
@@ -133,11 +127,10 @@ class ModelRunner:
     # ---- compiled step ----------------------------------------------------------------------------
     def _forward_fn(self, layout: Layout):
         """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
-        ((logits [S, V] fp32, or the final-normed hidden states [S, D] where the sampler applies the lm_head,
-        routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
+        ((logits [S, V] fp32, routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
         cached, so a bucket's variants share one trace); not run on its own."""
         if layout not in self._fwd_fns:
-            cfg, rc, sh, hidden = self.cfg, self.runner_cfg, self.sharding, self.lm_head_sampler
+            cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
                 meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
@@ -146,10 +139,9 @@ class ModelRunner:
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
                 out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                     return_routing=rc.collect_routing, unroll=unroll,
-                                    mesh_rules=None if sh is None else sh.mesh_rules, return_hidden=hidden,
-                                    **rc.forward_switches())
-                last, kv_cache = out[0], out[1]  # the logits, or the hidden states
-                if sh is not None:  # (the logits: the lm_head samples only on one device)
+                                    mesh_rules=None if sh is None else sh.mesh_rules, **rc.forward_switches())
+                last, kv_cache = out[0], out[1]  # the logits
+                if sh is not None:
                     last = jax.lax.with_sharding_constraint(last, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
                 return (last, out[2] if rc.collect_routing else None), kv_cache
@@ -158,21 +150,18 @@ class ModelRunner:
         return self._fwd_fns[layout]
 
     def _sample_fn(self, variant: str, layout: Layout):
-        """The jitted sampler of one (bucket, variant): (the forward's output, lm_head, prev_tokens, ints, floats)
+        """The jitted sampler of one (bucket, variant): (the forward's output, prev_tokens, ints, floats)
         -> (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
         key = (variant, layout)
         if key not in self._smp_fns:
             full, draw = variant == "full", variant != "greedy"
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
-            in_lm_head, interpret = self.lm_head_sampler, self.runner_cfg.attn_impl == "pallas_interpret"
-            logits_kernel = self.logits_sampler
 
-            def sample_step(out, lm_head, prev_tokens, ints, floats):
+            def sample_step(out, prev_tokens, ints, floats):
                 st = resolve_placeholders(None, unpack(ints, floats, layout), prev_tokens)[1]
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
-                sampled = sample_step_outputs(out, lm_head, st, max_logprobs=k, full=full, in_lm_head=in_lm_head,
-                                              interpret=interpret, draw=draw, logits_kernel=logits_kernel)
+                sampled = sample(out, st, max_logprobs=k, full=full, draw=draw)
                 nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
@@ -193,7 +182,7 @@ class ModelRunner:
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
                 (out, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
-                sampled, nxt = smp(out, params["lm_head"], prev_tokens, si, sf)
+                sampled, nxt = smp(out, prev_tokens, si, sf)
                 return (sampled, routing), nxt, kv_cache
 
             self._core_fns[key] = jax.jit(core)
@@ -233,8 +222,7 @@ class ModelRunner:
         """Zeroed resident buffers: an inbox int32 [sum(parts)] and an outbox for the sampled tokens of `variant`
         on the forward's output `out` (jax.eval_shape of the sampler) and the routed ids `routing` (or None)."""
         ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
-        sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self.params["lm_head"],
-                                    self._prev_tokens, *ints_floats)
+        sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self._prev_tokens, *ints_floats)
         layout = bits_layout(sampled)
         size = bits_size(layout) + (math.prod(routing) if routing else 0)
         return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing)
@@ -245,11 +233,8 @@ class ModelRunner:
         return jax.device_put(np.zeros(shape, dtype), self._resident_sharding)
 
     def _forward_out(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
-        """The forward's per-sequence output of one bucket: logits [S, V] fp32, or the final-normed hidden states
-        [S, D] where the sampler applies the lm_head."""
-        rows, lm_head = meta_struct(meta_layout).logits_indices.shape[0], self.params["lm_head"]
-        if self.lm_head_sampler:
-            return jax.ShapeDtypeStruct((rows, self.cfg.hidden_size), lm_head.dtype)
+        """The forward's per-sequence output of one bucket: logits [S, V] fp32."""
+        rows = meta_struct(meta_layout).logits_indices.shape[0]
         return jax.ShapeDtypeStruct((rows, self.cfg.vocab_size), jnp.float32)
 
     def _shares_forward(self, key) -> bool:
@@ -301,21 +286,21 @@ class ModelRunner:
 
     def _sampler_step_fn(self, sid):
         """The jitted sampler program `sid` (`_sampler_id`) of a (prefill bucket, variant) (`_shares_forward`):
-        (lm_head, the shared forward's output, prev_tokens, inbox, outbox) -> (next prev_tokens, outbox),
+        (the shared forward's output, prev_tokens, inbox, outbox) -> (next prev_tokens, outbox),
         prev_tokens and the outbox donated; the outbox as _step_fn's (no routing)."""
         pid = ("sampler", sid)
         if pid not in self._step_fns:
             smp, res = self._sample_fn(sid[1], sid[2]), self._sampler_resident(sid)
 
-            def sampler_step(lm_head, out, prev_tokens, inbox, outbox):
+            def sampler_step(out, prev_tokens, inbox, outbox):
                 si, sf = split_inbox(inbox, res.parts[2:])
-                sampled, nxt = smp(out, lm_head, prev_tokens, si, sf)
+                sampled, nxt = smp(out, prev_tokens, si, sf)
                 return nxt, jax.lax.dynamic_update_slice(outbox, pack_bits((sampled, None)), (0,))
 
             # keep_unused: a variant that reads no placeholder leaves prev_tokens unused, and jit would drop it and
             # its donation, so the next ids would land at a new address (and the next decode step's CUDA graph be
             # recorded again)
-            self._step_fns[pid] = jax.jit(sampler_step, donate_argnums=(2, 4), keep_unused=True)
+            self._step_fns[pid] = jax.jit(sampler_step, donate_argnums=(1, 3), keep_unused=True)
         return self._step_fns[pid]
 
     def _step_fn(self, key):
@@ -379,8 +364,7 @@ class ModelRunner:
                                                     self._fwd_inboxes[key], self._fwd_outs[out])
         if kind == "sampler":
             res, out = self._sampler_resident(key), self._fwd_outs[self._forward_output(key[0])]
-            return self._sampler_step_fn(key).lower(self.params["lm_head"], out, self._prev_tokens, res.inbox,
-                                                    res.outbox)
+            return self._sampler_step_fn(key).lower(out, self._prev_tokens, res.inbox, res.outbox)
         res = self._resident(key)
         return self._step_fn(key).lower(self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
 
@@ -421,8 +405,7 @@ class ModelRunner:
         else:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
-        no_min_p = self.lm_head_sampler or self.logits_sampler  # the base variant samples from tile stats
-        want_full = any(needs_full_variant(requests[s.request_id], no_min_p) for s in plan_seqs)
+        want_full = any(needs_full_variant(requests[s.request_id]) for s in plan_seqs)
         host = self._host_step(groups, requests, seeds, bucket, want_full)
         if not want_full and self._greedy_bucket(bucket) and all(
                 requests[s.request_id].sampling_params.is_greedy() for s in plan_seqs):
@@ -464,8 +447,7 @@ class ModelRunner:
             smp = self._step_exes.get(("sampler", sid)) or self._sampler_step_fn(sid)
             self.kv_cache, self._fwd_outs[out_key] = fwd(self.params, self.kv_cache, self._prev_tokens,
                                                          self._fwd_inboxes[ml], self._fwd_outs[out_key])
-            self._prev_tokens, res.outbox = smp(self.params["lm_head"], self._fwd_outs[out_key], self._prev_tokens,
-                                                res.inbox, res.outbox)
+            self._prev_tokens, res.outbox = smp(self._fwd_outs[out_key], self._prev_tokens, res.inbox, res.outbox)
         else:
             step = self._step_exes.get(key) or self._step_fn(key)
             res.inbox = self._stage(res.inbox, inputs)

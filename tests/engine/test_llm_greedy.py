@@ -214,44 +214,6 @@ def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
         gc.enable()
 
 
-def test_sampling_from_tile_stats(hf_case, hf_greedy, monkeypatch):
-    """RunnerConfig.lm_head_sampler and sampler_kernel (kernels/lm_head_sample.py in interpret mode): the base
-    variant's steps sample inside the lm_head, or from the logits in one kernel pass, and every request's tokens
-    equal those of the same engine sampling from the logits with XLA: greedy (HF's tokens), seeded draws at two
-    temperatures, a min_tokens request whose stop ids are suppressed, and a min-p request (which the host then
-    sends to the full variant); then two greedy requests alone (the greedy variant)."""
-    model, path = hf_case("v2_greedy_yarn")
-    vocab = model.config.vocab_size
-    prompts = random_prompts(18, [1, 9, 40, 70, 12], vocab)
-    stop = [int(i) for i in range(5, 5 + 8)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.6, seed=12, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=13, max_tokens=5, min_tokens=5, stop_token_ids=stop,
-                             ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=14, min_p=0.05, max_tokens=4, ignore_eos=True)]
-    outs = {}
-    for mode in ("xla", "lm_head_sampler", "sampler_kernel"):
-        llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
-                   max_num_seqs=16, unroll_max_tokens=16, **({mode: True} if mode != "xla" else {}))
-        runner = llm.engine.runner
-        assert (runner.lm_head_sampler, runner.logits_sampler) == (mode == "lm_head_sampler", mode == "sampler_kernel")
-        outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        # every request greedy: the decode steps take the greedy variant (through the kernel without the noise)
-        greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)  # no logprobs: no full variant
-        ran, run = [], runner._run
-        monkeypatch.setattr(runner, "_run", lambda host: (ran.append(host.variant), run(host))[1])
-        outs[mode] += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[1:3]],
-                                                                    greedy)]
-        assert "greedy" in ran and "full" not in ran
-        assert runner.compiles_after_warmup == 0
-    assert outs["lm_head_sampler"] == outs["sampler_kernel"] == outs["xla"]
-    assert outs["xla"][0] == hf_greedy(model, prompts[0], 6)
-    assert outs["xla"][5] == hf_greedy(model, prompts[1], 5)
-    assert not set(outs["xla"][3]) & set(stop)
-    assert len({tuple(o) for o in outs["xla"][1:5]}) == 4  # the draws differ from one another
-
-
 def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):
     """RunnerConfig.greedy_variant: a step whose every request is greedy runs its decode bucket's greedy program
     (no draw); one with a sampled request runs the base program, and one asking for logprobs the full one.

@@ -10,7 +10,6 @@ engine size the cache from the device memory instead of capping it at 2**31 elem
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -292,46 +291,6 @@ def test_residual_route_lowers_for_sm90(triton_modules):
                                                               block_m=16), *args)
     assert ir.count("tt.atomic_rmw") == 2 + 2 * 2 and ir.count("scf.while") == 2 and "gpu.barrier" in ir
     assert ir.count("tt.dot") == 1 and "tt.scan" in ir
-
-
-def test_lm_head_sampler_lowers_for_sm90(triton_modules):
-    """The lm_head with the sampler's reductions at V2-Lite's shape (32 rows, D 2048, V 102,400, 8 suppressed ids):
-    800 column tiles of 128 in one launch, one dot in the K loop, the noise hash's xors and logical shifts (six in
-    its two mixing rounds, one key word, the uniform's shift), the two logs of the Gumbel noise (libdevice's logf,
-    as XLA's), seven stores."""
-    from deepinfer_jax.kernels.lm_head_sample import lm_head_sample_stats
-    from deepinfer_jax.sampling import gumbel_noise
-
-    lm_head_sample_stats = functools.partial(lm_head_sample_stats, noise=gumbel_noise)
-
-    s = jax.ShapeDtypeStruct
-    args = (s((32, 2048), jnp.bfloat16), s((2048, 102400), jnp.bfloat16), s((32,), jnp.float32),
-            s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
-    (ir,) = triton_modules(lm_head_sample_stats, *args)
-    assert ir.count("tt.dot") == 1 and ir.count("tt.store") == 7
-    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
-    hlo = jax.jit(lm_head_sample_stats).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grid_x = 800" in hlo
-
-
-def test_logits_sampler_lowers_for_sm90(triton_modules):
-    """The base sampler's one pass over the logits (RunnerConfig.sampler_kernel) at V2-Lite's shape (32 rows, V
-    102,400, 8 suppressed ids): 200 tiles of 512 ids in one launch, no dot, the noise hash's seven xor-shifts, the
-    Gumbel noise's two logs, seven stores."""
-    from deepinfer_jax.kernels.lm_head_sample import logits_sample_stats
-    from deepinfer_jax.sampling import gumbel_noise
-
-    fn = functools.partial(logits_sample_stats, noise=gumbel_noise)
-    s = jax.ShapeDtypeStruct
-    args = (s((32, 102400), jnp.float32), s((32,), jnp.float32), s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
-    (ir,) = triton_modules(fn, *args)
-    assert ir.count("tt.dot") == 0 and ir.count("tt.store") == 7 and "tensor<32x512xf32>" in ir
-    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grid_x = 200" in hlo and "num_warps = 8" in hlo
-    # the greedy variant's form (noise=None): no hash and no logs, still seven stores
-    (ir,) = triton_modules(functools.partial(logits_sample_stats, noise=None), *args)
-    assert ir.count("tt.store") == 7 and ir.count("__nv_logf") == 0 and ir.count("arith.xori") == 0
 
 
 def test_route_and_experts_launch_lowers_for_sm90(triton_modules):
