@@ -156,25 +156,25 @@ def main(argv=None) -> int:
         seeds[rid] = b
     ranks = [b % dp for b in range(B)] if dp > 1 else None
     host = runner.prepare(seqs, reqs, seeds, ranks)
-    jax.block_until_ready(runner._run(host))
+    jax.block_until_ready(runner.run(host))
     compile_s = time.time() - t0
     for _ in range(3):
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
     ts = []
     for _ in range(20):
         t = time.perf_counter()
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         ts.append(time.perf_counter() - t)
     # Steps queued back to back (the engine's steady state: the host enqueues while the device runs):
     # per-step time = max(host enqueue, device time). Once through the jitted function's C++ fast
     # path, once through the Compiled executable the engine's warm-up installs.
     def pipelined(n=30):
         enq = []
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         t = time.perf_counter()
         for _ in range(n):
             t1 = time.perf_counter()
-            runner._run(host)
+            runner.run(host)
             enq.append(time.perf_counter() - t1)
         jax.block_until_ready(runner.kv_cache)
         return (time.perf_counter() - t) / n, float(np.median(enq))
@@ -182,10 +182,10 @@ def main(argv=None) -> int:
     # The engine's pattern: step N's sampled ids are read (np.asarray) after step N+1 is queued, so two
     # steps' outputs are alive at once; `early` starts their device-to-host copy right after dispatch.
     def engine_like(n=30, early=False):
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         prev, t = None, time.perf_counter()
         for _ in range(n):
-            out = runner._run(host)
+            out = runner.run(host)
             if early:
                 out.copy_to_host_async()
             if prev is not None:
@@ -231,7 +231,7 @@ def top_kernels(runner, host, trace_dir: str, moe_layers: int, steps: int = 3) -
 
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
-            jax.block_until_ready(runner._run(host))
+            jax.block_until_ready(runner.run(host))
     print_report(trace_dir, moe_layers, steps)
 
 

@@ -10,7 +10,7 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   time a step on an H200, as long as half the device step (benchmarks/RESULTS.md, sessions 3-6).
   SKIP_TEMP maps each program's temp buffer at a fixed virtual address of its own (CUDA VMM); every
   other buffer a step program touches already keeps its address, because the runner feeds it resident
-  buffers that never move (`ModelRunner._step_fn`: the weights, the KV cache, the inbox, the outbox
+  buffers that never move (`StepPrograms._step_fn`: the weights, the KV cache, the inbox, the outbox
   and the sampled ids, donated and updated in place). So each program's graph is recorded once.
   SKIP_PROFILED, the default until session 16, also aliased every stable argument (the weights and the
   75 GiB KV cache) into a virtual range of each program, so a switch from one program to another (a

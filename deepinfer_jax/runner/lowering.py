@@ -12,7 +12,7 @@ session 26):
   registers jaxlib's Triton dialect module under the first name, where the bindings find it once and
   remember it. Nothing else changes: the ops' Python classes were already registered by that module.
 - 12.3 s in 145 Triton lowerings of kernels, 0.085 s each. A decode bucket's variants (base, full,
-  greedy) share one traced forward (`ModelRunner._forward_fn`), so their programs hold the very same
+  greedy) share one traced forward (`StepPrograms._forward_fn`), so their programs hold the very same
   kernel jaxprs, yet each program's module lowered each kernel again. `_memoize_triton_lowering` keeps
   each kernel's lowered Triton module by the identity of its jaxpr and grid mapping (held, so identities
   are never reused) and the platform and compute capability: a kernel met again in a later program is

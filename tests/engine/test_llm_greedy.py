@@ -9,7 +9,7 @@ import pytest
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.models.deepseek import splits_prefill_attention
-from deepinfer_jax.runner.model_runner import _program_kind
+from deepinfer_jax.runner.step_programs import program_kind
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
 MAX_TOKENS = [4, 9, 16, 12] * 5
@@ -26,11 +26,11 @@ def _llm(path, **kw):
 def _addresses(runner):
     """Device addresses of the buffers every step program reads and writes in place."""
     at = {"kv_cache": runner.kv_cache.unsafe_buffer_pointer(), "prev": runner._prev_tokens.unsafe_buffer_pointer()}
-    for key, res in runner._programs.items():
+    for key, res in runner.programs.residents.items():
         at[key, "inbox"], at[key, "outbox"] = res.inbox.unsafe_buffer_pointer(), res.outbox.unsafe_buffer_pointer()
-    for layout, inbox in runner._fwd_inboxes.items():  # the shared prefill forwards' (prefill_shared_forward)
+    for layout, inbox in runner.programs.forward_inboxes.items():  # the shared prefill forwards' (prefill_shared_forward)
         at[layout, "forward inbox"] = inbox.unsafe_buffer_pointer()
-    for shape, out in runner._fwd_outs.items():
+    for shape, out in runner.programs.forward_outputs.items():
         at[shape, "forward out"] = out.unsafe_buffer_pointer()
     return at
 
@@ -64,18 +64,18 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     shared = rc.prefill_shared_forward and not rc.collect_routing  # (one device here)
     prefill = [b for b in buckets if b > runner.shapes.seq_rows(b)]
     # shared: a forward a context variant, and the two variants' samplers a number of sequence rows (runner's
-    # _sampler_id); else a whole program a context variant and sampling variant
+    # sampler_id); else a whole program a context variant and sampling variant
     prefill_programs = ((1 + split) * len(prefill) + 2 * len({runner.shapes.seq_rows(b) for b in prefill})
                         if shared else (1 + split) * 2 * len(prefill))
     programs = (2 + rc.greedy_variant) * decode_buckets + prefill_programs
-    assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
-    assert set(runner._step_fns) <= set(runner._step_exes)
-    assert len(runner._step_fns) + runner.programs_loaded == programs
+    assert len(runner.programs.executables) == programs == llm.engine.num_warmup_compiles
+    assert set(runner.programs.jitted) <= set(runner.programs.executables)
+    assert len(runner.programs.jitted) + runner.programs_loaded == programs
     # each traced program that holds the forward traced it once a bucket (a sampler holds none: it may be traced
     # where its bucket's forward came from the program cache)
-    layouts = {key if kind == "forward" else key[0] for kind, key in map(_program_kind, runner._step_fns)
+    layouts = {key if kind == "forward" else key[0] for kind, key in map(program_kind, runner.programs.jitted)
                if kind != "sampler"}
-    assert len(runner._fwd_fns) == len(layouts)
+    assert len(runner.programs.forward_fns) == len(layouts)
     return outs
 
 
@@ -191,7 +191,7 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
     # by the context variants and by buckets of as many sequence rows.
     decode_buckets = len(runner.shapes.buckets) - len(prefill_buckets)
     rows = {runner.shapes.seq_rows(b) for b in prefill_buckets}
-    assert len(runner._step_exes) == 3 * decode_buckets + 2 * len(prefill_buckets) + 2 * len(rows)
+    assert len(runner.programs.executables) == 3 * decode_buckets + 2 * len(prefill_buckets) + 2 * len(rows)
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
 
 
@@ -222,8 +222,8 @@ def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):
     prompts = random_prompts(19, [3, 12, 30], model.config.vocab_size)
     llm = _llm(path)  # bucket 16 holds the 16 sequence rows: a decode bucket
     runner, ran = llm.engine.runner, []
-    run = runner._run
-    monkeypatch.setattr(runner, "_run", lambda host: (ran.append((host.bucket, host.variant)), run(host))[1])
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda host: (ran.append((host.bucket, host.variant)), run(host))[1])
     greedy = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 5) for p in prompts]
