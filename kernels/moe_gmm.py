@@ -147,7 +147,7 @@ def down_rows(t: _Tiles, h_ref, tile, y_ref, rows, cols) -> None:
     y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
 
-def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
+def gate_up_tile(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
     """h[rows, tile n] = silu(x[rows] @ W_gate[e][:, n]) * (x[rows] @ W_up[e][:, n]) for row block b."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
@@ -167,7 +167,7 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
     _expert_tile(t, b, be_ref, routed, shared, after)
 
 
-def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
+def down_tile(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
     """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait)."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
@@ -200,13 +200,13 @@ def _block_and_tile(cols_first: bool):
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, with_rc, gathered, cols_first):
     sw_ref, rc_ref, (h_ref,) = _refs(refs, shared, with_rc)
     b, n = _block_and_tile(cols_first)
-    _gate_up(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
+    gate_up_tile(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
 
 
 def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, cols_first):
     sw_ref, _, (y_ref,) = _refs(refs, shared, False)
     b, n = _block_and_tile(cols_first)
-    _down(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref)
+    down_tile(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref)
 
 
 def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
@@ -228,17 +228,17 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     @pl.when(p < n1)
     def _():
         b = p // tiles1
-        _gate_up(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
+        gate_up_tile(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
                  after=lambda: launch_sync.release(ready_ref, b, spin))
 
     @pl.when(p >= n1)
     def _():
         b, n = (p - n1) // tiles2, (p - n1) % tiles2
-        _down(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
+        down_tile(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
               before=lambda: launch_sync.acquire(ready_ref, b, tiles1, spin))
 
 
-def _fit(block: int, dim: int) -> int:
+def fit_tile(block: int, dim: int) -> int:
     """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64)."""
     b = min(block, dim)
     while b > 16 and dim % b:
@@ -253,8 +253,8 @@ def single_launch_tiles(num_copies: int, D: int, E: int, I: int, K: int, block_m
     runs both expert kernels (`single_launch`, kernels/route_experts.py) at `tile_config(num_copies)`'s sizes;
     one stage for fp32 operands (twice the bytes a tile)."""
     _, block_n, block_k, num_warps, num_stages = tile_config(num_copies)
-    t1 = _Tiles(block_m, _fit(block_n, I), _fit(block_k, D), D, E, I, K)
-    t2 = _Tiles(block_m, _fit(block_n, D), _fit(block_k, I), I, E, I, K)
+    t1 = _Tiles(block_m, fit_tile(block_n, I), fit_tile(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, fit_tile(block_n, D), fit_tile(block_k, I), I, E, I, K)
     return t1, t2, num_warps, 1 if jnp.dtype(dtype).itemsize >= 4 else num_stages
 
 
@@ -270,7 +270,7 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) by the number of token copies T*k, from the
     H200 sweeps in benchmarks/RESULTS.md: decode sizes stream weights (small row blocks, little
     padding); prefill sizes are compute-bound (128-row blocks: 306 TFLOP/s at 8,192 tokens vs 270
-    with 64). A block_n that does not divide a kernel's N dim is halved by `_fit`: 256 applies to the
+    with 64). A block_n that does not divide a kernel's N dim is halved by `fit_tile`: 256 applies to the
     down kernel's D = 2048 while the gate_up kernel keeps 128 for I = 1408."""
     if num_copies < 256:  # batches up to 31 (V2-Lite's 8 copies a token): 128-wide tiles keep ~128+ programs
         return 16, 128, 64, 4, 3
@@ -422,9 +422,9 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         return combine_rows(y, row_of, weights, T, K, D, x.dtype)
     if single_launch:  # one launch, one set of compiler parameters
         down_tiles = (block_n, block_k, num_warps, num_stages)
-    bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)
-    t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
-    t2 = _Tiles(block_m, bn2, _fit(down_tiles[1], I), I, E, I, K)
+    bn1, bn2 = fit_tile(block_n, I), fit_tile(down_tiles[0], D)
+    t1 = _Tiles(block_m, bn1, fit_tile(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, bn2, fit_tile(down_tiles[1], I), I, E, I, K)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
         args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready [nb]

@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels import launch_sync
-from deepinfer_jax.kernels.moe_gmm import (_down, _fit, _gate_up, combine_rows, down_rows, gate_up_rows,
+from deepinfer_jax.kernels.moe_gmm import (combine_rows, down_rows, down_tile, fit_tile, gate_up_rows, gate_up_tile,
                                            moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
@@ -126,7 +126,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     def _():
         b = q // tiles1
         acquire(ROUTED, R)
-        _gate_up(t1, b, q % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
+        gate_up_tile(t1, b, q % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
                  after=lambda: release(BLOCKS + b))
 
     on, q = within("rd")
@@ -135,7 +135,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     def _():
         b, n = q // tiles2, q % tiles2
         acquire(ROUTED, R)
-        _down(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref, before=lambda: acquire(BLOCKS + b, tiles1))
+        down_tile(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref, before=lambda: acquire(BLOCKS + b, tiles1))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
@@ -174,8 +174,8 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
         sbm, sbn1, sbn2 = shared_tiles
         sbm = math.gcd(sbm, T)
         assert sbm >= 16, (T, shared_tiles)
-        ts1 = dataclasses.replace(t1, block_m=sbm, block_n=_fit(sbn1, I))
-        ts2 = dataclasses.replace(t2, block_m=sbm, block_n=_fit(sbn2, D))
+        ts1 = dataclasses.replace(t1, block_m=sbm, block_n=fit_tile(sbn1, I))
+        ts2 = dataclasses.replace(t2, block_m=sbm, block_n=fit_tile(sbn2, D))
     nb, rows = M // block_m, M + S * T
     tiles1, tiles2 = I // t1.block_n, D // t2.block_n
     grid = T + chunks + R + nb * (tiles1 + tiles2) + S * T // ts1.block_m * (I // ts1.block_n + D // ts2.block_n)
