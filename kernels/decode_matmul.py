@@ -6,8 +6,8 @@ Pallas (Triton backend).
 The model keeps each projection's weights stacked over layers for `lax.scan`. At decode sizes a
 projection is a weight stream (T rows against K x N weights). XLA sent o_proj to cuBLAS, which cannot
 take a slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then
-multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md,
-session 7). The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
+multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md).
+The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
 projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches).
 
 Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile

@@ -10,8 +10,8 @@ whole q projection and W_UK out of the layer-stacked kv_b_proj, both in place (P
 
 In XLA the same took three kernels a layer on an H200 at batch 32: a pad of q_nope with zeros (so the
 GEMM could read kv_b's whole rows in place instead of copying W_UK's strided slice out), the GEMM, and
-the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). Where XLA merged the q / kv_a GEMMs
-itself, it copied q out of their output for the kernel (1.8 us); the kernel now reads that output in place
+the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md). Where XLA merged the q / kv_a GEMMs
+itself, it copied q out of their output for the kernel (1.8 us); the kernel reads that output in place
 (ckv None, below).
 
 Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head h [T, dn] by the

@@ -7,8 +7,7 @@ layer's kv_b_proj in place from its layer-stacked array (Pallas, Triton backend)
 
 In XLA the same is five kernels a layer (the merge's two reductions, the copy of W_UV's slice out of
 the stacked weights, a split-K GEMM and its reduce: 9.4 us on an H200 at batch 32; benchmarks/
-RESULTS.md, session 7); this kernel takes 7.0 us alone and 9.2-10.1 us in the step, where it breaks
-even (session 8).
+RESULTS.md); this kernel takes 7.0 us alone and 9.2-10.1 us in the step, where it breaks even.
 
 Grid (H, T // block_t, dv // block_v). Program (h, tb, vb) computes its block_t tokens' split weights
 for head h once (exp(m_s - M) and the merged denominator), then walks the latent in block_r slices:
@@ -81,9 +80,8 @@ def merge_slice(splits: int) -> int:
     """Latent columns a program merges and multiplies a step (`block_r`) for `splits` context splits: 64 up to
     four splits, else 32, so that a step's merged slices stay at most 64 x 16 x 4 fp32 values (a thread's 32).
     In the batch-32 step (four splits) 64 beat 32 on an H200: 8.05, 8.05 ms a step against 8.07, 8.08,
-    alternating (session 23; half the loop steps, so half the merge's barriers and layout changes: Nsight Compute
-    found the kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32, the width they
-    ran at before; 64 was not measured there."""
+    alternating (half the loop steps, so half the merge's barriers and layout changes: Nsight Compute found the
+    kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32; 64 is not measured there."""
     return 64 if splits <= 4 else 32
 
 
@@ -93,7 +91,7 @@ def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block
                            interpret=False):
     """o [T, nh, S, bh, R], m / l [T, nh, S, bh] (fp32 splits), kv_b [L, R, H, dn + dv] stacked, layer:
     int32 scalar -> [T, H, dv] in `dtype` (the module docstring). block_r None: `merge_slice(S)`. Of nine tiles
-    on an H200 alone at batch 32 with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0; session 8)."""
+    on an H200 alone at batch 32 with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0)."""
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv = W - dn

@@ -102,10 +102,10 @@ def _expert_tile(t: _Tiles, b, be_ref, routed, shared, after=None):
     expert's block, `shared(rows, s)` for a shared expert's (e = E + s); nothing for an unused block (-1).
     `after()` runs once the tile's output is stored.
 
-    (A shared expert's T rows take T / 16 programs that each read its weights: tried in session 11, one
-    32-row program at batch 32 made the step slower, 8.29 ms against 8.20 on an H200, and 64-row ones at
-    batch 128, 11.54 against 11.39. Our reading, not measured: a shared expert's 16-row programs start
-    close together, so most of its repeated reads come from L2.)"""
+    (A shared expert's T rows take T / 16 programs that each read its weights: one 32-row program at batch 32
+    made the step slower, 8.29 ms against 8.20 on an H200, and 64-row ones at batch 128, 11.54 against 11.39.
+    Our reading, not measured: a shared expert's 16-row programs start close together, so most of its repeated
+    reads come from L2.)"""
     e = be_ref[b]
     rows = pl.ds(b * t.block_m, t.block_m)
     for run, hit, j in ((routed, (e >= 0) & (e < t.E), e), (shared, e >= t.E, e - t.E)):
@@ -274,7 +274,7 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     down kernel's D = 2048 while the gate_up kernel keeps 128 for I = 1408."""
     if num_copies < 256:  # batches up to 31 (V2-Lite's 8 copies a token): 128-wide tiles keep ~128+ programs
         return 16, 128, 64, 4, 3
-    if num_copies < 1024:  # batch 32 (256 copies): 8.64 ms a step against 8.69 (H200, session 9; 8.97 vs 9.00 in 7)
+    if num_copies < 1024:  # batch 32 (256 copies): 8.64 ms a step against 8.69 (H200)
         return 16, 256, 64, 4, 4
     if num_copies < 2048:  # 256 tokens x top-6: 500 us with 256-wide down tiles vs 583 with 128
         return 16, 256, 64, 4, 3
@@ -296,7 +296,7 @@ def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
 
 # The Mosaic GPU experts (RunnerConfig.moe_prefill_mosaic) from this many token copies: prefill sizes, where
 # tile_config's row blocks are 128 (the kernels' tile_m; each compute warpgroup takes 64 rows of gate_up's tile) and
-# the GEMMs compute-bound. Session 34 (H100): a step's experts 8-15% faster at 2,731-16,384 tokens x top-6.
+# the GEMMs compute-bound. On an H100 a step's experts were 8-15% faster at 2,731-16,384 tokens x top-6.
 MOSAIC_MIN_COPIES = 16384
 
 
@@ -317,7 +317,7 @@ def _hopper() -> bool:
 def gather_in_kernel_for(num_copies: int) -> bool:
     """Whether the gate_up kernel reads its rows' tokens from x itself at this size (no [M_pad, D] copy of the
     rows first). At Protocol A's prefill (16,384 tokens x top-6 on an H200, `kernels.py --only moe_prefill`) the
-    gather costs the kernel 73 us and saves XLA's 286 us copy; at 8,192 tokens the two were even (session 4).
+    gather costs the kernel 73 us and saves XLA's 286 us copy; at 8,192 tokens the two were even.
     Decode sizes gather in the kernel through `moe_route.moe_fused_decode`."""
     return num_copies >= 65536
 

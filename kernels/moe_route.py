@@ -159,7 +159,7 @@ def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax",
     M = padded_rows(T, k, num_shared, E, block_m)
     row_chunk = min(M, 128)
     # A chain of small reductions: 8 warps 7.4 us a layer on an H200, 4 warps 8.5, 2 warps 31, 16 warps 7.8
-    # (V2-Lite, batch 32; benchmarks/RESULTS.md, session 7).
+    # (V2-Lite, batch 32; benchmarks/RESULTS.md).
     params = compiler_params(8, 1, interpret)
     out_shape = (jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.int32),
                  jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),

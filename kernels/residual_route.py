@@ -13,7 +13,7 @@ Triton backend):
 
 XLA and the routing kernel ran this as six launches a layer: the partials' sum with the residual (1.8 us),
 the RMSNorm (1.6), a split-K router GEMM (1.9) and its reduce (1.5), and moe_route's kernel (6.1; H200,
-V2-Lite, batch 32, benchmarks/RESULTS.md session 11). Each costs 1.3-2 us however little it does.
+V2-Lite, batch 32, benchmarks/RESULTS.md). Each costs 1.3-2 us however little it does.
 
 Grid: T + C + R programs in three phases; each phase's programs wait on an atomic counter of the phase
 before. A 1-D grid starts its programs in order, so every program of an earlier phase has started before
@@ -25,8 +25,8 @@ a later one waits: no deadlock.
    partial of the logits.
 3. Routing program r (moe_route's R row chunks): waits for the C partials, adds them (chunk order) and
    runs `moe_route.route_chunk`.
-(The first try, session 10's kernels/residual_router.py, walked one token's row per program and formed
-the router's products elementwise: 11.8 us. Here the GEMM is a [T, D] x [D, E] dot split over C programs.)
+(A kernel that walked one token's row per program and formed the router's products elementwise took 11.8 us,
+slower than XLA. Here the GEMM is a [T, D] x [D, E] dot split over C programs.)
 
 Three parts (ARCHITECTURE.md rule 6): `residual_route` (the kernel; `interpret=True` runs it on the CPU) and
 `residual_route_reference` (pure JAX: the layer's arithmetic restated, as kernels do not import models; tests
@@ -53,7 +53,7 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 ROUTER_CHUNKS = 4  # C: the router GEMM's K chunks ([512, 64] gate slices at V2-Lite's D = 2048), at least
 # A router chunk's program holds its [T, D / C] slice of x and [D / C, E] slice of the gate in shared memory (an
 # H200 SM has 227 KiB). At 256 bf16 tokens and 4 chunks that is 320 KiB: the launch failed to compile
-# (benchmarks/moe_launch_sweep.py --batch 256, session 29), as would fp32 from 64 tokens. The model runs the launch
+# (benchmarks/moe_launch_sweep.py --batch 256), as would fp32 from 64 tokens. The model runs the launch
 # up to decode_matmul.MAX_TOKENS (64) tokens, in bf16, where 4 chunks fit.
 ROUTER_SMEM = 200 * 1024
 

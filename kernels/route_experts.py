@@ -22,13 +22,12 @@ counters: kernels/launch_sync.py), with Tb = T / (the shared tiles' row block) r
    single launch (an unused block, -1, does nothing).
 4. S * Tb * (D / bn2) shared down tiles (before step 3's tiles with shared_down_late=False): wait for their
    block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
-Measured (H200, V2-Lite; benchmarks/RESULTS.md sessions 24, 25): at batch 32, 264.7-268.1 us a layer against
+Measured (H200, V2-Lite; benchmarks/RESULTS.md): at batch 32, 264.7-268.1 us a layer against
 266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared tiles take sizes of their own (`shared_tiles`,
 RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two
-programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter
-(session 28). At 16 and 64 tokens the one launch is slower (233 against 232 us,
-287 against 285; steps +0.11 and +0.05 ms), at 8 and 128 even: the model runs it at the token counts of
-RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
+programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter.
+At 16 and 64 tokens the one launch is slower (233 against 232 us, 287 against 285; steps +0.11 and +0.05 ms), at
+8 and 128 even: the model runs it at the token counts of RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
 from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
 
 Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU) and
@@ -149,13 +148,13 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
     MoE block of x [T, D] in x's dtype.
     num_warps: the launch's warps (None: the expert tiles', moe_gmm.tile_config); shared_down_late: launch the
     shared down tiles after the routed gate_up tiles instead of before them. The defaults (8 warps, late) are
-    session 24's measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
+    the measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
     layer against 271.1 at 4 warps and 270.1 for the two launches; the order alone made no difference (the
     routing's chain of reductions runs faster at 8 warps, the expert tiles did not slow).
     shared_tiles: (block_m, gate_up block_n, down block_n) of the shared experts' tiles, the row block cut to its
     greatest common divisor with T (None: the routed tiles'); e.g. whole-T row blocks and narrow columns, so that
     more programs stream the shared weights while the routing runs. The sums per row are the same dots in other
-    tiles: equal within fp32 rounding. Session 28 (H200, V2-Lite, batch 32, moe_launch_sweep.py): (32, 64, 256),
+    tiles: equal within fp32 rounding. On an H200 (V2-Lite, batch 32, moe_launch_sweep.py): (32, 64, 256),
     44 gate_up programs of 64 columns that read each weight tile once, 262.2 us a layer against 263.9-265.0 at the
     routed tiles' (16, 128, 256); (16, 64, 256) 263.2, (32, 32, 256) 263.9, (32, 16, 256) 273.0."""
     _, T, D = parts.shape

@@ -24,7 +24,7 @@ from deepinfer_jax.models.quant import is_quantized
 # Projections a decode step reads in place (group, name, weight dims contracted): those XLA copies
 # before its GEMM (o_proj's slice for cuBLAS; the dense MLP's down weight, padded for a split K). The
 # q / kv_a projections stay with XLA, which fuses them into one GEMM: 7.5 us a layer on an H200 against
-# 10.5 us for the kernel's two launches (benchmarks/RESULTS.md, session 7).
+# 10.5 us for the kernel's two launches (benchmarks/RESULTS.md).
 STACKABLE = (("attn", "o_proj", 2), ("mlp", "gate_up", 1), ("mlp", "down", 1))
 
 
@@ -173,8 +173,9 @@ def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, s
 def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, interpret: bool,
                        shared_tiles: tuple[int, int, int] | None = None):
     """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
-    post-attention RMSNorm x, the MoE block of x, the routed ids [T, k]), in one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`;
-    `shared_tiles`: the shared experts' tiles (RunnerConfig.decode_moe_shared_tiles)."""
+    post-attention RMSNorm x, the MoE block of x, the routed ids [T, k]), in one launch (kernels/route_experts.py):
+    the values of `residual_route_step` followed by `moe.moe_block`; `shared_tiles`: the shared experts' tiles
+    (RunnerConfig.decode_moe_shared_tiles)."""
     from deepinfer_jax.kernels.route_experts import route_experts
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)

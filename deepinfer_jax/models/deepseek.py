@@ -155,10 +155,10 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
     where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
     takes the chunk part alone, normalised in the kernel, which is what the merge gives when the context
     kernel saw no key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly; `mla_chunk.normalise`). On an H200
-    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14). The
-    price: XLA's GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the
-    one before has run and queues the next step only when this one ends (session 16: 1-2 ms of a Protocol A
-    run; in serving, no overlap of the engine's bookkeeping with a prefill-bucket step). Where the host gives
+    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md). The price: XLA's
+    GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the one before
+    has run and queues the next step only when this one ends (1-2 ms of a Protocol A run; in serving, no overlap
+    of the engine's bookkeeping with a prefill-bucket step). Where the host gives
     `meta.has_context` (RunnerConfig.prefill_context_variant), its program takes the one branch it names."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
@@ -222,8 +222,9 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
     latent [T, R + dr] in the cache's dtype or None, kv_cache). Where the absorb launch writes the latents
     (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `merged_qkv`
     (`merged_qkv_applies`) that launch reads the q / kv_a projections in place out of one XLA GEMM's output, and
-    q_nope is None (no decode path reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights. absorbed=False (the split
-    prefill attention, which absorbs the query only where it needs to): q_lat is None."""
+    q_nope is None (no decode path reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked
+    weights. absorbed=False (the split prefill attention, which absorbs the query only where it needs to): q_lat
+    is None."""
     interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
     if merged_qkv:
         from deepinfer_jax.kernels import mla_absorb
@@ -263,7 +264,7 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     layers call one jitted `body`, traced once (twice where the first layer's carry differs in structure)
     and lowered to one function that each layer calls: XLA inlines the calls, so the program is the
     straight-line one, but tracing and lowering no longer grow with the depth (8 such forwards of V2-Lite's
-    26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md session 26)."""
+    26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md)."""
     if unroll != "indexed":
         return jax.lax.scan(body, carry, (scanned, layer_ids, local_ids), unroll=unroll)
     ids = jax.lax.optimization_barrier(tuple(jnp.asarray(i) for i in (*layer_ids, *local_ids)))

@@ -2,8 +2,7 @@
 
 Warm-up traces and lowers every step program on one thread while the compile threads wait for them, so
 on an empty cache the lowering is on the start's critical path. Under cProfile on an H200, `serve`'s 36
-programs (Protocol B's flags, V2-Lite) spent 34 s tracing and lowering, of which (benchmarks/RESULTS.md,
-session 26):
+programs (Protocol B's flags, V2-Lite) spent 34 s tracing and lowering, of which (benchmarks/RESULTS.md):
 
 - 6.9 s importing modules that do not exist. Each Triton op or type the kernels' lowering makes has MLIR's
   Python bindings look for a Python module of the `tt` dialect under each of their search prefixes

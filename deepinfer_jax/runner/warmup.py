@@ -28,8 +28,8 @@ log = logging.getLogger(__name__)
 
 def _compile_rank(kind: str) -> int:
     """Warm-up lowers the programs in this order, the slowest to compile first so that the last to start compiling
-    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others, session 26),
-    the whole step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
+    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others), the whole
+    step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
     return {"forward": 0, "step": 1, "sampler": 2}[kind]
 
 

@@ -111,7 +111,7 @@ def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
 
     Each id compared with the S (few) listed ids, OR-ed, instead of a [B, V] mask scattered from them: on an
     H200 at B = 32, V = 102,400, S = 8 one elementwise kernel and the select (5.1 + 1.2 us a step), where the
-    scatter took three (a broadcast 4.4, the scatter 1.2, the select 1.3; benchmarks/RESULTS.md, session 16)."""
+    scatter took three (a broadcast 4.4, the scatter 1.2, the select 1.3; benchmarks/RESULTS.md)."""
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)  # i32[B, V]
     hit = jnp.zeros(logits.shape, jnp.bool_)
     for j in range(suppress_ids.shape[-1]):  # -1 padding matches no id
@@ -168,8 +168,8 @@ def noise_bits(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
     with them) -> uint32 random bits: `_mix32` twice, a key word folded in before each. For each key the map from
     id to bits is a bijection, so no two ids of a row share their bits. About 15 integer operations an id, where
     jax.random's threefry2x32 takes ~100; yet at batch 32 x 102,400 ids on an H100 the base sampler cost the same
-    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md, session
-    33): the draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
+    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md): the
+    draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
     (`keys.make_key_data`)."""
     return _mix32(_mix32(col.astype(jnp.uint32) + k0) ^ k1)
 
@@ -189,8 +189,8 @@ def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
     gumbel_noise(key, id) (an id at -inf is never drawn unless all are), taken over chunks of ARGMAX_CHUNK ids
     and then over the chunks' maxima. The first maximum wins either way (the first chunk holding it, its first
     index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took 26.5 us a step as one
-    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included (benchmarks/RESULTS.md,
-    session 10)."""
+    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included
+    (benchmarks/RESULTS.md)."""
     batch, vocab = logits.shape
     kd = key_data.astype(jnp.uint32)
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
