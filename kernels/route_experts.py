@@ -27,8 +27,9 @@ Measured (H200, V2-Lite; benchmarks/RESULTS.md): at batch 32, 264.7-268.1 us a l
 RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two
 programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter.
 At 16 and 64 tokens the one launch is slower (233 against 232 us, 287 against 285; steps +0.11 and +0.05 ms), at
-8 and 128 even: the model runs it at the token counts of RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
-from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
+8 and 128 even: the model runs it at the token counts of RunnerConfig.decode_moe_launch_tokens. A token-dense form
+(no alignment, every expert's tiles over all T rows of x from the launch's start) was slower at 16 and 32 tokens
+(step 8.12 against 8.01 ms) and is not kept.
 
 Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU) and
 `route_experts_reference` (pure JAX: residual_route_reference's routing, every copy through its expert and the
