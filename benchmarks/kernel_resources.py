@@ -35,8 +35,8 @@ def _cases():
     import jax.numpy as jnp
     from jax import ShapeDtypeStruct as s
 
-    from deepinfer_jax.kernels import (decode_matmul, mla_absorb, mla_decode, mla_output, mla_qkv, moe_route,
-                                       residual_route, route_experts)
+    from deepinfer_jax.kernels import (decode_matmul, mla_absorb, mla_decode, mla_output, moe_route, residual_route,
+                                       route_experts)
 
     H, R, DR, PS, L, T, D = 16, 512, 64, 64, 27, 32, 2048
     Lm, E, I, S = 26, 64, 1408, 2
@@ -52,18 +52,12 @@ def _cases():
          (s((T, H, R), bf), s((T, H, DR), bf), cache, s((T,), i32), s((T,), i32), s((T, 16), i32))),
         ("merge + W_UV", lambda o, m, l, kv_b: mla_output.merge_value_projection(o, m, l, kv_b, 3, dn=128, dtype=bf),
          (o, ml, ml, s((L, R, H, 256), bf))),
-        ("merge + W_UV + o_proj", lambda o, m, l, kv_b, w: mla_output.merge_value_output_projection(
-            o, m, l, kv_b, w, 3, dn=128, dtype=bf), (o, ml, ml, s((L, R, H, 256), bf), s((L, H * 128, D), bf))),
         ("o_proj (decode_matmul)", lambda x, w: decode_matmul.decode_matmul(x, w, 3, reduce=False),
          (s((T, H * 128), bf), s((L, H * 128, D), bf))),
         ("absorb + latents (merged q / kv_a read in place)", lambda q, kv_b, c, sn, nw, cch, sl:
             mla_absorb.absorb_query_write_latents(q, kv_b, 3, c, sn, None, nw, cch, 4, sl, dn=128, eps=1e-6),
          (s((T, H * 192 + R + DR), bf), s((L, R, H, 256), bf), s((T, DR // 2), f32), s((T, DR // 2), f32),
           s((L, R), bf), cache, s((T,), i32))),
-        ("q / kv_a + absorb + latents", lambda x, wq, wkv, kv_b, c, sn, nw, cch, sl:
-            mla_qkv.project_absorb_write_latents(x, wq, wkv, 3, kv_b, c, sn, nw, cch, 4, sl, dn=128, eps=1e-6),
-         (s((T, D), bf), s((L, D, H, 192), bf), s((L, D, R + DR), bf), s((L, R, H, 256), bf), s((T, DR // 2), f32),
-          s((T, DR // 2), f32), s((L, R), bf), cache, s((T,), i32))),
         ("partials -> routing", lambda p, h, nw, g: residual_route.residual_route(
             p, h, nw, g, 5, eps=1e-6, k=6, num_shared=2, block_m=16),
          (s((8, T, D), f32), s((T, D), bf), s((Lm, D), bf), s((Lm, D, E), bf))),
@@ -105,14 +99,12 @@ def _prefill_cases():
     ]
 
 
-def dump(out: str, prefill: bool = False, launch_dependents=()) -> None:
+def dump(out: str, prefill: bool = False) -> None:
     """Lower every case (the decode step's, or with `prefill` a prefill step's) for an sm_90 device and write
     DIR/NN.ttir plus DIR/kernels.json (name, warps, stages, grid of each kernel, in launch order within its
-    case); `launch_dependents`: the kernel families that signal early (kernels/pdl.py)."""
+    case)."""
     import jax
     from jax._src.pallas.triton import pallas_call_registration as reg
-
-    from deepinfer_jax.kernels import pdl
 
     class _H200:
         compute_capability = "9.0"
@@ -131,8 +123,7 @@ def dump(out: str, prefill: bool = False, launch_dependents=()) -> None:
     try:
         for case, fn, args in (_prefill_cases() if prefill else _cases()):
             captured.clear()
-            with pdl.launching(launch_dependents):
-                jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
+            jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))
             for i, (ir, warps, stages, grid) in enumerate(captured):
                 path = f"{len(index):02d}.ttir"
                 with open(os.path.join(out, path), "w") as f:
@@ -189,16 +180,12 @@ def main(argv=None) -> int:
     ap.add_argument("mode", choices=["dump", "report"])
     ap.add_argument("dir")
     ap.add_argument("--prefill", action="store_true", help="dump: a Protocol A prefill step's kernels instead")
-    ap.add_argument("--launch-dependents", default="none",
-                    help="dump: the kernel families that signal early, as RunnerConfig.launch_dependents ('all')")
     ap.add_argument("--num-warps", type=int, default=None, help="report: compile every kernel at these warps")
     ap.add_argument("--num-stages", type=int, default=None, help="report: compile every kernel at these stages")
     args = ap.parse_args(argv)
     if args.mode == "dump":
         sys.path.insert(0, os.path.dirname(HERE))
-        from deepinfer_jax.kernels import pdl
-
-        dump(args.dir, args.prefill, pdl.parse(args.launch_dependents))
+        dump(args.dir, args.prefill)
     else:
         report(args.dir, args.num_warps, args.num_stages)
     return 0

@@ -58,7 +58,7 @@ def main(argv=None) -> int:
         for pid in pids[: args.limit or None]:
             t = time.perf_counter()
             prof.enable()
-            lowered = self._lower(pid)
+            lowered = self.lower(pid)
             prof.disable()
             rows.append((programs[pid], time.perf_counter() - t))
             if args.compile:

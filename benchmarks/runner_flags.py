@@ -17,24 +17,17 @@ SWITCHES = [
                              "W_UK in place"),
     ("decode_latent_kernel", "the absorb kernel's launch also norms, ropes and writes the step's latents "
                              "into the KV cache"),
-    ("decode_qkv_launch", "the absorb kernel's launch also runs the q / kv_a projections (no q-LoRA)"),
     ("decode_merged_qkv", "the q / kv_a projections as one GEMM whose output the absorb launch reads in place"),
     ("moe_single_launch", "decode steps run the MoE's two expert kernels in one launch"),
-    ("decode_oproj_launch", "decode steps run o_proj in the attention output kernel's launch"),
     ("decode_route_launch", "decode MoE layers go from o_proj's partials to the routing in one launch"),
     ("decode_moe_launch", "with the route launch, the routing and the expert kernels in one launch, the shared "
                           "experts' tiles streaming while the routing runs"),
-    ("decode_residual_norm", "decode layers add o_proj's partials to the residual and take the RMSNorm in one launch"),
-    ("decode_combine_norm", "decode MoE layers combine the expert rows into the residual and take the next "
-                            "layer's RMSNorm in one launch"),
     ("moe_prefill_mosaic", "prefill-size MoE steps run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py)"),
     ("prefill_context_variant", "prefill buckets' programs with and without the context part, picked on the "
                                 "host, instead of a lax.cond a layer"),
     ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),
     ("prefill_shared_forward", "prefill buckets run a step as the bucket's forward, shared by its sampling "
                                "variants, then the variant's sampler: fewer programs to compile"),
-    ("lm_head_sampler", "the base sampling variant samples inside the lm_head's kernel (kernels/lm_head_sample.py)"),
-    ("sampler_kernel", "the base and greedy sampling variants read the logits in one kernel pass (lm_head_sample.py)"),
 ]
 
 
@@ -52,10 +45,6 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--decode-moe-shared-tiles", type=_tiles, default=RunnerConfig.decode_moe_shared_tiles,
                     help="the route-and-experts launch's shared-expert tiles: rows,gate_up columns,down columns "
                          "(RunnerConfig.decode_moe_shared_tiles; 'none': the routed tiles' sizes)")
-    ap.add_argument("--launch-dependents", type=_families, default=RunnerConfig.launch_dependents,
-                    help="the kernel families that signal the next kernel's launch as they start: comma-separated "
-                         "moe, absorb, attention, output, matmul, norm, or 'all' / 'none' "
-                         "(RunnerConfig.launch_dependents)")
     ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=RunnerConfig.prefill_layers,
                     help="how steps above the unroll limit run their layers (RunnerConfig.prefill_layers; "
                          "default: indexed on a GPU)")
@@ -70,15 +59,9 @@ _tiles = _ints("none")  # '32,64,256' -> (32, 64, 256)
 _token_counts = _ints("all")  # '32,64' -> (32, 64)
 
 
-def _families(text: str) -> tuple[str, ...]:
-    from deepinfer_jax.kernels import pdl
-
-    return pdl.parse(text)
-
-
 def variant_kwargs(args: argparse.Namespace) -> dict:
     """The RunnerConfig fields those flags set."""
     return {field: getattr(args, field) for field, _ in SWITCHES} | {
         "prefill_attention": args.prefill_attention, "prefill_layers": args.prefill_layers,
         "decode_moe_launch_tokens": args.decode_moe_launch_tokens,
-        "decode_moe_shared_tiles": args.decode_moe_shared_tiles, "launch_dependents": args.launch_dependents}
+        "decode_moe_shared_tiles": args.decode_moe_shared_tiles}

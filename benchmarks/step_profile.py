@@ -53,12 +53,8 @@ def main(argv=None) -> int:
                     help="num_warps=W,num_stages=S: the decode attention kernel's compiler parameters")
     ap.add_argument("--output-kernel", default="",
                     help="block_v=V,block_r=R,num_warps=W,num_stages=S: the output kernel's (merge and W_UV) tiles")
-    ap.add_argument("--oproj-kernel", default="",
-                    help="num_warps=W,num_stages=S: the output kernel's launch with o_proj (decode_oproj_launch)")
     ap.add_argument("--route-experts", default="",
                     help="num_warps=W,shared_down_late=0|1: the route and experts launch (decode_moe_launch)")
-    ap.add_argument("--qkv-kernel", default="",
-                    help="num_warps=W,num_stages=S,split_k=K: the q / kv_a projections' launch (decode_qkv_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
@@ -85,7 +81,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.scheduler.scheduler import ScheduledSeq
     from deepinfer_jax.types import Request, SamplingParams
     from deepinfer_jax.weights.random_init import random_params
-    from deepinfer_jax.kernels import mla_decode, mla_output, mla_qkv, route_experts
+    from deepinfer_jax.kernels import mla_decode, mla_output, route_experts
     from deepinfer_jax.sampling import sampler
 
     if args.attn_splits:
@@ -98,8 +94,6 @@ def main(argv=None) -> int:
         mla_decode.BLOCK_KEYS = args.attn_block_keys
     for module, name, spec in ((mla_decode, "paged_mla_attention_splits", args.attn_kernel),
                                (mla_output, "merge_value_projection", args.output_kernel),
-                               (mla_output, "merge_value_output_projection", args.oproj_kernel),
-                               (mla_qkv, "project_absorb_write_latents", args.qkv_kernel),
                                (route_experts, "route_experts", args.route_experts)):
         if spec:  # k=v,..: keyword arguments of the kernel's wrapper
             kw = {k: int(v) for k, v in (item.split("=") for item in spec.split(","))}
@@ -162,25 +156,25 @@ def main(argv=None) -> int:
         seeds[rid] = b
     ranks = [b % dp for b in range(B)] if dp > 1 else None
     host = runner.prepare(seqs, reqs, seeds, ranks)
-    jax.block_until_ready(runner._run(host))
+    jax.block_until_ready(runner.run(host))
     compile_s = time.time() - t0
     for _ in range(3):
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
     ts = []
     for _ in range(20):
         t = time.perf_counter()
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         ts.append(time.perf_counter() - t)
     # Steps queued back to back (the engine's steady state: the host enqueues while the device runs):
     # per-step time = max(host enqueue, device time). Once through the jitted function's C++ fast
     # path, once through the Compiled executable the engine's warm-up installs.
     def pipelined(n=30):
         enq = []
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         t = time.perf_counter()
         for _ in range(n):
             t1 = time.perf_counter()
-            runner._run(host)
+            runner.run(host)
             enq.append(time.perf_counter() - t1)
         jax.block_until_ready(runner.kv_cache)
         return (time.perf_counter() - t) / n, float(np.median(enq))
@@ -188,10 +182,10 @@ def main(argv=None) -> int:
     # The engine's pattern: step N's sampled ids are read (np.asarray) after step N+1 is queued, so two
     # steps' outputs are alive at once; `early` starts their device-to-host copy right after dispatch.
     def engine_like(n=30, early=False):
-        jax.block_until_ready(runner._run(host))
+        jax.block_until_ready(runner.run(host))
         prev, t = None, time.perf_counter()
         for _ in range(n):
-            out = runner._run(host)
+            out = runner.run(host)
             if early:
                 out.copy_to_host_async()
             if prev is not None:
@@ -237,7 +231,7 @@ def top_kernels(runner, host, trace_dir: str, moe_layers: int, steps: int = 3) -
 
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(steps):
-            jax.block_until_ready(runner._run(host))
+            jax.block_until_ready(runner.run(host))
     print_report(trace_dir, moe_layers, steps)
 
 

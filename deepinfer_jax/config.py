@@ -286,198 +286,103 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class RunnerConfig:
-    """Implementation choices of the device step. `attn_impl` / `moe_impl` pick kernels or references."""
+    """Implementation choices of the device step, grouped by concern. The decode-kernel and MoE-launch switches
+    apply on the Pallas path on one device and fall back to XLA's ops elsewhere (CPU reference, sharded); each is
+    on because it measured faster, and stays a switch so a benchmark can compare it with the XLA path on a new
+    GPU (benchmarks/runner_flags.py). The measurements behind each default: benchmarks/RESULTS.md."""
 
+    # ---- kernels and precision -----------------------------------------------------------------------------------
     dtype: str = "bfloat16"
     attn_impl: str = "reference"  # "reference" | "pallas" | "pallas_interpret"
     moe_impl: str = "ragged"  # "ragged" | "dense" | "pallas" | "pallas_interpret"
+
+    # ---- buckets and the layer loop ------------------------------------------------------------------------------
     token_buckets: tuple[int, ...] = field(default_factory=tuple)  # () = powers of two (runner/inputs.py)
-    seed: int = 0
-    # Compile the penalties / logprobs variant of every bucket at warm-up (else it is compiled on first use).
+    # Steps of at most this many token slots run their layers unrolled: straight-line code, no per-layer weight-slice
+    # copies, XLA schedules across layers (a V2-Lite decode step at batch 32 on an H200: 12.5 ms against 15.1
+    # scanned), at the price of a longer compile. None: 256 on a GPU, 0 (never) elsewhere.
+    unroll_max_tokens: int | None = None
+    # How larger steps run their layers: "scan" (lax.scan) or "indexed" (straight-line, each layer reading its
+    # weights by an index XLA cannot see through, so the layers share compiled kernels and autotuning and no
+    # program holds a while loop: models/deepseek.py run_layers). None: "indexed" on a GPU, where a loaded scanned
+    # program slowed the decode steps (~0.15 ms on an H200), "scan" elsewhere.
+    prefill_layers: str | None = None
+
+    # ---- attention kernels (Pallas, one device) ------------------------------------------------------------------
+    # Prefill-bucket steps: "expanded" attends each token to its own chunk in the expanded form (kernels/mla_chunk.py,
+    # 3.4x fewer FLOPs) and to the cached context in the absorbed form; "absorbed" runs all of it absorbed
+    # (kernels/mla_prefill.py, the path sharded steps and unsupported head sizes take anyway).
+    prefill_attention: str = "expanded"
+    # Decode-size steps read o_proj and the dense MLP's weights in place (kernels/decode_matmul.py) instead of XLA
+    # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py).
+    decode_projection_kernel: bool = True
+    # Decode steps of 16+ token slots merge the attention's context splits and apply W_UV in one kernel
+    # (kernels/mla_output.py, kv_b_proj read in place) instead of XLA's five; Protocol A 0.6% faster.
+    decode_output_kernel: bool = True
+    # Decode steps absorb the query through W_UK and rotate its rope part in one kernel (kernels/mla_absorb.py,
+    # q and W_UK read in place) instead of XLA's pad, GEMM and RoPE.
+    decode_absorb_kernel: bool = True
+    # That launch also norms, ropes and writes the step's latents into the paged cache in place
+    # (absorb_query_write_latents) instead of XLA's norm / RoPE fusion, scatter and slice copy.
+    decode_latent_kernel: bool = True
+    # Without q-LoRA, the q / kv_a projections are one GEMM over the two weights concatenated
+    # (mla.project_qkv_merged), whose output that launch reads in place, instead of XLA copying two slices out.
+    decode_merged_qkv: bool = True
+
+    # ---- MoE launches ---------------------------------------------------------------------------------------------
+    # The shared experts run inside the Pallas expert kernels at decode sizes (float weights, experts not split
+    # over devices) instead of as separate XLA GEMMs.
+    fuse_shared_experts: bool = True
+    # Decode-size steps route and align in one kernel (kernels/moe_route.py: greedy top-k without expert groups)
+    # instead of ~15 small XLA kernels.
+    fuse_moe_routing: bool = True
+    # There, both expert kernels run in one launch, each row block's down tiles waiting on its gate_up tiles
+    # (kernels/moe_gmm.py `single_launch`): no kernel boundary between them.
+    moe_single_launch: bool = True
+    # Decode MoE layers go from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py:
+    # residual add, post-attention RMSNorm, router logits, routing) instead of five; the base of decode_moe_launch.
+    decode_route_launch: bool = True
+    # That launch and the experts' single launch are one (kernels/route_experts.py): the shared experts' tiles stream
+    # while the router and the routing run.
+    decode_moe_launch: bool = True
+    # The step sizes (token slots) it runs at; None: any. 32: it was slower at 16 and 64 tokens, even at 8 and 128.
+    decode_moe_launch_tokens: tuple[int, ...] | None = (32,)
+    # Its shared-expert tiles (row block, gate_up columns, down columns), the row block cut to its gcd with the
+    # step's slots; None: the routed tiles' sizes. (32, 64, 256) reads each shared weight tile once.
+    decode_moe_shared_tiles: tuple[int, int, int] | None = (32, 64, 256)
+    # Prefill-size MoE steps (16,384+ token copies, 16-bit weights, a Hopper GPU) run the expert GEMMs on Mosaic GPU
+    # (kernels/moe_gmm_mgpu.py: warp-specialized wgmma + TMA) instead of the Triton kernels: 8-15% faster on an H100.
+    moe_prefill_mosaic: bool = True
+
+    # ---- step programs and sampling variants ---------------------------------------------------------------------
+    # Prefill buckets get a program with the attention's context part and one without, picked on the host
+    # (StepMetadata.has_context), instead of a lax.cond a layer, whose predicate XLA's GPU runtime reads on the
+    # host, so the host could queue nothing during the step. Twice the prefill programs; off: fewer to compile.
+    prefill_context_variant: bool = True
+    # Decode buckets get a sampling variant for steps whose every request is greedy (vLLM's all-greedy path): the
+    # argmax without temperature, min-p and draw. One more program per decode bucket.
+    greedy_variant: bool = True
+    # Prefill buckets run a step as two programs on resident buffers: the bucket's forward, shared by its sampling
+    # variants, then the variant's sampler. Warm-up compiles one forward a (bucket, context variant) instead of
+    # one a sampling variant too: a shorter cold start at no measured cost a step. One device.
+    prefill_shared_forward: bool = True
+    # Compile the penalties / logprobs variant of every bucket at warm-up (else on first use).
     warmup_full_variant: bool = True
+
+    # ---- warm-up and caching -------------------------------------------------------------------------------------
+    # Runs of each step program on padding at warm-up, one at a time: the first records the program's CUDA graph
+    # (xla_env.py), so that no engine step pays for it. Three cover XLA's address profiling of a program's first
+    # runs in its SKIP_PROFILED mode; under SKIP_TEMP one would do, and the other two cost milliseconds.
+    warmup_runs: int = 3
+    # Where warm-up keeps the compiled step programs (runner/program_cache.py): a later start with the same code,
+    # model, configuration and device loads them without tracing. None: off. One device only. LLM (and so
+    # `serve`) puts it inside the compilation cache directory.
+    program_cache_dir: str | None = None
+
+    # ---- sampling seed and benchmarks ----------------------------------------------------------------------------
+    seed: int = 0
     # Return the routed expert ids of every step (benchmarks: distinct experts per layer per step).
     collect_routing: bool = False
-    # Steps of at most this many token slots run their layers unrolled (straight-line code: no per-layer
-    # weight-slice copies, XLA schedules across layers; on an H200 a V2-Lite decode step at batch 32 drops
-    # from 15.1 to 12.5 ms) at the price of a longer compile; bigger (prefill) buckets run as prefill_layers
-    # says. None: 256 on a GPU, 0 (never) elsewhere. With every bucket unrolled `serve`'s 24 programs took 147 s
-    # to ready even with their autotuning results, 326 s without (benchmarks/RESULTS.md, session 20).
-    unroll_max_tokens: int | None = None
-    # How steps above unroll_max_tokens run their layers: "scan" (lax.scan) or "indexed" (straight-line, each
-    # layer reading its weights by an index XLA cannot see through, so all layers share their compiled kernels
-    # and autotuning, and no step program holds a while loop: models/deepseek.py run_layers). None: "indexed"
-    # on a GPU, "scan" elsewhere. While any step program with a scanned loop is loaded, an H200 runs the decode
-    # steps ~0.15 ms slower (sessions 17-20, cause unknown); session 21, Protocol A: indexed 3,639-3,645 tok/s,
-    # scanned 3,580-3,587, every bucket unrolled 3,643-3,645, on one machine; ready on an empty cache 20.9 s.
-    prefill_layers: str | None = None
-    # Run the shared experts inside the Pallas MoE kernels (moe_impl "pallas*", one device or TP without
-    # expert splitting, float weights) instead of as separate XLA GEMMs. H200, V2-Lite decode step at
-    # batch 32: 9.93 -> 9.70 ms.
-    fuse_shared_experts: bool = True
-    # Route and align decode-size steps in one Pallas kernel (kernels/moe_route.py: greedy top-k without
-    # expert groups) instead of ~15 small XLA kernels. H200, same step: 9.93 -> 9.65 ms (9.28 with both).
-    fuse_moe_routing: bool = True
-    # Prefill-bucket steps on the Pallas path (one device): "expanded" attends each token to its own
-    # chunk in the expanded form (kernels/mla_chunk.py, 3.4x fewer FLOPs) and to the cached context in
-    # the absorbed form; "absorbed" runs all of it absorbed (kernels/mla_prefill.py).
-    prefill_attention: str = "expanded"
-    # With "expanded", whether the step's cached context exists is known on the host (StepMetadata.has_context):
-    # each prefill bucket then has two programs, one with the context part and one without, instead of one
-    # whose layers each decide it with a lax.cond. XLA's GPU runtime reads a cond's predicate on the host, so
-    # that program's call lasts as long as the step and the host queues nothing meanwhile. H200 (session 17):
-    # Protocol B at concurrency 128, 7,007 against 6,749 output tok/s, TTFT mean 270 against 426 ms, ITL mean
-    # 17.5 against 34.8 ms; Protocol A even (3,594 against 3,589). The price: twice the prefill buckets' programs.
-    prefill_context_variant: bool = True
-    # Decode-size steps on the Pallas path (one device) run o_proj and the dense MLP through
-    # kernels/decode_matmul.py, which reads each layer's weight in place from the stacked array,
-    # instead of XLA's GEMMs (which copied o_proj's slice every layer for cuBLAS and padded the dense
-    # MLP's down weight every step; models/deepseek.py: STACKABLE).
-    decode_projection_kernel: bool = True
-    # Decode-size steps on the Pallas path (one device, at least 16 token slots) merge the decode
-    # attention's context splits and apply W_UV in one kernel (kernels/mla_output.py, kv_b_proj read in
-    # place) instead of XLA's five (the merge's two reductions, W_UV's slice copy, a GEMM, its reduce).
-    # H200, V2-Lite batch-32 step: even (8.65 ms either way); Protocol A 0.6% faster with it.
-    decode_output_kernel: bool = True
-    # Decode-size steps on the Pallas path (one device, token slots a multiple of 16) absorb the query
-    # through W_UK and rotate its rope part in one kernel (kernels/mla_absorb.py: q and W_UK read in
-    # place) instead of XLA's pad of q_nope, GEMM over kv_b's whole rows and RoPE.
-    decode_absorb_kernel: bool = True
-    # Where the absorb kernel runs, its launch also takes the kv_a projection's raw rows, applies
-    # kv_a_layernorm and RoPE and writes the latents into the paged cache in place
-    # (kernels/mla_absorb.py: absorb_query_write_latents), instead of XLA's norm / RoPE fusion, the cache's
-    # scatter and a slice copy (1.6 + 3.0 + 1.3 us a layer on an H200 at batch 32). H200, V2-Lite batch-32
-    # step: 8.23 ms against 8.28 (session 11; the kernel 4.2 us against 3.6 for the absorption alone, and XLA
-    # now copies the latents out of its merged q / kv_a GEMM too: a second 1.4 us slice).
-    decode_latent_kernel: bool = True
-    # Where that launch writes the latents, on models without q-LoRA (V2-Lite, Moonlight), the q / kv_a
-    # projections run in it too (kernels/mla_qkv.py): GEMM programs read q_proj and kv_a_proj_with_mqa in place
-    # and release per-head counters, on which the latent and absorb programs wait. It replaces XLA's split-K
-    # GEMM and its two slice copies of q and the latents (7.4 + 1.7 + 1.3 us a layer on an H200 at batch 32,
-    # session 11). Measured in session 13 (H200, V2-Lite, batch 32 at 640): the launch takes 13.2 us against
-    # 14.8 for what it replaces, but the step is 8.22-8.23 ms against 8.23-8.24, within noise; off.
-    decode_qkv_launch: bool = False
-    # Where that launch writes the latents and does not run the projections itself, on models without q-LoRA,
-    # the q / kv_a projections are written as one GEMM over the two weights, concatenated (models/mla.py
-    # project_qkv_merged), and the launch reads q and the kv_a rows in place out of its output, instead of XLA
-    # merging the two GEMMs itself and copying two slices out for the launch (1.5 + 1.4 us a layer on an H200
-    # at batch 32). Session 13 (H200, V2-Lite, batch 32 at 640): the GEMM (7.4 us) now ends in a split-K reduce
-    # (1.7 us) in place of the two copies, 14 kernels a layer against 15; step 8.28 ms against 8.31 on that
-    # machine; Protocol A 3,524 / 3,528 tok/s (3,526 / 3,521 without, on another); fp32 greedy tokens 8/8 equal
-    # to the CPU reference.
-    decode_merged_qkv: bool = True
-    # Where the routing runs in its kernel (fuse_moe_routing, decode sizes), the MoE's two expert kernels run
-    # in one launch: a row block's down tiles wait (on an atomic counter) for its gate_up tiles, so the down
-    # tiles start while the last gate_up tiles stream, with no kernel boundary (kernels/moe_gmm.py
-    # `single_launch`). H200, V2-Lite batch-32 step: 8.34 ms against 8.64 (session 11).
-    moe_single_launch: bool = True
-    # Where the output kernel runs (decode_output_kernel) and o_proj is read in place (decode_projection_kernel),
-    # o_proj runs in the output kernel's launch (kernels/mla_output.py merge_value_output_projection): its
-    # programs load their weight tiles while the merge runs, then wait (atomic counters) for their K chunk
-    # of the merged output, instead of a launch of their own (4.8 us a layer on an H200 at batch 32).
-    # Session 13 (H200, batch 32): 15.1 us against 9.2 + 4.7 for the two launches, step 8.26 ms against 8.23; off.
-    decode_oproj_launch: bool = False
-    # Decode-size MoE layers on the Pallas path (one device, o_proj read in place, routing in its kernel) go
-    # from o_proj's split-K partials to the routing in one launch (kernels/residual_route.py: the residual
-    # add, the post-attention RMSNorm, the router's logits as a split dot, the routing), instead of five
-    # launches (12.9 us a layer on an H200 at batch 32; session 10's first try, a per-token kernel, was slower
-    # than XLA). Session 13 (H200, batch 32): 12.8 us against 14.4 for the five, but the step is 8.25 ms
-    # against 8.23-8.24; at batch 8, 5.36 ms against 5.41 (one run each). Session 24: 8.14 ms against 8.14
-    # alone; on since session 24 as the base of decode_moe_launch.
-    decode_route_launch: bool = True
-    # Where the route launch runs (decode_route_launch) and the expert kernels run in one launch
-    # (moe_single_launch), the two launches are one (kernels/route_experts.py): the shared experts' tiles (which
-    # need only the normed x) stream while the router and the routing run, and the routed tiles follow with no
-    # launch boundary. Session 24 (H200, V2-Lite, batch 32): in isolation 268.1 us a layer against 270.1 for the
-    # two launches (moe_launch_sweep.py); Protocol A alternating on one machine 3,672 / 3,664 and 3,674 / 3,661
-    # tok/s (temp 0 / 1) against 3,666 / 3,655 and 3,669 / 3,658 without; fp32 greedy tokens 8/8 equal to the
-    # CPU reference. The shared tiles stream on ~44 programs while the routing runs, a third of the bandwidth,
-    # so the overlap is ~2 us a layer, not the ~8 us their bytes are worth (session 28: ~2 us more with tiles of
-    # their own, decode_moe_shared_tiles).
-    decode_moe_launch: bool = True
-    # The step sizes (token slots) that launch runs at; None: every size it takes. Session 25 (H200, V2-Lite, at
-    # 640 tokens of context, alternating): batch 8 5.40 / 5.41 ms against 5.41 / 5.38 without, batch 16 7.13 /
-    # 7.14 against 7.02 / 7.03, batch 32 Protocol A 3,677 / 3,677 tok/s against 3,665 / 3,662, batch 64 9.01 / 9.03
-    # against 8.97 / 8.97; session 24, batch 128 even. In isolation (moe_launch_sweep.py, its defaults: 8 warps,
-    # the shared down tiles late) the one launch is slower than the two at 16 and 64 tokens too. Session 28, with
-    # decode_moe_shared_tiles: batch 64 9.05, 9.03 ms against 9.00, 8.98; batch 16 7.06, 7.08 against 7.02, 7.02.
-    decode_moe_launch_tokens: tuple[int, ...] | None = (32,)
-    # That launch's shared-expert tiles: (row block, gate_up column tile, down column tile), the row block cut to
-    # its greatest common divisor with the step's token slots; None: the routed tiles' sizes (16 rows, 128 / 256
-    # columns at batch 32: each shared gate_up weight tile read by two 16-row programs). Session 28 (H200, V2-Lite,
-    # batch 32 at 640, alternating): the step 7.99, 7.99 ms with (32, 64, 256) and 8.00, 7.97 with (16, 64, 256)
-    # against 8.04, 8.04 with None; in isolation 262.2 us a layer against 263.9-265.0 (moe_launch_sweep.py);
-    # Protocol A on another machine, alternating: 3,682 / 3,674 and 3,688 / 3,677 tok/s (temp 0 / 1) against 3,673
-    # / 3,659 and 3,674 / 3,659 with None (vLLM 0.26 there: 3,066 / 3,054); fp32 greedy tokens 8/8 equal to the CPU.
-    decode_moe_shared_tiles: tuple[int, int, int] | None = (32, 64, 256)
-    # Decode-size layers on the Pallas path whose o_proj is read in place in a launch of its own (no route
-    # launch, no o_proj launch) add o_proj's split-K partials to the residual and take the post-attention
-    # RMSNorm in one launch of a program a token (kernels/residual_route.py residual_norm), instead of XLA's
-    # two kernels (2.1 + 1.7 us a layer on an H200 at batch 32, session 19's trace). Session 19, its first
-    # form (the partials loaded one after another): 4.4 us, step 8.25 ms against 8.23; off. Session 23, the form
-    # that loads them as one block, with decode_combine_norm: step 8.20-8.21 ms against 8.16 (alternating); off.
-    decode_residual_norm: bool = False
-    # Decode-size MoE layers whose routing runs in its kernel with the shared MLP inside the expert kernels
-    # combine the expert rows into the residual and take the next layer's input RMSNorm in one launch of a
-    # program a token (kernels/residual_route.py combine_residual_norm), instead of XLA's two kernels (2.6 + 1.4
-    # us a layer on an H200 at batch 32, session 19's trace); the layers pass the normed input on. Session 19,
-    # its first form (the rows gathered one after another): 5.7 us, step 8.31 ms against 8.23; off. Session 23,
-    # the form that gathers them in one load, with decode_residual_norm: step 8.20-8.21 ms against 8.16; off.
-    decode_combine_norm: bool = False
-    # The kernel families ("moe", "absorb", "attention", "output", "matmul", "norm"; kernels/pdl.py) whose programs
-    # signal `griddepcontrol.launch_dependents` as they start, so that the next kernel of the step's CUDA graph
-    # (launched with PDL by XLA, waiting at its entry) launches while they run instead of after them; the same
-    # outputs. XLA signals early only in its own Triton GEMMs. Session 31 (H100): the batch-32 step 11.11-11.13 ms
-    # with all against 11.04-11.14 with none, 11.03 with all but the attention; Protocol A +0.07% (noise). None by
-    # default.
-    launch_dependents: tuple[str, ...] = ()
-    # Prefill-size MoE steps (16,384+ token copies, where tile_config's row blocks are 128, 16-bit weights, no shared
-    # experts in the kernels, a Hopper GPU) run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py:
-    # warp-specialized wgmma + TMA, the gate_up SwiGLU in its epilogue) over XLA's gather of the rows, instead of the
-    # Triton kernels. Session 34 (H100): a step's experts (kernels + XLA's gather and combine) 689 / 867 / 1,529 /
-    # 2,914 us against 764 / 1,007 / 1,795 / 3,168 at 2,731 / 4,096 / 8,192 / 16,384 tokens x top-6; Protocol A's
-    # 32 x 512 prefill 150-153 ms against 157-159, greedy tokens and bf16 error as the Triton path's. On.
-    moe_prefill_mosaic: bool = True
-    # On the Pallas path of one device with a float lm_head, the base sampling variant runs the lm_head and the
-    # sampler's reductions over the vocabulary in one kernel (kernels/lm_head_sample.py; runner/step_sampler.py):
-    # the logits never reach device memory and the Gumbel draw's integer hash hides under the lm_head's weight
-    # stream; the same tokens. Requests with min-p then take the full variant. Session 22 (H200, batch 32): the
-    # kernel and the merge took as long as XLA's GEMM and sampler (~146 against ~144 us a step: its weight stream
-    # is slower than XLA's GEMM by about what the sampler's passes cost), the step 8.12 ms against 8.10, Protocol A
-    # 3,647-3,653 tok/s against 3,686; off.
-    lm_head_sampler: bool = False
-    # Where the lm_head stays XLA's GEMM, the base and greedy sampling variants read its fp32 logits in one Pallas
-    # pass (kernels/lm_head_sample.py logits_sample_stats: per vocabulary tile the row max and exp-sum, the greedy
-    # pick, the Gumbel-max draw in the base variant) and merge the tiles (sampling.sample_from_tile_stats), instead
-    # of XLA's several passes over them; the same tokens. One device, the Pallas path; requests with min-p then
-    # take the full variant.
-    # Session 33 (H100, batch 32): slower. The one pass took 95 us beyond the lm_head against XLA's 17.8 (the
-    # greedy form 28 against 11): each program's [32, 512] tile reductions (max, first argmax, exp-sum, the noise)
-    # are compute-bound in Triton, where XLA's fusions stream the 13 MB of logits. Protocol A 2,729-2,734 /
-    # 2,717-2,718 tok/s (temp 0 / 1) against 2,738-2,739 / 2,737 without it; off.
-    sampler_kernel: bool = False
-    # Decode buckets get a third sampling variant for steps whose every request is greedy (vLLM's all-greedy
-    # path): the argmax without the temperature, min-p and the Gumbel draw (session 33, H100, batch 32: 11.3 us
-    # beyond the lm_head against the base variant's 17.8). One more program per decode bucket at warm-up.
-    # Session 22 (H200): Protocol A greedy 3,696 tok/s against 3,684 without it, temperature 1 even (3,687).
-    greedy_variant: bool = True
-    # Prefill buckets (more token slots than sequence rows; one device, no routing collected) run a step as two
-    # programs: the bucket's forward, shared by its sampling variants, which writes each sequence's output into
-    # a resident buffer, then the variant's sampler. Warm-up then compiles one forward a (bucket, context
-    # variant) instead of one a sampling variant too: `serve` at Protocol B's flags compiles 8 prefill forwards
-    # instead of 16 whole programs. Session 26 (H200, one machine, empty cache, with runner/lowering.py): 53.4 s
-    # to /health against 66.6 s without. The price, a second program and input copy a prefill step, did not
-    # show: Protocol A 3,671 / 3,663 tok/s (temp 0 / 1) and prefill 153-155 ms with it, 3,674 / 3,663 and 154 ms
-    # without; the GPU-vs-CPU check equal (8/8 greedy).
-    prefill_shared_forward: bool = True
-    # Runs of each step program on padding at warm-up, one at a time: the first records the program's
-    # CUDA graph (xla_env.py), so that no engine step pays for it. Three, from the SKIP_PROFILED mode of
-    # sessions 5-15, whose address profile took a program's first 3 runs (gpu_executable_va_remap_
-    # allocator.cc); under SKIP_TEMP one would do, and three cost milliseconds, so it is kept.
-    warmup_runs: int = 3
-    # Where warm-up keeps the compiled step programs (runner/program_cache.py): a later start with the
-    # same code, model, configuration and device loads them without tracing. None: off. One device only.
-    # LLM (and so `serve`) puts it inside the compilation cache directory.
-    program_cache_dir: str | None = None
 
     def __post_init__(self) -> None:
         if self.prefill_layers not in (None, "scan", "indexed"):
@@ -486,7 +391,6 @@ class RunnerConfig:
             object.__setattr__(self, "decode_moe_launch_tokens", tuple(int(t) for t in self.decode_moe_launch_tokens))
         if self.decode_moe_shared_tiles is not None:
             object.__setattr__(self, "decode_moe_shared_tiles", tuple(int(t) for t in self.decode_moe_shared_tiles))
-        object.__setattr__(self, "launch_dependents", tuple(sorted(set(self.launch_dependents))))
 
     def forward_switches(self) -> dict[str, Any]:
         """The implementation switches that models/deepseek.py forward_paged takes under the same names."""
@@ -508,7 +412,6 @@ class RunnerConfig:
 
 # RunnerConfig's fields that forward_paged takes as keyword arguments of the same name.
 FORWARD_SWITCHES = ("fuse_shared_experts", "fuse_moe_routing", "prefill_attention", "decode_projection_kernel",
-                    "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_qkv_launch",
-                    "moe_single_launch", "decode_oproj_launch", "decode_route_launch", "decode_moe_launch",
-                    "decode_moe_launch_tokens", "decode_moe_shared_tiles", "decode_merged_qkv", "decode_residual_norm",
-                    "decode_combine_norm", "launch_dependents", "moe_prefill_mosaic")
+                    "decode_output_kernel", "decode_absorb_kernel", "decode_latent_kernel", "decode_merged_qkv",
+                    "moe_single_launch", "decode_route_launch", "decode_moe_launch", "decode_moe_launch_tokens",
+                    "decode_moe_shared_tiles", "moe_prefill_mosaic")

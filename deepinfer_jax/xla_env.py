@@ -7,16 +7,16 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
 - `xla_gpu_command_buffer_update_mode=SKIP_TEMP`: a decode step runs as one CUDA graph (command
   buffer) of ~400 kernels. By default (ALWAYS_UPDATE) XLA re-records a program's graph whenever one of
   its buffers changes address: a fresh temp buffer, input or output every step cost 4.7-9.5 ms of host
-  time a step on an H200, as long as half the device step (benchmarks/RESULTS.md, sessions 3-6).
+  time a step on an H200, as long as half the device step (benchmarks/RESULTS.md).
   SKIP_TEMP maps each program's temp buffer at a fixed virtual address of its own (CUDA VMM); every
   other buffer a step program touches already keeps its address, because the runner feeds it resident
-  buffers that never move (`ModelRunner._step_fn`: the weights, the KV cache, the inbox, the outbox
+  buffers that never move (`StepPrograms._step_fn`: the weights, the KV cache, the inbox, the outbox
   and the sampled ids, donated and updated in place). So each program's graph is recorded once.
-  SKIP_PROFILED, the default until session 16, also aliased every stable argument (the weights and the
+  SKIP_PROFILED, the other mode that keeps graphs, also aliased every stable argument (the weights and the
   75 GiB KV cache) into a virtual range of each program, so a switch from one program to another (a
   prefill step after decode steps, a decode step after a prefill, another decode bucket) unmapped and
   mapped them again: ~6 ms of host time per switch, and Protocol A's GPU sat idle 11.4 ms a run at the
-  prefill (SKIP_TEMP: 1.0 ms; 3,588 against 3,572 tok/s on one H200, session 16). The mode switches
+  prefill (SKIP_TEMP: 1.0 ms; 3,588 against 3,572 tok/s on one H200). The mode switches
   the GPU client to XLA's VMM allocator, which reports no memory stats; the KV cache is then sized
   from the driver's free-memory figure (`runner/device_memory.py: pages_for_memory`). CPU ignores it. Applied only
   where at most one CUDA device is visible: with several GPUs the collectives would run from

@@ -6,8 +6,8 @@ Pallas (Triton backend).
 The model keeps each projection's weights stacked over layers for `lax.scan`. At decode sizes a
 projection is a weight stream (T rows against K x N weights). XLA sent o_proj to cuBLAS, which cannot
 take a slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then
-multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md,
-session 7). The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
+multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md).
+The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
 projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches).
 
 Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile
@@ -29,7 +29,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -69,7 +68,7 @@ def supported(num_tokens: int, K: int, N: int) -> bool:
 
 
 def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k_steps):
-    n, s = pdl.program_id(0, "matmul"), pl.program_id(1)
+    n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
     cols = pl.ds(n * block_n, block_n)
 
@@ -88,8 +87,8 @@ def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_
                   reduce=True, interpret=False):
     """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
     Tiles left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
-    fp32 instead (rows: T padded to a power of two of at least 16), as a kernel that adds them up itself
-    produces them (kernels/mla_output.py merge_value_output_projection, whose test compares them)."""
+    fp32 instead (rows: T padded to a power of two of at least 16), for a launch that adds them up itself
+    (kernels/residual_route.py, kernels/route_experts.py)."""
     T, K = x.shape
     _, K2, N = w.shape
     assert K == K2, (x.shape, w.shape)

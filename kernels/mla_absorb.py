@@ -10,10 +10,9 @@ whole q projection and W_UK out of the layer-stacked kv_b_proj, both in place (P
 
 In XLA the same took three kernels a layer on an H200 at batch 32: a pad of q_nope with zeros (so the
 GEMM could read kv_b's whole rows in place instead of copying W_UK's strided slice out), the GEMM, and
-the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md, session 9). Where XLA merged the q / kv_a GEMMs
-itself, it copied q out of their output for the kernel (1.8 us); the kernel now reads that output in place
-(ckv None, below), and kernels/mla_qkv.py runs the GEMM in the launch instead, with this module's
-`absorb_tile` and `latent_row` reading its partial sums.
+the RoPE, 1.9 + 3.8 + 1.3 us (benchmarks/RESULTS.md). Where XLA merged the q / kv_a GEMMs
+itself, it copied q out of their output for the kernel (1.8 us); the kernel reads that output in place
+(ckv None, below).
 
 Grid (H, R // block_r). Program (h, rb) multiplies the T tokens' q_nope of head h [T, dn] by the
 [block_r, dn] tile of W_UK[h] (fp32 accumulation, one dot: dn is a single tile) and writes q_lat's
@@ -48,7 +47,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.mla_decode import EXACT
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -104,7 +102,7 @@ def _q_loader(q_ref, width=None):
 
 
 def _absorb_kernel(layer_ref, q_ref, w_ref, cos_ref, sin_ref, lat_ref, pe_ref, *, dn, dr, block_r):
-    absorb_tile(pdl.program_id(0, "absorb"), pl.program_id(1), layer_ref[0], _q_loader(q_ref), w_ref, cos_ref,
+    absorb_tile(pl.program_id(0), pl.program_id(1), layer_ref[0], _q_loader(q_ref), w_ref, cos_ref,
                 sin_ref, lat_ref, pe_ref, dn=dn, dr=dr, block_r=block_r)
 
 
@@ -164,7 +162,7 @@ def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, co
                           _cache_in, lat_ref, pe_ref, cache_ref, *, dn, dr, block_r, eps, merged):
     T, R = ckv_ref.shape[0], cache_ref.shape[3] - dr
     H, nrb = w_ref.shape[2], w_ref.shape[1] // block_r
-    pid = pdl.program_id(0, "absorb")
+    pid = pl.program_id(0)
     layer = layer_ref[0]
     off = H * (dn + dr) if merged else 0  # where the kv_a rows start in ckv's columns
 

@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -90,7 +89,7 @@ def softmax_steps(ss, vs, carry):
 
 def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref, o_ref, m_ref, l_ref, *,
             page_size, rank, scale, pages_per_step, block_keys, prefetch_ids, qk_chunks=1):
-    t, sp = pdl.program_id(0, "attention"), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
+    t, sp = pl.program_id(0), pl.program_id(2)  # axis 1 (head block) is in the BlockSpecs
     layer, seq, pos, pages_per_split = layer_ref[0], seq_ref[t], pos_ref[t], pps_ref[0]
     n_pages = pos // block_keys + 1  # key blocks ("pages" below) holding keys 0..pos
     first = sp * pages_per_split
@@ -184,14 +183,14 @@ def paged_mla_attention_splits(q_lat, q_pe, kv_cache, layer, seq_ids, positions,
     applies W_UV) combines them.
 
     The defaults were the fastest measured (H200 device time per layer, `benchmarks/attn_sweep.py`,
-    benchmarks/RESULTS.md session 10): 32-key blocks (`block_keys`, half a 64-key page), the next block's page
+    benchmarks/RESULTS.md): 32-key blocks (`block_keys`, half a 64-key page), the next block's page
     id loaded a step ahead (`prefetch_ids`: the page table read leaves the key load's critical path) and three
     pipeline stages, against whole pages in two: batch 32 at 640 keys 12.4 us against 15.6, at 256 keys 8.6
     against 8.5; batch 64 at 2,048 46.2 against 54.7; batch 128 at 1,024 46.6 against 54.6; batch 8 at
     4,096 15.7 against 19.4. 16-key blocks, four to six stages and 8 warps were slower everywhere.
     qk_chunks > 1 (with the page id prefetch, one block a step): the latent cut into that many column chunks,
     each block's scores a sum of independent dots (`page_scores`); None: QK_CHUNKS where that applies, else 1.
-    H200 (attn_sweep.py, session 15): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
+    H200 (attn_sweep.py): batch 32 at 512 / 640 / 768 keys 11.0 / 12.1 / 13.3 us with 4 chunks
     against 11.0 / 12.4 / 13.9 with 1, batch 64 at 2,048 44.6 against 46.5; 2 and 8 chunks were slower than 4."""
     T, H, R = q_lat.shape
     dr = q_pe.shape[-1]

@@ -7,8 +7,7 @@ layer's kv_b_proj in place from its layer-stacked array (Pallas, Triton backend)
 
 In XLA the same is five kernels a layer (the merge's two reductions, the copy of W_UV's slice out of
 the stacked weights, a split-K GEMM and its reduce: 9.4 us on an H200 at batch 32; benchmarks/
-RESULTS.md, session 7); this kernel takes 7.0 us alone and 9.2-10.1 us in the step, where it breaks
-even (session 8).
+RESULTS.md); this kernel takes 7.0 us alone and 9.2-10.1 us in the step, where it breaks even.
 
 Grid (H, T // block_t, dv // block_v). Program (h, tb, vb) computes its block_t tokens' split weights
 for head h once (exp(m_s - M) and the merged denominator), then walks the latent in block_r slices:
@@ -18,15 +17,9 @@ accumulation). Small slices keep the tiles in registers (the whole 512-wide late
 spilled: 38.7 us a layer on an H200). The merged latent is
 recomputed by the dv // block_v programs of a head; those reads come from L2.
 
-`merge_value_output_projection` runs o_proj in the same launch (RunnerConfig.decode_oproj_launch): after
-the merge's programs come o_proj's (kernels/decode_matmul.py's tiles), each loading its weight tiles at
-once and then waiting on an atomic counter for the merge's tiles of its K chunk, so that o_proj's weight
-stream overlaps the merge instead of starting in a launch of its own.
-
-Three parts (ARCHITECTURE.md rule 6): `merge_value_projection` / `merge_value_output_projection` (the
-kernels; `interpret=True` runs them on the CPU) and `merge_value_projection_reference` (pure JAX:
-`mla_decode.merge_splits`, the rounding, an einsum; then decode_matmul_reference for o_proj). Invariants:
-T is a multiple of block_t (at least 16, Triton's dot), block_v divides dv and block_r R; a split with
+Three parts (ARCHITECTURE.md rule 6): `merge_value_projection` (the kernel; `interpret=True` runs it on the
+CPU) and `merge_value_projection_reference` (pure JAX: `mla_decode.merge_splits`, the rounding, an einsum).
+Invariants: T is a multiple of block_t (at least 16, Triton's dot), block_v divides dv and block_r R; a split with
 l = 0 (past its sequence's pages) carries m = NEG and adds nothing; every token has at least one key, so
 the merged denominator is positive.
 """
@@ -39,8 +32,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
-from deepinfer_jax.kernels.launch_sync import acquire, release
 from deepinfer_jax.kernels.mla_decode import EXACT, merge_splits
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -77,7 +68,7 @@ def _merge_tile(h, tb, vb, layer, o_ref, m_ref, l_ref, w_ref, store, *, bh, spli
 
 
 def _mla_output_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, out_ref, *, block_v, **kw):
-    h, tb, vb = pdl.program_id(0, "output"), pl.program_id(1), pl.program_id(2)
+    h, tb, vb = pl.program_id(0), pl.program_id(1), pl.program_id(2)
 
     def store(rows, y):
         out_ref[rows, h, pl.ds(vb * block_v, block_v)] = y
@@ -89,9 +80,8 @@ def merge_slice(splits: int) -> int:
     """Latent columns a program merges and multiplies a step (`block_r`) for `splits` context splits: 64 up to
     four splits, else 32, so that a step's merged slices stay at most 64 x 16 x 4 fp32 values (a thread's 32).
     In the batch-32 step (four splits) 64 beat 32 on an H200: 8.05, 8.05 ms a step against 8.07, 8.08,
-    alternating (session 23; half the loop steps, so half the merge's barriers and layout changes: Nsight Compute
-    found the kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32, the width they
-    ran at before; 64 was not measured there."""
+    alternating (half the loop steps, so half the merge's barriers and layout changes: Nsight Compute found the
+    kernel bound by its warps' issue latency). Steps of 16 tokens (8 splits) keep 32; 64 is not measured there."""
     return 64 if splits <= 4 else 32
 
 
@@ -101,7 +91,7 @@ def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block
                            interpret=False):
     """o [T, nh, S, bh, R], m / l [T, nh, S, bh] (fp32 splits), kv_b [L, R, H, dn + dv] stacked, layer:
     int32 scalar -> [T, H, dv] in `dtype` (the module docstring). block_r None: `merge_slice(S)`. Of nine tiles
-    on an H200 alone at batch 32 with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0; session 8)."""
+    on an H200 alone at batch 32 with four splits, 64 x 32 was the fastest (7.0 us; 64 x 64: 8.0)."""
     T, nh, S, bh, R = o.shape
     _, R2, H, W = kv_b.shape
     dv = W - dn
@@ -116,92 +106,6 @@ def merge_value_projection(o, m, l, kv_b, layer, *, dn, dtype, block_v=64, block
         grid=(H, T // BLOCK_T, dv // block_v), out_shape=jax.ShapeDtypeStruct((T, H, dv), dtype),
         compiler_params=params, interpret=interpret,
     )(layer, o, m, l, kv_b)
-
-
-def _merge_project_kernel(layer_ref, o_ref, m_ref, l_ref, w_ref, wo_ref, _ready_in, a_ref, part_ref, ready_ref, *,
-                          token_blocks, block_v, dv, chunk, block_k, block_n, n1, spin, **kw):
-    """`merge_value_output_projection`: programs [0, n1) are `_merge_tile`'s (h, tb, vb), h-major, each
-    adding 1 to the counter of the o_proj K chunk its tile lies in once the tile is stored; the rest are
-    o_proj's (chunk s, column tile n), s-major, each loading its weight tiles first, then waiting for its
-    chunk's tiles of the attention's output, then multiplying. Every producer has started before any
-    consumer waits (a 1-D grid starts in order): no deadlock."""
-    p = pdl.program_id(0, "output")
-    layer = layer_ref[0]
-    vblocks = dv // block_v
-    per_chunk = chunk // block_v * token_blocks  # producer tiles in one K chunk
-
-    @pl.when(p < n1)
-    def _():
-        h, r = p // (token_blocks * vblocks), p % (token_blocks * vblocks)
-        k0 = h * dv + (r % vblocks) * block_v  # the tile's first column of a [T, H * dv]
-
-        def store(rows, y):
-            a_ref[rows, pl.ds(k0, block_v)] = y
-            release(ready_ref, k0 // chunk, spin)
-
-        _merge_tile(h, r // vblocks, r % vblocks, layer, o_ref, m_ref, l_ref, w_ref, store, block_v=block_v,
-                    **kw)
-
-    @pl.when(p >= n1)
-    def _():
-        tiles_n = part_ref.shape[2] // block_n
-        s, n = (p - n1) // tiles_n, (p - n1) % tiles_n
-        cols = pl.ds(n * block_n, block_n)
-        ks = [pl.ds(s * chunk + i * block_k, block_k) for i in range(chunk // block_k)]
-        ws = [wo_ref[layer, k, cols] for k in ks]  # [bk, bn] each: the weights do not wait for the attention
-        acquire(ready_ref, s, per_chunk, spin)
-        acc = jnp.zeros((a_ref.shape[0], block_n), jnp.float32)
-        for k, w in zip(ks, ws):  # decode_matmul's order of sums
-            acc = acc + jnp.dot(a_ref[:, k].astype(w.dtype), w, preferred_element_type=jnp.float32, precision=EXACT)
-        part_ref[s, :, cols] = acc
-
-
-def output_projection_supported(num_tokens: int, H: int, dv: int, D: int, block_v: int = 64) -> bool:
-    """Whether `merge_value_output_projection` takes these sizes: `supported`'s, o_proj [H * dv, D] tiled by
-    decode_matmul.plan, and its K chunks made of whole merge tiles."""
-    from deepinfer_jax.kernels import decode_matmul
-
-    tiles = decode_matmul.plan(H * dv, D)
-    if not supported(num_tokens, dv) or tiles is None:
-        return False
-    chunk = H * dv // tiles[2]
-    return chunk % min(block_v, dv) == 0 and chunk % tiles[1] == 0
-
-
-@functools.partial(jax.jit, static_argnames=("dn", "dtype", "block_v", "block_r", "num_warps", "num_stages",
-                                             "interpret"))
-def merge_value_output_projection(o, m, l, kv_b, w_o, layer, *, dn, dtype, block_v=64, block_r=None, num_warps=4,
-                                  num_stages=3, interpret=False):
-    """`merge_value_projection` and then o_proj in one launch: o, m, l, kv_b, layer as there; w_o [L, H * dv, D]
-    (o_proj, layer-stacked, read in place) -> o_proj's split-K partials [split_k, T, D] fp32, whose sum is
-    `decode_matmul(merge_value_projection(...).reshape(T, H * dv), w_o, layer)` (the same tiles and order of
-    sums: decode_matmul.plan). The merged attention output goes through an internal [T, H * dv] buffer in
-    `dtype`; an o_proj program loads its weight tiles before it waits for its K chunk of that buffer, so
-    the weight stream overlaps the merge. Requires `output_projection_supported`."""
-    from deepinfer_jax.kernels import decode_matmul
-
-    T, nh, S, bh, R = o.shape
-    _, R2, H, W = kv_b.shape
-    dv, D = W - dn, w_o.shape[-1]
-    block_v, block_r = min(block_v, dv), min(block_r or merge_slice(S), R)
-    assert R == R2 and H == nh * bh and w_o.shape[1] == H * dv and output_projection_supported(T, H, dv, D, block_v), (
-        o.shape, kv_b.shape, w_o.shape, dn, block_v)
-    block_n, block_k, split_k = decode_matmul.plan(H * dv, D)
-    chunk = H * dv // split_k
-    n1 = H * (T // BLOCK_T) * (dv // block_v)
-    layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    params = compiler_params(num_warps, num_stages, interpret)
-    args = (layer, o, m, l, kv_b, w_o, jnp.zeros((split_k,), jnp.int32))  # the chunks' counters
-    _, part, _ = pl.pallas_call(
-        functools.partial(_merge_project_kernel, token_blocks=T // BLOCK_T, block_v=block_v, dv=dv,
-                          chunk=chunk, block_k=block_k, block_n=block_n, n1=n1, spin=not interpret, bh=bh,
-                          splits=S, dn=dn, block_t=BLOCK_T, block_r=block_r, dtype=jnp.dtype(dtype)),
-        grid=(n1 + split_k * (D // block_n),),
-        out_shape=(jax.ShapeDtypeStruct((T, H * dv), dtype), jax.ShapeDtypeStruct((split_k, T, D), jnp.float32),
-                   jax.ShapeDtypeStruct((split_k,), jnp.int32)),
-        input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
-    )(*args)
-    return part
 
 
 def merge_value_projection_reference(o, m, l, kv_b, layer, *, dn, dtype):

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
+from deepinfer_jax.kernels import launch_sync
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 # fp32 operands multiply in IEEE fp32 (Pallas-Triton's default precision is TF32); bf16 is unaffected.
@@ -102,10 +102,10 @@ def _expert_tile(t: _Tiles, b, be_ref, routed, shared, after=None):
     expert's block, `shared(rows, s)` for a shared expert's (e = E + s); nothing for an unused block (-1).
     `after()` runs once the tile's output is stored.
 
-    (A shared expert's T rows take T / 16 programs that each read its weights: tried in session 11, one
-    32-row program at batch 32 made the step slower, 8.29 ms against 8.20 on an H200, and 64-row ones at
-    batch 128, 11.54 against 11.39. Our reading, not measured: a shared expert's 16-row programs start
-    close together, so most of its repeated reads come from L2.)"""
+    (A shared expert's T rows take T / 16 programs that each read its weights: one 32-row program at batch 32
+    made the step slower, 8.29 ms against 8.20 on an H200, and 64-row ones at batch 128, 11.54 against 11.39.
+    Our reading, not measured: a shared expert's 16-row programs start close together, so most of its repeated
+    reads come from L2.)"""
     e = be_ref[b]
     rows = pl.ds(b * t.block_m, t.block_m)
     for run, hit, j in ((routed, (e >= 0) & (e < t.E), e), (shared, e >= t.E, e - t.E)):
@@ -147,7 +147,7 @@ def down_rows(t: _Tiles, h_ref, tile, y_ref, rows, cols) -> None:
     y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
 
-def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
+def gate_up_tile(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered, after=None):
     """h[rows, tile n] = silu(x[rows] @ W_gate[e][:, n]) * (x[rows] @ W_up[e][:, n]) for row block b."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
@@ -167,7 +167,7 @@ def _gate_up(t: _Tiles, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h
     _expert_tile(t, b, be_ref, routed, shared, after)
 
 
-def _down(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
+def down_tile(t: _Tiles, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref, before=None):
     """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b; `before()` runs first (a wait)."""
     layer = layer_ref[0]
     cols = pl.ds(n * t.block_n, t.block_n)
@@ -193,20 +193,20 @@ def _refs(refs, shared, with_rc):
 
 def _block_and_tile(cols_first: bool):
     """(row block b, column tile n) of this program; grid axis 0 is the one launched fastest."""
-    first = pdl.program_id(0, "moe")
+    first = pl.program_id(0)
     return (pl.program_id(1), first) if cols_first else (first, pl.program_id(1))
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, w_ref, *refs, t: _Tiles, shared, with_rc, gathered, cols_first):
     sw_ref, rc_ref, (h_ref,) = _refs(refs, shared, with_rc)
     b, n = _block_and_tile(cols_first)
-    _gate_up(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
+    gate_up_tile(t, b, n, layer_ref, be_ref, x_ref, w_ref, sw_ref, rc_ref, h_ref, gathered)
 
 
 def _down_kernel(layer_ref, be_ref, h_ref, w_ref, *refs, t: _Tiles, shared, cols_first):
     sw_ref, _, (y_ref,) = _refs(refs, shared, False)
     b, n = _block_and_tile(cols_first)
-    _down(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref)
+    down_tile(t, b, n, layer_ref, be_ref, h_ref, w_ref, sw_ref, y_ref)
 
 
 def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: _Tiles, t2: _Tiles, shared, with_rc,
@@ -222,23 +222,23 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     rc_ref = refs.pop(0) if with_rc else None
     _ready_in, h_ref, y_ref, ready_ref = refs
-    p = pdl.program_id(0, "moe")
+    p = pl.program_id(0)
     tiles1, tiles2 = t1.I // t1.block_n, y_ref.shape[1] // t2.block_n  # column tiles of h, of y
 
     @pl.when(p < n1)
     def _():
         b = p // tiles1
-        _gate_up(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
+        gate_up_tile(t1, b, p % tiles1, layer_ref, be_ref, x_ref, wgu_ref, sgu_ref, rc_ref, h_ref, gathered,
                  after=lambda: launch_sync.release(ready_ref, b, spin))
 
     @pl.when(p >= n1)
     def _():
         b, n = (p - n1) // tiles2, (p - n1) % tiles2
-        _down(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
+        down_tile(t2, b, n, layer_ref, be_ref, h_ref, wd_ref, sd_ref, y_ref,
               before=lambda: launch_sync.acquire(ready_ref, b, tiles1, spin))
 
 
-def _fit(block: int, dim: int) -> int:
+def fit_tile(block: int, dim: int) -> int:
     """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64)."""
     b = min(block, dim)
     while b > 16 and dim % b:
@@ -253,8 +253,8 @@ def single_launch_tiles(num_copies: int, D: int, E: int, I: int, K: int, block_m
     runs both expert kernels (`single_launch`, kernels/route_experts.py) at `tile_config(num_copies)`'s sizes;
     one stage for fp32 operands (twice the bytes a tile)."""
     _, block_n, block_k, num_warps, num_stages = tile_config(num_copies)
-    t1 = _Tiles(block_m, _fit(block_n, I), _fit(block_k, D), D, E, I, K)
-    t2 = _Tiles(block_m, _fit(block_n, D), _fit(block_k, I), I, E, I, K)
+    t1 = _Tiles(block_m, fit_tile(block_n, I), fit_tile(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, fit_tile(block_n, D), fit_tile(block_k, I), I, E, I, K)
     return t1, t2, num_warps, 1 if jnp.dtype(dtype).itemsize >= 4 else num_stages
 
 
@@ -270,11 +270,11 @@ def tile_config(num_copies: int) -> tuple[int, int, int, int, int]:
     """(block_m, block_n, block_k, num_warps, num_stages) by the number of token copies T*k, from the
     H200 sweeps in benchmarks/RESULTS.md: decode sizes stream weights (small row blocks, little
     padding); prefill sizes are compute-bound (128-row blocks: 306 TFLOP/s at 8,192 tokens vs 270
-    with 64). A block_n that does not divide a kernel's N dim is halved by `_fit`: 256 applies to the
+    with 64). A block_n that does not divide a kernel's N dim is halved by `fit_tile`: 256 applies to the
     down kernel's D = 2048 while the gate_up kernel keeps 128 for I = 1408."""
     if num_copies < 256:  # batches up to 31 (V2-Lite's 8 copies a token): 128-wide tiles keep ~128+ programs
         return 16, 128, 64, 4, 3
-    if num_copies < 1024:  # batch 32 (256 copies): 8.64 ms a step against 8.69 (H200, session 9; 8.97 vs 9.00 in 7)
+    if num_copies < 1024:  # batch 32 (256 copies): 8.64 ms a step against 8.69 (H200)
         return 16, 256, 64, 4, 4
     if num_copies < 2048:  # 256 tokens x top-6: 500 us with 256-wide down tiles vs 583 with 128
         return 16, 256, 64, 4, 3
@@ -296,7 +296,7 @@ def down_tile_config(num_copies: int) -> tuple[int, int, int, int]:
 
 # The Mosaic GPU experts (RunnerConfig.moe_prefill_mosaic) from this many token copies: prefill sizes, where
 # tile_config's row blocks are 128 (the kernels' tile_m; each compute warpgroup takes 64 rows of gate_up's tile) and
-# the GEMMs compute-bound. Session 34 (H100): a step's experts 8-15% faster at 2,731-16,384 tokens x top-6.
+# the GEMMs compute-bound. On an H100 a step's experts were 8-15% faster at 2,731-16,384 tokens x top-6.
 MOSAIC_MIN_COPIES = 16384
 
 
@@ -317,7 +317,7 @@ def _hopper() -> bool:
 def gather_in_kernel_for(num_copies: int) -> bool:
     """Whether the gate_up kernel reads its rows' tokens from x itself at this size (no [M_pad, D] copy of the
     rows first). At Protocol A's prefill (16,384 tokens x top-6 on an H200, `kernels.py --only moe_prefill`) the
-    gather costs the kernel 73 us and saves XLA's 286 us copy; at 8,192 tokens the two were even (session 4).
+    gather costs the kernel 73 us and saves XLA's 286 us copy; at 8,192 tokens the two were even.
     Decode sizes gather in the kernel through `moe_route.moe_fused_decode`."""
     return num_copies >= 65536
 
@@ -377,7 +377,7 @@ def moe_experts(x, w_gate_up, w_down, weights, idx, layer=None, *, shared_gate_u
 def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, row_of, layer,
                         shared_gate_up=None, shared_down=None, *, block_m, block_n=None, block_k=None,
                         num_warps=None, num_stages=None, cols_first=None, gather_in_kernel=None,
-                        single_launch=False, down_tiles=None, combine=True, mosaic=False, interpret=False):
+                        single_launch=False, down_tiles=None, mosaic=False, interpret=False):
     """The two kernels and the combine, given the alignment (`align_tokens`' layout, any M_pad that is a
     multiple of block_m): x [T, D], weights [T, K] (K copies a token, shared ones included), stacked
     weights [L, ...] read at `layer` (int32 [1]) -> [T, D]. Tiles left as None come from tile_config.
@@ -390,8 +390,6 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     (`_single_launch_kernel`; block-major order, `cols_first` ignored).
     down_tiles: (block_n, block_k, num_warps, num_stages) of the down kernel where it has a launch of its
     own; None: `down_tile_config(T * K)`, or the gate_up kernel's where the tiles above were given.
-    combine=False: the expert rows y [M_pad, D] uncombined, as (y, row_of, weights) for a launch that
-    combines them itself (kernels/residual_route.py combine_residual_norm).
     mosaic: the gate_up SwiGLU and the down GEMM on Mosaic GPU (kernels/moe_gmm_mgpu.py, tile_m = block_m) over
     XLA's gather of the rows, instead of the two Triton kernels; the caller checks `mosaic_applies`."""
     T, D = x.shape
@@ -421,12 +419,12 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
         ids = jnp.where(block_expert >= 0, block_expert + layer[0] * E, -1)  # into the [L * E, ...] experts
         h = moe_gmm_mgpu.grouped_swiglu(xs, wgu.reshape(L * E, D, 2 * I), ids, tile_m=block_m, interpret=interpret)
         y = moe_gmm_mgpu.grouped_matmul(h, wd.reshape(L * E, I, D), ids, tile_m=block_m, interpret=interpret)
-        return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
+        return combine_rows(y, row_of, weights, T, K, D, x.dtype)
     if single_launch:  # one launch, one set of compiler parameters
         down_tiles = (block_n, block_k, num_warps, num_stages)
-    bn1, bn2 = _fit(block_n, I), _fit(down_tiles[0], D)
-    t1 = _Tiles(block_m, bn1, _fit(block_k, D), D, E, I, K)
-    t2 = _Tiles(block_m, bn2, _fit(down_tiles[1], I), I, E, I, K)
+    bn1, bn2 = fit_tile(block_n, I), fit_tile(down_tiles[0], D)
+    t1 = _Tiles(block_m, bn1, fit_tile(block_k, D), D, E, I, K)
+    t2 = _Tiles(block_m, bn2, fit_tile(down_tiles[1], I), I, E, I, K)
     if single_launch:
         n1, n2 = nb * (I // bn1), nb * (D // bn2)
         args = (layer, block_expert, xs, wgu, wd, *shared, *rc1, jnp.zeros((nb,), jnp.int32))  # ready [nb]
@@ -439,7 +437,7 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
                        jax.ShapeDtypeStruct((nb,), jnp.int32)),
             input_output_aliases={len(args) - 1: 2}, compiler_params=params, interpret=interpret,
         )(*args)
-        return _combine(out[1], row_of, weights, T, K, D, x.dtype) if combine else (out[1], row_of, weights)
+        return combine_rows(out[1], row_of, weights, T, K, D, x.dtype)
     grid = lambda n_tiles: (n_tiles, nb) if cols_first else (nb, n_tiles)  # noqa: E731
     h = _call(_gate_up_kernel, grid(I // bn1), jax.ShapeDtypeStruct((m_pad, I), x.dtype),
               (layer, block_expert, xs, wgu, *shared[:1], *rc1), num_warps, num_stages, interpret, t=t1,
@@ -447,10 +445,10 @@ def moe_experts_aligned(x, w_gate_up, w_down, weights, row_copy, block_expert, r
     y = _call(_down_kernel, grid(D // bn2), jax.ShapeDtypeStruct((m_pad, D), x.dtype),
               (layer, block_expert, h, wd, *shared[1:]), *down_tiles[2:], interpret, t=t2,
               shared=bool(shared), cols_first=cols_first)
-    return _combine(y, row_of, weights, T, K, D, x.dtype) if combine else (y, row_of, weights)
+    return combine_rows(y, row_of, weights, T, K, D, x.dtype)
 
 
-def _combine(y, row_of, weights, T, K, D, dtype):
+def combine_rows(y, row_of, weights, T, K, D, dtype):
     """The expert rows y [M_pad, D] back to tokens [T, D]: each copy's row gathered (no scatter-add of
     [M_pad, D] rows; row_of[c] is the row of copy c, or M_pad for a skipped copy, which reads zeros),
     weighted and summed in fp32."""

@@ -10,7 +10,7 @@ expert, so every tile multiplies one expert's weights and is stored whole (no la
 `ragged_dot_mgpu`). A layer of stacked weights [L, E, K, N] is passed as [L * E, K, N] (a free reshape) with the
 block ids offset by layer * E. Rows of blocks with id -1 are not written (their contents are undefined).
 
-Why (benchmarks/RESULTS.md, session 33, one H100 at Protocol A's prefill, 98,304 rows): our Triton experts reach
+Why (benchmarks/RESULTS.md, one H100 at Protocol A's prefill, 98,304 rows): our Triton experts reach
 577-592 TFLOP/s, jax's warp-specialized dense example 745-772, cuBLAS 799-813. These kernels are that example's
 structure with the grouping added: per SM a persistent loop over (row block, column tile); one memory warpgroup
 streams [tile_m, tile_k] of x and [tile_k, n] column tiles of w[g] (two in the SwiGLU form: the gate's and the

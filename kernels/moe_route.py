@@ -31,7 +31,6 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.moe_gmm import align_tokens, moe_experts_aligned, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -55,7 +54,7 @@ def supported(num_tokens: int, num_experts: int, k: int, num_shared: int) -> boo
 
 def _kernel(logits_ref, *refs, k, S, block_m, softmax, norm, scale, row_chunk):
     bias_ref = refs[0] if len(refs) == 6 else None
-    route_chunk(pdl.program_id(0, "moe"), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m,
+    route_chunk(pl.program_id(0), logits_ref[...], bias_ref, *refs[-5:], k=k, S=S, block_m=block_m,
                 softmax=softmax, norm=norm, scale=scale, row_chunk=row_chunk)
 
 
@@ -160,7 +159,7 @@ def route_align(logits, bias, *, k, num_shared, block_m, scoring_func="softmax",
     M = padded_rows(T, k, num_shared, E, block_m)
     row_chunk = min(M, 128)
     # A chain of small reductions: 8 warps 7.4 us a layer on an H200, 4 warps 8.5, 2 warps 31, 16 warps 7.8
-    # (V2-Lite, batch 32; benchmarks/RESULTS.md, session 7).
+    # (V2-Lite, batch 32; benchmarks/RESULTS.md).
     params = compiler_params(8, 1, interpret)
     out_shape = (jax.ShapeDtypeStruct((T, K), jnp.float32), jax.ShapeDtypeStruct((T, K), jnp.int32),
                  jax.ShapeDtypeStruct((T, K), jnp.int32), jax.ShapeDtypeStruct((M,), jnp.int32),
@@ -202,14 +201,13 @@ def decode_block_m(num_tokens: int, k: int, num_shared: int) -> int:
 
 def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate_up=None, shared_down=None, *,
                      k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0, single_launch=False,
-                     routed=None, combine=True, interpret=False):
+                     routed=None, interpret=False):
     """Routing, alignment and the expert kernels of a decode-size step: `route_align` then
     `moe_gmm.moe_experts_aligned` (shared experts inside the kernels when given; the gate_up kernel
     gathers its rows' tokens from x itself, so no XLA op sits between the router GEMM and the kernels).
     x [T, D], logits [T, E] fp32, bias [E] or None (`route_align`); weights as `moe_gmm.moe_experts` -> (out [T, D], idx [T, k]).
     single_launch: both expert kernels in one launch (`moe_gmm.moe_experts_aligned`). routed: `route_align`'s five
-    outputs when a launch before routed already (kernels/residual_route.py); logits and bias are then unused.
-    combine=False: out is the expert rows uncombined, (y, row_of, weights) (`moe_gmm.moe_experts_aligned`)."""
+    outputs when a launch before routed already (kernels/residual_route.py); logits and bias are then unused."""
     if layer is None:
         w_gate_up, w_down, layer = w_gate_up[None], w_down[None], 0
         if shared_gate_up is not None:
@@ -225,5 +223,5 @@ def moe_fused_decode(x, logits, bias, w_gate_up, w_down, layer=None, shared_gate
     shared = () if shared_gate_up is None else (shared_gate_up, shared_down)
     out = moe_experts_aligned(x, w_gate_up, w_down, w, row_copy, block_expert, row_of, layer, *shared,
                               block_m=block_m, gather_in_kernel=True, single_launch=single_launch,
-                              combine=combine, interpret=interpret)
+                              interpret=interpret)
     return out, idx[:, :k]

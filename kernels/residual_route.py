@@ -13,7 +13,7 @@ Triton backend):
 
 XLA and the routing kernel ran this as six launches a layer: the partials' sum with the residual (1.8 us),
 the RMSNorm (1.6), a split-K router GEMM (1.9) and its reduce (1.5), and moe_route's kernel (6.1; H200,
-V2-Lite, batch 32, benchmarks/RESULTS.md session 11). Each costs 1.3-2 us however little it does.
+V2-Lite, batch 32, benchmarks/RESULTS.md). Each costs 1.3-2 us however little it does.
 
 Grid: T + C + R programs in three phases; each phase's programs wait on an atomic counter of the phase
 before. A 1-D grid starts its programs in order, so every program of an earlier phase has started before
@@ -25,20 +25,15 @@ a later one waits: no deadlock.
    partial of the logits.
 3. Routing program r (moe_route's R row chunks): waits for the C partials, adds them (chunk order) and
    runs `moe_route.route_chunk`.
-(The first try, session 10's kernels/residual_router.py, walked one token's row per program and formed
-the router's products elementwise: 11.8 us. Here the GEMM is a [T, D] x [D, E] dot split over C programs.)
+(A kernel that walked one token's row per program and formed the router's products elementwise took 11.8 us,
+slower than XLA. Here the GEMM is a [T, D] x [D, E] dot split over C programs.)
 
-`residual_norm` is phase 1 alone, a launch of its own for decode layers whose routing does not follow in the
-same launch (RunnerConfig.decode_residual_norm): XLA's partials' sum with the residual and its RMSNorm in one.
-`combine_residual_norm` is the same row code after a MoE layer (RunnerConfig.decode_combine_norm): the expert
-kernels' rows combined into the residual and the next layer's input RMSNorm, in one launch.
-
-Three parts (ARCHITECTURE.md rule 6), for each launch: `residual_route`, `residual_norm` and
-`combine_residual_norm` (the kernels; `interpret=True` runs them on the CPU) and their `*_reference` twins
-(pure JAX: the layer's arithmetic restated, as kernels do not import models; tests tie them to the model's
-functions). Invariants: as `moe_route.route_align` (T, E powers of two, T * (k + S) <= 2048), T >= 16, D
+Three parts (ARCHITECTURE.md rule 6): `residual_route` (the kernel; `interpret=True` runs it on the CPU) and
+`residual_route_reference` (pure JAX: the layer's arithmetic restated, as kernels do not import models; tests
+tie it to the model's functions). kernels/route_experts.py runs the same programs (`route_programs`) ahead of
+the expert tiles. Invariants: as `moe_route.route_align` (T, E powers of two, T * (k + S) <= 2048), T >= 16, D
 divisible by C with D / C >= 16; under 16 experts (test models) the router's products are summed
-elementwise instead of by a dot. `residual_norm`, `combine_residual_norm`: D a power of two, any T.
+elementwise instead of by a dot.
 """
 
 from __future__ import annotations
@@ -49,8 +44,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
-from deepinfer_jax.kernels.moe_gmm import EXACT, _combine
+from deepinfer_jax.kernels import launch_sync
+from deepinfer_jax.kernels.moe_gmm import EXACT
 from deepinfer_jax.kernels.moe_route import padded_rows, route_align_reference, route_chunk
 from deepinfer_jax.kernels.moe_route import supported as route_supported
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -58,7 +53,7 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 ROUTER_CHUNKS = 4  # C: the router GEMM's K chunks ([512, 64] gate slices at V2-Lite's D = 2048), at least
 # A router chunk's program holds its [T, D / C] slice of x and [D / C, E] slice of the gate in shared memory (an
 # H200 SM has 227 KiB). At 256 bf16 tokens and 4 chunks that is 320 KiB: the launch failed to compile
-# (benchmarks/moe_launch_sweep.py --batch 256, session 29), as would fp32 from 64 tokens. The model runs the launch
+# (benchmarks/moe_launch_sweep.py --batch 256), as would fp32 from 64 tokens. The model runs the launch
 # up to decode_matmul.MAX_TOKENS (64) tokens, in bf16, where 4 chunks fit.
 ROUTER_SMEM = 200 * 1024
 
@@ -96,7 +91,7 @@ def _pow2(n: int) -> bool:
     return n & (n - 1) == 0
 
 
-def _residual_norm_row(t, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps):
+def _partials_add_norm_row(t, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps):
     """Token t's row of the partials summed, then `_add_norm_row`. A power-of-two count of partials is loaded
     as one [S, D] block (all loads in flight at once) and reduced as a tree; others one row at a time."""
     S = parts_ref.shape[0]
@@ -107,94 +102,6 @@ def _residual_norm_row(t, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps):
         for s in range(1, S):
             o = o + parts_ref[s, t, :]
     _add_norm_row(t, layer, o, h_ref, nw_ref, hn_ref, x_ref, eps)
-
-
-def _residual_norm_kernel(layer_ref, parts_ref, h_ref, nw_ref, hn_ref, x_ref, *, eps):
-    _residual_norm_row(pdl.program_id(0, "norm"), layer_ref[0], parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps)
-
-
-def _combine_norm_kernel(layer_ref, y_ref, row_of_ref, w_ref, h_ref, nw_ref, hn_ref, x_ref, *, eps):
-    """Token t: its K copies' expert rows gathered (row_of; M: a skipped copy, zeros), weighted and summed in
-    fp32 (moe_gmm's combine), then `_add_norm_row`."""
-    t, layer = pdl.program_id(0, "norm"), layer_ref[0]
-    M, K = y_ref.shape[0], w_ref.shape[1]
-    if _pow2(K):  # the K rows gathered in one [K, D] load, the weighted rows reduced as a tree
-        r = row_of_ref[pl.ds(t * K, K)]  # [K]
-        rows = y_ref[jnp.minimum(r, M - 1), :].astype(jnp.float32)  # [K, D]
-        o = jnp.sum(jnp.where((r < M)[:, None], w_ref[t, :][:, None] * rows, 0.0), axis=0)
-    else:  # one copy at a time
-        o = None
-        for c in range(K):
-            r = row_of_ref[t * K + c]
-            term = jnp.where(r < M, w_ref[t, c] * y_ref[jnp.minimum(r, M - 1), :].astype(jnp.float32), 0.0)
-            o = term if o is None else o + term
-    _add_norm_row(t, layer, o, h_ref, nw_ref, hn_ref, x_ref, eps)
-
-
-def residual_norm_supported(num_tokens: int, D: int) -> bool:
-    """Whether `residual_norm` takes a step of `num_tokens` tokens of width D (a whole row a program: D a
-    power of two, as Triton's blocks)."""
-    return num_tokens >= 1 and D >= 16 and _pow2(D)
-
-
-def _row_launch(kernel, h, norm_w, layer, *operands, eps, num_warps, interpret):
-    """A launch of one program a token of h [T, D]: kernel(layer, *operands, h, norm_w, h_new, x) ->
-    (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype)."""
-    T, D = h.shape
-    x_dtype = jnp.promote_types(norm_w.dtype, h.dtype)
-    return pl.pallas_call(
-        functools.partial(kernel, eps=float(eps)), grid=(T,),
-        out_shape=(jax.ShapeDtypeStruct((T, D), h.dtype), jax.ShapeDtypeStruct((T, D), x_dtype)),
-        compiler_params=compiler_params(num_warps, 1, interpret), interpret=interpret,
-    )(jnp.asarray(layer, jnp.int32).reshape(1), *operands, h, norm_w)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def residual_norm(parts, h, norm_w, layer, *, eps, num_warps=4, interpret=False):
-    """Phase 1 alone, a launch of T programs: parts [S, R, D] fp32 (R >= T rows; rows past T are padding),
-    h [T, D], norm_w [L, D] layer-stacked, layer int32 -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's
-    dtype): the values of the layer's `h + o_proj(a)` and `rms_norm`, up to fp32 summation order of the
-    partials. It would replace XLA's two kernels (the partials' sum with the residual, 2.1 us, and the
-    RMSNorm, 1.7 us a layer on an H200 at batch 32); its first form took 4.4 us (session 19)."""
-    _, R, D = parts.shape
-    T = h.shape[0]
-    assert R >= T and h.shape[1] == D == norm_w.shape[1] and residual_norm_supported(T, D), (
-        parts.shape, h.shape, norm_w.shape)
-    return _row_launch(_residual_norm_kernel, h, norm_w, layer, parts, eps=eps, num_warps=num_warps,
-                       interpret=interpret)
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "num_warps", "interpret"))
-def combine_residual_norm(y, row_of, weights, h, norm_w, layer, *, eps, num_warps=4, interpret=False):
-    """The MoE's combine, the residual add and the next RMSNorm, a launch of T programs: y [M, D] the expert
-    kernels' rows, row_of [T * K] int32 (each copy's row, M for a skipped copy), weights [T, K] fp32,
-    h [T, D], norm_w [L, D] layer-stacked, layer int32 -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's
-    dtype): the values of `h + moe_gmm`'s combine and the next layer's `rms_norm`, up to fp32 summation order
-    of the copies. It would replace XLA's two kernels (the gather, weighted sum and add, 2.6 us, and the
-    RMSNorm, 1.4 us a layer on an H200 at batch 32); its first form took 5.7 us (session 19)."""
-    D = y.shape[1]
-    T, K = weights.shape
-    assert row_of.shape == (T * K,) and h.shape == (T, D) and norm_w.shape[1] == D and residual_norm_supported(T, D), (
-        y.shape, row_of.shape, weights.shape, h.shape, norm_w.shape)
-    return _row_launch(_combine_norm_kernel, h, norm_w, layer, y, row_of.astype(jnp.int32),
-                       weights.astype(jnp.float32), eps=eps, num_warps=num_warps, interpret=interpret)
-
-
-def combine_residual_norm_reference(y, row_of, weights, h, norm_w, layer, *, eps):
-    """Pure JAX: moe_gmm's combine (rows gathered, zeros for skipped copies, weighted fp32 sum), rounded in
-    the residual add in h's dtype, and rms_norm."""
-    (T, K), D = weights.shape, y.shape[1]
-    o = _combine(y, row_of, weights, T, K, D, jnp.float32)
-    return residual_norm_reference(o[None], h, norm_w, layer, eps=eps)
-
-
-def residual_norm_reference(parts, h, norm_w, layer, *, eps):
-    """Pure JAX: the residual add in h's dtype and rms_norm (the first two outputs of residual_route_reference)."""
-    T = h.shape[0]
-    h_new = h + parts[:, :T].sum(axis=0).astype(h.dtype)
-    hf = h_new.astype(jnp.float32)
-    normed = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)).astype(h.dtype)
-    return h_new, jax.lax.dynamic_index_in_dim(norm_w, layer, keepdims=False) * normed
 
 
 def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref, route, *, T, C, R, eps,
@@ -214,7 +121,7 @@ def route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_
 
     @pl.when(p < T)  # phase 1: token t's residual add and RMSNorm
     def _():
-        _residual_norm_row(p, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps)
+        _partials_add_norm_row(p, layer, parts_ref, h_ref, nw_ref, hn_ref, x_ref, eps)
         release(0)
 
     @pl.when((p >= T) & (p < T + C))  # phase 2: K chunk c of the router's logits
@@ -249,7 +156,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, *refs, T, C, R, eps, spi
     refs = list(refs)
     bias_ref = refs.pop(0) if has_bias else None
     _cnt_in, hn_ref, x_ref, lp_ref, *route_refs, cnt_ref = refs
-    route_programs(pdl.program_id(0, "moe"), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref,
+    route_programs(pl.program_id(0), layer_ref[0], parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref,
                    cnt_ref, lambda r, logits: route_chunk(r, logits, bias_ref, *route_refs, **route_kw), T=T, C=C,
                    R=R, eps=eps, spin=spin)
 
@@ -309,7 +216,11 @@ def residual_route_reference(parts, h, norm_w, gate, layer, bias=None, *, eps, k
                              scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0):
     """Pure JAX, the layer's arithmetic restated: the residual add in h's dtype, rms_norm, the router's fp32
     logits (16-bit products summed in fp32) and `moe_route.route_align_reference`."""
-    h_new, x = residual_norm_reference(parts, h, norm_w, layer, eps=eps)
+    T = h.shape[0]
+    h_new = h + parts[:, :T].sum(axis=0).astype(h.dtype)
+    hf = h_new.astype(jnp.float32)
+    normed = (hf * jax.lax.rsqrt(jnp.mean(hf * hf, axis=-1, keepdims=True) + eps)).astype(h.dtype)
+    x = jax.lax.dynamic_index_in_dim(norm_w, layer, keepdims=False) * normed
     g = jax.lax.dynamic_index_in_dim(gate, layer, keepdims=False)
     if x.dtype == g.dtype and x.dtype != jnp.float32:
         logits = jnp.einsum("td,de->te", x, g, preferred_element_type=jnp.float32)

@@ -22,14 +22,14 @@ counters: kernels/launch_sync.py), with Tb = T / (the shared tiles' row block) r
    single launch (an unused block, -1, does nothing).
 4. S * Tb * (D / bn2) shared down tiles (before step 3's tiles with shared_down_late=False): wait for their
    block's gate_up tiles; then nb * (D / bn2) routed down tiles, which wait for the routing and their block.
-Measured (H200, V2-Lite; benchmarks/RESULTS.md sessions 24, 25): at batch 32, 264.7-268.1 us a layer against
+Measured (H200, V2-Lite; benchmarks/RESULTS.md): at batch 32, 264.7-268.1 us a layer against
 266.9-270.1 for the two launches, Protocol A +0.15-0.4%. The shared tiles take sizes of their own (`shared_tiles`,
 RunnerConfig.decode_moe_shared_tiles): at the routed tiles' 16 rows each shared weight tile was read by two
-programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter
-(session 28). At 16 and 64 tokens the one launch is slower (233 against 232 us,
-287 against 285; steps +0.11 and +0.05 ms), at 8 and 128 even: the model runs it at the token counts of
-RunnerConfig.decode_moe_launch_tokens. A token-dense form (no alignment, every expert's tiles over all T rows of x
-from the launch's start) was measured at 16 and 32 tokens, slower (step 8.12 against 8.01 ms), and removed.
+programs; whole-32-token rows of 64 columns read it once, 262.2 us a layer, the batch-32 step 0.05 ms shorter.
+At 16 and 64 tokens the one launch is slower (233 against 232 us, 287 against 285; steps +0.11 and +0.05 ms), at
+8 and 128 even: the model runs it at the token counts of RunnerConfig.decode_moe_launch_tokens. A token-dense form
+(no alignment, every expert's tiles over all T rows of x from the launch's start) was slower at 16 and 32 tokens
+(step 8.12 against 8.01 ms) and is not kept.
 
 Three parts (ARCHITECTURE.md rule 6): `route_experts` (the kernel; `interpret=True` runs it on the CPU) and
 `route_experts_reference` (pure JAX: residual_route_reference's routing, every copy through its expert and the
@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from deepinfer_jax.kernels import launch_sync, pdl
-from deepinfer_jax.kernels.moe_gmm import (_combine, _down, _fit, _gate_up, down_rows, gate_up_rows,
+from deepinfer_jax.kernels import launch_sync
+from deepinfer_jax.kernels.moe_gmm import (combine_rows, down_rows, down_tile, fit_tile, gate_up_rows, gate_up_tile,
                                            moe_experts_reference)
 from deepinfer_jax.kernels.moe_gmm import single_launch_tiles
 from deepinfer_jax.kernels.moe_route import decode_block_m, route_chunk
@@ -79,7 +79,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     bias_ref = refs.pop(0) if has_bias else None
     sgu_ref, sd_ref = (refs.pop(0), refs.pop(0)) if shared else (None, None)
     _cnt_in, hn_ref, x_ref, lp_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref, act_ref, y_ref, cnt_ref = refs
-    p, layer = pdl.program_id(0, "moe"), layer_ref[0]
+    p, layer = pl.program_id(0), layer_ref[0]
     route_programs(p, layer, parts_ref, h_ref, nw_ref, g_ref, hn_ref, x_ref, lp_ref, cnt_ref,
                    lambda r, logits: route_chunk(r, logits, bias_ref, w_ref, idx_ref, row_of_ref, row_copy_ref, be_ref,
                                                  **route_kw),
@@ -126,7 +126,7 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     def _():
         b = q // tiles1
         acquire(ROUTED, R)
-        _gate_up(t1, b, q % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
+        gate_up_tile(t1, b, q % tiles1, layer_ref, be_ref, x_ref, wgu_ref, None, row_copy_ref, act_ref, False,
                  after=lambda: release(BLOCKS + b))
 
     on, q = within("rd")
@@ -135,28 +135,27 @@ def _kernel(layer_ref, parts_ref, h_ref, nw_ref, g_ref, wgu_ref, wd_ref, *refs, 
     def _():
         b, n = q // tiles2, q % tiles2
         acquire(ROUTED, R)
-        _down(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref, before=lambda: acquire(BLOCKS + b, tiles1))
+        down_tile(t2, b, n, layer_ref, be_ref, act_ref, wd_ref, None, y_ref, before=lambda: acquire(BLOCKS + b, tiles1))
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "k", "scoring_func", "norm_topk_prob", "routed_scaling_factor",
-                                             "chunks", "combine", "num_warps", "shared_down_late", "shared_tiles",
+                                             "chunks", "num_warps", "shared_down_late", "shared_tiles",
                                              "interpret"))
 def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_up=None, shared_down=None, bias=None, *,
                   eps, k, scoring_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                  chunks=None, combine=True, num_warps=8, shared_down_late=True, shared_tiles=None,
+                  chunks=None, num_warps=8, shared_down_late=True, shared_tiles=None,
                   interpret=False):
     """The module docstring -> (h_new [T, D] in h's dtype, x [T, D] in rms_norm's dtype, out, idx [T, k]): out the
-    MoE block of x [T, D] in x's dtype, or with combine=False its rows uncombined, (y [M + S*T, D], row_of [T * K],
-    weights [T, K]) as moe_gmm.moe_experts_aligned's (a skipped copy has none here: every id is routed).
+    MoE block of x [T, D] in x's dtype.
     num_warps: the launch's warps (None: the expert tiles', moe_gmm.tile_config); shared_down_late: launch the
     shared down tiles after the routed gate_up tiles instead of before them. The defaults (8 warps, late) are
-    session 24's measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
+    the measured best on an H200 (V2-Lite, batch 32, `benchmarks/moe_launch_sweep.py`): 268.1 us a
     layer against 271.1 at 4 warps and 270.1 for the two launches; the order alone made no difference (the
     routing's chain of reductions runs faster at 8 warps, the expert tiles did not slow).
     shared_tiles: (block_m, gate_up block_n, down block_n) of the shared experts' tiles, the row block cut to its
     greatest common divisor with T (None: the routed tiles'); e.g. whole-T row blocks and narrow columns, so that
     more programs stream the shared weights while the routing runs. The sums per row are the same dots in other
-    tiles: equal within fp32 rounding. Session 28 (H200, V2-Lite, batch 32, moe_launch_sweep.py): (32, 64, 256),
+    tiles: equal within fp32 rounding. On an H200 (V2-Lite, batch 32, moe_launch_sweep.py): (32, 64, 256),
     44 gate_up programs of 64 columns that read each weight tile once, 262.2 us a layer against 263.9-265.0 at the
     routed tiles' (16, 128, 256); (16, 64, 256) 263.2, (32, 32, 256) 263.9, (32, 16, 256) 273.0."""
     _, T, D = parts.shape
@@ -175,8 +174,8 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
         sbm, sbn1, sbn2 = shared_tiles
         sbm = math.gcd(sbm, T)
         assert sbm >= 16, (T, shared_tiles)
-        ts1 = dataclasses.replace(t1, block_m=sbm, block_n=_fit(sbn1, I))
-        ts2 = dataclasses.replace(t2, block_m=sbm, block_n=_fit(sbn2, D))
+        ts1 = dataclasses.replace(t1, block_m=sbm, block_n=fit_tile(sbn1, I))
+        ts2 = dataclasses.replace(t2, block_m=sbm, block_n=fit_tile(sbn2, D))
     nb, rows = M // block_m, M + S * T
     tiles1, tiles2 = I // t1.block_n, D // t2.block_n
     grid = T + chunks + R + nb * (tiles1 + tiles2) + S * T // ts1.block_m * (I // ts1.block_n + D // ts2.block_n)
@@ -195,7 +194,7 @@ def route_experts(parts, h, norm_w, gate, layer, w_gate_up, w_down, shared_gate_
         compiler_params=compiler_params(num_warps or warps, num_stages, interpret), interpret=interpret,
     )(*args)
     row_of = row_of.reshape(-1)
-    out = _combine(y, row_of, w, T, K, D, x_dtype) if combine else (y, row_of, w)
+    out = combine_rows(y, row_of, w, T, K, D, x_dtype)
     return h_new, x, out, idx[:, :k]
 
 

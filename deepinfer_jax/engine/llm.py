@@ -66,9 +66,7 @@ class LLM:
     (decode steps absorb the query through W_UK in one kernel, on by default), decode_latent_kernel (the
     same kernel launch also norms, ropes and caches the step's latents, on by default),
     prefill_context_variant (prefill buckets' programs with and without the context part, picked on the
-    host instead of a lax.cond a layer; on by default, RunnerConfig), lm_head_sampler (the base sampling
-    variant samples inside the lm_head's kernel, RunnerConfig), sampler_kernel (the base sampling variant reads
-    the logits in one kernel pass, RunnerConfig), greedy_variant (decode buckets get a program
+    host instead of a lax.cond a layer; on by default, RunnerConfig), greedy_variant (decode buckets get a program
     for steps whose every request is greedy, without the draw; on by default, RunnerConfig),
     prefill_shared_forward (prefill buckets' sampling variants share one forward program; on by default,
     RunnerConfig), chat_template,
@@ -89,8 +87,7 @@ class LLM:
                  fuse_shared_experts: bool = True, fuse_moe_routing: bool = True,
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
-                 prefill_context_variant: bool = True, lm_head_sampler: bool = False, sampler_kernel: bool = False,
-                 greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True):
+                 prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -145,9 +142,7 @@ class LLM:
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,
                               decode_output_kernel=decode_output_kernel, decode_absorb_kernel=decode_absorb_kernel,
                               decode_latent_kernel=decode_latent_kernel,
-                              prefill_context_variant=prefill_context_variant, lm_head_sampler=lm_head_sampler,
-                              sampler_kernel=sampler_kernel,
-                              greedy_variant=greedy_variant, prefill_shared_forward=prefill_shared_forward,
+                              prefill_context_variant=prefill_context_variant, greedy_variant=greedy_variant, prefill_shared_forward=prefill_shared_forward,
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,

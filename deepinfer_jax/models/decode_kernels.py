@@ -2,8 +2,8 @@
 
 `forward_paged` (models/deepseek.py) asks these functions, once per layer segment and step shape, which
 of RunnerConfig's decode kernels apply (each returns the stacked weights the kernel reads in place, or
-None / False), and calls the multi-step ones from its layer body: the attention's output kernel (merge,
-W_UV and optionally o_proj), o_proj's split-K partials, and the launch from those partials to the routing.
+None / False), and calls the multi-step ones from its layer body: the attention's output kernel (merge and
+W_UV), o_proj's split-K partials, and the launch from those partials to the routing (and on to the experts).
 Pure functions of the parameters and the step's shapes; no state.
 """
 
@@ -12,12 +12,11 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import StackedWeight
-from deepinfer_jax.models.moe import routing_into_kernels, rows_out_applies
+from deepinfer_jax.models.moe import routing_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.quant import is_quantized
 
@@ -25,7 +24,7 @@ from deepinfer_jax.models.quant import is_quantized
 # Projections a decode step reads in place (group, name, weight dims contracted): those XLA copies
 # before its GEMM (o_proj's slice for cuBLAS; the dense MLP's down weight, padded for a split K). The
 # q / kv_a projections stay with XLA, which fuses them into one GEMM: 7.5 us a layer on an H200 against
-# 10.5 us for the kernel's two launches (benchmarks/RESULTS.md, session 7).
+# 10.5 us for the kernel's two launches (benchmarks/RESULTS.md).
 STACKABLE = (("attn", "o_proj", 2), ("mlp", "gate_up", 1), ("mlp", "down", 1))
 
 
@@ -83,19 +82,6 @@ def decode_value_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata,
     return kv_b if kv_b is not None and mla_output.supported(meta.token_ids.shape[0], cfg.v_head_dim) else None
 
 
-def oproj_in_output_launch(cfg: ModelConfig, meta: StepMetadata, value_kv_b, projections: dict,
-                           enabled: bool) -> bool:
-    """Whether o_proj runs in the output kernel's launch (`mla_output.merge_value_output_projection`): with
-    `enabled` (RunnerConfig.decode_oproj_launch), where that kernel runs (`value_kv_b`), o_proj is read in
-    place (`decode_stacked`) and the kernel tiles the sizes."""
-    from deepinfer_jax.kernels import mla_output
-
-    if not enabled or value_kv_b is None or ("attn", "o_proj") not in projections:
-        return False
-    return mla_output.output_projection_supported(meta.token_ids.shape[0], cfg.num_attention_heads,
-                                                  cfg.v_head_dim, cfg.hidden_size)
-
-
 def decode_absorb_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, attn_impl: str,
                           mesh_rules: MeshRules | None, split_plan, enabled: bool) -> jax.Array | None:
     """The stacked kv_b_proj (`_decode_kv_b`) when this step's query absorption and RoPE go through
@@ -123,31 +109,13 @@ def decode_latent_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata
     return seg_params["attn"]["kv_a_layernorm"]
 
 
-def decode_qkv_weights(seg_params: dict, cfg: ModelConfig, meta: StepMetadata, latent_norm, attn_impl: str,
-                       enabled: bool) -> tuple[jax.Array, jax.Array] | None:
-    """(q_proj [L, D, H, dn + dr], kv_a_proj_with_mqa [L, D, R + dr]), the segment's stacked weights, when this
-    step's q / kv_a projections run in the absorb and latent launch (`mla_qkv.project_absorb_write_latents`,
-    both read in place): with `enabled` (RunnerConfig.decode_qkv_launch), where that launch writes the latents
-    (`latent_norm`, from `decode_latent_weights`), a model without q-LoRA, float weights and sizes the launch
-    tiles. None otherwise."""
-    from deepinfer_jax.kernels import mla_qkv
-
-    if not enabled or latent_norm is None or cfg.q_lora_rank is not None:
-        return None
-    w_q, w_kv = seg_params["attn"]["q_proj"], seg_params["attn"]["kv_a_proj_with_mqa"]
-    ok = not is_quantized(w_q) and not is_quantized(w_kv) and mla_qkv.supported(
-        meta.token_ids.shape[0], cfg.hidden_size, cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim,
-        cfg.kv_lora_rank, interpret=attn_impl == "pallas_interpret")
-    return (w_q, w_kv) if ok else None
-
-
-def merged_qkv_applies(seg_params: dict, cfg: ModelConfig, latent_norm, qkv_w, enabled: bool) -> bool:
+def merged_qkv_applies(seg_params: dict, cfg: ModelConfig, latent_norm, enabled: bool) -> bool:
     """Whether this step's q / kv_a projections run as one XLA GEMM whose output the absorb and latent launch reads
     in place (`mla.project_qkv_merged`, `mla_absorb.absorb_query_write_latents` with ckv None): with `enabled`
-    (RunnerConfig.decode_merged_qkv), where that launch writes the latents (`latent_norm`) and does not run the
-    projections itself (`qkv_w` None), a model without q-LoRA and float weights."""
+    (RunnerConfig.decode_merged_qkv), where that launch writes the latents (`latent_norm`), a model without q-LoRA
+    and float weights."""
     attn = seg_params["attn"]
-    return (enabled and latent_norm is not None and qkv_w is None and cfg.q_lora_rank is None
+    return (enabled and latent_norm is not None and cfg.q_lora_rank is None
             and not is_quantized(attn["q_proj"]) and not is_quantized(attn["kv_a_proj_with_mqa"]))
 
 
@@ -169,62 +137,6 @@ def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: d
     S = _shared_in_kernels(experts)
     ok = residual_route.supported(num_tokens, cfg.hidden_size, cfg.n_routed_experts, cfg.num_experts_per_tok, S)
     return (norm, gate) if ok else None
-
-
-def decode_residual_norm_weights(seg_params: dict, cfg: ModelConfig, projections: dict, route_w, oproj_launch: bool,
-                                 num_tokens: int, enabled: bool) -> jax.Array | None:
-    """post_attention_layernorm [L, D], layer-stacked, when this segment's decode step adds o_proj's split-K
-    partials to the residual and norms the sum in one launch (kernels/residual_route.py `residual_norm`):
-    with `enabled` (RunnerConfig.decode_residual_norm), o_proj read in place (`decode_stacked`) in a launch
-    of its own (no `oproj_launch`), no route launch taking the same work (`route_w`), and sizes the launch
-    takes. None otherwise."""
-    from deepinfer_jax.kernels import residual_route
-
-    if not enabled or ("attn", "o_proj") not in projections or route_w is not None or oproj_launch:
-        return None
-    norm = seg_params["post_attention_layernorm"]
-    return norm if residual_route.residual_norm_supported(num_tokens, cfg.hidden_size) else None
-
-
-def residual_norm_step(a: jax.Array, h: jax.Array, o_proj: StackedWeight, norm_w: jax.Array, j,
-                       cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """a [T, H, dv] through o_proj (read in place), added to the residual h [T, D], and the sum's
-    post-attention RMSNorm (layer j of norm_w [L, D]) -> (h_new, x): the values of the layer's
-    `h + mla.output_projection(a)` and `rms_norm`, up to fp32 summation order, in two launches (o_proj's
-    and kernels/residual_route.py `residual_norm`) instead of XLA's three."""
-    from deepinfer_jax.kernels import residual_route
-
-    return residual_route.residual_norm(oproj_partials(a, o_proj), h, norm_w, j, eps=cfg.rms_norm_eps,
-                                        interpret=o_proj.interpret)
-
-
-def decode_combine_norm_weights(seg, seg_params: dict, cfg: ModelConfig, experts: dict | None, num_tokens: int,
-                                moe_impl: str, mesh_rules: MeshRules | None, fuse_moe_routing: bool,
-                                enabled: bool) -> jax.Array | None:
-    """The segment's input_layernorm [L, D], layer-stacked (`combine_norm_step` reads layer j + 1's row), when
-    this MoE segment's decode step combines the expert rows into the residual and takes the next layer's
-    RMSNorm in one launch (kernels/residual_route.py
-    `combine_residual_norm`): with `enabled` (RunnerConfig.decode_combine_norm), the MoE's rows handed out
-    uncombined (`moe.rows_out_applies`) and sizes the launch takes. None otherwise."""
-    from deepinfer_jax.kernels import residual_route
-
-    if not enabled or seg.kind != "moe" or not residual_route.residual_norm_supported(num_tokens, cfg.hidden_size):
-        return None
-    if not rows_out_applies(seg_params["moe"], cfg, moe_impl, mesh_rules, num_tokens, experts, fuse_moe_routing):
-        return None
-    return seg_params["input_layernorm"]
-
-
-def combine_norm_step(rows: tuple, h: jax.Array, input_norm: jax.Array, j, cfg: ModelConfig,
-                      interpret: bool) -> tuple[jax.Array, jax.Array]:
-    """The MoE's uncombined rows (y, row_of, weights) into the residual h [T, D], and the next layer's input
-    RMSNorm (row j + 1 of the segment's input_norm [L, D]; the segment's last layer reads its own row, and the
-    segment's end drops that x) -> (h_new, x): the values of `h + moe_block(...)` and the next layer's
-    `rms_norm`, up to fp32 summation order, in one launch instead of XLA's two."""
-    from deepinfer_jax.kernels import residual_route
-
-    nxt = jnp.minimum(j + 1, input_norm.shape[0] - 1)  # a constant where the layers are unrolled
-    return residual_route.combine_residual_norm(*rows, h, input_norm, nxt, eps=cfg.rms_norm_eps, interpret=interpret)
 
 
 def _shared_in_kernels(experts: dict) -> int:
@@ -258,12 +170,12 @@ def decode_moe_launch_applies(route_w, seg_params: dict, experts: dict | None, s
             and ("shared" in experts or "shared" not in seg_params["moe"]))
 
 
-def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, combine: bool,
-                       interpret: bool, shared_tiles: tuple[int, int, int] | None = None):
+def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts: dict, interpret: bool,
+                       shared_tiles: tuple[int, int, int] | None = None):
     """o_proj's split-K partials [split_k, T, D] and the residual h [T, D] -> (h + o_proj's output, its
-    post-attention RMSNorm x, the MoE block of x (or its rows uncombined: `combine`), the routed ids [T, k]), in
-    one launch (kernels/route_experts.py): the values of `residual_route_step` followed by `moe.moe_block`;
-    `shared_tiles`: the shared experts' tiles (RunnerConfig.decode_moe_shared_tiles)."""
+    post-attention RMSNorm x, the MoE block of x, the routed ids [T, k]), in one launch (kernels/route_experts.py):
+    the values of `residual_route_step` followed by `moe.moe_block`; `shared_tiles`: the shared experts' tiles
+    (RunnerConfig.decode_moe_shared_tiles)."""
     from deepinfer_jax.kernels.route_experts import route_experts
 
     shared = (experts["shared"]["gate_up"], experts["shared"]["down"]) if "shared" in experts else (None, None)
@@ -271,7 +183,7 @@ def route_experts_step(parts, h, route_w, j, lp: dict, cfg: ModelConfig, experts
     return route_experts(parts, h, *route_w, j, experts["gate_up"], experts["down"], *shared, bias,
                          eps=cfg.rms_norm_eps, k=cfg.num_experts_per_tok, scoring_func=cfg.scoring_func,
                          norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor,
-                         combine=combine, shared_tiles=shared_tiles, interpret=interpret)
+                         shared_tiles=shared_tiles, interpret=interpret)
 
 
 def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:
@@ -285,23 +197,15 @@ def oproj_partials(a: jax.Array, o_proj: StackedWeight) -> jax.Array:
 
 
 def decode_attention_output(q_lat, q_pe, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, kv_b, j,
-                            attn_impl: str, o_proj: StackedWeight | None = None, reduce: bool = True) -> jax.Array:
+                            attn_impl: str) -> jax.Array:
     """The decode kernel's context splits merged and multiplied by W_UV (layer `j` of the stacked
     kv_b, read in place) in one kernel: the same [T, H, dv] as `paged_attention` then
-    `mla.absorbed_output`, in q_lat's dtype. With `o_proj`, o_proj too, in the
-    same launch: [T, D], the same as `mla.output_projection` of that (its split-K tiles and sums), or with
-    `reduce=False` its split-K partials [split_k, T, D] fp32. (`oproj_in_output_launch` decides.)"""
+    `mla.absorbed_output`, in q_lat's dtype."""
     from deepinfer_jax.kernels import mla_decode, mla_output
 
     interpret = attn_impl == "pallas_interpret"
     o, m, l = mla_decode.paged_mla_attention_splits(
         q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
         pages_per_step=mla_decode.PAGES_PER_STEP, interpret=interpret)
-    if o_proj is not None:
-        w = o_proj.stacked
-        parts = mla_output.merge_value_output_projection(
-            o, m, l, kv_b, w.reshape(w.shape[0], -1, w.shape[-1]), j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
-            interpret=interpret)  # [split_k, T, D]
-        return parts.sum(axis=0).astype(q_lat.dtype) if reduce else parts  # as layers.stacked_matmul
     return mla_output.merge_value_projection(o, m, l, kv_b, j, dn=cfg.qk_nope_head_dim, dtype=q_lat.dtype,
                                              interpret=interpret)

@@ -30,16 +30,13 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.kernels import pdl
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
-    combine_norm_step, decode_absorb_weights, decode_attention_output, decode_combine_norm_weights,
-    decode_kernel_step, decode_latent_weights, decode_moe_launch_applies, decode_qkv_weights,
-    decode_residual_norm_weights, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
-    oproj_in_output_launch, oproj_partials, pallas_one_device, residual_norm_step, residual_route_step,
-    route_experts_step)
+    decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
+    decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
+    oproj_partials, pallas_one_device, residual_route_step, route_experts_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
@@ -53,19 +50,9 @@ def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> 
     return moe_block(lp["moe"], cfg, x, moe_impl)
 
 
-def final_hidden(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """The final RMSNorm: h [..., D] -> [..., D], what the lm_head multiplies."""
-    return rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
-
-
-def lm_head_logits(lm_head, h: jax.Array) -> jax.Array:
-    """The lm_head [D, V] on final-normed h [..., D] -> fp32 logits [..., V] (its output in h's dtype, then fp32)."""
-    return linear(h, lm_head).astype(jnp.float32)
-
-
 def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V]."""
-    return lm_head_logits(params["lm_head"], final_hidden(params, cfg, h))
+    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32)."""
+    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
 
 
 def forward(
@@ -168,10 +155,10 @@ def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, laye
     where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
     takes the chunk part alone, normalised in the kernel, which is what the merge gives when the context
     kernel saw no key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly; `mla_chunk.normalise`). On an H200
-    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md, session 14). The
-    price: XLA's GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the
-    one before has run and queues the next step only when this one ends (session 16: 1-2 ms of a Protocol A
-    run; in serving, no overlap of the engine's bookkeeping with a prefill-bucket step). Where the host gives
+    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md). The price: XLA's
+    GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the one before
+    has run and queues the next step only when this one ends (1-2 ms of a Protocol A run; in serving, no overlap
+    of the engine's bookkeeping with a prefill-bucket step). Where the host gives
     `meta.has_context` (RunnerConfig.prefill_context_variant), its program takes the one branch it names."""
     from deepinfer_jax.kernels import mla_chunk, mla_prefill
 
@@ -230,14 +217,14 @@ def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer
 
 
 def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, meta: StepMetadata, absorb_kv_b,
-                     latent_norm, qkv_w, attn_impl: str, merged_qkv: bool = False, absorbed: bool = True):
+                     latent_norm, attn_impl: str, merged_qkv: bool = False, absorbed: bool = True):
     """The attention's inputs from x [T, D]: (q_nope [T, H, dn] or None, q_lat [T, H, R], q_pe [T, H, dr] roped,
     latent [T, R + dr] in the cache's dtype or None, kv_cache). Where the absorb launch writes the latents
-    (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `qkv_w`
-    (`decode_qkv_weights`) the projections run in that launch too, and with `merged_qkv` (`merged_qkv_applies`)
-    that launch reads them in place out of one XLA GEMM's output; in both q_nope is None (no decode path
-    reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked weights. absorbed=False (the split
-    prefill attention, which absorbs the query only where it needs to): q_lat is None."""
+    (`latent_norm`: `decode_latent_weights`), latent is None and the returned cache holds them; with `merged_qkv`
+    (`merged_qkv_applies`) that launch reads the q / kv_a projections in place out of one XLA GEMM's output, and
+    q_nope is None (no decode path reads it). `li`: the cache's layer, `j`: the layer in the segment's stacked
+    weights. absorbed=False (the split prefill attention, which absorbs the query only where it needs to): q_lat
+    is None."""
     interpret, dn = attn_impl == "pallas_interpret", cfg.qk_nope_head_dim
     if merged_qkv:
         from deepinfer_jax.kernels import mla_absorb
@@ -245,13 +232,6 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
         q_lat, q_pe, kv_cache = mla_absorb.absorb_query_write_latents(
             mla.project_qkv_merged(p, cfg, x), absorb_kv_b, j, cos, sin, None, latent_norm, kv_cache, li,
             meta.slot_mapping, dn=dn, eps=cfg.latent_norm_eps, interpret=interpret)
-        return None, q_lat, q_pe, None, kv_cache
-    if qkv_w is not None:
-        from deepinfer_jax.kernels import mla_qkv
-
-        q_lat, q_pe, kv_cache = mla_qkv.project_absorb_write_latents(
-            x, *qkv_w, j, absorb_kv_b, cos, sin, latent_norm, kv_cache, li, meta.slot_mapping, dn=dn,
-            eps=cfg.latent_norm_eps, interpret=interpret)
         return None, q_lat, q_pe, None, kv_cache
     written = latent_norm is not None
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
@@ -284,7 +264,7 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     layers call one jitted `body`, traced once (twice where the first layer's carry differs in structure)
     and lowered to one function that each layer calls: XLA inlines the calls, so the program is the
     straight-line one, but tracing and lowering no longer grow with the depth (8 such forwards of V2-Lite's
-    26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md session 26)."""
+    26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md)."""
     if unroll != "indexed":
         return jax.lax.scan(body, carry, (scanned, layer_ids, local_ids), unroll=unroll)
     ids = jax.lax.optimization_barrier(tuple(jnp.asarray(i) for i in (*layer_ids, *local_ids)))
@@ -316,19 +296,13 @@ def forward_paged(
     decode_output_kernel: bool = False,
     decode_absorb_kernel: bool = False,
     decode_latent_kernel: bool = False,
-    decode_qkv_launch: bool = False,
     moe_single_launch: bool = False,
-    decode_oproj_launch: bool = False,
     decode_route_launch: bool = False,
     decode_moe_launch: bool = False,
     decode_moe_launch_tokens: tuple[int, ...] | None = None,
     decode_moe_shared_tiles: tuple[int, int, int] | None = None,
     decode_merged_qkv: bool = False,
-    decode_residual_norm: bool = False,
-    decode_combine_norm: bool = False,
-    launch_dependents: tuple[str, ...] = (),
     moe_prefill_mosaic: bool = False,
-    return_hidden: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -350,12 +324,8 @@ def forward_paged(
     its rope part rotated in one kernel reading q and W_UK in place (kernels/mla_absorb.py).
     `decode_latent_kernel`: where `decode_latent_weights` allows (the absorb kernel's steps), the same kernel
     launch also applies kv_a_layernorm and RoPE to the latents and writes them into the cache in place.
-    `decode_qkv_launch`: where `decode_qkv_weights` allows (that launch, no q-LoRA), the q / kv_a projections run
-    in the same launch, their weights read in place (kernels/mla_qkv.py).
     `moe_single_launch`: where the routing runs in its kernel, the two expert kernels run in one launch, each
     row block's down tiles waiting on its gate_up tiles (kernels/moe_gmm.py `single_launch`).
-    `decode_oproj_launch`: where `oproj_in_output_launch` allows, o_proj runs in the output kernel's
-    launch, its programs loading their weights while the merge runs (kernels/mla_output.py).
     `decode_route_launch`: where `decode_route_weights` allows, o_proj's split-K partials go to the residual,
     the post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py).
     `decode_moe_launch`: where `decode_moe_launch_applies` allows, that launch also runs the expert kernels'
@@ -364,128 +334,100 @@ def forward_paged(
     shared experts' tiles (route_experts' `shared_tiles`).
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
-    `decode_residual_norm`: where `decode_residual_norm_weights` allows, o_proj's split-K partials are added to
-    the residual and the sum's post-attention RMSNorm taken in one launch (kernels/residual_route.py).
-    `decode_combine_norm`: where `decode_combine_norm_weights` allows, a MoE layer's expert rows are combined
-    into the residual and the next layer's input RMSNorm taken in one launch; the layers then pass that
-    normed input on beside h (the scan's carry).
-    `launch_dependents`: the kernel families (kernels/pdl.py FAMILIES) whose programs signal the next kernel's
-    launch at their start (PDL; the same outputs).
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
-    moe.moe_block `mosaic`).
-    `return_hidden`: the final-normed hidden states [S, D] (`final_hidden`) in place of the logits, for a
-    caller that applies the lm_head itself (kernels/lm_head_sample.py)."""
-    with pdl.launching(launch_dependents):  # read by the kernels as they are traced (kernels/pdl.py)
-        cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
-        split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
-        h = params["embed"][meta.token_ids]  # [T, D]
-        routing: list[jax.Array] = []
+    moe.moe_block `mosaic`)."""
+    cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
+    split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
+    h = params["embed"][meta.token_ids]  # [T, D]
+    routing: list[jax.Array] = []
 
-        for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
-            # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
-            # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
-            experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
-            scanned = seg_params
-            if experts is not None:
-                stacked = ("experts",)
-                if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
-                                                                 meta.token_ids.shape[0]):
-                    experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
-                scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
-            projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
-                                         decode_projection_kernel)
-            # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
-            value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                              decode_output_kernel)
-            absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                                decode_absorb_kernel)
-            latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
-            qkv_w = decode_qkv_weights(seg_params, cfg, meta, latent_norm, attn_impl, decode_qkv_launch)
-            merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, qkv_w, decode_merged_qkv)
-            oproj_launch = oproj_in_output_launch(cfg, meta, value_kv_b, projections, decode_oproj_launch)
-            route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
-                                           moe_impl, mesh_rules, fuse_moe_routing, decode_route_launch)
-            moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
-                                                   meta.token_ids.shape[0], decode_moe_launch_tokens)
-            norm_w = decode_residual_norm_weights(seg_params, cfg, projections, route_w, oproj_launch,
-                                                  meta.token_ids.shape[0], decode_residual_norm)
-            input_norm = decode_combine_norm_weights(seg, seg_params, cfg, experts, meta.token_ids.shape[0], moe_impl,
-                                                     mesh_rules, fuse_moe_routing, decode_combine_norm)
-            taken = list(projections) + ([("attn", "q_proj"), ("attn", "kv_a_proj_with_mqa")] if qkv_w else [])
-            for group, name in taken:  # read in place from the stacked weights, not sliced by the scan
-                scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
+    for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+        # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
+        # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
+        experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
+        scanned = seg_params
+        if experts is not None:
+            stacked = ("experts",)
+            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
+                                                             meta.token_ids.shape[0]):
+                experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
+            scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
+        projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
+                                     decode_projection_kernel)
+        # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
+        value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                          decode_output_kernel)
+        absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                            decode_absorb_kernel)
+        latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
+        merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, decode_merged_qkv)
+        route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
+                                       moe_impl, mesh_rules, fuse_moe_routing, decode_route_launch)
+        moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
+                                               meta.token_ids.shape[0], decode_moe_launch_tokens)
+        for group, name in projections:  # read in place from the stacked weights, not sliced by the scan
+            scanned = {**scanned, group: {k: v for k, v in scanned[group].items() if k != name}}
 
-            def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
-                     absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, qkv_w=qkv_w, oproj_launch=oproj_launch,
-                     route_w=route_w, merged_qkv=merged_qkv, norm_w=norm_w, input_norm=input_norm,
-                     moe_launch=moe_launch):
-                h, x, cache = carry  # x: this layer's normed input where the layer before made it (input_norm)
-                lp, li, j = xs
-                for (group, name), w in projections.items():  # read in place by the decode kernel
-                    lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
-                if x is None:
-                    x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-                q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
-                                                                      absorb_kv_b, latent_norm, qkv_w, attn_impl,
-                                                                      merged_qkv, absorbed=split_plan is None)
-                written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
-                if split_plan is not None:
+        def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
+                 absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, route_w=route_w, merged_qkv=merged_qkv,
+                 moe_launch=moe_launch):
+            h, cache = carry
+            lp, li, j = xs
+            for (group, name), w in projections.items():  # read in place by the decode kernel
+                lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
+            x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+            q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
+                                                                  absorb_kv_b, latent_norm, attn_impl, merged_qkv,
+                                                                  absorbed=split_plan is None)
+            written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
+            if split_plan is not None:
+                cache = write_latents(cache, li, meta, latent)
+                a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
+                                 attn_impl)  # [T, H, dv]
+            elif value_kv_b is not None:
+                if not written:
                     cache = write_latents(cache, li, meta, latent)
-                    a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
-                                     attn_impl)  # [T, H, dv]
-                elif value_kv_b is not None:
-                    if not written:
-                        cache = write_latents(cache, li, meta, latent)
-                    a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl,
-                                                o_proj=lp["attn"]["o_proj"] if oproj_launch else None,
-                                                reduce=route_w is None)
+                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
+            else:
+                if written:  # one device (decode_latent_weights)
+                    o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+                elif mesh_rules is None:
+                    o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
+                                                    attn_impl)
                 else:
-                    if written:  # one device (decode_latent_weights)
-                        o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
-                    elif mesh_rules is None:
-                        o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
-                                                        attn_impl)
-                    else:
-                        o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
-                                                                cfg.softmax_scale, attn_impl)
-                    a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
-                routed, m = None, None
-                if route_w is not None:  # o_proj's partials (oproj_launch: `a` holds them) to the routing, one launch
-                    parts = a if oproj_launch else oproj_partials(a, lp["attn"]["o_proj"])
-                    if moe_launch:  # ... and on to the experts' rows in the same launch
-                        h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts, input_norm is None,
-                                                          moe_impl == "pallas_interpret", decode_moe_shared_tiles)
-                    else:
-                        h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
-                                                           attn_impl == "pallas_interpret")
-                elif norm_w is not None:  # o_proj's partials to the residual and its RMSNorm, one launch
-                    h, x = residual_norm_step(a, h, lp["attn"]["o_proj"], norm_w, j, cfg)
-                else:  # oproj_launch: `a` is o_proj's output
-                    h = h + (a if oproj_launch else mla.output_projection(lp["attn"], a))
-                    x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-                if kind == "dense":
-                    return (h + swiglu_mlp(x, lp["mlp"]), None, cache), None
-                if m is None:
-                    m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
-                                       mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
-                                       single_launch=moe_single_launch, routed=routed, combine=input_norm is None,
-                                       mosaic=moe_prefill_mosaic)
-                if input_norm is not None:  # the rows into the residual and the next layer's input norm, one launch
-                    h, x = combine_norm_step(m, h, input_norm, j, cfg, moe_impl == "pallas_interpret")
-                    return (h, x, cache), (idx if return_routing else None)
-                return (h + m, None, cache), (idx if return_routing else None)
+                    o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                            cfg.softmax_scale, attn_impl)
+                a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+            routed, m = None, None
+            if route_w is not None:  # o_proj's partials to the routing, one launch
+                parts = oproj_partials(a, lp["attn"]["o_proj"])
+                if moe_launch:  # ... and on to the experts' rows in the same launch
+                    h, x, m, idx = route_experts_step(parts, h, route_w, j, lp, cfg, experts,
+                                                      moe_impl == "pallas_interpret", decode_moe_shared_tiles)
+                else:
+                    h, x, routed = residual_route_step(parts, h, route_w, j, lp, cfg, experts,
+                                                       attn_impl == "pallas_interpret")
+            else:
+                h = h + mla.output_projection(lp["attn"], a)
+                x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+            if kind == "dense":
+                return (h + swiglu_mlp(x, lp["mlp"]), cache), None
+            if m is None:
+                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                                   mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
+                                   single_launch=moe_single_launch, routed=routed, mosaic=moe_prefill_mosaic)
+            return (h + m, cache), (idx if return_routing else None)
 
-            # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
-            # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
-            # ~0.9 us each on an H200).
-            layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
-            local_ids = np.arange(seg.num_layers, dtype=np.int32)
-            x0 = None if input_norm is None else rms_norm(h, input_norm[0], cfg.rms_norm_eps)
-            (h, _, kv_cache), ys = run_layers(body, (h, x0, kv_cache), scanned, layer_ids, local_ids, unroll)
-            if ys is not None:
-                routing.append(ys)
-        h = h[meta.logits_indices]  # [S, D]: each sequence's last token
-        logits = final_hidden(params, cfg, h) if return_hidden else _logits(params, cfg, h)
-        if return_routing:
-            return logits, kv_cache, jnp.concatenate(routing, axis=0)
-        return logits, kv_cache
+        # numpy, not jnp: literal constants, which XLA folds into each unrolled layer's scalar operands.
+        # jnp.arange is an iota, and each layer's index then took a kernel to compute (two a layer,
+        # ~0.9 us each on an H200).
+        layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
+        local_ids = np.arange(seg.num_layers, dtype=np.int32)
+        (h, kv_cache), ys = run_layers(body, (h, kv_cache), scanned, layer_ids, local_ids, unroll)
+        if ys is not None:
+            routing.append(ys)
+    h = h[meta.logits_indices]  # [S, D]: each sequence's last token
+    logits = _logits(params, cfg, h)
+    if return_routing:
+        return logits, kv_cache, jnp.concatenate(routing, axis=0)
+    return logits, kv_cache

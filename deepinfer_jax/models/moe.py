@@ -239,7 +239,7 @@ def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules 
 def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged", return_routing: bool = False,
               experts: dict | None = None, layer: jax.Array | None = None, mesh_rules: MeshRules | None = None,
               fuse_routing: bool = False, single_launch: bool = False, routed: tuple | None = None,
-              combine: bool = True, mosaic: bool = False):
+              mosaic: bool = False):
     """x: [T, D] -> [T, D]: routed experts plus the shared experts (and the expert ids [T, k] if asked).
 
     Expert weights are `p["experts"]`, or `experts` stacked over layers [L, E, ...] with `layer` the
@@ -251,33 +251,18 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     Pallas kernel (kernels/moe_route.py) instead of XLA's top-k, reductions and cumsums; `single_launch`:
     there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s
     outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
-    in its kernel. `combine=False`: out is the expert kernels' rows uncombined, (y, row_of, weights), for a
-    launch that combines them (kernels/residual_route.py combine_residual_norm); only where the routing runs
-    in its kernel and no shared MLP is left outside the kernels (`rows_out_applies`). `mosaic`: moe_impl
+    in its kernel. `mosaic`: moe_impl
     "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`)."""
-    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine,
-                    mosaic)
+    out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic)
     return (out, idx) if return_routing else out
 
 
-def rows_out_applies(p: dict, cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules | None, num_tokens: int,
-                     experts: dict | None, fuse_routing: bool) -> bool:
-    """Whether moe_block can hand out its expert rows uncombined (`combine=False`): the routing in its kernel
-    and the shared MLP, if any, inside the expert kernels."""
-    ex = p["experts"] if experts is None else experts
-    return (fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, num_tokens, ex)
-            and ("shared" in ex or "shared" not in p))
-
-
-def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, combine=True,
-         mosaic=False):
+def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic=False):
     """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
     fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
     if routed is not None and not fused:
         raise ValueError("moe_block takes precomputed routing only where it routes in its kernel")
-    if not combine and not rows_out_applies(p, cfg, moe_impl, mesh_rules, x.shape[0], experts, fuse_routing):
-        raise ValueError("moe_block hands out uncombined rows only where rows_out_applies")
     if fused:
         from deepinfer_jax.kernels.moe_route import moe_fused_decode
 
@@ -288,8 +273,8 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
             k=cfg.num_experts_per_tok,
             scoring_func=cfg.scoring_func, norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor, single_launch=single_launch,
-            routed=routed, combine=combine, interpret=moe_impl == "pallas_interpret")
-        return (out if shared or not combine else _plus_shared(p, x, out)), idx
+            routed=routed, interpret=moe_impl == "pallas_interpret")
+        return (out if shared else _plus_shared(p, x, out)), idx
     if mesh_rules is not None and mesh_rules.size("tokens") > 1:
         w, idx = route_sharded(mesh_rules, p, cfg, x)
     else:

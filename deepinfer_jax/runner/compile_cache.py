@@ -3,11 +3,11 @@ the GEMM autotuning results shipped with the package, so a first start skips mos
 
 XLA picks each GEMM fusion's kernel by timing candidates on the device. On an empty cache that was
 most of `serve`'s start (H200, V2-Lite, 16 step programs: 172 s to ready; 60 s with the results on
-disk; benchmarks/RESULTS.md, session 6). XLA keeps the results in its per-fusion autotune cache, which
+disk; benchmarks/RESULTS.md). XLA keeps the results in its per-fusion autotune cache, which
 JAX puts in `<cache dir>/xla_gpu_per_fusion_autotune_cache_dir`: one file per fusion, under a
 directory named by a fingerprint of the GPU and XLA version, so results measured on another GPU are
 never used. `assets/autotune/*.tgz` hold such entries, made by `benchmarks/serve_start.sh` (its
-`autotune.tgz`) on the GPUs named in the file names, plus (session 18) those of Protocol A's programs with
+`autotune.tgz`) on the GPUs named in the file names, plus those of Protocol A's programs with
 the 16,384-token prefill bucket unrolled (its start on an empty cache: 29.4 s with them, 83.0 s without);
 `seed_autotune_results` adds the ones the cache lacks, as vLLM ships tuned MoE kernel configurations per GPU.
 `CompileCounter` counts the process's compilations (the runner's recompile guard).

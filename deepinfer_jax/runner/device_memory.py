@@ -7,13 +7,13 @@ budget of CACHE_GRANULE or more is a whole number of CACHE_GRANULEs. The driver'
 moves by some 20 MB from one start to the next; the cache's page count is part of every step
 program's shape, so an unrounded size gave each start new programs and the persistent compilation
 cache never hit (`serve` recompiled its 16 programs on a warm cache: 89.7 s to ready instead of
-seconds, benchmarks/RESULTS.md, session 5).
+seconds, benchmarks/RESULTS.md).
 
 XLA's GPU compiler budgets a program's memory from the device size less its arguments and outputs,
 and counts the donated cache twice (argument and aliased output): with an engine-sized cache the
 budget is exceeded whatever this share, and the rematerialization pass then recomputed values to
 save memory that was not short (a decode step ran its q / kv_a GEMM three times per layer). That pass
-is off (`xla_env.py`), which the cap alone did not achieve (benchmarks/RESULTS.md, session 4).
+is off (`xla_env.py`), which the cap alone did not achieve (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def driver_memory(free: int, total: int, environ=os.environ) -> DeviceMemory:
     """The driver's figures under XLA's VMM allocator: it hands out at most XLA_PYTHON_CLIENT_MEM_FRACTION of
     the device (JAX's default 0.75), so that share is the limit, not the whole device. (With the whole device
     as the limit, an engine started without that variable filled the allocator's pool with weights and cache,
-    and warm-up failed on an H200 when XLA's autotuner asked for 734 MB of scratch: session 14.)"""
+    and warm-up failed on an H200 when XLA's autotuner asked for 734 MB of scratch.)"""
     fraction = float(environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75"))
     return DeviceMemory(int(total * min(fraction, 1.0)), total - free, total, "CUDA driver")
 

@@ -90,7 +90,7 @@ class PageRows:
 
     A step's page table needs every sequence's whole page list, but between two steps a request's list
     only grows at its end (ScheduledSeq.page_gen names that lifetime). Converting the lists from Python
-    ints every step took 4.54 ms at 128 sequences of 512 pages (a 32K context; the CPU of session 18);
+    ints every step took 4.54 ms at 128 sequences of 512 pages (a 32K context, on an H200 host's CPU);
     with these arrays only the new page ids are converted (0.81 ms; below PAGE_ROWS_MIN pages a sequence the
     lists are converted, which is cheaper). `__call__(seq)` returns a view of the first
     len(seq.page_ids) entries, which later calls never change; `forget(request_id)` drops a request."""
@@ -130,7 +130,7 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
     runner's PageRows, which keep the page ids converted across steps (the same arrays either way).
 
     Built with whole-array numpy operations over the step's tokens (no per-sequence numpy calls: at 128
-    sequences a step that loop cost the host ~1.7 ms, session 17); sequence r's tokens fill slots
+    sequences a step that loop cost the host ~1.7 ms); sequence r's tokens fill slots
     starts[r] .. starts[r] + len[r] - 1 in plan order."""
     S = shapes.seq_rows(bucket)
     ps = shapes.page_size
@@ -173,12 +173,11 @@ def uses_penalties(req: Request) -> bool:
     return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
 
 
-def needs_full_variant(req: Request, min_p_full: bool = False) -> bool:
+def needs_full_variant(req: Request) -> bool:
     """Whether a request needs the step's full variant: penalties (history arrays), logprobs, or the
-    sort that top-k / top-p take; with `min_p_full` (the base variant samples inside the lm_head:
-    runner/step_sampler.py) min-p too. Decided on the host so that the step has no device-side branches."""
+    sort that top-k / top-p take. Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
-    truncates = sp.top_k > 0 or sp.top_p < 1.0 or (min_p_full and sp.min_p > 0)  # top_k is stored as 0 when off
+    truncates = sp.top_k > 0 or sp.top_p < 1.0  # top_k is stored as 0 when off
     return uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
 
 

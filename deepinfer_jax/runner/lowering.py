@@ -2,8 +2,7 @@
 
 Warm-up traces and lowers every step program on one thread while the compile threads wait for them, so
 on an empty cache the lowering is on the start's critical path. Under cProfile on an H200, `serve`'s 36
-programs (Protocol B's flags, V2-Lite) spent 34 s tracing and lowering, of which (benchmarks/RESULTS.md,
-session 26):
+programs (Protocol B's flags, V2-Lite) spent 34 s tracing and lowering, of which (benchmarks/RESULTS.md):
 
 - 6.9 s importing modules that do not exist. Each Triton op or type the kernels' lowering makes has MLIR's
   Python bindings look for a Python module of the `tt` dialect under each of their search prefixes
@@ -12,7 +11,7 @@ session 26):
   registers jaxlib's Triton dialect module under the first name, where the bindings find it once and
   remember it. Nothing else changes: the ops' Python classes were already registered by that module.
 - 12.3 s in 145 Triton lowerings of kernels, 0.085 s each. A decode bucket's variants (base, full,
-  greedy) share one traced forward (`ModelRunner._forward_fn`), so their programs hold the very same
+  greedy) share one traced forward (`StepPrograms._forward_fn`), so their programs hold the very same
   kernel jaxprs, yet each program's module lowered each kernel again. `_memoize_triton_lowering` keeps
   each kernel's lowered Triton module by the identity of its jaxpr and grid mapping (held, so identities
   are never reused) and the platform and compute capability: a kernel met again in a later program is

@@ -2,8 +2,8 @@
 
 JAX's persistent compilation cache (runner/compile_cache.py) skips XLA's compile, but finds its entry
 by the lowered program: a warm start still traces and lowers every step program first. On an H200
-that was most of `serve`'s warm start (16 programs of V2-Lite: 11.7 s of 15.0 s; benchmarks/RESULTS.md,
-session 9). This cache stores each compiled program itself (`jax.experimental.serialize_executable`)
+that was most of `serve`'s warm start (16 programs of V2-Lite: 11.7 s of 15.0 s; benchmarks/RESULTS.md).
+This cache stores each compiled program itself (`jax.experimental.serialize_executable`)
 under a key of everything the program is made from:
 
 - the package's Python source (every `.py` under deepinfer_jax, kernels included), jax's and jaxlib's

@@ -67,8 +67,8 @@ def extract_results(outbox, n_sampled: int, routing_shape: tuple[int, ...] | Non
 class Resident:
     """One step program's resident buffers: `inbox` int32 [sum(parts)] holds the step's packed inputs
     (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast; only the sampling ones where the
-    step shares its bucket's forward: ModelRunner._shares_forward), rewritten in place by
-    ModelRunner._stage; `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
+    step shares its bucket's forward: StepPrograms.shares_forward), rewritten in place by the runner's
+    staging program (ModelRunner.run); `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
     sampled tokens first (`sampled_layout`), rewritten in place by the step."""
     parts: tuple[int, int, int, int]
     inbox: Any

@@ -1,7 +1,7 @@
 """Warm-up: every step program compiled (or loaded) before the first request, then each step run on padding.
 
 `plan(runner)` lists the steps to run (one padding step a bucket and sampling variant, both context variants where
-prefill buckets have them) and the programs they need (`ModelRunner._program_key`'s ids), the slowest to compile
+prefill buckets have them) and the programs they need (step_programs.program_kind's ids), the slowest to compile
 first. `warm_up(runner)` traces and lowers the programs one after another on the calling thread, from the params'
 abstract tree while the weights still load (weights/pending.py), hands each to a pool of compile threads as soon
 as it is lowered, then takes the params and runs each step `RunnerConfig.warmup_runs` times as soon as its programs
@@ -18,41 +18,42 @@ from typing import Any
 
 import jax
 
+from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import HostStep
-from deepinfer_jax.runner.model_runner import _program_kind
 from deepinfer_jax.runner.step_io import packed
+from deepinfer_jax.runner.step_programs import program_kind
 
 log = logging.getLogger(__name__)
 
 
 def _compile_rank(kind: str) -> int:
     """Warm-up lowers the programs in this order, the slowest to compile first so that the last to start compiling
-    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others, session 26),
-    the whole step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
+    is short: the prefill buckets' shared forwards (24-32 s each on an H200's host beside the others), the whole
+    step programs (13-22 s), then the shared forwards' samplers (0.1-1.5 s)."""
     return {"forward": 0, "step": 1, "sampler": 2}[kind]
 
 
 def plan(runner) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
     """The steps warm-up runs (one padding step a bucket and variant) and the programs it compiles for them: each
-    program id (`ModelRunner._program_key`'s `pid`) -> (its bucket, what it runs), in the order warm-up lowers them,
-    the slowest to compile first (`_compile_rank`)."""
+    program id (step_programs.program_kind) -> (its bucket, what it runs), in the order warm-up lowers them, the
+    slowest to compile first (`_compile_rank`). `runner`: a ModelRunner."""
     variants = (False, True) if runner.runner_cfg.warmup_full_variant else (False,)
     platform = jax.default_backend()
     buckets = sorted(runner.shapes.buckets, key=lambda b: (not runner.runner_cfg.unroll_for(b, platform), -b))
-    hosts = [runner._host_step([[]] * runner.num_ranks, {}, {}, b, full) for b in buckets for full in variants]
+    hosts = [runner.padding_step(b, full) for b in buckets for full in variants]
     hosts += [dataclasses.replace(h, greedy=True) for h in hosts
-              if not h.penalties and runner._greedy_bucket(h.bucket)]
+              if not h.penalties and runner.has_greedy_variant(h.bucket)]
     # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
     hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
               if h.meta.has_context is False]
     programs: dict[Any, tuple[int, str]] = {}
     for host in hosts:
         key = packed(host)[0]
-        for pid in runner._host_programs(key):
-            kind = _program_kind(pid)[0]
+        for pid in runner.programs.programs_of(key):
+            kind = program_kind(pid)[0]
             what = {"forward": "shared forward", "sampler": f"{key[1]} sampler"}.get(kind, f"{key[1]} step")
             programs.setdefault(pid, (host.bucket, what))
-    order = sorted(programs, key=lambda pid: _compile_rank(_program_kind(pid)[0]))  # stable: host order within
+    order = sorted(programs, key=lambda pid: _compile_rank(program_kind(pid)[0]))  # stable: host order within
     return hosts, {pid: programs[pid] for pid in order}
 
 
@@ -82,18 +83,17 @@ def warm_up(runner, progress: bool = True) -> int:
         bar = tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
                    leave=False)
 
-    from deepinfer_jax.runner import program_cache
-
     cache_dir = runner.runner_cfg.program_cache_dir if runner.sharding is None else None
     device = jax.devices()[0]
+    executables = runner.programs.executables
 
     def compile_one(pid, lowered, pkey):
         t = time.perf_counter()
-        runner._step_exes[pid], storable = program_cache.compile_program(lowered)
+        executables[pid], storable = program_cache.compile_program(lowered)
         bucket, what = programs[pid]
         log.info("warm-up: compiled the %s of %d tokens in %.1f s", what, bucket, time.perf_counter() - t)
         if pkey is not None and storable:
-            program_cache.store(cache_dir, pkey, runner._step_exes[pid])
+            program_cache.store(cache_dir, pkey, executables[pid])
         if bar is not None:
             bar.update(1)
 
@@ -103,27 +103,27 @@ def warm_up(runner, progress: bool = True) -> int:
     # ones, so that a bucket's second program found the first one's results, made no difference.
     workers = max(1, min(len(programs), os.cpu_count() or 1))
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        state = program_cache.signature((runner.params, runner.kv_cache, runner._prev_tokens)) if cache_dir else None
-        pkeys = {pid: runner._program_key(pid, state) if cache_dir else None for pid in programs}
+        state = runner.state_signature() if cache_dir else None
+        pkeys = {pid: runner.programs.program_key(pid, state) if cache_dir else None for pid in programs}
         loads = {pid: pool.submit(program_cache.load, cache_dir, pkey, device) for pid, pkey in pkeys.items()
                  if pkey is not None}
         futures = {}
         for pid in programs:
             exe = loads[pid].result() if pid in loads else None
             if exe is not None:
-                runner._step_exes[pid] = exe
+                executables[pid] = exe
                 runner.programs_loaded += 1
                 if bar is not None:
                     bar.update(1)
                 continue
-            futures[pid] = pool.submit(compile_one, pid, runner._lower(pid), pkeys[pid])
+            futures[pid] = pool.submit(compile_one, pid, runner.lower(pid), pkeys[pid])
         if runner.programs_loaded:
             log.info("warm-up: loaded %d step programs from %s in %.1f s", runner.programs_loaded, cache_dir,
                      time.perf_counter() - t0)
         if futures:
             log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures),
                      time.perf_counter() - t0)
-        runner._await_params()
+        runner.await_params()
         _runs(runner, hosts, futures)
     if bar is not None:
         bar.close()
@@ -138,7 +138,7 @@ def _runs(runner, hosts: list[HostStep], compiling: dict) -> None:
 
     waiting = list(hosts)
     while waiting:
-        deps = {id(h): [compiling[p] for p in runner._host_programs(packed(h)[0]) if p in compiling]
+        deps = {id(h): [compiling[p] for p in runner.programs.programs_of(packed(h)[0]) if p in compiling]
                 for h in waiting}
         ready = [h for h in waiting if all(f.done() for f in deps[id(h)])]
         if not ready:
@@ -148,5 +148,5 @@ def _runs(runner, hosts: list[HostStep], compiling: dict) -> None:
             for f in deps[id(host)]:
                 f.result()
             for _ in range(max(1, runner.runner_cfg.warmup_runs)):
-                jax.block_until_ready(runner._run(host))
+                jax.block_until_ready(runner.run(host))
         waiting = [h for h in waiting if all(h is not r for r in ready)]

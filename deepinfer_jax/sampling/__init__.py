@@ -2,9 +2,8 @@
 
 Public API:
   SamplingTensors, SampleOutput, sample(logits, st, *, max_logprobs)  -- jittable
-  sample_from_tile_stats(stats, st, *, max_logprobs)                  -- the base variant from tile reductions
   apply_penalties, apply_suppression, apply_truncation, token_counts  -- stages (testing)
-  gumbel_noise(k0, k1, col)                                           -- the draw's noise (also the kernels')
+  gumbel_noise(k0, k1, col)                                           -- the draw's noise
   make_key_data(seed, step), make_key_data_batch(seeds, steps)        -- host key helpers
 """
 
@@ -18,12 +17,11 @@ from deepinfer_jax.sampling.sampler import (
     apply_truncation,
     gumbel_noise,
     sample,
-    sample_from_tile_stats,
     token_counts,
 )
 
 __all__ = [
     "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_penalties", "apply_suppression",
-    "apply_truncation", "gumbel_noise", "make_key_data", "make_key_data_batch", "sample", "sample_from_tile_stats",
-    "threefry2x32", "token_counts",
+    "apply_truncation", "gumbel_noise", "make_key_data", "make_key_data_batch", "sample", "threefry2x32",
+    "token_counts",
 ]

@@ -111,7 +111,7 @@ def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
 
     Each id compared with the S (few) listed ids, OR-ed, instead of a [B, V] mask scattered from them: on an
     H200 at B = 32, V = 102,400, S = 8 one elementwise kernel and the select (5.1 + 1.2 us a step), where the
-    scatter took three (a broadcast 4.4, the scatter 1.2, the select 1.3; benchmarks/RESULTS.md, session 16)."""
+    scatter took three (a broadcast 4.4, the scatter 1.2, the select 1.3; benchmarks/RESULTS.md)."""
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)  # i32[B, V]
     hit = jnp.zeros(logits.shape, jnp.bool_)
     for j in range(suppress_ids.shape[-1]):  # -1 padding matches no id
@@ -168,16 +168,15 @@ def noise_bits(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
     with them) -> uint32 random bits: `_mix32` twice, a key word folded in before each. For each key the map from
     id to bits is a bijection, so no two ids of a row share their bits. About 15 integer operations an id, where
     jax.random's threefry2x32 takes ~100; yet at batch 32 x 102,400 ids on an H100 the base sampler cost the same
-    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md, session
-    33): the draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
+    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md): the
+    draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
     (`keys.make_key_data`)."""
     return _mix32(_mix32(col.astype(jnp.uint32) + k0) ^ k1)
 
 
 def gumbel_noise(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
     """`noise_bits` -> float32 Gumbel(0, 1) noise: the bits' top 23 as a uniform u in [tiny, 1) (jax.random.uniform's
-    mapping), then -log(-log(u)). Pure elementwise jnp, so XLA fuses it into the draw's argmax and the Pallas
-    kernels (kernels/lm_head_sample.py) take it as their noise."""
+    mapping), then -log(-log(u)). Pure elementwise jnp, so XLA fuses it into the draw's argmax."""
     bits = noise_bits(k0, k1, col)
     u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
     tiny = jnp.float32(np.finfo(np.float32).tiny)
@@ -190,8 +189,8 @@ def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
     gumbel_noise(key, id) (an id at -inf is never drawn unless all are), taken over chunks of ARGMAX_CHUNK ids
     and then over the chunks' maxima. The first maximum wins either way (the first chunk holding it, its first
     index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took 26.5 us a step as one
-    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included (benchmarks/RESULTS.md,
-    session 10)."""
+    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included
+    (benchmarks/RESULTS.md)."""
     batch, vocab = logits.shape
     kd = key_data.astype(jnp.uint32)
     col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
@@ -245,26 +244,3 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         top_ids = jnp.pad(top_ids, ((0, 0), (0, max_logprobs - k)), constant_values=-1)
     return SampleOutput(token_ids=token_ids, logprob=logprob,
                         top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
-
-
-def sample_from_tile_stats(stats, st: SamplingTensors, *, max_logprobs: int) -> SampleOutput:
-    """`sample(logits, st, max_logprobs=0, full=False)` for rows without min-p, from per-vocabulary-tile
-    reductions of the logits instead of the logits (kernels/lm_head_sample.py computes them inside the
-    lm_head): stats = (m, s, gmax, garg, zmax, zarg, zraw), each [tiles, B]; per tile m / s the logits'
-    max and sum of exp(logits - m), gmax / garg the max and first argmax of the suppressed logits x, zmax /
-    zarg those of x / temperature + the row's Gumbel noise, zraw the logit at zarg. The first tile holding a
-    row's maximum wins, so the tokens are `sample`'s (the first maximum over the whole row); the logprob
-    equals `sample`'s up to fp32 summation order. Top logprobs are padding (-inf, id -1), `max_logprobs` of
-    them."""
-    m, s, gmax, garg, zmax, zarg, zraw = stats
-    row_max = m.max(axis=0)                                            # f32[B]
-    log_norm = jnp.log(jnp.sum(s * jnp.exp(m - row_max[None, :]), axis=0))
-    take = lambda a, t: jnp.take_along_axis(a, t[None, :], axis=0)[0]  # noqa: E731  a[t[b], b]
-    tg, tz = jnp.argmax(gmax, axis=0), jnp.argmax(zmax, axis=0)        # i32[B]: the winning tiles
-    is_greedy = st.temperature.astype(jnp.float32) < GREEDY_EPS
-    token_ids = jnp.where(is_greedy, take(garg, tg), take(zarg, tz)).astype(jnp.int32)
-    picked = jnp.where(is_greedy, take(gmax, tg), take(zraw, tz))       # the token's logit
-    batch = token_ids.shape[0]
-    return SampleOutput(token_ids=token_ids, logprob=(picked - row_max) - log_norm,
-                        top_logprob_ids=jnp.full((batch, max_logprobs), -1, jnp.int32),
-                        top_logprobs=jnp.full((batch, max_logprobs), -jnp.inf, jnp.float32))

@@ -68,12 +68,6 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
                         "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
                         "device; default: on)")
-    g.add_argument("--lm-head-sampler", action=argparse.BooleanOptionalAction, default=None,
-                   help="steps without penalties, top-k / top-p, min-p or logprobs sample inside the lm_head's "
-                        "kernel, the logits never written out (one device, the Pallas kernels; default: off)")
-    g.add_argument("--sampler-kernel", action=argparse.BooleanOptionalAction, default=None,
-                   help="steps without penalties, top-k / top-p, min-p or logprobs sample from the logits in one "
-                        "kernel pass instead of XLA's several (one device, the Pallas kernels; default: off)")
     g.add_argument("--compilation-cache-dir", default="default",
                    help='XLA compilation cache, and in its programs/ the compiled step programs a warm start '
                         'loads untraced ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; "none": off)')
@@ -175,10 +169,6 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str,
         kw["prefill_context_variant"] = ns.prefill_context_variant
     if ns.greedy_variant is not None:
         kw["greedy_variant"] = ns.greedy_variant
-    if ns.lm_head_sampler is not None:
-        kw["lm_head_sampler"] = ns.lm_head_sampler
-    if ns.sampler_kernel is not None:
-        kw["sampler_kernel"] = ns.sampler_kernel
     if ns.prefill_shared_forward is not None:
         kw["prefill_shared_forward"] = ns.prefill_shared_forward
     return kw

@@ -36,7 +36,7 @@ from deepinfer_jax.config import ConfigError, ModelConfig
 from deepinfer_jax.models.quant import METHODS, is_quantized, quant_layout, quantize
 from deepinfer_jax.weights import orbax_io
 from deepinfer_jax.weights.hf_loader import (
-    FP8_DTYPES, _fp8_block, check_tensors, effective_config, fused_moe_layers, read_rule_tensor,
+    FP8_DTYPES, check_tensors, effective_config, fp8_block_shape, fused_moe_layers, read_rule_tensor,
 )
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
 from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint
@@ -94,10 +94,10 @@ def _build_unit(unit: orbax_io.Unit, expected: dict, rules: list[tuple[TensorRul
                 read: Callable[[TensorRule], np.ndarray], on_tensor: Callable[[], None]) -> dict:
     """Assemble one unit from its rules and quantize it; every leaf is checked against `expected`."""
     flat, treedef = jax.tree_util.tree_flatten_with_path(expected, is_leaf=is_quantized)
-    keys = [orbax_io._keys(p) for p, _ in flat]
+    keys = [orbax_io.path_keys(p) for p, _ in flat]
     bufs: dict[tuple, np.ndarray] = {}
     for k, (_, sds) in zip(keys, flat):
-        shape = orbax_io._get(unit.specs, k).shape  # the float leaf of the param specs, unstacked
+        shape = orbax_io.get_path(unit.specs, k).shape  # the float leaf of the param specs, unstacked
         if not is_quantized(sds) and tuple(sds.shape) != tuple(shape):
             raise CheckpointError(f"{unit.name}{list(k)}: stored shape {sds.shape} differs from the specs {shape}")
         # Quantized leaves are staged in fp32 so they are quantized from the source precision.
@@ -141,7 +141,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
     if unused:
         log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
-    fp8_block = _fp8_block(hf_config)
+    fp8_block = fp8_block_shape(hf_config)
     units = orbax_io.checkpoint_units(cfg)
     by_unit: dict[str, list] = {u.name: [] for u in units}
     for rule in rules:

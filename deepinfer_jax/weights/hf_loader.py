@@ -46,7 +46,7 @@ def dequantize_fp8_blocks(w: np.ndarray, scale_inv: np.ndarray, block: tuple[int
     return w.astype(np.float32) * s
 
 
-def _fp8_block(model_dir_config: dict | None) -> tuple[int, int]:
+def fp8_block_shape(model_dir_config: dict | None) -> tuple[int, int]:
     qc = (model_dir_config or {}).get("quantization_config") or {}
     b = qc.get("weight_block_size") or [128, 128]
     return int(b[0]), int(b[1])
@@ -166,7 +166,7 @@ def prepare_hf_checkpoint(
     cfg = effective_config(cfg, tensors)
     rules = expected_tensors(cfg, fused_moe_layers(tensors))
     specs = param_specs(cfg)
-    fp8_block = _fp8_block(hf_config)
+    fp8_block = fp8_block_shape(hf_config)
 
     check_tensors(rules, tensors)  # fail fast, naming the first bad tensor, before any device work
     known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}

@@ -84,7 +84,7 @@ def unit_name_of(cfg: ModelConfig, path: tuple, index: tuple) -> tuple[str, tupl
     return "top", path, index
 
 
-def _keys(path) -> tuple:
+def path_keys(path) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
@@ -94,7 +94,7 @@ def expected_unit(unit: Unit, dtype: Any, method: str, group_size: int) -> dict:
     bits = METHODS[method]
 
     def one(path, spec):
-        lay = quant_layout(_keys(path))
+        lay = quant_layout(path_keys(path))
         if not bits or lay is None:
             return jax.ShapeDtypeStruct(spec.shape, spec_dtype(spec, dtype))
         q_shape, s_shape, g = quantized_shapes(spec.shape, bits, lay[0], lay[1], group_size)
@@ -190,7 +190,7 @@ def _place(seg_tree: Any, unit_tree: Any, i: jax.Array) -> Any:
 _place_donated = jax.jit(_place, donate_argnums=0)
 
 
-def _get(tree: Any, path: tuple) -> Any:
+def get_path(tree: Any, path: tuple) -> Any:
     for k in path:
         tree = tree[k]
     return tree
@@ -204,7 +204,7 @@ def _check_stored(unit: Unit, expected: dict, stored_meta: dict) -> None:
     for path, sds in flat_exp:
         name = unit.name + jax.tree_util.keystr(path)
         try:
-            m = _get(stored, _keys(path))
+            m = get_path(stored, path_keys(path))
         except (KeyError, TypeError):
             raise CheckpointError(f"converted checkpoint is missing {name}") from None
         if tuple(m.shape) != tuple(sds.shape):
@@ -220,7 +220,7 @@ def _stored_groups(expected: dict, stored: Any) -> dict:
         if not is_quantized(sds) or sds.bits != 4 or stored is None:
             return sds
         try:
-            rows = tuple(_get(stored, _keys(path))["scale"].shape)[sds.scale.ndim - sds.n_out - 1]
+            rows = tuple(get_path(stored, path_keys(path))["scale"].shape)[sds.scale.ndim - sds.n_out - 1]
         except (KeyError, TypeError, IndexError):
             return sds  # reported by _check_stored
         ax = sds.q.ndim - sds.n_out - 1
@@ -267,7 +267,7 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
         _check_stored(u, expected[u.name], stored_meta)
 
     def leaf_sharding(unit: Unit, path: tuple) -> Any:
-        return default if shardings is None else _get(shardings, unit.path + path)
+        return default if shardings is None else get_path(shardings, unit.path + path)
 
     def params_tree(make: Any, stacked_only: bool = False) -> dict:
         """The params' tree with every array made by make(shape, dtype, sharding): stacked leaves once a segment,
@@ -282,7 +282,7 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
             lead = (layer_segments(cfg)[u.path[1]].num_layers,) if stacked else ()
 
             def one(path, sds, u=u, lead=lead):
-                s = leaf_sharding(u, _keys(path))
+                s = leaf_sharding(u, path_keys(path))
                 if is_quantized(sds):
                     sq, ss = (s.q, s.scale) if is_quantized(s) else (s, s)
                     shp_q, shp_s = lead + sds.q.shape, lead + sds.scale.shape
@@ -313,8 +313,8 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
             stacked = u.index is not None
 
             def restore_arg(path, sds, u=u, stacked=stacked):
-                s = leaf_sharding(u, _keys(path))
-                m = _get(stored_meta[u.name], _keys(path))
+                s = leaf_sharding(u, path_keys(path))
+                m = get_path(stored_meta[u.name], path_keys(path))
 
                 def arg(sh, x, m):
                     # A cast only where the stored dtype differs (tensorstore's cast driver costs time).

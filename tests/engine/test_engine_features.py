@@ -112,7 +112,7 @@ def test_recompile_guard_notices_a_new_shape(llm):
     from deepinfer_jax.runner.model_runner import CompileCounter
 
     c0 = CompileCounter.count()
-    runner._run(host)
+    runner.run(host)
     assert CompileCounter.count() > c0
     assert runner.compiles_after_warmup == before  # _run is below the guard; execute() counts
 

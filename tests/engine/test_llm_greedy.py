@@ -9,7 +9,7 @@ import pytest
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.models.deepseek import splits_prefill_attention
-from deepinfer_jax.runner.model_runner import _program_kind
+from deepinfer_jax.runner.step_programs import program_kind
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]
 MAX_TOKENS = [4, 9, 16, 12] * 5
@@ -26,11 +26,11 @@ def _llm(path, **kw):
 def _addresses(runner):
     """Device addresses of the buffers every step program reads and writes in place."""
     at = {"kv_cache": runner.kv_cache.unsafe_buffer_pointer(), "prev": runner._prev_tokens.unsafe_buffer_pointer()}
-    for key, res in runner._programs.items():
+    for key, res in runner.programs.residents.items():
         at[key, "inbox"], at[key, "outbox"] = res.inbox.unsafe_buffer_pointer(), res.outbox.unsafe_buffer_pointer()
-    for layout, inbox in runner._fwd_inboxes.items():  # the shared prefill forwards' (prefill_shared_forward)
+    for layout, inbox in runner.programs.forward_inboxes.items():  # the shared prefill forwards' (prefill_shared_forward)
         at[layout, "forward inbox"] = inbox.unsafe_buffer_pointer()
-    for shape, out in runner._fwd_outs.items():
+    for shape, out in runner.programs.forward_outputs.items():
         at[shape, "forward out"] = out.unsafe_buffer_pointer()
     return at
 
@@ -64,18 +64,18 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     shared = rc.prefill_shared_forward and not rc.collect_routing  # (one device here)
     prefill = [b for b in buckets if b > runner.shapes.seq_rows(b)]
     # shared: a forward a context variant, and the two variants' samplers a number of sequence rows (runner's
-    # _sampler_id); else a whole program a context variant and sampling variant
+    # sampler_id); else a whole program a context variant and sampling variant
     prefill_programs = ((1 + split) * len(prefill) + 2 * len({runner.shapes.seq_rows(b) for b in prefill})
                         if shared else (1 + split) * 2 * len(prefill))
     programs = (2 + rc.greedy_variant) * decode_buckets + prefill_programs
-    assert len(runner._step_exes) == programs == llm.engine.num_warmup_compiles
-    assert set(runner._step_fns) <= set(runner._step_exes)
-    assert len(runner._step_fns) + runner.programs_loaded == programs
+    assert len(runner.programs.executables) == programs == llm.engine.num_warmup_compiles
+    assert set(runner.programs.jitted) <= set(runner.programs.executables)
+    assert len(runner.programs.jitted) + runner.programs_loaded == programs
     # each traced program that holds the forward traced it once a bucket (a sampler holds none: it may be traced
     # where its bucket's forward came from the program cache)
-    layouts = {key if kind == "forward" else key[0] for kind, key in map(_program_kind, runner._step_fns)
+    layouts = {key if kind == "forward" else key[0] for kind, key in map(program_kind, runner.programs.jitted)
                if kind != "sampler"}
-    assert len(runner._fwd_fns) == len(layouts)
+    assert len(runner.programs.forward_fns) == len(layouts)
     return outs
 
 
@@ -191,7 +191,7 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
     # by the context variants and by buckets of as many sequence rows.
     decode_buckets = len(runner.shapes.buckets) - len(prefill_buckets)
     rows = {runner.shapes.seq_rows(b) for b in prefill_buckets}
-    assert len(runner._step_exes) == 3 * decode_buckets + 2 * len(prefill_buckets) + 2 * len(rows)
+    assert len(runner.programs.executables) == 3 * decode_buckets + 2 * len(prefill_buckets) + 2 * len(rows)
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
 
 
@@ -214,44 +214,6 @@ def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
         gc.enable()
 
 
-def test_sampling_from_tile_stats(hf_case, hf_greedy, monkeypatch):
-    """RunnerConfig.lm_head_sampler and sampler_kernel (kernels/lm_head_sample.py in interpret mode): the base
-    variant's steps sample inside the lm_head, or from the logits in one kernel pass, and every request's tokens
-    equal those of the same engine sampling from the logits with XLA: greedy (HF's tokens), seeded draws at two
-    temperatures, a min_tokens request whose stop ids are suppressed, and a min-p request (which the host then
-    sends to the full variant); then two greedy requests alone (the greedy variant)."""
-    model, path = hf_case("v2_greedy_yarn")
-    vocab = model.config.vocab_size
-    prompts = random_prompts(18, [1, 9, 40, 70, 12], vocab)
-    stop = [int(i) for i in range(5, 5 + 8)]
-    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=11, max_tokens=6, ignore_eos=True),
-              SamplingParams(temperature=0.6, seed=12, max_tokens=7, ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=13, max_tokens=5, min_tokens=5, stop_token_ids=stop,
-                             ignore_eos=True),
-              SamplingParams(temperature=1.0, seed=14, min_p=0.05, max_tokens=4, ignore_eos=True)]
-    outs = {}
-    for mode in ("xla", "lm_head_sampler", "sampler_kernel"):
-        llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
-                   max_num_seqs=16, unroll_max_tokens=16, **({mode: True} if mode != "xla" else {}))
-        runner = llm.engine.runner
-        assert (runner.lm_head_sampler, runner.logits_sampler) == (mode == "lm_head_sampler", mode == "sampler_kernel")
-        outs[mode] = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
-        # every request greedy: the decode steps take the greedy variant (through the kernel without the noise)
-        greedy = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)  # no logprobs: no full variant
-        ran, run = [], runner._run
-        monkeypatch.setattr(runner, "_run", lambda host: (ran.append(host.variant), run(host))[1])
-        outs[mode] += [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts[1:3]],
-                                                                    greedy)]
-        assert "greedy" in ran and "full" not in ran
-        assert runner.compiles_after_warmup == 0
-    assert outs["lm_head_sampler"] == outs["sampler_kernel"] == outs["xla"]
-    assert outs["xla"][0] == hf_greedy(model, prompts[0], 6)
-    assert outs["xla"][5] == hf_greedy(model, prompts[1], 5)
-    assert not set(outs["xla"][3]) & set(stop)
-    assert len({tuple(o) for o in outs["xla"][1:5]}) == 4  # the draws differ from one another
-
-
 def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):
     """RunnerConfig.greedy_variant: a step whose every request is greedy runs its decode bucket's greedy program
     (no draw); one with a sampled request runs the base program, and one asking for logprobs the full one.
@@ -260,8 +222,8 @@ def test_greedy_steps_take_the_greedy_variant(hf_case, hf_greedy, monkeypatch):
     prompts = random_prompts(19, [3, 12, 30], model.config.vocab_size)
     llm = _llm(path)  # bucket 16 holds the 16 sequence rows: a decode bucket
     runner, ran = llm.engine.runner, []
-    run = runner._run
-    monkeypatch.setattr(runner, "_run", lambda host: (ran.append((host.bucket, host.variant)), run(host))[1])
+    run = runner.run
+    monkeypatch.setattr(runner, "run", lambda host: (ran.append((host.bucket, host.variant)), run(host))[1])
     greedy = [SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)] * 3
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(model, p, 5) for p in prompts]

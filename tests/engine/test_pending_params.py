@@ -15,7 +15,7 @@ from hf_models import random_prompts
 from deepinfer_jax import SamplingParams
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
-from deepinfer_jax.runner.model_runner import _program_kind
+from deepinfer_jax.runner.step_programs import program_kind
 from deepinfer_jax.weights.loader import prepare_model
 from deepinfer_jax.weights.pending import PendingParams
 
@@ -62,7 +62,7 @@ def test_weights_load_while_warmup_compiles(hf_case, hf_greedy):
         logger.setLevel(level)
     assert held == {"compiled first": True, "thread": "deepinfer-load-weights"}
     # warm-up lowered the slowest programs first: the prefill buckets' shared forwards, the whole steps, the samplers
-    kinds = [_program_kind(pid)[0] for pid in eng.runner.warmup_plan()[1]]
+    kinds = [program_kind(pid)[0] for pid in eng.runner.warmup_plan()[1]]
     assert kinds == sorted(kinds, key=["forward", "step", "sampler"].index) and set(kinds) == {"forward", "step",
                                                                                                  "sampler"}
     assert eng.runner.compiles_after_warmup == 0

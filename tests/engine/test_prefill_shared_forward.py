@@ -42,12 +42,12 @@ def test_sampling_variants_share_the_prefill_forward(hf_case, hf_greedy):
     shapes = runner.shapes
     prefill = [b for b in shapes.buckets if b > shapes.seq_rows(b)]
     assert len(prefill) >= 2
-    kinds = [pid[0] for pid in runner._step_exes if isinstance(pid[0], str)]
+    kinds = [pid[0] for pid in runner.programs.executables if isinstance(pid[0], str)]
     rows = {shapes.seq_rows(b) for b in prefill}
     assert kinds.count("forward") == 2 * len(prefill) and kinds.count("sampler") == 2 * len(rows) < 4 * len(prefill)
-    samplers = [res for pid, res in runner._programs.items() if pid[0] == "sampler"]
+    samplers = [res for pid, res in runner.programs.residents.items() if pid[0] == "sampler"]
     assert len(samplers) == 2 * len(rows)
-    assert len(runner._programs) == len(samplers) + len(runner._step_exes) - len(kinds)  # + the decode steps'
+    assert len(runner.programs.residents) == len(samplers) + len(runner.programs.executables) - len(kinds)  # + the decode steps'
 
     for w, s in zip(whole, split):
         assert s.token_ids == w.token_ids

@@ -90,7 +90,7 @@ def test_a_second_engine_loads_every_program_and_matches_hf(hf_case, hf_greedy, 
 
     second = _engine(path, tmp_path, 128)
     assert second.runner.programs_loaded == second.num_warmup_compiles == 2
-    assert second.runner._step_fns == {}  # nothing was traced or lowered
+    assert second.runner.programs.jitted == {}  # nothing was traced or lowered
     got = _greedy(second, prompts)
     assert got == want
     assert got == [hf_greedy(model, p, N_NEW) for p in prompts]
@@ -105,11 +105,11 @@ def test_shared_prefill_forwards_and_their_samplers_are_stored_and_loaded(hf_cas
     prompts = random_prompts(43, [7, 19, 3], model.config.vocab_size)
     first = _engine(path, tmp_path, 160, prefill_shared_forward=True)
     assert len(_entries(tmp_path)) == first.num_warmup_compiles == 3
-    assert sorted(pid[0] for pid in first.runner._step_exes) == ["forward", "forward", "sampler"]
+    assert sorted(pid[0] for pid in first.runner.programs.executables) == ["forward", "forward", "sampler"]
     want = _greedy(first, prompts)
     second = _engine(path, tmp_path, 160, prefill_shared_forward=True)
     assert second.runner.programs_loaded == second.num_warmup_compiles == 3
-    assert second.runner._step_fns == {}  # nothing was traced or lowered
+    assert second.runner.programs.jitted == {}  # nothing was traced or lowered
     got = _greedy(second, prompts)
     assert got == want == [hf_greedy(model, p, N_NEW) for p in prompts]
     assert second.runner.compiles_after_warmup == 0

@@ -52,7 +52,7 @@ def test_outbox_carries_the_forwards_routing_and_ids(hf_case):
 
     prefill = [ScheduledSeq(f"r{i}", p, 0, pages[i], True, 0) for i, p in enumerate(prompts)]
     host = runner.prepare(prefill, reqs, seeds)
-    out = runner._run(host)
+    out = runner.run(host)
     want_ids, want_routing, cache = _reference(params, cfg, cache, host, np.zeros(runner.max_rows, np.int32))
     np.testing.assert_array_equal(out.to_host().token_ids[host.sample_rows], want_ids)
     assert runner.last_routing.shape == want_routing.shape == (
@@ -63,7 +63,7 @@ def test_outbox_carries_the_forwards_routing_and_ids(hf_case):
     prev[: len(want_ids)] = want_ids
     decode = [ScheduledSeq(f"r{i}", [-(i + 2)], len(p), pages[i], True, 1) for i, p in enumerate(prompts)]
     host = runner.prepare(decode, reqs, seeds)
-    out = runner._run(host)
+    out = runner.run(host)
     want_ids, want_routing, _ = _reference(params, cfg, cache, host, prev)
     np.testing.assert_array_equal(out.to_host().token_ids[host.sample_rows], want_ids)
     assert runner.last_routing.shape == want_routing.shape and want_routing.shape[1] == 16

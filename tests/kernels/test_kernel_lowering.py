@@ -10,7 +10,6 @@ engine size the cache from the device memory instead of capping it at 2**31 elem
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -228,21 +227,6 @@ def test_decode_attention_output_lowers_for_sm90(triton_modules):
     assert irs[1].count("tt.dot") == 1  # the [16, 512] x [512, 64] W_UV tile; the merge is elementwise
 
 
-def test_output_and_oproj_launch_lowers_for_sm90(triton_modules):
-    """The output kernel with o_proj in its launch (V2-Lite: o_proj [2048, 2048] in 8 K chunks of 256): the
-    merge's tiles release their chunk's counter after a barrier, o_proj's programs acquire it in a loop and
-    take their chunk in four 64-deep dots, as decode_matmul does."""
-    from deepinfer_jax.kernels.mla_output import merge_value_output_projection
-
-    s = jax.ShapeDtypeStruct
-    args = (s((32, 1, 4, H, R), jnp.float32), s((32, 1, 4, H), jnp.float32), s((32, 1, 4, H), jnp.float32),
-            s((L, R, H, 256), jnp.bfloat16), s((L, H * 128, 2048), jnp.bfloat16))
-    (ir,) = triton_modules(lambda o, m, l, kv_b, w: merge_value_output_projection(o, m, l, kv_b, w, 3, dn=128,
-                                                                                 dtype=jnp.bfloat16), *args)
-    assert ir.count("tt.atomic_rmw") == 3 and "scf.while" in ir and "gpu.barrier" in ir
-    assert ir.count("tt.dot") == 1 + 4
-
-
 def test_decode_absorb_lowers_for_sm90(triton_modules):
     """The query's absorption and RoPE at V2-Lite's shape: q read from the whole q projection [32, 16,
     192], W_UK from the stacked kv_b_proj [L, 512, 16, 256], one [32, 128] x [128, 64] dot a program, the
@@ -307,91 +291,6 @@ def test_residual_route_lowers_for_sm90(triton_modules):
                                                               block_m=16), *args)
     assert ir.count("tt.atomic_rmw") == 2 + 2 * 2 and ir.count("scf.while") == 2 and "gpu.barrier" in ir
     assert ir.count("tt.dot") == 1 and "tt.scan" in ir
-
-
-def test_residual_norm_lowers_for_sm90(triton_modules):
-    """The residual add and RMSNorm launch at V2-Lite's width, bf16."""
-    from deepinfer_jax.kernels.residual_route import residual_norm
-
-    T, D = 32, 2048
-    args = (jax.ShapeDtypeStruct((8, T, D), jnp.float32), jax.ShapeDtypeStruct((T, D), jnp.bfloat16),
-            jax.ShapeDtypeStruct((26, D), jnp.bfloat16))
-    (ir,) = triton_modules(lambda p, h, nw: residual_norm(p, h, nw, 5, eps=1e-6), *args)
-    assert "tt.reduce" in ir
-
-
-def test_combine_residual_norm_lowers_for_sm90(triton_modules):
-    """The MoE combine, residual add and RMSNorm launch at V2-Lite's batch-32 shape (8 copies a token), bf16."""
-    from deepinfer_jax.kernels.residual_route import combine_residual_norm
-
-    s = jax.ShapeDtypeStruct
-    args = (s((512, 2048), jnp.bfloat16), s((256,), jnp.int32), s((32, 8), jnp.float32), s((32, 2048), jnp.bfloat16),
-            s((26, 2048), jnp.bfloat16))
-    (ir,) = triton_modules(lambda y, r, w, h, nw: combine_residual_norm(y, r, w, h, nw, 5, eps=1e-6), *args)
-    assert "tt.reduce" in ir and ir.count("tt.store") == 2
-
-
-def test_qkv_projection_and_absorb_launch_lowers_for_sm90(triton_modules):
-    """The q / kv_a projections in the absorb and latent launch at V2-Lite's shape (32 tokens, D 2048, q_proj
-    [2048, 16, 192], kv_a [2048, 576]): 57 column tiles of 64 in 4 K chunks, then the 32 latent and 16 x 8
-    absorb programs; the GEMM tiles release their group's counter after a barrier (two branches: q_proj's
-    tiles and kv_a's), the consumers acquire theirs in a loop; the cache and the counters aliased to
-    outputs."""
-    from deepinfer_jax.kernels.mla_qkv import project_absorb_write_latents
-
-    s = jax.ShapeDtypeStruct
-    fn = lambda x, wq, wkv, kv_b, c, sn, nw, cache, slots: project_absorb_write_latents(  # noqa: E731
-        x, wq, wkv, 3, kv_b, c, sn, nw, cache, 4, slots, dn=128, eps=1e-6)
-    args = (s((32, 2048), jnp.bfloat16), s((L, 2048, H, 192), jnp.bfloat16), s((L, 2048, R + DR), jnp.bfloat16),
-            s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32), s((32, DR // 2), jnp.float32),
-            s((L, R), jnp.bfloat16), s((L, 40000, PS, R + DR), jnp.bfloat16), s((32,), jnp.int32))
-    (ir,) = triton_modules(fn, *args)
-    assert ir.count("tt.dot") == 2 + 1 and ir.count("tt.atomic_rmw") == 2 + 2 * 2
-    assert ir.count("scf.while") == 2 and "gpu.barrier" in ir and "tensor<512xi64>" in ir
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grid_x = 388" in hlo
-    assert "output_operand_alias<output_tuple_indices = [2], operand_index = 10" in hlo
-    assert "output_operand_alias<output_tuple_indices = [4], operand_index = 11" in hlo
-
-
-def test_lm_head_sampler_lowers_for_sm90(triton_modules):
-    """The lm_head with the sampler's reductions at V2-Lite's shape (32 rows, D 2048, V 102,400, 8 suppressed ids):
-    800 column tiles of 128 in one launch, one dot in the K loop, the noise hash's xors and logical shifts (six in
-    its two mixing rounds, one key word, the uniform's shift), the two logs of the Gumbel noise (libdevice's logf,
-    as XLA's), seven stores."""
-    from deepinfer_jax.kernels.lm_head_sample import lm_head_sample_stats
-    from deepinfer_jax.sampling import gumbel_noise
-
-    lm_head_sample_stats = functools.partial(lm_head_sample_stats, noise=gumbel_noise)
-
-    s = jax.ShapeDtypeStruct
-    args = (s((32, 2048), jnp.bfloat16), s((2048, 102400), jnp.bfloat16), s((32,), jnp.float32),
-            s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
-    (ir,) = triton_modules(lm_head_sample_stats, *args)
-    assert ir.count("tt.dot") == 1 and ir.count("tt.store") == 7
-    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
-    hlo = jax.jit(lm_head_sample_stats).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grid_x = 800" in hlo
-
-
-def test_logits_sampler_lowers_for_sm90(triton_modules):
-    """The base sampler's one pass over the logits (RunnerConfig.sampler_kernel) at V2-Lite's shape (32 rows, V
-    102,400, 8 suppressed ids): 200 tiles of 512 ids in one launch, no dot, the noise hash's seven xor-shifts, the
-    Gumbel noise's two logs, seven stores."""
-    from deepinfer_jax.kernels.lm_head_sample import logits_sample_stats
-    from deepinfer_jax.sampling import gumbel_noise
-
-    fn = functools.partial(logits_sample_stats, noise=gumbel_noise)
-    s = jax.ShapeDtypeStruct
-    args = (s((32, 102400), jnp.float32), s((32,), jnp.float32), s((32, 2), jnp.uint32), s((32, 8), jnp.int32))
-    (ir,) = triton_modules(fn, *args)
-    assert ir.count("tt.dot") == 0 and ir.count("tt.store") == 7 and "tensor<32x512xf32>" in ir
-    assert ir.count("__nv_logf") == 2 and ir.count("arith.xori") == 7 and ir.count("arith.shrui") == 7
-    hlo = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "grid_x = 200" in hlo and "num_warps = 8" in hlo
-    # the greedy variant's form (noise=None): no hash and no logs, still seven stores
-    (ir,) = triton_modules(functools.partial(logits_sample_stats, noise=None), *args)
-    assert ir.count("tt.store") == 7 and ir.count("__nv_logf") == 0 and ir.count("arith.xori") == 0
 
 
 def test_route_and_experts_launch_lowers_for_sm90(triton_modules):

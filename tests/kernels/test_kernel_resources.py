@@ -14,9 +14,7 @@ from benchmarks import kernel_resources  # noqa: E402
 def test_dump_writes_each_kernel_with_its_launch_parameters(tmp_path):
     kernel_resources.main(["dump", str(tmp_path)])
     kernels = {k["name"]: k for k in json.load(open(tmp_path / "kernels.json"))}
-    assert len(kernels) == 10
-    qkv = kernels["q / kv_a + absorb + latents"]
-    assert (qkv["num_warps"], qkv["num_stages"], qkv["grid"]) == (4, 4, [388])
+    assert len(kernels) == 8
     absorb = kernels["absorb + latents (merged q / kv_a read in place)"]
     assert absorb["grid"] == [160] and absorb["num_stages"] == 1
     assert kernels["routing + MoE single launch [1/2]"]["num_warps"] == 8  # the routing kernel

@@ -73,44 +73,6 @@ def test_supported_steps():
     assert not supported(24, 128)
 
 
-@pytest.mark.parametrize("T, nh, S, bh, D, dtype", [
-    (32, 2, 4, 8, 256, jnp.float32),  # two token blocks, 32 K chunks of 64 (one value tile each)
-    (16, 1, 3, 16, 2048, jnp.bfloat16),  # V2-Lite's o_proj [2048, 2048]: 8 K chunks of 256 (four tiles each)
-])
-def test_output_projection_in_the_same_launch(T, nh, S, bh, D, dtype):
-    """merge_value_output_projection: the merge and W_UV, then o_proj (the layer-stacked [H * dv, D] read in
-    place) in one launch, its programs waiting on the merge's tiles: o_proj's split-K partials bit for bit
-    those of decode_matmul over merge_value_projection's output, and their sum the references' product."""
-    from deepinfer_jax.kernels.decode_matmul import decode_matmul, decode_matmul_reference
-    from deepinfer_jax.kernels.mla_output import merge_value_output_projection, output_projection_supported
-
-    rng = np.random.default_rng(T + D)
-    R, dn, dv, L = 64, 32, 128, 3
-    H = nh * bh
-    o = jnp.asarray(rng.standard_normal((T, nh, S, bh, R)), jnp.float32)
-    m = jnp.asarray(rng.standard_normal((T, nh, S, bh)), jnp.float32)
-    l = jnp.asarray(rng.uniform(0.5, 3.0, (T, nh, S, bh)), jnp.float32)
-    kv_b = _kv_b(rng, L, R, H, dn, dv, dtype)
-    w_o = jnp.asarray(rng.standard_normal((L, H * dv, D)) * 0.05, dtype)
-    assert output_projection_supported(T, H, dv, D)
-    got = merge_value_output_projection(o, m, l, kv_b, w_o, 1, dn=dn, dtype=dtype, interpret=True)
-    a = merge_value_projection(o, m, l, kv_b, 1, dn=dn, dtype=dtype, interpret=True).reshape(T, H * dv)
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(decode_matmul(a, w_o, 1, reduce=False, interpret=True)))
-    ref = decode_matmul_reference(merge_value_projection_reference(o, m, l, kv_b, 1, dn=dn, dtype=dtype).reshape(
-        T, H * dv), w_o, 1)
-    tol = 1e-4 if dtype == jnp.float32 else 5e-2
-    np.testing.assert_allclose(np.asarray(got.sum(axis=0)), np.asarray(ref), rtol=tol, atol=tol)
-    assert float(jnp.abs(ref).max()) > 0.1
-
-
-def test_output_projection_supported_steps():
-    from deepinfer_jax.kernels.mla_output import output_projection_supported
-
-    assert output_projection_supported(32, 16, 128, 2048)  # V2-Lite at batch 32
-    assert not output_projection_supported(8, 16, 128, 2048)  # the output kernel's own limit
-    assert not output_projection_supported(32, 16, 128, 20)  # no tiling of o_proj's columns
-
-
 @pytest.mark.parametrize("S", [4, 8])
 def test_merge_slices_follow_the_split_count(S):
     """The default slice of the latent a program merges a step (`merge_slice`): 64 columns up to four splits, 32

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from deepinfer_jax.kernels.moe_route import decode_block_m, moe_fused_decode
-from deepinfer_jax.kernels.residual_route import combine_residual_norm, residual_route
+from deepinfer_jax.kernels.residual_route import residual_route
 from deepinfer_jax.kernels.route_experts import route_experts, route_experts_reference
 
 
@@ -54,20 +54,6 @@ def test_equals_the_two_launches_and_the_reference(T, D, E, I, k, S, scoring, bi
     # Layer 1's weights, not another layer's.
     other = route_experts(parts, h, norm_w, gate, 2, wgu, wd, sgu, sd, b, interpret=True, **kw)
     assert not np.allclose(np.asarray(other[2], np.float32), np.asarray(got[2], np.float32))
-
-
-def test_uncombined_rows_combine_to_the_output():
-    """combine=False: the rows (the shared rows past the aligned ones) and row_of, combined by the combine-and-norm
-    launch, give the residual the combined output would."""
-    T, D, E, I, k, S = 32, 256, 64, 128, 6, 2
-    parts, h, norm_w, gate, (wgu, wd), (sgu, sd), _ = _case(T, D, E, I, S, jnp.float32, False, seed=5)
-    kw = dict(eps=1e-6, k=k)
-    h_new, _, out, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, interpret=True, **kw)
-    _, _, rows, _ = route_experts(parts, h, norm_w, gate, 0, wgu, wd, sgu, sd, combine=False, interpret=True, **kw)
-    y, row_of, weights = rows
-    assert y.shape[0] > int(jnp.max(row_of)) >= y.shape[0] - S * T  # the shared rows are the last S * T
-    got, _ = combine_residual_norm(y, row_of, weights, h_new, norm_w, 1, eps=1e-6, interpret=True)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(h_new + out), rtol=2e-6, atol=2e-6)
 
 
 def test_launch_order_and_warps_keep_the_output():

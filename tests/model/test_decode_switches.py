@@ -125,29 +125,11 @@ def test_moe_single_launch_equals_two_launches(hf_case, case, monkeypatch):
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_oproj_launch_equals_two_launches(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_oproj_launch: in a decode step the output kernel serves, o_proj runs in its launch
-    (kernels/mla_output.py merge_value_output_projection): the same logits and cache as the output kernel then
-    decode_matmul, and the full forward's logits. The 64-slot prefill step keeps its own attention."""
-    from deepinfer_jax.kernels import mla_output
-
-    calls = []
-    real = mla_output.merge_value_output_projection
-    monkeypatch.setattr(mla_output, "merge_value_output_projection",
-                        lambda *a, **k: calls.append(a[4].shape) or real(*a, **k))
-    cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_oproj_launch", seed=15,
-                                            decode_projection_kernel=True, decode_output_kernel=True)
-    # The two decode steps, one traced layer body per segment, each handed its segment's o_proj as [L, H * dv, D].
-    H, dv, D = cfg.num_attention_heads, cfg.v_head_dim, cfg.hidden_size
-    assert calls == 2 * [(seg.num_layers, H * dv, D) for seg in layer_segments(cfg)]
-
-
-@pytest.mark.parametrize("case, oproj", [("v2_greedy_yarn", False), ("v2_greedy_yarn", True), ("v3_flat_plain_rope", True)])
-def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypatch):
+def test_decode_route_launch_equals_the_xla_path(hf_case, case, monkeypatch):
     """RunnerConfig.decode_route_launch: in a decode step's MoE layers, o_proj's split-K partials (from
-    decode_matmul, or from the output kernel's launch with decode_oproj_launch) go to the residual, the
-    post-attention RMSNorm, the router's logits and the routing in one launch (kernels/residual_route.py),
-    and the MoE takes that routing: the same logits and cache as the separate path, and the full forward's."""
+    decode_matmul) go to the residual, the post-attention RMSNorm, the router's logits and the routing in one
+    launch (kernels/residual_route.py), and the MoE takes that routing: the same logits and cache as the separate
+    path, and the full forward's."""
     from deepinfer_jax.kernels import residual_route
 
     calls = []
@@ -155,36 +137,33 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, oproj, monkeypat
     monkeypatch.setattr(residual_route, "residual_route", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_route_launch", seed=17, decode_projection_kernel=True,
                                        fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
-                                       decode_output_kernel=True, decode_oproj_launch=oproj)
+                                       decode_output_kernel=True)
     # The MoE segment of the 64-slot prefill step and of the two 16-slot decode steps, each with o_proj's
     # partials [split_k, slots, D].
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
     assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
 
 
-@pytest.mark.parametrize("case, combine_norm, tokens", [("v2_greedy_yarn", False, None),
-                                                         ("v3_flat_plain_rope", False, (16,)),
-                                                         ("v3_flat_plain_rope", True, None)])
-def test_decode_moe_launch_equals_two_launches(hf_case, case, combine_norm, tokens, monkeypatch):
+@pytest.mark.parametrize("case, tokens", [("v2_greedy_yarn", None), ("v3_flat_plain_rope", (16,))])
+def test_decode_moe_launch_equals_two_launches(hf_case, case, tokens, monkeypatch):
     """RunnerConfig.decode_moe_launch: with the route launch on, a decode step's MoE layers run the route launch
     and the experts' single launch as one launch (kernels/route_experts.py), the shared MLP inside it: the same
-    logits and cache as the two launches, and the full forward's; with decode_combine_norm the launch hands its
-    rows uncombined to the combine-and-norm launch; decode_moe_launch_tokens (16,) keeps the 64-slot step on the
-    two launches."""
+    logits and cache as the two launches, and the full forward's; decode_moe_launch_tokens (16,) keeps the
+    64-slot step on the two launches."""
     from deepinfer_jax.kernels import route_experts
 
     calls = []
     real = route_experts.route_experts
     monkeypatch.setattr(route_experts, "route_experts",
-                        lambda *a, **k: calls.append((a[0].shape[1], k["combine"])) or real(*a, **k))
+                        lambda *a, **k: calls.append(a[0].shape[1]) or real(*a, **k))
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_moe_launch", seed=21, decode_projection_kernel=True,
                                        fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
                                        decode_output_kernel=True, decode_route_launch=True,
-                                       decode_combine_norm=combine_norm, decode_moe_launch_tokens=tokens)
+                                       decode_moe_launch_tokens=tokens)
     # The MoE segments of the 64-slot prefill step (unless `tokens` leaves it out) and of the two 16-slot decode steps.
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
     sizes = (64, 16, 16) if tokens is None else (16, 16)
-    assert calls == [(n, not combine_norm) for n in sizes for _ in range(moe)]
+    assert calls == [n for n in sizes for _ in range(moe)]
 
 
 def test_moe_launch_tokens_reach_the_forward_as_a_tuple():
@@ -193,77 +172,6 @@ def test_moe_launch_tokens_reach_the_forward_as_a_tuple():
     assert RunnerConfig().forward_switches()["decode_moe_launch_tokens"] == (32,)
     assert RunnerConfig(decode_moe_launch_tokens=[16, "64"]).forward_switches()["decode_moe_launch_tokens"] == (16, 64)
     assert RunnerConfig(decode_moe_launch_tokens=None).forward_switches()["decode_moe_launch_tokens"] is None
-
-
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_residual_norm_equals_the_xla_path(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_residual_norm: in every layer of the steps whose o_proj is read in place (decode
-    sizes), o_proj's split-K partials are added to the residual and the post-attention RMSNorm taken in one
-    launch (kernels/residual_route.py residual_norm): the same logits and cache as XLA's add and norm, and
-    the full forward's logits; with the route launch on, that launch keeps the MoE layers' work."""
-    from deepinfer_jax.kernels import residual_route
-
-    calls = []
-    real = residual_route.residual_norm
-    monkeypatch.setattr(residual_route, "residual_norm",
-                        lambda *a, **k: calls.append((a[0].shape[1:], a[2].shape)) or real(*a, **k))
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_residual_norm", seed=19, decode_projection_kernel=True,
-                                       decode_output_kernel=True)
-    # The 64-slot prefill step and the two 16-slot decode steps, one traced body per segment, each with the
-    # partials [split_k, slots, D] and the segment's stacked norm [L, D].
-    D, segs = cfg.hidden_size, layer_segments(cfg)
-    assert calls == [((n, D), (seg.num_layers, D)) for n in (64, 16, 16) for seg in segs]
-    calls.clear()
-    _decode_kernel_on_and_off(hf_case, case, "decode_residual_norm", seed=20, decode_projection_kernel=True,
-                              decode_output_kernel=True, fuse_moe_routing=True, fuse_shared_experts=True,
-                              moe_single_launch=True, decode_route_launch=True)
-    assert calls == [((n, D), (seg.num_layers, D)) for n in (64, 16, 16) for seg in segs if seg.kind == "dense"]
-
-
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_combine_norm_equals_the_xla_path(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_combine_norm: in the MoE layers of the steps that route in the kernel (all three
-    here), the expert rows are combined into the residual and the next layer's input RMSNorm taken in one
-    launch (kernels/residual_route.py combine_residual_norm), the normed input passed on to the next layer:
-    the same logits and cache as XLA's combine, add and norm, and the full forward's logits; with the
-    residual norm launch on too."""
-    from deepinfer_jax.kernels import residual_route
-
-    calls = []
-    real = residual_route.combine_residual_norm
-    monkeypatch.setattr(residual_route, "combine_residual_norm",
-                        lambda *a, **k: calls.append((a[2].shape, a[4].shape)) or real(*a, **k))
-    kw = dict(fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True)
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_combine_norm", seed=21, **kw)
-    # The 64-slot prefill step and the two 16-slot decode steps, one traced body per MoE segment: the
-    # weights [slots, k + shared] and the segment's stacked input norms [L, D].
-    K = cfg.num_experts_per_tok + cfg.n_shared_experts
-    moe = [seg for seg in layer_segments(cfg) if seg.kind == "moe"]
-    assert calls == [((n, K), (seg.num_layers, cfg.hidden_size)) for n in (64, 16, 16) for seg in moe]
-    calls.clear()
-    _decode_kernel_on_and_off(hf_case, case, "decode_combine_norm", seed=22, decode_projection_kernel=True,
-                              decode_output_kernel=True, decode_residual_norm=True, **kw)
-    assert len(calls) == 3 * len(moe)
-
-
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
-def test_decode_qkv_launch_equals_the_xla_projections(hf_case, case, monkeypatch):
-    """RunnerConfig.decode_qkv_launch: in a decode step whose absorb launch writes the latents, on a model without
-    q-LoRA, the q / kv_a projections run in that launch with both weights read in place from the segment's
-    stacked arrays (kernels/mla_qkv.py): the same logits and cache as XLA's GEMM, and the full forward's logits.
-    The prefill step keeps XLA's path."""
-    from deepinfer_jax.kernels import mla_qkv
-
-    calls = []
-    real = mla_qkv.project_absorb_write_latents
-    monkeypatch.setattr(mla_qkv, "project_absorb_write_latents",
-                        lambda *a, **k: calls.append((a[0].shape, a[1].shape, a[2].shape)) or real(*a, **k))
-    cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_qkv_launch", seed=18, decode_absorb_kernel=True,
-                                       decode_latent_kernel=True, decode_output_kernel=True)
-    # The two decode steps, one traced layer body per segment: x [16, D], the segment's q_proj and kv_a.
-    D, H, R = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
-    W, dr = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.qk_rope_head_dim
-    assert calls == 2 * [((16, D), (seg.num_layers, D, H, W), (seg.num_layers, D, R + dr)) for seg in layer_segments(cfg)]
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_flat_plain_rope"])
@@ -284,52 +192,3 @@ def test_decode_merged_qkv_equals_two_projections(hf_case, case, monkeypatch):
                    cfg.qk_rope_head_dim)
     n = len(layer_segments(cfg))  # one traced layer body per segment and step; the prefill step takes neither
     assert calls == 2 * n * [((16, H, W), False)] + 2 * n * [((16, H * W + R + dr), True)]
-
-
-def test_decode_qkv_launch_applies_without_q_lora_only(hf_case):
-    """decode_qkv_weights: the stacked q_proj and kv_a where the absorb launch writes the latents, a model has no
-    q-LoRA and the flag is on; None with q-LoRA (its q goes through q_a's norm and q_b first), without the latent
-    write, or with the flag off."""
-    from deepinfer_jax.models.decode_kernels import decode_qkv_weights
-
-    meta = StepMetadata(*(jnp.zeros(16, jnp.int32),) * 4, jnp.zeros((16, 2), jnp.int32), jnp.zeros(16, jnp.int32))
-    for case, applies in (("v2_greedy_yarn", True), ("v3_grouped_noaux", False)):
-        _, path = hf_case(case)
-        cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
-        sp = params["segments"][0]
-        norm = sp["attn"]["kv_a_layernorm"]
-        got = decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", True)
-        if applies:
-            assert got[0] is sp["attn"]["q_proj"] and got[1] is sp["attn"]["kv_a_proj_with_mqa"]
-            assert decode_qkv_weights(sp, cfg, meta, norm, "pallas", True) is None  # 8-wide tiles: GPU's dot can't
-        else:
-            assert got is None
-        assert decode_qkv_weights(sp, cfg, meta, None, "pallas_interpret", True) is None
-        assert decode_qkv_weights(sp, cfg, meta, norm, "pallas_interpret", False) is None
-
-
-def test_launch_dependents_reach_every_kernel_and_change_no_value(hf_case, monkeypatch):
-    """RunnerConfig.launch_dependents (kernels/pdl.py): with every family named, each decode kernel of the
-    defaults' steps (and the combine-and-norm launch) is traced with the early signal (the setting reaches the
-    kernels through forward_paged, and their jitted wrappers are traced again under it); the logits and cache as
-    without, and the full forward's."""
-    from deepinfer_jax.kernels import pdl
-
-    seen = []
-    real = pdl.program_id
-    monkeypatch.setattr(pdl, "program_id", lambda axis, family: seen.append((family, pdl.signals(family))) or
-                        real(axis, family))
-    switches = {k: v for k, v in RunnerConfig().forward_switches().items() if k != "launch_dependents"}
-    switches["decode_combine_norm"] = True  # the "norm" family
-    _decode_kernel_on_and_off(hf_case, "v2_greedy_yarn", "launch_dependents", seed=31, values=((), pdl.FAMILIES),
-                              **switches)
-    # The pass without, then the pass with: every family traced with the signal, none before it was set (the pass
-    # without may trace fewer kernels where an earlier test left their wrappers compiled at these shapes).
-    assert {f for f, on in seen if on} == set(pdl.FAMILIES)
-    assert [on for _, on in seen] == sorted(on for _, on in seen)
-
-
-def test_launch_dependents_reach_the_forward_sorted():
-    assert RunnerConfig().forward_switches()["launch_dependents"] == ()
-    assert RunnerConfig(launch_dependents=["moe", "attention", "moe"]).forward_switches()["launch_dependents"] == (
-        "attention", "moe")

@@ -28,15 +28,6 @@ def test_needs_full_variant(kw, full):
     assert needs_full_variant(Request("r", [1, 2], SamplingParams(**kw))) is full
 
 
-@pytest.mark.parametrize("kw, full", [
-    ({"temperature": 1.0, "min_p": 0.1}, True),  # the lm_head's sampler takes no min-p
-    ({"temperature": 0.0, "min_p": 0.1}, False),  # greedy ignores it
-    ({"temperature": 1.0}, False),
-])
-def test_min_p_needs_the_full_variant_where_the_lm_head_samples(kw, full):
-    assert needs_full_variant(Request("r", [1, 2], SamplingParams(**kw)), min_p_full=True) is full
-
-
 def test_prefill_buckets_say_whether_the_step_has_cached_context():
     """build_metadata(mark_context=True) (RunnerConfig.prefill_context_variant): a prefill bucket (more token
     slots than sequence rows) marks a step with any sequence past position 0 (a later chunk, a prefix-cache

@@ -37,11 +37,7 @@ def test_defaults_and_vllm_names():
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
     assert kw["prefill_context_variant"] is True
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-prefill-context-variant"]))
-    assert kw["prefill_context_variant"] is False and "lm_head_sampler" not in kw
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--lm-head-sampler"]))
-    assert kw["lm_head_sampler"] is True and "greedy_variant" not in kw
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--sampler-kernel"]))
-    assert kw["sampler_kernel"] is True and "lm_head_sampler" not in kw
+    assert kw["prefill_context_variant"] is False and "greedy_variant" not in kw
     kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-greedy-variant"]))
     assert kw["greedy_variant"] is False
 
