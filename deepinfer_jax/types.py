@@ -45,6 +45,54 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's `StructuredOutputsParams`); exactly one field set.
+
+    json: a JSON schema (a dict or its JSON text); json_object: True for any JSON object (OpenAI's JSON
+    mode); regex: a regular expression (Rust `regex` syntax) the whole output matches; choice: a list of
+    strings, the output is one of them; grammar: a Lark grammar or a GBNF (llama.cpp) grammar.
+
+    The engine compiles it (llguidance, text/grammar.py) to a token-level matcher over the model's
+    tokenizer; each step the sampler only draws tokens the matcher allows, EOS only where the grammar is
+    complete, and the request finishes ("stop") when the grammar can take no more. JSON is generated in
+    one fixed layout: no newlines or indentation, ", " between items and ": " after keys. A spec the
+    compiler rejects is a ValueError naming the field (the server's 400)."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling knobs (vLLM names). Frozen; `stop` normalised to a list of strings.
 
@@ -52,6 +100,8 @@ class SamplingParams:
     max_model_len" (the scheduler resolves it); logprobs None means none, 0 means only the sampled
     token's, k means the sampled token's plus the top k. min_tokens holds back EOS and
     stop_token_ids (the sampler should mask them; the scheduler never stops before min_tokens).
+    structured_outputs: a StructuredOutputsParams (JSON schema, JSON object, regex, choice or grammar) the
+    output is constrained to, as vLLM's field of that name; None for free text.
     """
 
     n: int = 1
@@ -72,6 +122,7 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ValueError:
@@ -141,6 +192,8 @@ class SamplingParams:
                 raise bad("output_kind", "a RequestOutputKind") from None
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams or None")
 
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0, up to vLLM's 1e-5 epsilon)."""
@@ -195,6 +248,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # The structured-output matcher (text/grammar.py GrammarMatcher) when sampling_params.structured_outputs is set:
+    # the runner fills the step's token bitmask row from it, the engine advances it on each accepted token.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -84,7 +84,15 @@ def test_malformed_and_empty_bodies(server):
      "tool_choice"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
     ({"messages": MSG, "logit_bias": {"5": 10}}, "logit_bias"),
-    ({"messages": MSG, "response_format": {"type": "json_object"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+        "type": "strin"}}}}, "response_format"),
+    ({"messages": MSG, "guided_regex": "[a-"}, "guided_regex"),
+    ({"messages": MSG, "guided_choice": []}, "guided_choice"),
+    ({"messages": MSG, "guided_decoding_backend": "xgrammar", "guided_regex": "a"}, "guided_decoding_backend"),
+    ({"messages": MSG, "guided_whitespace_pattern": " ", "guided_json": {}}, "guided_whitespace_pattern"),
+    ({"messages": MSG, "structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+    ({"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "max_tokens": 2},
      "messages"),
 ])
