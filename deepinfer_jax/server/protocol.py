@@ -225,6 +225,7 @@ class ChatRequest(_Common):
     tools: list[dict] | None = None
     tool_choice: str | dict = "none"
     named_tool: str | None = None
+    parallel_tool_calls: bool = True
     top_logprobs: int | None = None
     include_reasoning: bool = True
     add_generation_prompt: bool = True
@@ -289,6 +290,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         c.model, c.stream, c.include_usage, c.params, messages=clean, tools=tools, tool_choice=choice,
         named_tool=named, top_logprobs=c.params.logprobs,
+        parallel_tool_calls=_opt(body, "parallel_tool_calls", (bool,), "a boolean", True),
         include_reasoning=_opt(body, "include_reasoning", (bool,), "a boolean", True),
         add_generation_prompt=_opt(body, "add_generation_prompt", (bool,), "a boolean", True),
         chat_template_kwargs=dict(kwargs))

@@ -115,6 +115,54 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int])
     return llg.LLTokenizer(llg.TokenizerWrapper(_Source()), n_vocab=vocab_size, eos_token=eos)
 
 
+def _json_rule(schema: Any) -> str:
+    """A Lark `%json` rule body for `schema`, in JSON_OPTIONS' layout."""
+    if not isinstance(schema, dict):
+        schema = {"type": "object"}
+    return "%json " + json.dumps({**schema, "x-guidance": {**JSON_OPTIONS, **schema.get("x-guidance", {})}})
+
+
+def tool_call_grammar(tools: Sequence[dict], parser: str, token_id, named: str | None = None,
+                      parallel: bool = True) -> str:
+    """A Lark grammar for the rest of a forced tool-call block, after the prefix the chat handler puts at the start
+    of the assistant turn (server/serving_chat.py `forced_tool_prefix`: the block and first call markers, for
+    deepseek_v3 "function" and the separator, and for a named function the whole call head): the call(s) in the tool parser's format, each function's arguments valid under its
+    `parameters` schema, then the block's end. `token_id(marker)`: a marker's special-token id. `named`: only that
+    function, one call; else any of `tools`, one call or (with `parallel`) several."""
+    from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALL_END, CALLS_END, TOOL_SEP
+
+    if parser not in ("deepseek_v3", "deepseek_v31"):
+        raise ValueError(f"no tool-call grammar for the parser {parser!r}")
+    ids = {}
+    for m in (CALL_BEGIN, CALL_END, CALLS_END, TOOL_SEP):
+        i = token_id(m)
+        if i is None:
+            raise ValueError(f"the tokenizer has no token {m!r}, which forced tool calls need")
+        ids[m] = f"<[{int(i)}]>"
+    fns = {t["function"]["name"]: t["function"].get("parameters") for t in tools}
+    v3 = parser == "deepseek_v3"
+    rules = []
+    for k, (name, schema) in enumerate(fns.items()):
+        rules.append(f"args{k}: {_json_rule(schema)}")
+    nl = json.dumps("\n")  # the Lark literal of a newline
+    if named is not None:
+        k = list(fns).index(named)
+        end = json.dumps("\n```") + " " if v3 else ""
+        return "\n".join([f"start: args{k} {end}{ids[CALL_END]} {ids[CALLS_END]}", *rules])
+    heads = []
+    for k, name in enumerate(fns):
+        if v3:
+            heads.append(f"{json.dumps(name + chr(10) + '```json' + chr(10))} args{k} {json.dumps(chr(10) + '```')}")
+        else:
+            heads.append(f"{json.dumps(name)} {ids[TOOL_SEP]} args{k}")
+    # The prefix ends inside the first call: after its begin marker (and for deepseek_v3 "function" and the
+    # separator); later calls (parallel) are whole.
+    head = f'"function" {ids[TOOL_SEP]} ' if v3 else ""
+    more = (f"({nl} {ids[CALL_BEGIN]} call)*" if v3 else f"({ids[CALL_BEGIN]} call)*") if parallel else ""
+    return "\n".join([f"start: call_rest {ids[CALL_END]} {more} {ids[CALLS_END]}",
+                      f"call: {head}call_rest {ids[CALL_END]}", "call_rest: " + " | ".join(heads), *rules])
+
+
 class GrammarMatcher:
     """One sequence's matcher (an llguidance LLMatcher): advanced on each accepted token."""
 

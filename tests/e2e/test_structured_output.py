@@ -110,12 +110,63 @@ def test_pydantic_parse(client):
     assert isinstance(c.message.parsed, Item)
 
 
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome", "Oslo"]},
+                                         "unit": {"enum": ["C", "F"]}},
+        "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "b": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+SCHEMA_OF = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(choice, names=tuple(SCHEMA_OF)):
+    assert choice.finish_reason == "tool_calls", choice.message
+    assert choice.message.tool_calls and not choice.message.content
+    for call in choice.message.tool_calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMA_OF[call.function.name])
+
+
+def test_forced_tool_calls(client):
+    """tool_choice "required" and a named function: always a call of a given tool with valid arguments, at any
+    temperature, on weights that would never write one by themselves for these tools."""
+    r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required", n=8,
+                                       temperature=1.0, seed=9, max_tokens=80, parallel_tool_calls=False)
+    for c in r.choices:
+        _check_calls(c)
+        assert len(c.message.tool_calls) == 1
+    r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, n=6, temperature=1.0, seed=4,
+                                       max_tokens=80, tool_choice={"type": "function", "function": {"name": "add"}})
+    for c in r.choices:
+        _check_calls(c, ("add",))
+    calls: dict = {}
+    reasons = []
+    for chunk in client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required",
+                                                temperature=1.0, seed=2, max_tokens=100, stream=True):
+        for ch in chunk.choices:
+            reasons.append(ch.finish_reason)
+            for tc in ch.delta.tool_calls or []:
+                entry = calls.setdefault(tc.index, {"name": "", "args": ""})
+                entry["name"] += (tc.function.name or "") if tc.function else ""
+                entry["args"] += (tc.function.arguments or "") if tc.function else ""
+    assert reasons[-1] == "tool_calls" and calls
+    for entry in calls.values():
+        jsonschema.validate(json.loads(entry["args"]), SCHEMA_OF[entry["name"]])
+
+
 @pytest.mark.parametrize("extra,param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}}},
      "response_format"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"guided_decoding_backend": "xgrammar", "guided_json": {}}, "guided_decoding_backend"),
     ({"structured_outputs": {"structural_tag": "{}"}}, "structured_outputs"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nope"}}}],
+      "tool_choice": "required"}, "tools"),
 ])
 def test_refusals_in_openai_error_shape(client, extra, param):
     with pytest.raises(openai.BadRequestError) as e:
