@@ -153,3 +153,46 @@ def test_params_validation():
         SamplingParams(structured_outputs={"json": {}})
     assert SOP(json_object=True).kind == "json_object"
     assert SamplingParams(structured_outputs=SOP(regex="a")).structured_outputs.kind == "regex"
+
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["a"],
+        "additionalProperties": False}}},
+]
+
+
+@pytest.mark.parametrize("parser", ["deepseek_v3", "deepseek_v31"])
+@pytest.mark.parametrize("named", [None, "add"])
+def test_tool_call_grammar_walks_parse(tok, compiler, parser, named):
+    """Random walks of a forced tool call, after the chat handler's prefix, parse with the tool parser into
+    calls of the given tools whose arguments follow their schemas."""
+    from deepinfer_jax.text import get_tool_parser
+    from deepinfer_jax.text.grammar import tool_call_grammar
+    from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
+
+    schemas = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    v3 = parser == "deepseek_v3"
+    prefix = CALLS_BEGIN + CALL_BEGIN + ("function" + TOOL_SEP if v3 else "")
+    if named:
+        prefix += named + ("\n```json\n" if v3 else TOOL_SEP)
+    spec = SOP(grammar=tool_call_grammar(TOOLS, parser, tok.convert_tokens_to_ids, named=named, parallel=True))
+    check(spec)
+    rng = np.random.default_rng(3)
+    for _ in range(6):
+        m = compiler.matcher(spec)
+        ids = []
+        while not m.is_terminated() and len(ids) < 300:
+            allowed = [int(t) for t in m.allowed_ids() if t not in tok.eos_token_ids]
+            t = rng.choice(allowed)
+            assert m.accept(t)
+            ids.append(int(t))
+        assert m.is_terminated()
+        content, calls = get_tool_parser(parser)().extract(prefix + tok.decode(ids))
+        assert not content.strip() and calls
+        assert not named or [c.name for c in calls] == [named]
+        for c in calls:
+            jsonschema.validate(json.loads(c.arguments), schemas[c.name])
