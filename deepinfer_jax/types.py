@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (the width of the sampler's bias arrays)
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
 
@@ -101,7 +102,9 @@ class SamplingParams:
     token's, k means the sampled token's plus the top k. min_tokens holds back EOS and
     stop_token_ids (the sampler should mask them; the scheduler never stops before min_tokens).
     structured_outputs: a StructuredOutputsParams (JSON schema, JSON object, regex, choice or grammar) the
-    output is constrained to, as vLLM's field of that name; None for free text.
+    output is constrained to, as vLLM's field of that name; None for free text. logit_bias: {token id: bias}
+    (OpenAI's: each bias in [-100, 100], added to that token's logit before penalties and sampling; at most
+    MAX_LOGIT_BIAS entries); returned logprobs stay the model's own.
     """
 
     n: int = 1
@@ -123,6 +126,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ValueError:
@@ -194,6 +198,14 @@ class SamplingParams:
             object.__setattr__(self, "top_k", 0)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise bad("structured_outputs", "a StructuredOutputsParams or None")
+        lb = self.logit_bias
+        if lb is not None:
+            if not isinstance(lb, dict) or not all(_is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100
+                                                   for k, v in lb.items()):
+                raise bad("logit_bias", "a dict of token id (int >= 0) -> bias in [-100, 100]")
+            if len(lb) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()} or None)
 
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0, up to vLLM's 1e-5 epsilon)."""

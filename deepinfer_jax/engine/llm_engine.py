@@ -40,7 +40,8 @@ from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.text.grammar import mask_words
-from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
+from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
+                                 SamplingParams)
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
@@ -117,7 +118,7 @@ class LLMEngine:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
-                             mask_words=mask_words(cfg.vocab_size))
+                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS)
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 
@@ -166,6 +167,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab})")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)

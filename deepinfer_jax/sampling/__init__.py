@@ -5,6 +5,7 @@ Public API:
   sample_from_tile_stats(stats, st, *, max_logprobs)                  -- the base variant from tile reductions
   apply_penalties, apply_suppression, apply_truncation, token_counts  -- stages (testing)
   apply_token_bitmask(logits, bits)                                   -- a structured-output mask (packed bits)
+  apply_logit_bias(logits, ids, values)                               -- a request's logit_bias
   gumbel_noise(k0, k1, col)                                           -- the draw's noise (also the kernels')
   make_key_data(seed, step), make_key_data_batch(seeds, steps)        -- host key helpers
 """
@@ -14,6 +15,7 @@ from deepinfer_jax.sampling.sampler import (
     GREEDY_EPS,
     SampleOutput,
     SamplingTensors,
+    apply_logit_bias,
     apply_penalties,
     apply_suppression,
     apply_token_bitmask,
@@ -25,7 +27,7 @@ from deepinfer_jax.sampling.sampler import (
 )
 
 __all__ = [
-    "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_penalties", "apply_suppression",
+    "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_logit_bias", "apply_penalties", "apply_suppression",
     "apply_token_bitmask",
     "apply_truncation", "gumbel_noise", "make_key_data", "make_key_data_batch", "sample", "sample_from_tile_stats",
     "threefry2x32", "token_counts",

@@ -115,6 +115,7 @@ def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None,
         logprobs=logprobs,
         skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
         structured_outputs=structured_output(body),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
     if kw["temperature"] > 2.0:
         raise APIError(f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
@@ -138,9 +139,6 @@ def _common(body: Any, params_fn) -> tuple[dict, _Common]:
     include_usage = _opt(so, "include_usage", (bool,), "a boolean", False)
     if so and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    lb = body.get("logit_bias")
-    if lb:
-        raise APIError("'logit_bias' is not supported", param="logit_bias")
     return body, _Common(model, stream, include_usage, params_fn(body))
 
 
@@ -173,6 +171,26 @@ def _response_format(rf: Any) -> tuple[str, Any] | None:
         return "json", schema
     raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
                    param="response_format")
+
+
+def _logit_bias(lb: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, ids as strings in JSON) -> {int: bias}; the range checks are
+    SamplingParams' (400 naming logit_bias), the vocabulary's Serving.check_prompt's."""
+    if lb is None or lb == {}:
+        return None
+    err = APIError("'logit_bias' must map token ids to numbers in [-100, 100]", param="logit_bias")
+    if not isinstance(lb, dict):
+        raise err
+    out = {}
+    for k, v in lb.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise err from None
+        if not isinstance(v, _NUM) or isinstance(v, bool):
+            raise err
+        out[tid] = v
+    return out
 
 
 def structured_output(body: dict) -> StructuredOutputsParams | None:

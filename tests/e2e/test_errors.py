@@ -83,7 +83,9 @@ def test_malformed_and_empty_bodies(server):
     ({"messages": MSG, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
      "tool_choice"),
     ({"messages": MSG, "tool_choice": "required"}, "tool_choice"),
-    ({"messages": MSG, "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"x": 1}}, "logit_bias"),
+    ({"messages": MSG, "logit_bias": {"99999999": 1}}, "logit_bias"),
     ({"messages": MSG, "response_format": {"type": "xml"}}, "response_format"),
     ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "strin"}}}}, "response_format"),

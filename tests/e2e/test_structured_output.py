@@ -174,3 +174,18 @@ def test_refusals_in_openai_error_shape(client, extra, param):
     assert e.value.status_code == 400
     err = e.value.body
     assert err["param"] == param and err["type"] == "invalid_request_error" and err["message"]
+
+
+def test_logit_bias(client, tokenizer):
+    """+100 on one token makes greedy decoding repeat it; -100 on the scripted continuation's first token moves
+    greedy decoding off it."""
+    [z] = tokenizer.encode("Z", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt="hello", max_tokens=6, temperature=0,
+                                  logit_bias={str(z): 100})
+    assert r.choices[0].text == "Z" * 6
+    [first] = tokenizer.encode("<think>", add_special_tokens=False)
+    plain, biased = (client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=3, temperature=0,
+                                                    logprobs=True, logit_bias=lb)
+                     for lb in (None, {str(first): -100}))
+    assert plain.choices[0].logprobs.content[0].token == "<think>"
+    assert biased.choices[0].logprobs.content[0].token != "<think>"

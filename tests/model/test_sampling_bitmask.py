@@ -50,3 +50,29 @@ def test_sample_draws_only_allowed_ids():
         np.testing.assert_array_equal(ids[greedy], masked[greedy].argmax(-1))
         free = dataclasses.replace(st, allowed_token_bits=np.zeros((batch, 0), np.int32))
         assert ids[-1] == np.asarray(fn(jnp.asarray(logits), free).token_ids)[-1]
+
+
+def test_logit_bias_matches_numpy_and_steers_sampling():
+    from deepinfer_jax.sampling import apply_logit_bias
+
+    rng = np.random.default_rng(2)
+    batch, vocab = 4, 50
+    logits = rng.normal(size=(batch, vocab)).astype(np.float32)
+    ids = np.array([[3, 7, -1], [49, 49, 0], [-1, -1, -1], [60, 5, 6]], np.int32)  # -1 and >= V ignored
+    vals = np.array([[100, -100, 5], [1.5, 2.0, -3], [9, 9, 9], [100, 0.5, -0.5]], np.float32)
+    ref = logits.copy()
+    for b in range(batch):
+        for t, v in zip(ids[b], vals[b]):
+            if 0 <= t < vocab:
+                ref[b, t] += v
+    out = np.asarray(jax.jit(apply_logit_bias)(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(vals)))
+    np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
+    st = dataclasses.replace(SamplingTensors.defaults(batch, bias_len=3), temperature=np.array([0, 1, 0, 1], np.float32),
+                             rng_key_data=make_key_data_batch([1, 2, 3, 4], [0] * batch), logit_bias_ids=ids,
+                             logit_bias_values=vals)
+    got = sample(jnp.asarray(logits), st, max_logprobs=0, full=True)
+    tokens = np.asarray(got.token_ids)
+    assert tokens[0] == 3 and tokens[2] == logits[2].argmax()  # +100 wins; a row of padding is untouched
+    # returned logprobs are the model's own, without the bias
+    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    np.testing.assert_allclose(np.asarray(got.logprob), lsm[np.arange(batch), tokens], atol=1e-5)
