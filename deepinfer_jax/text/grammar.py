@@ -86,33 +86,15 @@ def check(spec: StructuredOutputsParams) -> None:
 
 
 def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int]):
-    """An llguidance LLTokenizer for our text.Tokenizer: its tokenizer.json for the tokenizers backend, else
-    each id's bytes (sentencepiece: `▁` is a space, <0xNN> a byte)."""
-    llg = _llg()
-    eos = [int(t) for t in eos_token_ids]
+    """An llguidance LLTokenizer for our text.Tokenizer, from its tokenizer.json (the tokenizers backend).
+    A sentencepiece tokenizer is refused: llguidance re-tokenizes forced text through it, and sentencepiece's
+    dummy-prefix space then makes the masks allow tokens the grammar rejects."""
     backend = getattr(tokenizer, "_backend", None)
     rust = getattr(backend, "tok", None)
-    if rust is not None and hasattr(rust, "to_str"):
-        return llg.LLTokenizer(rust.to_str(), n_vocab=vocab_size, eos_token=eos)
-
-    class _Source:
-        def __init__(self):
-            self.eos_token_id, self.bos_token_id = eos[0], getattr(tokenizer, "bos_token_id", None)
-            self.special_token_ids = sorted(getattr(tokenizer, "all_special_ids", ()))
-            self.tokens = [self._bytes(tokenizer.id_to_token(i)) for i in range(vocab_size)]
-
-        @staticmethod
-        def _bytes(piece: str | None) -> bytes:
-            if piece is None:
-                return b""
-            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
-                return bytes([int(piece[3:5], 16)])
-            return piece.replace("\u2581", " ").encode("utf-8")
-
-        def __call__(self, s: str) -> list[int]:
-            return tokenizer.encode(s, add_special_tokens=False)
-
-    return llg.LLTokenizer(llg.TokenizerWrapper(_Source()), n_vocab=vocab_size, eos_token=eos)
+    if rust is None or not hasattr(rust, "to_str"):
+        raise ValueError("structured_outputs needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
+                         f"model's is {getattr(tokenizer, 'backend_kind', type(tokenizer).__name__)}")
+    return _llg().LLTokenizer(rust.to_str(), n_vocab=vocab_size, eos_token=[int(t) for t in eos_token_ids])
 
 
 def _json_rule(schema: Any) -> str:

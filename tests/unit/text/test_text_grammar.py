@@ -196,3 +196,17 @@ def test_tool_call_grammar_walks_parse(tok, compiler, parser, named):
         assert not named or [c.name for c in calls] == [named]
         for c in calls:
             jsonschema.validate(json.loads(c.arguments), schemas[c.name])
+
+
+def test_sentencepiece_tokenizer_is_refused(tmp_path):
+    import sentencepiece as spm
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n".join(['hello world {"a": 1, "b": [2, 3]} 123-abc'] * 50))
+    spm.SentencePieceTrainer.train(input=str(corpus), model_prefix=str(tmp_path / "tokenizer"), vocab_size=300,
+                                   byte_fallback=True, model_type="bpe", bos_id=0, eos_id=1, unk_id=2,
+                                   minloglevel=2)
+    (tmp_path / "tokenizer_config.json").write_text('{"bos_token": "<s>", "eos_token": "</s>"}')
+    tok = load_tokenizer(str(tmp_path))
+    with pytest.raises(ValueError, match="tokenizer.json"):
+        GrammarCompiler(tok, 300, tok.eos_token_ids).matcher(SOP(regex="[0-9]+"))
