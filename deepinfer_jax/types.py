@@ -57,15 +57,22 @@ class StructuredOutputsParams:
     tokenizer; each step the sampler only draws tokens the matcher allows, EOS only where the grammar is
     complete, and the request finishes ("stop") when the grammar can take no more. JSON is generated in
     one fixed layout: no newlines or indentation, ", " between items and ": " after keys. A spec the
-    compiler rejects is a ValueError naming the field (the server's 400)."""
+    compiler rejects is a ValueError naming the field (the server's 400).
+
+    after_token_id: the grammar starts only after the output has this token (a reasoning model's end of
+    thinking, `</think>`; the server sets it when the prompt opens reasoning and a reasoning parser is on);
+    the tokens before it, that one included, are free. None: from the first output token."""
 
     json: str | dict | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool | None = None
+    after_token_id: int | None = None
 
     def __post_init__(self) -> None:
+        if self.after_token_id is not None and (not _is_int(self.after_token_id) or self.after_token_id < 0):
+            raise ValueError(f"structured_outputs.after_token_id must be a token id, got {self.after_token_id!r}")
         given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
                  if getattr(self, k) not in (None, False)]
         if len(given) != 1:

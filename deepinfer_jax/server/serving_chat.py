@@ -13,6 +13,9 @@ the whole call head (markers, name, and for deepseek_v3 the ```json fence) and t
 to that function's arguments and the block's end. Either way `tool_calls` is filled and finish_reason is
 "tool_calls" (unless max_tokens cuts the call: "length"). A forced call cannot be combined with
 response_format or vLLM's guided fields (400).
+
+Structured output with a reasoning parser, where the prompt opens the reasoning (R1's `<think>`): the grammar
+starts after `</think>` (StructuredOutputsParams.after_token_id), so it holds the answer, not the reasoning.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs,
 from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
+from deepinfer_jax.text.reasoning import THINK_END
 from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
 from deepinfer_jax.types import StructuredOutputsParams
 
@@ -128,6 +132,12 @@ class ChatHandler:
         tp_cls = get_tool_parser(parser) if tools_on else None
         keep = (rp_cls.special_tokens if rp_cls else ()) + (tp_cls.special_tokens if tp_cls else ())
         opens = prompt_opens_reasoning(text + prefix)
+        so = req.params.structured_outputs
+        if opens and rp_cls is not None and so is not None:  # the grammar holds the answer, not the reasoning
+            end = s.tokenizer.convert_tokens_to_ids(THINK_END)
+            if end is not None:
+                req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(
+                    so, after_token_id=end))
         choices = []
         for i in range(req.params.n):
             tp = tp_cls() if tp_cls else None

@@ -146,30 +146,43 @@ def tool_call_grammar(tools: Sequence[dict], parser: str, token_id, named: str |
 
 
 class GrammarMatcher:
-    """One sequence's matcher (an llguidance LLMatcher): advanced on each accepted token."""
+    """One sequence's matcher (an llguidance LLMatcher): advanced on each accepted token. With `after_token_id`
+    (StructuredOutputsParams) it waits, every token allowed, until that token has been accepted."""
 
-    def __init__(self, matcher: Any, compiler: "GrammarCompiler"):
+    def __init__(self, matcher: Any, compiler: "GrammarCompiler", after_token_id: int | None = None):
         self._m, self._compiler = matcher, compiler
-        self.num_accepted = 0
+        self.num_accepted = 0  # tokens the grammar consumed
+        self._gate = after_token_id
+        self.waiting = after_token_id is not None  # the grammar has not started yet (its gate token is to come)
+        self._free = 0  # tokens accepted before the grammar started, the gate token included
 
     def accept(self, token_id: int) -> bool:
         """Advance over a sampled token; False (and the matcher stays in error) if the grammar forbids it."""
+        if self.waiting:
+            self._free += 1
+            self.waiting = int(token_id) != self._gate
+            return True
         ok = self._m.consume_token(int(token_id))
         self.num_accepted += ok
         return bool(ok)
 
     def rollback(self, num_tokens: int) -> None:
-        """Undo the last `num_tokens` accepted tokens."""
-        if num_tokens > 0:
-            self._m.rollback(num_tokens)
-            self.num_accepted -= num_tokens
+        """Undo the last `num_tokens` accepted tokens (over the gate too: the grammar then waits again)."""
+        mine = min(num_tokens, self.num_accepted)
+        if mine > 0:
+            self._m.rollback(mine)
+            self.num_accepted -= mine
+        free = num_tokens - mine
+        if free > 0:
+            self.waiting = True  # back before the gate token
+            self._free -= free
 
     def is_terminated(self) -> bool:
         """The grammar takes nothing more but EOS (or the matcher is in error)."""
-        return self._m.is_stopped()
+        return not self.waiting and self._m.is_stopped()
 
     def is_accepting(self) -> bool:
-        return self._m.is_accepting()
+        return not self.waiting and self._m.is_accepting()
 
     @property
     def error(self) -> str:
@@ -195,9 +208,11 @@ class GrammarMatcher:
         if bits.shape[1] != mask_words(compiler.vocab_size):
             raise ValueError(f"bits rows have {bits.shape[1]} words, the vocabulary needs "
                              f"{mask_words(compiler.vocab_size)}")
-        ok = [(g._m, r) for g, r in rows if not g._m.is_error()]
+        ok = [(g._m, r) for g, r in rows if not g._m.is_error() and not g.waiting]
         for g, r in rows:
-            if g._m.is_error():
+            if g.waiting:
+                bits[r] = -1
+            elif g._m.is_error():
                 bits[r] = 0
                 for t in compiler.eos_token_ids:
                     bit = 1 << (t % 32)
@@ -258,4 +273,4 @@ class GrammarCompiler:
         if m.is_error():
             raise ValueError(f"structured_outputs.{spec.kind}: the grammar compiler rejected it: "
                              f"{_first_line(m.get_error())}")
-        return GrammarMatcher(m, self)
+        return GrammarMatcher(m, self, spec.after_token_id)

@@ -210,3 +210,18 @@ def test_sentencepiece_tokenizer_is_refused(tmp_path):
     tok = load_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="tokenizer.json"):
         GrammarCompiler(tok, 300, tok.eos_token_ids).matcher(SOP(regex="[0-9]+"))
+
+
+def test_after_token_gate_and_rollback(tok, compiler):
+    gate = tok.eos_token_ids[0] + 5  # any id: the grammar starts after it
+    m = compiler.matcher(SOP(choice=["no"], after_token_id=gate))
+    assert m.waiting and len(m.allowed_ids()) == VOCAB and not m.is_accepting()
+    for t in (100, 200, gate):
+        assert m.accept(t)
+    assert not m.waiting
+    no = tok.encode("no", add_special_tokens=False)
+    assert set(m.allowed_ids().tolist()) == set(compiler.matcher(SOP(choice=["no"])).allowed_ids().tolist())
+    assert all(m.accept(t) for t in no) and m.is_terminated()
+    m.rollback(len(no) + 1)  # over the gate: waiting again
+    assert m.waiting and not m.is_terminated() and m.num_accepted == 0
+    assert m.accept(gate) and all(m.accept(t) for t in no) and m.is_terminated()
