@@ -15,7 +15,8 @@ with data-parallel attention each rank gets its own scheduler and page pool (sha
 Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
 add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
 full variant, whose allowed-token bitmask the runner fills from the matchers; since the mask of step N needs the
-token of step N-1, such a step first fetches N-1 (no host/device overlap for it). Each fetched token advances the
+token of step N-1, such a step first fetches N-1 (its ids, grammars and token stops; its text and outputs come
+after the dispatch), so the device idles from N-1's end until N is dispatched. Each fetched token advances the
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
 `params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
@@ -235,27 +236,20 @@ class LLMEngine:
         work is dropped (the scheduler skips finished requests). Outputs are those of step N-1."""
         plan = self.scheduler.schedule()
         inflight = None
-        outputs = None
+        fetched = None
         if not plan.is_empty:
             requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-            seeds = self._seeds
             if self._pending is not None and any(s.sample and requests[s.request_id].grammar is not None
                                                  for s in plan.seqs):
-                # A grammar's mask for this step needs the token of the step in flight: fetch it first (the
-                # requests it finishes still run in this step, for nothing, so keep their seeds for it).
-                seeds = {s.request_id: self._seeds[s.request_id] for s in plan.seqs}
-                outputs = self._resolve_pending()
+                # A grammar's mask for this step needs the token of the step in flight: fetch it (ids, grammars
+                # and token stops) first; its text and outputs wait until this step is dispatched.
+                fetched = self._fetch_pending()
             try:
-                inflight = self.runner.dispatch(plan.seqs, requests, seeds, getattr(plan, "ranks", None))
+                inflight = self.runner.dispatch(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
             except Exception:
                 self._fail_plan(plan)
                 raise
-            if outputs is not None:  # requests that finished at the fetch above ran once more, for nothing
-                for s in plan.seqs:
-                    if s.request_id not in self._child_parent:
-                        self.runner.page_rows.forget(s.request_id)
-        if outputs is None:
-            outputs = self._resolve_pending()
+        outputs = self._emit(self._fetch_pending() if fetched is None else fetched)
         if inflight is not None:
             host = inflight[0]
             row_of = {host.request_ids[r]: r for r in host.sample_rows}
@@ -265,15 +259,15 @@ class LLMEngine:
             self._pending = (inflight, [(req, len(req.output_token_ids) - 1) for req, _, _ in updates])
         return outputs
 
-    def _resolve_pending(self) -> list[RequestOutput]:
-        """Fetch the last dispatched step, patch its ids into the requests, apply token stops and
-        text, and return the outputs of the requests that progressed."""
+    def _fetch_pending(self) -> list:
+        """Fetch the last dispatched step and patch its ids into the requests, advancing their grammars and
+        applying EOS and stop ids: [(request, token, its logprobs, parent id)] for `_emit`."""
         if self._pending is None:
             return []
         inflight, patches = self._pending
         self._pending = None
         result = self.runner.fetch(inflight)
-        touched: dict[str, None] = {}
+        fetched = []
         for req, index in patches:
             token = result.token_ids[req.request_id]
             req.output_token_ids[index] = token
@@ -284,9 +278,18 @@ class LLMEngine:
                 self._advance_grammar(req, token)
             if not req.is_finished:
                 self._check_token_stop(req)
-            parent = self._parents[pid]
+            fetched.append((req, token, result.logprobs.get(req.request_id), pid))
+        return fetched
+
+    def _emit(self, fetched: list) -> list[RequestOutput]:
+        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched."""
+        touched: dict[str, None] = {}
+        for req, token, lp, pid in fetched:
+            parent = self._parents.get(pid)
+            if parent is None:  # aborted meanwhile
+                continue
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
-            self._append(child, [token], result.logprobs.get(req.request_id))
+            self._append(child, [token], lp)
             touched[pid] = None
         outputs = (self._output(pid) for pid in touched if pid in self._parents)
         return [out for out in outputs if out is not None]
