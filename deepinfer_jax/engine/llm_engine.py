@@ -138,7 +138,10 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_ids", None):
             self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(tokenizer.eos_token_ids)))
-        self._grammars = None  # text.grammar.GrammarCompiler, made for the first structured-output request
+        self._grammars = None  # text.grammar.GrammarCompiler
+        if getattr(tokenizer, "backend_kind", None) == "tokenizers":
+            # Its pass over the vocabulary holds the GIL (about 1.4 s at 102,400 tokens): here, not in a step.
+            self.grammar_compiler.ll_tokenizer  # noqa: B018
 
     @property
     def grammar_compiler(self):
