@@ -175,8 +175,9 @@ def main(argv=None) -> int:
         row["overhead_pct"] = 100 * (1 - row["json_tok_s"] / row["free_tok_s"])
         print(f"batch {batch}: free {row['free_tok_s']:.1f} tok/s ({row['free_step_ms']:.2f} ms a step), full variant "
               f"{row['full_tok_s']:.1f} ({row['full_step_ms']:.2f} ms), json {row['json_tok_s']:.1f} "
-              f"({row['json_step_ms']:.2f} ms): overhead {row['overhead_pct']:.1f}%; host mask {row['mask_ms_mean']:.3f} "
-              f"ms a step (p50 {row['mask_ms_p50']:.3f}, p90 {row['mask_ms_p90']:.3f}); complete records valid: "
+              f"({row['json_step_ms']:.2f} ms): overhead {row['overhead_pct']:.1f}%; "
+              f"host mask {row['mask_ms_mean']:.3f} ms a step (p50 {row['mask_ms_p50']:.3f}, "
+              f"p90 {row['mask_ms_p90']:.3f}); complete records valid: "
               f"{row['records_valid'][0]} of {row['records_valid'][1]}", flush=True)
         results.append(row)
     print(f"recompiles after warm-up: {eng.runner.compiles_after_warmup}")

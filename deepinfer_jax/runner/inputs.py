@@ -181,7 +181,8 @@ def uses_penalties(req: Request) -> bool:
 def needs_full_variant(req: Request, min_p_full: bool = False) -> bool:
     """Whether a request needs the step's full variant: penalties (history arrays), logprobs, the
     sort that top-k / top-p take, a structured-output grammar (the allowed-token bitmask) or a logit_bias;
-    with `min_p_full` (the base variant samples inside the lm_head: runner/step_sampler.py) min-p too. Decided on the host so that the step has no device-side branches."""
+    with `min_p_full` (the base variant samples inside the lm_head: runner/step_sampler.py) min-p too.
+    Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
     truncates = sp.top_k > 0 or sp.top_p < 1.0 or (min_p_full and sp.min_p > 0)  # top_k is stored as 0 when off
     return (uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)

@@ -2,9 +2,9 @@
 
 Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   1. logits -> f32; returned logprobs are the raw ``log_softmax(logits)``'s (formed per element asked).
-  2. ``apply_logit_bias`` (the request's logit_bias), then ``apply_penalties``: repetition (tokens in prompt or output: positive logits / rp,
-     negative * rp), then frequency (- freq * output_count), then presence
-     (- pres * [output_count > 0]).
+  2. ``apply_logit_bias`` (the request's logit_bias), then ``apply_penalties``: repetition (tokens in
+     prompt or output: positive logits / rp, negative * rp), then frequency (- freq * output_count), then
+     presence (- pres * [output_count > 0]).
   3. suppressed ids -> -inf, and ids outside the row's allowed-token bitmask (structured output) -> -inf.
   4. greedy rows (temperature < 1e-5): exact argmax of the result of 3.
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k

@@ -108,9 +108,10 @@ def tool_call_grammar(tools: Sequence[dict], parser: str, token_id, named: str |
                       parallel: bool = True) -> str:
     """A Lark grammar for the rest of a forced tool-call block, after the prefix the chat handler puts at the start
     of the assistant turn (server/serving_chat.py `forced_tool_prefix`: the block and first call markers, for
-    deepseek_v3 "function" and the separator, and for a named function the whole call head): the call(s) in the tool parser's format, each function's arguments valid under its
-    `parameters` schema, then the block's end. `token_id(marker)`: a marker's special-token id. `named`: only that
-    function, one call; else any of `tools`, one call or (with `parallel`) several."""
+    deepseek_v3 "function" and the separator, and for a named function the whole call head): the call(s) in the
+    tool parser's format, each function's arguments valid under its `parameters` schema, then the block's end.
+    `token_id(marker)`: a marker's special-token id. `named`: only that function, one call; else any of `tools`,
+    one call or (with `parallel`) several."""
     from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALL_END, CALLS_END, TOOL_SEP
 
     if parser not in ("deepseek_v3", "deepseek_v31"):

@@ -67,12 +67,13 @@ def test_logit_bias_matches_numpy_and_steers_sampling():
                 ref[b, t] += v
     out = np.asarray(jax.jit(apply_logit_bias)(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(vals)))
     np.testing.assert_allclose(out, ref, rtol=0, atol=1e-5)
-    st = dataclasses.replace(SamplingTensors.defaults(batch, bias_len=3), temperature=np.array([0, 1, 0, 1], np.float32),
-                             rng_key_data=make_key_data_batch([1, 2, 3, 4], [0] * batch), logit_bias_ids=ids,
-                             logit_bias_values=vals)
+    st = dataclasses.replace(SamplingTensors.defaults(batch, bias_len=3),
+                             temperature=np.array([0, 1, 0, 1], np.float32), logit_bias_ids=ids,
+                             rng_key_data=make_key_data_batch([1, 2, 3, 4], [0] * batch), logit_bias_values=vals)
     got = sample(jnp.asarray(logits), st, max_logprobs=0, full=True)
     tokens = np.asarray(got.token_ids)
     assert tokens[0] == 3 and tokens[2] == logits[2].argmax()  # +100 wins; a row of padding is untouched
     # returned logprobs are the model's own, without the bias
-    lsm = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) - logits.max(-1, keepdims=True)
+    top = logits.max(-1, keepdims=True)
+    lsm = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     np.testing.assert_allclose(np.asarray(got.logprob), lsm[np.arange(batch), tokens], atol=1e-5)
