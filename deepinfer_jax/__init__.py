@@ -10,7 +10,7 @@ apply_default_xla_flags()  # before JAX starts a backend (see xla_env.py)
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "__version__"]
+__all__ = ["LLM", "RequestOutputKind", "SamplingParams", "StructuredOutputsParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -19,7 +19,7 @@ def __getattr__(name: str):
         from deepinfer_jax.engine.llm import LLM
 
         return LLM
-    if name in ("SamplingParams", "RequestOutputKind"):
+    if name in ("SamplingParams", "RequestOutputKind", "StructuredOutputsParams"):
         from deepinfer_jax import types
 
         return getattr(types, name)

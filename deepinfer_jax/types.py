@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (the width of the sampler's bias arrays)
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
 
@@ -45,6 +46,61 @@ class RequestOutputKind(enum.IntEnum):
 
 
 @dataclass(frozen=True)
+class StructuredOutputsParams:
+    """A grammar the output must follow (vLLM's `StructuredOutputsParams`); exactly one field set.
+
+    json: a JSON schema (a dict or its JSON text); json_object: True for any JSON object (OpenAI's JSON
+    mode); regex: a regular expression (Rust `regex` syntax) the whole output matches; choice: a list of
+    strings, the output is one of them; grammar: a Lark grammar or a GBNF (llama.cpp) grammar.
+
+    The engine compiles it (llguidance, text/grammar.py) to a token-level matcher over the model's
+    tokenizer; each step the sampler only draws tokens the matcher allows, EOS only where the grammar is
+    complete, and the request finishes ("stop") when the grammar can take no more. JSON is generated in
+    one fixed layout: no newlines or indentation, ", " between items and ": " after keys. A spec the
+    compiler rejects is a ValueError naming the field (the server's 400).
+
+    after_token_id: the grammar starts only after the output has this token (a reasoning model's end of
+    thinking, `</think>`; the server sets it when the prompt opens reasoning and a reasoning parser is on);
+    the tokens before it, that one included, are free. None: from the first output token."""
+
+    json: str | dict | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    after_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.after_token_id is not None and (not _is_int(self.after_token_id) or self.after_token_id < 0):
+            raise ValueError(f"structured_outputs.after_token_id must be a token id, got {self.after_token_id!r}")
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object")
+                 if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, regex, choice, grammar, "
+                             f"json_object, got {given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (str, dict)):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (a dict or a string), got {self.json!r}")
+        for name in ("regex", "grammar"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, str) or not v):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {v!r}")
+        if self.choice is not None:
+            if not isinstance(self.choice, (list, tuple)) or not self.choice or not all(
+                    isinstance(c, str) and c for c in self.choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            object.__setattr__(self, "choice", list(self.choice))
+        if self.json_object not in (None, True, False):
+            raise ValueError(f"structured_outputs.json_object must be a bool, got {self.json_object!r}")
+
+    @property
+    def kind(self) -> str:
+        """The field that is set: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(k for k in ("json", "regex", "choice", "grammar", "json_object")
+                    if getattr(self, k) not in (None, False))
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling knobs (vLLM names). Frozen; `stop` normalised to a list of strings.
 
@@ -52,6 +108,10 @@ class SamplingParams:
     max_model_len" (the scheduler resolves it); logprobs None means none, 0 means only the sampled
     token's, k means the sampled token's plus the top k. min_tokens holds back EOS and
     stop_token_ids (the sampler should mask them; the scheduler never stops before min_tokens).
+    structured_outputs: a StructuredOutputsParams (JSON schema, JSON object, regex, choice or grammar) the
+    output is constrained to, as vLLM's field of that name; None for free text. logit_bias: {token id: bias}
+    (OpenAI's: each bias in [-100, 100], added to that token's logit before penalties and sampling; at most
+    MAX_LOGIT_BIAS entries); returned logprobs stay the model's own.
     """
 
     n: int = 1
@@ -72,6 +132,8 @@ class SamplingParams:
     logprobs: int | None = None
     skip_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    structured_outputs: StructuredOutputsParams | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ValueError:
@@ -141,6 +203,16 @@ class SamplingParams:
                 raise bad("output_kind", "a RequestOutputKind") from None
         if self.top_k == -1:
             object.__setattr__(self, "top_k", 0)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise bad("structured_outputs", "a StructuredOutputsParams or None")
+        lb = self.logit_bias
+        if lb is not None:
+            if not isinstance(lb, dict) or not all(_is_int(k) and k >= 0 and _is_num(v) and -100 <= v <= 100
+                                                   for k, v in lb.items()):
+                raise bad("logit_bias", "a dict of token id (int >= 0) -> bias in [-100, 100]")
+            if len(lb) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias must have at most {MAX_LOGIT_BIAS} entries, got {len(lb)}")
+            object.__setattr__(self, "logit_bias", {int(k): float(v) for k, v in lb.items()} or None)
 
     def is_greedy(self) -> bool:
         """True when sampling reduces to argmax (temperature 0, up to vLLM's 1e-5 epsilon)."""
@@ -195,6 +267,9 @@ class Request:
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     stop_reason: int | str | None = None
+    # The structured-output matcher (text/grammar.py GrammarMatcher) when sampling_params.structured_outputs is set:
+    # the runner fills the step's token bitmask row from it, the engine advances it on each accepted token.
+    grammar: Any = None
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -12,6 +12,13 @@ Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the runner places 
 with data-parallel attention each rank gets its own scheduler and page pool (sharding/data_parallel.py),
 `num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank.
 
+Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
+add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
+full variant, whose allowed-token bitmask the runner fills from the matchers; since the mask of step N needs the
+token of step N-1, such a step first fetches N-1 (its ids, grammars and token stops; its text and outputs come
+after the dispatch), so the device idles from N-1's end until N is dispatched. Each fetched token advances the
+matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
+
 `params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
 cache counting their bytes, then starts their load, which runs while the runner compiles its step programs.
 """
@@ -33,7 +40,9 @@ from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
-from deepinfer_jax.types import CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind, SamplingParams
+from deepinfer_jax.text.grammar import mask_words
+from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
+                                 SamplingParams)
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
@@ -109,7 +118,8 @@ class LLMEngine:
         if buckets[-1] < need:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
-        self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len)
+        self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
+                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS)
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 
@@ -128,6 +138,21 @@ class LLMEngine:
         self.eos_token_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_ids", None):
             self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(tokenizer.eos_token_ids)))
+        self._grammars = None  # text.grammar.GrammarCompiler
+        if getattr(tokenizer, "backend_kind", None) == "tokenizers":
+            # Its pass over the vocabulary holds the GIL (about 1.4 s at 102,400 tokens): here, not in a step.
+            self.grammar_compiler.ll_tokenizer  # noqa: B018
+
+    @property
+    def grammar_compiler(self):
+        """The structured-output compiler over this engine's tokenizer and vocabulary (made on first use)."""
+        if self._grammars is None:
+            if self.tokenizer is None:
+                raise ValueError("structured_outputs needs the engine's tokenizer")
+            from deepinfer_jax.text.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     # ---- requests --------------------------------------------------------------------------------
     def new_request_id(self) -> str:
@@ -146,6 +171,9 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt token id {bad} is out of range [0, {vocab})")
+        bad = next((t for t in params.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab})")
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -156,13 +184,15 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate "
                              f"within max_model_len ({self.max_model_len})")
+        spec = params.structured_outputs
+        grammars = [self.grammar_compiler.matcher(spec) for _ in range(params.n)] if spec is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
         parent = _Parent(request_id, prompt, list(prompt_token_ids))
         child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens)
         for i in range(params.n):
             cid = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(cid, list(prompt_token_ids), child_params, arrival_time=arrival,
-                          eos_token_ids=self.eos_token_ids)
+                          eos_token_ids=self.eos_token_ids, grammar=grammars[i] if grammars else None)
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**63))
             self._seeds[cid] = seed
             child = _Child(req, i, logprobs=[] if params.logprobs is not None else None,
@@ -209,14 +239,20 @@ class LLMEngine:
         work is dropped (the scheduler skips finished requests). Outputs are those of step N-1."""
         plan = self.scheduler.schedule()
         inflight = None
+        fetched = None
         if not plan.is_empty:
             requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
+            if self._pending is not None and any(s.sample and requests[s.request_id].grammar is not None
+                                                 for s in plan.seqs):
+                # A grammar's mask for this step needs the token of the step in flight: fetch it (ids, grammars
+                # and token stops) first; its text and outputs wait until this step is dispatched.
+                fetched = self._fetch_pending()
             try:
                 inflight = self.runner.dispatch(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
             except Exception:
                 self._fail_plan(plan)
                 raise
-        outputs = self._resolve_pending()
+        outputs = self._emit(self._fetch_pending() if fetched is None else fetched)
         if inflight is not None:
             host = inflight[0]
             row_of = {host.request_ids[r]: r for r in host.sample_rows}
@@ -226,29 +262,52 @@ class LLMEngine:
             self._pending = (inflight, [(req, len(req.output_token_ids) - 1) for req, _, _ in updates])
         return outputs
 
-    def _resolve_pending(self) -> list[RequestOutput]:
-        """Fetch the last dispatched step, patch its ids into the requests, apply token stops and
-        text, and return the outputs of the requests that progressed."""
+    def _fetch_pending(self) -> list:
+        """Fetch the last dispatched step and patch its ids into the requests, advancing their grammars and
+        applying EOS and stop ids: [(request, token, its logprobs, parent id)] for `_emit`."""
         if self._pending is None:
             return []
         inflight, patches = self._pending
         self._pending = None
         result = self.runner.fetch(inflight)
-        touched: dict[str, None] = {}
+        fetched = []
         for req, index in patches:
             token = result.token_ids[req.request_id]
             req.output_token_ids[index] = token
             pid = self._child_parent.get(req.request_id)
             if pid is None:  # aborted meanwhile
                 continue
+            if req.grammar is not None and not req.is_finished:
+                self._advance_grammar(req, token)
             if not req.is_finished:
                 self._check_token_stop(req)
-            parent = self._parents[pid]
+            fetched.append((req, token, result.logprobs.get(req.request_id), pid))
+        return fetched
+
+    def _emit(self, fetched: list) -> list[RequestOutput]:
+        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched."""
+        touched: dict[str, None] = {}
+        for req, token, lp, pid in fetched:
+            parent = self._parents.get(pid)
+            if parent is None:  # aborted meanwhile
+                continue
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
-            self._append(child, [token], result.logprobs.get(req.request_id))
+            self._append(child, [token], lp)
             touched[pid] = None
         outputs = (self._output(pid) for pid in touched if pid in self._parents)
         return [out for out in outputs if out is not None]
+
+    def _advance_grammar(self, req: Request, token: int) -> None:
+        """Feed a sampled token to the request's grammar; finish the request ("stop") once the grammar is
+        complete and takes nothing more (or, which the mask rules out, rejects the token)."""
+        g = req.grammar
+        if token in req.eos_token_ids and g.is_accepting():
+            return  # EOS where the grammar allows it: _check_token_stop finishes the request
+        if not g.accept(token):
+            log.error("request %s: token %d breaks its grammar (%s); finishing it", req.request_id, token, g.error)
+            self.scheduler.finish_request(req.request_id, "stop")
+        elif g.is_terminated():
+            self.scheduler.finish_request(req.request_id, "stop")
 
     def _check_token_stop(self, req: Request) -> None:
         """EOS (unless ignore_eos) and stop_token_ids, once min_tokens outputs exist (vLLM's rules;

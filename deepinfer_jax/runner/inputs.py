@@ -53,6 +53,11 @@ class Shapes:
     page_size: int
     max_model_len: int
     max_suppress: int = 8
+    # int32 words a row of the full variant's allowed-token bitmask (structured output): cdiv(vocab, 32), or 0
+    # for no mask stage.
+    mask_words: int = 0
+    # entries of the full variant's logit_bias arrays (types.MAX_LOGIT_BIAS), or 0 for no bias stage.
+    max_logit_bias: int = 0
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -174,19 +179,26 @@ def uses_penalties(req: Request) -> bool:
 
 
 def needs_full_variant(req: Request) -> bool:
-    """Whether a request needs the step's full variant: penalties (history arrays), logprobs, or the
-    sort that top-k / top-p take. Decided on the host so that the step has no device-side branches."""
+    """Whether a request needs the step's full variant: penalties (history arrays), logprobs, the
+    sort that top-k / top-p take, a structured-output grammar (the allowed-token bitmask) or a logit_bias.
+    Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
     truncates = sp.top_k > 0 or sp.top_p < 1.0  # top_k is stored as 0 when off
-    return uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
+    return (uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
+            or req.grammar is not None or sp.logit_bias is not None)
 
 
 def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
                    bucket: int, penalties: bool) -> SamplingTensors:
-    """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty variant, else [S, 0]."""
+    """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty (full) variant, else
+    [S, 0]; so is the allowed-token bitmask [S, shapes.mask_words]: all ones, and for each sampling row of a
+    request with a grammar (Request.grammar) that matcher's allowed next tokens, filled in one call."""
     S = shapes.seq_rows(bucket)
     L = shapes.max_model_len if penalties else 0
-    st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress)
+    st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress,
+                                  mask_words=shapes.mask_words if penalties else 0,
+                                  bias_len=shapes.max_logit_bias if penalties else 0)
+    grammar_rows = []
     row_seeds, row_steps = [0] * S, [0] * S  # Python ints: any seed (negative, >= 2**64) reduces mod 2**64
     for row, seq in enumerate(plan_seqs):
         req = requests[seq.request_id]
@@ -206,7 +218,20 @@ def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int
             banned = list(sp.stop_token_ids or []) + ([] if sp.ignore_eos else list(req.eos_token_ids))
             banned = banned[: shapes.max_suppress]
             st.suppress_token_ids[row, : len(banned)] = banned
+        if sp.logit_bias:
+            if not penalties or len(sp.logit_bias) > shapes.max_logit_bias:
+                raise ValueError(f"request {seq.request_id}: {len(sp.logit_bias)} logit_bias entries, the step takes "
+                                 f"{shapes.max_logit_bias if penalties else 0}")
+            n = len(sp.logit_bias)
+            st.logit_bias_ids[row, :n] = list(sp.logit_bias)
+            st.logit_bias_values[row, :n] = list(sp.logit_bias.values())
+        if req.grammar is not None and seq.sample:
+            if not penalties or not shapes.mask_words:
+                raise ValueError(f"request {seq.request_id} has a grammar but the step has no token bitmask")
+            grammar_rows.append((req.grammar, row))
         row_seeds[row] = seeds[seq.request_id]
         row_steps[row] = seq.num_output_tokens
+    if grammar_rows:
+        type(grammar_rows[0][0]).fill_bitmasks(grammar_rows, st.allowed_token_bits)
     key_data = make_key_data_batch(row_seeds, row_steps)
     return SamplingTensors(**{**st.__dict__, "rng_key_data": key_data.astype(np.uint32)})

@@ -3,6 +3,8 @@
 Public API:
   SamplingTensors, SampleOutput, sample(logits, st, *, max_logprobs)  -- jittable
   apply_penalties, apply_suppression, apply_truncation, token_counts  -- stages (testing)
+  apply_token_bitmask(logits, bits)                                   -- a structured-output mask (packed bits)
+  apply_logit_bias(logits, ids, values)                               -- a request's logit_bias
   gumbel_noise(k0, k1, col)                                           -- the draw's noise
   make_key_data(seed, step), make_key_data_batch(seeds, steps)        -- host key helpers
 """
@@ -12,8 +14,10 @@ from deepinfer_jax.sampling.sampler import (
     GREEDY_EPS,
     SampleOutput,
     SamplingTensors,
+    apply_logit_bias,
     apply_penalties,
     apply_suppression,
+    apply_token_bitmask,
     apply_truncation,
     gumbel_noise,
     sample,
@@ -21,7 +25,7 @@ from deepinfer_jax.sampling.sampler import (
 )
 
 __all__ = [
-    "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_penalties", "apply_suppression",
-    "apply_truncation", "gumbel_noise", "make_key_data", "make_key_data_batch", "sample", "threefry2x32",
-    "token_counts",
+    "GREEDY_EPS", "SampleOutput", "SamplingTensors", "apply_logit_bias", "apply_penalties", "apply_suppression",
+    "apply_token_bitmask", "apply_truncation", "gumbel_noise", "make_key_data", "make_key_data_batch", "sample",
+    "threefry2x32", "token_counts",
 ]

@@ -2,10 +2,10 @@
 
 Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   1. logits -> f32; returned logprobs are the raw ``log_softmax(logits)``'s (formed per element asked).
-  2. ``apply_penalties``: repetition (tokens in prompt or output: positive logits / rp,
-     negative * rp), then frequency (- freq * output_count), then presence
-     (- pres * [output_count > 0]).
-  3. suppressed ids -> -inf.
+  2. ``apply_logit_bias`` (the request's logit_bias), then ``apply_penalties``: repetition (tokens in
+     prompt or output: positive logits / rp, negative * rp), then frequency (- freq * output_count), then
+     presence (- pres * [output_count > 0]).
+  3. suppressed ids -> -inf, and ids outside the row's allowed-token bitmask (structured output) -> -inf.
   4. greedy rows (temperature < 1e-5): exact argmax of the result of 3.
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
      renormalised distribution, then min-p), then a Gumbel-max draw keyed by the row's key data
@@ -53,18 +53,27 @@ class SamplingTensors:
     output_token_ids: jax.Array    # i32[B, Lo] padded with -1 (all three penalties)
     suppress_token_ids: jax.Array  # i32[B, S]  padded with -1 (logit -> -inf)
     rng_key_data: jax.Array        # u32[B, 2]  key data (keys.make_key_data; the draw's noise_bits)
+    # i32[B, W] packed allowed-token bits (structured output: bit t % 32 of word t // 32 allows token t), all ones
+    # for a free row; W = 0 (or None) leaves the stage out (statically).
+    allowed_token_bits: jax.Array | None = None
+    # logit_bias: i32[B, K] token ids (-1 padding) and f32[B, K] their biases, added to the logits first; K = 0 (or
+    # None) leaves the stage out (statically).
+    logit_bias_ids: jax.Array | None = None
+    logit_bias_values: jax.Array | None = None
 
     @classmethod
     def defaults(cls, batch: int, prompt_len: int = 0, output_len: int = 0,
-                 suppress_len: int = 0) -> "SamplingTensors":
-        """Host (numpy) tensors with every knob off, temperature 1, keys zero, ids -1."""
+                 suppress_len: int = 0, mask_words: int = 0, bias_len: int = 0) -> "SamplingTensors":
+        """Host (numpy) tensors with every knob off, temperature 1, keys zero, ids -1, every token allowed."""
         f = lambda v: np.full((batch,), v, np.float32)
         ids = lambda n: np.full((batch, n), -1, np.int32)
         return cls(temperature=f(1.0), top_k=np.zeros((batch,), np.int32), top_p=f(1.0),
                    min_p=f(0.0), presence_penalty=f(0.0), frequency_penalty=f(0.0),
                    repetition_penalty=f(1.0), prompt_token_ids=ids(prompt_len),
                    output_token_ids=ids(output_len), suppress_token_ids=ids(suppress_len),
-                   rng_key_data=np.zeros((batch, 2), np.uint32))
+                   rng_key_data=np.zeros((batch, 2), np.uint32),
+                   allowed_token_bits=np.full((batch, mask_words), -1, np.int32),
+                   logit_bias_ids=ids(bias_len), logit_bias_values=np.zeros((batch, bias_len), np.float32))
 
 
 @jax.tree_util.register_dataclass
@@ -117,6 +126,26 @@ def apply_suppression(logits: jax.Array, suppress_ids: jax.Array) -> jax.Array:
     for j in range(suppress_ids.shape[-1]):  # -1 padding matches no id
         hit = hit | (col == suppress_ids[:, j : j + 1])
     return jnp.where(hit, -jnp.inf, logits)
+
+
+def apply_logit_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """f32[B, V], i32[B, K] ids (-1 or >= V: ignored), f32[B, K] -> f32[B, V] with values[b, k] added to
+    logits[b, ids[b, k]] (a repeated id adds twice)."""
+    batch, vocab = logits.shape
+    col = jnp.where((ids >= 0) & (ids < vocab), ids, vocab)               # vocab => dropped
+    row = jnp.broadcast_to(jnp.arange(batch, dtype=jnp.int32)[:, None], ids.shape)
+    return logits.at[row, col].add(values.astype(logits.dtype), mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bits: jax.Array) -> jax.Array:
+    """f32[B, V], i32[B, W] packed bits (W * 32 >= V) -> f32[B, V] with the ids whose bit is 0 at -inf.
+    Elementwise (a broadcast shift and a mask an id, no gather), so XLA fuses it into the passes over the
+    logits that follow."""
+    batch, vocab = logits.shape
+    shift = jnp.arange(32, dtype=jnp.int32)                                 # i32[32]
+    bit = (bits.astype(jnp.int32)[:, :, None] >> shift) & 1                 # i32[B, W, 32] (arithmetic >>)
+    allowed = bit.reshape(batch, -1)[:, :vocab] != 0                        # bool[B, V]: id w * 32 + j
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def _sorted_cutoff(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
@@ -218,9 +247,14 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
     row_max = jnp.max(logits, axis=-1, keepdims=True)                  # f32[B, 1]
     log_norm = jnp.log(jnp.sum(jnp.exp(logits - row_max), axis=-1, keepdims=True))  # f32[B, 1]
 
-    x = apply_penalties(logits, st) if full else logits
+    x = logits
+    if st.logit_bias_ids is not None and st.logit_bias_ids.shape[-1] > 0:
+        x = apply_logit_bias(x, st.logit_bias_ids, st.logit_bias_values)
+    x = apply_penalties(x, st) if full else x
     if st.suppress_token_ids.shape[-1] > 0:
         x = apply_suppression(x, st.suppress_token_ids)
+    if st.allowed_token_bits is not None and st.allowed_token_bits.shape[-1] > 0:
+        x = apply_token_bitmask(x, st.allowed_token_bits)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
 
     if draw:

@@ -6,6 +6,12 @@ and a `SamplingParams`; every rejection is an `APIError` (status 400 unless said
 follow OpenAI, with vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, include_reasoning,
 chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16.
+
+Structured output (`structured_output`): OpenAI's `response_format` ({"type": "json_object"} or
+{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's `structured_outputs`,
+`guided_json`, `guided_regex`, `guided_choice`, `guided_grammar` become SamplingParams.structured_outputs,
+checked by the grammar compiler here (text/grammar.py `check`), so a schema it rejects is a 400 naming the
+field. At most one of them per request; vLLM's other guided options are refused by name.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer_jax.types import MAX_LOGPROBS, SamplingParams
+from deepinfer_jax.types import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
 _ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -108,6 +114,8 @@ def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None,
         ignore_eos=_opt(body, "ignore_eos", (bool,), "a boolean", False),
         logprobs=logprobs,
         skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
+        structured_outputs=structured_output(body),
+        logit_bias=_logit_bias(body.get("logit_bias")),
     )
     if kw["temperature"] > 2.0:
         raise APIError(f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
@@ -131,13 +139,101 @@ def _common(body: Any, params_fn) -> tuple[dict, _Common]:
     include_usage = _opt(so, "include_usage", (bool,), "a boolean", False)
     if so and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    lb = body.get("logit_bias")
-    if lb:
-        raise APIError("'logit_bias' is not supported", param="logit_bias")
-    rf = body.get("response_format")
-    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
-        raise APIError("'response_format' other than {'type': 'text'} is not supported", param="response_format")
     return body, _Common(model, stream, include_usage, params_fn(body))
+
+
+# ---- structured output ---------------------------------------------------------------------------
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object")
+# vLLM options beside the grammar: accepted only where they ask for what this server does anyway.
+_GUIDED_OPTIONS = {"guided_decoding_backend": ("guidance", "llguidance", "auto"), "guided_whitespace_pattern": (),
+                   "structural_tag": (), "guided_options_request": ()}
+
+
+def _response_format(rf: Any) -> tuple[str, Any] | None:
+    """OpenAI's response_format -> (StructuredOutputsParams field, value), or None for plain text."""
+    if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
+        raise APIError("'response_format' must be an object with a string 'type'", param="response_format")
+    kind = rf["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "json_object", True
+    if kind == "json_schema":
+        js = rf.get("json_schema")
+        if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+            raise APIError("response_format 'json_schema' must be {'name': ..., 'schema': {...}, 'strict': ...}",
+                           param="response_format")
+        schema = js.get("schema", {})
+        if not isinstance(schema, dict):
+            raise APIError(f"response_format.json_schema.schema must be an object, got {schema!r}",
+                           param="response_format")
+        return "json", schema
+    raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   param="response_format")
+
+
+def _logit_bias(lb: Any) -> dict[int, float] | None:
+    """OpenAI's logit_bias ({"token id": bias}, ids as strings in JSON) -> {int: bias}; the range checks are
+    SamplingParams' (400 naming logit_bias), the vocabulary's Serving.check_prompt's."""
+    if lb is None or lb == {}:
+        return None
+    err = APIError("'logit_bias' must map token ids to numbers in [-100, 100]", param="logit_bias")
+    if not isinstance(lb, dict):
+        raise err
+    out = {}
+    for k, v in lb.items():
+        try:
+            tid = int(k)
+        except (TypeError, ValueError):
+            raise err from None
+        if not isinstance(v, _NUM) or isinstance(v, bool):
+            raise err
+        out[tid] = v
+    return out
+
+
+def structured_output(body: dict) -> StructuredOutputsParams | None:
+    """The request's structured-output constraint (module docstring), compiled once to check it."""
+    for name, ok in _GUIDED_OPTIONS.items():
+        v = body.get(name)
+        if v is not None and v not in ok:
+            raise APIError(f"'{name}' is not supported", param=name)
+    found: list[tuple[str, str, Any]] = []  # (request field, StructuredOutputsParams field, value)
+    if body.get("response_format") is not None:
+        rf = _response_format(body["response_format"])
+        if rf is not None:
+            found.append(("response_format", *rf))
+    for name, key in _GUIDED.items():
+        if body.get(name) is not None:
+            found.append((name, key, body[name]))
+    so = body.get("structured_outputs")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise APIError("'structured_outputs' must be an object", param="structured_outputs")
+        unknown = sorted(k for k, v in so.items() if k not in _SO_KEYS and v is not None)
+        if unknown:
+            raise APIError(f"structured_outputs.{unknown[0]} is not supported (supported: {', '.join(_SO_KEYS)})",
+                           param="structured_outputs")
+        given = [(k, v) for k, v in so.items() if v not in (None, False)]
+        if len(given) != 1:
+            raise APIError(f"'structured_outputs' must set exactly one of {', '.join(_SO_KEYS)}",
+                           param="structured_outputs")
+        found.append(("structured_outputs", *given[0]))
+    if not found:
+        return None
+    if len(found) > 1:
+        names = [f[0] for f in found]
+        raise APIError(f"only one structured-output field may be given, got {', '.join(names)}", param=names[1])
+    field_name, key, value = found[0]
+    try:
+        spec = StructuredOutputsParams(**{key: value})
+        from deepinfer_jax.text.grammar import check
+
+        check(spec)
+    except ValueError as e:
+        raise APIError(f"'{field_name}': {e}", param=field_name) from None
+    return spec
 
 
 # ---- chat ----------------------------------------------------------------------------------------
@@ -147,6 +243,7 @@ class ChatRequest(_Common):
     tools: list[dict] | None = None
     tool_choice: str | dict = "none"
     named_tool: str | None = None
+    parallel_tool_calls: bool = True
     top_logprobs: int | None = None
     include_reasoning: bool = True
     add_generation_prompt: bool = True
@@ -211,6 +308,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     return ChatRequest(
         c.model, c.stream, c.include_usage, c.params, messages=clean, tools=tools, tool_choice=choice,
         named_tool=named, top_logprobs=c.params.logprobs,
+        parallel_tool_calls=_opt(body, "parallel_tool_calls", (bool,), "a boolean", True),
         include_reasoning=_opt(body, "include_reasoning", (bool,), "a boolean", True),
         add_generation_prompt=_opt(body, "add_generation_prompt", (bool,), "a boolean", True),
         chat_template_kwargs=dict(kwargs))

@@ -87,6 +87,13 @@ class Serving:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(f"token id {bad} is out of vocabulary [0, {vocab})", param="prompt")
+        if params.structured_outputs is not None and getattr(self.tokenizer, "backend_kind", None) != "tokenizers":
+            raise APIError("structured output needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
+                           f"model's is {getattr(self.tokenizer, 'backend_kind', None)}")
+        if vocab is not None and params.logit_bias:
+            bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"logit_bias token id {bad} is out of vocabulary [0, {vocab})", param="logit_bias")
         want = params.max_tokens
         if n >= mml:
             raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "

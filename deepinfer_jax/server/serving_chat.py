@@ -6,13 +6,21 @@ Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` 
 
 tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" -> parsed, finish_reason
 "tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
-block markers, so the model must name a function; a named function -> the turn is started with the
-whole call head (markers, name, and for deepseek_v3 the ```json fence), so the model writes only the
-arguments (finish_reason "stop", as OpenAI reports forced calls). No grammar is enforced.
+block markers and a grammar (text/grammar.py `tool_call_grammar`) holds the model to one call of a given
+function (several with `parallel_tool_calls`, the default) in the parser's format, its arguments valid under
+the function's `parameters` schema, and then the block's end; a named function -> the turn is started with
+the whole call head (markers, name, and for deepseek_v3 the ```json fence) and the grammar holds the model
+to that function's arguments and the block's end. Either way `tool_calls` is filled and finish_reason is
+"tool_calls" (unless max_tokens cuts the call: "length"). A forced call cannot be combined with
+response_format or vLLM's guided fields (400).
+
+Structured output with a reasoning parser, where the prompt opens the reasoning (R1's `<think>`): the grammar
+starts after `</think>` (StructuredOutputsParams.after_token_id), so it holds the answer, not the reasoning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from contextlib import aclosing
@@ -26,7 +34,9 @@ from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs,
 from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
+from deepinfer_jax.text.reasoning import THINK_END
 from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
+from deepinfer_jax.types import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +87,7 @@ class _Choice:
         return delta
 
     def finish(self, reason: str | None, stop_reason: Any) -> str | None:
-        if reason == "stop" and self.tp is not None and self.tp.num_tool_calls > 0 and not self.named:
+        if reason == "stop" and self.tp is not None and self.tp.num_tool_calls > 0:
             reason = "tool_calls"
         self.finish_reason, self.stop_reason = reason, stop_reason
         return reason
@@ -115,12 +125,19 @@ class ChatHandler:
         if tools_on and (req.named_tool or req.tool_choice == "required"):
             head = "</think>\n\n" if prompt_opens_reasoning(text) else ""
             prefix = head + forced_tool_prefix(parser, req.named_tool)
+            req.params = self._forced_call_params(req, parser)
         ids = s.tokenizer.encode(text + prefix, add_special_tokens=False)
         s.check_prompt(ids, req.params)
         rp_cls = get_reasoning_parser(s.config.reasoning_parser) if s.config.reasoning_parser else None
         tp_cls = get_tool_parser(parser) if tools_on else None
         keep = (rp_cls.special_tokens if rp_cls else ()) + (tp_cls.special_tokens if tp_cls else ())
         opens = prompt_opens_reasoning(text + prefix)
+        so = req.params.structured_outputs
+        if opens and rp_cls is not None and so is not None:  # the grammar holds the answer, not the reasoning
+            end = s.tokenizer.convert_tokens_to_ids(THINK_END)
+            if end is not None:
+                req.params = dataclasses.replace(req.params, structured_outputs=dataclasses.replace(
+                    so, after_token_id=end))
         choices = []
         for i in range(req.params.n):
             tp = tp_cls() if tp_cls else None
@@ -128,6 +145,22 @@ class ChatHandler:
             choices.append(_Choice(i, rp_cls(starts_in_reasoning=opens) if rp_cls else None, tp, pending,
                                    req.include_reasoning, bool(req.named_tool)))
         return text + prefix, ids, keep, choices
+
+    def _forced_call_params(self, req: ChatRequest, parser: str):
+        """req.params with the grammar of a forced tool call (module docstring)."""
+        from deepinfer_jax.text.grammar import check, tool_call_grammar
+
+        if req.params.structured_outputs is not None:
+            raise APIError(f"tool_choice {req.tool_choice!r} cannot be combined with response_format or guided "
+                           "decoding fields", param="tool_choice")
+        try:
+            spec = StructuredOutputsParams(grammar=tool_call_grammar(
+                req.tools, parser, self.s.tokenizer.convert_tokens_to_ids, named=req.named_tool,
+                parallel=req.parallel_tool_calls))
+            check(spec)
+        except ValueError as e:
+            raise APIError(f"the tools' parameters do not compile to a grammar: {e}", param="tools") from None
+        return dataclasses.replace(req.params, structured_outputs=spec)
 
     async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
         s = self.s

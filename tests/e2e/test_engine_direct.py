@@ -101,3 +101,22 @@ def test_output_kinds_return_the_same_output(llm, scripted_model, stop):
             assert c.finish_reason == "stop" and c.stop_reason == "look it"
             assert c.text == full[: full.index("look it")] and c.text.endswith("I will ")
     assert eng.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_structured_output_after_reasoning(llm, scripted_model):
+    """StructuredOutputsParams.after_token_id (what the server sets when the prompt opens the reasoning): the
+    scripted reasoning and `</think>` come out as the model writes them, then the grammar holds the answer."""
+    from deepinfer_jax import SamplingParams, StructuredOutputsParams
+
+    _, ids = scripted_model
+    prompt = [0, ids["<｜Assistant｜>"], ids["<think>"]]
+    gated = StructuredOutputsParams(choice=["yes", "no"], after_token_id=ids["</think>"])
+    [out] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=20,
+                                                                          structured_outputs=gated))
+    o = out.outputs[0]
+    assert o.token_ids[:2] == [ids["Let me check the weather."], ids["</think>"]]
+    assert o.text.endswith("yes") or o.text.endswith("no")
+    assert o.finish_reason == "stop"
+    [free] = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(
+        temperature=0.0, max_tokens=20, structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))
+    assert free.outputs[0].text in ("yes", "no")

@@ -11,6 +11,11 @@ from e2e_helpers import MODEL, wait_idle
 from scripted import ARGS, CONTENT, REASONING, TOOL_NAME, TOOLS
 
 MSG = [{"role": "user", "content": "What is the weather in Paris?"}]
+# A forced call's arguments follow the tool's schema (a grammar); with "Paris" its only city, the scripted
+# arguments are the only valid ones.
+FORCED_TOOLS = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": {
+    "type": "object", "properties": {"city": {"enum": ["Paris"]}}, "required": ["city"],
+    "additionalProperties": False}}}]
 
 
 def _collect(stream):
@@ -77,12 +82,12 @@ def test_reasoning_split_without_tools(client):
 
 def test_tool_choice_named_and_required_and_none(client):
     named = client.chat.completions.create(
-        model=MODEL, messages=MSG, tools=TOOLS, max_tokens=20,
+        model=MODEL, messages=MSG, tools=FORCED_TOOLS, max_tokens=40,
         tool_choice={"type": "function", "function": {"name": TOOL_NAME}})
     [call] = named.choices[0].message.tool_calls
     assert call.function.name == TOOL_NAME and json.loads(call.function.arguments) == json.loads(ARGS)
-    assert named.choices[0].finish_reason == "stop"
-    required = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=20,
+    assert named.choices[0].finish_reason == "tool_calls"
+    required = client.chat.completions.create(model=MODEL, messages=MSG, tools=FORCED_TOOLS, max_tokens=40,
                                               tool_choice="required")
     assert required.choices[0].message.tool_calls[0].function.name == TOOL_NAME
     assert required.choices[0].finish_reason == "tool_calls"
@@ -92,7 +97,7 @@ def test_tool_choice_named_and_required_and_none(client):
 
 def test_streamed_named_tool_call(client):
     stream = client.chat.completions.create(
-        model=MODEL, messages=MSG, tools=TOOLS, max_tokens=20, stream=True,
+        model=MODEL, messages=MSG, tools=FORCED_TOOLS, max_tokens=40, stream=True,
         tool_choice={"type": "function", "function": {"name": TOOL_NAME}})
     out, _ = _collect(stream)
     [t] = out[0]["tools"].values()
