@@ -292,7 +292,7 @@ class LLM:
         if use_tqdm:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(ids), desc="generating", unit="req")
+            bar = tqdm(total=len(ids), desc="generating", unit="req", disable=None)
         while eng.has_unfinished_requests():
             for out in eng.step():
                 if out.finished:

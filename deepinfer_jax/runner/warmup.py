@@ -80,7 +80,7 @@ def warm_up(runner, progress: bool = True) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
-                   leave=False)
+                   leave=False, disable=None)
 
     from deepinfer_jax.runner import program_cache
 
