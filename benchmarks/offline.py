@@ -73,25 +73,51 @@ def cuda_stack_limit(device, new: int | None = None) -> str:
     return text
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="deepseek-v2-lite")
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--prompt-len", type=int, default=512)
-    ap.add_argument("--output-len", type=int, default=256)
-    ap.add_argument("--dtype", default="bfloat16")
-    ap.add_argument("--attn-impl", default="pallas")
-    ap.add_argument("--moe-impl", default="pallas")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(os.path.dirname(HERE), "configs", "models"))
+                 if f.endswith(".json"))
+
+
+def _csv(kind, check):
+    """A parser of comma-separated values, each through `check` (an argparse type function of server/args.py)."""
+    def parse(text: str) -> tuple:
+        out = tuple(check(t.strip()) for t in text.split(",") if t.strip())
+        if not out:
+            raise argparse.ArgumentTypeError(f"must be comma-separated {kind}, got {text!r}")
+        return out
+    return parse
+
+
+def _steps(text: str) -> tuple[int, int]:
+    try:
+        first, last = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be FIRST:LAST (integers), got {text!r}") from None
+    return first, last
+
+
+def main(argv=None, prog: str | None = None) -> int:
+    from deepinfer_jax.server.args import (ArgParser, nonnegative_float, nonnegative_int, positive_int,
+                                           power_of_two)
+
+    ap = ArgParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deepseek-v2-lite", choices=PRESETS, help="a model of configs/models")
+    ap.add_argument("--batch", type=positive_int, default=32)
+    ap.add_argument("--prompt-len", type=positive_int, default=512)
+    ap.add_argument("--output-len", type=positive_int, default=256)
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--attn-impl", default="pallas", choices=["pallas", "pallas_interpret", "reference"])
+    ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "pallas_interpret", "ragged", "dense"])
+    ap.add_argument("--max-num-batched-tokens", type=positive_int, default=16384,
                     help="the token budget of a step; 16384 is vLLM's default for its LLM class on an H200 (>= 70 GiB), so a "
                          "Protocol A prefill of 32 x 512 is one step in both engines")
-    ap.add_argument("--page-size", type=int, default=64)
-    ap.add_argument("--max-model-len", type=int, default=1024)
-    ap.add_argument("--buckets", default="", help="comma-separated token buckets (default: powers of two)")
-    ap.add_argument("--temperatures", default="0,1")
-    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--page-size", type=power_of_two, default=64)
+    ap.add_argument("--max-model-len", type=positive_int, default=1024)
+    ap.add_argument("--buckets", type=_csv("positive integers", positive_int), default=(),
+                    help="comma-separated token buckets (default: powers of two)")
+    ap.add_argument("--temperatures", type=_csv("numbers >= 0", nonnegative_float), default=(0.0, 1.0))
+    ap.add_argument("--runs", type=positive_int, default=2)
     ap.add_argument("--json", default="", help="write the figures to this file")
-    ap.add_argument("--warmup-runs", type=int, default=None,
+    ap.add_argument("--warmup-runs", type=positive_int, default=None,
                     help="runs of each step program at warm-up (RunnerConfig.warmup_runs)")
     ap.add_argument("--routing", choices=["host", "device", "off"], default="host",
                     help="the routed expert ids behind the experts-touched figure: read to the host one step "
@@ -110,18 +136,18 @@ def main(argv=None) -> int:
                     help="after warm-up, set the CUDA context's per-thread stack limit (CU_LIMIT_STACK_SIZE, bytes; "
                          "the driver raises it for any kernel that needs more and never lowers it); the value "
                          "before and after is printed on a GPU either way")
-    ap.add_argument("--unroll-max-tokens", type=int, default=None,
+    ap.add_argument("--unroll-max-tokens", type=nonnegative_int, default=None,
                     help="steps of at most this many token slots run their layers unrolled (RunnerConfig."
                          "unroll_max_tokens; default 256 on a GPU: the prefill bucket runs as --prefill-layers says)")
     add_variant_flags(ap)
     ap.add_argument("--trace", default="",
                     help="after the runs, trace 20 decode steps of one more run into this folder and print the "
                          "device's busy / idle time per step and the kernels (benchmarks/trace_tools.py)")
-    ap.add_argument("--trace-steps", default="",
+    ap.add_argument("--trace-steps", type=_steps, default=None,
                     help="with --trace: the engine steps to trace, FIRST:LAST (1-based, LAST exclusive; 1:0 = the "
                          "whole run, prefill included), and a per-step timeline of their periods")
-    ap.add_argument("--tensor-parallel-size", type=int, default=1)
-    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--tensor-parallel-size", type=positive_int, default=1)
+    ap.add_argument("--data-parallel-size", type=positive_int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
     args = ap.parse_args(argv)
 
@@ -147,7 +173,7 @@ def main(argv=None) -> int:
     jax.block_until_ready(params)
     t_weights = time.time() - t0
     # With data-parallel attention the scheduler limits and buckets hold per rank.
-    buckets = tuple(int(b) // dp for b in args.buckets.split(",") if b) or ()
+    buckets = tuple(b // dp for b in args.buckets)
     eng = LLMEngine(
         cfg, params, None, sharding=sharding,
         scheduler_config=SchedulerConfig(max_num_seqs=args.batch // dp,
@@ -269,7 +295,7 @@ def main(argv=None) -> int:
     if active:
         line += f" (compute floor {active * args.batch * args.prompt_len / BF16_FLOPS * 1e3:.0f} ms)"
     print(line, flush=True)
-    for temp in [float(t) for t in args.temperatures.split(",")]:
+    for temp in args.temperatures:
         runs = [run(args.output_len, temp) for _ in range(args.runs)]
         best = min(r[0] for r in runs)
         experts, distinct = runs[0][1], runs[0][2]
@@ -287,7 +313,7 @@ def main(argv=None) -> int:
 
         moe_layers = sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers)))
         if args.trace_steps:
-            first, last = (int(x) for x in args.trace_steps.split(":"))
+            first, last = args.trace_steps
         else:
             first = max(2, args.output_len // 2 - 10)
             last = first + 20

@@ -4,11 +4,14 @@
     deepinfer chat [--model DIR]                    interactive, streaming, reasoning shown dimmed
     deepinfer generate [--model DIR] --prompt TEXT  one-shot generation
     deepinfer bench serve --base-url URL ...        Protocol B / C against a running server
-    deepinfer bench offline [--model DIR] ...       Protocol A (offline batch)
+    deepinfer bench offline [--preset NAME] ...     Protocol A (offline batch, random weights)
     deepinfer convert ...                           deepinfer_jax.weights.convert
 
-Without --model, the small embedded demo model (random weights) is used, so every command works on a
-fresh machine without downloads. Heavy imports (JAX) happen only inside the subcommands that need them.
+Without --model, the embedded demo model is used, so every command works on a fresh machine without
+downloads: a 2-layer DeepSeek-V3-architecture model of 2.1M parameters whose embeddings hold a bigram table of
+English prose and whose other weights are random. It answers with English-looking word salad: it shows the
+serving stack, it is not a language model. Heavy imports (JAX) happen only inside the subcommands that need them.
+Usage errors are one line on stderr, exit status 2.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ import sys
 
 
 def _serve_parser() -> argparse.ArgumentParser:
-    from deepinfer_jax.server.args import add_engine_args, add_server_args
+    from deepinfer_jax.server.args import ArgParser, add_engine_args, add_server_args
 
-    p = argparse.ArgumentParser(prog="deepinfer serve", description="OpenAI-compatible HTTP server")
+    p = ArgParser(prog="deepinfer serve", description="OpenAI-compatible HTTP server")
     add_server_args(p)
     add_engine_args(p)
     return p
@@ -33,7 +36,7 @@ def _convert(argv: list[str]) -> int:
     except ModuleNotFoundError as e:
         if e.name not in ("deepinfer_jax.weights.convert",):
             raise
-        print("error: weight conversion is not available in this build "
+        print("deepinfer convert: error: weight conversion is not available in this build "
               "(the module deepinfer_jax.weights.convert is missing)", file=sys.stderr)
         return 2
     return int(mod.main(argv) or 0)
@@ -48,10 +51,11 @@ def main(argv: list[str] | None = None) -> int:
 
             print(f"deepinfer {__version__}")
             return 0
-        print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         if argv and argv[0] not in ("-h", "--help"):
-            print(f"\nerror: unknown command {argv[0]!r}", file=sys.stderr)
+            print(f"deepinfer: error: unknown command {argv[0]!r} (choose from {', '.join(commands)}; "
+                  "deepinfer --help)", file=sys.stderr)
             return 2
+        print(__doc__.strip(), file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "convert":
@@ -61,9 +65,10 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench.main(rest)
     if cmd == "serve":
-        from deepinfer_jax.server.args import parse_with_config
+        from deepinfer_jax.server.args import check_engine_args, parse_with_config
 
-        ns = parse_with_config(_serve_parser(), rest)
+        parser = _serve_parser()
+        ns = check_engine_args(parser, parse_with_config(parser, rest))
         from deepinfer_jax.server.app import serve
 
         return serve(ns)

@@ -250,7 +250,10 @@ class AsyncEngine:
             self.stats = self.engine.stats()
             self.ready = True
         except BaseException as e:  # noqa: BLE001 - reported through /health and the log
-            log.exception("engine failed to start")
+            # bad input (a ValueError or OSError naming it) is for the caller to report in a line; anything
+            # else is a bug, logged with its traceback
+            expected = isinstance(e, (ValueError, OSError))
+            log.log(logging.DEBUG if expected else logging.ERROR, "engine failed to start", exc_info=True)
             self.startup_error = e
             return
         finally:

@@ -81,7 +81,7 @@ def warm_up(runner, progress: bool = True) -> int:
         from tqdm import tqdm
 
         bar = tqdm(total=len(programs), desc=f"compiling {len(programs)} step programs", unit="program",
-                   leave=False)
+                   leave=False, disable=None)
 
     cache_dir = runner.runner_cfg.program_cache_dir if runner.sharding is None else None
     device = jax.devices()[0]

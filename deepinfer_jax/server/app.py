@@ -219,9 +219,11 @@ class RunningServer:
 
 async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer: Any = None) -> RunningServer:
     """Open the port and start loading the engine (in the background) from parsed flags `ns`."""
-    from deepinfer_jax.server.args import engine_kwargs, resolve_model
+    from deepinfer_jax.server.args import DEFAULT_MODEL_NOTE, engine_kwargs, resolve_model, show_progress
 
     model_dir, default_name = resolve_model(ns)
+    if not ns.model:
+        log.info("no --model given: serving %s", DEFAULT_MODEL_NOTE)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"{model_dir!r} is not a model directory (no config.json)")
     if tokenizer is None:
@@ -229,11 +231,14 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
 
         tokenizer = load_tokenizer(model_dir, chat_template=ns.chat_template)
     if build is None:
-        kw = engine_kwargs(ns)
+        progress = show_progress(logging.getLogger().getEffectiveLevel())
 
         def build():
             from deepinfer_jax.engine.llm import LLM
 
+            kw, note = engine_kwargs(ns, progress=progress)
+            if note:
+                log.info("%s", note)
             log.info("loading %s", model_dir)
             llm = LLM(model_dir, **kw)
             log.info("engine ready in %.1f s (%d step shapes compiled); KV cache: %s", llm.startup_seconds,
@@ -260,6 +265,8 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
 def serve(ns) -> int:
     """`deepinfer serve`: run until SIGTERM / SIGINT, then drain and exit 0."""
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if ns.log_level != "debug":  # JAX's INFO lines (e.g. the TPU backend it did not find) are noise to a user
+        logging.getLogger("jax").setLevel(logging.WARNING)
 
     holder: list[RunningServer] = []
 

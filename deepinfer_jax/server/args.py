@@ -4,52 +4,129 @@ Flag names follow `vllm serve` where they mean the same thing. A YAML file (`--c
 same keys with underscores or dashes (`enable_prefix_caching: false`, `served_model_name: [a, b]`);
 it is turned into flags placed before the real command line, so flags given there win and every
 value goes through the same type checks. An unknown key is an error.
+
+Every usage error is one line, `deepinfer CMD: error: ...`, exit status 2 (`ArgParser`), found while parsing: the
+flags' values by their `type=` checks, --model and what needs its config.json by `check_engine_args` right after.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
+import sys
 from typing import Any
 
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                  "default-model")
 DEFAULT_MODEL_NAME = "deepinfer-default"
-# Engine sizes used when a flag is not given: the general defaults (vLLM's), and smaller ones for the
-# embedded demo model so that its first start (which compiles every step shape) stays short on a CPU.
-GENERAL_DEFAULTS = {"max_num_seqs": 256, "max_num_batched_tokens": None, "max_model_len": None}
-DEMO_DEFAULTS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_len": 2048}
+# What the embedded model is (tools/make_default_model.py builds it), for --help and the first log line.
+DEFAULT_MODEL_NOTE = ("the embedded demo model, a 2-layer DeepSeek-V3-architecture model of 2.1M parameters: its "
+                      "embeddings and lm_head hold a bigram table of English prose (Python's bundled documentation), "
+                      "its attention and MLP weights are random, so it answers with English-looking word salad. It "
+                      "is there to try the server and the API without a download; pass --model DIR for a real model")
+
+
+class ArgParser(argparse.ArgumentParser):
+    """argparse with every usage error on one line: `PROG: error: MESSAGE` on stderr, exit status 2 (no usage
+    block; --help prints it)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ---- value checks (argparse `type=`: the error names the flag) -----------------------------------------------
+def _number(kind, text: str, what: str, ok) -> Any:
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+    if not ok(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(int, text, "a positive integer", lambda v: v > 0)
+
+
+def nonnegative_int(text: str) -> int:
+    return _number(int, text, "an integer >= 0", lambda v: v >= 0)
+
+
+def positive_float(text: str) -> float:
+    return _number(float, text, "a positive number", lambda v: v > 0)
+
+
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, "a number >= 0", lambda v: v >= 0)
+
+
+def fraction(text: str) -> float:
+    return _number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
+
+
+def port_number(text: str) -> int:
+    return _number(int, text, "a port number in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535)
+
+
+def power_of_two(text: str) -> int:
+    return _number(int, text, "a positive power of two", lambda v: v > 0 and not v & (v - 1))
+
+
+def at_least_two(text: str) -> int:
+    return _number(int, text, "an integer >= 2", lambda v: v >= 2)
+
+
+def model_dir_problem(path: str) -> str | None:
+    """Why `path` cannot be served (no directory, no or a bad config.json, an unsupported model), or None."""
+    from deepinfer_jax.config import ConfigError, ModelConfig
+
+    if not os.path.isdir(path):
+        return f"{path!r} is not a directory" if os.path.exists(path) else f"{path!r} does not exist"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"{path!r} is not a model directory (no config.json)"
+    try:
+        ModelConfig.from_model_dir(path)
+    except json.JSONDecodeError as e:
+        return f"{os.path.join(path, 'config.json')} is not valid JSON ({e})"
+    except (ConfigError, OSError) as e:
+        return f"{os.path.join(path, 'config.json')}: {e}"
+    return None
 
 
 def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False) -> None:
     g = p.add_argument_group("model and engine")
     g.add_argument("--model", required=model_required, default=None,
-                   help="model directory (HF safetensors + config.json + tokenizer). Default: the small "
-                        "embedded demo model shipped in the package (random weights)")
+                   help="model directory (HF safetensors or converted, config.json, tokenizer). Default: "
+                        + DEFAULT_MODEL_NOTE.replace("%", "%%"))
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model directory's config.json (benchmarks)")
-    g.add_argument("--max-model-len", type=int, default=None,
-                   help="context length (prompt + output); default min(max_position_embeddings, 4096) "
-                        "(2048 for the embedded demo model)")
-    g.add_argument("--max-num-seqs", type=int, default=None,
-                   help="sequences per engine step (default 256; 32 for the embedded demo model)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per engine step (default max(2048, max_num_seqs); 256 for the demo model)")
-    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of device memory for weights + KV cache")
+    g.add_argument("--max-model-len", type=positive_int, default=None,
+                   help="context length (prompt + output); default min(max_position_embeddings, 4096), "
+                        "2048 for small models (up to 20M parameters, as the embedded demo model)")
+    g.add_argument("--max-num-seqs", type=positive_int, default=None,
+                   help="sequences per engine step (default 256; 32 for small models)")
+    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+                   help="tokens per engine step (default max(2048, max_num_seqs); 256 for small models)")
+    g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
+                   help="fraction of device memory for weights + KV cache, in (0, 1]")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
     g.add_argument("--enable-expert-parallel", action="store_true", help="experts sharded over TP x DP")
-    g.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64,
+    g.add_argument("--page-size", "--block-size", dest="page_size", type=power_of_two, default=64,
                    help="tokens per KV cache page (vLLM's --block-size)")
-    g.add_argument("--num-pages", type=int, default=None, help="fix the KV cache size in pages")
+    g.add_argument("--num-pages", type=at_least_two, default=None, help="fix the KV cache size in pages")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
-    g.add_argument("--attn-impl", default=None, help="attention implementation (engine default if unset)")
-    g.add_argument("--moe-impl", default=None, help="MoE implementation (engine default if unset)")
-    g.add_argument("--unroll-max-tokens", type=int, default=None,
+    g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
+                   help="attention implementation (default auto: the Pallas kernels on a GPU, XLA elsewhere)")
+    g.add_argument("--moe-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "ragged", "dense"],
+                   help="MoE implementation (default auto: the Pallas kernels on a GPU, XLA's ragged dot elsewhere)")
+    g.add_argument("--unroll-max-tokens", type=nonnegative_int, default=None,
                    help="steps of at most this many token slots run the layers unrolled: faster decode steps, "
                         "but each such bucket's programs take tens of seconds more to compile on an empty "
                         "cache (default: 256 on a GPU; 0: never, the quickest cold start)")
@@ -63,7 +140,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                         "(default: on; off compiles fewer programs)")
     g.add_argument("--greedy-variant", action=argparse.BooleanOptionalAction, default=None,
                    help="decode buckets get a program for steps whose every request is greedy, without the random "
-                        "draw (default: on; off compiles fewer programs)")
+                        "draw (default: on, but off for small models on a CPU; off compiles fewer programs)")
     g.add_argument("--prefill-shared-forward", action=argparse.BooleanOptionalAction, default=None,
                    help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
                         "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
@@ -77,7 +154,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
     g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
@@ -87,43 +164,54 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice 'auto' works whenever --tool-call-parser is set")
-    g.add_argument("--max-queue-len", type=int, default=None,
+    g.add_argument("--max-queue-len", type=nonnegative_int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unbounded)")
-    g.add_argument("--max-payload-size", type=int, default=16 * 2**20, help="largest request body in bytes (413)")
-    g.add_argument("--shutdown-timeout", type=float, default=30.0,
+    g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20, help="largest request body in bytes (413)")
+    g.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
                    help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
 def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
-    """Turn a YAML mapping of flag names to values into argv (see the module docstring)."""
+    """Turn a YAML mapping of flag names to values into argv (see the module docstring). A file that cannot be
+    read or parsed, or holds an unknown key, is a usage error of `parser` (one line, exit status 2)."""
     import yaml
 
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f) or {}
+    def bad(what: str):
+        parser.error(f"argument --config: {path}: {what}")
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        bad(e.strerror or str(e))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        bad(f"not valid YAML: {getattr(e, 'problem', None) or e}{where}")
     if not isinstance(data, dict):
-        raise SystemExit(f"error: {path}: the config must be a mapping of flag names to values")
+        bad("the config must be a mapping of flag names to values")
     options = {a.dest: a for a in parser._actions if a.option_strings}
     argv: list[str] = []
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = options.get(dest)
         if action is None or dest in ("config", "help"):
-            raise SystemExit(f"error: {path}: unknown key {key!r}")
+            bad(f"unknown key {key!r}")
         flag = next(s for s in action.option_strings if s.startswith("--"))
         if value is None:
             continue
-        if isinstance(action, argparse.BooleanOptionalAction):
+        if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
             if not isinstance(value, bool):
-                raise SystemExit(f"error: {path}: {key} must be true or false")
-            argv.append(flag if value else "--no-" + flag[2:])
-        elif isinstance(action, argparse._StoreTrueAction):
-            if not isinstance(value, bool):
-                raise SystemExit(f"error: {path}: {key} must be true or false")
-            if value:
+                bad(f"{key} must be true or false, got {value!r}")
+            if isinstance(action, argparse.BooleanOptionalAction):
+                argv.append(flag if value else "--no-" + flag[2:])
+            elif value:
                 argv.append(flag)
         elif isinstance(value, list):
             argv += [flag] + [str(v) for v in value]
+        elif isinstance(value, dict):
+            bad(f"{key} must be a value or a list, got a mapping")
         else:
             argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
     return argv
@@ -131,12 +219,29 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv, first expanding `--config FILE` into flags that argv then overrides."""
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = ArgParser(prog=parser.prog, add_help=False)
     pre.add_argument("--config", default=None)
     known, _ = pre.parse_known_args(argv)
     if known.config:
         argv = yaml_to_argv(known.config, parser) + list(argv)
     return parser.parse_args(argv)
+
+
+def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
+    """The checks that need more than one flag or the model's config.json, right after parsing: --model is a
+    directory this engine can serve, --max-model-len fits the model. A failure is a usage error (one line)."""
+    model_dir, _ = resolve_model(ns)
+    problem = model_dir_problem(model_dir)
+    if problem:
+        parser.error(f"argument --model: {problem}")
+    if ns.max_model_len is not None:
+        from deepinfer_jax.config import ModelConfig
+
+        limit = ModelConfig.from_model_dir(model_dir).max_position_embeddings
+        if ns.max_model_len > limit:
+            parser.error(f"argument --max-model-len: {ns.max_model_len} exceeds the model's max_position_embeddings "
+                         f"{limit}")
+    return ns
 
 
 def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
@@ -146,29 +251,39 @@ def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
     return DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 
-def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True) -> dict[str, Any]:
-    """Keyword arguments for `LLM(model, **kw)` from the engine flags."""
-    sizes = {k: getattr(ns, k) if getattr(ns, k) is not None else d
-             for k, d in (GENERAL_DEFAULTS if ns.model else DEMO_DEFAULTS).items()}
+def show_progress(log_level: int = logging.WARNING) -> bool:
+    """Progress bars (weights loading, compiling) only on a terminal, and only where no INFO log lines are printed
+    meanwhile (they would break the bars' lines); the bars write to stderr."""
+    return sys.stderr.isatty() and log_level > logging.INFO
+
+
+def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
+                  platform: str | None = None) -> tuple[dict[str, Any], str]:
+    """Keyword arguments for `LLM(model, **kw)` from the engine flags, with engine/llm.py serving_defaults for
+    those not set (by the model's size and the platform: `platform`, or JAX's default backend), and that
+    function's line saying which and why ("" when none)."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.engine.llm import serving_defaults
+
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    model_dir, _ = resolve_model(ns)
+    given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
+    auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
     kw: dict[str, Any] = dict(
-        dtype=ns.dtype, **sizes, page_size=ns.page_size,
+        dtype=ns.dtype, page_size=ns.page_size,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir)
-    if ns.attn_impl:
-        kw["attn_impl"] = ns.attn_impl
-    if ns.moe_impl:
-        kw["moe_impl"] = ns.moe_impl
-    if ns.unroll_max_tokens is not None:
-        kw["unroll_max_tokens"] = ns.unroll_max_tokens
-    if ns.prefill_layers is not None:
-        kw["prefill_layers"] = ns.prefill_layers
-    if ns.prefill_context_variant is not None:
-        kw["prefill_context_variant"] = ns.prefill_context_variant
-    if ns.greedy_variant is not None:
-        kw["greedy_variant"] = ns.greedy_variant
-    if ns.prefill_shared_forward is not None:
-        kw["prefill_shared_forward"] = ns.prefill_shared_forward
-    return kw
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "attn_impl", "moe_impl",
+                 "unroll_max_tokens", "prefill_layers", "prefill_context_variant", "greedy_variant",
+                 "prefill_shared_forward"):
+        if getattr(ns, name) is not None:
+            kw[name] = getattr(ns, name)
+    for name, value in auto.items():
+        kw.setdefault(name, value)
+    return kw, note

@@ -197,30 +197,54 @@ def format_level(s: dict) -> str:
             + (f" | errors: {s['errors']}" if s["errors"] else ""))
 
 
+def _base_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"must be an http:// or https:// URL, got {text!r}")
+    return text.rstrip("/")
+
+
+def _concurrencies(text: str) -> list[int]:
+    from deepinfer_jax.server.args import positive_int
+
+    out = [positive_int(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError(f"must be comma-separated positive integers, got {text!r}")
+    return out
+
+
 def _serve_main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="deepinfer bench serve", description="Protocol B / C against a running server")
-    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    from deepinfer_jax.server.args import ArgParser, nonnegative_float, nonnegative_int, positive_float, positive_int
+
+    p = ArgParser(prog="deepinfer bench serve", description="Protocol B / C against a running server")
+    p.add_argument("--base-url", type=_base_url, default="http://127.0.0.1:8000")
     p.add_argument("--model", default=None, help="default: the server's first model")
     p.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"))
     p.add_argument("--dataset", choices=["random", "shared-prefix"], default="random")
-    p.add_argument("--input-len", type=int, default=512)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--shared-prefix-len", type=int, default=2048)
-    p.add_argument("--max-concurrency", default="1,8,32,128", help="comma-separated sweep")
-    p.add_argument("--num-prompts", type=int, default=None, help="per level (default max(4 x concurrency, 16))")
-    p.add_argument("--request-rate", type=float, default=float("inf"), help="Poisson rate in req/s (inf: burst)")
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--input-len", type=positive_int, default=512)
+    p.add_argument("--output-len", type=positive_int, default=128)
+    p.add_argument("--shared-prefix-len", type=nonnegative_int, default=2048)
+    p.add_argument("--max-concurrency", type=_concurrencies, default=[1, 8, 32, 128], help="comma-separated sweep")
+    p.add_argument("--num-prompts", type=positive_int, default=None,
+                   help="per level (default max(4 x concurrency, 16))")
+    p.add_argument("--request-rate", type=positive_float, default=float("inf"),
+                   help="Poisson rate in req/s (inf: burst)")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--vocab-size", type=int, default=None,
+    p.add_argument("--vocab-size", type=positive_int, default=None,
                    help="prompts of random ids below this instead of tokenized words (dummy weights)")
     p.add_argument("--result-file", default=None, help="write the figures as JSON")
     a = p.parse_args(argv)
-    conc = [int(x) for x in a.max_concurrency.split(",") if x.strip()]
-    out = asyncio.run(run_serving(a.base_url, model=a.model, api_key=a.api_key, input_len=a.input_len,
-                                  output_len=a.output_len, concurrencies=conc, num_prompts=a.num_prompts,
-                                  request_rate=a.request_rate, dataset=a.dataset,
-                                  shared_prefix_len=a.shared_prefix_len, temperature=a.temperature, seed=a.seed,
-                                  vocab_size=a.vocab_size))
+    import aiohttp
+
+    try:
+        out = asyncio.run(run_serving(a.base_url, model=a.model, api_key=a.api_key, input_len=a.input_len,
+                                      output_len=a.output_len, concurrencies=a.max_concurrency,
+                                      num_prompts=a.num_prompts, request_rate=a.request_rate, dataset=a.dataset,
+                                      shared_prefix_len=a.shared_prefix_len, temperature=a.temperature, seed=a.seed,
+                                      vocab_size=a.vocab_size))
+    except (aiohttp.ClientError, OSError) as e:  # no server there, or it refused the set-up requests
+        print(f"deepinfer bench serve: error: {a.base_url}: {e}", file=sys.stderr)
+        return 1
     if a.result_file:
         with open(a.result_file, "w") as f:
             json.dump(out, f, indent=1)
@@ -233,13 +257,13 @@ def _offline_main(argv: list[str]) -> int:
     path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                         "benchmarks", "offline.py")
     if not os.path.isfile(path):
-        print("error: Protocol A needs benchmarks/offline.py from a source checkout of deepinfer-jax",
-              file=sys.stderr)
+        print("deepinfer bench offline: error: Protocol A needs benchmarks/offline.py from a source checkout of "
+              "deepinfer-jax", file=sys.stderr)
         return 2
     spec = importlib.util.spec_from_file_location("deepinfer_offline_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return int(mod.main(argv) or 0)
+    return int(mod.main(argv, prog="deepinfer bench offline") or 0)
 
 
 def main(argv: list[str]) -> int:
@@ -247,5 +271,8 @@ def main(argv: list[str]) -> int:
         return _serve_main(argv[1:])
     if argv and argv[0] == "offline":
         return _offline_main(argv[1:])
-    print(__doc__.split("\n\n")[1], file=sys.stderr)
-    return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] not in ("-h", "--help"):
+        print(f"deepinfer bench: error: unknown benchmark {argv[0]!r} (choose from serve, offline)", file=sys.stderr)
+        return 2
+    print(__doc__.split("\n\n")[1], file=sys.stdout if argv else sys.stderr)
+    return 0 if argv else 2

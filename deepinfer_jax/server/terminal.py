@@ -4,25 +4,30 @@ Both drive LLMEngine step by step on the main thread (no HTTP). Chat keeps the c
 it with the model's chat template and splits reasoning (`<think>...</think>`, deepseek_r1 rules) from
 the answer: reasoning is printed dim grey, the answer normally. Ctrl-C stops the current answer;
 Ctrl-D or /exit leaves; /reset starts a new conversation.
+
+Usage errors are one line (server/args.py ArgParser, check_engine_args), and so is bad input found while the
+engine is built (a ValueError or OSError: exit status 1; DEEPINFER_DEBUG=1 shows its traceback). Messages and
+progress bars go to stderr, the model's text alone to stdout.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 DIM, RESET = "\x1b[2m", "\x1b[0m"
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    from deepinfer_jax.server.args import add_engine_args
+    from deepinfer_jax.server.args import ArgParser, add_engine_args, fraction, nonnegative_float, positive_int
 
-    p = argparse.ArgumentParser(prog=f"deepinfer {cmd}")
+    p = ArgParser(prog=f"deepinfer {cmd}")
     add_engine_args(p)
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=512 if cmd == "chat" else 64)
-    g.add_argument("--temperature", type=float, default=0.6 if cmd == "chat" else 0.0)
-    g.add_argument("--top-p", type=float, default=0.95 if cmd == "chat" else 1.0)
+    g.add_argument("--max-tokens", type=positive_int, default=512 if cmd == "chat" else 64)
+    g.add_argument("--temperature", type=nonnegative_float, default=0.6 if cmd == "chat" else 0.0)
+    g.add_argument("--top-p", type=fraction, default=0.95 if cmd == "chat" else 1.0)
     g.add_argument("--no-color", action="store_true", help="do not dim the reasoning")
     if cmd == "chat":
         g.add_argument("--system", default=None, help="system prompt")
@@ -35,11 +40,16 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 def _load(ns):
     from deepinfer_jax.engine.llm import LLM
-    from deepinfer_jax.server.args import engine_kwargs, resolve_model
+    from deepinfer_jax.server.args import DEFAULT_MODEL_NOTE, engine_kwargs, resolve_model, show_progress
 
     model_dir, _ = resolve_model(ns)
-    print(f"loading {model_dir} ...", file=sys.stderr)
-    return LLM(model_dir, **engine_kwargs(ns))
+    if not ns.model:
+        print(f"no --model given: using {DEFAULT_MODEL_NOTE}", file=sys.stderr)
+    kw, note = engine_kwargs(ns, progress=show_progress())
+    if note:
+        print(note, file=sys.stderr)
+    print(f"loading {model_dir} ...", file=sys.stderr, flush=True)
+    return LLM(model_dir, **kw)
 
 
 class _Printer:
@@ -163,11 +173,23 @@ def generate(ns) -> int:
         try:
             stream_one(llm, ids, text if ns.chat else "", params, _Printer(color))
         except ValueError as e:
-            print(f"error: {e}", file=sys.stderr)
+            print(f"deepinfer generate: error: --prompt number {i + 1}: {e}", file=sys.stderr)
             return 2
     return 0
 
 
 def main(cmd: str, argv: list[str]) -> int:
-    ns = _parser(cmd).parse_args(argv)
-    return chat(ns) if cmd == "chat" else generate(ns)
+    from deepinfer_jax.server.args import check_engine_args
+
+    parser = _parser(cmd)
+    ns = check_engine_args(parser, parser.parse_args(argv))
+    try:
+        return chat(ns) if cmd == "chat" else generate(ns)
+    except (ValueError, OSError) as e:  # bad input found while building the engine (ConfigError is a ValueError)
+        if os.environ.get("DEEPINFER_DEBUG"):
+            raise
+        print(f"deepinfer {cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"deepinfer {cmd}: interrupted", file=sys.stderr)
+        return 130

@@ -6,7 +6,8 @@
 Invariants:
 - Everything is checked before anything is written: the config parses, every tensor the name table
   expects is present with its shape and a float (or FP8 + weight_scale_inv) dtype, and `--dst` is free
-  (or `--overwrite`). Bad input gets one error line and exit status 1; no directory is created.
+  (or `--overwrite`). Bad input gets one error line and exit status 1 (a usage error found while parsing,
+  such as a --src without config.json, exit status 2); no directory is created.
 - Tensors are read one at a time (memory-mapped), transformed by the name table (`read_rule_tensor`),
   and assembled into one *unit* (one decoder layer, the embeddings/head, or one MTP module) at a time;
   each unit is checked against the param specs, quantized leaf by leaf, and written with one orbax
@@ -155,7 +156,7 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(rules), desc="converting", unit="tensor")
+        bar = tqdm(total=len(rules), desc="converting", unit="tensor", disable=None)
     try:
         os.makedirs(tmp)
         writer = orbax_io.UnitWriter(tmp)
@@ -220,17 +221,44 @@ def _replace(tmp: str, dst: str) -> None:
         shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors on one line, `deepinfer convert: error: ...`, exit status 2 (as server/args.py ArgParser)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _src_dir(text: str) -> str:
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(f"{text!r} " + ("is not a directory" if os.path.exists(text)
+                                                         else "does not exist"))
+    if not os.path.isfile(os.path.join(text, "config.json")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model directory (no config.json)")
+    return text
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="deepinfer convert", description="Convert an HF DeepSeek checkpoint "
-                                "(bf16 / fp32 / FP8 safetensors) into the engine's orbax format.")
-    p.add_argument("--src", required=True, help="HF model directory (config.json + *.safetensors)")
+    p = _Parser(prog="deepinfer convert", description="Convert an HF DeepSeek checkpoint "
+                "(bf16 / fp32 / FP8 safetensors) into the engine's orbax format.")
+    p.add_argument("--src", required=True, type=_src_dir, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--dst", required=True, help="output directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype of float weights")
     p.add_argument("--quantize", default="none", choices=sorted(METHODS),
                    help="weight-only quantization of the linear layers and experts")
-    p.add_argument("--group-size", type=int, default=128, help="INT4 group length along the input dim")
+    p.add_argument("--group-size", type=_positive_int, default=128, help="INT4 group length along the input dim")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --dst")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none either where stderr is not "
+                                                              "a terminal)")
     return p
 
 
@@ -240,7 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     try:
         meta = convert(args.src, args.dst, args.dtype, args.quantize, args.group_size, args.overwrite,
-                       progress=not args.no_progress)
+                       progress=not args.no_progress and sys.stderr.isatty())
     except (ValueError, OSError) as e:  # ConfigError, CheckpointError, ConversionError are ValueErrors
         print(f"deepinfer convert: error: {e}", file=sys.stderr)
         return 1

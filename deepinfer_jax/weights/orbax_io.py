@@ -308,7 +308,7 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
         if progress:
             from tqdm import tqdm
 
-            it = tqdm(units, desc="loading converted weights", unit="unit", leave=False)
+            it = tqdm(units, desc="loading converted weights", unit="unit", leave=False, disable=None)
         for u in it:
             stacked = u.index is not None
 

@@ -8,6 +8,7 @@ import pytest
 
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek import splits_prefill_attention
 from deepinfer_jax.runner.step_programs import program_kind
 
@@ -100,6 +101,24 @@ def test_greedy_with_preemption(hf_case, hf_greedy, monkeypatch, page_rows_min):
     llm = _llm(path, num_pages=80)  # ~640 token slots for ~2,000 prompt tokens in flight
     _check(llm, model, hf_greedy, prompts, MAX_TOKENS)
     assert llm.engine.stats().num_preemptions > 0
+
+
+def test_greedy_with_the_cpu_serving_defaults(hf_case, hf_greedy):
+    """What `deepinfer serve` runs a small model with on a CPU (engine/llm.py serving_defaults): two token buckets
+    (16 and 256 here: every step of 17 to 256 tokens padded to 256), no greedy variant, one warm-up run a step
+    program. HF's tokens, no compile after warm-up, and the 5 programs warm-up made: the decode bucket's base and full steps, the top bucket's forward
+    and its two samplers."""
+    from deepinfer_jax.engine.llm import serving_defaults
+
+    model, path = hf_case("v3_grouped_noaux")
+    given = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": MODEL_LEN}
+    auto, _ = serving_defaults(ModelConfig.from_model_dir(path), "cpu", given)
+    assert auto == {"token_buckets": (16, 256), "greedy_variant": False, "warmup_runs": 1}
+    prompts = random_prompts(15, LENGTHS, model.config.vocab_size)
+    llm = _llm(path, **auto)
+    assert llm.engine.runner.shapes.buckets == (16, 256)
+    _check(llm, model, hf_greedy, prompts, MAX_TOKENS)
+    assert llm.engine.num_warmup_compiles == 5
 
 
 def test_greedy_with_chunked_prefill(hf_case, hf_greedy):

@@ -183,19 +183,23 @@ def test_cli_wrapper_from_a_clone(hf_case, tmp_path):
                         "--dst", str(dst), "--quantize", "int8"], capture_output=True, text=True, env=env,
                        cwd=str(tmp_path), timeout=300)
     assert r.returncode == 0, r.stderr
-    assert "converting" in r.stderr  # the tqdm bar
+    assert "converting" not in r.stderr and "wrote" in r.stdout  # no progress bar: stderr is not a terminal
     meta = json.load(open(dst / META_FILE))
     assert meta["dtype"] == "bfloat16" and meta["quantization"]["method"] == "int8"
 
 
 # ------------------------------------------------------------------------------------------------
-# Bad input: one clear error, exit 1, nothing left behind
+# Bad input: one clear error, exit 1 (2 for a usage error found while parsing), nothing left behind
 # ------------------------------------------------------------------------------------------------
 
 
 def _bad(tmp_path, capsys, argv, pattern, code=1):
     before = _ls(tmp_path)
-    assert main(argv + ["--no-progress"]) == code
+    try:
+        rc = main(argv + ["--no-progress"])
+    except SystemExit as e:  # argparse's usage error
+        rc = e.code
+    assert rc == code
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("deepinfer convert: error:"), err
     assert re.search(pattern, err), err
@@ -206,10 +210,11 @@ def _bad(tmp_path, capsys, argv, pattern, code=1):
 def test_bad_inputs(hf_case, tmp_path, capsys):
     _, src = hf_case("v2_greedy_yarn")
     dst = str(tmp_path / "dst")
-    _bad(tmp_path, capsys, ["--src", str(tmp_path / "nope"), "--dst", dst], "is not a directory")
+    _bad(tmp_path, capsys, ["--src", str(tmp_path / "nope"), "--dst", dst], "argument --src: .* does not exist", 2)
     empty = tmp_path / "empty"
     empty.mkdir()
-    _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "no config.json")
+    _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "argument --src: .*no config.json", 2)
+    _bad(tmp_path, capsys, ["--src", src, "--dst", dst, "--group-size", "0"], "argument --group-size", 2)
     (empty / "config.json").write_text("{not json")
     _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "not valid JSON")
     shutil.copy(os.path.join(src, "config.json"), empty / "config.json")

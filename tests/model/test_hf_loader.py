@@ -126,6 +126,26 @@ def test_fused_v5_expert_layout_and_sharded_index(hf_case, tmp_path):
     np.testing.assert_array_equal(_logits(cfg, p_fused), _logits(cfg, p_ref))
 
 
+@pytest.mark.parametrize("case, dtype", [("v2_greedy_yarn", jnp.bfloat16), ("v3_grouped_noaux", jnp.float32)])
+def test_host_assembly_equals_device_updates(hf_case, monkeypatch, case, dtype):
+    """Small models on a CPU are assembled in numpy and put on the device leaf by leaf (hf_loader.host_assembly);
+    their leaves equal, bit for bit, those the in-place device updates of every other load give (fp32 tensors
+    rounded to bf16 included), on the same devices."""
+    from deepinfer_jax.weights import hf_loader
+    from deepinfer_jax.weights.pending import abstract_from_specs
+
+    _, path = hf_case(case)
+    cfg, host = _load(path, dtype)
+    assert hf_loader.host_assembly(abstract_from_specs(cfg, dtype), None)
+    monkeypatch.setattr(hf_loader, "HOST_ASSEMBLY_BYTES", -1)
+    assert not hf_loader.host_assembly(abstract_from_specs(cfg, dtype), None)
+    _, dev = _load(path, dtype)
+    assert jax.tree.structure(host) == jax.tree.structure(dev)
+    for (kp, a), b in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(dev)):
+        assert (a.shape, a.dtype, a.sharding) == (b.shape, b.dtype, b.sharding), jax.tree_util.keystr(kp)
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(kp))
+
+
 def test_bf16_checkpoint_loads_into_bf16(hf_case, tmp_path):
     _, path = hf_case("v3_flat_plain_rope")
     t = {n: w.astype(ml_dtypes.bfloat16) if n.endswith("weight") else w for n, w in _tensors(path).items()}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import os
+import shutil
 
 import pytest
 
@@ -13,33 +14,96 @@ from deepinfer_jax.server.args import DEFAULT_MODEL_DIR, engine_kwargs, parse_wi
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
-def test_defaults_and_vllm_names():
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory):
+    """A copy of the embedded model's config.json elsewhere (as a converted copy of it would be), and a large model's
+    (DeepSeek-V2-Lite's) config.json: engine_kwargs reads only config.json."""
+    d = tmp_path_factory.mktemp("models")
+    (d / "copy").mkdir()
+    shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "config.json"), d / "copy" / "config.json")
+    (d / "large").mkdir()
+    shutil.copy(os.path.join(ROOT, "configs", "models", "deepseek-v2-lite.json"), d / "large" / "config.json")
+    return str(d / "copy"), str(d / "large")
+
+
+def _kw(argv, platform="gpu"):
+    return engine_kwargs(parse_with_config(_serve_parser(), argv), platform=platform)
+
+
+def test_defaults_and_vllm_names(model_dirs):
+    copy, large = model_dirs
     ns = parse_with_config(_serve_parser(), [])
     assert (ns.host, ns.port, ns.enable_prefix_caching, ns.page_size) == ("127.0.0.1", 8000, True, 64)
     assert resolve_model(ns) == (DEFAULT_MODEL_DIR, "deepinfer-default")
-    kw = engine_kwargs(ns)  # the embedded demo model gets small sizes unless flags say otherwise
-    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (32, 256, 2048)
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--max-num-seqs", "4"]))
+    # small models (the embedded one, or a copy of it) get small sizes unless flags say otherwise; a large one LLM's
+    for argv in ([], ["--model", copy]):
+        kw, note = _kw(argv)
+        assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (32, 256, 2048)
+        assert not {"token_buckets", "greedy_variant", "warmup_runs"} & set(kw)  # on a GPU the programs are LLM's
+        assert note == ("engine defaults for a small model (2.1M parameters) on gpu: max_num_seqs 32, "
+                        "max_num_batched_tokens 256, max_model_len 2048 (few step programs to compile at start)")
+    kw, _ = _kw(["--max-num-seqs", "4"])
     assert (kw["max_num_seqs"], kw["max_num_batched_tokens"]) == (4, 256)
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m"]))
-    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (256, None, None)
+    kw, note = _kw(["--model", large])
+    assert not {"max_num_seqs", "max_num_batched_tokens", "max_model_len", "token_buckets"} & set(kw) and note == ""
     ns = parse_with_config(_serve_parser(), ["--block-size", "16", "--no-enable-prefix-caching", "-tp", "1",
-                                             "--served-model-name", "a", "b", "--model", "/m"])
+                                             "--served-model-name", "a", "b", "--model", large])
     assert ns.page_size == 16 and not ns.enable_prefix_caching and ns.served_model_name == ["a", "b"]
-    kw = engine_kwargs(ns)
+    kw, _ = engine_kwargs(ns, platform="gpu")
     assert kw["page_size"] == 16 and kw["enable_prefix_caching"] is False and "attn_impl" not in kw
     assert "unroll_max_tokens" not in kw  # the engine's default (256 on a GPU)
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--unroll-max-tokens", "0"]))
+    kw, _ = _kw(["--model", large, "--unroll-max-tokens", "0"])
     assert kw["unroll_max_tokens"] == 0 and "prefill_layers" not in kw
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-layers", "indexed"]))
+    kw, _ = _kw(["--model", large, "--prefill-layers", "indexed"])
     assert kw["prefill_layers"] == "indexed"
     assert "prefill_context_variant" not in kw  # LLM's default (on)
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--prefill-context-variant"]))
+    kw, _ = _kw(["--model", large, "--prefill-context-variant"])
     assert kw["prefill_context_variant"] is True
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-prefill-context-variant"]))
+    kw, _ = _kw(["--model", large, "--no-prefill-context-variant"])
     assert kw["prefill_context_variant"] is False and "greedy_variant" not in kw
-    kw = engine_kwargs(parse_with_config(_serve_parser(), ["--model", "/m", "--no-greedy-variant"]))
+    kw, _ = _kw(["--model", large, "--no-greedy-variant"])
     assert kw["greedy_variant"] is False
+
+
+def test_cpu_defaults_by_model_size(model_dirs):
+    """On a CPU a small model, embedded or not, also gets fewer step programs: two token buckets (a decode one
+    holding every sequence row, then the step's budget) and no greedy sampling variant; flags still win. Every model
+    runs each step program once at warm-up there (no CUDA graph to record)."""
+    copy, large = model_dirs
+    for argv in ([], ["--model", copy]):
+        kw, note = _kw(argv, "cpu")
+        assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (16, 256, 2048)
+        assert kw["token_buckets"] == (16, 256) and kw["greedy_variant"] is False and kw["warmup_runs"] == 1
+        assert note == ("engine defaults for a small model (2.1M parameters) on cpu: max_num_seqs 16, "
+                        "max_num_batched_tokens 256, max_model_len 2048, token buckets (16, 256) (not (16, 32, 64, "
+                        "128, 256)), no greedy sampling variant, one warm-up run a step program (few step programs "
+                        "to compile at start, seconds each on a CPU, while a step padded to a larger bucket costs "
+                        "such a model little; no CUDA graph to record on a CPU)")
+    kw, note = _kw(["--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "1024",
+                    "--greedy-variant"], "cpu")
+    assert (kw["max_num_seqs"], kw["max_num_batched_tokens"], kw["max_model_len"]) == (8, 64, 1024)
+    assert kw["token_buckets"] == (16, 64) and kw["greedy_variant"] is True
+    assert note.startswith("engine defaults for a small model (2.1M parameters) on cpu: token buckets (16, 64) (not "
+                           "(16, 32, 64)), one warm-up run a step program (")
+    kw, _ = _kw(["--max-num-batched-tokens", "4096"], "cpu")
+    assert kw["token_buckets"] == (16, 256, 4096)  # each 16x the last: a short prompt pads 16x at most
+    kw, _ = _kw(["--max-num-seqs", "32"], "cpu")
+    assert (kw["max_num_batched_tokens"], kw["token_buckets"]) == (256, (32, 256))
+    kw, note = _kw(["--model", large], "cpu")
+    assert not {"max_num_seqs", "token_buckets", "greedy_variant"} & set(kw) and kw["warmup_runs"] == 1
+    assert note == ("engine defaults for a model of 15,706M parameters on cpu: one warm-up run a step program (no CUDA "
+                    "graph to record on a CPU)")
+
+
+def test_coarse_token_buckets():
+    from deepinfer_jax.runner.inputs import coarse_token_buckets, token_buckets
+
+    assert coarse_token_buckets(256, 16) == (16, 256) and token_buckets(256, 16) == (16, 32, 64, 128, 256)
+    assert coarse_token_buckets(256, 32) == (32, 256) and coarse_token_buckets(64, 8) == (16, 64)
+    assert coarse_token_buckets(2048, 256) == (256, 2048) and coarse_token_buckets(8192, 16) == (16, 256, 4096, 8192)
+    assert coarse_token_buckets(4096, 32, factor=4) == (32, 128, 512, 2048, 4096)
+    assert coarse_token_buckets(8, 4) == token_buckets(8, 4) == (8,)
+    assert coarse_token_buckets(100, 300) == (512,)  # the top holds max(tokens, sequences)
 
 
 def test_yaml_then_flags(tmp_path):
@@ -52,12 +116,15 @@ def test_yaml_then_flags(tmp_path):
 
 
 @pytest.mark.parametrize("text", ["nonsense_key: 1\n", "max_num_seqs: many\n", "enable_prefix_caching: 3\n",
-                                  "- a list\n", "reasoning_parser: nope\n"])
-def test_bad_yaml(tmp_path, text):
+                                  "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
+                                  "host: {a: 1}\n"])
+def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
     f.write_text(text)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         parse_with_config(_serve_parser(), ["--config", str(f)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and err.startswith("deepinfer serve: error: ")
 
 
 def test_example_configs_parse():
