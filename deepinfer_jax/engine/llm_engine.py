@@ -141,7 +141,12 @@ class LLMEngine:
         self._grammars = None  # text.grammar.GrammarCompiler
         if getattr(tokenizer, "backend_kind", None) == "tokenizers":
             # Its pass over the vocabulary holds the GIL (about 1.4 s at 102,400 tokens): here, not in a step.
-            self.grammar_compiler.ll_tokenizer  # noqa: B018
+            # A tokenizer llguidance cannot take only refuses structured-output requests (each one with this
+            # error), never the engine's start.
+            try:
+                self.grammar_compiler.ll_tokenizer  # noqa: B018
+            except ValueError as e:
+                log.warning("structured output is unavailable for this model: %s", e)
 
     @property
     def grammar_compiler(self):

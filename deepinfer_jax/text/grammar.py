@@ -94,7 +94,12 @@ def _ll_tokenizer(tokenizer: Any, vocab_size: int, eos_token_ids: Sequence[int])
     if rust is None or not hasattr(rust, "to_str"):
         raise ValueError("structured_outputs needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
                          f"model's is {getattr(tokenizer, 'backend_kind', type(tokenizer).__name__)}")
-    return _llg().LLTokenizer(rust.to_str(), n_vocab=vocab_size, eos_token=[int(t) for t in eos_token_ids])
+    known = rust.get_vocab_size(with_added_tokens=True)
+    eos = [int(t) for t in eos_token_ids if int(t) < known]  # an id past the tokenizer's table has no text
+    if not eos:
+        raise ValueError(f"structured_outputs needs an EOS token the tokenizer knows; the model's EOS ids "
+                         f"{list(eos_token_ids)} are all past its {known} tokens")
+    return _llg().LLTokenizer(rust.to_str(), n_vocab=vocab_size, eos_token=eos)
 
 
 def _json_rule(schema: Any) -> str:

@@ -225,3 +225,15 @@ def test_after_token_gate_and_rollback(tok, compiler):
     m.rollback(len(no) + 1)  # over the gate: waiting again
     assert m.waiting and not m.is_terminated() and m.num_accepted == 0
     assert m.accept(gate) and all(m.accept(t) for t in no) and m.is_terminated()
+
+
+def test_eos_ids_past_the_tokenizer_are_dropped(tok, compiler):
+    """A model whose config names EOS ids past its tokenizer's table (random-weight presets, padded vocabularies)
+    keeps structured output through the ids the tokenizer knows; with none of them known it is a clear error."""
+    eos = tuple(tok.eos_token_ids)
+    padded = GrammarCompiler(tok, VOCAB + 4096, eos + (VOCAB + 100,))
+    m = padded.matcher(SOP(choice=["yes", "no"]))
+    first = {tok.decode([int(t)]) for t in m.allowed_ids()}
+    assert first and all("yes".startswith(t) or "no".startswith(t) for t in first)
+    with pytest.raises(ValueError, match="EOS"):
+        GrammarCompiler(tok, VOCAB + 4096, (VOCAB + 100,)).matcher(SOP(regex="[0-9]+"))
