@@ -57,7 +57,7 @@ def main(argv=None) -> int:
                     help="num_warps=W,shared_down_late=0|1: the route and experts launch (decode_moe_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
                     help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
-                         "e.g. 1000000 for one argmax over the whole vocabulary, as before session 10)")
+                         "e.g. 1000000 for one argmax over the whole vocabulary)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--decode-matmul-plan", default="",
