@@ -2,7 +2,8 @@
 
 Parsing turns a decoded JSON body into a `ChatRequest` / `CompletionRequest` holding validated fields
 and a `SamplingParams`; every rejection is an `APIError` (status 400 unless said otherwise) whose
-`param` names the offending field. Unknown fields are ignored, as vLLM does. Field names and defaults
+`param` names the offending field. A field the parser does not read is refused by name (`_Seen`): nothing a
+client sends is silently dropped, except the request tags in `_TAGS`, which change nothing computed. Field names and defaults
 follow OpenAI, with vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, include_reasoning,
 chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16.
@@ -52,6 +53,43 @@ def random_id(prefix: str) -> str:
 
 
 # ---- field readers -------------------------------------------------------------------------------
+class _Seen(dict):
+    """A request body that records which fields the parser read, so that the rest can be refused by name."""
+
+    def __init__(self, body: dict):
+        super().__init__(body)
+        self.read: set[str] = set()
+
+    def get(self, key, default=None):
+        self.read.add(key)
+        return super().get(key, default)
+
+    def __getitem__(self, key):
+        self.read.add(key)
+        return super().__getitem__(key)
+
+    def __contains__(self, key):
+        self.read.add(key)
+        return super().__contains__(key)
+
+
+# Fields that tag a request (for the client's own bookkeeping) and change nothing it computes: accepted when of
+# their type. And fields accepted only at the value that asks for what this server does anyway.
+_TAGS = {"user": (str,), "safety_identifier": (str,), "prompt_cache_key": (str,), "metadata": (dict,)}
+_DEFAULT_ONLY = {"store": (False,), "service_tier": ("auto", "default"), "modalities": (["text"],)}
+
+
+def _refuse_unread(body: _Seen) -> None:
+    """400 naming the first field (non-null) that the parser did not read and that is not a tag."""
+    for key, kinds in _TAGS.items():
+        _opt(body, key, kinds, "a string" if kinds == (str,) else "an object")
+    unread = sorted(k for k, v in body.items() if v is not None and k not in body.read
+                    and k not in _TAGS and v not in _DEFAULT_ONLY.get(k, ()))
+    if unread:
+        more = f" (nor {', '.join(repr(k) for k in unread[1:])})" if len(unread) > 1 else ""
+        raise APIError(f"'{unread[0]}' is not supported by this server{more}", param=unread[0])
+
+
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -252,6 +290,8 @@ class ChatRequest(_Common):
 
 def parse_chat_request(body: Any) -> ChatRequest:
     if isinstance(body, dict):
+        body = _Seen(body)
+        body.get("max_tokens")  # chat reads max_completion_tokens first, then this
         lp = _opt(body, "logprobs", (bool,), "a boolean", False)
         top = _opt(body, "top_logprobs", (int,), "an integer", None)
         if top is not None and not 0 <= top <= MAX_LOGPROBS:
@@ -305,13 +345,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if choice == "required" and not tools:
         raise APIError("tool_choice 'required' needs 'tools'", param="tool_choice")
     kwargs = _opt(body, "chat_template_kwargs", (dict,), "an object", {})
+    parallel = _opt(body, "parallel_tool_calls", (bool,), "a boolean", True)
+    include_reasoning = _opt(body, "include_reasoning", (bool,), "a boolean", True)
+    add_generation_prompt = _opt(body, "add_generation_prompt", (bool,), "a boolean", True)
+    _refuse_unread(body)
     return ChatRequest(
         c.model, c.stream, c.include_usage, c.params, messages=clean, tools=tools, tool_choice=choice,
         named_tool=named, top_logprobs=c.params.logprobs,
-        parallel_tool_calls=_opt(body, "parallel_tool_calls", (bool,), "a boolean", True),
-        include_reasoning=_opt(body, "include_reasoning", (bool,), "a boolean", True),
-        add_generation_prompt=_opt(body, "add_generation_prompt", (bool,), "a boolean", True),
-        chat_template_kwargs=dict(kwargs))
+        parallel_tool_calls=parallel, include_reasoning=include_reasoning,
+        add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs))
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -323,6 +365,7 @@ class CompletionRequest(_Common):
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     if isinstance(body, dict):
+        body = _Seen(body)
         lp = body.get("logprobs")
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise APIError(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", param="logprobs")
@@ -336,8 +379,9 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     if echo and c.params.logprobs is not None:
         raise APIError("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
                        param="echo")
-    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=parse_prompt(body.get("prompt")),
-                             echo=echo)
+    prompts = parse_prompt(body.get("prompt"))
+    _refuse_unread(body)
+    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo)
 
 
 def parse_prompt(p: Any) -> list[str | list[int]]:

@@ -84,3 +84,60 @@ def test_protocol_imports_no_jax():
             "assert 'jax' not in sys.modules, sorted(m for m in sys.modules if 'jax' in m)[:5]")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _client_fields(module) -> list[str]:
+    """The request fields the official openai client can send for an endpoint (its TypedDicts, streaming too)."""
+    names = set()
+    for cls in (module.CompletionCreateParamsBase, module.CompletionCreateParamsStreaming):
+        names |= set(cls.__annotations__)
+    return sorted(names)
+
+
+def _chat_fields():
+    import openai.types.chat.completion_create_params as m
+
+    return _client_fields(m)
+
+
+def _completion_fields():
+    import openai.types.completion_create_params as m
+
+    return _client_fields(m)
+
+
+BAD = [{"not": "a valid value"}]  # no field of either endpoint takes a list of such objects
+
+
+@pytest.mark.parametrize("name", _chat_fields())
+def test_every_chat_field_of_the_client_is_checked_or_refused(name):
+    """Each field the official client can send is honoured (so a value of the wrong shape is a 400 naming it) or
+    refused by name: none is dropped silently."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], name: BAD}
+    with pytest.raises(APIError) as e:
+        parse_chat_request(body)
+    assert e.value.param == name, str(e.value)
+
+
+@pytest.mark.parametrize("name", _completion_fields())
+def test_every_completion_field_of_the_client_is_checked_or_refused(name):
+    body = {"model": "m", "prompt": "hi", name: BAD}
+    with pytest.raises(APIError) as e:
+        parse_completion_request(body)
+    assert e.value.param == name, str(e.value)
+
+
+def test_unknown_fields_are_refused_by_name_and_tags_accepted():
+    with pytest.raises(APIError, match="'prompt_logprobs' is not supported") as e:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "use_beam_search": True})
+    assert e.value.param == "prompt_logprobs" and "use_beam_search" in str(e.value)
+    with pytest.raises(APIError, match="'best_of'"):
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "best_of": 2})
+    req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "user": "u1", "metadata": {"a": "b"},
+                              "store": False, "service_tier": "auto", "prompt_logprobs": None})
+    assert req.messages[0]["content"] == "hi"
+    with pytest.raises(APIError, match="'store'"):
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "store": True})
+    parse_completion_request({"prompt": "hi", "user": "u1"})
+    with pytest.raises(APIError, match="'include_reasoning' is not supported"):
+        parse_completion_request({"prompt": "hi", "include_reasoning": True})
