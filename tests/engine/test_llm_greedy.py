@@ -136,11 +136,11 @@ def test_shared_prefixes_hit_the_cache(hf_case, hf_greedy):
 
 def test_greedy_with_pallas_kernels_in_interpret_mode(hf_case, hf_greedy):
     """The GPU's path on the CPU: the kernels (MLA decode and prefill attention, MoE grouped GEMM, the
-    decode projections reading o_proj and the dense MLP in place: every bucket here is at most 64 tokens)
-    in Pallas interpret mode, decode buckets with the layers unrolled, prefill buckets scanned: HF's tokens."""
+    decode projections reading o_proj and the dense MLP in place: every bucket here is at most 32 tokens)
+    in Pallas interpret mode, the 16-slot bucket with the layers unrolled, the 32-slot one scanned: HF's tokens."""
     model, path = hf_case("v3_grouped_noaux")
     prompts = random_prompts(15, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
 
@@ -152,7 +152,7 @@ def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
     a lax.cond a layer."""
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(16, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True,
                prefill_context_variant=False)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
@@ -167,7 +167,8 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
 
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(17, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    # test_prefill_shared_forward.py's engine with the shared forwards (one program cache entry for both)
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16, prefill_context_variant=True)
     runner = llm.engine.runner
     prefill_buckets = [b for b in runner.shapes.buckets if b > runner.shapes.seq_rows(b)]
