@@ -204,7 +204,7 @@ def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
     import weakref
 
     _, path = hf_case("v3_flat_plain_rope")
-    llm = _llm(path)
+    llm = _llm(path, max_num_batched_tokens=32)  # a decode bucket (16) and a prefill bucket (32), compiled here
     llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2))
     runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv_cache)
     gc.disable()
