@@ -79,10 +79,12 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     return outs
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_greedy_matches_hf(hf_case, hf_greedy, case, caching):
-    model, path = hf_case(case)
+def test_greedy_matches_hf(hf_case, hf_greedy, caching):
+    """One model: the engine's path is the model's; the V3 model goes through the same engine against HF in
+    test_shared_prefixes_hit_the_cache (prompts of 201-300 tokens, chunked) and test_engine_features.py, and every
+    model's paged steps equal its full forward in tests/model/test_paged_forward.py."""
+    model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(10, LENGTHS, model.config.vocab_size)
     _check(_llm(path, enable_prefix_caching=caching), model, hf_greedy, prompts, MAX_TOKENS)
 
