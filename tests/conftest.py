@@ -29,6 +29,22 @@ def hf_case(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_cache_dir(tmp_path_factory):
+    """Every engine of the session (LLM's compilation_cache_dir "default", `serve` and `generate` subprocesses)
+    keeps JAX's compilation cache and its compiled step programs (runner/program_cache.py) in one fresh
+    directory: an engine whose configuration an earlier test already compiled loads its programs, whichever
+    test ran first, and nothing is read from or left in the user's ~/.cache."""
+    d = str(tmp_path_factory.mktemp("deepinfer_cache"))
+    before = os.environ.get("DEEPINFER_CACHE_DIR")
+    os.environ["DEEPINFER_CACHE_DIR"] = d
+    yield d
+    if before is None:
+        os.environ.pop("DEEPINFER_CACHE_DIR", None)
+    else:
+        os.environ["DEEPINFER_CACHE_DIR"] = before
+
+
 @pytest.fixture(params=sorted(CASES))
 def case_name(request):
     return request.param

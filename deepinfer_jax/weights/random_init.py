@@ -7,6 +7,7 @@ range the vLLM peer's dummy loader is patched to), norms ~ U(0.9, 1.1), correcti
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -19,8 +20,9 @@ from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 
 def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, scale: float = 0.05,
                   shardings: Any = None) -> Any:
-    """Every leaf drawn in one jitted program (one compile, instead of one per leaf); leaf i uses
-    fold_in(key(seed), i), so the values do not depend on how the drawing is batched or sharded."""
+    """Every leaf drawn in one jitted program (one compile, instead of one per leaf, shared by every seed and
+    call with the same shapes); leaf i uses fold_in(key(seed), i), so the values do not depend on how the
+    drawing is batched or sharded."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten_with_path(specs, is_leaf=is_spec)
     plan = []
@@ -31,15 +33,21 @@ def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, sc
             lo, hi = 0.9, 1.1
         elif "e_score_correction_bias" in name:
             lo, hi = 0.0, 0.1
-        plan.append((spec.shape, spec_dtype(spec, dtype), lo, hi))
+        plan.append((tuple(spec.shape), jnp.dtype(spec_dtype(spec, dtype)), lo, hi))
+    out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
+    out = _drawer(tuple(plan), out_shardings)(jax.random.key(seed))
+    return jax.tree.unflatten(treedef, out)
+
+
+@functools.lru_cache(maxsize=8)
+def _drawer(plan: tuple, out_shardings: tuple | None):
+    """The jitted draw of `plan`'s leaves ((shape, dtype, lo, hi) each) from a key."""
 
     def draw(key):  # no fp32 temporary: uniform draws in the leaf's dtype
         return [jax.random.uniform(jax.random.fold_in(key, i), shape, dt, lo, hi)
                 for i, (shape, dt, lo, hi) in enumerate(plan)]
 
-    out_shardings = None if shardings is None else jax.tree.leaves(shardings)
-    out = jax.jit(draw, out_shardings=out_shardings)(jax.random.key(seed))
-    return jax.tree.unflatten(treedef, out)
+    return jax.jit(draw, out_shardings=None if out_shardings is None else list(out_shardings))
 
 
 def pending_random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, scale: float = 0.05,

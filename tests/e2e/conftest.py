@@ -21,10 +21,9 @@ from e2e_helpers import API_KEY, SERVER_FLAGS, ServerThread  # noqa: E402
 
 
 @pytest.fixture(scope="session")
-def xla_cache_dir(tmp_path_factory):
-    d = str(tmp_path_factory.mktemp("xla_cache"))
-    os.environ["DEEPINFER_CACHE_DIR"] = d
-    return d
+def xla_cache_dir(_session_cache_dir):
+    """The session's cache directory (tests/conftest.py), also $DEEPINFER_CACHE_DIR for subprocesses."""
+    return _session_cache_dir
 
 
 @pytest.fixture(scope="session")

@@ -1,4 +1,5 @@
-"""Engine fixtures: HF greedy references computed once per session, a session-wide XLA cache."""
+"""Engine fixtures: HF greedy references computed once per session, JAX's compilation cache in the session's
+cache directory (tests/conftest.py) for the engines built without LLM."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ import pytest
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _xla_cache(tmp_path_factory):
+def _xla_cache(_session_cache_dir):
     from deepinfer_jax.runner.compile_cache import enable_compilation_cache
 
-    enable_compilation_cache(str(tmp_path_factory.mktemp("xla_cache")))
+    enable_compilation_cache(_session_cache_dir)
 
 
 @pytest.fixture(scope="session")

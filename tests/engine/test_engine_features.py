@@ -13,9 +13,10 @@ from deepinfer_jax.runner.inputs import HostStep, build_metadata, build_sampling
 
 @pytest.fixture(scope="module")
 def llm(hf_case):
+    """test_llm_greedy.py's engine of this model (one program cache entry for both)."""
     _, path = hf_case("v3_grouped_noaux")
-    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=8,
-               max_num_batched_tokens=64, page_size=8, progress=False)
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+               max_num_batched_tokens=256, page_size=8, progress=False)
 
 
 def _gen(llm, prompts, **kw):
@@ -92,7 +93,7 @@ def test_abort_frees_blocks(llm):
 @pytest.mark.parametrize(
     "prompt, kw, message",
     [
-        ([5] * 250, dict(max_tokens=10), "exceeds max_model_len"),
+        ([5] * 505, dict(max_tokens=10), "exceeds max_model_len"),
         ([], dict(), "at least one token"),
         ([3, 999], dict(), "out of range"),
     ],
@@ -107,7 +108,7 @@ def test_recompile_guard_notices_a_new_shape(llm):
     runner = llm.engine.runner
     before = runner.compiles_after_warmup
     shapes = runner.shapes
-    odd = shapes.buckets[-1] * 2  # a shape warm-up never saw
+    odd = shapes.buckets[0] + 8  # a shape warm-up never saw (the buckets are powers of two)
     host = HostStep(build_metadata([], shapes, odd), build_sampling([], {}, {}, shapes, odd, False), [], [], odd, False)
     from deepinfer_jax.runner.model_runner import CompileCounter
 

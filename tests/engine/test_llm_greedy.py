@@ -80,10 +80,12 @@ def _check(llm, model, hf_greedy, prompts, max_tokens):
     return outs
 
 
-@pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
 @pytest.mark.parametrize("caching", [True, False])
-def test_greedy_matches_hf(hf_case, hf_greedy, case, caching):
-    model, path = hf_case(case)
+def test_greedy_matches_hf(hf_case, hf_greedy, caching):
+    """One model: the engine's path is the model's; the V3 model goes through the same engine against HF in
+    test_shared_prefixes_hit_the_cache (prompts of 201-300 tokens, chunked) and test_engine_features.py, and every
+    model's paged steps equal its full forward in tests/model/test_paged_forward.py."""
+    model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(10, LENGTHS, model.config.vocab_size)
     _check(_llm(path, enable_prefix_caching=caching), model, hf_greedy, prompts, MAX_TOKENS)
 
@@ -155,11 +157,11 @@ def test_shared_prefixes_hit_the_cache(hf_case, hf_greedy):
 
 def test_greedy_with_pallas_kernels_in_interpret_mode(hf_case, hf_greedy):
     """The GPU's path on the CPU: the kernels (MLA decode and prefill attention, MoE grouped GEMM, the
-    decode projections reading o_proj and the dense MLP in place: every bucket here is at most 64 tokens)
-    in Pallas interpret mode, decode buckets with the layers unrolled, prefill buckets scanned: HF's tokens."""
+    decode projections reading o_proj and the dense MLP in place: every bucket here is at most 32 tokens)
+    in Pallas interpret mode, the 16-slot bucket with the layers unrolled, the 32-slot one scanned: HF's tokens."""
     model, path = hf_case("v3_grouped_noaux")
     prompts = random_prompts(15, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
 
@@ -171,7 +173,7 @@ def test_greedy_with_fused_moe_kernels_in_interpret_mode(hf_case, hf_greedy):
     a lax.cond a layer."""
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(16, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16, fuse_shared_experts=True, fuse_moe_routing=True,
                prefill_context_variant=False)
     _check(llm, model, hf_greedy, prompts, [5, 6, 7, 4])
@@ -186,7 +188,8 @@ def test_prefill_context_known_on_the_host(hf_case, hf_greedy, monkeypatch):
 
     model, path = hf_case("v2_greedy_yarn")
     prompts = random_prompts(17, [1, 9, 40, 70], model.config.vocab_size)
-    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=64,
+    # test_prefill_shared_forward.py's engine with the shared forwards (one program cache entry for both)
+    llm = _llm(path, attn_impl="pallas_interpret", moe_impl="pallas_interpret", max_num_batched_tokens=32,
                max_num_seqs=4, unroll_max_tokens=16, prefill_context_variant=True)
     runner = llm.engine.runner
     prefill_buckets = [b for b in runner.shapes.buckets if b > runner.shapes.seq_rows(b)]
@@ -222,7 +225,7 @@ def test_dropping_the_llm_frees_the_kv_cache_at_once(hf_case):
     import weakref
 
     _, path = hf_case("v3_flat_plain_rope")
-    llm = _llm(path)
+    llm = _llm(path, max_num_batched_tokens=32)  # a decode bucket (16) and a prefill bucket (32), compiled here
     llm.generate([{"prompt_token_ids": [3, 4, 5]}], SamplingParams(temperature=0.0, max_tokens=2))
     runner, cache = weakref.ref(llm.engine.runner), weakref.ref(llm.engine.runner.kv_cache)
     gc.disable()

@@ -20,8 +20,10 @@ PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
 
 
 def _run(path, prompts, shared: bool):
-    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=256, max_num_seqs=4,
-              max_num_batched_tokens=64, page_size=8, attn_impl="pallas_interpret", moe_impl="pallas_interpret",
+    # With `shared`, the engine of test_llm_greedy.py's test_prefill_context_known_on_the_host (the default
+    # configuration): its programs come from the session's program cache when that test ran first.
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=4,
+              max_num_batched_tokens=32, page_size=8, attn_impl="pallas_interpret", moe_impl="pallas_interpret",
               unroll_max_tokens=16, prefill_shared_forward=shared, progress=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], PARAMS)
     runner = llm.engine.runner
@@ -36,8 +38,8 @@ def test_sampling_variants_share_the_prefill_forward(hf_case, hf_greedy):
     whole, _ = _run(path, prompts, shared=False)
     split, runner = _run(path, prompts, shared=True)
 
-    # 4 sequence rows: every bucket of 16+ slots is a prefill bucket, with programs with and without the context
-    # part; each of those has one forward. The samplers (base and full) depend only on the forward's output, so the
+    # 4 sequence rows: every bucket of 16+ slots (16 and 32) is a prefill bucket, with programs with and without the
+    # context part; each of those has one forward. The samplers (base and full) depend only on the forward's output, so the
     # context variants, and the buckets of as many sequence rows, share them and their buffers.
     shapes = runner.shapes
     prefill = [b for b in shapes.buckets if b > shapes.seq_rows(b)]

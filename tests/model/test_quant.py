@@ -138,6 +138,13 @@ def _tiny_cfg(**over) -> ModelConfig:
     return ModelConfig.from_hf_dict(d)
 
 
+# One jitted forward for the module: the float model's program compiles once for both methods.
+_forward = jax.jit(forward, static_argnums=1, static_argnames=("moe_impl", "mla_form"))
+# Every quantized leaf dequantized, in one program (eagerly, INT4's unpacking compiles op by op and leaf by leaf).
+_dequantized = jax.jit(lambda p: jax.tree.map(lambda w: dequantize(w, jnp.float32) if is_quantized(w) else w, p,
+                                              is_leaf=is_quantized))
+
+
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_quantized_params_run_every_model_path(method):
     cfg = _tiny_cfg()
@@ -152,13 +159,11 @@ def test_quantized_params_run_every_model_path(method):
                  seg["attn"]["kv_a_layernorm"]):
         assert not is_quantized(leaf)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
-    fwd = jax.jit(forward, static_argnums=1, static_argnames=("moe_impl", "mla_form"))
-    ref = np.asarray(fwd(params, cfg, ids))
+    ref = np.asarray(_forward(params, cfg, ids))
     # The quantized model equals the float model run on the dequantized weights, on every path.
-    dq = jax.tree.map(lambda w: dequantize(w, jnp.float32) if is_quantized(w) else w, qp, is_leaf=is_quantized)
-    base = np.asarray(fwd(dq, cfg, ids))  # same shapes as `params`: no new compile
+    base = np.asarray(_forward(_dequantized(qp), cfg, ids))  # same shapes as `params`: no new compile
     for moe_impl, form in (("ragged", "expanded"), ("dense", "absorbed")):
-        out = np.asarray(fwd(qp, cfg, ids, moe_impl=moe_impl, mla_form=form))
+        out = np.asarray(_forward(qp, cfg, ids, moe_impl=moe_impl, mla_form=form))
         np.testing.assert_allclose(out, base, atol=5e-5, rtol=0)
     assert np.corrcoef(base.ravel(), ref.ravel())[0, 1] > (0.99 if method == "int8" else 0.8)
 

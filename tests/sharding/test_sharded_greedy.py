@@ -6,6 +6,8 @@ that run equals HF transformers' greedy generate. fp32, 8 fake CPU devices, one 
 Layouts "TPxDP[ep]" (vLLM's knobs; EP = TP x DP when enabled):
   2x1 TP=2 | 4x1 TP=4 | 4x1ep EP=4 | 2x4ep EP=8 (DP=4 x TP=2) | 4x2ep EP=8 (DP=2 x TP=4) |
   2x2ep DP=2 x EP=4 (TP=2) | 2x2 DP=2 x TP=2, experts' intermediate dim over 4 | 1x8ep DP=8 x EP=8.
+Each model has plain tensor parallelism at one degree (the same rules at either degree; the other degree is in
+its combined layouts), expert parallelism alone and with data parallelism.
 """
 
 from __future__ import annotations
@@ -21,8 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 RUN_CASE = os.path.join(REPO, "tests", "sharding", "run_case.py")
 
 LAYOUTS = {
-    "v2_greedy_yarn": ["1x1", "2x1", "4x1", "4x1ep", "2x4ep", "4x2ep", "2x2ep"],  # 8 experts
-    "v3_grouped_noaux": ["1x1", "2x1", "4x1", "4x1ep", "2x4ep", "2x2ep", "2x2", "1x8ep"],  # 16 experts
+    "v2_greedy_yarn": ["1x1", "2x1", "4x1ep", "2x4ep", "4x2ep", "2x2ep"],  # 8 experts
+    "v3_grouped_noaux": ["1x1", "4x1", "4x1ep", "2x4ep", "2x2ep", "2x2", "1x8ep"],  # 16 experts
 }
 
 
