@@ -111,7 +111,10 @@ class SamplingParams:
     structured_outputs: a StructuredOutputsParams (JSON schema, JSON object, regex, choice or grammar) the
     output is constrained to, as vLLM's field of that name; None for free text. logit_bias: {token id: bias}
     (OpenAI's: each bias in [-100, 100], added to that token's logit before penalties and sampling; at most
-    MAX_LOGIT_BIAS entries); returned logprobs stay the model's own.
+    MAX_LOGIT_BIAS entries); returned logprobs stay the model's own. prompt_logprobs: None, or k for each prompt
+    token's logprob given the ones before it plus the top k (vLLM's field; the first token has none). best_of:
+    sample best_of sequences and return the n with the highest cumulative logprob (OpenAI completions' field;
+    above n, every output kind returns them once, at the end).
     """
 
     n: int = 1
@@ -134,6 +137,8 @@ class SamplingParams:
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     structured_outputs: StructuredOutputsParams | None = None
     logit_bias: dict[int, float] | None = None
+    prompt_logprobs: int | None = None
+    best_of: int | None = None
 
     def __post_init__(self) -> None:
         def bad(name: str, what: str) -> ValueError:
@@ -194,6 +199,13 @@ class SamplingParams:
             not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):
             raise bad("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise bad("prompt_logprobs", f"an integer in [0, {MAX_LOGPROBS}] or None")
+        if self.best_of is not None:
+            if not _is_int(self.best_of) or self.best_of < self.n:
+                raise bad("best_of", f"an integer >= n ({self.n}) or None")
         if not isinstance(self.output_kind, RequestOutputKind):
             if not _is_int(self.output_kind):
                 raise bad("output_kind", "a RequestOutputKind")
@@ -349,3 +361,6 @@ class RequestOutput:
     num_cached_tokens: int
     outputs: list[CompletionOutput]
     finished: bool
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (no context); under DELTA
+    # only in the request's first output.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

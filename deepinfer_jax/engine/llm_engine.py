@@ -80,10 +80,16 @@ class _Child:
 
 @dataclass
 class _Parent:
+    """One user request: its children (n of them, or best_of), what to return of them (`n`; `hide_logprobs` when
+    logprobs were computed only to rank best_of's sequences) and its prompt logprobs until they are returned."""
+
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
     children: list[_Child] = field(default_factory=list)
+    n: int = 1
+    hide_logprobs: bool = False
+    prompt_logprobs: list | None = None
 
 
 class LLMEngine:
@@ -189,19 +195,25 @@ class LLMEngine:
         if max_tokens < 1:
             raise ValueError(f"prompt ({len(prompt_token_ids)} tokens) leaves no room to generate "
                              f"within max_model_len ({self.max_model_len})")
+        n = params.best_of or params.n  # sequences sampled; the best `params.n` of them are returned
         spec = params.structured_outputs
-        grammars = [self.grammar_compiler.matcher(spec) for _ in range(params.n)] if spec is not None else None
+        grammars = [self.grammar_compiler.matcher(spec) for _ in range(n)] if spec is not None else None
         arrival = time.time() if arrival_time is None else arrival_time
-        parent = _Parent(request_id, prompt, list(prompt_token_ids))
-        child_params = dataclasses.replace(params, n=1, max_tokens=max_tokens)
-        for i in range(params.n):
-            cid = request_id if params.n == 1 else f"{request_id}#{i}"
+        # best_of ranks its sequences by cumulative logprob, which needs the sampled tokens' logprobs.
+        hide = n > params.n and params.logprobs is None
+        parent = _Parent(request_id, prompt, list(prompt_token_ids), n=params.n, hide_logprobs=hide)
+        if params.prompt_logprobs is not None:
+            parent.prompt_logprobs = self._prompt_logprobs(prompt_token_ids, params.prompt_logprobs)
+        child_params = dataclasses.replace(params, n=1, best_of=None, max_tokens=max_tokens,
+                                           logprobs=0 if hide else params.logprobs, prompt_logprobs=None)
+        for i in range(n):
+            cid = request_id if n == 1 else f"{request_id}#{i}"
             req = Request(cid, list(prompt_token_ids), child_params, arrival_time=arrival,
                           eos_token_ids=self.eos_token_ids, grammar=grammars[i] if grammars else None)
             seed = params.seed + i if params.seed is not None else int(self._rng.integers(0, 2**63))
             self._seeds[cid] = seed
-            child = _Child(req, i, logprobs=[] if params.logprobs is not None else None,
-                           cumulative_logprob=0.0 if params.logprobs is not None else None)
+            lp = child_params.logprobs is not None
+            child = _Child(req, i, logprobs=[] if lp else None, cumulative_logprob=0.0 if lp else None)
             if self.tokenizer is not None:
                 from deepinfer_jax.text import IncrementalDetokenizer, StopStringMatcher
 
@@ -214,6 +226,19 @@ class LLMEngine:
         self._parents[request_id] = parent
         for child in parent.children:
             self.scheduler.add_request(child.request)
+
+    def _prompt_logprobs(self, prompt_token_ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
+        """Each prompt token's logprob given the ones before it (rank included), then the top k (vLLM's order);
+        None for the first token."""
+        lps, ranks, top_ids, top_lps = self.runner.score_prompt(list(prompt_token_ids))
+        out: list[dict[int, Logprob] | None] = [None]
+        for tok, lp, rank, ids, vals in zip(prompt_token_ids[1:], lps.tolist(), ranks.tolist(),
+                                            top_ids[:, :k].tolist(), top_lps[:, :k].tolist()):
+            entry = {tok: Logprob(lp, rank=rank)}
+            for r, (tid, v) in enumerate(zip(ids, vals), start=1):
+                entry.setdefault(tid, Logprob(v, rank=r))
+            out.append(entry)
+        return out
 
     def abort_request(self, request_id: str) -> bool:
         parent = self._parents.pop(request_id, None)
@@ -363,11 +388,15 @@ class LLMEngine:
         parent = self._parents[pid]
         finished = all(c.request.is_finished for c in parent.children)
         kind = parent.children[0].request.sampling_params.output_kind
-        if kind == RequestOutputKind.FINAL_ONLY and not finished:
+        best_of = len(parent.children) > parent.n
+        if (kind == RequestOutputKind.FINAL_ONLY or best_of) and not finished:
             return None
         delta = kind == RequestOutputKind.DELTA
+        children = parent.children
+        if best_of:  # the n best by cumulative logprob, in that order (ties: the earlier sequence)
+            children = sorted(children, key=lambda c: -c.cumulative_logprob)[: parent.n]
         outs = []
-        for c in parent.children:
+        for index, c in enumerate(children):
             r = c.request
             if delta:
                 done = r.is_finished and not c.reported_finished
@@ -382,11 +411,14 @@ class LLMEngine:
                 token_ids = list(r.output_token_ids)
                 logprobs = None if c.logprobs is None else list(c.logprobs)
             outs.append(CompletionOutput(
-                index=c.index, text=c.take_text(delta), token_ids=token_ids, logprobs=logprobs,
-                finish_reason=r.finish_reason, stop_reason=r.stop_reason,
-                cumulative_logprob=c.cumulative_logprob))
+                index=index if best_of else c.index, text=c.take_text(delta), token_ids=token_ids,
+                logprobs=None if parent.hide_logprobs else logprobs, finish_reason=r.finish_reason,
+                stop_reason=r.stop_reason, cumulative_logprob=None if parent.hide_logprobs else c.cumulative_logprob))
         out = RequestOutput(pid, parent.prompt, parent.prompt_token_ids,
-                            parent.children[0].request.num_cached_tokens, outs, finished)
+                            parent.children[0].request.num_cached_tokens, outs, finished,
+                            prompt_logprobs=parent.prompt_logprobs)
+        if delta:
+            parent.prompt_logprobs = None  # returned once
         if finished:
             del self._parents[pid]
             for c in parent.children:

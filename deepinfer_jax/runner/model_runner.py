@@ -45,6 +45,7 @@ from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metad
                                          next_pow2)
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
 from deepinfer_jax.runner.packing import sizes
+from deepinfer_jax.runner.prompt_scoring import PromptScorer
 from deepinfer_jax.runner.step_io import StepOut, StepResult, extract_results, packed, step_result
 from deepinfer_jax.runner.step_programs import StepPrograms
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
@@ -99,6 +100,7 @@ class ModelRunner:
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
+        self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
 
     # ---- warm-up (runner/warmup.py) ----------------------------------------------------------------
     def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
@@ -212,6 +214,18 @@ class ModelRunner:
             self.compiles_after_warmup += CompileCounter.count() - before
             log.warning("compiled a new step shape after warm-up (bucket %d, %s)", host.bucket, host.variant)
         return host, out
+
+    def score_prompt(self, token_ids: list[int]):
+        """Prompt logprobs (runner/prompt_scoring.py): (logprob [L-1], rank [L-1], top ids [L-1, k], top logprobs
+        [L-1, k]) with k = max_logprobs. Runs after the steps already queued and waits for its result."""
+        if self.num_ranks > 1:
+            raise ValueError("prompt_logprobs is not supported with data-parallel attention "
+                             "(--data-parallel-size > 1)")
+        if self._pending is not None:
+            self.await_params()
+        if self._scorer is None:
+            self._scorer = PromptScorer(self.cfg, self.max_logprobs, self.runner_cfg.moe_impl)
+        return self._scorer.score(self.params, token_ids)
 
     def fetch(self, inflight: tuple[HostStep, Any]) -> StepResult:
         return self.collect(*inflight)

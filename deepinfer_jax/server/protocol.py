@@ -116,7 +116,8 @@ class _Common:
 
 
 def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None, logprobs: int | None,
-              max_tokens_key: str = "max_tokens") -> SamplingParams:
+              max_tokens_key: str = "max_tokens", best_of: int | None = None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
     """Build SamplingParams from OpenAI/vLLM fields; SamplingParams' ValueError -> 400 naming the field."""
     n = _opt(body, "n", (int,), "an integer", n_default)
     if _is_int(n) and n > MAX_N:
@@ -154,7 +155,11 @@ def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None,
         skip_special_tokens=_opt(body, "skip_special_tokens", (bool,), "a boolean", True),
         structured_outputs=structured_output(body),
         logit_bias=_logit_bias(body.get("logit_bias")),
+        prompt_logprobs=_opt(body, "prompt_logprobs", (int,), "an integer", prompt_logprobs),
+        best_of=best_of,
     )
+    if kw["prompt_logprobs"] is not None and prompt_logprobs is None and body.get("stream") is True:
+        raise APIError("'prompt_logprobs' is not available when 'stream' is true", param="prompt_logprobs")
     if kw["temperature"] > 2.0:
         raise APIError(f"'temperature' must be in [0, 2], got {kw['temperature']}", param="temperature")
     try:
@@ -369,16 +374,21 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         lp = body.get("logprobs")
         if lp is not None and (not _is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
             raise APIError(f"'logprobs' must be an integer in [0, {MAX_LOGPROBS}], got {lp!r}", param="logprobs")
-        best_of = body.get("best_of")
-        if best_of is not None and best_of != body.get("n", 1):
-            raise APIError("'best_of' other than n is not supported", param="best_of")
+        best_of = _opt(body, "best_of", (int,), "an integer", None)
+        if best_of is not None and best_of > MAX_N:
+            raise APIError(f"'best_of' must be at most {MAX_N}, got {best_of}", param="best_of")
+        n = body.get("n", 1)
+        if _is_int(best_of) and _is_int(n) and best_of > n and body.get("stream") is True:
+            raise APIError("'best_of' above 'n' cannot be streamed", param="best_of")
         if body.get("suffix"):
             raise APIError("'suffix' is not supported", param="suffix")
-    body, c = _common(body, lambda b: _sampling(b, max_tokens_default=16, logprobs=b.get("logprobs")))
+        # echo with logprobs: the prompt's tokens get their logprobs too (prompt logprobs, with the same k).
+        echo_lp = lp if body.get("echo") is True else None
+    else:
+        best_of = echo_lp = None
+    body, c = _common(body, lambda b: _sampling(b, max_tokens_default=16, logprobs=b.get("logprobs"),
+                                                best_of=best_of, prompt_logprobs=echo_lp))
     echo = _opt(body, "echo", (bool,), "a boolean", False)
-    if echo and c.params.logprobs is not None:
-        raise APIError("'echo' with 'logprobs' needs prompt logprobs, which this server does not compute",
-                       param="echo")
     prompts = parse_prompt(body.get("prompt"))
     _refuse_unread(body)
     return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo)
@@ -441,6 +451,33 @@ def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, token
         out["text_offset"].append(text_offset)
         text_offset += len(s)
     return out
+
+
+def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], k: int, token_str) -> dict[str, Any]:
+    """`completion_logprobs` of an echoed prompt: the first token has no logprob (None, as OpenAI and vLLM
+    report it); the others carry their prompt logprobs. Text offsets count the tokens' strings from 0, as vLLM's
+    (special tokens such as BOS included, so they may run past the echoed text's own length)."""
+    out = completion_logprobs(prompt_ids[1:], entries[1:], k, token_str, len(token_str(prompt_ids[0])))
+    first = token_str(prompt_ids[0])
+    return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
+            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
+
+
+def merge_logprobs(a: dict[str, list] | None, b: dict[str, list] | None) -> dict[str, list] | None:
+    """Two `completion_logprobs` one after the other (b's text offsets already follow a's)."""
+    if a is None or b is None:
+        return a or b
+    return {key: a[key] + b[key] for key in a}
+
+
+def prompt_logprobs_json(entries: list[dict | None] | None, token_str) -> list | None:
+    """vLLM's `prompt_logprobs` in a response: per prompt token None or {token id: {logprob, rank,
+    decoded_token}}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank,
+                                             "decoded_token": token_str(t)} for t, v in e.items()}
+            for e in entries]
 
 
 def _finite(x: float) -> float:

@@ -30,7 +30,7 @@ from aiohttp import web
 
 from deepinfer_jax.engine.async_engine import EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
-                                           random_id, usage)
+                                           prompt_logprobs_json, random_id, usage)
 from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
@@ -173,11 +173,12 @@ class ChatHandler:
         k = req.params.logprobs
         if req.stream:
             return await self._stream(request, req, stream, ids, choices, cid, created, model, k)
-        cached = 0
+        cached, prompt_logprobs = 0, None
         try:
             async with aclosing(s.tracked(stream, len(ids))) as it:
                 async for out in it:
                     cached = out.num_cached_tokens
+                    prompt_logprobs = out.prompt_logprobs or prompt_logprobs
                     for c in out.outputs:
                         ch = choices[c.index]
                         final = c.finish_reason is not None
@@ -194,8 +195,11 @@ class ChatHandler:
                         "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None else None,
                         "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
         n_out = sum(len(ch.token_ids) for ch in choices)
+        extra = {}
+        if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
+            extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
         return json_response(request, envelope(cid, "chat.completion", model, created, choices=out_choices,
-                                               usage=usage(len(ids), n_out, cached)))
+                                               usage=usage(len(ids), n_out, cached), **extra))
 
     async def _stream(self, request, req, stream, ids, choices, cid, created, model, k) -> web.StreamResponse:
         s = self.s

@@ -16,17 +16,19 @@ from typing import Any
 from aiohttp import web
 
 from deepinfer_jax.engine.async_engine import EngineStepError
-from deepinfer_jax.server.protocol import (APIError, completion_logprobs, envelope, parse_completion_request,
-                                           random_id, usage)
+from deepinfer_jax.server.protocol import (APIError, completion_logprobs, echo_logprobs, envelope, merge_logprobs,
+                                           parse_completion_request, prompt_logprobs_json, random_id, usage)
 from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
 
 log = logging.getLogger(__name__)
 
 
 class _Choice:
-    def __init__(self, index: int, echo: str):
+    def __init__(self, index: int, echo: str, prompt_ids: list[int]):
         self.index = index
         self.echo = echo
+        self.prompt_ids = prompt_ids
+        self.prompt_logprobs: list | None = None  # from the prompt's first output, when asked for
         self.text: list[str] = [echo] if echo else []
         self.offset = len(echo)
         self.token_ids: list[int] = []
@@ -62,7 +64,7 @@ class CompletionHandler:
         choices = []
         for ids, text in encoded:
             echo = (text if text is not None else s.tokenizer.decode(ids)) if req.echo else ""
-            choices += [_Choice(len(choices) + i, echo) for i in range(n)]
+            choices += [_Choice(len(choices) + i, echo, ids) for i in range(n)]
         cached = [0] * len(encoded)
         iters = [s.tracked(st, len(ids)) for st, (ids, _) in zip(streams, encoded)]
         cid, created = random_id("cmpl"), int(time.time())
@@ -81,6 +83,8 @@ class CompletionHandler:
                     cached[pi] = out.num_cached_tokens
                     for c in out.outputs:
                         ch = choices[pi * n + c.index]
+                        if out.prompt_logprobs is not None:
+                            ch.prompt_logprobs = out.prompt_logprobs
                         ch.text.append(c.text)
                         ch.token_ids += c.token_ids
                         ch.logprobs += c.logprobs or []
@@ -92,11 +96,27 @@ class CompletionHandler:
             for st in streams:
                 st.abort()
         out_choices = [{"index": ch.index, "text": "".join(ch.text),
-                        "logprobs": (completion_logprobs(ch.token_ids, ch.logprobs, k, s.token_str, ch.offset)
-                                     if k is not None else None),
+                        "logprobs": self._logprobs(req, ch, k) if k is not None else None,
                         "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+        if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
+            for item, ch in zip(out_choices, choices):
+                item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
         return json_response(request, envelope(cid, "text_completion", model, created, choices=out_choices,
                                                usage=usage(prompt_tokens, n_out(), sum(cached))))
+
+    def _echo_logprobs(self, req, ch: _Choice, k: int) -> dict | None:
+        """The echoed prompt's part of a choice's `logprobs` (echo with logprobs), else None; the generated
+        tokens' offsets then continue from the prompt's (`ch.offset`)."""
+        if not (req.echo and ch.prompt_logprobs is not None):
+            return None
+        lp = echo_logprobs(ch.prompt_ids, ch.prompt_logprobs, k, self.s.token_str)
+        ch.offset = lp["text_offset"][-1] + len(lp["tokens"][-1])
+        return lp
+
+    def _logprobs(self, req, ch: _Choice, k: int) -> dict:
+        """A whole choice's `logprobs`: the echoed prompt's (echo), then the generated tokens'."""
+        echo = self._echo_logprobs(req, ch, k)
+        return merge_logprobs(echo, completion_logprobs(ch.token_ids, ch.logprobs, k, self.s.token_str, ch.offset))
 
     async def _stream(self, request, req, iters, streams, choices, cached, cid, created, model, k,
                       prompt_tokens, n_out) -> web.StreamResponse:
@@ -107,10 +127,11 @@ class CompletionHandler:
         def chunk(chs: list, **extra) -> dict:
             return envelope(cid, "text_completion", model, created, choices=chs, **extra)
 
+        echo_lp = req.echo and k is not None  # (prompt_logprobs alone is not streamed: protocol.py refuses it)
         try:
             await sse.start()
             for ch in choices:
-                if ch.echo:
+                if ch.echo and k is None:
                     await sse.send(chunk([{"index": ch.index, "text": ch.echo, "logprobs": None,
                                            "finish_reason": None}]))
             async with aclosing(s.merged(iters)) as it:
@@ -118,6 +139,12 @@ class CompletionHandler:
                     cached[pi] = out.num_cached_tokens
                     for c in out.outputs:
                         ch = choices[pi * n + c.index]
+                        if echo_lp and out.prompt_logprobs is not None and ch.prompt_logprobs is None:
+                            # the prompt's first output: its echo, with the prompt's logprobs
+                            ch.prompt_logprobs = out.prompt_logprobs
+                            await sse.send(chunk([{"index": ch.index, "text": ch.echo,
+                                                   "logprobs": self._echo_logprobs(req, ch, k),
+                                                   "finish_reason": None}]))
                         ch.token_ids += c.token_ids
                         final = c.finish_reason is not None
                         lp = None

@@ -138,6 +138,14 @@ def test_logprobs(client):
     assert [e.token for e in out[0]["logprobs"]] == ["<think>", REASONING, "</think>", CONTENT]
 
 
+def test_prompt_logprobs(client):
+    """vLLM's prompt_logprobs on chat: one entry per prompt token of the rendered conversation, None first."""
+    r = client.chat.completions.create(model=MODEL, messages=MSG, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    plp = r.model_extra["prompt_logprobs"]
+    assert len(plp) == r.usage.prompt_tokens and plp[0] is None
+    assert all(len(e) == 1 and next(iter(e.values()))["logprob"] <= 0 for e in plp[1:])
+
+
 def test_prefix_cache_reports_cached_tokens(client, server):
     wait_idle(server)
     long_msg = [{"role": "user", "content": "Tell me about the weather in Paris and in London today. " * 3}]

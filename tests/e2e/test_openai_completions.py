@@ -55,6 +55,48 @@ def test_logprobs(client):
     assert lp.text_offset == [0, 7, 7 + len(REASONING)]
 
 
+def test_echo_with_logprobs_scores_the_prompt(client, tokenizer):
+    """echo + logprobs: the prompt's tokens come first, the first without a logprob; the prompt's scores are the
+    model's (a generated token scored as part of the next prompt gets the logprob it was sampled with); streamed,
+    the same entries arrive."""
+    prompt = "Hi" + ASSISTANT
+    ids = tokenizer.encode(prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=1, echo=True)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == prompt + "<think>" + REASONING
+    assert len(lp.tokens) == len(ids) + 2 and lp.tokens[-2:] == ["<think>", REASONING]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(t) in (1, 2) for t in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset)
+    # The generated tokens, scored as prompt tokens, get the logprobs they were sampled with.
+    again = client.completions.create(model=MODEL, prompt=prompt + "<think>" + REASONING, max_tokens=1, logprobs=1,
+                                      echo=True).choices[0].logprobs
+    assert again.tokens[: len(ids) + 2] == lp.tokens
+    assert again.token_logprobs[1: len(ids) + 2] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, logprobs=1, echo=True,
+                                            stream=True))
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+    assert sum((x.tokens for x in streamed), []) == lp.tokens
+    values = sum((x.token_logprobs for x in streamed), [])
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-6)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == r.choices[0].text
+
+
+def test_prompt_logprobs_and_best_of(client, tokenizer):
+    ids = tokenizer.encode("Hi" + ASSISTANT)
+    r = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    assert all(str(t) in e and e[str(t)]["rank"] >= 1 and e[str(t)]["logprob"] <= 0 for t, e in zip(ids[1:], plp[1:]))
+    echo = client.completions.create(model=MODEL, prompt=ids, max_tokens=1, logprobs=2, echo=True)
+    assert [e[str(t)]["logprob"] for t, e in zip(ids[1:], plp[1:])] == pytest.approx(
+        echo.choices[0].logprobs.token_logprobs[1: len(ids)], abs=1e-6)
+    # best_of: the scripted model is deterministic, so every one of the 3 sequences is the script; n=1 comes back.
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=4, best_of=3, temperature=1.0)
+    assert [c.text for c in r.choices] == [EXPECTED] and r.choices[0].logprobs is None
+
+
 def test_streaming(client):
     chunks = list(client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=4, stream=True, logprobs=0,
                                             stream_options={"include_usage": True}))

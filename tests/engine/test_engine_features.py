@@ -165,3 +165,48 @@ def test_a_failed_step_aborts_its_requests_and_the_engine_recovers(llm, monkeypa
     assert eng.scheduler.kv_cache_manager.usage == 0.0
     out = _gen(llm, [p], temperature=0.0, max_tokens=5, ignore_eos=True)[0].outputs[0]  # works again
     assert len(out.token_ids) == 5
+
+
+def test_prompt_logprobs_match_hf(llm, hf_case):
+    """prompt_logprobs: each prompt token's logprob given the ones before it (HF's log-softmax), its vocabulary rank
+    and the top k; None for the first token; the same prompt batched with others and a generation request."""
+    import torch
+
+    model, _ = hf_case("v3_grouped_noaux")
+    p, other = random_prompts(25, [21, 7], 320)
+    outs = llm.generate([{"prompt_token_ids": p}, {"prompt_token_ids": other}],
+                        [SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4, ignore_eos=True),
+                         SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)])
+    plp = outs[0].prompt_logprobs
+    assert outs[1].prompt_logprobs is None and len(plp) == len(p) and plp[0] is None
+    with torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([p])).logits[0].float(), -1).numpy()
+    for i in range(1, len(p)):
+        entry, row = plp[i], ref[i - 1]
+        tok = p[i]
+        assert entry[tok].logprob == pytest.approx(row[tok], abs=1e-4)
+        assert entry[tok].rank == 1 + int((row > row[tok] + 1e-6).sum())
+        top4 = np.argsort(-row)[:4].tolist()
+        assert set(top4) <= set(entry) and len(entry) <= 5
+        assert [entry[t].logprob for t in top4] == pytest.approx(row[top4].tolist(), abs=1e-4)
+        assert [entry[t].rank for t in top4 if t != tok] == [r + 1 for r, t in enumerate(top4) if t != tok]
+    # Generation is unchanged by asking for prompt logprobs.
+    assert outs[0].outputs[0].token_ids == _gen(llm, [p], temperature=0.0, max_tokens=2,
+                                                ignore_eos=True)[0].outputs[0].token_ids
+
+
+def test_best_of_returns_the_highest_cumulative_logprob(llm):
+    """best_of=4, n=2: the two sequences out of the four sampled (the same seeds) with the highest cumulative
+    logprobs, best first; logprobs computed for the ranking are not returned unless asked for."""
+    p = random_prompts(26, [11], 320)[0]
+    kw = dict(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True)
+    all4 = _gen(llm, [p], n=4, logprobs=0, **kw)[0].outputs
+    best = _gen(llm, [p], n=2, best_of=4, **kw)[0].outputs
+    ranked = sorted(all4, key=lambda c: -c.cumulative_logprob)[:2]
+    assert [c.token_ids for c in best] == [c.token_ids for c in ranked]
+    assert [c.index for c in best] == [0, 1]
+    assert all(c.logprobs is None and c.cumulative_logprob is None for c in best)
+    with_lp = _gen(llm, [p], n=2, best_of=4, logprobs=1, **kw)[0].outputs
+    assert [c.cumulative_logprob for c in with_lp] == pytest.approx([c.cumulative_logprob for c in ranked])
+    with pytest.raises(ValueError, match="best_of"):
+        SamplingParams(n=3, best_of=2)

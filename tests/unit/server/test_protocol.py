@@ -128,11 +128,14 @@ def test_every_completion_field_of_the_client_is_checked_or_refused(name):
 
 
 def test_unknown_fields_are_refused_by_name_and_tags_accepted():
-    with pytest.raises(APIError, match="'prompt_logprobs' is not supported") as e:
-        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "use_beam_search": True})
-    assert e.value.param == "prompt_logprobs" and "use_beam_search" in str(e.value)
+    with pytest.raises(APIError, match="'frobnicate' is not supported") as e:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "use_beam_search": True, "frobnicate": 1})
+    assert e.value.param == "frobnicate" and "use_beam_search" in str(e.value)
     with pytest.raises(APIError, match="'best_of'"):
         parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "best_of": 2})
+    with pytest.raises(APIError, match="not available when 'stream'") as e:
+        parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1, "stream": True})
+    assert e.value.param == "prompt_logprobs"
     req = parse_chat_request({"messages": [{"role": "user", "content": "hi"}], "user": "u1", "metadata": {"a": "b"},
                               "store": False, "service_tier": "auto", "prompt_logprobs": None})
     assert req.messages[0]["content"] == "hi"
