@@ -106,3 +106,18 @@ def test_bad_checkpoint_names_the_tensor(v4, tmp_path, edit, needle):
         tensors["model.layers.0.attn.attn_sink"] = np.zeros(5, np.float32)
     with pytest.raises(CheckpointError, match=needle):
         load_v4_checkpoint(rewrite_checkpoint(path, str(tmp_path / edit), tensors))
+
+
+def test_specs_axes_and_random_init_match_the_loaded_tree(v4):
+    import jax
+
+    from deepinfer_jax.models.params import is_spec
+    from deepinfer_jax.models.v4_params import v4_init_params, v4_logical_axes, v4_param_specs
+
+    _, _, cfg, params = v4
+    shapes = jax.tree.map(lambda x: (x.shape, str(x.dtype)), params)
+    assert jax.tree.map(lambda x: (x.shape, str(x.dtype)), v4_init_params(cfg)) == shapes
+    specs = v4_param_specs(cfg)
+    axes = jax.tree.leaves(v4_logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
+    assert [len(a) for a in axes] == [len(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec)]
+    assert jax.tree.structure(params) == jax.tree.structure(specs, is_leaf=is_spec)
