@@ -245,8 +245,70 @@ def v4_cache_bytes_per_token(cfg: V4Config, dtype_bytes: int = 2) -> dict[str, f
 
 
 def v4_cache_fixed_bytes(cfg: V4Config, dtype_bytes: int = 2) -> int:
-    """Bytes per sequence that do not grow with its length: every layer's sliding ring of raw rows."""
-    return cfg.num_hidden_layers * cfg.sliding_window * cfg.head_dim * dtype_bytes
+    """Bytes per sequence that do not grow with its length: the windowed groups of `v4_cache_groups`
+    (every layer's ring of raw rows, and the compressors' projections of the still-open windows), each
+    at its window's size."""
+    return sum(g.window_tokens * g.row_bytes * len(g.layers) for g in v4_cache_groups(cfg, dtype_bytes)
+               if g.window_tokens)
+
+
+@dataclass(frozen=True)
+class CacheGroup:
+    """One group of the hybrid cache: layers that store rows of one width at one rate, paged alike.
+
+    A row is written per `tokens_per_row` tokens (1: per token; m: when a compression window closes).
+    `window_tokens` (None: keep everything) bounds what a next query can need: only rows of the last
+    `window_tokens` tokens, so pages wholly before them may go back to the pool."""
+
+    name: str
+    layers: tuple[int, ...]
+    row_bytes: int  # one row of one layer
+    tokens_per_row: int = 1
+    window_tokens: int | None = None
+
+    def rows(self, num_tokens: int) -> int:
+        """Rows written once `num_tokens` tokens have been computed (compressed: closed windows only)."""
+        return num_tokens // self.tokens_per_row
+
+    def pages(self, num_tokens: int, page_size: int) -> int:
+        """Page slots (per layer) covering every row of `num_tokens` tokens: a compressed group
+        needs one page per page_size * tokens_per_row tokens."""
+        return -(-self.rows(num_tokens) // page_size)
+
+    def first_live_page(self, num_computed: int, page_size: int) -> int:
+        """The first page the next token still reads; pages before it can be freed (0: none)."""
+        if self.window_tokens is None:
+            return 0
+        return max(0, num_computed - self.window_tokens + 1) // page_size
+
+    def live_pages(self, num_tokens: int, page_size: int) -> int:
+        """Pages that must stay allocated after `num_tokens` tokens (what the scheduler holds)."""
+        return self.pages(num_tokens, page_size) - self.first_live_page(num_tokens, page_size)
+
+
+def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ...]:
+    """The cache groups of a V4 model, as vLLM's hybrid KV cache manager would page them.
+
+    "sliding": every layer's raw K = V row per token, window sliding_window.
+    "csa": per CSA layer, one compressed row (head_dim) and its indexer key (index_head_dim) per m tokens.
+    "hca": per HCA layer, one compressed row (head_dim) per m' tokens.
+    "csa_state" / "hca_state": the compressors' per-token projections (kv and gate; the compressor's
+    2 * head_dim and the indexer's 2 * index_head_dim for CSA, head_dim for HCA) of the last 2m (CSA:
+    a row pools two windows) or m' (HCA) tokens: what a chunk or a decode step that closes a window
+    needs from tokens computed before it. A chunk that ends mid-window leaves them here.
+    """
+    hd, di = cfg.head_dim, cfg.index_head_dim
+    csa = tuple(i for i, t in enumerate(cfg.layer_types) if t == CSA)
+    hca = tuple(i for i, t in enumerate(cfg.layer_types) if t == HCA)
+    m, mh = cfg.compress_rate(CSA), cfg.compress_rate(HCA)
+    groups = [CacheGroup("sliding", tuple(range(cfg.num_hidden_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
+    if csa:
+        groups += [CacheGroup("csa", csa, (hd + di) * dtype_bytes, m),
+                   CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m)]
+    if hca:
+        groups += [CacheGroup("hca", hca, hd * dtype_bytes, mh),
+                   CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh)]
+    return tuple(groups)
 
 
 def mla_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:

@@ -82,7 +82,6 @@ def test_cache_bytes_per_token_by_group():
     assert b["hca_rows"] == 2 * 512 * 2 / 128
     assert b["indexer_keys"] == 2 * 128 * 2 / 4
     assert b["total"] == b["csa_rows"] + b["hca_rows"] + b["indexer_keys"]
-    assert v4_cache_fixed_bytes(cfg, 2) == 6 * 128 * 512 * 2
     # V3's MLA at the same depth: one (512 + 64)-wide latent row per token per layer.
     v3 = ModelConfig.from_hf_dict(dict(
         model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
@@ -92,3 +91,27 @@ def test_cache_bytes_per_token_by_group():
         max_position_embeddings=163840))
     assert mla_cache_bytes_per_token(v3, 2) == 6 * 576 * 2
     assert b["total"] < mla_cache_bytes_per_token(v3, 2) / 2
+
+
+def test_cache_groups_page_accounting():
+    from deepinfer_jax.config_v4 import v4_cache_groups
+
+    cfg = V4Config.from_hf_dict(LEGACY)  # window 128, CSA m 4 on layers 2, 4; HCA m' 128 on 3, 5
+    g = {x.name: x for x in v4_cache_groups(cfg, dtype_bytes=2)}
+    assert set(g) == {"sliding", "csa", "csa_state", "hca", "hca_state"}
+    assert g["csa"].layers == (2, 4) and g["hca"].layers == (3, 5) and g["sliding"].layers == tuple(range(6))
+    page = 16
+    # Compressed groups: one page per page_size * m tokens; a window still open writes no row.
+    assert g["csa"].pages(64 * 3, page) == 3 and g["csa"].pages(64 * 3 + 3, page) == 3
+    assert g["csa"].pages(64 * 3 + 4, page) == 4
+    assert g["hca"].pages(2048, page) == 1 and g["hca"].pages(2175, page) == 1 and g["hca"].pages(2176, page) == 2 and g["hca"].pages(127, page) == 0
+    assert g["csa"].live_pages(10_000, page) == g["csa"].pages(10_000, page)  # nothing is ever dropped
+    # The sliding group keeps only pages holding the last window's rows: 128 tokens span 9 pages at most.
+    s = g["sliding"]
+    assert s.pages(1000, page) == 63 and s.first_live_page(1000, page) == (1000 - 127) // page
+    assert max(s.live_pages(n, page) for n in range(1, 5000)) == 128 // page + 1
+    assert s.live_pages(100, page) == s.pages(100, page)  # inside the first window nothing is freed
+    # Compressor state: the last 2m (CSA) / m' (HCA) tokens' projections.
+    assert g["csa_state"].window_tokens == 8 and g["hca_state"].window_tokens == 128
+    assert v4_cache_fixed_bytes(cfg, 2) == (6 * 128 * 512 * 2 + 2 * 8 * 4 * (512 + 128) * 2
+                                            + 2 * 128 * 2 * 512 * 2)
