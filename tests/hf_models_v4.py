@@ -20,7 +20,7 @@ V4_TINY = dict(
                  "compressed_sparse_attention"],
     compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
     hc_mult=3, hc_sinkhorn_iters=20, hc_eps=1e-6, mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"],
-    swiglu_limit=0.9, sliding_window=8, o_groups=2, o_lora_rank=10, index_n_heads=5, index_head_dim=12,
+    swiglu_limit=0.9, sliding_window=8, o_groups=2, o_lora_rank=10, index_n_heads=13, index_head_dim=12,
     index_topk=3, num_nextn_predict_layers=0, rms_norm_eps=1e-6, bos_token_id=0, eos_token_id=1,
     tie_word_embeddings=False, initializer_range=0.1,
 )

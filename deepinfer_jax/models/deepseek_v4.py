@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config_v4 import V4Config
 from deepinfer_jax.models.layers import linear, rms_norm
-from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention
+from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------
@@ -105,26 +105,47 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
 # ---- the model ------------------------------------------------------------------------------------
 
 
-def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    """The final hidden states [S, D] of one sequence token_ids [S] (positions default to 0..S-1)."""
+def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None,
+              caches: list | None = None, start: jax.Array | None = None) -> tuple[jax.Array, list | None]:
+    """The final hidden states [S, D] of token_ids [S]: the whole sequence (no caches; positions default to
+    0..S-1), or a chunk at `start` over per-layer caches (`v4_init_caches`), returned updated."""
     S = token_ids.shape[0]
-    positions = jnp.arange(S) if positions is None else positions
+    if positions is None:
+        positions = jnp.arange(S) if start is None else start + jnp.arange(S)
     x = params["embed"][token_ids]  # [S, D]
     streams = jnp.broadcast_to(x[:, None, :], (S, cfg.hc_mult, x.shape[-1]))
+    new_caches = []
     for i, lp in enumerate(params["layers"]):
         post, comb, collapsed = hc_mix(cfg, lp["attn_hc"], streams)
-        a = v4_attention(cfg, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], cfg.rms_norm_eps), positions)
+        a, c = v4_attention(cfg, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], cfg.rms_norm_eps),
+                            positions, None if caches is None else caches[i], start)
+        new_caches.append(c)
         streams = hc_merge(post, comb, a, streams)
         post, comb, collapsed = hc_mix(cfg, lp["ffn_hc"], streams)
         m = v4_moe(cfg, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], cfg.rms_norm_eps), token_ids)
         streams = hc_merge(post, comb, m, streams)
-    return rms_norm(hyper_head(cfg, params["hc_head"], streams), params["final_norm"], cfg.rms_norm_eps)
+    h = rms_norm(hyper_head(cfg, params["hc_head"], streams), params["final_norm"], cfg.rms_norm_eps)
+    return h, (None if caches is None else new_caches)
 
 
 def v4_forward(cfg: V4Config, params: Any, token_ids: jax.Array) -> jax.Array:
     """Logits [S, V] (fp32) of one sequence token_ids [S], every position, no cache."""
-    h = v4_hidden(cfg, params, token_ids)
+    h, _ = v4_hidden(cfg, params, token_ids)
     return linear(h, params["lm_head"]).astype(jnp.float32)
+
+
+def v4_init_caches(cfg: V4Config, capacity: int, dtype: Any = jnp.float32) -> list:
+    """Empty contiguous per-layer caches for one sequence of up to `capacity` tokens."""
+    return [v4_layer_cache(cfg, i, capacity, dtype) for i in range(cfg.num_hidden_layers)]
+
+
+def v4_forward_chunk(cfg: V4Config, params: Any, caches: list, token_ids: jax.Array,
+                     start: jax.Array) -> tuple[jax.Array, list]:
+    """Logits [S, V] of a chunk token_ids [S] at positions start..start+S-1 of a sequence whose first
+    `start` tokens are in `caches`, and the caches with the chunk written. Chunked prefill and decode
+    (S = 1) alike: chunks may end anywhere inside a compression window."""
+    h, caches = v4_hidden(cfg, params, token_ids, caches=caches, start=start)
+    return linear(h, params["lm_head"]).astype(jnp.float32), caches
 
 
 def v4_greedy_generate(cfg: V4Config, params: Any, buffer: jax.Array, prompt_len: jax.Array,

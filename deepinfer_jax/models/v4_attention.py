@@ -68,18 +68,23 @@ def unweighted_rms(x: jax.Array, eps: float) -> jax.Array:
 # ---- compressors ----------------------------------------------------------------------------------
 
 
-def pool_windows(cfg: V4Config, p: dict, x: jax.Array, width: int, rate: int, overlap: bool) -> jax.Array:
-    """Compressed rows [S // rate, width] of x [S, D]: each closed window of `rate` tokens pools its
-    projected rows with a softmax (over the window's slots, per channel) of the gate plus the learned
-    position bias, then RMSNorm and the compress rope at the window's first position.
+def project(p: dict, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A compressor's (or the indexer's) per-token projections of x [S, D]: kv, gate [S, c*width]."""
+    return linear(x, p["kv_proj"]), linear(x, p["gate_proj"])
 
-    overlap (CSA): the projections are 2 * width wide, series a = [:width] and b = [width:]; row w pools
-    series a of window w-1 (none for w = 0) and series b of window w over 2 * rate slots."""
-    S = x.shape[0]
-    n = S // rate
-    kv = linear(x[: n * rate], p["kv_proj"]).reshape(n, rate, -1)  # [n, m, c*width]
-    gate = linear(x[: n * rate], p["gate_proj"]).reshape(n, rate, -1).astype(jnp.float32)
-    gate = gate + p["position_bias"].astype(jnp.float32)
+
+def pool_rows(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, width: int, rate: int,
+              overlap: bool) -> jax.Array:
+    """Compressed rows [S // rate, width] from per-token projections kv, gate [S, c*width] of positions
+    0..S-1: each window of `rate` tokens pools its kv rows with a softmax (over the window's slots, per
+    channel) of the gate plus the learned position bias, then RMSNorm and the compress rope at the
+    window's first position. A row whose window is not yet filled is computed but never visible.
+
+    overlap (CSA): c = 2, series a = [:width] and b = [width:]; row w pools series a of window w-1 (none
+    for w = 0) and series b of window w over 2 * rate slots."""
+    n = kv.shape[0] // rate
+    kv = kv[: n * rate].reshape(n, rate, -1)  # [n, m, c*width]
+    gate = gate[: n * rate].reshape(n, rate, -1).astype(jnp.float32) + p["position_bias"].astype(jnp.float32)
     if overlap:
         a_kv, b_kv = kv[..., :width], kv[..., width:]
         a_g, b_g = gate[..., :width], gate[..., width:]
@@ -93,11 +98,16 @@ def pool_windows(cfg: V4Config, p: dict, x: jax.Array, width: int, rate: int, ov
     return rope_tail(pooled, cos, sin)
 
 
-def indexer_select(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, positions: jax.Array) -> jax.Array:
-    """The lightning indexer's choice [S, T] (bool) of compressed CSA rows per query: the top
-    `index_topk` of sum_h w[t, h] * relu(q[t, h] . k[s]) among the rows whose window is closed."""
+def closed_rows(positions: jax.Array, num_rows: int, rate: int) -> jax.Array:
+    """[S, T] bool: query at `pos` may see row w once its window is wholly in the past, w < (pos+1) // rate."""
+    return jnp.arange(num_rows)[None, :] < ((positions + 1) // rate)[:, None]
+
+
+def indexer_select(cfg: V4Config, p: dict, keys: jax.Array, x: jax.Array, q_res: jax.Array,
+                   positions: jax.Array) -> jax.Array:
+    """The lightning indexer's choice [S, T] (bool) of compressed CSA rows per query (x, q_res [S, .]):
+    the top `index_topk` of sum_h w[t, h] * relu(q[t, h] . keys[s]) among the rows whose window is closed."""
     rate, di = cfg.compress_rate(CSA), cfg.index_head_dim
-    keys = pool_windows(cfg, p, x, di, rate, overlap=True)  # [T, di]
     T = keys.shape[0]
     q = jnp.einsum("sr,rhd->shd", q_res, p["q_b_proj"].astype(q_res.dtype))  # [S, nI, di]
     cos, sin = v4_cos_sin(cfg, "compress", positions)
@@ -106,7 +116,7 @@ def indexer_select(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, posit
     scores = scores * di**-0.5
     weights = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads**-0.5  # [S, nI]
     index_scores = jnp.einsum("sht,sh->st", scores, weights)
-    ready = jnp.arange(T)[None, :] < ((positions + 1) // rate)[:, None]  # [S, T]
+    ready = closed_rows(positions, T, rate)
     index_scores = jnp.where(ready, index_scores, -jnp.inf)
     _, top = jax.lax.top_k(index_scores, min(cfg.index_topk, T))  # [S, k]
     chosen = jnp.any(jax.nn.one_hot(top, T, dtype=jnp.bool_), axis=1)
@@ -116,8 +126,28 @@ def indexer_select(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, posit
 # ---- the attention layer --------------------------------------------------------------------------
 
 
-def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """One V4 attention layer over a whole sequence. x [S, D], positions [S] -> [S, D]."""
+def v4_layer_cache(cfg: V4Config, layer: int, capacity: int, dtype=jnp.float32) -> dict:
+    """An empty contiguous cache of one layer for `capacity` tokens: the raw K = V rows and, for CSA /
+    HCA layers, the compressors' per-token projections (the `*_state` groups of `v4_cache_groups`,
+    unwindowed here), from which the compressed rows are pooled."""
+    lt, hd, di = cfg.layer_types[layer], cfg.head_dim, cfg.index_head_dim
+    c = {"raw": jnp.zeros((capacity, hd), dtype)}
+    if lt != SLIDING:
+        w = (2 if lt == CSA else 1) * hd
+        c["kv"], c["gate"] = jnp.zeros((capacity, w), dtype), jnp.zeros((capacity, w), dtype)
+    if lt == CSA:
+        c["idx_kv"], c["idx_gate"] = jnp.zeros((capacity, 2 * di), dtype), jnp.zeros((capacity, 2 * di), dtype)
+    return c
+
+
+def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: jax.Array,
+                 cache: dict | None = None, start: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """One V4 attention layer. x [S, D] at positions [S] -> ([S, D], cache').
+
+    Without a cache, x is the whole sequence from position 0. With one (`v4_layer_cache`), x is a chunk
+    at positions start..start+S-1: its rows and projections are written at `start` and the chunk
+    attends over everything written so far, so a chunk that ends mid-window leaves the open window's
+    projections for the chunk that closes it."""
     lt = cfg.layer_types[layer]
     S, H, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
     kind = "main" if lt == SLIDING else "compress"
@@ -128,19 +158,30 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
     q = rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
     kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
 
-    i, j = positions[:, None], positions[None, :]
-    allowed = (j <= i) & (j > i - cfg.sliding_window)  # [S, S] raw rows in the window
-    keys = kv
+    new = {"raw": kv}
+    if lt != SLIDING:
+        new["kv"], new["gate"] = project(p["compressor"], x)
+    if lt == CSA:
+        new["idx_kv"], new["idx_gate"] = project(p["indexer"], x)
+    if cache is None:
+        buf = new
+    else:
+        buf = {k: jax.lax.dynamic_update_slice(cache[k], v.astype(cache[k].dtype), (start, 0)) for k, v in new.items()}
+
+    keys = buf["raw"]  # [L, hd], row j at position j
+    i, j = positions[:, None], jnp.arange(keys.shape[0])[None, :]
+    allowed = (j <= i) & (j > i - cfg.sliding_window)  # [S, L] raw rows in the window
     if lt != SLIDING:
         rate = cfg.compress_rate(lt)
-        rows = pool_windows(cfg, p["compressor"], x, hd, rate, overlap=lt == CSA)  # [T, hd]
+        rows = pool_rows(cfg, p["compressor"], buf["kv"], buf["gate"], hd, rate, overlap=lt == CSA)  # [T, hd]
         T = rows.shape[0]
         if T:
             if lt == CSA:
-                see = indexer_select(cfg, p["indexer"], x, q_res, positions)
+                idx_keys = pool_rows(cfg, p["indexer"], buf["idx_kv"], buf["idx_gate"], cfg.index_head_dim, rate, True)
+                see = indexer_select(cfg, p["indexer"], idx_keys, x, q_res, positions)
             else:
-                see = jnp.arange(T)[None, :] < ((positions + 1) // rate)[:, None]
-            keys = jnp.concatenate([kv, rows.astype(kv.dtype)], axis=0)
+                see = closed_rows(positions, T, rate)
+            keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=0)
             allowed = jnp.concatenate([allowed, see], axis=1)
 
     logits = jnp.einsum("shd,td->hst", q.astype(jnp.float32), keys.astype(jnp.float32)) * hd**-0.5
@@ -152,4 +193,4 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
 
     g = cfg.o_groups
     grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), p["o_a_proj"].astype(x.dtype))
-    return linear(grouped.reshape(S, -1), p["o_b_proj"])
+    return linear(grouped.reshape(S, -1), p["o_b_proj"]), (None if cache is None else buf)

@@ -121,3 +121,25 @@ def test_specs_axes_and_random_init_match_the_loaded_tree(v4):
     axes = jax.tree.leaves(v4_logical_axes(cfg), is_leaf=lambda x: isinstance(x, tuple))
     assert [len(a) for a in axes] == [len(s.shape) for s in jax.tree.leaves(specs, is_leaf=is_spec)]
     assert jax.tree.structure(params) == jax.tree.structure(specs, is_leaf=is_spec)
+
+
+def test_chunked_prefill_over_a_cache_matches_hf(v4):
+    """Chunks of 10 tokens (each ending inside a CSA window of 4 and an HCA window of 8) over the
+    contiguous per-layer cache: every position's logits equal HF's whole-sequence ones."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+
+    from deepinfer_jax.models.deepseek_v4 import v4_forward_chunk, v4_init_caches
+
+    model, _, cfg, params = v4
+    ids = np.array(random_prompts(7, [SEQ], cfg.vocab_size)[0])
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None]), use_cache=False).logits[0].numpy()
+    step = jax.jit(lambda p, c, t, s: v4_forward_chunk(cfg, p, c, t, s))
+    caches, got, pos = v4_init_caches(cfg, SEQ), [], 0
+    for size in [10] * (SEQ // 10):
+        logits, caches = step(params, caches, jnp.asarray(ids[pos: pos + size], jnp.int32), jnp.int32(pos))
+        got.append(np.asarray(logits))
+        pos += size
+    np.testing.assert_allclose(np.concatenate(got), ref, atol=1e-4, rtol=0)
