@@ -26,7 +26,7 @@ from deepinfer_jax.config import ConfigError, ModelConfig, RopeScaling
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 MLP_LAYER_TYPES = ("hash_moe", "moe")
-SCORING_FUNCS = ("sqrtsoftplus", "softmax", "sigmoid")
+SCORING_FUNCS = ("sqrtsoftplus", "sigmoid")  # HF documents softmax too, but its activation table has none
 _RATIO_TO_TYPE = {0: SLIDING, 4: CSA, 128: HCA}  # DeepSeek's legacy per-layer `compress_ratios`
 
 
@@ -164,8 +164,8 @@ class V4Config:
             scoring_func=scoring,
             routed_scaling_factor=float(get("routed_scaling_factor", 1.5)),
             max_position_embeddings=int(get("max_position_embeddings", 1048576)),
-            rope_theta=float(get("rope_theta", 10000.0)),
-            compress_rope_theta=float(get("compress_rope_theta", 160000.0)),
+            rope_theta=float(_nested(d, "main").get("rope_theta") or get("rope_theta", 10000.0)),
+            compress_rope_theta=float(_nested(d, "compress").get("rope_theta") or get("compress_rope_theta", 160000.0)),
             compress_rope_scaling=_compress_yarn(d),
             layer_types=layer_types,
             compress_rates=((CSA, rates[CSA]), (HCA, rates[HCA])),
@@ -197,6 +197,12 @@ class V4Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def _nested(d: dict[str, Any], label: str) -> dict[str, Any]:
+    """HF's rope-type-keyed `rope_parameters[label]` ("main" / "compress"), {} when the dict is flat."""
+    rp = d.get("rope_parameters") or {}
+    return rp[label] if isinstance(rp.get(label), dict) else {}
 
 
 def _compress_yarn(d: dict[str, Any]) -> RopeScaling | None:

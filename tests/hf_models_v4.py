@@ -1,8 +1,8 @@
 """Tiny random DeepSeek-V4 checkpoints built with HF transformers (the numerics reference).
 
 One fp32 model with every attention layer type (sliding, CSA, HCA) and both MLP types (hash_moe, moe),
-odd widths (3 hyper-connection streams, 5 heads in 1... groups), a YaRN compress rope, and every
-parameter HF initialises to a constant (sinks, position biases, hyper-connection base / scale, hash
+odd sizes where the arithmetic allows (vocab 101, 3 hyper-connection streams, 13 index heads, a rotary
+slice of 6 in a head of 24), a YaRN compress rope, and every parameter HF initialises to a constant (sinks, position biases, hyper-connection base / scale, hash
 table, correction bias, norms) randomised so each one matters in the comparison.
 """
 

@@ -11,7 +11,7 @@ concatenation, `pre` (sigmoid, the streams' weights into the sublayer), `post` (
 sublayer's output goes) and `comb` (an n x n mixer, Sinkhorn-projected towards doubly stochastic);
 new streams = post * sublayer(sum_j pre_j x_j) + comb^T x.
 
-MoE: router scores s = scoring_func(x W_gate); "moe" layers pick the top-k of s + correction bias,
+MoE: router scores s = scoring_func(x W_gate) (sqrtsoftplus or sigmoid); "moe" layers pick the top-k of s + correction bias,
 "hash_moe" layers take the experts of a static token-id table; weights are the picked scores
 normalised to sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with the
 gate clamped to <= swiglu_limit and up to [-limit, limit].
@@ -76,9 +76,7 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
 def router_scores(cfg: V4Config, logits: jax.Array) -> jax.Array:
     if cfg.scoring_func == "sqrtsoftplus":
         return jnp.sqrt(jax.nn.softplus(logits))
-    if cfg.scoring_func == "sigmoid":
-        return jax.nn.sigmoid(logits)
-    return jax.nn.softmax(logits, axis=-1)
+    return jax.nn.sigmoid(logits)
 
 
 def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array) -> jax.Array:

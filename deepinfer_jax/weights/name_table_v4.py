@@ -225,6 +225,8 @@ def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config |
     for rule in rules:
         leaf = _leaf(host, rule.path)
         value = rule.transform(np.asarray(load_tensor(tensors[rule.hf_name])))
+        if rule.hf_name.endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
+            raise CheckpointError(f"tensor {rule.hf_name} names experts outside 0..{cfg.n_routed_experts - 1}")
         if rule.index:
             leaf[rule.index] = value
         else:

@@ -143,3 +143,25 @@ def test_chunked_prefill_over_a_cache_matches_hf(v4):
         got.append(np.asarray(logits))
         pos += size
     np.testing.assert_allclose(np.concatenate(got), ref, atol=1e-4, rtol=0)
+
+
+def test_sigmoid_scored_moe_layers_match_hf(tmp_path):
+    """The router's other scoring function, layer by layer against HF's MoE blocks (hash and scored)."""
+    import jax.numpy as jnp
+    import torch
+    from hf_models_v4 import build_hf_v4
+
+    from deepinfer_jax.models.deepseek_v4 import v4_moe
+    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+
+    model = build_hf_v4(seed=2, scoring_func="sigmoid")
+    model.save_pretrained(str(tmp_path), safe_serialization=True)
+    cfg, params = load_v4_checkpoint(str(tmp_path))
+    assert cfg.scoring_func == "sigmoid"
+    ids = np.array(random_prompts(9, [23], cfg.vocab_size)[0])
+    x = np.random.default_rng(0).standard_normal((23, cfg.hidden_size)).astype(np.float32)
+    for i in (0, 2):  # hash_moe, moe
+        with torch.no_grad():
+            ref = model.model.layers[i].mlp(torch.tensor(x[None]), input_ids=torch.tensor(ids[None]))[0].numpy()
+        out = v4_moe(cfg, i, params["layers"][i]["moe"], jnp.asarray(x), jnp.asarray(ids, jnp.int32))
+        np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=0)

@@ -62,7 +62,7 @@ def test_hf_saved_dict_and_defaults():
     (dict(layer_types=["full_attention"] * 6), "layer_types entries must be one of"),
     (dict(compress_ratios=[0, 0, 4, 8, 4, 128]), "compress_ratios entries"),
     (dict(mlp_layer_types=["dense"] * 6), "mlp_layer_types entries"),
-    (dict(scoring_func="relu"), "scoring_func"),
+    (dict(scoring_func="softmax"), "scoring_func"),
     (dict(o_groups=7), "o_groups 7"),
     (dict(num_key_value_heads=2), "num_key_value_heads"),
     (dict(qk_rope_head_dim=0, partial_rotary_factor=0.001), "rotary slice"),
