@@ -141,7 +141,8 @@ def v4_forward_chunk(cfg: V4Config, params: Any, caches: list, token_ids: jax.Ar
                      start: jax.Array) -> tuple[jax.Array, list]:
     """Logits [S, V] of a chunk token_ids [S] at positions start..start+S-1 of a sequence whose first
     `start` tokens are in `caches`, and the caches with the chunk written. Chunked prefill and decode
-    (S = 1) alike: chunks may end anywhere inside a compression window."""
+    (S = 1) alike: chunks may end anywhere inside a compression window. The caller keeps
+    start + S <= the caches' capacity (a traced `start` cannot be checked here; XLA would clamp it)."""
     h, caches = v4_hidden(cfg, params, token_ids, caches=caches, start=start)
     return linear(h, params["lm_head"]).astype(jnp.float32), caches
 
@@ -150,7 +151,8 @@ def v4_greedy_generate(cfg: V4Config, params: Any, buffer: jax.Array, prompt_len
                        max_new_tokens: int) -> jax.Array:
     """Greedy decoding by recomputation, the reference generator: each new token is the argmax of the
     whole-sequence forward at the last filled position. buffer [L] int32 holds the prompt in its first
-    `prompt_len` slots (L >= prompt_len + max_new_tokens); returns the buffer with the new tokens written.
+    `prompt_len` slots; the caller keeps L >= prompt_len + max_new_tokens (JAX drops an out-of-range
+    write); returns the buffer with the new tokens written.
 
     The forward runs over all L slots every step; slots past the last filled one change no earlier
     position (attention is causal, a compressed row is seen only once its whole window is filled, the
