@@ -18,14 +18,15 @@ PKG = "deepinfer_jax"
 ALLOWED = {
     "xla_env": set(),
     "config": set(),
+    "config_v4": {"config"},
     "types": set(),
     "text": {"config", "types"},
     "scheduler": {"config", "types"},
     "sampling": set(),
     "kernels": set(),
-    "models": {"config", "kernels"},
+    "models": {"config", "config_v4", "kernels"},
     "sharding": {"config", "models"},
-    "weights": {"config", "models", "sharding"},
+    "weights": {"config", "config_v4", "models", "sharding"},
     "runner": {"config", "types", "models", "kernels", "sampling", "weights", "sharding"},
     "engine": {"config", "types", "text", "scheduler", "runner", "models", "kernels", "sampling", "weights",
                "sharding"},
@@ -33,7 +34,7 @@ ALLOWED = {
     "cli": {"config", "types", "text", "engine", "server", "weights"},
     "__init__": {"engine", "types", "xla_env"},
 }
-NO_JAX = {"xla_env", "config", "types", "text", "scheduler"}
+NO_JAX = {"xla_env", "config", "config_v4", "types", "text", "scheduler"}
 NO_JAX_FILES = {os.path.join("server", "protocol.py")}
 
 

@@ -1,0 +1,168 @@
+"""DeepSeek-V4 (V4-Flash, V4-Pro) as pure functions: the whole-sequence reference forward.
+
+`v4_forward(cfg, params, token_ids)` runs one sequence [S] without a cache and returns logits [S, V]:
+embed, copy into `hc_mult` residual streams, then per layer two hyper-connection sites (attention,
+MoE), the hyper head collapsing the streams, the final norm and the LM head. Attention is in
+`v4_attention.py`. It is the numerics reference for a paged V4 path and, by recomputation, a
+reference generator (`v4_greedy_generate`).
+
+Hyper-connections (mHC): at each site the streams [S, n, D] give, from one linear of their RMS-normed
+concatenation, `pre` (sigmoid, the streams' weights into the sublayer), `post` (2 * sigmoid, where the
+sublayer's output goes) and `comb` (an n x n mixer, Sinkhorn-projected towards doubly stochastic);
+new streams = post * sublayer(sum_j pre_j x_j) + comb^T x.
+
+MoE: router scores s = scoring_func(x W_gate) (sqrtsoftplus or sigmoid); "moe" layers pick the top-k of s + correction bias,
+"hash_moe" layers take the experts of a static token-id table; weights are the picked scores
+normalised to sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with the
+gate clamped to <= swiglu_limit and up to [-limit, limit].
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config_v4 import V4Config
+from deepinfer_jax.models.layers import linear, rms_norm
+from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
+
+
+# ---- hyper-connections ----------------------------------------------------------------------------
+
+
+def hc_mix(cfg: V4Config, p: dict, streams: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """streams [S, n, D] -> post [S, n], comb [S, n, n] (fp32) and the collapsed input [S, D]."""
+    n, eps = cfg.hc_mult, cfg.hc_eps
+    flat = unweighted_rms(streams.reshape(streams.shape[0], -1).astype(jnp.float32), cfg.rms_norm_eps)
+    mix = flat @ p["fn"]  # [S, (2+n)*n]
+    base, scale = p["base"], p["scale"]
+    pre = jax.nn.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2.0 * jax.nn.sigmoid(mix[:, n : 2 * n] * scale[1] + base[n : 2 * n])
+    logits = mix[:, 2 * n :].reshape(-1, n, n) * scale[2] + base[2 * n :].reshape(n, n)
+    comb = jax.nn.softmax(logits, axis=-1) + eps
+    comb = comb / (jnp.sum(comb, axis=-2, keepdims=True) + eps)
+
+    def sinkhorn_step(_, c):
+        c = c / (jnp.sum(c, axis=-1, keepdims=True) + eps)
+        return c / (jnp.sum(c, axis=-2, keepdims=True) + eps)
+
+    comb = jax.lax.fori_loop(0, cfg.hc_sinkhorn_iters - 1, sinkhorn_step, comb)
+    collapsed = jnp.sum(pre[..., None] * streams, axis=1).astype(streams.dtype)
+    return post, comb, collapsed
+
+
+def hc_merge(post: jax.Array, comb: jax.Array, out: jax.Array, streams: jax.Array) -> jax.Array:
+    """New streams [S, n, D]: post[k] * out + sum_j comb[j, k] * streams[j]."""
+    dt = streams.dtype
+    return post.astype(dt)[..., None] * out[:, None, :] + jnp.einsum("sjk,sjd->skd", comb.astype(dt), streams)
+
+
+def hyper_head(cfg: V4Config, p: dict, streams: jax.Array) -> jax.Array:
+    """The final collapse of the streams [S, n, D] -> [S, D]."""
+    flat = unweighted_rms(streams.reshape(streams.shape[0], -1).astype(jnp.float32), cfg.rms_norm_eps)
+    pre = jax.nn.sigmoid((flat @ p["fn"]) * p["scale"][0] + p["base"]) + cfg.hc_eps  # [S, n]
+    return jnp.sum(pre[..., None] * streams, axis=1).astype(streams.dtype)
+
+
+# ---- MoE ------------------------------------------------------------------------------------------
+
+
+def clamped_swiglu(gate: jax.Array, up: jax.Array, limit: float) -> jax.Array:
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
+
+
+def router_scores(cfg: V4Config, logits: jax.Array) -> jax.Array:
+    if cfg.scoring_func == "sqrtsoftplus":
+        return jnp.sqrt(jax.nn.softplus(logits))
+    return jax.nn.sigmoid(logits)
+
+
+def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array) -> jax.Array:
+    """Routed experts (every expert computed densely: this is the reference) plus the shared expert.
+    x [S, D], token_ids [S] -> [S, D]."""
+    E, lim = cfg.n_routed_experts, cfg.swiglu_limit
+    scores = router_scores(cfg, linear(x, p["gate"]).astype(jnp.float32))  # [S, E]
+    if cfg.mlp_layer_types[layer] == "hash_moe":
+        idx = p["tid2eid"][token_ids]  # [S, k]
+    else:
+        _, idx = jax.lax.top_k(scores + p["e_score_correction_bias"], cfg.num_experts_per_tok)
+    w = jnp.take_along_axis(scores, idx, axis=-1)
+    w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
+    dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
+    gu = jnp.einsum("sd,edgi->segi", x, p["experts"]["gate_up"].astype(x.dtype))  # [S, E, 2, I]
+    h = clamped_swiglu(gu[..., 0, :], gu[..., 1, :], lim)
+    y = jnp.einsum("sei,eid->sed", h, p["experts"]["down"].astype(x.dtype))
+    routed = jnp.einsum("se,sed->sd", dense_w.astype(x.dtype), y)
+    sgu = jnp.einsum("sd,dgi->sgi", x, p["shared"]["gate_up"].astype(x.dtype))
+    shared = linear(clamped_swiglu(sgu[:, 0], sgu[:, 1], lim), p["shared"]["down"])
+    return routed + shared
+
+
+# ---- the model ------------------------------------------------------------------------------------
+
+
+def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None,
+              caches: list | None = None, start: jax.Array | None = None) -> tuple[jax.Array, list | None]:
+    """The final hidden states [S, D] of token_ids [S]: the whole sequence (no caches; positions default to
+    0..S-1), or a chunk at `start` over per-layer caches (`v4_init_caches`), returned updated."""
+    S = token_ids.shape[0]
+    if positions is None:
+        positions = jnp.arange(S) if start is None else start + jnp.arange(S)
+    x = params["embed"][token_ids]  # [S, D]
+    streams = jnp.broadcast_to(x[:, None, :], (S, cfg.hc_mult, x.shape[-1]))
+    new_caches = []
+    for i, lp in enumerate(params["layers"]):
+        post, comb, collapsed = hc_mix(cfg, lp["attn_hc"], streams)
+        a, c = v4_attention(cfg, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], cfg.rms_norm_eps),
+                            positions, None if caches is None else caches[i], start)
+        new_caches.append(c)
+        streams = hc_merge(post, comb, a, streams)
+        post, comb, collapsed = hc_mix(cfg, lp["ffn_hc"], streams)
+        m = v4_moe(cfg, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], cfg.rms_norm_eps), token_ids)
+        streams = hc_merge(post, comb, m, streams)
+    h = rms_norm(hyper_head(cfg, params["hc_head"], streams), params["final_norm"], cfg.rms_norm_eps)
+    return h, (None if caches is None else new_caches)
+
+
+def v4_forward(cfg: V4Config, params: Any, token_ids: jax.Array) -> jax.Array:
+    """Logits [S, V] (fp32) of one sequence token_ids [S], every position, no cache."""
+    h, _ = v4_hidden(cfg, params, token_ids)
+    return linear(h, params["lm_head"]).astype(jnp.float32)
+
+
+def v4_init_caches(cfg: V4Config, capacity: int, dtype: Any = jnp.float32) -> list:
+    """Empty contiguous per-layer caches for one sequence of up to `capacity` tokens."""
+    return [v4_layer_cache(cfg, i, capacity, dtype) for i in range(cfg.num_hidden_layers)]
+
+
+def v4_forward_chunk(cfg: V4Config, params: Any, caches: list, token_ids: jax.Array,
+                     start: jax.Array) -> tuple[jax.Array, list]:
+    """Logits [S, V] of a chunk token_ids [S] at positions start..start+S-1 of a sequence whose first
+    `start` tokens are in `caches`, and the caches with the chunk written. Chunked prefill and decode
+    (S = 1) alike: chunks may end anywhere inside a compression window. The caller keeps
+    start + S <= the caches' capacity (a traced `start` cannot be checked here; XLA would clamp it)."""
+    h, caches = v4_hidden(cfg, params, token_ids, caches=caches, start=start)
+    return linear(h, params["lm_head"]).astype(jnp.float32), caches
+
+
+def v4_greedy_generate(cfg: V4Config, params: Any, buffer: jax.Array, prompt_len: jax.Array,
+                       max_new_tokens: int) -> jax.Array:
+    """Greedy decoding by recomputation, the reference generator: each new token is the argmax of the
+    whole-sequence forward at the last filled position. buffer [L] int32 holds the prompt in its first
+    `prompt_len` slots; the caller keeps L >= prompt_len + max_new_tokens (JAX drops an out-of-range
+    write); returns the buffer with the new tokens written.
+
+    The forward runs over all L slots every step; slots past the last filled one change no earlier
+    position (attention is causal, a compressed row is seen only once its whole window is filled, the
+    indexer never picks an unready row, and the MoE is per token), so one compiled shape serves every
+    step."""
+
+    def step(k, buf):
+        n = prompt_len + k
+        logits = v4_forward(cfg, params, buf)  # [L, V]
+        nxt = jnp.argmax(logits[n - 1]).astype(buf.dtype)
+        return buf.at[n].set(nxt)
+
+    return jax.lax.fori_loop(0, max_new_tokens, step, buffer)

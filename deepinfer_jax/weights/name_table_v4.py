@@ -1,0 +1,257 @@
+"""DeepSeek-V4's table from HF tensor names to param paths, and the loader of a V4 HF checkpoint.
+
+Names on disk come in DeepSeek's own layout (`layers.0.attn.wq_a.weight`, `ffn.experts.3.w1`,
+`hc_attn_fn`, `attn_sink`, `ape`, ...: what DeepSeek releases and what HF's `save_pretrained` writes back)
+or in HF's module layout (`model.layers.0.self_attn.q_a_proj.weight`). `canonical_v4_name` maps both
+to HF's module names with the renames of HF's `conversion_mapping["deepseek_v4"]`; the table is
+written in those.
+
+`v4_expected_tensors(cfg)` lists every tensor the V4 params need (HF name, HF shape, the param leaf,
+the index inside it, the transform from HF's `[out, in]` layout to ours), as `name_table.py` does for
+V2 / V3. `load_v4_checkpoint` checks all of them (a missing or misshapen tensor is named) and
+assembles the params on the host, then on the device.
+
+Tensors HF itself does not load are skipped by name: the MTP block (`mtp.*`: HF's
+`_keys_to_ignore_on_load_unexpected`) and rotary buffers. FP8 / FP4 weights as DeepSeek releases them
+are not read here (a non-float tensor is refused, naming it).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from deepinfer_jax.config_v4 import CSA, SLIDING, V4Config
+from deepinfer_jax.models.params import is_spec
+from deepinfer_jax.models.v4_params import v4_param_specs
+from deepinfer_jax.weights.name_table import TensorRule
+from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint, load_tensor
+
+FLOAT_DTYPES = ("F32", "F16", "BF16")
+INT_DTYPES = ("I64", "I32")
+
+
+# DeepSeek's names -> HF module names, in HF's order (conversion_mapping.py, "deepseek_v4"); applied to
+# a name without its leading "model.".
+_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."), (r"\.ffn\.", ".mlp."), (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight$", "embed_tokens.weight"), (r"^head\.weight$", "lm_head.weight"),
+    (r"^hc_head_fn$", "hc_head.hc_fn"), (r"^hc_head_base$", "hc_head.hc_base"), (r"^hc_head_scale$", "hc_head.hc_scale"),
+    (r"\.attn_norm\.", ".input_layernorm."), (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_fn$", ".attn_hc.fn"), (r"\.hc_attn_base$", ".attn_hc.base"), (r"\.hc_attn_scale$", ".attn_hc.scale"),
+    (r"\.hc_ffn_fn$", ".ffn_hc.fn"), (r"\.hc_ffn_base$", ".ffn_hc.base"), (r"\.hc_ffn_scale$", ".ffn_hc.scale"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."), (r"\.ape$", ".position_bias"), (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."), (r"\.wkv\.", ".kv_proj."), (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."), (r"\.wo_b\.", ".o_b_proj."), (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."), (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    (r"\.experts\.(\d+)\.w1\.", r".experts.\1.gate_proj."), (r"\.experts\.(\d+)\.w2\.", r".experts.\1.down_proj."),
+    (r"\.experts\.(\d+)\.w3\.", r".experts.\1.up_proj."),
+)]
+
+
+def canonical_v4_name(name: str) -> str:
+    """HF's module name of a V4 tensor named either way (see the module docstring)."""
+    bare = name[len("model."):] if name.startswith("model.") else name
+    for pat, rep in _RENAMES:
+        bare = pat.sub(rep, bare)
+    return bare if bare.startswith(("lm_head.", "mtp.")) else "model." + bare
+
+
+def _identity(w: np.ndarray) -> np.ndarray:
+    return w
+
+
+def _t(w: np.ndarray) -> np.ndarray:
+    """[out, in] -> [in, out]."""
+    return w.T
+
+
+def _heads_in(h: int, d: int) -> Any:
+    """[h*d, in] -> [in, h, d] (q_b_proj, the indexer's q_b_proj)."""
+    return lambda w: w.T.reshape(w.shape[1], h, d)
+
+
+def _fused_gate_up(w: np.ndarray) -> np.ndarray:
+    """HF v5 experts.gate_up_proj [E, 2I, D] (gate rows first) -> [E, D, 2, I]."""
+    E, two_i, D = w.shape
+    return w.reshape(E, 2, two_i // 2, D).transpose(0, 3, 1, 2)
+
+
+def _fused_down(w: np.ndarray) -> np.ndarray:
+    """HF v5 experts.down_proj [E, D, I] -> [E, I, D]."""
+    return w.transpose(0, 2, 1)
+
+
+def _grouped_out(g: int, r: int) -> Any:
+    """o_a_proj [g*r, H*hd/g] (group-major rows) -> [g, H*hd/g, r]."""
+    return lambda w: w.reshape(g, r, w.shape[1]).transpose(0, 2, 1)
+
+
+def _pool_rules(pre: str, path: tuple, width: int, series: int, rate: int, D: int) -> list[TensorRule]:
+    return [
+        TensorRule(f"{pre}.kv_proj.weight", (series * width, D), path + ("kv_proj",), (), _t, False),
+        TensorRule(f"{pre}.gate_proj.weight", (series * width, D), path + ("gate_proj",), (), _t, False),
+        TensorRule(f"{pre}.position_bias", (rate, series * width), path + ("position_bias",), (), _identity, False),
+        TensorRule(f"{pre}.kv_norm.weight", (width,), path + ("kv_norm",), (), _identity, False),
+    ]
+
+
+def v4_layer_rules(cfg: V4Config, i: int, fused: bool = True) -> list[TensorRule]:
+    """Rules of layer `i`; `fused`: its routed experts are stored as HF v5's fused 3-D tensors, else
+    one gate / up / down matrix per expert."""
+    D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    Rq, g, r, n = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult
+    E, I, V, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.vocab_size, cfg.num_experts_per_tok
+    pre, lp = f"model.layers.{i}", ("layers", i)
+    a, sa = lp + ("attn",), f"{pre}.self_attn"
+    rules = [
+        TensorRule(f"{pre}.input_layernorm.weight", (D,), lp + ("input_layernorm",), (), _identity, False),
+        TensorRule(f"{pre}.post_attention_layernorm.weight", (D,), lp + ("post_attention_layernorm",), (), _identity, False),
+    ]
+    for site in ("attn_hc", "ffn_hc"):
+        rules += [
+            TensorRule(f"{pre}.{site}.fn", ((2 + n) * n, n * D), lp + (site, "fn"), (), _t, False),
+            TensorRule(f"{pre}.{site}.base", ((2 + n) * n,), lp + (site, "base"), (), _identity, False),
+            TensorRule(f"{pre}.{site}.scale", (3,), lp + (site, "scale"), (), _identity, False),
+        ]
+    rules += [
+        TensorRule(f"{sa}.q_a_proj.weight", (Rq, D), a + ("q_a_proj",), (), _t),
+        TensorRule(f"{sa}.q_a_norm.weight", (Rq,), a + ("q_a_norm",), (), _identity, False),
+        TensorRule(f"{sa}.q_b_proj.weight", (H * hd, Rq), a + ("q_b_proj",), (), _heads_in(H, hd)),
+        TensorRule(f"{sa}.kv_proj.weight", (hd, D), a + ("kv_proj",), (), _t),
+        TensorRule(f"{sa}.kv_norm.weight", (hd,), a + ("kv_norm",), (), _identity, False),
+        TensorRule(f"{sa}.sinks", (H,), a + ("sinks",), (), _identity, False),
+        TensorRule(f"{sa}.o_a_proj.weight", (g * r, H * hd // g), a + ("o_a_proj",), (), _grouped_out(g, r)),
+        TensorRule(f"{sa}.o_b_proj.weight", (D, g * r), a + ("o_b_proj",), (), _t),
+    ]
+    lt = cfg.layer_types[i]
+    if lt != SLIDING:
+        rules += _pool_rules(f"{sa}.compressor", a + ("compressor",), hd, 2 if lt == CSA else 1, cfg.compress_rate(lt), D)
+    if lt == CSA:
+        di, nI, ip = cfg.index_head_dim, cfg.index_n_heads, a + ("indexer",)
+        rules += _pool_rules(f"{sa}.compressor.indexer", ip, di, 2, cfg.compress_rate(CSA), D)
+        rules += [
+            TensorRule(f"{sa}.compressor.indexer.q_b_proj.weight", (nI * di, Rq), ip + ("q_b_proj",), (), _heads_in(nI, di), False),
+            TensorRule(f"{sa}.compressor.indexer.scorer.weights_proj.weight", (nI, D), ip + ("weights_proj",), (), _t, False),
+        ]
+    m = lp + ("moe",)
+    rules.append(TensorRule(f"{pre}.mlp.gate.weight", (E, D), m + ("gate",), (), _t, False))
+    if cfg.mlp_layer_types[i] == "hash_moe":
+        rules.append(TensorRule(f"{pre}.mlp.gate.tid2eid", (V, k), m + ("tid2eid",), (), _identity, False))
+    else:
+        rules.append(TensorRule(f"{pre}.mlp.gate.e_score_correction_bias", (E,), m + ("e_score_correction_bias",), (), _identity, False))
+    ex = m + ("experts",)
+    if fused:
+        rules += [
+            TensorRule(f"{pre}.mlp.experts.gate_up_proj", (E, 2 * I, D), ex + ("gate_up",), (), _fused_gate_up),
+            TensorRule(f"{pre}.mlp.experts.down_proj", (E, D, I), ex + ("down",), (), _fused_down),
+        ]
+    else:
+        for e in range(E):
+            ep = f"{pre}.mlp.experts.{e}"
+            rules += [
+                TensorRule(f"{ep}.gate_proj.weight", (I, D), ex + ("gate_up",), (e, slice(None), 0), _t),
+                TensorRule(f"{ep}.up_proj.weight", (I, D), ex + ("gate_up",), (e, slice(None), 1), _t),
+                TensorRule(f"{ep}.down_proj.weight", (D, I), ex + ("down",), (e,), _t),
+            ]
+    rules += [
+        TensorRule(f"{pre}.mlp.shared_experts.gate_proj.weight", (I, D), m + ("shared", "gate_up"), (slice(None), 0), _t),
+        TensorRule(f"{pre}.mlp.shared_experts.up_proj.weight", (I, D), m + ("shared", "gate_up"), (slice(None), 1), _t),
+        TensorRule(f"{pre}.mlp.shared_experts.down_proj.weight", (D, I), m + ("shared", "down"), (), _t),
+    ]
+    return rules
+
+
+def v4_expected_tensors(cfg: V4Config, fused_layers: frozenset[int] = frozenset()) -> list[TensorRule]:
+    D, V, n = cfg.hidden_size, cfg.vocab_size, cfg.hc_mult
+    rules = [
+        TensorRule("model.embed_tokens.weight", (V, D), ("embed",), (), _identity, False),
+        TensorRule("model.norm.weight", (D,), ("final_norm",), (), _identity, False),
+        TensorRule("model.hc_head.hc_fn", (n, n * D), ("hc_head", "fn"), (), _t, False),
+        TensorRule("model.hc_head.hc_base", (n,), ("hc_head", "base"), (), _identity, False),
+        TensorRule("model.hc_head.hc_scale", (1,), ("hc_head", "scale"), (), _identity, False),
+    ]
+    lm_src = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    rules.append(TensorRule(lm_src, (V, D), ("lm_head",), (), _t, False))
+    for i in range(cfg.num_hidden_layers):
+        rules += v4_layer_rules(cfg, i, i in fused_layers)
+    return rules
+
+
+def v4_is_ignored(name: str) -> bool:
+    """Tensors HF's DeepseekV4ForCausalLM does not load either: the MTP block and rotary buffers."""
+    return name.startswith(("mtp.", "model.mtp.")) or name.endswith("inv_freq")
+
+
+_FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
+
+
+def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config | None = None) -> tuple[V4Config, Any]:
+    """(config, params) of an HF-saved DeepSeek-V4 directory; every needed tensor is checked first and
+    an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly."""
+    cfg = cfg or V4Config.from_model_dir(model_dir)
+    tensors = {}
+    for name, info in index_checkpoint(model_dir).items():
+        canon = canonical_v4_name(name)
+        if canon in tensors:
+            raise CheckpointError(f"checkpoint names tensor {canon} twice (as {tensors[canon].name} and {name})")
+        tensors[canon] = info
+    fused = frozenset(int(m.group(1)) for n in tensors if (m := _FUSED.match(n)))
+    rules = v4_expected_tensors(cfg, fused)
+    known = {r.hf_name for r in rules}
+    for rule in rules:
+        info = tensors.get(rule.hf_name)
+        if info is None:
+            raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name} (HF's name)")
+        if info.shape != rule.hf_shape:
+            raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
+        allowed = INT_DTYPES if rule.hf_name.endswith("tid2eid") else FLOAT_DTYPES
+        if info.dtype not in allowed:
+            raise CheckpointError(f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {allowed}")
+    extra = sorted(n for n in tensors if n not in known and not v4_is_ignored(n))
+    if extra:
+        raise CheckpointError(f"checkpoint has {len(extra)} tensor(s) the V4 name table does not know, e.g. {extra[0]}")
+
+    specs = v4_param_specs(cfg)
+    host: dict = _alloc(specs, dtype)
+    for rule in rules:
+        leaf = _leaf(host, rule.path)
+        value = rule.transform(np.asarray(load_tensor(tensors[rule.hf_name])))
+        if rule.hf_name.endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
+            raise CheckpointError(f"tensor {rule.hf_name} names experts outside 0..{cfg.n_routed_experts - 1}")
+        if rule.index:
+            leaf[rule.index] = value
+        else:
+            leaf[...] = value
+    return cfg, _to_device(host)
+
+
+def _alloc(spec: Any, dtype: Any) -> Any:
+    if is_spec(spec):
+        dt = np.dtype(jnp.dtype(dtype)) if spec.dtype == "model" else np.dtype(spec.dtype)
+        return np.zeros(spec.shape, dt)
+    if isinstance(spec, dict):
+        return {k: _alloc(v, dtype) for k, v in spec.items()}
+    return [_alloc(v, dtype) for v in spec]
+
+
+def _leaf(tree: Any, path: tuple) -> np.ndarray:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _to_device(tree: Any) -> Any:
+    if isinstance(tree, dict):
+        return {k: _to_device(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_to_device(v) for v in tree]
+    return jnp.asarray(tree)
