@@ -166,9 +166,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="accepted for vLLM compatibility; tool_choice 'auto' works whenever --tool-call-parser is set")
     g.add_argument("--max-queue-len", type=nonnegative_int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unbounded)")
-    g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20, help="largest request body in bytes (413)")
+    g.add_argument("--max-request-sequences", type=positive_int, default=1024,
+                   help="most sequences one request may ask for, prompts x n (more: 400)")
+    g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20,
+                   help="largest request body in bytes (413, answered from the Content-Length header at once)")
+    g.add_argument("--read-timeout", type=positive_float, default=60.0,
+                   help="seconds a client may take to send a request's headers, and again its body (408); "
+                        "also how long an idle keep-alive connection stays open")
     g.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+                   help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
+                        "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 

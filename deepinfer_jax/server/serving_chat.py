@@ -28,10 +28,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.reasoning import THINK_END
@@ -121,6 +121,7 @@ class ChatHandler:
                                                    tokenize=False, **req.chat_template_kwargs)
         except Exception as e:  # noqa: BLE001 - any template failure is the request's fault
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        s.check_chars(text, param="messages")
         prefix = ""
         if tools_on and (req.named_tool or req.tool_choice == "required"):
             head = "</think>\n\n" if prompt_opens_reasoning(text) else ""
@@ -167,7 +168,8 @@ class ChatHandler:
         req = parse_chat_request(body)
         model = s.check_model(req.model)
         s.check_available()
-        prompt, ids, keep, choices = self._prepare(req)
+        s.check_sequences(req.params.n)
+        prompt, ids, keep, choices = await s.offload(self._prepare, req)
         stream = s.submit(s.new_engine_id("chat"), ids, req.params, prompt, keep)
         cid, created = random_id("chatcmpl"), int(time.time())
         k = req.params.logprobs
@@ -188,6 +190,8 @@ class ChatHandler:
                             ch.finish(c.finish_reason, c.stop_reason)
         except EngineStepError as e:
             raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        except EngineNotReadyError as e:
+            raise shutting_down(e) from None
         finally:
             stream.abort()
         out_choices = [{"index": ch.index, "message": ch.message(),
@@ -237,8 +241,8 @@ class ChatHandler:
                 await sse.send(chunk([], usage=usage(len(ids), n_out, cached)))
         except ConnectionResetError:
             return sse.resp  # the client left; tracked() aborted the request
-        except EngineStepError as e:
-            await send_error(sse, str(e))
+        except (EngineStepError, EngineNotReadyError) as e:
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")
             await send_error(sse, f"internal error: {type(e).__name__}: {e}")

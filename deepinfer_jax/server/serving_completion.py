@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, completion_logprobs, envelope, parse_completion_request,
                                            random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,15 @@ class CompletionHandler:
         model = s.check_model(req.model)
         s.check_available()
         params = req.params
-        encoded: list[tuple[list[int], str | None]] = []
+        s.check_sequences(len(req.prompts) * params.n, prompts=len(req.prompts))
         for p in req.prompts:
-            ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if isinstance(p, str):
+                s.check_chars(p)
+        encoded: list[tuple[list[int], str | None]] = await s.offload(
+            lambda: [(s.tokenizer.encode(p) if isinstance(p, str) else list(p), p if isinstance(p, str) else None)
+                     for p in req.prompts])
+        for ids, _ in encoded:
             s.check_prompt(ids, params, what="prompt")
-            encoded.append((ids, p if isinstance(p, str) else None))
         streams = []
         try:
             for ids, text in encoded:
@@ -88,6 +92,8 @@ class CompletionHandler:
                             ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         except EngineStepError as e:
             raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        except EngineNotReadyError as e:
+            raise shutting_down(e) from None
         finally:
             for st in streams:
                 st.abort()
@@ -134,8 +140,8 @@ class CompletionHandler:
                 await sse.send(chunk([], usage=usage(prompt_tokens, n_out(), sum(cached))))
         except ConnectionResetError:
             return sse.resp
-        except EngineStepError as e:
-            await send_error(sse, str(e))
+        except (EngineStepError, EngineNotReadyError) as e:
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")
             await send_error(sse, f"internal error: {type(e).__name__}: {e}")
