@@ -33,6 +33,7 @@ from aiohttp import web
 
 from deepinfer_jax import __version__
 from deepinfer_jax.engine.async_engine import AsyncEngine
+from deepinfer_jax.server import dashboard
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from deepinfer_jax.server.protocol import APIError
 from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
@@ -49,6 +50,7 @@ _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404
 
 
 def _error_response(request: web.Request, e: APIError) -> web.Response:
+    request.app[_SERVING].metrics.error(e.status, e.type)
     resp = json_response(request, e.body(), status=e.status)
     headers = dict(e.headers)
     if headers.pop("Connection", None) == "close":  # the unread body stays behind: end the connection
@@ -176,7 +178,7 @@ def _handlers(s: Serving):
         return json_response(request, {"status": status}, status=503)
 
     async def metrics(request):
-        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight)
+        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight, s.memory_report())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def version(request):
@@ -245,6 +247,7 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size:
     app[_SERVING] = serving
     app[_READ_TIMEOUT] = read_timeout
     app.add_routes(_handlers(serving))
+    app.add_routes(dashboard.routes(serving, api_key))
     return app
 
 
@@ -316,7 +319,7 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
     config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
-                           max_request_sequences=ns.max_request_sequences)
+                           max_request_sequences=ns.max_request_sequences, flags=dashboard.public_flags(ns))
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
     app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size, read_timeout=ns.read_timeout)
     # keepalive_timeout also bounds a connection that has not sent a whole request's headers (aiohttp arms it
@@ -328,8 +331,8 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
     await site.start()
     server = RunningServer(runner, site, serving, ns.shutdown_timeout)
     engine.start()
-    log.info("listening on %s (model %s served as %s); /health is 503 until the engine is ready",
-             server.url, model_dir, names[0])
+    log.info("listening on %s (model %s served as %s); /health is 503 until the engine is ready; dashboard at "
+             "%s/dashboard", server.url, model_dir, names[0], server.url)
     return server
 
 

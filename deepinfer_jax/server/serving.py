@@ -41,6 +41,7 @@ class ServingConfig:
     tool_call_parser: str | None = None
     retry_after_s: int = 1
     max_request_sequences: int = 1024  # prompts x n of one request (--max-request-sequences)
+    flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)
     extra: dict = field(default_factory=dict)
 
 
@@ -80,6 +81,17 @@ class Serving:
             raise APIError(msg, 503, type="server_error", code="engine_not_ready",
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
+    def memory_report(self) -> dict | None:
+        """The engine's device memory figures (LLMEngine.memory_report), or None before it is ready."""
+        eng = self.engine.engine
+        if not self.engine.ready or eng is None or not hasattr(eng, "memory_report"):
+            return None
+        try:
+            return eng.memory_report()
+        except Exception:  # noqa: BLE001 - a backend without figures must not fail a scrape
+            log.debug("memory report failed", exc_info=True)
+            return None
+
     @property
     def max_model_len(self) -> int | None:
         """The engine's context length once it is built (the --max-model-len flag before that)."""
@@ -97,11 +109,11 @@ class Serving:
         vocabulary's longest token string, so a text of more characters than max_model_len times that has more
         than max_model_len tokens. Checked before tokenizing, so a huge text costs no tokenizer time."""
         mml = self.max_model_len
-        if mml is None or self.tokenizer is None:
+        id_to_token = getattr(self.tokenizer, "id_to_token", None)
+        if mml is None or id_to_token is None:
             return None
         if self._longest_token is None:
-            tok = self.tokenizer
-            self._longest_token = max(len(tok.id_to_token(i) or "") for i in range(tok.vocab_size)) or 1
+            self._longest_token = max(len(id_to_token(i) or "") for i in range(self.tokenizer.vocab_size)) or 1
         return mml * self._longest_token
 
     def check_chars(self, text: str, *, param: str = "prompt") -> None:
@@ -285,8 +297,10 @@ def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Resp
                         content_type="application/json", headers={"X-Request-Id": request.get(REQUEST_ID, "")})
 
 
-async def send_error(sse: SSE, message: str, status: int = 500) -> None:
+async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerMetrics | None = None) -> None:
     """An error event inside a stream whose headers are out (a client that left is fine)."""
+    if metrics is not None:
+        metrics.error(status, "server_error")
     try:
         await sse.error(message, status)
     except ConnectionResetError:

@@ -242,10 +242,10 @@ class ChatHandler:
         except ConnectionResetError:
             return sse.resp  # the client left; tracked() aborted the request
         except (EngineStepError, EngineNotReadyError) as e:
-            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500)
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")
-            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)
         finally:
             stream.abort()
         try:

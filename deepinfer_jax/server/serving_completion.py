@@ -141,10 +141,10 @@ class CompletionHandler:
         except ConnectionResetError:
             return sse.resp
         except (EngineStepError, EngineNotReadyError) as e:
-            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500)
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")
-            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)
         finally:
             for st in streams:
                 st.abort()
