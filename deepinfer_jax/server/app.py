@@ -35,6 +35,7 @@ from deepinfer_jax import __version__
 from deepinfer_jax.engine.async_engine import AsyncEngine
 from deepinfer_jax.server import dashboard
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from deepinfer_jax.server.plugins import Plugins, RequestContext, load_plugins
 from deepinfer_jax.server.protocol import APIError
 from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
 from deepinfer_jax.server.serving_chat import ChatHandler
@@ -150,11 +151,19 @@ def _handlers(s: Serving):
     chat, completion = ChatHandler(s), CompletionHandler(s)
     started = int(time.time())
 
+    async def with_plugins(request, endpoint: str):
+        body = await read_json(request)
+        if not s.plugins:  # no context, no hook calls
+            return body, None
+        ctx = RequestContext(endpoint, request[REQUEST_ID],
+                             stream=isinstance(body, dict) and body.get("stream") is True)
+        return await s.plugins.on_request(ctx, body), ctx
+
     async def chat_completions(request):
-        return await chat(request, await read_json(request))
+        return await chat(request, *await with_plugins(request, "chat.completions"))
 
     async def completions(request):
-        return await completion(request, await read_json(request))
+        return await completion(request, *await with_plugins(request, "completions"))
 
     async def models(request):
         mml = s.max_model_len
@@ -248,6 +257,7 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size:
     app[_READ_TIMEOUT] = read_timeout
     app.add_routes(_handlers(serving))
     app.add_routes(dashboard.routes(serving, api_key))
+    app.add_routes(serving.plugins.routes())
     return app
 
 
@@ -316,11 +326,13 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
             return llm.engine
 
     names = list(ns.served_model_name or [default_name])
+    plugins = load_plugins(ns.plugin)  # a plugin that cannot be loaded stops the start (ValueError)
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
     config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
                            max_request_sequences=ns.max_request_sequences, flags=dashboard.public_flags(ns))
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
+    serving.plugins = Plugins(plugins, serving.offload)
     app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size, read_timeout=ns.read_timeout)
     # keepalive_timeout also bounds a connection that has not sent a whole request's headers (aiohttp arms it
     # when the connection opens): that is the header read timeout

@@ -164,6 +164,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice 'auto' works whenever --tool-call-parser is set")
+    g.add_argument("--plugin", action="extend", nargs="+", default=None, metavar="MODULE:ATTR",
+                   help="load a server plugin (repeatable); the installed entry points of the group "
+                        "deepinfer.plugins load too (docs/plugins.md)")
     g.add_argument("--max-queue-len", type=nonnegative_int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unbounded)")
     g.add_argument("--max-request-sequences", type=positive_int, default=1024,

@@ -24,6 +24,7 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError,
                                                QueueFullError, RequestStream)
 from deepinfer_jax.server.metrics import ServerMetrics
+from deepinfer_jax.server.plugins import Plugins, RequestContext
 from deepinfer_jax.server.protocol import APIError, error_body
 from deepinfer_jax.types import RequestOutput, SamplingParams
 
@@ -55,6 +56,7 @@ class Serving:
         self._ids = itertools.count()
         self._tok_str: dict[int, str] = {}
         self._longest_token: int | None = None
+        self.plugins = Plugins([])
         # tokenizing and template rendering run here, never on the event loop (/health must not wait on them)
         self._text_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
                                              thread_name_prefix="deepinfer-text")
@@ -254,6 +256,12 @@ class Serving:
                         await aclose()
                     except BaseException:  # noqa: BLE001
                         pass
+
+    async def delta(self, ctx: RequestContext | None, index: int, text: str, final: bool) -> str:
+        """An output delta through the plugins' on_delta (as is without plugins)."""
+        if ctx is None or not self.plugins.has("on_delta"):
+            return text
+        return await self.plugins.on_delta(ctx, index, text, final)
 
     # ---- output helpers --------------------------------------------------------------------------
     def token_str(self, tid: int) -> str:

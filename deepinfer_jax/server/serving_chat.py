@@ -163,7 +163,7 @@ class ChatHandler:
             raise APIError(f"the tools' parameters do not compile to a grammar: {e}", param="tools") from None
         return dataclasses.replace(req.params, structured_outputs=spec)
 
-    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
         req = parse_chat_request(body)
         model = s.check_model(req.model)
@@ -174,7 +174,7 @@ class ChatHandler:
         cid, created = random_id("chatcmpl"), int(time.time())
         k = req.params.logprobs
         if req.stream:
-            return await self._stream(request, req, stream, ids, choices, cid, created, model, k)
+            return await self._stream(request, req, stream, ids, choices, cid, created, model, k, ctx)
         cached = 0
         try:
             async with aclosing(s.tracked(stream, len(ids))) as it:
@@ -183,7 +183,7 @@ class ChatHandler:
                     for c in out.outputs:
                         ch = choices[c.index]
                         final = c.finish_reason is not None
-                        ch.feed(c.text, final)
+                        ch.feed(await s.delta(ctx, c.index, c.text, final), final)
                         ch.token_ids += c.token_ids
                         ch.logprobs += c.logprobs or []
                         if final:
@@ -198,10 +198,12 @@ class ChatHandler:
                         "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None else None,
                         "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
         n_out = sum(len(ch.token_ids) for ch in choices)
-        return json_response(request, envelope(cid, "chat.completion", model, created, choices=out_choices,
-                                               usage=usage(len(ids), n_out, cached)))
+        obj = envelope(cid, "chat.completion", model, created, choices=out_choices, usage=usage(len(ids), n_out, cached))
+        if ctx is not None and s.plugins.has("on_response"):
+            obj = await s.plugins.on_response(ctx, obj)
+        return json_response(request, obj)
 
-    async def _stream(self, request, req, stream, ids, choices, cid, created, model, k) -> web.StreamResponse:
+    async def _stream(self, request, req, stream, ids, choices, cid, created, model, k, ctx) -> web.StreamResponse:
         s = self.s
         sse = SSE(request)
 
@@ -224,7 +226,7 @@ class ChatHandler:
                     for c in out.outputs:
                         ch = choices[c.index]
                         final = c.finish_reason is not None
-                        delta = ch.feed(c.text, final)
+                        delta = ch.feed(await s.delta(ctx, c.index, c.text, final), final)
                         ch.token_ids += c.token_ids
                         lp = None
                         if k is not None and c.logprobs:
@@ -243,6 +245,8 @@ class ChatHandler:
             return sse.resp  # the client left; tracked() aborted the request
         except (EngineStepError, EngineNotReadyError) as e:
             await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
+        except APIError as e:  # a plugin's failure
+            await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")
             await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)

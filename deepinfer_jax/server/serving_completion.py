@@ -39,7 +39,7 @@ class CompletionHandler:
     def __init__(self, serving: Serving):
         self.s = serving
 
-    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
         req = parse_completion_request(body)
         model = s.check_model(req.model)
@@ -78,14 +78,14 @@ class CompletionHandler:
 
         if req.stream:
             return await self._stream(request, req, iters, streams, choices, cached, cid, created, model, k,
-                                      prompt_tokens, n_out)
+                                      prompt_tokens, n_out, ctx)
         try:
             async with aclosing(s.merged(iters)) as it:
                 async for pi, out in it:
                     cached[pi] = out.num_cached_tokens
                     for c in out.outputs:
                         ch = choices[pi * n + c.index]
-                        ch.text.append(c.text)
+                        ch.text.append(await s.delta(ctx, ch.index, c.text, c.finish_reason is not None))
                         ch.token_ids += c.token_ids
                         ch.logprobs += c.logprobs or []
                         if c.finish_reason is not None:
@@ -101,11 +101,14 @@ class CompletionHandler:
                         "logprobs": (completion_logprobs(ch.token_ids, ch.logprobs, k, s.token_str, ch.offset)
                                      if k is not None else None),
                         "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        return json_response(request, envelope(cid, "text_completion", model, created, choices=out_choices,
-                                               usage=usage(prompt_tokens, n_out(), sum(cached))))
+        obj = envelope(cid, "text_completion", model, created, choices=out_choices,
+                       usage=usage(prompt_tokens, n_out(), sum(cached)))
+        if ctx is not None and s.plugins.has("on_response"):
+            obj = await s.plugins.on_response(ctx, obj)
+        return json_response(request, obj)
 
     async def _stream(self, request, req, iters, streams, choices, cached, cid, created, model, k,
-                      prompt_tokens, n_out) -> web.StreamResponse:
+                      prompt_tokens, n_out, ctx) -> web.StreamResponse:
         s = self.s
         sse = SSE(request)
         n = req.params.n
@@ -126,13 +129,14 @@ class CompletionHandler:
                         ch = choices[pi * n + c.index]
                         ch.token_ids += c.token_ids
                         final = c.finish_reason is not None
+                        text = await s.delta(ctx, ch.index, c.text, final)
                         lp = None
                         if k is not None and c.logprobs:
                             lp = completion_logprobs(c.token_ids, c.logprobs, k, s.token_str, ch.offset)
                             ch.offset += sum(len(t) for t in lp["tokens"])
-                        if not (c.text or lp or final):
+                        if not (text or lp or final):
                             continue
-                        item = {"index": ch.index, "text": c.text, "logprobs": lp, "finish_reason": None}
+                        item = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": None}
                         if final:
                             item["finish_reason"], item["stop_reason"] = c.finish_reason, c.stop_reason
                         await sse.send(chunk([item]))
@@ -142,6 +146,8 @@ class CompletionHandler:
             return sse.resp
         except (EngineStepError, EngineNotReadyError) as e:
             await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
+        except APIError as e:  # a plugin's failure
+            await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")
             await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)
