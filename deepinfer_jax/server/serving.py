@@ -40,6 +40,7 @@ class ServingConfig:
     max_model_len: int | None  # the flag; None until the engine has resolved it
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     retry_after_s: int = 1
     max_request_sequences: int = 1024  # prompts x n of one request (--max-request-sequences)
     flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)

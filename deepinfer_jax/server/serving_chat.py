@@ -4,7 +4,8 @@ Per choice, the engine's text deltas go through the reasoning parser (`--reasoni
 when tools are in play, the tool-call parser (`--tool-call-parser`), as text/README.md describes.
 Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` (vLLM's newer name).
 
-tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" -> parsed, finish_reason
+tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" (needs --enable-auto-tool-choice, as in vLLM;
+without it a request with tools and no tool_choice is "none", and an explicit "auto" a 400) -> parsed, finish_reason
 "tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
 block markers and a grammar (text/grammar.py `tool_call_grammar`) holds the model to one call of a given
 function (several with `parallel_tool_calls`, the default) in the parser's format, its arguments valid under
@@ -110,8 +111,13 @@ class ChatHandler:
 
     def _prepare(self, req: ChatRequest):
         s = self.s
-        tools_on = req.tools is not None and req.tool_choice != "none"
         parser = s.config.tool_call_parser
+        if req.tool_choice == "auto" and not s.config.enable_auto_tool_choice:
+            if req.tool_choice_given:  # vLLM's rule and message
+                raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                               param="tool_choice")
+            req.tool_choice = "none"  # tools without tool_choice: in the prompt, output not parsed (as vLLM)
+        tools_on = req.tools is not None and req.tool_choice != "none"
         if tools_on and not parser:
             raise APIError(f"tool_choice {req.tool_choice!r} needs the server started with --tool-call-parser",
                            param="tool_choice")
