@@ -162,7 +162,7 @@ def test_huge_content_length_is_413_at_once(server):
 @pytest.fixture(scope="module")
 def short_server(scripted_model, xla_cache_dir):
     st = ServerThread(["--model", scripted_model[0], "--port", "0", *SERVER_FLAGS, "--read-timeout", "1",
-                       "--shutdown-timeout", "1"]).start()
+                       "--shutdown-timeout", "0.5"]).start()
     yield st
     if st.server is not None and not st.server.serving.draining:
         st.stop()
@@ -197,9 +197,9 @@ def test_slow_headers_and_body_time_out(short_server):
 
 
 def test_shutdown_ends_cut_streams_with_an_error_and_done(short_server):
-    """--shutdown-timeout 1: a stream still running then gets a final error event and [DONE], a plain request a
+    """--shutdown-timeout 0.5: a stream still running then gets a final error event and [DONE], a plain request a
     503; both in OpenAI's shape."""
-    body = {"model": MODEL, "prompt": [0, 7], "max_tokens": 450, "ignore_eos": True}
+    body = {"model": MODEL, "prompt": [0, 7], "max_tokens": 505, "ignore_eos": True}
     results: dict = {}
 
     async def go():
