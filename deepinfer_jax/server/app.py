@@ -330,7 +330,8 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
     config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
-                           max_request_sequences=ns.max_request_sequences, flags=dashboard.public_flags(ns),
+                           max_request_sequences=ns.max_request_sequences,
+                           max_completion_prompts=ns.max_completion_prompts, flags=dashboard.public_flags(ns),
                            enable_auto_tool_choice=ns.enable_auto_tool_choice)
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
     serving.plugins = Plugins(plugins, serving.offload)

@@ -181,7 +181,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-queue-len", type=nonnegative_int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unbounded)")
     g.add_argument("--max-request-sequences", type=positive_int, default=1024,
-                   help="most sequences one request may ask for, prompts x n (more: 400)")
+                   help="most sequences one request may ask for, prompts x n (more: 400); n itself is at most 128")
+    g.add_argument("--max-completion-prompts", type=positive_int, default=1024,
+                   help="most prompts in one /v1/completions request (more: 400), vLLM's "
+                        "VLLM_MAX_COMPLETION_PROMPTS and default")
     g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20,
                    help="largest request body in bytes (413, answered from the Content-Length header at once)")
     g.add_argument("--read-timeout", type=positive_float, default=60.0,

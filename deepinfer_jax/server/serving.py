@@ -43,6 +43,7 @@ class ServingConfig:
     enable_auto_tool_choice: bool = False
     retry_after_s: int = 1
     max_request_sequences: int = 1024  # prompts x n of one request (--max-request-sequences)
+    max_completion_prompts: int = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
     flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)
     extra: dict = field(default_factory=dict)
 
@@ -124,6 +125,12 @@ class Serving:
         if cap is not None and len(text) > cap:
             raise APIError(f"the {param} has {len(text)} characters, more than the {self.max_model_len} tokens of this "
                            f"model's maximum context length can hold (at most {cap} characters)", param=param)
+
+    def check_prompt_count(self, count: int) -> None:
+        limit = self.config.max_completion_prompts
+        if count > limit:  # vLLM's check and wording
+            raise APIError(f"prompt list length {count} exceeds the maximum allowed count of {limit} "
+                           "(--max-completion-prompts)", param="prompt")
 
     def check_sequences(self, total: int, *, prompts: int = 1) -> None:
         """400 for a request of more sequences (prompts x n) than the server allows per request or could

@@ -45,6 +45,7 @@ class CompletionHandler:
         model = s.check_model(req.model)
         s.check_available()
         params = req.params
+        s.check_prompt_count(len(req.prompts))
         s.check_sequences(len(req.prompts) * params.n, prompts=len(req.prompts))
         for p in req.prompts:
             if isinstance(p, str):

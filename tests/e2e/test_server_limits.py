@@ -129,6 +129,8 @@ def test_never_admissible_is_400_not_429(server, client):
 def test_prompts_times_n_cap(server, client):
     with pytest.raises(openai.BadRequestError, match="max-request-sequences"):
         client.completions.create(model=MODEL, prompt=["p"] * 100, n=128, max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="prompt list length 1025 exceeds the maximum allowed count of 1024"):
+        client.completions.create(model=MODEL, prompt=["p"] * 1025, max_tokens=1)
     cfg = server.server.serving.config
     old, cfg.max_request_sequences = cfg.max_request_sequences, 5
     try:
