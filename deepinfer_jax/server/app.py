@@ -242,7 +242,7 @@ def _handlers(s: Serving):
         bad = next((t for t in ids if not 0 <= t < max(vocab, s.vocab_size or 0)), None)
         if bad is not None:
             raise APIError(f"token id {bad} is out of vocabulary", param="tokens")
-        return json_response(request, {"prompt": s.tokenizer.decode(ids)})
+        return json_response(request, {"prompt": await s.offload(s.tokenizer.decode, ids)})
 
     return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions),
             web.get("/v1/models", models), web.get("/health", health), web.get("/ping", health),
