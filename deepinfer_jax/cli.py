@@ -24,9 +24,14 @@ import sys
 def _serve_parser() -> argparse.ArgumentParser:
     from deepinfer_jax.server.args import ArgParser, add_engine_args, add_server_args
 
+    from deepinfer_jax.server import vllm_flags
+
     p = ArgParser(prog="deepinfer serve", description="OpenAI-compatible HTTP server")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="the model directory, as `vllm serve MODEL` (the same as --model)")
     add_server_args(p)
     add_engine_args(p)
+    vllm_flags.install(p)
     return p
 
 

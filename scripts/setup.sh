@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Create .venv with Python 3.12 and install deepinfer-jax from this checkout.
 #   bash scripts/setup.sh          runtime only (CPU jax; add the cuda12/cuda13 extra on a GPU machine)
-#   bash scripts/setup.sh --test   plus the test extra (pytest, torch, transformers, openai)
+#   bash scripts/setup.sh --test   plus the test extra (pytest, torch, transformers, openai) and Chromium
+#                                  (apt-get) for the dashboard's browser test
 # Idempotent: a second run only installs what changed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -27,4 +28,13 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".${extras}"
+if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1; then
+  # the dashboard's browser test (tests/e2e/test_dashboard.py) drives a headless Chromium
+  if command -v apt-get >/dev/null 2>&1 && { [[ $EUID -eq 0 ]] || sudo -n true 2>/dev/null; }; then
+    sudo_=""; [[ $EUID -eq 0 ]] || sudo_="sudo -n"
+    $sudo_ apt-get install -y -q chromium >/dev/null || { $sudo_ apt-get update -q >/dev/null && $sudo_ apt-get install -y -q chromium >/dev/null; }
+  else
+    echo "setup: chromium is not installed and cannot be installed here (no apt-get or no root): the dashboard's browser test will be skipped" >&2
+  fi
+fi
 echo "setup: ready ($(.venv/bin/python --version), extras: ${extras:-none})"

@@ -14,8 +14,9 @@ before the next step.
 
 Admission: requests are refused with QueueFullError when the sequences in flight would exceed
 `max_num_seqs + max_queue_len` (the ones that cannot run at once wait; this bounds the waiting
-count). An engine step that raises fails every request in flight with EngineStepError and aborts
-them; the engine keeps serving, and `healthy` is False until a step succeeds again.
+count), and with ValueError when the request alone is larger than that (it could never be admitted).
+An engine step that raises fails every request in flight with EngineStepError and aborts them;
+the engine keeps serving, and `healthy` is False until a step succeeds again.
 """
 
 from __future__ import annotations
@@ -215,6 +216,9 @@ class AsyncEngine:
                 raise ValueError(f"request id {request_id!r} is already in flight")
             if self.max_queue_len is not None:
                 cap = (self.max_num_seqs or 0) + self.max_queue_len
+                if n > cap:  # no retry could ever be admitted: not a QueueFullError (429)
+                    raise ValueError(f"n={n} sequences can never be admitted: at most {cap} may be in flight "
+                                     f"({self.max_num_seqs} running + {self.max_queue_len} waiting)")
                 if self._seqs_in_flight + n > cap:
                     raise QueueFullError(f"the request queue is full ({self.max_queue_len} sequences may wait "
                                          f"beyond the {self.max_num_seqs} running)")

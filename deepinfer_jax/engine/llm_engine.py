@@ -428,3 +428,7 @@ class LLMEngine:
     # ---- stats -----------------------------------------------------------------------------------
     def stats(self):
         return self.scheduler.stats()
+
+    def memory_report(self) -> dict:
+        """Device memory and device facts (ModelRunner.memory_report)."""
+        return self.runner.memory_report()

@@ -41,6 +41,7 @@ from deepinfer_jax.models.cache import init_kv_cache, kv_cache_shape
 from deepinfer_jax.models.deepseek import splits_prefill_attention
 from deepinfer_jax.runner import program_cache, warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
+from deepinfer_jax.runner.device_memory import device_memory
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
@@ -101,6 +102,24 @@ class ModelRunner:
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
         self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        """Device memory in bytes, for /metrics: the weights, the KV cache, and (where the backend reports them,
+        runner/device_memory.py) the allocator's limit and bytes in use, summed over this runner's devices;
+        plus the platform and device kind."""
+        weights = None  # still loading (weights/pending.py)
+        if self._pending is None:
+            weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes"))
+        devices = list(self.kv_cache.sharding.device_set)
+        out: dict[str, Any] = {"weights": weights, "kv_cache": int(self.kv_cache.nbytes),
+                               "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+                               "num_devices": len(devices), "limit": None, "in_use": None}
+        mems = [device_memory(d) for d in devices]
+        if all(m is not None for m in mems):
+            out["limit"] = sum(m.limit for m in mems)
+            out["in_use"] = sum(m.in_use for m in mems)
+        return out
 
     # ---- warm-up (runner/warmup.py) ----------------------------------------------------------------
     def warmup_plan(self) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:

@@ -3,8 +3,14 @@
 Start-up: the HTTP port opens at once and the engine loads and compiles on its loop thread; until it
 is ready /health answers 503 and generation endpoints 503 with Retry-After. Shutdown (SIGTERM or
 SIGINT): /health turns 503, the listening socket closes, in-flight requests get up to
---shutdown-timeout seconds to finish, the rest are cancelled (which aborts them), and the process
-exits 0.
+--shutdown-timeout seconds to finish, the rest end with a "shutting down" error (503, or a final error
+event and [DONE] in a stream), and the process exits 0.
+
+Slow or oversized clients: a connection gets --read-timeout seconds to send a request's headers (aiohttp's
+keep-alive timer, armed when the connection opens) and again its body (408); a Content-Length above
+--max-payload-size is a 413 at once, before any of the body is read. A lone UTF-16 surrogate in any string
+of a JSON body (an unpaired \ud800-\udfff escape) is a 400. Templating and tokenizing run on the text
+threads (Serving.offload), so /health answers while a large prompt is tokenized.
 
 Every error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 """
@@ -27,7 +33,9 @@ from aiohttp import web
 
 from deepinfer_jax import __version__
 from deepinfer_jax.engine.async_engine import AsyncEngine
+from deepinfer_jax.server import dashboard
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from deepinfer_jax.server.plugins import Plugins, RequestContext, load_plugins
 from deepinfer_jax.server.protocol import APIError
 from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
 from deepinfer_jax.server.serving_chat import ChatHandler
@@ -38,12 +46,17 @@ log = logging.getLogger("deepinfer_jax.server")
 _SERVING = web.AppKey("serving", Serving)
 _REQUEST_ID_RE = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _STATUS_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 404: "invalid_request_error",
-                 405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+                 405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+                 429: "rate_limit_error"}
 
 
 def _error_response(request: web.Request, e: APIError) -> web.Response:
+    request.app[_SERVING].metrics.error(e.status, e.type)
     resp = json_response(request, e.body(), status=e.status)
-    resp.headers.update(e.headers)
+    headers = dict(e.headers)
+    if headers.pop("Connection", None) == "close":  # the unread body stays behind: end the connection
+        resp.force_close()
+    resp.headers.update(headers)
     return resp
 
 
@@ -55,6 +68,11 @@ def _middleware(api_key: str | None):
         rid = request.headers.get("X-Request-Id", "")
         request[REQUEST_ID] = rid if _REQUEST_ID_RE.fullmatch(rid) else uuid.uuid4().hex
         try:
+            size = request.content_length
+            if size is not None and size > request.client_max_size:  # answer now, not after reading the body
+                raise APIError(f"request body too large: Content-Length {size} exceeds the {request.client_max_size} "
+                               "bytes allowed (--max-payload-size)", 413, code="request_too_large",
+                               headers={"Connection": "close"})
             if expected is not None and request.path.startswith("/v1/"):
                 got = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(got, expected):
@@ -82,17 +100,50 @@ def _middleware(api_key: str | None):
     return middleware
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_READ_TIMEOUT = web.AppKey("read_timeout", float)
+
+
+def _lone_surrogate_field(obj: Any) -> str | None:
+    """The top-level field (or "body") holding a string with a lone UTF-16 surrogate, else None. JSON escapes
+    can make one (valid pairs decode to one character); no tokenizer or UTF-8 encoder accepts it."""
+    stack = [(obj, None)]
+    while stack:
+        v, top = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return (top or "body").encode("utf-8", "backslashreplace").decode()  # a key may hold it too
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                stack.append((k, top or k))
+                stack.append((x, top or k))
+        elif isinstance(v, list):
+            stack.extend((x, top) for x in v)
+    return None
+
+
 async def read_json(request: web.Request) -> Any:
     try:
-        raw = await request.read()
+        raw = await asyncio.wait_for(request.read(), request.app[_READ_TIMEOUT])
     except web.HTTPRequestEntityTooLarge as e:
         raise APIError(f"request body too large: {e.text}", 413, code="request_too_large") from None
+    except asyncio.TimeoutError:
+        raise APIError(f"the request body did not arrive within {request.app[_READ_TIMEOUT]:g} s "
+                       "(--read-timeout)", 408, code="request_timeout", headers={"Connection": "close"}) from None
     if not raw.strip():
         raise APIError("the request body is empty; send a JSON object")
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise APIError(f"the request body is not valid JSON: {e}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        where = _lone_surrogate_field(body)
+        if where is not None:
+            raise APIError(f"'{where}' holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), which is "
+                           "not text", param=None if where == "body" else where)
+    return body
 
 
 # ---- handlers ------------------------------------------------------------------------------------
@@ -100,11 +151,19 @@ def _handlers(s: Serving):
     chat, completion = ChatHandler(s), CompletionHandler(s)
     started = int(time.time())
 
+    async def with_plugins(request, endpoint: str):
+        body = await read_json(request)
+        if not s.plugins:  # no context, no hook calls
+            return body, None
+        ctx = RequestContext(endpoint, request[REQUEST_ID],
+                             stream=isinstance(body, dict) and body.get("stream") is True)
+        return await s.plugins.on_request(ctx, body), ctx
+
     async def chat_completions(request):
-        return await chat(request, await read_json(request))
+        return await chat(request, *await with_plugins(request, "chat.completions"))
 
     async def completions(request):
-        return await completion(request, await read_json(request))
+        return await completion(request, *await with_plugins(request, "completions"))
 
     async def models(request):
         mml = s.max_model_len
@@ -128,7 +187,7 @@ def _handlers(s: Serving):
         return json_response(request, {"status": status}, status=503)
 
     async def metrics(request):
-        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight)
+        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight, s.memory_report())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def version(request):
@@ -145,12 +204,17 @@ def _handlers(s: Serving):
             req = parse_chat_request({"messages": body["messages"], "tools": body.get("tools"),
                                       "add_generation_prompt": body.get("add_generation_prompt"),
                                       "chat_template_kwargs": body.get("chat_template_kwargs")})
-            try:
-                ids = s.tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=True,
-                                                      add_generation_prompt=req.add_generation_prompt,
-                                                      **req.chat_template_kwargs)
-            except Exception as e:  # noqa: BLE001
-                raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+            def render():
+                try:
+                    text = s.tokenizer.apply_chat_template(req.messages, tools=req.tools, tokenize=False,
+                                                           add_generation_prompt=req.add_generation_prompt,
+                                                           **req.chat_template_kwargs)
+                except Exception as e:  # noqa: BLE001
+                    raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+                s.check_chars(text, param="messages")
+                return s.tokenizer.encode(text, add_special_tokens=False)
+
+            ids = await s.offload(render)
         else:
             prompt = body.get("prompt")
             if not isinstance(prompt, str):
@@ -158,7 +222,8 @@ def _handlers(s: Serving):
             add = body.get("add_special_tokens", True)
             if not isinstance(add, bool):
                 raise APIError("'add_special_tokens' must be a boolean", param="add_special_tokens")
-            ids = s.tokenizer.encode(prompt, add_special_tokens=add)
+            s.check_chars(prompt)
+            ids = await s.offload(s.tokenizer.encode, prompt, add_special_tokens=add)
         mml = s.max_model_len
         out = {"count": len(ids), "max_model_len": mml, "tokens": ids}
         if body.get("return_token_strs"):
@@ -177,7 +242,7 @@ def _handlers(s: Serving):
         bad = next((t for t in ids if not 0 <= t < max(vocab, s.vocab_size or 0)), None)
         if bad is not None:
             raise APIError(f"token id {bad} is out of vocabulary", param="tokens")
-        return json_response(request, {"prompt": s.tokenizer.decode(ids)})
+        return json_response(request, {"prompt": await s.offload(s.tokenizer.decode, ids)})
 
     return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions),
             web.get("/v1/models", models), web.get("/health", health), web.get("/ping", health),
@@ -185,10 +250,14 @@ def _handlers(s: Serving):
             web.post("/detokenize", detokenize)]
 
 
-def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size: int = 16 * 2**20) -> web.Application:
+def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size: int = 16 * 2**20,
+              read_timeout: float = 60.0) -> web.Application:
     app = web.Application(client_max_size=max_payload_size, middlewares=[_middleware(api_key)])
     app[_SERVING] = serving
+    app[_READ_TIMEOUT] = read_timeout
     app.add_routes(_handlers(serving))
+    app.add_routes(dashboard.routes(serving, api_key))
+    app.add_routes(serving.plugins.routes())
     return app
 
 
@@ -196,8 +265,9 @@ def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size:
 class RunningServer:
     """An app listening on (host, port) with its engine; `shutdown()` drains and stops both."""
 
-    def __init__(self, runner: web.AppRunner, site: web.TCPSite, serving: Serving):
+    def __init__(self, runner: web.AppRunner, site: web.TCPSite, serving: Serving, shutdown_timeout: float = 30.0):
         self.runner, self.site, self.serving = runner, site, serving
+        self.shutdown_timeout = shutdown_timeout
         self.engine = serving.engine
         sock = site._server.sockets[0]  # type: ignore[union-attr]
         self.host, self.port = sock.getsockname()[:2]
@@ -206,15 +276,25 @@ class RunningServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    async def shutdown(self) -> None:
+    async def shutdown(self, timeout: float | None = None) -> None:
+        """Stop listening, let in-flight requests finish for up to `timeout` (--shutdown-timeout) seconds, then
+        stop the engine: the requests still running end with the server's "shutting down" error (a 503, or in
+        a stream a final error event and [DONE]) rather than a cut connection."""
         self.serving.draining = True
+        timeout = self.shutdown_timeout if timeout is None else timeout
+        await self.site.stop()
         n = self.engine.num_requests_in_flight
         if n:
-            log.info("shutting down: letting %d in-flight request(s) finish", n)
-        await self.runner.cleanup()  # stop listening, wait up to shutdown_timeout, cancel the rest
+            log.info("shutting down: letting %d in-flight request(s) finish (up to %g s)", n, timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.engine.num_requests_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
         # a thread still loading / compiling cannot be interrupted: do not wait for it (serve() exits anyway)
         wait = 10.0 if self.engine.ready else 0.0
-        await asyncio.get_running_loop().run_in_executor(None, self.engine.shutdown, wait)
+        await loop.run_in_executor(None, self.engine.shutdown, wait)
+        await self.runner.cleanup()  # the cut requests write their last events; then cancel what is left
+        self.serving.close()
 
 
 async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer: Any = None) -> RunningServer:
@@ -246,19 +326,27 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
             return llm.engine
 
     names = list(ns.served_model_name or [default_name])
+    plugins = load_plugins(ns.plugin)  # a plugin that cannot be loaded stops the start (ValueError)
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
     config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
-                           reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser)
+                           reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
+                           max_request_sequences=ns.max_request_sequences,
+                           max_completion_prompts=ns.max_completion_prompts, flags=dashboard.public_flags(ns),
+                           enable_auto_tool_choice=ns.enable_auto_tool_choice)
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
-    app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size)
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=ns.shutdown_timeout, access_log=None)
+    serving.plugins = Plugins(plugins, serving.offload)
+    app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size, read_timeout=ns.read_timeout)
+    # keepalive_timeout also bounds a connection that has not sent a whole request's headers (aiohttp arms it
+    # when the connection opens): that is the header read timeout
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None,
+                           keepalive_timeout=ns.read_timeout)
     await runner.setup()
     site = web.TCPSite(runner, ns.host, ns.port, reuse_address=True)
     await site.start()
-    server = RunningServer(runner, site, serving)
+    server = RunningServer(runner, site, serving, ns.shutdown_timeout)
     engine.start()
-    log.info("listening on %s (model %s served as %s); /health is 503 until the engine is ready",
-             server.url, model_dir, names[0])
+    log.info("listening on %s (model %s served as %s); /health is 503 until the engine is ready; dashboard at "
+             "%s/dashboard", server.url, model_dir, names[0], server.url)
     return server
 
 

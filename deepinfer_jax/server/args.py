@@ -35,6 +35,14 @@ class ArgParser(argparse.ArgumentParser):
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        from deepinfer_jax.server.vllm_flags import refusal
+
+        msg = refusal(self, list(sys.argv[1:] if args is None else args))  # vLLM flags refused by name
+        if msg:
+            self.error(msg)
+        return super().parse_known_args(args, namespace)
+
 
 # ---- value checks (argparse `type=`: the error names the flag) -----------------------------------------------
 def _number(kind, text: str, what: str, ok) -> Any:
@@ -116,10 +124,11 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true", help="experts sharded over TP x DP")
+    g.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="experts sharded over TP x DP")
     g.add_argument("--page-size", "--block-size", dest="page_size", type=power_of_two, default=64,
                    help="tokens per KV cache page (vLLM's --block-size)")
-    g.add_argument("--num-pages", type=at_least_two, default=None, help="fix the KV cache size in pages")
+    g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
+                   help="fix the KV cache size in pages (vLLM's --num-gpu-blocks-override)")
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
@@ -163,12 +172,27 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="split <think>...</think> into reasoning_content")
     g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
-                   help="accepted for vLLM compatibility; tool_choice 'auto' works whenever --tool-call-parser is set")
+                   help="let the model choose to call tools (tool_choice 'auto', the default when a request has "
+                        "tools), as in vLLM; needs --tool-call-parser. Without it a request's tools are only shown "
+                        "to the model and an explicit tool_choice 'auto' is a 400")
+    g.add_argument("--plugin", action="extend", nargs="+", default=None, metavar="MODULE:ATTR",
+                   help="load a server plugin (repeatable); the installed entry points of the group "
+                        "deepinfer.plugins load too (docs/plugins.md)")
     g.add_argument("--max-queue-len", type=nonnegative_int, default=None,
                    help="sequences allowed to wait beyond --max-num-seqs; more get 429 (default: unbounded)")
-    g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20, help="largest request body in bytes (413)")
+    g.add_argument("--max-request-sequences", type=positive_int, default=1024,
+                   help="most sequences one request may ask for, prompts x n (more: 400); n itself is at most 128")
+    g.add_argument("--max-completion-prompts", type=positive_int, default=1024,
+                   help="most prompts in one /v1/completions request (more: 400), vLLM's "
+                        "VLLM_MAX_COMPLETION_PROMPTS and default")
+    g.add_argument("--max-payload-size", type=positive_int, default=16 * 2**20,
+                   help="largest request body in bytes (413, answered from the Content-Length header at once)")
+    g.add_argument("--read-timeout", type=positive_float, default=60.0,
+                   help="seconds a client may take to send a request's headers, and again its body (408); "
+                        "also how long an idle keep-alive connection stays open")
     g.add_argument("--shutdown-timeout", type=nonnegative_float, default=30.0,
-                   help="on SIGTERM, seconds to let in-flight requests finish before aborting them")
+                   help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
+                        "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -196,6 +220,9 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = options.get(dest)
+        refused = getattr(parser, "refused_flags", {}).get("--" + dest.replace("_", "-"))
+        if refused:
+            bad(f"{key}: {refused}")
         if action is None or dest in ("config", "help"):
             bad(f"unknown key {key!r}")
         flag = next(s for s in action.option_strings if s.startswith("--"))
@@ -230,10 +257,17 @@ def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argpa
 def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
     """The checks that need more than one flag or the model's config.json, right after parsing: --model is a
     directory this engine can serve, --max-model-len fits the model. A failure is a usage error (one line)."""
+    tag = getattr(ns, "model_tag", None)
+    if tag is not None:  # `deepinfer serve MODEL`, as `vllm serve MODEL`
+        if ns.model is not None and ns.model != tag:
+            parser.error(f"the model is given twice: {tag!r} and --model {ns.model!r}")
+        ns.model = tag
     model_dir, _ = resolve_model(ns)
     problem = model_dir_problem(model_dir)
     if problem:
         parser.error(f"argument --model: {problem}")
+    if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
+        parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
     if ns.max_model_len is not None:
         from deepinfer_jax.config import ModelConfig
 
@@ -246,8 +280,9 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
 
 def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
     """(model directory, default served name): --model, or the embedded default model."""
-    if ns.model:
-        return ns.model, ns.model
+    model = ns.model or getattr(ns, "model_tag", None)
+    if model:
+        return model, model
     return DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 
 

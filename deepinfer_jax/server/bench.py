@@ -173,6 +173,7 @@ async def run_serving(base_url: str, *, model: str | None = None, api_key: str |
             async with session.get(base + "/v1/models", headers=headers) as r:
                 r.raise_for_status()
                 model = (await r.json())["data"][0]["id"]
+        log(f"live dashboard: {base}/dashboard" + (" (with an API key: open /dashboard?key=KEY once)" if api_key else ""))
         levels = []
         for c in concurrencies:
             n = num_prompts or max(4 * (c or 1), 16)

@@ -4,6 +4,10 @@ Gauges (num_requests_running / waiting, kv_cache_usage_perc) and the prefix-cach
 from the engine's latest SchedulerStats snapshot at scrape time; the per-request histograms and token
 counters are fed by the serving layer as outputs arrive. Every series has a `model_name` label.
 `deepinfer:num_requests_in_flight` (ours) counts requests the server is handling, queued ones included.
+Ours too: `deepinfer:device_memory_bytes{kind}` (weights, kv_cache, and where the backend reports them the
+allocator's limit and in_use), read from the engine at scrape time, and `deepinfer:request_errors_total{status,
+type}`, the error replies (streams' in-band error events included). `snapshot()` reads the registry back as
+plain numbers for /dashboard/data, so the dashboard and /metrics show the same figures.
 """
 
 from __future__ import annotations
@@ -50,6 +54,11 @@ class ServerMetrics:
         self.generation_tokens = Counter(P + "generation_tokens", "Tokens generated.", L, registry=r)
         self.success = Counter(P + "request_success", "Finished sequences by finish reason.",
                                L + ["finished_reason"], registry=r)
+        self.device_memory = Gauge(P + "device_memory_bytes", "Device memory: weights, kv_cache, and the "
+                                   "allocator's limit and in_use where the backend reports them.", L + ["kind"],
+                                   registry=r)
+        self.errors = Counter(P + "request_errors", "Error replies by HTTP status and error type.",
+                              L + ["status", "type"], registry=r)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
         for m in (self.running, self.waiting, self.in_flight, self.kv_usage, self.prefix_queries, self.prefix_hits,
@@ -66,7 +75,25 @@ class ServerMetrics:
         return child
 
     # ---- scrape ----------------------------------------------------------------------------------
-    def render(self, stats, in_flight: int) -> bytes:
+    def render(self, stats, in_flight: int, memory: dict | None = None) -> bytes:
+        self.update(stats, in_flight, memory)
+        return generate_latest(self.registry)
+
+    def snapshot(self, stats, in_flight: int, memory: dict | None = None) -> dict[str, dict[tuple, float]]:
+        """{sample name: {((label, value), ...) without model_name: value}} of the same registry."""
+        self.update(stats, in_flight, memory)
+        out: dict[str, dict[tuple, float]] = {}
+        for fam in self.registry.collect():
+            for smp in fam.samples:
+                labels = tuple(sorted((k, v) for k, v in smp.labels.items() if k != "model_name"))
+                out.setdefault(smp.name, {})[labels] = smp.value
+        return out
+
+    def update(self, stats, in_flight: int, memory: dict | None = None) -> None:
+        if memory is not None:
+            for kind in ("weights", "kv_cache", "limit", "in_use"):
+                if memory.get(kind) is not None:
+                    self.device_memory.labels(self.model_name, kind).set(memory[kind])
         if stats is not None:
             self._l(self.running).set(stats.num_running)
             self._l(self.waiting).set(stats.num_waiting)
@@ -77,9 +104,11 @@ class ServerMetrics:
                     self._l(counter).inc(new - old)
             self._last = now
         self._l(self.in_flight).set(in_flight)
-        return generate_latest(self.registry)
 
     # ---- per request -----------------------------------------------------------------------------
+    def error(self, status: int, type: str) -> None:
+        self.errors.labels(self.model_name, str(status), type).inc()
+
     def first_token(self, seconds: float) -> None:
         self._l(self.ttft).observe(max(seconds, 0.0))
 

@@ -285,6 +285,7 @@ class ChatRequest(_Common):
     messages: list[dict] = field(default_factory=list)
     tools: list[dict] | None = None
     tool_choice: str | dict = "none"
+    tool_choice_given: bool = False  # sent by the client (not the default from 'tools')
     named_tool: str | None = None
     parallel_tool_calls: bool = True
     top_logprobs: int | None = None
@@ -332,6 +333,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
             raise APIError("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", param="tools")
         tools = tools or None
     choice = body.get("tool_choice")
+    given = choice is not None
     named = None
     if choice is None:
         choice = "auto" if tools else "none"
@@ -356,6 +358,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
     _refuse_unread(body)
     return ChatRequest(
         c.model, c.stream, c.include_usage, c.params, messages=clean, tools=tools, tool_choice=choice,
+        tool_choice_given=given,
         named_tool=named, top_logprobs=c.params.logprobs,
         parallel_tool_calls=parallel, include_reasoning=include_reasoning,
         add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs))

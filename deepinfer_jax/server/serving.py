@@ -13,7 +13,9 @@ import asyncio
 import itertools
 import json
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
@@ -22,6 +24,7 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError, EngineStepError,
                                                QueueFullError, RequestStream)
 from deepinfer_jax.server.metrics import ServerMetrics
+from deepinfer_jax.server.plugins import Plugins, RequestContext
 from deepinfer_jax.server.protocol import APIError, error_body
 from deepinfer_jax.types import RequestOutput, SamplingParams
 
@@ -37,7 +40,11 @@ class ServingConfig:
     max_model_len: int | None  # the flag; None until the engine has resolved it
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
     retry_after_s: int = 1
+    max_request_sequences: int = 1024  # prompts x n of one request (--max-request-sequences)
+    max_completion_prompts: int = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
+    flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)
     extra: dict = field(default_factory=dict)
 
 
@@ -50,6 +57,18 @@ class Serving:
         self.draining = False
         self._ids = itertools.count()
         self._tok_str: dict[int, str] = {}
+        self._longest_token: int | None = None
+        self.plugins = Plugins([])
+        # tokenizing and template rendering run here, never on the event loop (/health must not wait on them)
+        self._text_pool = ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1),
+                                             thread_name_prefix="deepinfer-text")
+
+    async def offload(self, fn, *args, **kwargs):
+        """Run CPU-bound text work (templating, tokenizing) on the text threads; its exceptions propagate."""
+        return await asyncio.get_running_loop().run_in_executor(self._text_pool, lambda: fn(*args, **kwargs))
+
+    def close(self) -> None:
+        self._text_pool.shutdown(wait=False, cancel_futures=True)
 
     # ---- checks ----------------------------------------------------------------------------------
     def check_model(self, model: str | None) -> str:
@@ -66,6 +85,17 @@ class Serving:
             raise APIError(msg, 503, type="server_error", code="engine_not_ready",
                            headers={"Retry-After": str(self.config.retry_after_s)})
 
+    def memory_report(self) -> dict | None:
+        """The engine's device memory figures (LLMEngine.memory_report), or None before it is ready."""
+        eng = self.engine.engine
+        if not self.engine.ready or eng is None or not hasattr(eng, "memory_report"):
+            return None
+        try:
+            return eng.memory_report()
+        except Exception:  # noqa: BLE001 - a backend without figures must not fail a scrape
+            log.debug("memory report failed", exc_info=True)
+            return None
+
     @property
     def max_model_len(self) -> int | None:
         """The engine's context length once it is built (the --max-model-len flag before that)."""
@@ -76,6 +106,47 @@ class Serving:
     def vocab_size(self) -> int | None:
         eng = self.engine.engine
         return getattr(getattr(eng, "cfg", None), "vocab_size", None)
+
+    @property
+    def max_prompt_chars(self) -> int | None:
+        """Characters beyond which a text can never fit max_model_len tokens: no token is longer than the
+        vocabulary's longest token string, so a text of more characters than max_model_len times that has more
+        than max_model_len tokens. Checked before tokenizing, so a huge text costs no tokenizer time."""
+        mml = self.max_model_len
+        id_to_token = getattr(self.tokenizer, "id_to_token", None)
+        if mml is None or id_to_token is None:
+            return None
+        if self._longest_token is None:
+            self._longest_token = max(len(id_to_token(i) or "") for i in range(self.tokenizer.vocab_size)) or 1
+        return mml * self._longest_token
+
+    def check_chars(self, text: str, *, param: str = "prompt") -> None:
+        cap = self.max_prompt_chars
+        if cap is not None and len(text) > cap:
+            raise APIError(f"the {param} has {len(text)} characters, more than the {self.max_model_len} tokens of this "
+                           f"model's maximum context length can hold (at most {cap} characters)", param=param)
+
+    def check_prompt_count(self, count: int) -> None:
+        limit = self.config.max_completion_prompts
+        if count > limit:  # vLLM's check and wording
+            raise APIError(f"prompt list length {count} exceeds the maximum allowed count of {limit} "
+                           "(--max-completion-prompts)", param="prompt")
+
+    def check_sequences(self, total: int, *, prompts: int = 1) -> None:
+        """400 for a request of more sequences (prompts x n) than the server allows per request or could
+        ever admit at once (--max-num-seqs + --max-queue-len): a retry could never succeed, so no 429."""
+        limit = self.config.max_request_sequences
+        what = f"{prompts} prompts x n={total // max(prompts, 1)}" if prompts > 1 else f"n={total}"
+        if total > limit:
+            raise APIError(f"this request asks for {total} sequences ({what}); at most {limit} are allowed per "
+                           "request (--max-request-sequences)", param="n" if prompts == 1 else "prompt")
+        eng = self.engine
+        if eng.max_queue_len is not None and eng.max_num_seqs is not None:
+            cap = eng.max_num_seqs + eng.max_queue_len
+            if total > cap:
+                raise APIError(f"this request asks for {total} sequences ({what}), more than this server can ever "
+                               f"hold at once ({eng.max_num_seqs} running + {eng.max_queue_len} waiting, "
+                               "--max-num-seqs + --max-queue-len)", param="n" if prompts == 1 else "prompt")
 
     def check_prompt(self, ids: list[int], params: SamplingParams, *, what: str = "messages") -> None:
         n = len(ids)
@@ -194,6 +265,12 @@ class Serving:
                     except BaseException:  # noqa: BLE001
                         pass
 
+    async def delta(self, ctx: RequestContext | None, index: int, text: str, final: bool) -> str:
+        """An output delta through the plugins' on_delta (as is without plugins)."""
+        if ctx is None or not self.plugins.has("on_delta"):
+            return text
+        return await self.plugins.on_delta(ctx, index, text, final)
+
     # ---- output helpers --------------------------------------------------------------------------
     def token_str(self, tid: int) -> str:
         s = self._tok_str.get(tid)
@@ -231,13 +308,21 @@ class SSE:
 
 
 def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
-    return web.Response(text=json.dumps(obj, ensure_ascii=False), status=status, content_type="application/json",
-                        headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+    # backslashreplace: a lone surrogate echoed from a request must not turn the reply into a 500
+    return web.Response(body=json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"), status=status,
+                        content_type="application/json", headers={"X-Request-Id": request.get(REQUEST_ID, "")})
 
 
-async def send_error(sse: SSE, message: str) -> None:
+async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerMetrics | None = None) -> None:
     """An error event inside a stream whose headers are out (a client that left is fine)."""
+    if metrics is not None:
+        metrics.error(status, "server_error")
     try:
-        await sse.error(message)
+        await sse.error(message, status)
     except ConnectionResetError:
         pass
+
+
+def shutting_down(e: BaseException) -> APIError:
+    """The 503 of a request cut by the shutdown (EngineNotReadyError raised mid-request)."""
+    return APIError(str(e), 503, type="server_error", code="shutting_down")

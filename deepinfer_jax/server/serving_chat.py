@@ -4,7 +4,8 @@ Per choice, the engine's text deltas go through the reasoning parser (`--reasoni
 when tools are in play, the tool-call parser (`--tool-call-parser`), as text/README.md describes.
 Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` (vLLM's newer name).
 
-tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" -> parsed, finish_reason
+tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" (needs --enable-auto-tool-choice, as in vLLM;
+without it a request with tools and no tool_choice is "none", and an explicit "auto" a 400) -> parsed, finish_reason
 "tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
 block markers and a grammar (text/grammar.py `tool_call_grammar`) holds the model to one call of a given
 function (several with `parallel_tool_calls`, the default) in the parser's format, its arguments valid under
@@ -28,10 +29,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
 from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
                                 get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.reasoning import THINK_END
@@ -110,8 +111,13 @@ class ChatHandler:
 
     def _prepare(self, req: ChatRequest):
         s = self.s
-        tools_on = req.tools is not None and req.tool_choice != "none"
         parser = s.config.tool_call_parser
+        if req.tool_choice == "auto" and not s.config.enable_auto_tool_choice:
+            if req.tool_choice_given:  # vLLM's rule and message
+                raise APIError('"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set',
+                               param="tool_choice")
+            req.tool_choice = "none"  # tools without tool_choice: in the prompt, output not parsed (as vLLM)
+        tools_on = req.tools is not None and req.tool_choice != "none"
         if tools_on and not parser:
             raise APIError(f"tool_choice {req.tool_choice!r} needs the server started with --tool-call-parser",
                            param="tool_choice")
@@ -121,6 +127,7 @@ class ChatHandler:
                                                    tokenize=False, **req.chat_template_kwargs)
         except Exception as e:  # noqa: BLE001 - any template failure is the request's fault
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
+        s.check_chars(text, param="messages")
         prefix = ""
         if tools_on and (req.named_tool or req.tool_choice == "required"):
             head = "</think>\n\n" if prompt_opens_reasoning(text) else ""
@@ -162,17 +169,18 @@ class ChatHandler:
             raise APIError(f"the tools' parameters do not compile to a grammar: {e}", param="tools") from None
         return dataclasses.replace(req.params, structured_outputs=spec)
 
-    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
         req = parse_chat_request(body)
         model = s.check_model(req.model)
         s.check_available()
-        prompt, ids, keep, choices = self._prepare(req)
+        s.check_sequences(req.params.n)
+        prompt, ids, keep, choices = await s.offload(self._prepare, req)
         stream = s.submit(s.new_engine_id("chat"), ids, req.params, prompt, keep)
         cid, created = random_id("chatcmpl"), int(time.time())
         k = req.params.logprobs
         if req.stream:
-            return await self._stream(request, req, stream, ids, choices, cid, created, model, k)
+            return await self._stream(request, req, stream, ids, choices, cid, created, model, k, ctx)
         cached, prompt_logprobs = 0, None
         try:
             async with aclosing(s.tracked(stream, len(ids))) as it:
@@ -182,13 +190,15 @@ class ChatHandler:
                     for c in out.outputs:
                         ch = choices[c.index]
                         final = c.finish_reason is not None
-                        ch.feed(c.text, final)
+                        ch.feed(await s.delta(ctx, c.index, c.text, final), final)
                         ch.token_ids += c.token_ids
                         ch.logprobs += c.logprobs or []
                         if final:
                             ch.finish(c.finish_reason, c.stop_reason)
         except EngineStepError as e:
             raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        except EngineNotReadyError as e:
+            raise shutting_down(e) from None
         finally:
             stream.abort()
         out_choices = [{"index": ch.index, "message": ch.message(),
@@ -198,10 +208,13 @@ class ChatHandler:
         extra = {}
         if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
             extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
-        return json_response(request, envelope(cid, "chat.completion", model, created, choices=out_choices,
-                                               usage=usage(len(ids), n_out, cached), **extra))
+        obj = envelope(cid, "chat.completion", model, created, choices=out_choices, usage=usage(len(ids), n_out, cached),
+                       **extra)
+        if ctx is not None and s.plugins.has("on_response"):
+            obj = await s.plugins.on_response(ctx, obj)
+        return json_response(request, obj)
 
-    async def _stream(self, request, req, stream, ids, choices, cid, created, model, k) -> web.StreamResponse:
+    async def _stream(self, request, req, stream, ids, choices, cid, created, model, k, ctx) -> web.StreamResponse:
         s = self.s
         sse = SSE(request)
 
@@ -224,7 +237,7 @@ class ChatHandler:
                     for c in out.outputs:
                         ch = choices[c.index]
                         final = c.finish_reason is not None
-                        delta = ch.feed(c.text, final)
+                        delta = ch.feed(await s.delta(ctx, c.index, c.text, final), final)
                         ch.token_ids += c.token_ids
                         lp = None
                         if k is not None and c.logprobs:
@@ -241,11 +254,13 @@ class ChatHandler:
                 await sse.send(chunk([], usage=usage(len(ids), n_out, cached)))
         except ConnectionResetError:
             return sse.resp  # the client left; tracked() aborted the request
-        except EngineStepError as e:
-            await send_error(sse, str(e))
+        except (EngineStepError, EngineNotReadyError) as e:
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
+        except APIError as e:  # a plugin's failure
+            await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")
-            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)
         finally:
             stream.abort()
         try:

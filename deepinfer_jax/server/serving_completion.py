@@ -15,10 +15,10 @@ from typing import Any
 
 from aiohttp import web
 
-from deepinfer_jax.engine.async_engine import EngineStepError
+from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, completion_logprobs, echo_logprobs, envelope, merge_logprobs,
                                            parse_completion_request, prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error
+from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
 
 log = logging.getLogger(__name__)
 
@@ -41,17 +41,22 @@ class CompletionHandler:
     def __init__(self, serving: Serving):
         self.s = serving
 
-    async def __call__(self, request: web.Request, body: Any) -> web.StreamResponse:
+    async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
         req = parse_completion_request(body)
         model = s.check_model(req.model)
         s.check_available()
         params = req.params
-        encoded: list[tuple[list[int], str | None]] = []
+        s.check_prompt_count(len(req.prompts))
+        s.check_sequences(len(req.prompts) * params.n, prompts=len(req.prompts))
         for p in req.prompts:
-            ids = s.tokenizer.encode(p) if isinstance(p, str) else list(p)
+            if isinstance(p, str):
+                s.check_chars(p)
+        encoded: list[tuple[list[int], str | None]] = await s.offload(
+            lambda: [(s.tokenizer.encode(p) if isinstance(p, str) else list(p), p if isinstance(p, str) else None)
+                     for p in req.prompts])
+        for ids, _ in encoded:
             s.check_prompt(ids, params, what="prompt")
-            encoded.append((ids, p if isinstance(p, str) else None))
         streams = []
         try:
             for ids, text in encoded:
@@ -76,7 +81,7 @@ class CompletionHandler:
 
         if req.stream:
             return await self._stream(request, req, iters, streams, choices, cached, cid, created, model, k,
-                                      prompt_tokens, n_out)
+                                      prompt_tokens, n_out, ctx)
         try:
             async with aclosing(s.merged(iters)) as it:
                 async for pi, out in it:
@@ -85,13 +90,15 @@ class CompletionHandler:
                         ch = choices[pi * n + c.index]
                         if out.prompt_logprobs is not None:
                             ch.prompt_logprobs = out.prompt_logprobs
-                        ch.text.append(c.text)
+                        ch.text.append(await s.delta(ctx, ch.index, c.text, c.finish_reason is not None))
                         ch.token_ids += c.token_ids
                         ch.logprobs += c.logprobs or []
                         if c.finish_reason is not None:
                             ch.finish_reason, ch.stop_reason = c.finish_reason, c.stop_reason
         except EngineStepError as e:
             raise APIError(str(e), 500, type="server_error", code="engine_error") from None
+        except EngineNotReadyError as e:
+            raise shutting_down(e) from None
         finally:
             for st in streams:
                 st.abort()
@@ -101,8 +108,11 @@ class CompletionHandler:
         if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
             for item, ch in zip(out_choices, choices):
                 item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
-        return json_response(request, envelope(cid, "text_completion", model, created, choices=out_choices,
-                                               usage=usage(prompt_tokens, n_out(), sum(cached))))
+        obj = envelope(cid, "text_completion", model, created, choices=out_choices,
+                       usage=usage(prompt_tokens, n_out(), sum(cached)))
+        if ctx is not None and s.plugins.has("on_response"):
+            obj = await s.plugins.on_response(ctx, obj)
+        return json_response(request, obj)
 
     def _echo_logprobs(self, req, ch: _Choice, k: int) -> dict | None:
         """The echoed prompt's part of a choice's `logprobs` (echo with logprobs), else None; the generated
@@ -119,7 +129,7 @@ class CompletionHandler:
         return merge_logprobs(echo, completion_logprobs(ch.token_ids, ch.logprobs, k, self.s.token_str, ch.offset))
 
     async def _stream(self, request, req, iters, streams, choices, cached, cid, created, model, k,
-                      prompt_tokens, n_out) -> web.StreamResponse:
+                      prompt_tokens, n_out, ctx) -> web.StreamResponse:
         s = self.s
         sse = SSE(request)
         n = req.params.n
@@ -147,13 +157,14 @@ class CompletionHandler:
                                                    "finish_reason": None}]))
                         ch.token_ids += c.token_ids
                         final = c.finish_reason is not None
+                        text = await s.delta(ctx, ch.index, c.text, final)
                         lp = None
                         if k is not None and c.logprobs:
                             lp = completion_logprobs(c.token_ids, c.logprobs, k, s.token_str, ch.offset)
                             ch.offset += sum(len(t) for t in lp["tokens"])
-                        if not (c.text or lp or final):
+                        if not (text or lp or final):
                             continue
-                        item = {"index": ch.index, "text": c.text, "logprobs": lp, "finish_reason": None}
+                        item = {"index": ch.index, "text": text, "logprobs": lp, "finish_reason": None}
                         if final:
                             item["finish_reason"], item["stop_reason"] = c.finish_reason, c.stop_reason
                         await sse.send(chunk([item]))
@@ -161,11 +172,13 @@ class CompletionHandler:
                 await sse.send(chunk([], usage=usage(prompt_tokens, n_out(), sum(cached))))
         except ConnectionResetError:
             return sse.resp
-        except EngineStepError as e:
-            await send_error(sse, str(e))
+        except (EngineStepError, EngineNotReadyError) as e:
+            await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
+        except APIError as e:  # a plugin's failure
+            await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")
-            await send_error(sse, f"internal error: {type(e).__name__}: {e}")
+            await send_error(sse, f"internal error: {type(e).__name__}: {e}", 500, s.metrics)
         finally:
             for st in streams:
                 st.abort()

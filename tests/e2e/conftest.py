@@ -5,7 +5,7 @@ engine (test_engine_direct.py) and the CLI subprocesses skip compilation.
 
 Server flags: --max-model-len 512 --max-num-seqs 16 --max-num-batched-tokens 64 --page-size 8
 --max-queue-len 64 --api-key API_KEY --reasoning-parser deepseek_r1 --tool-call-parser deepseek_v3
---max-payload-size 1 MiB.
+--enable-auto-tool-choice --max-payload-size 1 MiB.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ API_KEY = "sk-test-key"
 MODEL = "scripted"
 SERVER_FLAGS = ["--max-model-len", "512", "--max-num-seqs", "16", "--max-num-batched-tokens", "64",
                 "--page-size", "8", "--max-queue-len", "64", "--dtype", "float32", "--api-key", API_KEY,
-                "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "deepseek_v3",
+                "--reasoning-parser", "deepseek_r1", "--tool-call-parser", "deepseek_v3", "--enable-auto-tool-choice",
                 "--max-payload-size", str(2**20), "--shutdown-timeout", "5", "--served-model-name", MODEL,
                 "other-name"]
 

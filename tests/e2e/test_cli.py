@@ -104,8 +104,10 @@ def test_generate_command(xla_cache_dir):
 def test_bench_serve_against_live_server(server):
     from deepinfer_jax.server.bench import run_serving
 
+    lines: list[str] = []
     res = asyncio.run(run_serving(server.url, api_key=API_KEY, input_len=12, output_len=6, concurrencies=[1, 4],
-                                  num_prompts=6, log=lambda s: None))
+                                  num_prompts=6, log=lines.append))
+    assert lines[0].startswith(f"live dashboard: {server.url}/dashboard ")
     assert res["model"] == MODEL and len(res["levels"]) == 2
     for lv in res["levels"]:
         assert lv["completed"] == 6 and lv["failed"] == 0 and lv["total_output_tokens"] == 36

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import openai
 import pytest
 
 from e2e_helpers import MODEL, wait_idle
@@ -57,6 +58,24 @@ def test_reasoning_content_and_tool_call(client):
     assert call.type == "function" and call.function.name == TOOL_NAME and call.id.startswith("call_")
     assert json.loads(call.function.arguments) == json.loads(ARGS)
     assert r.usage.completion_tokens == 15 and r.usage.total_tokens == r.usage.prompt_tokens + 15
+
+
+def test_without_auto_tool_choice(server, client):
+    """As vLLM without --enable-auto-tool-choice: tools are only shown to the model (their call comes back as
+    text, not parsed), an explicit tool_choice "auto" is a 400, "required" still works with the parser."""
+    cfg = server.server.serving.config
+    cfg.enable_auto_tool_choice = False
+    try:
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=40)
+        c = r.choices[0]
+        assert c.finish_reason == "stop" and not c.message.tool_calls and TOOL_NAME in c.message.content
+        with pytest.raises(openai.BadRequestError, match="--enable-auto-tool-choice"):
+            client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="auto", max_tokens=4)
+        r = client.chat.completions.create(model=MODEL, messages=MSG, tools=TOOLS, tool_choice="required",
+                                           max_tokens=40)
+        assert r.choices[0].message.tool_calls[0].function.name == TOOL_NAME
+    finally:
+        cfg.enable_auto_tool_choice = True
 
 
 def test_reasoning_and_tool_call_streamed(client):
