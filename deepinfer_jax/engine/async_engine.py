@@ -135,7 +135,8 @@ def _merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
         by[c.index] = CompletionOutput(c.index, p.text + c.text, p.token_ids + c.token_ids, lps, c.finish_reason,
                                        c.stop_reason, c.cumulative_logprob)
     return RequestOutput(b.request_id, b.prompt, b.prompt_token_ids, b.num_cached_tokens,
-                         [by[i] for i in sorted(by)], b.finished)
+                         [by[i] for i in sorted(by)], b.finished,
+                         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs)
 
 
 class AsyncEngine:
