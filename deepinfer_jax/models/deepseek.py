@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
-from deepinfer_jax.models import mla
+from deepinfer_jax.models import dsa, mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
@@ -78,7 +78,8 @@ def forward(
         def body(h, lp, kind=seg.kind):
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
-            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, mask)  # [B, S, H, dv]
+            m = dsa.sparse_mask(lp["attn"], cfg, x, cos, sin, mask) if cfg.has_indexer else mask  # [B, S, S]
+            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, m)  # [B, S, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             m = _mlp(lp, cfg, kind, x.reshape(B * S, -1), moe_impl).reshape(B, S, -1)

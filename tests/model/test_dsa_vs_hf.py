@@ -1,0 +1,61 @@
+"""DeepSeek-V3.2 (DeepSeek Sparse Attention): the pure-JAX forward and the paged steps equal HF transformers in
+fp32 on a tiny random checkpoint whose prompts are longer than index_topk, so the indexer really drops keys."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_models import hf_logits
+from deepinfer_jax.config import ConfigError, ModelConfig
+from deepinfer_jax.models.deepseek import forward
+from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
+
+CASE = "v32_sparse"
+
+
+@pytest.fixture(scope="module")
+def v32(hf_case):
+    model, path = hf_case(CASE)
+    cfg = ModelConfig.from_model_dir(path)
+    cfg, params = load_hf_checkpoint(path, cfg, jnp.float32, progress=False)
+    return model, path, cfg, params
+
+
+def test_all_position_logits_match_hf(v32):
+    model, _, cfg, params = v32
+    assert cfg.has_indexer and cfg.index_topk < 47
+    assert cfg.kv_cache_dim == cfg.kv_lora_rank + cfg.qk_rope_head_dim + cfg.index_head_dim
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, (2, 47))
+    ref = hf_logits(model, ids)
+    out = np.asarray(jax.jit(lambda p, t: forward(p, cfg, t))(params, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(out - ref).max() <= 1e-4
+    # The selection matters: attending to every key (no indexer) gives other logits past index_topk tokens.
+    dense_cfg = dataclasses.replace(cfg, index_topk=0)
+    dense = np.asarray(forward(params, dense_cfg, jnp.asarray(ids, jnp.int32)))
+    assert np.abs(dense[:, : cfg.index_topk] - ref[:, : cfg.index_topk]).max() <= 1e-4
+    assert np.abs(dense - ref).max() > 0.1
+
+
+def _v32_dict(**kw):
+    d = dict(model_type="deepseek_v32", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+             num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+             v_head_dim=8, max_position_embeddings=64, index_n_heads=2, index_head_dim=8, index_topk=4)
+    return {**d, **kw}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(index_topk=None), "index_topk"),
+    (dict(index_n_heads=0), "index_n_heads"),
+    (dict(q_lora_rank=None), "q_lora_rank"),
+    (dict(index_head_dim=2), "index_head_dim"),
+])
+def test_bad_indexer_configs_are_refused(kw, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(_v32_dict(**kw))
+    cfg = ModelConfig.from_hf_dict(_v32_dict())
+    assert (cfg.topk_method, cfg.scoring_func, cfg.index_topk) == ("noaux_tc", "sigmoid", 4)
