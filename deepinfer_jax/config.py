@@ -1,8 +1,9 @@
 """Frozen configuration dataclasses. No JAX here (ARCHITECTURE.md rule 2).
 
 `ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2`, `deepseek_v3` or
-`deepseek_v32` (V3 plus DeepSeek Sparse Attention's lightning indexer) and carries every field the DeepSeek forward needs. Unknown model types and unsupported options raise
-`ConfigError` naming the field, never a silent default.
+`deepseek_v32` (V3 plus DeepSeek Sparse Attention's lightning indexer) and carries every field the DeepSeek
+forward needs. Unknown model types and unsupported options raise `ConfigError` naming the field, never a
+silent default.
 """
 
 from __future__ import annotations

@@ -282,7 +282,7 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
 def forward_paged(
     params: dict,
     cfg: ModelConfig,
-    kv_cache: jax.Array,  # [L, P, page_size, R + dr]
+    kv_cache: jax.Array,  # [L, P, page_size, R + dr (+ Di with DSA)]
     meta: StepMetadata,
     *,
     moe_impl: str = "ragged",
@@ -337,6 +337,8 @@ def forward_paged(
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
     moe.moe_block `mosaic`)."""
+    if cfg.has_indexer:
+        dsa.check_paged_support(attn_impl, mesh_rules)
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -377,28 +379,31 @@ def forward_paged(
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
-                                                                  absorb_kv_b, latent_norm, attn_impl, merged_qkv,
-                                                                  absorbed=split_plan is None)
-            written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
-            if split_plan is not None:
-                cache = write_latents(cache, li, meta, latent)
-                a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
-                                 attn_impl)  # [T, H, dv]
-            elif value_kv_b is not None:
-                if not written:
-                    cache = write_latents(cache, li, meta, latent)
-                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
+            if cfg.has_indexer:  # DeepSeek Sparse Attention (models/dsa.py), the reference path
+                a, cache = dsa.write_and_attend_sparse(lp["attn"], cfg, x, cos, sin, cache, li, meta)  # [T, H, dv]
             else:
-                if written:  # one device (decode_latent_weights)
-                    o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
-                elif mesh_rules is None:
-                    o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
-                                                    attn_impl)
+                q_nope, q_lat, q_pe, latent, cache = attention_inputs(
+                    lp["attn"], cfg, x, cos, sin, cache, li, j, meta, absorb_kv_b, latent_norm, attn_impl, merged_qkv,
+                    absorbed=split_plan is None)
+                written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
+                if split_plan is not None:
+                    cache = write_latents(cache, li, meta, latent)
+                    a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
+                                     attn_impl)  # [T, H, dv]
+                elif value_kv_b is not None:
+                    if not written:
+                        cache = write_latents(cache, li, meta, latent)
+                    a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
                 else:
-                    o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
-                                                            cfg.softmax_scale, attn_impl)
-                a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+                    if written:  # one device (decode_latent_weights)
+                        o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+                    elif mesh_rules is None:
+                        o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
+                                                        attn_impl)
+                    else:
+                        o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                                cfg.softmax_scale, attn_impl)
+                    a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             routed, m = None, None
             if route_w is not None:  # o_proj's partials to the routing, one launch
                 parts = oproj_partials(a, lp["attn"]["o_proj"])

@@ -79,6 +79,16 @@ def sparse_mask(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, mask: jax.Arr
     return topk_mask(index_scores(iq, iw, ik), mask, cfg.index_topk)
 
 
+def check_paged_support(attn_impl: str, mesh_rules) -> None:
+    """Refuse, naming the setting, what the sparse paged step does not run: it has the reference path, on one
+    device."""
+    if attn_impl != "reference":
+        raise ValueError(f"attn_impl {attn_impl!r}: DeepSeek Sparse Attention (deepseek_v32) runs with "
+                         "attn_impl 'reference' only")
+    if mesh_rules is not None:
+        raise ValueError("DeepSeek Sparse Attention (deepseek_v32) runs on one device; its sharded step is not built")
+
+
 def write_and_attend_sparse(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv_cache, layer, meta: StepMetadata):
     """One layer's paged sparse attention (the reference path): this step's latents and index keys written
     to their cache slots, then absorbed MLA over each query's selected keys. x [T, D] -> ([T, H, dv], kv_cache)."""

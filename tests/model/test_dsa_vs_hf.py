@@ -59,3 +59,15 @@ def test_bad_indexer_configs_are_refused(kw, message):
         ModelConfig.from_hf_dict(_v32_dict(**kw))
     cfg = ModelConfig.from_hf_dict(_v32_dict())
     assert (cfg.topk_method, cfg.scoring_func, cfg.index_topk) == ("noaux_tc", "sigmoid", 4)
+
+
+def test_paged_step_refuses_what_it_does_not_run(v32):
+    from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
+    from deepinfer_jax.models.deepseek import forward_paged
+
+    _, _, cfg, params = v32
+    z = jnp.zeros((4,), jnp.int32)
+    meta = StepMetadata(z, z, z, z, jnp.zeros((1, 2), jnp.int32), z[:1])
+    cache = init_kv_cache(cfg, 3, 8, jnp.float32)
+    with pytest.raises(ValueError, match="attn_impl 'pallas'"):
+        forward_paged(params, cfg, cache, meta, attn_impl="pallas")
