@@ -107,14 +107,13 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
     return out, line
 
 
-def resolve_impls(attn_impl: str, moe_impl: str, sparse_attention: bool = False) -> tuple[str, str]:
-    """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests). A model with
-    DeepSeek Sparse Attention (`sparse_attention`, V3.2) attends on its reference path (models/dsa.py)."""
+def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
+    """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
     import jax
 
     gpu = jax.default_backend() == "gpu"
     if attn_impl == "auto":
-        attn_impl = "pallas" if gpu and not sparse_attention else "reference"
+        attn_impl = "pallas" if gpu else "reference"
     if moe_impl == "auto":
         moe_impl = "pallas" if gpu else "ragged"
     return attn_impl, moe_impl
@@ -210,7 +209,7 @@ class LLM:
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization,
                             enable_prefix_caching=enable_prefix_caching)
-        attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl, cfg.has_indexer)
+        attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,
                               fuse_shared_experts=fuse_shared_experts,

@@ -379,8 +379,9 @@ def forward_paged(
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            if cfg.has_indexer:  # DeepSeek Sparse Attention (models/dsa.py), the reference path
-                a, cache = dsa.write_and_attend_sparse(lp["attn"], cfg, x, cos, sin, cache, li, meta)  # [T, H, dv]
+            if cfg.has_indexer:  # DeepSeek Sparse Attention (models/dsa.py)
+                a, cache = dsa.write_and_attend_sparse(lp["attn"], cfg, x, cos, sin, cache, li, meta,
+                                                       attn_impl)  # [T, H, dv]
             else:
                 q_nope, q_lat, q_pe, latent, cache = attention_inputs(
                     lp["attn"], cfg, x, cos, sin, cache, li, j, meta, absorb_kv_b, latent_norm, attn_impl, merged_qkv,

@@ -79,25 +79,45 @@ def sparse_mask(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, mask: jax.Arr
     return topk_mask(index_scores(iq, iw, ik), mask, cfg.index_topk)
 
 
+ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
+
+
 def check_paged_support(attn_impl: str, mesh_rules) -> None:
-    """Refuse, naming the setting, what the sparse paged step does not run: it has the reference path, on one
-    device."""
-    if attn_impl != "reference":
-        raise ValueError(f"attn_impl {attn_impl!r}: DeepSeek Sparse Attention (deepseek_v32) runs with "
-                         "attn_impl 'reference' only")
+    """Refuse, naming the setting, what the sparse paged step does not run: it runs on one device."""
+    if attn_impl not in ATTN_IMPLS:
+        raise ValueError(f"attn_impl {attn_impl!r} is not one of {ATTN_IMPLS}")
     if mesh_rules is not None:
         raise ValueError("DeepSeek Sparse Attention (deepseek_v32) runs on one device; its sharded step is not built")
 
 
-def write_and_attend_sparse(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv_cache, layer, meta: StepMetadata):
-    """One layer's paged sparse attention (the reference path): this step's latents and index keys written
-    to their cache slots, then absorbed MLA over each query's selected keys. x [T, D] -> ([T, H, dv], kv_cache)."""
+def write_and_attend_sparse(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, kv_cache, layer, meta: StepMetadata,
+                            attn_impl: str = "reference"):
+    """One layer's paged sparse attention: this step's latents and index keys written to their cache slots, then
+    absorbed MLA over each query's selected keys. x [T, D] -> ([T, H, dv], kv_cache).
+
+    attn_impl "reference": kernels/dsa_reference.py. "pallas" / "pallas_interpret": the indexer's scores over
+    the paged keys (kernels/dsa_indexer.py), XLA's top-k, and sparse MLA over the selected keys' cache slots
+    (kernels/mla_sparse.py). The scores are [T, context] fp32: a prefill step's budget of tokens times the
+    longest context of the step."""
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin)
     iq, iw, ik = indexer_inputs(p, cfg, x, cos, sin)
     entry = jnp.concatenate([c_kv, k_pe, ik], axis=-1).astype(kv_cache.dtype)  # [T, R + dr + Di]
     page_size = kv_cache.shape[2]
     kv_cache = kv_cache.at[layer, meta.slot_mapping // page_size, meta.slot_mapping % page_size].set(entry)
-    o_lat = paged_dsa_attention_reference(
-        mla.absorb_query(p, cfg, q_nope), q_pe, iq, iw, kv_cache, layer, meta.seq_ids, meta.positions,
-        meta.page_table, cfg.softmax_scale, cfg.qk_rope_head_dim, cfg.index_topk)
+    q_lat = mla.absorb_query(p, cfg, q_nope)  # [T, H, R]
+    if attn_impl == "reference":
+        o_lat = paged_dsa_attention_reference(
+            q_lat, q_pe, iq, iw, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, cfg.softmax_scale,
+            cfg.qk_rope_head_dim, cfg.index_topk)
+    else:
+        from deepinfer_jax.kernels import dsa_indexer, mla_sparse
+
+        interpret = attn_impl == "pallas_interpret"
+        scores = dsa_indexer.paged_index_scores(iq, iw, kv_cache, layer, meta.seq_ids, meta.positions,
+                                                meta.page_table, key_start=cfg.latent_dim, interpret=interpret)
+        idx, valid = dsa_indexer.select_topk(scores, meta.positions, cfg.index_topk)
+        slots, ok = mla_sparse.selected_slots(idx, valid, meta.seq_ids, meta.page_table, page_size,
+                                              mla_sparse.BLOCK_KEYS)
+        o_lat = mla_sparse.sparse_mla_attention(q_lat, q_pe, kv_cache, layer, slots, ok, cfg.softmax_scale,
+                                                interpret=interpret)
     return mla.absorbed_output(p, cfg, o_lat), kv_cache

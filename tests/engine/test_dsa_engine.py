@@ -16,7 +16,8 @@ CASE = "v32_sparse"
 def engine(hf_case):
     model, path = hf_case(CASE)
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=96, max_num_seqs=6,
-              max_num_batched_tokens=32, page_size=8, num_pages=20, progress=False)
+              max_num_batched_tokens=32, page_size=8, num_pages=20, progress=False,
+              token_buckets=(8, 32), greedy_variant=False, warmup_runs=1)  # few step programs to compile
     return model, llm
 
 

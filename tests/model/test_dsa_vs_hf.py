@@ -36,7 +36,7 @@ def test_all_position_logits_match_hf(v32):
     assert np.abs(out - ref).max() <= 1e-4
     # The selection matters: attending to every key (no indexer) gives other logits past index_topk tokens.
     dense_cfg = dataclasses.replace(cfg, index_topk=0)
-    dense = np.asarray(forward(params, dense_cfg, jnp.asarray(ids, jnp.int32)))
+    dense = np.asarray(jax.jit(lambda p, t: forward(p, dense_cfg, t))(params, jnp.asarray(ids, jnp.int32)))
     assert np.abs(dense[:, : cfg.index_topk] - ref[:, : cfg.index_topk]).max() <= 1e-4
     assert np.abs(dense - ref).max() > 0.1
 
@@ -61,6 +61,27 @@ def test_bad_indexer_configs_are_refused(kw, message):
     assert (cfg.topk_method, cfg.scoring_func, cfg.index_topk) == ("noaux_tc", "sigmoid", 4)
 
 
+def test_paged_steps_through_the_kernels_equal_the_forward(v32):
+    """Through the kernels (interpret mode), a chunked prefill of two sequences (chunks of 19 and 30 tokens, then
+    the rest) and a decode step give the full forward's logits at each step's last tokens. Every step is padded
+    to 48 tokens: one compiled step. (The reference path's steps: tests/engine/test_dsa_engine.py, against HF.)"""
+    from paged_steps import step
+    from deepinfer_jax.models.cache import init_kv_cache
+    from deepinfer_jax.models.deepseek import forward_paged
+
+    fn = jax.jit(forward_paged, static_argnums=1, static_argnames="attn_impl")
+
+    _, _, cfg, params = v32
+    ids = np.random.default_rng(5).integers(2, cfg.vocab_size, (2, 45))
+    full = np.asarray(jax.jit(lambda p, t: forward(p, cfg, t))(params, jnp.asarray(ids, jnp.int32)))
+    pages = [[3, 1, 6, 2, 9, 5], [4, 7, 8, 10, 11, 12]]
+    cache = init_kv_cache(cfg, 13, 8, jnp.float32)
+    for chunks in ([(0, 19), (0, 30)], [(19, 25), (30, 14)], [(44, 1), (44, 1)]):
+        logits, cache = step(params, cfg, cache, ids, pages, chunks, pad_to=48, attn_impl="pallas_interpret", fn=fn)
+        for s, (start, n) in enumerate(chunks):
+            np.testing.assert_allclose(np.asarray(logits[s]), full[s, start + n - 1], atol=1e-4, rtol=0)
+
+
 def test_paged_step_refuses_what_it_does_not_run(v32):
     from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
     from deepinfer_jax.models.deepseek import forward_paged
@@ -69,5 +90,5 @@ def test_paged_step_refuses_what_it_does_not_run(v32):
     z = jnp.zeros((4,), jnp.int32)
     meta = StepMetadata(z, z, z, z, jnp.zeros((1, 2), jnp.int32), z[:1])
     cache = init_kv_cache(cfg, 3, 8, jnp.float32)
-    with pytest.raises(ValueError, match="attn_impl 'pallas'"):
-        forward_paged(params, cfg, cache, meta, attn_impl="pallas")
+    with pytest.raises(ValueError, match="attn_impl 'triton'"):
+        forward_paged(params, cfg, cache, meta, attn_impl="triton")
