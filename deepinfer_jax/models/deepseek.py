@@ -119,12 +119,13 @@ CHUNK_BLOCK_Q = 64
 def splits_prefill_attention(cfg: ModelConfig, attn_impl: str, mesh_rules: MeshRules | None,
                              prefill_attention: str) -> bool:
     """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" on the Pallas
-    path, one device, head dims the chunk kernel supports."""
+    path, one device, head dims the chunk kernel supports; never with sparse attention (models/dsa.py), whose
+    steps attend to their selected keys alike at every size."""
     from deepinfer_jax.kernels import mla_chunk
 
     if prefill_attention not in ("expanded", "absorbed"):
         raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
-    return (prefill_attention == "expanded" and pallas_one_device(attn_impl, mesh_rules)
+    return (prefill_attention == "expanded" and not cfg.has_indexer and pallas_one_device(attn_impl, mesh_rules)
             and mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                     interpret=attn_impl == "pallas_interpret"))
 

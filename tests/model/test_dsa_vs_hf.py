@@ -41,6 +41,23 @@ def test_all_position_logits_match_hf(v32):
     assert np.abs(dense - ref).max() > 0.1
 
 
+def test_convert_round_trip(v32, tmp_path):
+    """The converter carries the indexer's weights: the converted directory loads to the same params."""
+    from deepinfer_jax.weights.convert import convert
+    from deepinfer_jax.weights.loader import load_model
+
+    _, path, cfg, params = v32
+    dst = str(tmp_path / "conv")
+    convert(path, dst, "float32", "none", progress=False)
+    cfg_c, p_c = load_model(dst, jnp.float32, progress=False)
+    assert cfg_c == cfg
+    flat, tree = jax.tree_util.tree_flatten_with_path(p_c)
+    assert any("indexer" in jax.tree_util.keystr(k) for k, _ in flat)
+    assert tree == jax.tree_util.tree_structure(params)
+    for a, b in zip(jax.tree_util.tree_leaves(p_c), jax.tree_util.tree_leaves(params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _v32_dict(**kw):
     d = dict(model_type="deepseek_v32", vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
              num_attention_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
