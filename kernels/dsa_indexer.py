@@ -47,15 +47,22 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, iq_ref, iw_ref, kv_ref
     jax.lax.fori_loop(first, jnp.maximum(last, first), body, ())
 
 
+def auto_splits(num_tokens: int) -> int:
+    """Context splits for a step of `num_tokens` query tokens: about 512 (token, split) programs, at most 64 (a
+    decode step of a few long sequences still spreads its pages over the GPU; a prefill step needs no split)."""
+    return max(1, min(64, 512 // max(1, num_tokens)))
+
+
 @functools.partial(jax.jit, static_argnames=("key_start", "num_splits", "num_warps", "num_stages", "interpret"))
-def paged_index_scores(iq, iw, kv_cache, layer, seq_ids, positions, page_table, *, key_start, num_splits=4,
+def paged_index_scores(iq, iw, kv_cache, layer, seq_ids, positions, page_table, *, key_start, num_splits=None,
                        num_warps=4, num_stages=2, interpret=False):
     """iq [T, Hi, Di], iw [T, Hi] fp32, kv_cache [L, P, ps, W] (the index key in columns key_start..+Di), layer:
-    int32 scalar -> scores [T, max_pages * ps] fp32, -inf at keys past each token's position."""
+    int32 scalar -> scores [T, max_pages * ps] fp32, -inf at keys past each token's position. num_splits None:
+    auto_splits(T); the pages of the batch's longest context are divided evenly over the splits."""
     T, Hi, Di = iq.shape
     _, _, ps, _ = kv_cache.shape
     max_pages = page_table.shape[1]
-    splits = max(1, min(num_splits, max_pages))
+    splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, max_pages))
     longest = jnp.max(positions) // ps + 1
     pps = ((longest + splits - 1) // splits).astype(jnp.int32).reshape(1)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
