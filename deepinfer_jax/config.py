@@ -1,8 +1,9 @@
 """Frozen configuration dataclasses. No JAX here (ARCHITECTURE.md rule 2).
 
-`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2` or `deepseek_v3`
-and carries every field the DeepSeek forward needs. Unknown model types and unsupported options raise
-`ConfigError` naming the field, never a silent default.
+`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2`, `deepseek_v3` or
+`deepseek_v32` (V3 plus DeepSeek Sparse Attention's lightning indexer) and carries every field the DeepSeek
+forward needs. Unknown model types and unsupported options raise `ConfigError` naming the field, never a
+silent default.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -72,6 +73,11 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # HF builds q_a_layernorm / kv_a_layernorm with a fixed 1e-6 whatever rms_norm_eps says.
     latent_norm_eps: float = 1e-6
+    # DeepSeek Sparse Attention (V3.2): the lightning indexer's heads and head size, and how many cached
+    # tokens each query attends to. index_topk 0: no indexer, dense MLA (V2 / V3).
+    index_n_heads: int = 0
+    index_head_dim: int = 0
+    index_topk: int = 0
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -79,9 +85,21 @@ class ModelConfig:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
-    def kv_cache_dim(self) -> int:
-        """Width of one token's latent cache entry: c_kv (kv_lora_rank) + k_pe (qk_rope_head_dim)."""
+    def has_indexer(self) -> bool:
+        """DeepSeek Sparse Attention: a lightning indexer picks the index_topk keys each query attends to."""
+        return self.index_topk > 0
+
+    @property
+    def latent_dim(self) -> int:
+        """c_kv (kv_lora_rank) + k_pe (qk_rope_head_dim): the part of a cache entry attention reads."""
         return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Width of one token's cache entry: the latent (c_kv, k_pe), then with DSA the indexer's key
+        (index_head_dim), so the key lives in the same pages as the latent (prefix caching, preemption and
+        chunked prefill carry it unchanged)."""
+        return self.latent_dim + (self.index_head_dim if self.has_indexer else 0)
 
     @property
     def has_e_score_correction_bias(self) -> bool:
@@ -131,8 +149,9 @@ class ModelConfig:
             return d[key]
 
         n_routed = int(d.get("n_routed_experts") or 0)
-        topk_method = d.get("topk_method") or ("noaux_tc" if model_type == "deepseek_v3" else "greedy")
-        scoring = d.get("scoring_func") or ("sigmoid" if model_type == "deepseek_v3" else "softmax")
+        v3_family = model_type in ("deepseek_v3", "deepseek_v32")
+        topk_method = d.get("topk_method") or ("noaux_tc" if v3_family else "greedy")
+        scoring = d.get("scoring_func") or ("sigmoid" if v3_family else "softmax")
         if topk_method not in TOPK_METHODS:
             raise ConfigError(f"topk_method {topk_method!r} is not supported; expected one of {TOPK_METHODS}")
         if scoring not in SCORING_FUNCS:
@@ -156,6 +175,7 @@ class ModelConfig:
             raise ConfigError(f"hidden_act {d.get('hidden_act')!r} is not supported (only silu)")
 
         q_lora_rank = d.get("q_lora_rank")
+        index = _parse_indexer(d, model_type, q_lora_rank, int(req("qk_rope_head_dim")))
         eos = d.get("eos_token_id")
         if isinstance(eos, list):
             eos = tuple(int(e) for e in eos)
@@ -191,6 +211,7 @@ class ModelConfig:
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=eos,
+            **index,
         )
 
     @classmethod
@@ -207,6 +228,22 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _parse_indexer(d: dict[str, Any], model_type: str, q_lora_rank, rope_dim: int) -> dict[str, int]:
+    """The lightning indexer's sizes of a deepseek_v32 config ({} for other model types)."""
+    if model_type != "deepseek_v32":
+        return {}
+    out = {}
+    for key in ("index_n_heads", "index_head_dim", "index_topk"):
+        if d.get(key) is None or int(d[key]) <= 0:
+            raise ConfigError(f"config.json of a deepseek_v32 model needs a positive {key!r}")
+        out[key] = int(d[key])
+    if q_lora_rank is None:
+        raise ConfigError("a deepseek_v32 model needs q_lora_rank: its indexer reads the q-LoRA latent")
+    if out["index_head_dim"] < rope_dim or rope_dim % 2:
+        raise ConfigError(f"index_head_dim {out['index_head_dim']} must hold the even qk_rope_head_dim {rope_dim}")
+    return out
 
 
 def _rope_dict(d: dict[str, Any]) -> dict[str, Any]:

@@ -6,6 +6,9 @@ returns the directory. Three cases, as the foundation issue lists them:
   (a) deepseek_v2, no q-LoRA, greedy softmax routing, YaRN with mscale 0.707;
   (b) deepseek_v3, q-LoRA, grouped noaux_tc sigmoid routing with random non-negative biases, YaRN;
   (c) deepseek_v3 with n_group 1, no YaRN, rms_norm_eps 1e-5.
+V32_CASES (built the same way, kept apart so the V2 / V3 parametrised tests do not run them):
+  (d) deepseek_v32: case (b) plus DeepSeek Sparse Attention's indexer, index_topk well below the test
+      prompts' lengths so the selection really drops keys.
 """
 
 from __future__ import annotations
@@ -49,15 +52,28 @@ CASES = {
 }
 
 
+V32_CASES = {
+    "v32_sparse": dict(
+        model_type="deepseek_v32", q_lora_rank=24, n_routed_experts=16, n_shared_experts=1,
+        num_experts_per_tok=4, n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True,
+        rope_parameters=YARN_V3, rms_norm_eps=1e-6, index_n_heads=16, index_head_dim=20, index_topk=11,
+    ),
+}
+
+
 def build_hf_model(case: str, seed: int = 0, **overrides):
-    """An fp32 eval-mode HF model for `case` with randomised norms / router / biases."""
+    """An fp32 eval-mode HF model for `case` (of CASES or V32_CASES) with randomised norms / router / biases."""
     import torch
     from transformers import DeepseekV2Config, DeepseekV2ForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
 
-    kw = {**COMMON, **CASES[case], **overrides}
+    kw = {**COMMON, **{**CASES, **V32_CASES}[case], **overrides}
     model_type = kw.pop("model_type")
     torch.manual_seed(seed)
-    if model_type == "deepseek_v2":
+    if model_type == "deepseek_v32":
+        from transformers import DeepseekV32Config, DeepseekV32ForCausalLM
+
+        model = DeepseekV32ForCausalLM(DeepseekV32Config(**kw))
+    elif model_type == "deepseek_v2":
         cfg = DeepseekV2Config(**kw)
         model = DeepseekV2ForCausalLM(cfg)
     else:

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
-from deepinfer_jax.models import mla
+from deepinfer_jax.models import dsa, mla
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
@@ -78,7 +78,8 @@ def forward(
         def body(h, lp, kind=seg.kind):
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
-            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, mask)  # [B, S, H, dv]
+            m = dsa.sparse_mask(lp["attn"], cfg, x, cos, sin, mask) if cfg.has_indexer else mask  # [B, S, S]
+            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, m)  # [B, S, H, dv]
             h = h + mla.output_projection(lp["attn"], a)
             x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
             m = _mlp(lp, cfg, kind, x.reshape(B * S, -1), moe_impl).reshape(B, S, -1)
@@ -118,12 +119,13 @@ CHUNK_BLOCK_Q = 64
 def splits_prefill_attention(cfg: ModelConfig, attn_impl: str, mesh_rules: MeshRules | None,
                              prefill_attention: str) -> bool:
     """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" on the Pallas
-    path, one device, head dims the chunk kernel supports."""
+    path, one device, head dims the chunk kernel supports; never with sparse attention (models/dsa.py), whose
+    steps attend to their selected keys alike at every size."""
     from deepinfer_jax.kernels import mla_chunk
 
     if prefill_attention not in ("expanded", "absorbed"):
         raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
-    return (prefill_attention == "expanded" and pallas_one_device(attn_impl, mesh_rules)
+    return (prefill_attention == "expanded" and not cfg.has_indexer and pallas_one_device(attn_impl, mesh_rules)
             and mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                     interpret=attn_impl == "pallas_interpret"))
 
@@ -281,7 +283,7 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
 def forward_paged(
     params: dict,
     cfg: ModelConfig,
-    kv_cache: jax.Array,  # [L, P, page_size, R + dr]
+    kv_cache: jax.Array,  # [L, P, page_size, R + dr (+ Di with DSA)]
     meta: StepMetadata,
     *,
     moe_impl: str = "ragged",
@@ -336,6 +338,8 @@ def forward_paged(
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
     moe.moe_block `mosaic`)."""
+    if cfg.has_indexer:
+        dsa.check_paged_support(attn_impl, mesh_rules)
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
     h = params["embed"][meta.token_ids]  # [T, D]
@@ -376,28 +380,32 @@ def forward_paged(
             for (group, name), w in projections.items():  # read in place by the decode kernel
                 lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            q_nope, q_lat, q_pe, latent, cache = attention_inputs(lp["attn"], cfg, x, cos, sin, cache, li, j, meta,
-                                                                  absorb_kv_b, latent_norm, attn_impl, merged_qkv,
-                                                                  absorbed=split_plan is None)
-            written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
-            if split_plan is not None:
-                cache = write_latents(cache, li, meta, latent)
-                a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
-                                 attn_impl)  # [T, H, dv]
-            elif value_kv_b is not None:
-                if not written:
-                    cache = write_latents(cache, li, meta, latent)
-                a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
+            if cfg.has_indexer:  # DeepSeek Sparse Attention (models/dsa.py)
+                a, cache = dsa.write_and_attend_sparse(lp["attn"], cfg, x, cos, sin, cache, li, meta,
+                                                       attn_impl)  # [T, H, dv]
             else:
-                if written:  # one device (decode_latent_weights)
-                    o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
-                elif mesh_rules is None:
-                    o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
-                                                    attn_impl)
+                q_nope, q_lat, q_pe, latent, cache = attention_inputs(
+                    lp["attn"], cfg, x, cos, sin, cache, li, j, meta, absorb_kv_b, latent_norm, attn_impl, merged_qkv,
+                    absorbed=split_plan is None)
+                written = latent is None  # the absorb kernel's launch wrote this step's latents into the cache
+                if split_plan is not None:
+                    cache = write_latents(cache, li, meta, latent)
+                    a = attend_split(lp["attn"], cfg, q_nope, q_pe, latent, cache, li, meta, split_plan,
+                                     attn_impl)  # [T, H, dv]
+                elif value_kv_b is not None:
+                    if not written:
+                        cache = write_latents(cache, li, meta, latent)
+                    a = decode_attention_output(q_lat, q_pe, cache, li, meta, cfg, value_kv_b, j, attn_impl)
                 else:
-                    o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
-                                                            cfg.softmax_scale, attn_impl)
-                a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
+                    if written:  # one device (decode_latent_weights)
+                        o_lat = paged_attention(q_lat, q_pe, cache, li, meta, cfg.softmax_scale, attn_impl)
+                    elif mesh_rules is None:
+                        o_lat, cache = write_and_attend(q_lat, q_pe, latent, cache, li, meta, cfg.softmax_scale,
+                                                        attn_impl)
+                    else:
+                        o_lat, cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, cache, li, meta,
+                                                                cfg.softmax_scale, attn_impl)
+                    a = mla.absorbed_output(lp["attn"], cfg, o_lat)  # [T, H, dv]
             routed, m = None, None
             if route_w is not None:  # o_proj's partials to the routing, one launch
                 parts = oproj_partials(a, lp["attn"]["o_proj"])

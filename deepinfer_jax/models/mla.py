@@ -24,6 +24,11 @@ from deepinfer_jax.models.layers import StackedWeight, apply_rope, linear, rms_n
 MASK_VALUE = -1e30
 
 
+def q_latent(p: dict, cfg: ModelConfig, x: jax.Array) -> jax.Array:
+    """x [..., D] -> the q-LoRA latent [..., Rq] = q_a_layernorm(q_a_proj(x)) (q_b_proj's input)."""
+    return rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], cfg.latent_norm_eps)
+
+
 def project_qkv(
     p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array, whole_q: bool = False,
     raw_latent: bool = False,
@@ -38,8 +43,7 @@ def project_qkv(
     if cfg.q_lora_rank is None:
         q = jnp.einsum("...d,dhk->...hk", x, weight(p["q_proj"], x.dtype))
     else:
-        qa = rms_norm(linear(x, p["q_a_proj"]), p["q_a_layernorm"], cfg.latent_norm_eps)
-        q = jnp.einsum("...r,rhk->...hk", qa, weight(p["q_b_proj"], x.dtype))
+        q = jnp.einsum("...r,rhk->...hk", q_latent(p, cfg, x), weight(p["q_b_proj"], x.dtype))
     q_nope, q_pe = q[..., :dn], q[..., dn:]
     ckv = linear(x, p["kv_a_proj_with_mqa"])  # [..., R + dr]
     if raw_latent:

@@ -12,7 +12,10 @@ Tree (E experts, H heads, R = kv_lora_rank, dr = qk_rope_head_dim, dn = qk_nope_
   segments[i]: {input_layernorm [L, D], post_attention_layernorm [L, D],
                 attn: {q_proj [L, D, H, dn+dr] | q_a_proj [L, D, Rq], q_a_layernorm [L, Rq],
                        q_b_proj [L, Rq, H, dn+dr]; kv_a_proj_with_mqa [L, D, R+dr];
-                       kv_a_layernorm [L, R]; kv_b_proj [L, R, H, dn+dv]; o_proj [L, H, dv, D]},
+                       kv_a_layernorm [L, R]; kv_b_proj [L, R, H, dn+dv]; o_proj [L, H, dv, D],
+                       indexer (DSA, V3.2; Hi = index_n_heads, Di = index_head_dim):
+                         {wq_b [L, Rq, Hi, Di], wk [L, D, Di], k_norm [L, Di], k_norm_bias [L, Di],
+                          weights_proj [L, D, Hi] (fp32, as HF keeps it)}},
                 mlp (dense): {gate_up [L, D, 2, I], down [L, I, D]}
                 moe: {gate [L, D, E], e_score_correction_bias [L, E] (noaux_tc, fp32),
                       experts: {gate_up [L, E, D, 2, Im], down [L, E, Im, D]},
@@ -97,6 +100,15 @@ def layer_specs(cfg: ModelConfig, kind: str, n: int | None) -> dict[str, Any]:
     attn["kv_a_layernorm"] = P((R,), ("kv_lora",))
     attn["kv_b_proj"] = P((R, H, cfg.qk_nope_head_dim + dv), ("kv_lora", "heads", "kv_head"))
     attn["o_proj"] = P((H, dv, D), ("heads", "v_head", "embed"))
+    if cfg.has_indexer:  # replicated: one key per token, and its heads are few and small
+        Hi, Di = cfg.index_n_heads, cfg.index_head_dim
+        attn["indexer"] = {
+            "wq_b": P((cfg.q_lora_rank, Hi, Di), ("q_lora", None, None)),
+            "wk": P((D, Di), ("embed", None)),
+            "k_norm": P((Di,), (None,)),
+            "k_norm_bias": P((Di,), (None,)),
+            "weights_proj": P((D, Hi), ("embed", None), "float32"),
+        }
 
     spec: dict[str, Any] = {
         "input_layernorm": P((D,), ("embed",)),

@@ -24,7 +24,10 @@ from .tool_parsers import DeepSeekV31ToolParser, DeepSeekV3ToolParser
 from .types import (ContentDelta, ToolCall, ToolCallDelta, ToolStreamDelta, collect_tool_stream,
                     deltas_to_openai)
 
-REASONING_PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1ReasoningParser}
+# "deepseek_v3" is vLLM's name for V3.1 / V3.2 (thinking switched by the template's `thinking`): the same parser,
+# as the rendered prompt decides whether the output starts inside reasoning (`prompt_opens_reasoning`).
+REASONING_PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1ReasoningParser,
+                                      "deepseek_v3": DeepSeekR1ReasoningParser}
 TOOL_PARSERS: dict[str, type] = {"deepseek_v3": DeepSeekV3ToolParser,
                                  "deepseek_v31": DeepSeekV31ToolParser}
 

@@ -27,6 +27,17 @@ the `{{ }}` expressions produce output).
     Unlike DeepSeek's originals, every tool-call message is closed and gets its own
     "<｜Assistant｜>" (the originals forget both after the first call).
 
+`deepseek_v31` (the V3.1 format, which DeepSeek-V3.2 keeps): BOS, the system text (and tool block, with
+    TOOLS_PREAMBLE_V31), then per message:
+      user       -> "<｜User｜>{c}"
+      assistant  -> after a user turn "<｜Assistant｜></think>" (past reasoning is not shown: only the text
+                    after its last "</think>"), "{c}", then if tool_calls "<｜tool▁calls▁begin｜>" + each
+                    "<｜tool▁call▁begin｜>{name}<｜tool▁sep｜>{args}<｜tool▁call▁end｜>" + "<｜tool▁calls▁end｜>",
+                    then "<｜end▁of▁sentence｜>"
+      tool       -> "<｜tool▁output▁begin｜>{c}<｜tool▁output▁end｜>"
+    End: after tool results NO generation prompt (the model continues its turn); otherwise add_generation_prompt
+    appends "<｜Assistant｜></think>", or "<｜Assistant｜><think>" with `thinking=True` (chat_template_kwargs).
+
 Tool block (DeepSeek's templates ignore `tools=`; like vLLM's/SGLang's deepseek tool templates
 we describe the tools in the system text). Exactly, with TOOLS_PREAMBLE below:
     system_text + "\n\n" (only if there was a system message) + TOOLS_PREAMBLE
@@ -44,6 +55,16 @@ TOOLS_PREAMBLE = (
     "```json\n"
     '{"argument_name": "value"}\n'
     "```<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n"
+    "The arguments must be valid JSON that follows the function's parameters schema.\n\n"
+    "### Functions"
+)
+
+TOOLS_PREAMBLE_V31 = (
+    "## Tools\n\n"
+    "You can call the functions listed below. To call functions, reply in exactly this format, "
+    "one <｜tool▁call▁begin｜>...<｜tool▁call▁end｜> per call:\n"
+    "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>FUNCTION_NAME<｜tool▁sep｜>"
+    '{"argument_name": "value"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>\n'
     "The arguments must be valid JSON that follows the function's parameters schema.\n\n"
     "### Functions"
 )
@@ -121,6 +142,56 @@ DEEPSEEK_V3_TEMPLATE = _V3_FAMILY.replace("@@STRIP_THINK@@", "").replace("@@GEN_
 DEEPSEEK_R1_TEMPLATE = _V3_FAMILY.replace("@@STRIP_THINK@@", _STRIP_THINK).replace(
     "@@GEN_SUFFIX@@", r"<think>\n")
 
+DEEPSEEK_V31_TEMPLATE = r"""
+{%- set ns = namespace(system='', n_sys=0, after_user=false, after_tool=false, tools='') -%}
+{%- for m in messages -%}
+  {%- if m['role'] == 'system' -%}
+    {%- set ns.system = ns.system ~ ('\n\n' if ns.n_sys > 0 else '') ~ (m['content'] or '') -%}
+    {%- set ns.n_sys = ns.n_sys + 1 -%}
+  {%- endif -%}
+{%- endfor -%}
+{%- if tools -%}
+  {%- set ns.tools = @@TOOLS_PREAMBLE@@ -%}
+  {%- for t in tools -%}
+    {%- set ns.tools = ns.tools ~ '\n```json\n' ~ (t | tojson) ~ '\n```' -%}
+  {%- endfor -%}
+  {%- set ns.system = (ns.system ~ '\n\n' if ns.n_sys > 0 else '') ~ ns.tools -%}
+{%- endif -%}
+{{- bos_token ~ ns.system -}}
+{%- for m in messages -%}
+  {%- set content = m['content'] or '' -%}
+  {%- if m['role'] == 'user' -%}
+    {{- '<｜User｜>' ~ content -}}
+    {%- set ns.after_user, ns.after_tool = true, false -%}
+  {%- elif m['role'] == 'assistant' -%}
+    {%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1] -%}{%- endif -%}
+    {%- if ns.after_user -%}
+      {{- '<｜Assistant｜></think>' -}}
+    {%- endif -%}
+    {{- content -}}
+    {%- if m['tool_calls'] is defined and m['tool_calls'] -%}
+      {{- '<｜tool▁calls▁begin｜>' -}}
+      {%- for tc in m['tool_calls'] -%}
+        {%- set fn = tc['function'] -%}
+        {%- set args = fn['arguments'] if fn['arguments'] is string else (fn['arguments'] | tojson) -%}
+        {{- '<｜tool▁call▁begin｜>' ~ fn['name'] ~ '<｜tool▁sep｜>' ~ args ~ '<｜tool▁call▁end｜>' -}}
+      {%- endfor -%}
+      {{- '<｜tool▁calls▁end｜>' -}}
+    {%- endif -%}
+    {{- '<｜end▁of▁sentence｜>' -}}
+    {%- set ns.after_user, ns.after_tool = false, false -%}
+  {%- elif m['role'] == 'tool' -%}
+    {{- '<｜tool▁output▁begin｜>' ~ content ~ '<｜tool▁output▁end｜>' -}}
+    {%- set ns.after_user, ns.after_tool = false, true -%}
+  {%- elif m['role'] != 'system' -%}
+    {{- raise_exception('unsupported message role: ' ~ m['role']) -}}
+  {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt and not ns.after_tool -%}
+  {{- '<｜Assistant｜>' ~ ('<think>' if thinking is defined and thinking else '</think>') -}}
+{%- endif -%}
+""".replace("@@TOOLS_PREAMBLE@@", _jinja_literal(TOOLS_PREAMBLE_V31))
+
 DEEPSEEK_V2_TEMPLATE = r"""
 {%- if tools -%}
   {{- raise_exception('the DeepSeek-V2-Lite-Chat template has no tool-call format; tools are not supported') -}}
@@ -147,4 +218,5 @@ BUILTIN_TEMPLATES: dict[str, str] = {
     "deepseek_v2": DEEPSEEK_V2_TEMPLATE,
     "deepseek_v3": DEEPSEEK_V3_TEMPLATE,
     "deepseek_r1": DEEPSEEK_R1_TEMPLATE,
+    "deepseek_v31": DEEPSEEK_V31_TEMPLATE,
 }

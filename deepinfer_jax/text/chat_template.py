@@ -11,7 +11,7 @@ answer 400.
 
 Which template a model directory gets (`resolve_chat_template`), first match wins:
 1. the user's template (server `--chat-template`): an existing file path is read; one of the
-   built-in names ("deepseek_v2", "deepseek_v3", "deepseek_r1") selects that template; any
+   built-in names ("deepseek_v2", "deepseek_v3", "deepseek_r1", "deepseek_v31") selects that template; any
    other string containing "{", "}" or a newline is the template text itself; anything else
    is an error (a mistyped path must not silently become a one-line template);
 2. `chat_template.jinja` in the directory (HF >= 4.43 saves templates there; it wins over
@@ -21,7 +21,8 @@ Which template a model directory gets (`resolve_chat_template`), first match win
 4. a built-in template, chosen by
    a. a name hint: the directory's basename or config.json `_name_or_path` containing the
       word "r1" ("DeepSeek-R1", "R1-Distill", "deepseek_r1-0528") -> "deepseek_r1";
-   b. config.json `model_type` "deepseek_v2" -> "deepseek_v2" (V2-Lite-Chat format);
+   b. config.json `model_type` "deepseek_v2" -> "deepseek_v2" (V2-Lite-Chat format), "deepseek_v32" ->
+      "deepseek_v31" (V3.2 keeps V3.1's format);
    c. `model_type` "deepseek_v3", or a vocabulary containing "<｜User｜>" -> "deepseek_v3";
    d. otherwise there is no template and `apply_chat_template` raises.
 """
@@ -148,6 +149,8 @@ def builtin_template_name(model_dir: str | None, config: Mapping[str, Any] | Non
     model_type = config.get("model_type")
     if model_type == "deepseek_v2":
         return "deepseek_v2"
+    if model_type == "deepseek_v32":
+        return "deepseek_v31"
     if model_type == "deepseek_v3" or has_user_token:
         return "deepseek_v3"
     return None

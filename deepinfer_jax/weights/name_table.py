@@ -80,6 +80,15 @@ def _attn_rules(cfg: ModelConfig, pre: str, path: tuple, idx: tuple) -> list[Ten
         TensorRule(f"{pre}.self_attn.kv_b_proj.weight", (H * dkv, R), a + ("kv_b_proj",), idx, _heads_in(H, dkv)),
         TensorRule(f"{pre}.self_attn.o_proj.weight", (D, H * dv), a + ("o_proj",), idx, _heads_out(H, dv)),
     ]
+    if cfg.has_indexer:
+        Hi, Di, ix, n = cfg.index_n_heads, cfg.index_head_dim, a + ("indexer",), f"{pre}.self_attn.indexer"
+        rules += [
+            TensorRule(f"{n}.wq_b.weight", (Hi * Di, cfg.q_lora_rank), ix + ("wq_b",), idx, _heads_in(Hi, Di)),
+            TensorRule(f"{n}.wk.weight", (Di, D), ix + ("wk",), idx, _t),
+            TensorRule(f"{n}.k_norm.weight", (Di,), ix + ("k_norm",), idx, _identity, False),
+            TensorRule(f"{n}.k_norm.bias", (Di,), ix + ("k_norm_bias",), idx, _identity, False),
+            TensorRule(f"{n}.weights_proj.weight", (Hi, D), ix + ("weights_proj",), idx, _t, False),
+        ]
     return rules
 
 

@@ -7,7 +7,7 @@ import pytest
 
 from text_helpers import BOS
 from deepinfer_jax.text import BUILTIN_TEMPLATES, ChatTemplateError, load_tokenizer
-from deepinfer_jax.text.builtin_templates import TOOLS_PREAMBLE
+from deepinfer_jax.text.builtin_templates import TOOLS_PREAMBLE, TOOLS_PREAMBLE_V31
 
 EOS = "<｜end▁of▁sentence｜>"
 U, A = "<｜User｜>", "<｜Assistant｜>"
@@ -100,6 +100,27 @@ def test_r1_golden(builtin):
         f"Done.{EOS}{U}More?{A}<think>\n")
 
 
+def test_v31_golden(builtin):
+    """The V3.1 format (DeepSeek-V3.2's): "</think>" opens a non-thinking answer, `thinking=True` opens reasoning,
+    past reasoning is dropped, tool calls carry no type or fences, tool results stand unwrapped."""
+    tok = builtin("deepseek_v31")
+    assert tok.apply_chat_template(SYSTEM_AND_TURNS) == (
+        f"{BOS}You are terse.{U}Hi{A}</think>Hello!{EOS}{U}2+2?{A}</think>")
+    assert tok.apply_chat_template(SYSTEM_AND_TURNS, thinking=True).endswith(f"{U}2+2?{A}<think>")
+    assert tok.apply_chat_template(SYSTEM_AND_TURNS, add_generation_prompt=False) == (
+        f"{BOS}You are terse.{U}Hi{A}</think>Hello!{EOS}{U}2+2?")
+    calls = ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>'
+             '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Lyon"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>')
+    outputs = "<｜tool▁output▁begin｜>18C<｜tool▁output▁end｜><｜tool▁output▁begin｜>20C<｜tool▁output▁end｜>"
+    # tools go into the system text; tool results end the prompt without a generation prompt
+    assert tok.apply_chat_template([SYSTEM_AND_TURNS[0]] + TOOL_CONVERSATION, tools=TOOLS) == (
+        f"{BOS}You are terse.\n\n{TOOLS_PREAMBLE_V31}\n```json\n{TOOL_JSON}\n```"
+        f"{U}Weather in Paris and Lyon?{A}</think>Checking.{calls}{EOS}{outputs}")
+    follow = TOOL_CONVERSATION + [{"role": "assistant", "content": "Paris 18C, Lyon 20C."},
+                                  {"role": "user", "content": "Thanks"}]
+    assert tok.apply_chat_template(follow).endswith(f"{EOS}{outputs}Paris 18C, Lyon 20C.{EOS}{U}Thanks{A}</think>")
+
+
 def test_v2_lite_chat_golden(builtin):
     tok = builtin("deepseek_v2")
     assert tok.apply_chat_template(SYSTEM_AND_TURNS) == (
@@ -174,6 +195,7 @@ def test_selection_rule(make_dir, tmp_path):
     assert sel(make_dir("DeepSeek-V2-Lite-Chat", config={"model_type": "deepseek_v2"})) == "builtin:deepseek_v2"
     assert sel(make_dir("DeepSeek-V3-tiny", config={"model_type": "deepseek_v3"})) == "builtin:deepseek_v3"
     assert sel(make_dir("prover1", config={"model_type": "deepseek_v3"})) == "builtin:deepseek_v3"
+    assert sel(make_dir("DeepSeek-V3.2-tiny", config={"model_type": "deepseek_v32"})) == "builtin:deepseek_v31"
     # the directory's own template beats built-ins; chat_template.jinja beats tokenizer_config
     d = make_dir("own-r1", tokenizer_config={"chat_template": "TC"})
     assert sel(d) == "tokenizer_config.json"
@@ -192,7 +214,7 @@ def test_selection_rule(make_dir, tmp_path):
         load_tokenizer(d, chat_template="/no/such/template.jinja")
     # other model types still get the V3 template when the vocabulary has <｜User｜>
     assert sel(make_dir("plain", config={"model_type": "llama"})) == "builtin:deepseek_v3"
-    assert set(BUILTIN_TEMPLATES) == {"deepseek_v2", "deepseek_v3", "deepseek_r1"}
+    assert set(BUILTIN_TEMPLATES) == {"deepseek_v2", "deepseek_v3", "deepseek_r1", "deepseek_v31"}
 
 
 def test_no_template_raises(tmp_path):

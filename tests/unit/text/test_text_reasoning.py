@@ -110,3 +110,13 @@ def test_random_fragment_soup_streams_consistently():
         assert ("".join(r), "".join(c)) == whole, (text, deltas)
         # tags are dropped at most once each (the opening one and the closing one)
         assert len(whole[0]) + len(whole[1]) >= len(text) - len("<think></think>")
+
+
+def test_deepseek_v3_name_follows_the_v31_prompt():
+    """vLLM's `deepseek_v3` reasoning parser (V3.1 / V3.2): thinking on, the prompt ends in "<think>" and the output
+    is reasoning until "</think>"; thinking off, it ends in "</think>" and the output is all content."""
+    from deepinfer_jax.text import get_reasoning_parser, prompt_opens_reasoning
+
+    cls = get_reasoning_parser("deepseek_v3")
+    assert cls(prompt_opens_reasoning("<｜User｜>q<｜Assistant｜><think>")).extract("hmm</think>A") == ("hmm", "A")
+    assert cls(prompt_opens_reasoning("<｜User｜>q<｜Assistant｜></think>")).extract("A</think>B") == ("", "A</think>B")
