@@ -107,6 +107,17 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
     return out, line
 
 
+def quantization_problem(model_dir: str, quantization: str | None) -> str | None:
+    """Why `quantization` cannot be served from `model_dir` (weights/loader.py's rule), or None."""
+    from deepinfer_jax.weights.loader import check_quantization
+
+    try:
+        check_quantization(model_dir, quantization)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
     """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
     import jax
@@ -122,7 +133,10 @@ def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
 class LLM:
     """Load a model directory (HF safetensors or converted) and generate offline.
 
-    Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    Arguments mirror vLLM's: model, dtype, quantization (None / "auto": the checkpoint's own format, an FP8
+    checkpoint's weights kept as FP8; "none": an FP8 checkpoint dequantized to `dtype` at load; "fp8": a float
+    checkpoint's linear weights quantized online to 128 x 128 FP8 blocks; "int8" / "int4": a checkpoint
+    converted with that --quantize; weights/loader.py), max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
@@ -148,7 +162,8 @@ class LLM:
     start skip tracing: runner/program_cache.py), progress.
     """
 
-    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+    def __init__(self, model: str, *, dtype: str = "auto", quantization: str | None = None,
+                 max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
@@ -186,11 +201,14 @@ class LLM:
         if load_format == "dummy":  # vLLM's dummy format: config.json only, random weights drawn on the device
             from deepinfer_jax.weights.random_init import pending_random_params
 
+            if quantization not in (None, "auto"):
+                raise ValueError(f"quantization {quantization!r} with load_format 'dummy' is not supported (random "
+                                 "weights are drawn in the engine dtype)")
             self.model_config = ModelConfig.from_model_dir(model)
             params = pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
         elif load_format == "auto":
             self.model_config, params = prepare_model(model, jnp.dtype(self.dtype), shardings=shardings,
-                                                      progress=progress)
+                                                      progress=progress, quantization=quantization)
         else:
             raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
         cfg = self.model_config

@@ -102,6 +102,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="model directory (HF safetensors or converted, config.json, tokenizer). Default: "
                         + DEFAULT_MODEL_NOTE.replace("%", "%%"))
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"],
+                   help="weights' format (default auto: the checkpoint's own, FP8 kept as FP8); none: an FP8 "
+                        "checkpoint dequantized to --dtype at load; fp8: a bf16/fp32 checkpoint quantized online "
+                        "to 128x128-block FP8; int8/int4: a checkpoint converted with that --quantize")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model directory's config.json (benchmarks)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
@@ -234,6 +238,15 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     problem = model_dir_problem(model_dir)
     if problem:
         parser.error(f"argument --model: {problem}")
+    if ns.quantization not in (None, "auto"):
+        from deepinfer_jax.engine.llm import quantization_problem
+
+        problem = quantization_problem(model_dir, ns.quantization)
+        if problem:
+            parser.error(f"argument --quantization: {problem}")
+        if ns.load_format == "dummy":
+            parser.error("argument --quantization: not supported with --load-format dummy (random weights are "
+                         "drawn in the engine dtype)")
     if ns.max_model_len is not None:
         from deepinfer_jax.config import ModelConfig
 
@@ -273,7 +286,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
     kw: dict[str, Any] = dict(
-        dtype=ns.dtype, page_size=ns.page_size,
+        dtype=ns.dtype, quantization=ns.quantization, page_size=ns.page_size,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
