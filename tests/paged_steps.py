@@ -11,8 +11,9 @@ from deepinfer_jax.models.deepseek import forward_paged
 PAGE = 8
 
 
-def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", **kw):
-    """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded."""
+def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", fwd=None, **kw):
+    """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded. `fwd`: a jitted
+    (params, cache, meta) -> (logits, cache) to run instead of forward_paged eagerly."""
     tid, pos, sid, slot, last = [], [], [], [], []
     for s, (start, n) in enumerate(chunks):
         for p in range(start, start + n):
@@ -31,4 +32,6 @@ def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="referen
         table[s, : len(pg)] = pg
     arr = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
     meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
+    if fwd is not None:
+        return fwd(params, cache, meta)
     return forward_paged(params, cfg, cache, meta, attn_impl=attn_impl, **kw)

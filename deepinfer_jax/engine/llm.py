@@ -118,6 +118,26 @@ def quantization_problem(model_dir: str, quantization: str | None) -> str | None
     return None
 
 
+def kv_cache_attn_impl(kv_cache_dtype: str, attn_impl: str) -> str:
+    """The attention implementation an FP8 KV cache runs on: the XLA reference, which dequantizes the cache on
+    read. The Pallas attention kernels (kernels/mla_decode.py, mla_prefill.py, mla_chunk.py, and mla_absorb.py's
+    latent write) load and store the cache in the compute dtype, so "auto" steps aside from them and an explicit
+    Pallas choice is refused."""
+    from deepinfer_jax.config import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return attn_impl
+    if attn_impl in ("pallas", "pallas_interpret"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs with attn_impl 'reference' only for now: the "
+                         "Pallas attention kernels read and write the cache in the compute dtype")
+    if attn_impl == "auto":
+        log.info("kv_cache_dtype %s: attention on the XLA reference path (the Pallas attention kernels do not read "
+                 "an FP8 cache yet)", kv_cache_dtype)
+    return "reference"
+
+
 def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
     """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
     import jax
@@ -136,7 +156,8 @@ class LLM:
     Arguments mirror vLLM's: model, dtype, quantization (None / "auto": the checkpoint's own format, an FP8
     checkpoint's weights kept as FP8; "none": an FP8 checkpoint dequantized to `dtype` at load; "fp8": a float
     checkpoint's linear weights quantized online to 128 x 128 FP8 blocks; "int8" / "int4": a checkpoint
-    converted with that --quantize; weights/loader.py), max_model_len, max_num_seqs, max_num_batched_tokens,
+    converted with that --quantize; weights/loader.py), kv_cache_dtype ("auto": the compute dtype; "fp8": e4m3
+    with scale 1.0, RunnerConfig.kv_cache_dtype), max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
@@ -163,7 +184,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", quantization: str | None = None,
-                 max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
@@ -227,8 +248,9 @@ class LLM:
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization,
                             enable_prefix_caching=enable_prefix_caching)
+        attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
-        runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
+        runner = RunnerConfig(dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,
                               fuse_shared_experts=fuse_shared_experts,
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,

@@ -101,7 +101,7 @@ class LLMEngine:
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
             num_pages, how = pages_for_memory(
-                cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback, loading=pending)
+                cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending)
         else:
             how = f"{num_pages} pages (set explicitly)"
         if pending is not None:

@@ -106,6 +106,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="weights' format (default auto: the checkpoint's own, FP8 kept as FP8); none: an FP8 "
                         "checkpoint dequantized to --dtype at load; fp8: a bf16/fp32 checkpoint quantized online "
                         "to 128x128-block FP8; int8/int4: a checkpoint converted with that --quantize")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="latent KV cache element type: auto (the compute dtype) or fp8 (e4m3, scale 1.0: half the "
+                        "bytes per token of bf16; attention then runs on the XLA path)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model directory's config.json (benchmarks)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
@@ -247,6 +250,9 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         if ns.load_format == "dummy":
             parser.error("argument --quantization: not supported with --load-format dummy (random weights are "
                          "drawn in the engine dtype)")
+    if ns.kv_cache_dtype != "auto" and ns.attn_impl in ("pallas", "pallas_interpret"):
+        parser.error(f"argument --kv-cache-dtype: {ns.kv_cache_dtype} runs with --attn-impl reference only for now "
+                     "(the Pallas attention kernels read and write the cache in the compute dtype)")
     if ns.max_model_len is not None:
         from deepinfer_jax.config import ModelConfig
 
@@ -286,7 +292,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
     kw: dict[str, Any] = dict(
-        dtype=ns.dtype, quantization=ns.quantization, page_size=ns.page_size,
+        dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
