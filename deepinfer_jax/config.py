@@ -257,8 +257,11 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from gpu_memory_utilization at start
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    gpu_memory_gib: float | None = None  # the memory of each device, for a device without figures (or a smaller one)
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

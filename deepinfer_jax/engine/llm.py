@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -11,29 +10,10 @@ from typing import Any, Sequence
 
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
+from deepinfer_jax.engine.plan import DTYPES, fit_problem, resolve_dtype  # noqa: F401 - resolve_dtype: LLM's API
 from deepinfer_jax.types import RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def resolve_dtype(dtype: str, model_dir: str) -> str:
-    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16;
-    a converted checkpoint is served in the dtype it was converted to."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if dtype != "auto":
-        return dtype
-    meta = os.path.join(model_dir, "deepinfer_checkpoint.json")
-    if os.path.isfile(meta):  # a converted checkpoint was written in the dtype its user chose
-        with open(meta) as f:
-            return json.load(f)["dtype"]
-    with open(os.path.join(model_dir, "config.json")) as f:
-        d = json.load(f)
-    t = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
-    return "float16" if t == "float16" else "bfloat16"
-
 
 # Models of at most this many parameters (the embedded demo model has 2.1M, the test models under 1M; no released
 # DeepSeek model comes near) count as small for `serving_defaults`: a step of a few hundred token slots costs them
@@ -164,7 +144,8 @@ class LLM:
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
-    elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
+    elsewhere), gpu_memory (GiB per device: the memory the KV cache is sized from and the model checked against,
+    for a device without memory figures or to leave room; None: the device's own), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
     None: 256 on a GPU, none elsewhere), prefill_layers (how the larger steps run their layers: "scan" or
     "indexed"; None: "indexed" on a GPU, RunnerConfig), fuse_shared_experts / fuse_moe_routing (the MoE
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
@@ -184,7 +165,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", quantization: str | None = None,
-                 kv_cache_dtype: str = "auto", max_model_len: int | None = None,
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, gpu_memory: float | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
@@ -218,6 +199,12 @@ class LLM:
             cfg0 = ModelConfig.from_model_dir(model)
             self.sharding = build_sharding(cfg0, parallel)
             shardings = self.sharding.param_shardings(cfg0)
+        if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
+            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
+                                  self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
+                                  max_model_len)
+            if problem:
+                raise ValueError(problem)
         # The weights load while the engine compiles its step programs (weights/pending.py).
         if load_format == "dummy":  # vLLM's dummy format: config.json only, random weights drawn on the device
             from deepinfer_jax.weights.random_init import pending_random_params
@@ -246,7 +233,7 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
                                 max_model_len=max_model_len)
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
-                            gpu_memory_utilization=gpu_memory_utilization,
+                            gpu_memory_utilization=gpu_memory_utilization, gpu_memory_gib=gpu_memory,
                             enable_prefix_caching=enable_prefix_caching)
         attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)

@@ -120,6 +120,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per engine step (default max(2048, max_num_seqs); 256 for small models)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of device memory for weights + KV cache, in (0, 1]")
+    g.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
+                   help="memory of each device in GiB, for one without memory figures or to leave room: the KV cache "
+                        "is sized from it, and a model that cannot fit is refused before loading (deepinfer plan)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
@@ -253,6 +256,18 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     if ns.kv_cache_dtype != "auto" and ns.attn_impl in ("pallas", "pallas_interpret"):
         parser.error(f"argument --kv-cache-dtype: {ns.kv_cache_dtype} runs with --attn-impl reference only for now "
                      "(the Pallas attention kernels read and write the cache in the compute dtype)")
+    if ns.gpu_memory is not None and ns.load_format == "auto":  # refused before anything loads (engine/plan.py)
+        from deepinfer_jax.engine.plan import fit_problem, resolve_dtype
+
+        kw, _ = engine_kwargs(ns, progress=False)
+        pc = (ns.tensor_parallel_size, ns.data_parallel_size, ns.enable_expert_parallel)
+        try:
+            problem = fit_problem(model_dir, pc, resolve_dtype(ns.dtype, model_dir), ns.quantization,
+                                  ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"))
+        except ValueError as e:
+            problem = str(e)
+        if problem:
+            parser.error(problem)
     if ns.max_model_len is not None:
         from deepinfer_jax.config import ModelConfig
 
@@ -293,6 +308,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
     kw: dict[str, Any] = dict(
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
+        gpu_memory=ns.gpu_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
