@@ -29,8 +29,8 @@ def _run(params, cfg, dtype):
     logits, cache = _step(params, cfg, cache, ids, pages, [(0, 29), (0, 2), (0, 29)], pad_to=64, fwd=fwd)
     out = [logits]
     for t in range(4):  # decode steps read every earlier token from the cache
-        logits, cache = _step(params, cfg, cache, ids, pages, [(29 + t, 1), (2 + t, 1), (29 + t, 1)], pad_to=8,
-                              fwd=fwd)
+        logits, cache = _step(params, cfg, cache, ids, pages, [(29 + t, 1), (2 + t, 1), (29 + t, 1)], pad_to=64,
+                              fwd=fwd)  # one step shape: one compile per cache dtype
         out.append(logits)
     return np.stack([np.asarray(x) for x in out]), cache
 

@@ -63,10 +63,11 @@ print(json.dumps([max(per_dev.values()), p.weight_bytes_per_device]))
 """
 
 
-@pytest.mark.parametrize("tp, dp, ep", [(2, 2, True), (4, 1, False)])
-def test_plan_equals_allocated_bytes_on_a_mesh(dirs, tp, dp, ep):
-    """On 4 fake CPU devices the largest per-device sum of the loaded params' shards is the plan's figure (an FP8
-    checkpoint on a mesh loads dequantized, as the loader does)."""
+def test_plan_equals_allocated_bytes_on_a_mesh(dirs):
+    """On 4 fake CPU devices (TP 2 x DP 2 with expert parallelism: heads, MLP, vocab and experts split) the largest
+    per-device sum of the loaded params' shards is the plan's figure (an FP8 checkpoint on a mesh loads
+    dequantized, as the loader does)."""
+    tp, dp, ep = 2, 2, True
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", SHARDED, dirs[1], str(tp), str(dp), str(int(ep))], env=env,
