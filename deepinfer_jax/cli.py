@@ -6,6 +6,7 @@
     deepinfer bench serve --base-url URL ...        Protocol B / C against a running server
     deepinfer bench offline [--preset NAME] ...     Protocol A (offline batch, random weights)
     deepinfer convert ...                           deepinfer_jax.weights.convert
+    deepinfer plan --model DIR [--gpu-memory GIB]   weights / KV bytes per device, whether it fits (no weights read)
 
 Without --model, the embedded demo model is used, so every command works on a fresh machine without
 downloads: a 2-layer DeepSeek-V3-architecture model of 2.1M parameters whose embeddings hold a bigram table of
@@ -49,7 +50,7 @@ def _convert(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = ("serve", "chat", "generate", "bench", "convert")
+    commands = ("serve", "chat", "generate", "bench", "convert", "plan")
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         if argv and argv[0] in ("--version", "-V"):
             from deepinfer_jax import __version__
@@ -65,6 +66,10 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "convert":
         return _convert(rest)
+    if cmd == "plan":
+        from deepinfer_jax.engine import plan
+
+        return plan.main(rest)
     if cmd == "bench":
         from deepinfer_jax.server import bench
 

@@ -294,8 +294,11 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from gpu_memory_utilization at start
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    gpu_memory_gib: float | None = None  # the memory of each device, for a device without figures (or a smaller one)
 
     def __post_init__(self) -> None:
+        if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
+            raise ValueError(f"gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -321,6 +324,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")  # vLLM's names; fp8 is e4m3
+
+
 @dataclass(frozen=True)
 class RunnerConfig:
     """Implementation choices of the device step, grouped by concern. The decode-kernel and MoE-launch switches
@@ -330,8 +336,19 @@ class RunnerConfig:
 
     # ---- kernels and precision -----------------------------------------------------------------------------------
     dtype: str = "bfloat16"
+    # The latent KV cache's element type: "auto" (the compute dtype) or "fp8" (float8_e4m3fn with a per-tensor
+    # scale of 1.0, vLLM's default: MLA's latents are RMS-normed and its rope keys of unit scale, well inside
+    # e4m3's +-448, so no scale is stored and a read is a plain cast); half the bytes per token of bf16.
+    kv_cache_dtype: str = "auto"
     attn_impl: str = "reference"  # "reference" | "pallas" | "pallas_interpret"
     moe_impl: str = "ragged"  # "ragged" | "dense" | "pallas" | "pallas_interpret"
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV cache's dtype name (see kv_cache_dtype)."""
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        return self.dtype if self.kv_cache_dtype == "auto" else "float8_e4m3fn"
 
     # ---- buckets and the layer loop ------------------------------------------------------------------------------
     token_buckets: tuple[int, ...] = field(default_factory=tuple)  # () = powers of two (runner/inputs.py)

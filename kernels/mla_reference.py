@@ -40,6 +40,8 @@ def paged_mla_attention_reference(
     def block(args):
         ql, qp, sid, pos = args  # [B, H, R], [B, H, dr], [B], [B]
         kv = kv_cache[layer, page_table[sid]].reshape(sid.shape[0], max_len, width)  # [B, L, R + dr]
+        if kv.dtype == jnp.float8_e4m3fn:  # an FP8 cache (scale 1.0): dequantized on read
+            kv = kv.astype(q_lat.dtype)
         s = jnp.einsum("bhr,blr->bhl", ql, kv[..., :R], preferred_element_type=jnp.float32)
         s = s + jnp.einsum("bhd,bld->bhl", qp, kv[..., R:], preferred_element_type=jnp.float32)
         s = s * scale

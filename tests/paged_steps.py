@@ -11,9 +11,11 @@ from deepinfer_jax.models.deepseek import forward_paged
 PAGE = 8
 
 
-def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", fn=forward_paged, **kw):
+def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", fn=forward_paged, fwd=None,
+         **kw):
     """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded. `fn`: the step
-    function (forward_paged, or a jitted form of it taking the same arguments)."""
+    function (forward_paged, or a jitted form of it taking the same arguments); `fwd`: a jitted
+    (params, cache, meta) -> (logits, cache) to run instead."""
     tid, pos, sid, slot, last = [], [], [], [], []
     for s, (start, n) in enumerate(chunks):
         for p in range(start, start + n):
@@ -32,4 +34,6 @@ def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="referen
         table[s, : len(pg)] = pg
     arr = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
     meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
+    if fwd is not None:
+        return fwd(params, cache, meta)
     return fn(params, cfg, cache, meta, attn_impl=attn_impl, **kw)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import time
@@ -11,29 +10,10 @@ from typing import Any, Sequence
 
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
+from deepinfer_jax.engine.plan import DTYPES, fit_problem, resolve_dtype  # noqa: F401 - resolve_dtype: LLM's API
 from deepinfer_jax.types import RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
-
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-
-
-def resolve_dtype(dtype: str, model_dir: str) -> str:
-    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16;
-    a converted checkpoint is served in the dtype it was converted to."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if dtype != "auto":
-        return dtype
-    meta = os.path.join(model_dir, "deepinfer_checkpoint.json")
-    if os.path.isfile(meta):  # a converted checkpoint was written in the dtype its user chose
-        with open(meta) as f:
-            return json.load(f)["dtype"]
-    with open(os.path.join(model_dir, "config.json")) as f:
-        d = json.load(f)
-    t = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
-    return "float16" if t == "float16" else "bfloat16"
-
 
 # Models of at most this many parameters (the embedded demo model has 2.1M, the test models under 1M; no released
 # DeepSeek model comes near) count as small for `serving_defaults`: a step of a few hundred token slots costs them
@@ -107,6 +87,37 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
     return out, line
 
 
+def quantization_problem(model_dir: str, quantization: str | None) -> str | None:
+    """Why `quantization` cannot be served from `model_dir` (weights/loader.py's rule), or None."""
+    from deepinfer_jax.weights.loader import check_quantization
+
+    try:
+        check_quantization(model_dir, quantization)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def kv_cache_attn_impl(kv_cache_dtype: str, attn_impl: str) -> str:
+    """The attention implementation an FP8 KV cache runs on: the XLA reference, which dequantizes the cache on
+    read. The Pallas attention kernels (kernels/mla_decode.py, mla_prefill.py, mla_chunk.py, and mla_absorb.py's
+    latent write) load and store the cache in the compute dtype, so "auto" steps aside from them and an explicit
+    Pallas choice is refused."""
+    from deepinfer_jax.config import KV_CACHE_DTYPES
+
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    if kv_cache_dtype == "auto":
+        return attn_impl
+    if attn_impl in ("pallas", "pallas_interpret"):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs with attn_impl 'reference' only for now: the "
+                         "Pallas attention kernels read and write the cache in the compute dtype")
+    if attn_impl == "auto":
+        log.info("kv_cache_dtype %s: attention on the XLA reference path (the Pallas attention kernels do not read "
+                 "an FP8 cache yet)", kv_cache_dtype)
+    return "reference"
+
+
 def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
     """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
     import jax
@@ -122,14 +133,19 @@ def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
 class LLM:
     """Load a model directory (HF safetensors or converted) and generate offline.
 
-    Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
+    Arguments mirror vLLM's: model, dtype, quantization (None / "auto": the checkpoint's own format, an FP8
+    checkpoint's weights kept as FP8; "none": an FP8 checkpoint dequantized to `dtype` at load; "fp8": a float
+    checkpoint's linear weights quantized online to 128 x 128 FP8 blocks; "int8" / "int4": a checkpoint
+    converted with that --quantize; weights/loader.py), kv_cache_dtype ("auto": the compute dtype; "fp8": e4m3
+    with scale 1.0, RunnerConfig.kv_cache_dtype), max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
-    elsewhere), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
+    elsewhere), gpu_memory (GiB per device: the memory the KV cache is sized from and the model checked against,
+    for a device without memory figures or to leave room; None: the device's own), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
     None: 256 on a GPU, none elsewhere), prefill_layers (how the larger steps run their layers: "scan" or
     "indexed"; None: "indexed" on a GPU, RunnerConfig), fuse_shared_experts / fuse_moe_routing (the MoE
     fusions of the Pallas path, on by default, RunnerConfig), decode_projection_kernel (decode steps
@@ -148,7 +164,8 @@ class LLM:
     start skip tracing: runner/program_cache.py), progress.
     """
 
-    def __init__(self, model: str, *, dtype: str = "auto", max_model_len: int | None = None,
+    def __init__(self, model: str, *, dtype: str = "auto", quantization: str | None = None,
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, gpu_memory: float | None = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
@@ -182,15 +199,24 @@ class LLM:
             cfg0 = ModelConfig.from_model_dir(model)
             self.sharding = build_sharding(cfg0, parallel)
             shardings = self.sharding.param_shardings(cfg0)
+        if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
+            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
+                                  self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
+                                  max_model_len)
+            if problem:
+                raise ValueError(problem)
         # The weights load while the engine compiles its step programs (weights/pending.py).
         if load_format == "dummy":  # vLLM's dummy format: config.json only, random weights drawn on the device
             from deepinfer_jax.weights.random_init import pending_random_params
 
+            if quantization not in (None, "auto"):
+                raise ValueError(f"quantization {quantization!r} with load_format 'dummy' is not supported (random "
+                                 "weights are drawn in the engine dtype)")
             self.model_config = ModelConfig.from_model_dir(model)
             params = pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
         elif load_format == "auto":
             self.model_config, params = prepare_model(model, jnp.dtype(self.dtype), shardings=shardings,
-                                                      progress=progress)
+                                                      progress=progress, quantization=quantization)
         else:
             raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
         cfg = self.model_config
@@ -207,10 +233,11 @@ class LLM:
                                 max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs),
                                 max_model_len=max_model_len)
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
-                            gpu_memory_utilization=gpu_memory_utilization,
+                            gpu_memory_utilization=gpu_memory_utilization, gpu_memory_gib=gpu_memory,
                             enable_prefix_caching=enable_prefix_caching)
+        attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
-        runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
+        runner = RunnerConfig(dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,
                               fuse_shared_experts=fuse_shared_experts,
                               fuse_moe_routing=fuse_moe_routing, decode_projection_kernel=decode_projection_kernel,

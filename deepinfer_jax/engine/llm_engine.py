@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
-from deepinfer_jax.runner.device_memory import pages_for_memory
+from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
@@ -106,8 +106,10 @@ class LLMEngine:
         pending = params if isinstance(params, PendingParams) else None
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
+            memory = None if cache_config.gpu_memory_gib is None else given_memory(cache_config.gpu_memory_gib)
             num_pages, how = pages_for_memory(
-                cfg, ps, runner_config.dtype, cache_config.gpu_memory_utilization, fallback, loading=pending)
+                cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
+                memory=memory)
         else:
             how = f"{num_pages} pages (set explicitly)"
         if pending is not None:

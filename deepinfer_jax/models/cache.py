@@ -27,6 +27,17 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return cfg.num_hidden_layers * page_size * cfg.kv_cache_dim * jnp.dtype(dtype).itemsize
 
 
+E4M3_MAX = 448.0
+
+
+def to_cache_dtype(latent: jax.Array, dtype) -> jax.Array:
+    """Latents as the cache stores them: a cast, saturating at e4m3's +-448 for an FP8 cache (scale 1.0; an
+    out-of-range value would otherwise become NaN, e4m3fn having no infinity)."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        latent = jnp.clip(latent, -E4M3_MAX, E4M3_MAX)
+    return latent.astype(dtype)
+
+
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> jax.Array:
     return jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
 

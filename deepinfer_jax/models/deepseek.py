@@ -32,7 +32,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import dsa, mla
-from deepinfer_jax.models.cache import StepMetadata
+from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
     decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
@@ -238,7 +238,7 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
     written = latent_norm is not None
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin, whole_q=absorb_kv_b is not None,
                                                raw_latent=written)
-    latent = None if written else jnp.concatenate([c_kv, k_pe], axis=-1).astype(kv_cache.dtype)  # [T, R + dr]
+    latent = None if written else to_cache_dtype(jnp.concatenate([c_kv, k_pe], axis=-1), kv_cache.dtype)  # [T, R + dr]
     if absorb_kv_b is None:
         return q_nope, mla.absorb_query(p, cfg, q_nope) if absorbed else None, q_pe, latent, kv_cache
     from deepinfer_jax.kernels import mla_absorb

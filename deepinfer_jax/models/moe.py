@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.layers import silu_mul, swiglu_mlp, weight
 from deepinfer_jax.models.parallel import MeshRules
-from deepinfer_jax.models.quant import is_quantized
+from deepinfer_jax.models.quant import QuantizedWeight, is_quantized
 
 
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
@@ -154,7 +154,7 @@ def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:
 
 def _check_int4_groups(mr: MeshRules, name: str, leaf, specs) -> None:
     """An INT4 weight split along a grouped (contracted) axis needs whole groups on every device."""
-    if not is_quantized(leaf) or leaf.bits != 4:
+    if not isinstance(leaf, QuantizedWeight) or leaf.bits != 4:
         return
     for ax, (a, n_q, n_s) in enumerate(zip(specs.q, leaf.q.shape, leaf.scale.shape)):
         n = 1

@@ -23,6 +23,11 @@ forward serves float and quantized checkpoints. Invariants (w = the float weight
 Which leaves are quantized is `QUANTIZED_LEAVES` (keyed by the leaf's own name): the MLA projections,
 the dense MLP, the routed and shared experts. Embeddings, lm_head, norms, the router gate and its
 correction bias stay in the model dtype.
+
+FP8 block-scaled weights (DeepSeek-V3's checkpoint format) are an `Fp8Weight` instead: the checkpoint's
+own e4m3 tensors and `weight_scale_inv` blocks, kept as they are (see its docstring). `is_quantized` is
+true for both kinds, so every float-only kernel path steps aside for either; `dequantize` and
+`quantized_matmul` serve both.
 """
 
 from __future__ import annotations
@@ -71,8 +76,106 @@ class QuantizedWeight:
         return len(self.q.shape)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Weight:
+    """A block-scaled FP8 weight exactly as the checkpoint stores it, for a float leaf of logical shape
+    `[*lead, *in_shape, *out_shape]` (`lead`: stacked layers L and/or experts E).
+
+    Invariant: each HF tensor keeps its own blocks, in HF's `[out, in]` orientation.
+    - `q` float8_e4m3fn `[*lead, N, K]`: the HF weight [out, in] with N = prod(out_shape) rows and
+      K = prod(in_shape) columns, flattened row-major as HF flattens them (q_b_proj's rows run over H * dqk,
+      o_proj's columns over H * dv). With `parts` = 2 (gate_up: gate and up are separate HF tensors,
+      each blocked on its own) `q` is `[*lead, 2, I, D]` and out_shape is (2, I).
+    - `scale` fp32 `[*lead, (2,) cdiv(N, bn), cdiv(K, bk)]`: HF's `weight_scale_inv`, so
+      w[n, k] = float(q[n, k]) * scale[n // bn, k // bk]; edge blocks may be partial (any block size).
+    - `block` = (bn, bk), HF's `weight_block_size` (rows, columns); `in_shape`, `out_shape`, `parts`
+      are static, so `lax.scan` over the stacked layer axis and `jit` see only `q` and `scale`.
+    """
+
+    q: Any
+    scale: Any
+    block: tuple[int, int] = dataclasses.field(metadata=dict(static=True), default=(128, 128))
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
+    parts: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+    @property
+    def lead(self) -> tuple[int, ...]:
+        return tuple(self.q.shape[: len(self.q.shape) - 2 - (self.parts > 1)])
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The float weight's logical shape [*lead, *in, *out]."""
+        return self.lead + tuple(self.in_shape) + tuple(self.out_shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+def fp8_layout(shape: tuple[int, ...], n_in: int, n_out: int, block: tuple[int, int], gate_up: bool
+               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple, tuple, int]:
+    """(q shape, scale shape, in_shape, out_shape, parts) of the Fp8Weight for a float leaf of `shape`."""
+    shape = tuple(shape)
+    lead, ins, outs = shape[: len(shape) - n_in - n_out], shape[len(shape) - n_in - n_out: len(shape) - n_out], \
+        shape[len(shape) - n_out:]
+    bn, bk = block
+    K = int(np.prod(ins))
+    if gate_up:
+        parts, N = outs[0], int(np.prod(outs[1:]))
+        q, s = lead + (parts, N, K), lead + (parts, -(-N // bn), -(-K // bk))
+    else:
+        parts, N = 1, int(np.prod(outs))
+        q, s = lead + (N, K), lead + (-(-N // bn), -(-K // bk))
+    return q, s, ins, outs, parts
+
+
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+FP8_BLOCK = (128, 128)  # DeepSeek-V3's weight_block_size, used for online quantization
+
+
+def fp8_quantize_blocks(w: np.ndarray, block: tuple[int, int] = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """Host-side block quantization of w [*lead, N, K] as DeepSeek's FP8 weights were made:
+    scale = amax / 448 per (bn, bk) block (partial edge blocks included), q = e4m3(w / scale).
+    -> (q float8_e4m3fn [*lead, N, K], scale fp32 [*lead, cdiv(N, bn), cdiv(K, bk)])."""
+    import ml_dtypes
+
+    w = np.asarray(w, np.float32)
+    bn, bk = block
+    *lead, N, K = w.shape
+    sn, sk = -(-N // bn), -(-K // bk)
+    padded = np.zeros((*lead, sn * bn, sk * bk), np.float32)
+    padded[..., :N, :K] = w
+    blocks = padded.reshape(*lead, sn, bn, sk, bk)
+    scale = np.max(np.abs(blocks), axis=(-3, -1)) / E4M3_MAX  # [*lead, sn, sk]
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bn, axis=-2), bk, axis=-1)[..., :N, :K]
+    q = np.clip(w / full, -E4M3_MAX, E4M3_MAX).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale
+
+
+def quantize_fp8(w: np.ndarray, n_in: int, n_out: int, gate_up: bool, block: tuple[int, int] = FP8_BLOCK
+                 ) -> Fp8Weight:
+    """A float weight [*lead, *in, *out] (engine layout) as the Fp8Weight an FP8 checkpoint of it would load
+    as: back to HF's [out, in] per tensor (gate and up apart), then `fp8_quantize_blocks`."""
+    w = np.asarray(w, np.float32)
+    q_shape, _, ins, outs, parts = fp8_layout(w.shape, n_in, n_out, block, gate_up)
+    nl = w.ndim - n_in - n_out
+    lead = w.shape[:nl]
+    flat = w.reshape(lead + (int(np.prod(ins)),) + tuple(outs))  # [*lead, K, *out]
+    hf = np.moveaxis(flat, nl, -1)  # [*lead, *out, K]
+    q, scale = fp8_quantize_blocks(hf.reshape(q_shape), block)
+    return Fp8Weight(q, scale, tuple(block), tuple(ins), tuple(outs), parts)
+
+
+def is_fp8(w) -> bool:
+    return isinstance(w, Fp8Weight)
+
+
 def is_quantized(w) -> bool:
-    return isinstance(w, QuantizedWeight)
+    """A QuantizedWeight (INT8 / INT4) or an Fp8Weight: any leaf that is not a plain float array."""
+    return isinstance(w, (QuantizedWeight, Fp8Weight))
 
 
 def quant_layout(path: tuple) -> tuple[int, int] | None:
@@ -157,8 +260,25 @@ def quantize(w: np.ndarray, bits: int, n_in: int, n_out: int, group_size: int = 
     return QuantizedWeight(q, scale, 4, g, n_out)
 
 
-def dequantize(w: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
+def fp8_dequantize(w: Fp8Weight, dtype=jnp.bfloat16) -> jax.Array:
+    """float(q) * scale per block in fp32 (exactly HF's dequantization), then to the logical layout
+    [*lead, *in, *out] and cast to dtype."""
+    bn, bk = w.block
+    N, K = w.q.shape[-2:]
+    s = jnp.repeat(jnp.repeat(w.scale.astype(jnp.float32), bn, axis=-2)[..., :N, :], bk, axis=-1)[..., :K]
+    full = w.q.astype(jnp.float32) * s  # [*lead, (2,) N, K]
+    nl = len(w.lead)
+    if w.parts > 1:
+        full = jnp.moveaxis(full, -1, nl)  # [*lead, K, 2, N]
+    else:
+        full = jnp.swapaxes(full, -1, -2)  # [*lead, K, N]
+    return full.reshape(w.shape).astype(dtype)
+
+
+def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:
     """Back to a float array of the logical shape [*lead, *in, *out] (computed in fp32, cast to dtype)."""
+    if is_fp8(w):
+        return fp8_dequantize(w, dtype)
     if w.bits == 8:
         return (w.q.astype(jnp.float32) * w.scale.astype(jnp.float32)).astype(dtype)
     ax = w.q.ndim - w.n_out - 1  # packed input axis
@@ -172,9 +292,21 @@ def dequantize(w: QuantizedWeight, dtype=jnp.bfloat16) -> jax.Array:
     return out.reshape(w.shape).astype(dtype)
 
 
-def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
+def fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
+    """x: [..., K] @ dequant(w): [K, N] -> [..., N] for an unstacked weight with one input and one output
+    axis (q [N, K], or gate_up [2, I, D] viewed as [D, 2I]). The reference: dequantize in fp32, cast to x's dtype, dot. This is the one place a
+    block-scaled FP8 GEMM kernel takes over (x [M, K] with q.T, scale.T and block (bk, bn))."""
+    if len(w.shape) != 2:
+        raise ValueError(f"fp8_linear needs an unstacked [in, out] weight, got logical shape {w.shape}")
+    return jnp.einsum("...i,io->...o", x, fp8_dequantize(w, x.dtype))
+
+
+def quantized_matmul(x: jax.Array, w) -> jax.Array:
     """x: [..., in] @ dequant(w): [in, out] -> [..., out] for a 2-D weight. INT8 folds the per-channel
-    scale in after the matmul (q is exact in bf16); INT4 dequantizes the grouped weight first."""
+    scale in after the matmul (q is exact in bf16); INT4 dequantizes the grouped weight first; FP8 goes
+    through `fp8_linear`."""
+    if is_fp8(w):
+        return fp8_linear(x, w)
     if w.q.ndim != 2 or w.n_out != 1:
         raise ValueError(f"quantized_matmul needs a 2-D [in, out] weight, got q {w.q.shape} n_out {w.n_out}")
     if w.bits == 8:
@@ -183,8 +315,10 @@ def quantized_matmul(x: jax.Array, w: QuantizedWeight) -> jax.Array:
     return jnp.einsum("...i,io->...o", x, dequantize(w, x.dtype))
 
 
-def flatten_out_dims(w: QuantizedWeight) -> QuantizedWeight:
+def flatten_out_dims(w):
     """Merge the output axes into one: [.., in, *out] -> [.., in, prod(out)] (gate_up [D, 2, I] -> [D, 2I])."""
+    if is_fp8(w):  # the stored tensors stay as they are; only the logical view merges
+        return dataclasses.replace(w, out_shape=(int(np.prod(w.out_shape)),))
     if w.n_out == 1:
         return w
     q = w.q.reshape(w.q.shape[: w.q.ndim - w.n_out] + (-1,))

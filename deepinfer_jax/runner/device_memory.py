@@ -90,19 +90,25 @@ def kv_cache_bytes(mem: DeviceMemory, gpu_memory_utilization: float) -> int:
     return budget - budget % CACHE_GRANULE if budget >= CACHE_GRANULE else budget
 
 
+def given_memory(gib: float) -> DeviceMemory:
+    """A device of `gib` GiB with nothing in use (`--gpu-memory`: engine/plan.py and the engine alike)."""
+    size = int(gib * 2**30)
+    return DeviceMemory(size, 0, size, f"--gpu-memory {gib:g}")
+
+
 def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, fallback_pages: int,
-                     loading=None) -> tuple[int, str]:
+                     loading=None, memory: DeviceMemory | None = None) -> tuple[int, str]:
     """KV pages that fit in gpu_memory_utilization of the first device's memory, less what is in use (the
     weights) and what `loading` (a weights/pending.py PendingParams, or None) will take, within the share XLA's
     scheduler assumes (`kv_cache_bytes`); a device without memory figures (CPU) -> fallback_pages. -> (pages, a
-    line for the log)."""
+    line for the log). `memory`: these figures instead of the device's (`given_memory`)."""
     import jax
 
     from deepinfer_jax.models.cache import kv_cache_bytes_per_page
 
     per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
     device = jax.devices()[0]
-    mem = device_memory(device)
+    mem = memory or device_memory(device)
     if mem is None:
         return fallback_pages, f"{fallback_pages} pages (no device memory stats; sized for max_num_seqs)"
     if loading is not None:

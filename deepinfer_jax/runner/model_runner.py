@@ -71,7 +71,7 @@ class ModelRunner:
         self.cfg, self.params, self.runner_cfg, self.shapes = cfg, params, runner_cfg, shapes
         self.num_pages = num_pages
         self.max_logprobs = max_logprobs
-        self.kv_dtype = jnp.dtype(runner_cfg.dtype)
+        self.kv_dtype = jnp.dtype(runner_cfg.kv_dtype)
         self.sharding = sharding
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
         # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their

@@ -110,6 +110,13 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="model directory (HF safetensors or converted, config.json, tokenizer). Default: "
                         + DEFAULT_MODEL_NOTE.replace("%", "%%"))
     g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"],
+                   help="weights' format (default auto: the checkpoint's own, FP8 kept as FP8); none: an FP8 "
+                        "checkpoint dequantized to --dtype at load; fp8: a bf16/fp32 checkpoint quantized online "
+                        "to 128x128-block FP8; int8/int4: a checkpoint converted with that --quantize")
+    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="latent KV cache element type: auto (the compute dtype) or fp8 (e4m3, scale 1.0: half the "
+                        "bytes per token of bf16; attention then runs on the XLA path)")
     g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
                    help="dummy: random weights from the model directory's config.json (benchmarks)")
     g.add_argument("--max-model-len", type=positive_int, default=None,
@@ -121,6 +128,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per engine step (default max(2048, max_num_seqs); 256 for small models)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of device memory for weights + KV cache, in (0, 1]")
+    g.add_argument("--gpu-memory", type=positive_float, default=None, metavar="GIB",
+                   help="memory of each device in GiB, for one without memory figures or to leave room: the KV cache "
+                        "is sized from it, and a model that cannot fit is refused before loading (deepinfer plan)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
@@ -268,6 +278,30 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         parser.error(f"argument --model: {problem}")
     if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
         parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
+    if ns.quantization not in (None, "auto"):
+        from deepinfer_jax.engine.llm import quantization_problem
+
+        problem = quantization_problem(model_dir, ns.quantization)
+        if problem:
+            parser.error(f"argument --quantization: {problem}")
+        if ns.load_format == "dummy":
+            parser.error("argument --quantization: not supported with --load-format dummy (random weights are "
+                         "drawn in the engine dtype)")
+    if ns.kv_cache_dtype != "auto" and ns.attn_impl in ("pallas", "pallas_interpret"):
+        parser.error(f"argument --kv-cache-dtype: {ns.kv_cache_dtype} runs with --attn-impl reference only for now "
+                     "(the Pallas attention kernels read and write the cache in the compute dtype)")
+    if ns.gpu_memory is not None and ns.load_format == "auto":  # refused before anything loads (engine/plan.py)
+        from deepinfer_jax.engine.plan import fit_problem, resolve_dtype
+
+        kw, _ = engine_kwargs(ns, progress=False)
+        pc = (ns.tensor_parallel_size, ns.data_parallel_size, ns.enable_expert_parallel)
+        try:
+            problem = fit_problem(model_dir, pc, resolve_dtype(ns.dtype, model_dir), ns.quantization,
+                                  ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"))
+        except ValueError as e:
+            problem = str(e)
+        if problem:
+            parser.error(problem)
     if ns.max_model_len is not None:
         from deepinfer_jax.config import ModelConfig
 
@@ -308,7 +342,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
     kw: dict[str, Any] = dict(
-        dtype=ns.dtype, page_size=ns.page_size,
+        dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
+        gpu_memory=ns.gpu_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,

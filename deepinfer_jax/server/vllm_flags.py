@@ -19,7 +19,7 @@ SAME = set("""
 --model --dtype --load-format --max-model-len --max-num-seqs --max-num-batched-tokens --gpu-memory-utilization
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
---tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config
+--tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -55,11 +55,9 @@ NOOP_NO_FORM_OK = {"--trust-remote-code"}
 
 # Being implemented now (refused until they land).
 NOT_YET = {
-    "--quantization": "not yet: convert to INT8 / INT4 weight-only with `deepinfer convert`; FP8 checkpoints load "
-                      "dequantized",
-    "--quantization-config": "not yet (see --quantization)",
-    "--kv-cache-dtype": "not yet: the KV cache is in the model dtype",
-    "--kv-cache-dtype-skip-layers": "not yet (see --kv-cache-dtype)",
+    "--quantization-config": "not yet: --quantization fp8 takes DeepSeek's 128 x 128 blocks; a checkpoint's own "
+                             "quantization_config is read from its config.json",
+    "--kv-cache-dtype-skip-layers": "not yet: --kv-cache-dtype applies to every layer",
     "--speculative-config": "not yet: no speculative decoding",
     "--spec-method": "not yet: no speculative decoding",
     "--spec-model": "not yet: no speculative decoding",
@@ -173,7 +171,7 @@ def install(parser: argparse.ArgumentParser) -> None:
 
 
 # vLLM's short aliases of refused flags (`-q`, `-pp`, ...), refused alike
-_SHORT = {"--quantization": ["-q"], "--pipeline-parallel-size": ["-pp"], "--speculative-config": ["-sc"],
+_SHORT = {"--pipeline-parallel-size": ["-pp"], "--speculative-config": ["-sc"],
           "--nnodes": ["-n"], "--node-rank": ["-r"], "--compilation-config": ["-cc"], "--attention-config": ["-ac"],
           "--api-server-count": ["-asc"], "--data-parallel-address": ["-dpa"], "--data-parallel-backend": ["-dpb"],
           "--data-parallel-external-lb": ["-dpe"], "--data-parallel-hybrid-lb": ["-dph"],

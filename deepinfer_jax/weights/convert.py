@@ -13,6 +13,9 @@ Invariants:
   each unit is checked against the param specs, quantized leaf by leaf, and written with one orbax
   partial save. Peak host memory is about two copies of the largest unit (fp32 while quantizing),
   never a stacked [L, ...] leaf nor the whole model.
+- An FP8 block-scaled source is dequantized (`--quantize none`, vLLM's meaning) or requantized to INT8 /
+  INT4: the converted format holds no FP8 leaves. An FP8 checkpoint is served as FP8 straight from its
+  Hugging Face directory (weights/hf_loader.py), which reads no more than a conversion would.
 - Output goes to a temporary directory beside `--dst` and is renamed onto it only after the metadata
   file, written last, is in place; any failure (or Ctrl-C) removes the temporary directory. An
   existing `--dst` is replaced only after the new one is complete.
@@ -56,6 +59,9 @@ class ConversionError(ValueError):
 def _validate_args(src: str, dst: str, dtype: str, quantize: str, group_size: int, overwrite: bool) -> None:
     if dtype not in DTYPES:
         raise ConversionError(f"unsupported --dtype {dtype!r}; expected one of {sorted(DTYPES)}")
+    if quantize == "fp8":
+        raise ConversionError("--quantize fp8: the converted format holds no FP8 weights; serve the Hugging Face "
+                              "directory itself (an FP8 checkpoint loads as FP8, a float one with --quantization fp8)")
     if quantize not in METHODS:
         raise ConversionError(f"unsupported --quantize {quantize!r}; expected one of {sorted(METHODS)}")
     if group_size < 1:
@@ -136,13 +142,13 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
     cfg = effective_config(cfg, tensors)
     fused = fused_moe_layers(tensors)
     rules = expected_tensors(cfg, fused)
-    check_tensors(rules, tensors)
+    fp8_block = fp8_block_shape(hf_config)
+    check_tensors(rules, tensors, fp8_block)
     known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
     unused = [n for n in tensors if n not in known and not is_ignored(cfg, n)]
     if unused:
         log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
-    fp8_block = fp8_block_shape(hf_config)
     units = orbax_io.checkpoint_units(cfg)
     by_unit: dict[str, list] = {u.name: [] for u in units}
     for rule in rules:
@@ -253,7 +259,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--src", required=True, type=_src_dir, help="HF model directory (config.json + *.safetensors)")
     p.add_argument("--dst", required=True, help="output directory (must not exist unless --overwrite)")
     p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES), help="dtype of float weights")
-    p.add_argument("--quantize", default="none", choices=sorted(METHODS),
+    p.add_argument("--quantize", default="none", choices=sorted(METHODS) + ["fp8"],
                    help="weight-only quantization of the linear layers and experts")
     p.add_argument("--group-size", type=_positive_int, default=128, help="INT4 group length along the input dim")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --dst")

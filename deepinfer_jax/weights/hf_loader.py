@@ -4,8 +4,13 @@ Streaming: tensors are read one at a time from memory-mapped files, transformed 
 layout, and written into device leaves with donated in-place updates, so host memory holds at most
 one tensor (never a second copy of the model). Small models on a CPU device are assembled in host
 memory instead and put on the device leaf by leaf (`host_assembly`). Supports bf16 / fp16 / fp32 tensors, per-expert and
-HF v5 fused expert layouts, and DeepSeek-V3 FP8 e4m3 weights with `weight_scale_inv` blocks
-(dequantized at load to the engine dtype).
+HF v5 fused expert layouts, and DeepSeek-V3 FP8 e4m3 weights with `weight_scale_inv` blocks of any size.
+
+`quantization` follows vLLM's `--quantization`: None ("auto") keeps an FP8 checkpoint's weights as FP8 plus
+their scales on the device (`Fp8Weight`, models/quant.py: each HF tensor's own blocks), "none" dequantizes
+them to the engine dtype at load, "fp8" keeps them, or quantizes a float checkpoint's linear weights online
+to 128 x 128 blocks. Kept FP8 weights need one device for now: on a mesh "auto" dequantizes (logged) and
+"fp8" is refused.
 
 Every expected tensor must be present with its exact shape and a float dtype; otherwise a
 CheckpointError names it. Nothing is ever left randomly initialised.
@@ -25,6 +30,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import ParamSpec, is_spec, param_specs, spec_dtype
+from deepinfer_jax.models.quant import FP8_BLOCK, Fp8Weight, fp8_layout, fp8_quantize_blocks, quant_layout
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
 from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor
@@ -71,8 +77,23 @@ def read_rule_tensor(rule: TensorRule, tensors: dict[str, TensorInfo], fp8_block
     return rule.transform(w)
 
 
-def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo]) -> None:
-    """Presence, shape and dtype of every expected tensor, naming the first bad one."""
+def check_scale(name: str, shape: tuple[int, ...], tensors: dict[str, TensorInfo], block: tuple[int, int]) -> None:
+    """The weight_scale_inv of FP8 tensor `name` [.., N, K]: present, float, [.., cdiv(N, bn), cdiv(K, bk)]."""
+    scale = tensors.get(name + "_scale_inv")
+    if scale is None:
+        raise CheckpointError(f"tensor {name} is F8_E4M3 without a usable weight_scale_inv ({name}_scale_inv is missing)")
+    want = tuple(shape[:-2]) + (math.ceil(shape[-2] / block[0]), math.ceil(shape[-1] / block[1]))
+    if scale.shape != want:
+        raise CheckpointError(f"tensor {scale.name} has shape {scale.shape}, expected {want} for the {shape} weight "
+                              f"with weight_block_size {list(block)}")
+    if scale.dtype not in FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {scale.name} has dtype {scale.dtype}; expected one of {FLOAT_DTYPES}")
+
+
+def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo],
+                  fp8_block: tuple[int, int] | None = None) -> None:
+    """Presence, shape and dtype of every expected tensor (and, given `fp8_block`, of every FP8 tensor's
+    scales), naming the first bad one."""
     for rule in rules:
         info = tensors.get(rule.hf_name)
         if info is None:
@@ -82,9 +103,73 @@ def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo]) -> No
         if info.dtype in FP8_DTYPES:
             if not rule.quantizable or rule.hf_name + "_scale_inv" not in tensors:
                 raise CheckpointError(f"tensor {rule.hf_name} is {info.dtype} without a usable weight_scale_inv")
+            if len(info.shape) != 2:
+                raise CheckpointError(f"tensor {rule.hf_name} is {info.dtype} {info.shape}: FP8 weights must be "
+                                      "2-D [out, in] tensors (per-expert names), not a fused expert layout")
+            if fp8_block is not None:
+                check_scale(rule.hf_name, info.shape, tensors, fp8_block)
         elif info.dtype not in FLOAT_DTYPES:
             raise CheckpointError(
                 f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {FLOAT_DTYPES + FP8_DTYPES}")
+
+
+QUANTIZATION_MODES = ("auto", "none", "fp8")
+
+
+def fp8_leaf_paths(rules: list[TensorRule], tensors: dict[str, TensorInfo], quantization: str | None,
+                   on_mesh: bool) -> tuple[frozenset, bool]:
+    """(paths of the param leaves loaded as Fp8Weight, whether they are quantized online from float tensors).
+    An FP8 checkpoint keeps every leaf whose tensors are all FP8 (a leaf mixing FP8 and float tensors is
+    dequantized); `quantization="fp8"` on a float checkpoint quantizes every quantizable leaf."""
+    mode = quantization or "auto"
+    if mode not in QUANTIZATION_MODES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_MODES} for a Hugging Face checkpoint, got {mode!r}")
+    by_path: dict[tuple, list[TensorRule]] = {}
+    for r in rules:
+        by_path.setdefault(r.path, []).append(r)
+    fp8_ckpt = any(tensors[r.hf_name].dtype in FP8_DTYPES for r in rules)
+    if mode == "none" or (mode == "auto" and not fp8_ckpt):
+        return frozenset(), False
+    if on_mesh:
+        if mode == "fp8":
+            raise ValueError("quantization 'fp8' keeps the weights as FP8 on one device only for now; on several "
+                             "devices use quantization 'none' (the FP8 weights dequantized at load)")
+        log.warning("FP8 checkpoint on several devices: its weights are dequantized at load (FP8 weights are kept "
+                    "on one device only for now)")
+        return frozenset(), False
+    out = set()
+    for path, rs in by_path.items():
+        if quant_layout(path) is None or not all(r.quantizable for r in rs):
+            continue
+        fp8 = [tensors[r.hf_name].dtype in FP8_DTYPES for r in rs]
+        if all(fp8) if fp8_ckpt else True:
+            out.add(path)
+    return frozenset(out), not fp8_ckpt
+
+
+def fp8_abstract(path: tuple, spec: ParamSpec, block: tuple[int, int], sharding: Any) -> Fp8Weight:
+    """The Fp8Weight of jax.ShapeDtypeStruct that the leaf at `path` loads as."""
+    n_in, n_out = quant_layout(path)
+    q, s, ins, outs, parts = fp8_layout(spec.shape, n_in, n_out, block, path[-1] == "gate_up")
+    return Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn, sharding=sharding),
+                     jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding), tuple(block), ins, outs, parts)
+
+
+def read_fp8_rule(rule: TensorRule, tensors: dict[str, TensorInfo], block: tuple[int, int]
+                  ) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """(q, scale, index into the Fp8Weight's q and scale) for `rule`'s tensor: the checkpoint's own e4m3
+    tensor and weight_scale_inv, or a float tensor quantized to `block`s here (HF's [out, in] either way;
+    a fused [E, 2I, D] gate_up_proj as [E, 2, I, D] so gate and up keep blocks of their own)."""
+    info = tensors[rule.hf_name]
+    index = tuple(i for i in rule.index if not isinstance(i, slice))  # gate / up: their part of [.., 2, I, D]
+    w = load_tensor(info)
+    if info.dtype in FP8_DTYPES:
+        return w, load_tensor(tensors[rule.hf_name + "_scale_inv"]).astype(np.float32), index
+    w = np.asarray(w, np.float32)
+    if w.ndim == 3 and rule.hf_name.endswith("gate_up_proj"):
+        w = w.reshape(w.shape[0], 2, w.shape[1] // 2, w.shape[2])
+    q, scale = fp8_quantize_blocks(w, block)
+    return q, scale, index
 
 
 def fused_moe_layers(tensors: dict[str, TensorInfo]) -> frozenset[int]:
@@ -167,10 +252,11 @@ def load_hf_checkpoint(
     shardings: Any = None,
     progress: bool = True,
     hf_config: dict | None = None,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, dict]:
     """Returns (config actually loaded, params). `shardings`: optional pytree of jax.sharding.Sharding
-    matching the params, so each leaf is created straight on its devices."""
-    cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings, progress, hf_config)
+    matching the params, so each leaf is created straight on its devices. `quantization`: see the module doc."""
+    cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings, progress, hf_config, quantization)
     return cfg, pending.result()
 
 
@@ -181,6 +267,7 @@ def prepare_hf_checkpoint(
     shardings: Any = None,
     progress: bool = True,
     hf_config: dict | None = None,
+    quantization: str | None = None,
 ) -> tuple[ModelConfig, PendingParams]:
     """(config actually loaded, the params pending): the checkpoint's index read and every tensor checked now
     (a CheckpointError before any device work), the tensors read when the load starts."""
@@ -190,16 +277,27 @@ def prepare_hf_checkpoint(
     specs = param_specs(cfg)
     fp8_block = fp8_block_shape(hf_config)
 
-    check_tensors(rules, tensors)  # fail fast, naming the first bad tensor, before any device work
+    check_tensors(rules, tensors, fp8_block)  # fail fast, naming the first bad tensor, before any device work
+    fp8_paths, online = fp8_leaf_paths(rules, tensors, quantization, shardings is not None)
+    block = FP8_BLOCK if online else fp8_block
     known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
     unused = [n for n in tensors if n not in known and not is_ignored(cfg, n)]
     if unused:
         log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
     abstract = abstract_from_specs(cfg, dtype, shardings)
+    for path in fp8_paths:
+        _set(abstract, path, fp8_abstract(path, _get(specs, path), block, _get(abstract, path).sharding))
     on_host = host_assembly(abstract, shardings)
 
     def alloc(path, spec: ParamSpec):
+        keys = tuple(_key(k) for k in path)
+        if keys in fp8_paths:
+            a = _get(abstract, keys)
+            if on_host:
+                return dataclasses.replace(a, q=np.zeros(a.q.shape, a.q.dtype), scale=np.zeros(a.scale.shape, np.float32))
+            return dataclasses.replace(a, q=jnp.zeros(a.q.shape, a.q.dtype, device=a.q.sharding),
+                                       scale=jnp.zeros(a.scale.shape, jnp.float32, device=a.scale.sharding))
         if on_host:
             return np.zeros(spec.shape, spec_dtype(spec, dtype))
         sh = None if shardings is None else _get(shardings, tuple(_key(k) for k in path))
@@ -213,6 +311,16 @@ def prepare_hf_checkpoint(
 
             it = tqdm(rules, desc="loading weights", unit="tensor", leave=False, disable=None)
         for rule in it:
+            if rule.path in fp8_paths:
+                q, scale, index = read_fp8_rule(rule, tensors, block)
+                leaf = _get(params, rule.path)
+                if on_host:
+                    _write_host(leaf.q, index, q)
+                    _write_host(leaf.scale, index, scale)
+                else:
+                    _set(params, rule.path, dataclasses.replace(leaf, q=_write(leaf.q, index, q),
+                                                                scale=_write(leaf.scale, index, scale)))
+                continue
             value = read_rule_tensor(rule, tensors, fp8_block)
             if on_host:
                 _write_host(_get(params, rule.path), rule.index, value)

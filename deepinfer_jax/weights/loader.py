@@ -4,6 +4,11 @@ A directory holding `deepinfer_checkpoint.json` is a converted checkpoint (weigh
 arrays are restored straight onto their shardings, quantized leaves as `QuantizedWeight`. Anything
 else is read as a Hugging Face directory (weights/hf_loader.py). Either way the bytes the weights
 take on device are logged.
+
+`quantization` is vLLM's `--quantization`: None ("auto") takes the checkpoint's own format. A Hugging Face
+directory also takes "none" (an FP8 checkpoint dequantized at load) and "fp8" (kept as FP8, or a float
+checkpoint quantized online to 128 x 128 blocks); INT8 / INT4 come from `deepinfer convert --quantize`. A
+converted directory takes only the method it was converted with.
 """
 
 from __future__ import annotations
@@ -26,19 +31,41 @@ log = logging.getLogger(__name__)
 __all__ = ["load_model", "prepare_model", "is_converted", "weights_nbytes"]
 
 
-def load_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
-               ) -> tuple[ModelConfig, dict]:
+QUANTIZATIONS = ("auto", "none", "fp8", "int8", "int4")
+
+
+def check_quantization(model_dir: str, quantization: str | None) -> None:
+    """A ValueError unless `quantization` can be served from `model_dir` (see the module doc)."""
+    q = quantization or "auto"
+    if q not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
+    if q == "auto":
+        return
+    if is_converted(model_dir):
+        with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
+            method = json.load(f)["quantization"]["method"]
+        if q != method:
+            raise ValueError(f"quantization {q!r} does not match the converted checkpoint {model_dir}, converted with "
+                             f"--quantize {method} (convert the Hugging Face directory again, or serve that one)")
+    elif q in ("int8", "int4"):
+        raise ValueError(f"quantization {q!r} needs a converted checkpoint: deepinfer convert --src {model_dir} "
+                         f"--dst DIR --quantize {q}")
+
+
+def load_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True,
+               quantization: str | None = None) -> tuple[ModelConfig, dict]:
     """Returns (ModelConfig, params) with every leaf on its device (or `shardings`, a params-shaped tree
     of jax.sharding.Sharding; at a quantized leaf either the float leaf's sharding or a
     QuantizedWeight of shardings for q and scale)."""
-    cfg, pending = prepare_model(model_dir, dtype, shardings, progress)
+    cfg, pending = prepare_model(model_dir, dtype, shardings, progress, quantization)
     return cfg, pending.result()
 
 
-def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
-                  ) -> tuple[ModelConfig, PendingParams]:
+def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True,
+                  quantization: str | None = None) -> tuple[ModelConfig, PendingParams]:
     """`load_model` with the params pending (weights/pending.py): the directory is read and checked now (a
     CheckpointError before any device work), the arrays load once the engine starts the load."""
+    check_quantization(model_dir, quantization)
     if is_converted(model_dir):
         cfg, pending = prepare_converted(model_dir, dtype, shardings=shardings, progress=progress)
         kind = "converted"
@@ -47,7 +74,7 @@ def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = No
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)
         cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings=shardings, progress=progress,
-                                             hf_config=hf_config)
+                                             hf_config=hf_config, quantization=quantization)
         kind = "HF"
     load = pending.load
 

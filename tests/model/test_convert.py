@@ -129,7 +129,7 @@ def test_fp8_source_and_mtp_layers(hf_case, tmp_path):
     dst = str(tmp_path / "conv")
     meta = convert(src, dst, "float32", "none", progress=False)
     assert meta["source"]["fp8"] and meta["num_nextn_predict_layers"] == 1 and "mtp_0" in meta["units"]
-    cfg_h, p_h = load_model(src, jnp.float32, progress=False)
+    cfg_h, p_h = load_model(src, jnp.float32, progress=False, quantization="none")
     cfg_c, p_c = load_model(dst, jnp.float32, progress=False)
     assert cfg_c == cfg_h and cfg_c.num_nextn_predict_layers == 1 and "mtp" in p_c
     _leaves_equal(p_c, p_h)
@@ -240,6 +240,7 @@ def test_bad_inputs(hf_case, tmp_path, capsys):
     d = _rewrite(src, str(tmp_path / "f8"), f8)
     _bad(tmp_path, capsys, ["--src", d, "--dst", dst], "without a usable weight_scale_inv")
     _bad(tmp_path, capsys, ["--src", src, "--dst", src, "--overwrite"], "must differ")
+    _bad(tmp_path, capsys, ["--src", src, "--dst", dst, "--quantize", "fp8"], "holds no FP8 weights")
     with pytest.raises(ValueError, match="unsupported --dtype 'float16'"):
         convert(src, dst, "float16")
     with pytest.raises(SystemExit) as e:  # argparse rejects it before any work, exit 2

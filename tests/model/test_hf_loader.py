@@ -67,6 +67,8 @@ def _logits(cfg, params, seed=0):
 
 
 def test_fp8_checkpoint_loads_dequantized(hf_case, tmp_path):
+    """quantization="none" (vLLM's meaning) dequantizes an FP8 checkpoint at load: exactly the float checkpoint
+    of its dequantized weights. (Kept as FP8, the default: tests/model/test_fp8_weights.py.)"""
     _, path = hf_case("v3_grouped_noaux")
     tensors = _tensors(path)
     fp8, deq = {}, {}
@@ -82,7 +84,8 @@ def test_fp8_checkpoint_loads_dequantized(hf_case, tmp_path):
     d_fp8 = _rewrite(path, str(tmp_path / "fp8"), fp8, quant_cfg)
     d_ref = _rewrite(path, str(tmp_path / "ref"), deq)
     cfg, p_fp8 = load_hf_checkpoint(d_fp8, ModelConfig.from_model_dir(d_fp8), jnp.float32, progress=False,
-                                    hf_config=json.load(open(os.path.join(d_fp8, "config.json"))))
+                                    hf_config=json.load(open(os.path.join(d_fp8, "config.json"))),
+                                    quantization="none")
     _, p_ref = _load(d_ref)
     for a, b in zip(jax.tree.leaves(p_fp8), jax.tree.leaves(p_ref)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

@@ -154,3 +154,37 @@ def test_default_model_is_packaged():
         assert os.path.isfile(os.path.join(DEFAULT_MODEL_DIR, name))
     size = sum(os.path.getsize(p) for p in glob.glob(os.path.join(DEFAULT_MODEL_DIR, "*")))
     assert size < 8 * 2**20
+
+
+def test_quantization_flag_and_yaml(tmp_path, capsys):
+    """--quantization (vLLM's flag, also a YAML key) reaches LLM; a value the model directory cannot serve is a
+    one-line usage error at parse time, before anything loads."""
+    from deepinfer_jax.server.args import check_engine_args
+
+    f = tmp_path / "c.yaml"
+    f.write_text("quantization: fp8\n")
+    parser = _serve_parser()
+    ns = check_engine_args(parser, parse_with_config(parser, ["--config", str(f)]))
+    assert engine_kwargs(ns, platform="gpu")[0]["quantization"] == "fp8"
+    assert _kw([])[0]["quantization"] is None  # auto: the checkpoint's own format
+    for argv, msg in ((["--quantization", "int8"], "needs a converted checkpoint: deepinfer convert"),
+                      (["-q", "fp8", "--load-format", "dummy"], "not supported with --load-format dummy")):
+        with pytest.raises(SystemExit) as e:
+            check_engine_args(parser, parse_with_config(parser, argv))
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and len(err.splitlines()) == 1 and "argument --quantization: " in err and msg in err
+
+
+def test_kv_cache_dtype_flag_and_yaml(tmp_path, capsys):
+    from deepinfer_jax.server.args import check_engine_args
+
+    f = tmp_path / "c.yaml"
+    f.write_text("kv_cache_dtype: fp8\n")
+    parser = _serve_parser()
+    ns = check_engine_args(parser, parse_with_config(parser, ["--config", str(f)]))
+    assert engine_kwargs(ns, platform="gpu")[0]["kv_cache_dtype"] == "fp8"
+    assert _kw([])[0]["kv_cache_dtype"] == "auto"
+    with pytest.raises(SystemExit) as e:
+        check_engine_args(parser, parse_with_config(parser, ["--kv-cache-dtype", "fp8", "--attn-impl", "pallas"]))
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and "argument --kv-cache-dtype: fp8 runs with" in err

@@ -1,0 +1,265 @@
+"""`deepinfer plan`: whether a model fits, from its config.json and safetensors headers alone (no weights read).
+
+    deepinfer plan --model DIR [--tensor-parallel-size N] [--data-parallel-size N] [--enable-expert-parallel]
+                   [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
+                   [--gpu-memory-utilization F] [--max-model-len N] [--json]
+
+Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
+(models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
+own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from the tensors' dtypes in the
+headers) and the converted checkpoint's quantization give their formats; `models/cache.kv_cache_bytes_per_page`
+gives the KV bytes a token; `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
+`--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading.
+
+Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
+latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
+every tensor rank of its data rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+
+
+def resolve_dtype(dtype: str, model_dir: str) -> str:
+    """vLLM's rule for "auto": the checkpoint's dtype, with float32 checkpoints served in bfloat16;
+    a converted checkpoint is served in the dtype it was converted to."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if dtype != "auto":
+        return dtype
+    meta = os.path.join(model_dir, "deepinfer_checkpoint.json")
+    if os.path.isfile(meta):  # a converted checkpoint was written in the dtype its user chose
+        with open(meta) as f:
+            return json.load(f)["dtype"]
+    with open(os.path.join(model_dir, "config.json")) as f:
+        d = json.load(f)
+    t = d.get("dtype") or d.get("torch_dtype") or "bfloat16"
+    return "float16" if t == "float16" else "bfloat16"
+
+
+def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantization: str | None,
+                kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
+                max_model_len: int | None) -> str | None:
+    """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
+    figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
+    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel). Reads config.json and
+    the safetensors headers only."""
+    import jax
+
+    from deepinfer_jax.runner.device_memory import device_memory, given_memory
+
+    memory = given_memory(gpu_memory) if gpu_memory is not None else device_memory(jax.devices()[0])
+    if memory is None:
+        return None
+    tp, dp, ep = parallel
+    p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, dtype=dtype,
+             quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
+             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+    return f"{model} does not fit: {p.reason}" if p.fits is False else None
+
+
+def size(b: float) -> str:
+    """Bytes for a reader: GiB, MiB or bytes."""
+    if b >= 2**30:
+        return f"{b / 2**30:.2f} GiB"
+    return f"{b / 2**20:.1f} MiB" if b >= 2**20 else f"{int(b)} bytes"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    model: str
+    dtype: str
+    weights: str  # "float", "fp8 (kept)", "fp8 (online)", "int8", "int4"
+    kv_cache_dtype: str
+    tensor_parallel_size: int
+    data_parallel_size: int
+    enable_expert_parallel: bool
+    weight_bytes_per_device: int
+    kv_bytes_per_token: int  # on each device holding the token's pages
+    max_model_len: int
+    gpu_memory_bytes: int | None
+    kv_cache_bytes_per_device: int | None
+    kv_tokens_per_rank: int | None  # tokens of KV each data-parallel rank holds
+    fits: bool | None  # None: no --gpu-memory given
+    reason: str
+
+    def lines(self) -> list[str]:
+        gib = size
+        out = [f"model {self.model}: weights {self.weights}, dtype {self.dtype}, KV cache {self.kv_cache_dtype}, "
+               f"TP {self.tensor_parallel_size} x DP {self.data_parallel_size}"
+               + (" with expert parallelism" if self.enable_expert_parallel else ""),
+               f"weights per device: {gib(self.weight_bytes_per_device)}",
+               f"KV cache per token: {self.kv_bytes_per_token} bytes"]
+        if self.gpu_memory_bytes is not None:
+            out.append(f"KV cache per device: {gib(self.kv_cache_bytes_per_device)} of {gib(self.gpu_memory_bytes)}"
+                       f" -> {self.kv_tokens_per_rank} tokens per data-parallel rank "
+                       f"(max_model_len {self.max_model_len})")
+        out.append(("fits" if self.fits else "does not fit") + (f": {self.reason}" if self.reason else "")
+                   if self.fits is not None else "give --gpu-memory GIB to check that it fits")
+        return out
+
+
+def leaf_bytes(shape: tuple[int, ...], itemsize: float, splits: tuple[int, ...]) -> int:
+    """Bytes of one shard of an array of `shape` split `splits[i]` ways along axis i (length-1 axes unsplit)."""
+    return int(math.prod(d // (s if d > 1 else 1) for d, s in zip(shape, splits)) * itemsize)
+
+
+def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
+                            fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
+                            group_size: int = 128) -> int:
+    """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
+    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`."""
+    import numpy as np
+
+    from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+    from deepinfer_jax.models.quant import METHODS, fp8_layout, quant_layout, quantized_shapes
+    from deepinfer_jax.sharding.rules import check_rules, default_rules
+
+    mesh = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
+    rules = default_rules(parallel)
+    check_rules(cfg, mesh, rules)  # the engine's refusal of a mesh that does not divide the model
+    table = dict(rules)
+    bits = METHODS[int_method]
+    total = 0
+
+    def walk(tree: Any, path: tuple) -> None:
+        nonlocal total
+        if is_spec(tree):
+            splits = tuple(math.prod(mesh[a] for a in table.get(ax, ())) if ax else 1 for ax in tree.axes)
+            lay = quant_layout(path)
+            if path in fp8_paths:
+                q, s, *_ = fp8_layout(tree.shape, lay[0], lay[1], fp8_block, path[-1] == "gate_up")
+                total += math.prod(q) + 4 * math.prod(s)
+            elif bits and lay is not None:
+                q, s, _ = quantized_shapes(tree.shape, bits, lay[0], lay[1], group_size)
+                total += leaf_bytes(q, 1, splits) + leaf_bytes(s, 4, splits)
+            else:
+                total += leaf_bytes(tree.shape, np.dtype(spec_dtype(tree, dtype)).itemsize, splits)
+        elif isinstance(tree, dict):
+            for k, v in tree.items():
+                walk(v, path + (k,))
+        else:
+            for i, v in enumerate(tree):
+                walk(v, path + (i,))
+
+    walk(param_specs(cfg), ())
+    return total
+
+
+def fit_verdict(weight_bytes: int, per_token: int, max_len: int, memory, gpu_memory_utilization: float
+                ) -> tuple[int, int, bool, str]:
+    """(KV cache bytes per device, KV tokens per rank, fits, the reason when not) with the weights' bytes added to
+    what `memory` has in use: the engine's own sizing (`kv_cache_bytes`, as pages_for_memory after loading)."""
+    from dataclasses import replace
+
+    from deepinfer_jax.runner.device_memory import XLA_PROGRAM_SHARE, kv_cache_bytes
+
+    mem = replace(memory, in_use=memory.in_use + weight_bytes)
+    cache = kv_cache_bytes(mem, gpu_memory_utilization)
+    tokens = cache // per_token
+    usable = memory.limit * gpu_memory_utilization - memory.in_use
+    if memory.device_total is not None:
+        usable = min(usable, memory.device_total * XLA_PROGRAM_SHARE - memory.in_use)
+    gib = size
+    if weight_bytes >= usable:
+        return cache, tokens, False, (
+            f"the weights take {gib(weight_bytes)} per device, more than the {gib(max(usable, 0))} usable "
+            f"({memory.source}: gpu_memory_utilization {gpu_memory_utilization:g} of {gib(memory.limit)}, weights + "
+            f"KV cache within {XLA_PROGRAM_SHARE:.0%} of the device)")
+    if tokens < max_len:
+        return cache, tokens, False, (f"the KV cache has room for {tokens} tokens per data-parallel rank "
+                                      f"({gib(cache)} per device), fewer than max_model_len {max_len}")
+    return cache, tokens, True, ""
+
+
+def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+         enable_expert_parallel: bool = False, dtype: str = "auto", quantization: str | None = None,
+         kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
+         max_model_len: int | None = None, memory=None) -> MemoryPlan:
+    """The memory plan of serving `model_dir` so (see the module doc). Reads config.json and the safetensors
+    headers (or a converted checkpoint's metadata); a ValueError / CheckpointError for what the engine refuses.
+    `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`."""
+    import dataclasses
+
+    from deepinfer_jax.config import ModelConfig, RunnerConfig
+    from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+    from deepinfer_jax.runner.device_memory import given_memory
+    from deepinfer_jax.sharding.mesh import ParallelConfig
+    from deepinfer_jax.weights.loader import check_quantization, is_converted
+
+    check_quantization(model_dir, quantization)
+    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+    dtype = resolve_dtype(dtype, model_dir)
+    cfg = ModelConfig.from_model_dir(model_dir)
+    if is_converted(model_dir):
+        with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
+            meta = json.load(f)
+        cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))
+        method = meta["quantization"]["method"]
+        nbytes = weight_bytes_per_device(cfg, dtype, parallel, int_method=method,
+                                         group_size=int(meta["quantization"].get("group_size") or 128))
+        weights = "float" if method == "none" else method
+    else:
+        from deepinfer_jax.weights.hf_loader import (
+            FP8_BLOCK, effective_config, expected_tensors, fp8_block_shape, fp8_leaf_paths, fused_moe_layers,
+        )
+        from deepinfer_jax.weights.safetensors_io import index_checkpoint
+
+        with open(os.path.join(model_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        tensors = index_checkpoint(model_dir)  # headers only
+        cfg = effective_config(cfg, tensors)
+        rules = expected_tensors(cfg, fused_moe_layers(tensors))
+        paths, online = fp8_leaf_paths(rules, tensors, quantization, not parallel.is_single_device)
+        block = FP8_BLOCK if online else fp8_block_shape(hf_config)
+        nbytes = weight_bytes_per_device(cfg, dtype, parallel, paths, block)
+        weights = ("fp8 (online)" if online else "fp8 (kept)") if paths else "float"
+    kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
+    per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
+    max_len = max_model_len or min(cfg.max_position_embeddings, 4096)
+    if memory is None and gpu_memory_gib is not None:
+        memory = given_memory(gpu_memory_gib)
+    mem_bytes = cache = tokens = fits = None
+    reason = ""
+    if memory is not None:
+        mem_bytes = memory.device_total or memory.limit
+        cache, tokens, fits, reason = fit_verdict(nbytes, per_token, max_len, memory, gpu_memory_utilization)
+    return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
+                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason)
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="deepinfer plan", description="will a model fit (reads no weights)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    p.add_argument("--gpu-memory", type=float, default=None, help="GiB of memory per device")
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    ns = p.parse_args(argv)
+    try:
+        result = plan(ns.model, tensor_parallel_size=ns.tensor_parallel_size,
+                      data_parallel_size=ns.data_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
+                      dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
+                      gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
+                      max_model_len=ns.max_model_len)
+    except (ValueError, OSError) as e:
+        print(f"deepinfer plan: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(asdict(result), indent=2) if ns.json else "\n".join(result.lines()))
+    return 0 if result.fits is not False else 1
