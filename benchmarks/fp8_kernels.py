@@ -176,8 +176,8 @@ def moe_table(tokens: list[int]) -> None:
     moe_checks(key)
     routes = {}
     for T in tokens:
-        routes[T] = (jax.random.normal(jax.random.fold_in(key, T), (T, D), jnp.bfloat16),
-                     _routes(jax.random.fold_in(key, 10_000 + T), T, E), jax.random.uniform(key, (T, TOPK), jnp.float32))
+        x = jax.random.normal(jax.random.fold_in(key, T), (T, D), jnp.bfloat16)
+        routes[T] = (x, _routes(jax.random.fold_in(key, 10_000 + T), T, E), jax.random.uniform(key, (T, TOPK)))
     times = {}
     for kind in ("bf16",) + KINDS:
         if kind == "bf16":
