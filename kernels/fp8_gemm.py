@@ -3,8 +3,10 @@
     y = x @ (q * scale expanded per block)     x [M, K] bf16, q [K, N] float8_e4m3fn,
                                                scale [cdiv(K, bk), cdiv(N, bn)] fp32 -> y [M, N] bf16
 
-A checkpoint's `weight_scale_inv` is `scale` (HF stores [N, K] weights; ours are [K, N], so the scale grid is
-transposed the same way). Two activation modes:
+Weights come in either orientation (`layout`): "kn", q [K, N] with scale [K / bk, N / bn] as above, or "nk",
+the checkpoint's own [out, in] = [N, K] with `weight_scale_inv` [N / bn, K / bk] as HF stores it
+(models/quant.py's Fp8Weight keeps that orientation; the kernel multiplies by the transposed tile, so no
+transposed copy is made). `block` is (bk, bn) in both. Two activation modes:
 
 - act="fp8" (W8A8, what FP8 tensor cores need: wgmma takes both operands in FP8): x is quantized per token
   group of 1 x bk columns (`quantize_act`, DeepSeek-V3's training recipe: one fp32 scale per token per 128
@@ -72,11 +74,19 @@ def dequant_fp8(q: jax.Array, scale: jax.Array, block: tuple[int, int]) -> jax.A
     return q.astype(jnp.float32) * expand_scale(scale.astype(jnp.float32), block, K, N)
 
 
-def fp8_matmul_reference(x, q, scale, block, layer=None, *, act_quant=False):
+def to_kn(q, scale, layout: str):
+    """(q [.., K, N], scale [.., K / bk, N / bn]) from either orientation (a transposed copy for "nk")."""
+    if layout == "kn":
+        return q, scale
+    return jnp.swapaxes(q, -1, -2), jnp.swapaxes(scale, -1, -2)
+
+
+def fp8_matmul_reference(x, q, scale, block, layer=None, *, act_quant=False, layout="kn"):
     """Pure JAX. act_quant=False: x @ dequant(q) in fp32 (the exact-dequant product, act="bf16"'s arithmetic up
     to summation order). act_quant=True: x first rounded through `quantize_act` (1 x bk groups), as the
     act="fp8" kernel computes (each FP8 product is exact in fp32, so only the order of the sums differs).
-    x [M, K], q [(L,) K, N], scale [(L,) kb, nb] -> [M, N] in x's dtype."""
+    x [M, K], q [(L,) K, N], scale [(L,) kb, nb] (or both transposed, layout "nk") -> [M, N] in x's dtype."""
+    q, scale = to_kn(q, scale, layout)
     if layer is not None:
         q = jax.lax.dynamic_index_in_dim(q, layer, keepdims=False)
         scale = jax.lax.dynamic_index_in_dim(scale, layer, keepdims=False)
@@ -111,7 +121,12 @@ def plan(M: int, K: int, N: int, block: tuple[int, int]) -> tuple[int, int, int,
     return tm, tk, tn, split
 
 
-def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn, k_steps, act):
+def dot_nk(a, b, **kw):
+    """a [m, k] @ b.T for b [n, k] (a tile of an [N, K] weight), fp32 out."""
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
+
+
+def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn, k_steps, act, layout):
     n, m, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     rows, cols = pl.ds(m * tm, tm), pl.ds(n * tn, tn)
@@ -120,25 +135,31 @@ def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn
     def body(i, acc):
         k0 = (s * k_steps + i) * tk
         kb = k0 // bk
-        w = q_ref[layer, pl.ds(k0, tk), cols]  # [tk, tn] e4m3
-        scale = s_ref[layer, kb, nb]
+        if layout == "kn":
+            w, scale = q_ref[layer, pl.ds(k0, tk), cols], s_ref[layer, kb, nb]  # [tk, tn] e4m3
+            dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+        else:
+            w, scale = q_ref[layer, cols, pl.ds(k0, tk)], s_ref[layer, nb, kb]  # [tn, tk] e4m3
+            dot = dot_nk
         if act == "fp8":  # both operands FP8; the token's and the block's scales on the exact fp32 product
-            part = jnp.dot(x_ref[rows, pl.ds(k0, tk)], w, preferred_element_type=jnp.float32)
+            part = dot(x_ref[rows, pl.ds(k0, tk)], w)
             return acc + part * (xs_ref[rows, kb][:, None] * scale)
         x = x_ref[rows, pl.ds(k0, tk)]
-        part = jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=EXACT)
-        return acc + part * scale
+        return acc + dot(x, w.astype(x.dtype), precision=EXACT) * scale
 
     acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((tm, tn), jnp.float32))
     o_ref[s, rows, cols] = acc
 
 
-@functools.partial(jax.jit, static_argnames=("block", "act", "tile_m", "split_k", "num_warps", "num_stages",
-                                             "interpret"))
-def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", tile_m=None, split_k=None, num_warps=4,
-               num_stages=4, interpret=False):
-    """x [M, K], q [(L,) K, N] float8_e4m3fn, scale [(L,) K // bk, N // bn] fp32 -> [M, N] in x's dtype (module
-    docstring). `layer` (int32 scalar) indexes stacked q / scale in place. Tiles left as None come from `plan`."""
+@functools.partial(jax.jit, static_argnames=("block", "act", "layout", "tile_m", "split_k", "num_warps",
+                                             "num_stages", "interpret"))
+def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="kn", tile_m=None, split_k=None,
+               num_warps=4, num_stages=4, interpret=False):
+    """x [M, K], q [(L,) K, N] float8_e4m3fn, scale [(L,) K // bk, N // bn] fp32 (layout "nk": q [(L,) N, K],
+    scale [(L,) N // bn, K // bk]) -> [M, N] in x's dtype (module docstring). `layer` (int32 scalar) indexes
+    stacked q / scale in place. Tiles left as None come from `plan`."""
+    if layout not in ("kn", "nk"):
+        raise ValueError(f"fp8_matmul: layout must be 'kn' or 'nk', got {layout!r}")
     if act not in ("fp8", "bf16"):
         raise ValueError(f"fp8_matmul: act must be 'fp8' or 'bf16', got {act!r}")
     if q.dtype != FP8:
@@ -146,11 +167,11 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", tile_m=N
     if layer is None:
         q, scale, layer = q[None], scale[None], 0
     M, K = x.shape
-    _, K2, N = q.shape
+    _, K2, N = q.shape if layout == "kn" else (q.shape[0], q.shape[2], q.shape[1])
     bk, bn = block
     if K != K2 or not supported(K, N, block):
         raise ValueError(f"fp8_matmul: no kernel tiling for x {x.shape} @ q {q.shape[1:]} with block {block}")
-    if scale.shape[1:] != (K // bk, N // bn):
+    if scale.shape[1:] != ((K // bk, N // bn) if layout == "kn" else (N // bn, K // bk)):
         raise ValueError(f"fp8_matmul: scale {scale.shape[1:]} does not match q {q.shape[1:]} with block {block}")
     tm, tk, tn, split = plan(M, K, N, block)
     tm, split = tile_m or tm, split_k or split
@@ -163,7 +184,8 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", tile_m=N
         xk, xs = (jnp.pad(a, ((0, m_pad - M), (0, 0))) for a in (xk, xs))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     part = pl.pallas_call(
-        functools.partial(_kernel, tk=tk, tn=tn, tm=tm, bk=bk, bn=bn, k_steps=K // (split * tk), act=act),
+        functools.partial(_kernel, tk=tk, tn=tn, tm=tm, bk=bk, bn=bn, k_steps=K // (split * tk), act=act,
+                          layout=layout),
         grid=(N // tn, m_pad // tm, split), out_shape=jax.ShapeDtypeStruct((split, m_pad, N), jnp.float32),
         compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
     )(layer, xk, xs, q, scale.astype(jnp.float32))

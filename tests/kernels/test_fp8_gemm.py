@@ -27,16 +27,19 @@ def _close(out, ref):
     np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("M, K, N, block, act, L", [
-    (5, 192, 96, (64, 32), "fp8", None),      # odd rows, tiles of the block's size
-    (1, 256, 48, (128, 16), "bf16", None),    # one token: split K, 16-wide column tiles
-    (33, 256, 64, (32, 64), "fp8", 3),        # stacked layers, 32-deep blocks, rows over one tile
-    (70, 128, 96, (64, 96), "bf16", 2),       # bn 96: 32-wide tiles inside a block, rows over 64
+@pytest.mark.parametrize("M, K, N, block, act, L, layout", [
+    (5, 192, 96, (64, 32), "fp8", None, "kn"),      # odd rows, tiles of the block's size
+    (1, 256, 48, (128, 16), "bf16", None, "nk"),    # one token: split K, 16-wide column tiles; HF's [N, K]
+    (33, 256, 64, (32, 64), "fp8", 3, "nk"),        # stacked layers, 32-deep blocks, rows over one tile
+    (70, 128, 96, (64, 96), "bf16", 2, "kn"),       # bn 96: 32-wide tiles inside a block, rows over 64
 ])
-def test_kernel_matches_reference(M, K, N, block, act, L):
+def test_kernel_matches_reference(M, K, N, block, act, L, layout):
+    """The kernel against the reference of its activation mode; "nk" weights (the checkpoint's [N, K] and its
+    [N / bn, K / bk] scales, read as stored) against the reference on the [K, N] ones."""
     x, q, s = _case(M + K, M, K, N, block, L)
     layer = None if L is None else jnp.int32(L - 1)
-    out = fp8_matmul(x, q, s, layer, block=block, act=act, interpret=True)
+    qk, sk = (q, s) if layout == "kn" else (jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2))
+    out = fp8_matmul(x, qk, sk, layer, block=block, act=act, layout=layout, interpret=True)
     _close(out, fp8_matmul_reference(x, q, s, block, layer, act_quant=act == "fp8"))
 
 
@@ -97,12 +100,13 @@ def fp8_dots(asm: str) -> list[str]:
     return [ln for ln in asm.splitlines() if "tt.dot" in ln and ln.count("f8E4M3FN>") >= 2]
 
 
-@pytest.mark.parametrize("M, act", [(32, "fp8"), (4096, "fp8"), (32, "bf16")])
-def test_kernel_lowers_for_sm90(triton_asm, M, act):
+@pytest.mark.parametrize("M, act, layout", [(32, "fp8", "kn"), (4096, "fp8", "nk"), (32, "bf16", "nk")])
+def test_kernel_lowers_for_sm90(triton_asm, M, act, layout):
     """V3's q_b projection [1536, 24576] at decode and prefill sizes: act="fp8" multiplies e4m3 by e4m3 (the FP8
     tensor cores), act="bf16" widens the weight tile first."""
     S = jax.ShapeDtypeStruct
-    args = (S((M, 1536), jnp.bfloat16), S((2, 1536, 24576), FP8), S((2, 12, 192), jnp.float32), S((), jnp.int32))
-    (asm,) = triton_asm(lambda x, q, s, layer: fp8_matmul(x, q, s, layer, act=act), *args)
+    q, s = ((1536, 24576), (12, 192)) if layout == "kn" else ((24576, 1536), (192, 12))
+    args = (S((M, 1536), jnp.bfloat16), S((2, *q), FP8), S((2, *s), jnp.float32), S((), jnp.int32))
+    (asm,) = triton_asm(lambda x, q, s, layer: fp8_matmul(x, q, s, layer, act=act, layout=layout), *args)
     assert bool(fp8_dots(asm)) == (act == "fp8")
     assert "tt.dot" in asm
