@@ -4,6 +4,7 @@ FP8 blocks; INT4 in 128-row groups).
 
     python benchmarks/fp8_kernels.py [--quick] [--only dense|moe] [--tokens 32,128,4096] [--cpu-smoke]
 
+FP8 weights are in the checkpoint's [out, in] orientation (layout "nk"), as models/quant.py's Fp8Weight holds them.
 Dense projections (kernels/fp8_gemm.py, layer-stacked weights read in place, as the model holds them): q_a
 [7168, 1536], q_b [1536, 24576], kv_b [512, 32768], o_proj [16384, 7168], dense MLP gate_up [7168, 36864] and
 down [18432, 7168], with FP8 activations (W8A8, act="fp8") and bf16 ones (W8A16, act="bf16"), against bf16
@@ -97,16 +98,16 @@ def dense_table(tokens: list[int]) -> None:
     print(f"\n{'weight':<12} {'M':>5} {'kernel':<10} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'vs bf16':>8}")
     for name, (K, N) in DENSE.items():
         assert supported(K, N, BLOCK), name
-        q, s = _fp8_weight(key, (LAYERS, K, N), (LAYERS, K // BLOCK[0], N // BLOCK[1]))
+        q, s = _fp8_weight(key, (LAYERS, N, K), (LAYERS, N // BLOCK[1], K // BLOCK[0]))  # HF's [out, in]
         wb = _draw(key, (LAYERS, K, N), jnp.bfloat16, 0, 0)
         for M in tokens:
             x = jax.random.normal(jax.random.fold_in(key, M), (M, K), jnp.bfloat16)
             runs = {}
             for act in ("fp8", "bf16"):
-                f = jax.jit(lambda x, q, s, act=act: fp8_matmul(x, q, s, layer, block=BLOCK, act=act,
+                f = jax.jit(lambda x, q, s, act=act: fp8_matmul(x, q, s, layer, block=BLOCK, act=act, layout="nk",
                                                                   interpret=INTERPRET))
                 if M == tokens[0]:
-                    ref = fp8_matmul_reference(x, q, s, BLOCK, layer, act_quant=act == "fp8")
+                    ref = fp8_matmul_reference(x, q, s, BLOCK, layer, act_quant=act == "fp8", layout="nk")
                     _check(f"{name} act={act}", f(x, q, s), ref)
                 runs[f"fp8/{act}"] = (timed(f, x, q, s), K * N + s[0].size * 4)
             if M <= dm.MAX_TOKENS and dm.supported(M, K, N):
@@ -129,10 +130,10 @@ def _moe_weights(key, kind, n_exp):
     from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat
 
     k1, k2, k3, k4 = jax.random.split(key, 4)
-    if kind.startswith("fp8"):
-        gq, gs = _fp8_weight(k1, (n_exp, D, 2, I), (n_exp, D // 128, 2, I // 128))
-        dq, ds = _fp8_weight(k2, (n_exp, I, D), (n_exp, I // 128, D // 128))
-        return gq, gs, dq, ds, WeightFormat("fp8", 128, 128, kind.split("/")[1])
+    if kind.startswith("fp8"):  # HF's orientation, as models/quant.py's Fp8Weight holds it
+        gq, gs = _fp8_weight(k1, (n_exp, 2, I, D), (n_exp, 2, I // 128, D // 128))
+        dq, ds = _fp8_weight(k2, (n_exp, D, I), (n_exp, D // 128, I // 128))
+        return gq, gs, dq, ds, WeightFormat("fp8", 128, 128, kind.split("/")[1], "nk")
     if kind == "int8":
         gq = _draw(k1, (n_exp, D, 2, I), jnp.int8, -127, 128)
         dq = _draw(k2, (n_exp, I, D), jnp.int8, -127, 128)

@@ -10,6 +10,11 @@ INT4's group is chosen per leaf), with the stacked layouts of models/quant.py an
     int8   [L, E, D, 2, I] int8 / [L, E, 1, 2, I]       [L, E, I, D] int8 / [L, E, 1, D]      (per column)
     int4   [L, E, D/2, 2, I] uint8 / [L, E, D/g, 2, I]  [L, E, I/2, D] uint8 / [L, E, I/g, D]  (g rows a group)
     fp8    [L, E, D, 2, I] e4m3 / [L, E, D/bk, 2, I/bn] [L, E, I, D] e4m3 / [L, E, I/bk, D/bn] (bk x bn blocks)
+    fp8 "nk" [L, E, 2, I, D] / [L, E, 2, I/bn, D/bk]    [L, E, D, I] / [L, E, D/bn, I/bk]     (HF's [out, in])
+
+FP8 weights come in either orientation (`WeightFormat.layout`): "kn" as the INT ones, or "nk", each HF tensor
+as the checkpoint stores it with its `weight_scale_inv` (models/quant.py's Fp8Weight: gate and up two parts),
+multiplied by the transposed tile in the kernel, so no transposed copy is made.
 
 - int8 (W8A16): q widened to bf16 (exact), the fp32 product scaled per column after the K loop.
 - int4 (W4A16): two 4-bit rows a byte (low nibble = even row, high = odd, stored + 8); a K step unpacks its
@@ -36,7 +41,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
-from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, quantize_act
+from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
 from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -45,17 +50,20 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 class WeightFormat:
     """How one expert weight is stored: kind "int8" | "int4" | "fp8"; group: INT4's rows per scale group
     (models/quant.py's group_size) or FP8's block rows bk; block_n: FP8's block columns bn; act: FP8's
-    activations, "fp8" (W8A8) or "bf16" (W8A16)."""
+    activations, "fp8" (W8A8) or "bf16" (W8A16); layout: FP8's orientation, "kn" or "nk" (module docstring)."""
     kind: str
     group: int = 0
     block_n: int = 0
     act: str = "bf16"
+    layout: str = "kn"
 
     def __post_init__(self):
         if self.kind not in ("int8", "int4", "fp8"):
             raise ValueError(f"WeightFormat: kind must be 'int8', 'int4' or 'fp8', got {self.kind!r}")
         if self.act not in ("bf16", "fp8") or (self.act == "fp8" and self.kind != "fp8"):
             raise ValueError(f"WeightFormat: act {self.act!r} is not available for {self.kind}")
+        if self.layout not in ("kn", "nk") or (self.layout == "nk" and self.kind != "fp8"):
+            raise ValueError(f"WeightFormat: layout {self.layout!r} is not available for {self.kind}")
 
 
 def _tiles(f: WeightFormat, K: int, N: int, block_n: int, block_k: int) -> tuple[int, int] | None:
@@ -104,11 +112,12 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
         return dot(x_even, lo) + dot(x_at(pl.ds(k0 + 1, half, stride=2)), hi)
     kb = k0 // f.group
     scale = s_at(kb, (n * tn) // f.block_n)
-    w = q_at(pl.ds(k0, tk))
+    w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
     x = x_at(pl.ds(k0, tk))
+    dot = dot_nk if f.layout == "nk" else functools.partial(jnp.dot, preferred_element_type=jnp.float32)
     if f.act == "fp8":
-        return jnp.dot(x, w, preferred_element_type=jnp.float32) * (xs_at(kb)[:, None] * scale)
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32, precision=EXACT) * scale
+        return dot(x, w) * (xs_at(kb)[:, None] * scale)
+    return dot(x, w.astype(x.dtype), precision=EXACT) * scale
 
 
 def _block_and_tile(cols_first):
@@ -124,6 +133,8 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
     layer, e = layer_ref[0], be_ref[b]
     rows, cols = pl.ds(b * bm, bm), pl.ds(n * tn, tn)
 
+    nk = f.layout == "nk"
+
     @pl.when((e >= 0) & (e < E))
     def _():
         def body(i, acc):
@@ -131,8 +142,10 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
             for g in (0, 1):
                 out.append(acc[g] + _partial(
                     f, i, tk, tn, n, lambda ks: x_ref[rows, ks], lambda kb: xs_ref[rows, kb],
-                    lambda ks, g=g: q_ref[layer, e, ks, g, cols],
-                    lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci]))
+                    (lambda ks, g=g: q_ref[layer, e, g, cols, ks]) if nk else (
+                        lambda ks, g=g: q_ref[layer, e, ks, g, cols]),
+                    (lambda ki, ci, g=g: s_ref[layer, e, g, ci, ki]) if nk else (
+                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci])))
             return tuple(out)
 
         zero = jnp.zeros((bm, tn), jnp.float32)
@@ -156,11 +169,15 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
     layer, e = layer_ref[0], be_ref[b]
     rows, cols = pl.ds(b * bm, bm), pl.ds(n * tn, tn)
 
+    nk = f.layout == "nk"
+
     @pl.when((e >= 0) & (e < E))
     def _():
         def body(i, acc):
-            return acc + _partial(f, i, tk, tn, n, lambda ks: h_ref[rows, ks], lambda kb: hs_ref[rows, kb],
-                                  lambda ks: q_ref[layer, e, ks, cols], lambda ki, ci: s_ref[layer, e, ki, ci])
+            return acc + _partial(
+                f, i, tk, tn, n, lambda ks: h_ref[rows, ks], lambda kb: hs_ref[rows, kb],
+                (lambda ks: q_ref[layer, e, cols, ks]) if nk else (lambda ks: q_ref[layer, e, ks, cols]),
+                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]))
 
         acc = jax.lax.fori_loop(0, K // tk, body, jnp.zeros((bm, tn), jnp.float32))
         if f.kind == "int8":
@@ -180,7 +197,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         gu_q, gu_s, down_q, down_s, layer = gu_q[None], gu_s[None], down_q[None], down_s[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     T, D = x.shape
-    _, E, _, _, I = gu_q.shape
+    E, I = gu_q.shape[1], gu_q.shape[3 if fmt_gu.layout == "nk" else 4]
     k = idx.shape[-1]
     auto = tile_config(T * k)
     bm, bn, bk, warps, stages = (a if v is None else v
@@ -226,7 +243,11 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
 
 
 def dequant_expert(q, s, f: WeightFormat, n_out: int) -> jax.Array:
-    """A stored expert weight [.., K(packed), *out] (n_out output axes) back to fp32 [.., K, *out]."""
+    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]) back to fp32
+    [.., K, *out]."""
+    if f.layout == "nk":
+        w = dequant_fp8(q, s, (f.block_n, f.group))  # [.., (2,) N, K]: rows in bn blocks, columns in bk
+        return jnp.moveaxis(w, -1, -1 - n_out)  # K before the output axes: [.., K, (2,) N]
     if f.kind == "int8":
         return q.astype(jnp.float32) * s.astype(jnp.float32)
     ax = q.ndim - n_out - 1  # the K axis

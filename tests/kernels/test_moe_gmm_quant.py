@@ -3,6 +3,8 @@ pure-JAX reference, and lower for sm_90."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -52,15 +54,30 @@ def _close(out, ref):
     np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-2 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8-bf16", "fp8-fp8"])
+def _nk(gq, gs, dq, ds, fg, fd):
+    """FP8 "kn" experts in the checkpoint's orientation: gate_up [L, E, 2, I, D] / [L, E, 2, I/bn, D/bk], down
+    [L, E, D, I] / [L, E, D/bn, I/bk]."""
+    t = lambda a: jnp.moveaxis(a, 2, -1)  # noqa: E731  [L, E, D, 2, I] -> [L, E, 2, I, D]
+    fmt = lambda f: dataclasses.replace(f, layout="nk")  # noqa: E731
+    return t(gq), t(gs), jnp.swapaxes(dq, -1, -2), jnp.swapaxes(ds, -1, -2), fmt(fg), fmt(fd)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8-bf16", "fp8-fp8", "fp8nk-fp8"])
 def test_kernels_match_reference(case, kind):
-    """Layer 1 of the stacked weights, read in place, against the reference on that layer's weights."""
+    """Layer 1 of the stacked weights, read in place, against the reference on that layer's weights; FP8 "nk"
+    weights (HF's orientation, read as stored) against the reference on the same weights in "kn"."""
     x, idx, w, wgu, wd = case
-    gq, gs, dq, ds, fg, fd = _weights(kind, wgu, wd)
+    gq, gs, dq, ds, fg, fd = ref_w = _weights(kind.replace("nk", ""), wgu, wd)
+    if "nk" in kind:
+        gq, gs, dq, ds, fg, fd = _nk(*ref_w)
     assert supported(fg, fd, D, I, T * K)
     out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, interpret=True)
-    ref = moe_experts_quant_reference(x, gq[1], gs[1], dq[1], ds[1], w, idx, fmt_gu=fg, fmt_down=fd)
+    rq = [a[1] for a in ref_w[:4]]
+    ref = moe_experts_quant_reference(x, *rq, w, idx, fmt_gu=ref_w[4], fmt_down=ref_w[5])
     _close(out, ref)
+    if "nk" in kind:  # the reference's own dequant of the "nk" weights is the "kn" one's
+        np.testing.assert_array_equal(np.asarray(dequant_expert(gq[1], gs[1], fg, 2)),
+                                      np.asarray(dequant_expert(*rq[:2], ref_w[4], 2)))
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -98,6 +115,8 @@ def test_supported_formats():
     assert not supported(WeightFormat("fp8", 128, 128, "fp8"), WeightFormat("fp8", 128, 128, "fp8"), 7168, 2000, 64)
     with pytest.raises(ValueError, match="act"):
         WeightFormat("int8", act="fp8")
+    with pytest.raises(ValueError, match="layout"):
+        WeightFormat("int4", 128, layout="nk")
 
 
 @pytest.fixture
@@ -115,7 +134,7 @@ def triton_asm(cuda_lowering, monkeypatch):
     return lambda fn, *args: (cuda_lowering(fn, *args), captured)[1]
 
 
-@pytest.mark.parametrize("kind, tokens", [("fp8-fp8", 32), ("fp8-fp8", 4096), ("int8", 32), ("int4", 32)])
+@pytest.mark.parametrize("kind, tokens", [("fp8-fp8", 32), ("fp8nk-fp8", 4096), ("int8", 32), ("int4", 32)])
 def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
     """V3-shaped experts (D 7168, I 2048, 256 experts, top-8; INT4 in 128-row groups) at decode and prefill
     sizes: both kernels lower, FP8 ones multiplying e4m3 by e4m3, the INT ones reading 1-byte weights."""
@@ -125,6 +144,10 @@ def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
         f = WeightFormat("fp8", 128, 128, "fp8")
         ws = (S((L, Ev, Dv, 2, Iv), FP8), S((L, Ev, Dv // 128, 2, Iv // 128), jnp.float32),
               S((L, Ev, Iv, Dv), FP8), S((L, Ev, Iv // 128, Dv // 128), jnp.float32))
+    elif kind == "fp8nk-fp8":
+        f = WeightFormat("fp8", 128, 128, "fp8", "nk")
+        ws = (S((L, Ev, 2, Iv, Dv), FP8), S((L, Ev, 2, Iv // 128, Dv // 128), jnp.float32),
+              S((L, Ev, Dv, Iv), FP8), S((L, Ev, Dv // 128, Iv // 128), jnp.float32))
     elif kind == "int8":
         f = WeightFormat("int8")
         ws = (S((L, Ev, Dv, 2, Iv), jnp.int8), S((L, Ev, 1, 2, Iv), jnp.float32),
@@ -141,7 +164,7 @@ def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
     for asm in mods:
         dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
         assert dots
-        if kind == "fp8-fp8":
+        if kind.startswith("fp8"):
             assert all(ln.count("f8E4M3FN>") >= 2 for ln in dots)
         else:
             assert "tt.ptr<i8>" in asm and "f8E4M3FN" not in asm
