@@ -198,9 +198,13 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
             # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
             loc = idx - first
             ok = (loc >= 0) & (loc < E_local)
-            y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype),
-                            jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1), layer=layer,
-                            interpret=moe_impl == "pallas_interpret").astype(jnp.float32)
+            w_loc, idx_loc = jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1)
+            y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
+                is_quantized(ex_l["gate_up"])) else None
+            if y is None:  # float experts, or shapes the quantized kernels do not tile
+                y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
+                                layer=layer, interpret=moe_impl == "pallas_interpret")
+            y = y.astype(jnp.float32)
         else:
             if layer is not None:
                 ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
@@ -219,6 +223,22 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
                        in_specs=(ex_specs, tspec, tspec, tspec, P()), out_specs=tspec,
                        check_vma=not moe_impl.startswith("pallas"))
     return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx, layer_arg)
+
+
+def quantized_experts(ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array, layer: jax.Array | None,
+                      interpret: bool) -> jax.Array | None:
+    """INT8 / INT4 experts {gate_up, down} ([(L,) E, ..] QuantizedWeights, read at `layer` in place) through
+    kernels/moe_gmm_quant.py, which dequantizes each weight tile inside the kernels (W8A16 / W4A16): [T, D] in
+    x's dtype, or None where its tiles do not fit the shapes (the caller then dequantizes one layer)."""
+    from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat, moe_experts_quant, supported
+
+    gu, down = ex["gate_up"], ex["down"]
+    fg, fd = (WeightFormat(f"int{a.bits}", a.group_size) for a in (gu, down))
+    D, I = gu.shape[-3], gu.shape[-1]
+    if not supported(fg, fd, D, I, idx.size):
+        return None
+    return moe_experts_quant(x, gu.q, gu.scale, down.q, down.scale, w, idx, layer, fmt_gu=fg, fmt_down=fd,
+                             interpret=interpret)
 
 
 def routing_into_kernels(cfg: ModelConfig, moe_impl: str, mesh_rules: MeshRules | None, num_tokens: int,
@@ -291,8 +311,12 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
                               shared_gate_up=ex["shared"]["gate_up"], shared_down=ex["shared"]["down"],
                               interpret=moe_impl == "pallas_interpret")
             return out, idx
+        if is_quantized(ex["gate_up"]):
+            out = quantized_experts(ex, x, w, idx, layer, moe_impl == "pallas_interpret")
+            if out is not None:
+                return _plus_shared(p, x, out), idx
         if experts is not None and is_quantized(ex["gate_up"]):
-            # Dequantize this layer only (the kernel reads float weights), not every layer's experts.
+            # Shapes the quantized kernels do not tile: dequantize this layer only, not every layer's experts.
             ex = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex)
             layer = None
         out = moe_experts(x, weight(ex["gate_up"], x.dtype), weight(ex["down"], x.dtype), w, idx,

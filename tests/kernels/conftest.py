@@ -13,7 +13,7 @@ def cuda_lowering(monkeypatch):
     from jax._src.pallas.triton import pallas_call_registration as reg
 
     class _H200:
-        compute_capability = "9.0"
+        compute_capability = 90  # an int, as jax's gpu_info reports it (FP8 casts compare it with 89)
 
     monkeypatch.setattr(reg.gpu_info_lib, "get_gpu_info", lambda: _H200())
     return lambda fn, *args: jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",))

@@ -1,0 +1,287 @@
+"""The MoE grouped GEMMs on quantized expert weights, dequantized inside the kernels (Pallas, Triton backend).
+
+The layout and the two kernels are kernels/moe_gmm.py's (token copies sorted by expert into row blocks of one
+expert each, `align_tokens`; gate_up with the SwiGLU fused, then down; the weighted combine in JAX), with
+each weight tile read in its stored format and widened in registers, so a step streams the quantized bytes
+and never forms a bf16 copy of the experts. Formats (`WeightFormat`, one for each of the two weights, since
+INT4's group is chosen per leaf), with the stacked layouts of models/quant.py and DeepSeek's FP8 checkpoints:
+
+    kind   gate_up q / scale                           down q / scale
+    int8   [L, E, D, 2, I] int8 / [L, E, 1, 2, I]       [L, E, I, D] int8 / [L, E, 1, D]      (per column)
+    int4   [L, E, D/2, 2, I] uint8 / [L, E, D/g, 2, I]  [L, E, I/2, D] uint8 / [L, E, I/g, D]  (g rows a group)
+    fp8    [L, E, D, 2, I] e4m3 / [L, E, D/bk, 2, I/bn] [L, E, I, D] e4m3 / [L, E, I/bk, D/bn] (bk x bn blocks)
+    fp8 "nk" [L, E, 2, I, D] / [L, E, 2, I/bn, D/bk]    [L, E, D, I] / [L, E, D/bn, I/bk]     (HF's [out, in])
+
+FP8 weights come in either orientation (`WeightFormat.layout`): "kn" as the INT ones, or "nk", each HF tensor
+as the checkpoint stores it with its `weight_scale_inv` (models/quant.py's Fp8Weight: gate and up two parts),
+multiplied by the transposed tile in the kernel, so no transposed copy is made.
+
+- int8 (W8A16): q widened to bf16 (exact), the fp32 product scaled per column after the K loop.
+- int4 (W4A16): two 4-bit rows a byte (low nibble = even row, high = odd, stored + 8); a K step unpacks its
+  [tile_k / 2, tile_n] bytes into the even and the odd rows, scales each by its group's scale in fp32 (as
+  models/quant.py `dequantize`), and multiplies them by x's even and odd columns (strided loads).
+- fp8, act="bf16" (W8A16): q widened to bf16 (exact), each K step's product scaled by its block's scale.
+- fp8, act="fp8" (W8A8, FP8 tensor cores): x quantized per token group of 1 x bk (`fp8_gemm.quantize_act`)
+  beside the gate_up kernel; the gate_up kernel quantizes h the same way in its epilogue when its column tile is
+  the down weight's bk (one scale per row per tile, no second pass over h), else h is stored in fp32 and
+  quantized in JAX.
+
+Three parts (ARCHITECTURE.md rule 6): `moe_experts_quant` (the kernels; `interpret=True` on the CPU),
+`moe_experts_quant_reference` (pure JAX: the weights dequantized whole, `moe_gmm.moe_experts_reference`'s
+arithmetic; with fp8 act="fp8", x and h rounded through `quantize_act`) and `supported` (the tile predicate).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
+from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
+from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
+from deepinfer_jax.kernels.triton_params import compiler_params
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightFormat:
+    """How one expert weight is stored: kind "int8" | "int4" | "fp8"; group: INT4's rows per scale group
+    (models/quant.py's group_size) or FP8's block rows bk; block_n: FP8's block columns bn; act: FP8's
+    activations, "fp8" (W8A8) or "bf16" (W8A16); layout: FP8's orientation, "kn" or "nk" (module docstring)."""
+    kind: str
+    group: int = 0
+    block_n: int = 0
+    act: str = "bf16"
+    layout: str = "kn"
+
+    def __post_init__(self):
+        if self.kind not in ("int8", "int4", "fp8"):
+            raise ValueError(f"WeightFormat: kind must be 'int8', 'int4' or 'fp8', got {self.kind!r}")
+        if self.act not in ("bf16", "fp8") or (self.act == "fp8" and self.kind != "fp8"):
+            raise ValueError(f"WeightFormat: act {self.act!r} is not available for {self.kind}")
+        if self.layout not in ("kn", "nk") or (self.layout == "nk" and self.kind != "fp8"):
+            raise ValueError(f"WeightFormat: layout {self.layout!r} is not available for {self.kind}")
+
+
+def _tiles(f: WeightFormat, K: int, N: int, block_n: int, block_k: int) -> tuple[int, int] | None:
+    """(tile_k, tile_n) of one kernel over a [K, N] weight in format f (at most block_k / block_n), or None."""
+    tn = largest_pow2_divisor(N, block_n)
+    tk = largest_pow2_divisor(K, block_k)
+    if f.kind == "int4":  # whole bytes a step (tk even), 16-deep dots on each half
+        tk = largest_pow2_divisor(K, max(block_k, 32))
+        if f.group % 2 or tk < 32:  # a row pair straddling two groups: none in models/quant.py's groups
+            return None
+    if f.kind == "fp8":  # a step within one scale block, a column tile within one
+        tk = largest_pow2_divisor(f.group, block_k if f.act == "bf16" else max(block_k, 32))
+        tn = largest_pow2_divisor(f.block_n, block_n)
+        if K % f.group or N % f.block_n or (f.act == "fp8" and tk < 32):
+            return None
+    return (tk, tn) if tk >= 16 and tn >= 16 else None
+
+
+def supported(fmt_gu: WeightFormat, fmt_down: WeightFormat, D: int, I: int, num_copies: int) -> bool:
+    """Whether the kernels take experts of hidden size D, width I in these formats at this step size."""
+    _, block_n, block_k, _, _ = tile_config(num_copies)
+    return _tiles(fmt_gu, D, I, block_n, block_k) is not None and _tiles(fmt_down, I, D, block_n, block_k) is not None
+
+
+def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
+    """The fp32 [bm, tn] product of K step i: x_at(k slice) -> x's rows [bm, tk] (strided slices for INT4),
+    xs_at(block) -> their FP8 scales [bm], q_at(k slice) -> the stored weight tile, s_at(k index, column
+    index) -> scales (a slice, an index array or a block number)."""
+    k0 = i * tk
+    if f.kind == "int8":
+        x = x_at(pl.ds(k0, tk))
+        return jnp.dot(x, q_at(pl.ds(k0, tk)).astype(x.dtype), preferred_element_type=jnp.float32, precision=EXACT)
+    if f.kind == "int4":
+        half = tk // 2
+        b = q_at(pl.ds(k0 // 2, half)).astype(jnp.int32)  # [tk / 2, tn] bytes
+        cols = pl.ds(n * tn, tn)
+        if f.group % tk == 0:  # the step inside one group: one scale row
+            s_even = s_odd = s_at(pl.ds(k0 // f.group, 1), cols)  # [1, tn]
+        else:  # groups change within the step: each row's scale (even groups keep a pair in one group)
+            grp = (k0 + 2 * jax.lax.broadcasted_iota(jnp.int32, (half,), 0)) // f.group
+            s_even = s_odd = s_at(grp, cols)  # [tk / 2, tn]
+        x_even = x_at(pl.ds(k0, half, stride=2))
+        lo = (((b & 15) - 8).astype(jnp.float32) * s_even).astype(x_even.dtype)
+        hi = (((b >> 4) - 8).astype(jnp.float32) * s_odd).astype(x_even.dtype)
+        dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
+        return dot(x_even, lo) + dot(x_at(pl.ds(k0 + 1, half, stride=2)), hi)
+    kb = k0 // f.group
+    scale = s_at(kb, (n * tn) // f.block_n)
+    w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
+    x = x_at(pl.ds(k0, tk))
+    dot = dot_nk if f.layout == "nk" else functools.partial(jnp.dot, preferred_element_type=jnp.float32)
+    if f.act == "fp8":
+        return dot(x, w) * (xs_at(kb)[:, None] * scale)
+    return dot(x, w.astype(x.dtype), precision=EXACT) * scale
+
+
+def _block_and_tile(cols_first):
+    first = pl.program_id(0)
+    return (pl.program_id(1), first) if cols_first else (first, pl.program_id(1))
+
+
+def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, f, bm, tk, tn, K, E, cols_first,
+                    quant_h):
+    """h[rows, tile n] = silu(x @ W_gate[e][:, n]) * (x @ W_up[e][:, n]) for row block b (x gathered [M_pad, D]);
+    with quant_h, h in e4m3 and its scale per row hs[rows, n] (the tile is one 1 x tn group)."""
+    b, n = _block_and_tile(cols_first)
+    layer, e = layer_ref[0], be_ref[b]
+    rows, cols = pl.ds(b * bm, bm), pl.ds(n * tn, tn)
+
+    nk = f.layout == "nk"
+
+    @pl.when((e >= 0) & (e < E))
+    def _():
+        def body(i, acc):
+            out = []
+            for g in (0, 1):
+                out.append(acc[g] + _partial(
+                    f, i, tk, tn, n, lambda ks: x_ref[rows, ks], lambda kb: xs_ref[rows, kb],
+                    (lambda ks, g=g: q_ref[layer, e, g, cols, ks]) if nk else (
+                        lambda ks, g=g: q_ref[layer, e, ks, g, cols]),
+                    (lambda ki, ci, g=g: s_ref[layer, e, g, ci, ki]) if nk else (
+                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci])))
+            return tuple(out)
+
+        zero = jnp.zeros((bm, tn), jnp.float32)
+        gate, up = jax.lax.fori_loop(0, K // tk, body, (zero, zero))
+        if f.kind == "int8":  # the per-column scale, after the K loop
+            gate = gate * s_ref[layer, e, pl.ds(0, 1), 0, cols]
+            up = up * s_ref[layer, e, pl.ds(0, 1), 1, cols]
+        h = jax.nn.silu(gate) * up
+        if quant_h:  # DeepSeek's act_quant of this row group in the epilogue
+            amax = jnp.max(jnp.abs(h), axis=1)
+            hscale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
+            h_ref[rows, cols] = (h / hscale[:, None]).astype(h_ref.dtype)
+            hs[0][rows, n] = hscale
+        else:
+            h_ref[rows, cols] = h.astype(h_ref.dtype)
+
+
+def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first):
+    """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b."""
+    b, n = _block_and_tile(cols_first)
+    layer, e = layer_ref[0], be_ref[b]
+    rows, cols = pl.ds(b * bm, bm), pl.ds(n * tn, tn)
+
+    nk = f.layout == "nk"
+
+    @pl.when((e >= 0) & (e < E))
+    def _():
+        def body(i, acc):
+            return acc + _partial(
+                f, i, tk, tn, n, lambda ks: h_ref[rows, ks], lambda kb: hs_ref[rows, kb],
+                (lambda ks: q_ref[layer, e, cols, ks]) if nk else (lambda ks: q_ref[layer, e, ks, cols]),
+                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]))
+
+        acc = jax.lax.fori_loop(0, K // tk, body, jnp.zeros((bm, tn), jnp.float32))
+        if f.kind == "int8":
+            acc = acc * s_ref[layer, e, pl.ds(0, 1), cols]
+        y_ref[rows, cols] = acc.astype(y_ref.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("fmt_gu", "fmt_down", "block_m", "block_n", "block_k", "num_warps",
+                                             "num_stages", "cols_first", "interpret"))
+def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *, fmt_gu, fmt_down, block_m=None,
+                      block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
+                      interpret=False):
+    """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
+    else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
+    None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`)."""
+    if layer is None:
+        gu_q, gu_s, down_q, down_s, layer = gu_q[None], gu_s[None], down_q[None], down_s[None], 0
+    layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    T, D = x.shape
+    E, I = gu_q.shape[1], gu_q.shape[3 if fmt_gu.layout == "nk" else 4]
+    k = idx.shape[-1]
+    auto = tile_config(T * k)
+    bm, bn, bk, warps, stages = (a if v is None else v
+                                 for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
+    t1, t2 = _tiles(fmt_gu, D, I, bn, bk), _tiles(fmt_down, I, D, bn, bk)
+    if t1 is None or t2 is None:
+        raise ValueError(f"moe_experts_quant: no tiling for D {D}, I {I} in formats {fmt_gu}, {fmt_down}")
+    cols_first = cols_first_for(T * k) if cols_first is None else cols_first
+    row_copy, block_expert, row_of = align_tokens(idx, E, bm)
+    m_pad, nb = row_copy.shape[0], block_expert.shape[0]
+    tok = jnp.where(row_copy >= 0, row_copy // k, 0)
+    act8 = fmt_gu.kind == "fp8" and fmt_gu.act == "fp8"
+    if act8:
+        xq, xs = quantize_act(x, fmt_gu.group)
+        xk, xs = xq[tok], xs[tok]  # [M_pad, D] e4m3, [M_pad, D / bk]
+    else:
+        xk, xs = x[tok], jnp.zeros((m_pad, 1), jnp.float32)
+    down8 = fmt_down.kind == "fp8" and fmt_down.act == "fp8"
+    quant_h = down8 and t1[1] == fmt_down.group
+    grid = lambda tiles: (tiles, nb) if cols_first else (nb, tiles)  # noqa: E731
+    params = compiler_params(warps, stages, interpret)
+    # h in e4m3 (quantized in the epilogue), or fp32 where it is quantized beside (no bf16 rounding first)
+    h_shape = [jax.ShapeDtypeStruct((m_pad, I), FP8 if quant_h else jnp.float32 if down8 else x.dtype)]
+    if quant_h:
+        h_shape.append(jax.ShapeDtypeStruct((m_pad, I // fmt_down.group), jnp.float32))
+    out = pl.pallas_call(
+        functools.partial(_gate_up_kernel, f=fmt_gu, bm=bm, tk=t1[0], tn=t1[1], K=D, E=E, cols_first=cols_first,
+                          quant_h=quant_h),
+        grid=grid(I // t1[1]), out_shape=tuple(h_shape), compiler_params=params, interpret=interpret,
+    )(layer, block_expert, xk, xs, gu_q, gu_s.astype(jnp.float32))
+    if quant_h:
+        h, hs = out
+    elif down8:  # the gate_up tile is not one activation group: quantize h beside the kernels
+        h, hs = quantize_act(out[0], fmt_down.group)
+    else:
+        h, hs = out[0], jnp.zeros((m_pad, 1), jnp.float32)
+    y = pl.pallas_call(
+        functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first),
+        grid=grid(D // t2[1]), out_shape=jax.ShapeDtypeStruct((m_pad, D), x.dtype), compiler_params=params,
+        interpret=interpret,
+    )(layer, block_expert, h, hs, down_q, down_s.astype(jnp.float32))
+    return combine_rows(y, row_of, weights, T, k, D, x.dtype)
+
+
+def dequant_expert(q, s, f: WeightFormat, n_out: int) -> jax.Array:
+    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]) back to fp32
+    [.., K, *out]."""
+    if f.layout == "nk":
+        w = dequant_fp8(q, s, (f.block_n, f.group))  # [.., (2,) N, K]: rows in bn blocks, columns in bk
+        return jnp.moveaxis(w, -1, -1 - n_out)  # K before the output axes: [.., K, (2,) N]
+    if f.kind == "int8":
+        return q.astype(jnp.float32) * s.astype(jnp.float32)
+    ax = q.ndim - n_out - 1  # the K axis
+    if f.kind == "int4":
+        b = q.astype(jnp.int32)
+        v = jnp.stack([(b & 15) - 8, (b >> 4) - 8], axis=ax + 1)  # [.., K / 2, 2, *out]
+        v = v.reshape(q.shape[:ax] + (2 * q.shape[ax],) + q.shape[ax + 1:]).astype(jnp.float32)
+        return v * jnp.repeat(s.astype(jnp.float32), f.group, axis=ax)
+    if n_out == 1:
+        return dequant_fp8(q, s, (f.group, f.block_n))
+    qt, st = jnp.moveaxis(q, -2, 0), jnp.moveaxis(s, -2, 0)  # gate_up [.., D, 2, I]: the 2 in front
+    return jnp.moveaxis(dequant_fp8(qt, st, (f.group, f.block_n)), 0, -2)
+
+
+def _through_fp8(a, group):
+    """a rounded through `quantize_act` (1 x group), back in fp32."""
+    aq, s = quantize_act(a, group)
+    return aq.astype(jnp.float32) * jnp.repeat(s, group, axis=1)[:, : a.shape[1]]
+
+
+def moe_experts_quant_reference(x, gu_q, gu_s, down_q, down_s, weights, idx, *, fmt_gu, fmt_down):
+    """Pure JAX over unstacked [E, ..] weights: each copy through its dequantized expert, fp32 throughout, x's
+    dtype out (h rounded to x's dtype between the two GEMMs, as the kernels store it; with FP8 activations, x
+    and h rounded through `quantize_act` instead)."""
+    wgu = dequant_expert(gu_q, gu_s, fmt_gu, 2)[idx]  # [T, k, D, 2, I]
+    wd = dequant_expert(down_q, down_s, fmt_down, 1)[idx]  # [T, k, I, D]
+    xf = _through_fp8(x, fmt_gu.group) if fmt_gu.act == "fp8" else x.astype(jnp.float32)
+    g = jnp.einsum("td,tkdi->tki", xf, wgu[..., 0, :], precision=EXACT)
+    u = jnp.einsum("td,tkdi->tki", xf, wgu[..., 1, :], precision=EXACT)
+    h = jax.nn.silu(g) * u  # [T, k, I]
+    T, k, I = h.shape
+    if fmt_down.act == "fp8":
+        h = _through_fp8(h.reshape(T * k, I), fmt_down.group).reshape(T, k, I)
+    else:
+        h = h.astype(x.dtype).astype(jnp.float32)
+    y = jnp.einsum("tki,tkid->tkd", h, wd, precision=EXACT)
+    return jnp.einsum("tkd,tk->td", y, weights.astype(jnp.float32)).astype(x.dtype)

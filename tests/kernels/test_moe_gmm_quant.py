@@ -1,0 +1,170 @@
+"""The MoE grouped GEMMs on quantized experts (INT8, INT4, FP8 block-scaled; interpret mode) equal their
+pure-JAX reference, and lower for sm_90."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from deepinfer_jax.kernels.fp8_gemm import FP8
+from deepinfer_jax.kernels.moe_gmm import moe_experts_reference
+from deepinfer_jax.kernels.moe_gmm_quant import (WeightFormat, dequant_expert, moe_experts_quant,
+                                                 moe_experts_quant_reference, supported)
+from deepinfer_jax.models.quant import dequantize, quantize
+
+T, D, I, E, K = 7, 192, 96, 5, 3  # odd tokens and experts; D, I multiples of 32 but not of 64 / 128 tiles
+
+
+@pytest.fixture(scope="module")
+def case():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((T, D)), jnp.bfloat16)
+    idx = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]), jnp.int32)
+    w = jnp.asarray(rng.random((T, K)), jnp.float32)
+    wgu = rng.standard_normal((2, E, D, 2, I)).astype(np.float32) * 0.1  # two stacked layers
+    wd = rng.standard_normal((2, E, I, D)).astype(np.float32) * 0.1
+    return x, idx, w, wgu, wd
+
+
+def _weights(kind, wgu, wd):
+    """(gate_up q, scale, down q, scale, formats) of both layers in `kind`'s stored layout."""
+    rng = np.random.default_rng(1)
+    if kind in ("int8", "int4"):
+        bits = int(kind[3:])
+        a, b = quantize(wgu, bits, 1, 2, 64), quantize(wd, bits, 1, 1, 48)  # INT4 down: 48-row groups, 32-row steps
+        return a.q, a.scale, b.q, b.scale, WeightFormat(kind, a.group_size), WeightFormat(kind, b.group_size)
+    act = kind.split("-")[1]
+
+    def fp8(w, blk, n_out):
+        s_shape = w.shape[:2] + (w.shape[2] // blk[0],) + ((2,) if n_out == 2 else ()) + (w.shape[-1] // blk[1],)
+        return jnp.asarray(w * 10, FP8), jnp.asarray(rng.random(s_shape) * 0.1 + 0.05, jnp.float32)
+
+    # gate_up in 64 x 32 blocks, down in 32 x 64: with act="fp8" the gate_up tile (32 columns) is the down
+    # weight's 1 x 32 activation group, so h is quantized in the gate_up kernel's epilogue
+    return (*fp8(wgu, (64, 32), 2), *fp8(wd, (32, 64), 1), WeightFormat("fp8", 64, 32, act),
+            WeightFormat("fp8", 32, 64, act))
+
+
+def _close(out, ref):
+    out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+    np.testing.assert_allclose(out, ref, rtol=2e-2, atol=1e-2 * np.abs(ref).max())
+
+
+def _nk(gq, gs, dq, ds, fg, fd):
+    """FP8 "kn" experts in the checkpoint's orientation: gate_up [L, E, 2, I, D] / [L, E, 2, I/bn, D/bk], down
+    [L, E, D, I] / [L, E, D/bn, I/bk]."""
+    t = lambda a: jnp.moveaxis(a, 2, -1)  # noqa: E731  [L, E, D, 2, I] -> [L, E, 2, I, D]
+    fmt = lambda f: dataclasses.replace(f, layout="nk")  # noqa: E731
+    return t(gq), t(gs), jnp.swapaxes(dq, -1, -2), jnp.swapaxes(ds, -1, -2), fmt(fg), fmt(fd)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4", "fp8nk-bf16", "fp8-fp8"])
+def test_kernels_match_reference(case, kind):
+    """Layer 1 of the stacked weights, read in place, against the reference on that layer's weights; FP8 "nk"
+    weights (HF's orientation, read as stored) against the reference on the same weights in "kn"."""
+    x, idx, w, wgu, wd = case
+    gq, gs, dq, ds, fg, fd = ref_w = _weights(kind.replace("nk", ""), wgu, wd)
+    if "nk" in kind:
+        gq, gs, dq, ds, fg, fd = _nk(*ref_w)
+    assert supported(fg, fd, D, I, T * K)
+    out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, interpret=True)
+    rq = [a[1] for a in ref_w[:4]]
+    ref = moe_experts_quant_reference(x, *rq, w, idx, fmt_gu=ref_w[4], fmt_down=ref_w[5])
+    _close(out, ref)
+    if "nk" in kind:  # the reference's own dequant of the "nk" weights is the "kn" one's
+        np.testing.assert_array_equal(np.asarray(dequant_expert(gq[1], gs[1], fg, 2)),
+                                      np.asarray(dequant_expert(*rq[:2], ref_w[4], 2)))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_reference_dequant_is_models_quant(case, bits):
+    """The kernels' INT layouts are models/quant.py's: `dequant_expert` equals its `dequantize`, so the
+    reference is the dequantize-then-bf16-GEMM path the model took before."""
+    x, idx, w, wgu, wd = case
+    a = quantize(wgu[0], bits, 1, 2, 64)
+    np.testing.assert_array_equal(np.asarray(dequant_expert(a.q, a.scale, WeightFormat(f"int{bits}", a.group_size), 2)),
+                                  np.asarray(dequantize(a, jnp.float32)))
+    b = quantize(wd[0], bits, 1, 1, 48)
+    ref = moe_experts_quant_reference(x, a.q, a.scale, b.q, b.scale, w, idx,
+                                      fmt_gu=WeightFormat(f"int{bits}", a.group_size),
+                                      fmt_down=WeightFormat(f"int{bits}", b.group_size))
+    want = moe_experts_reference(x, dequantize(a, jnp.bfloat16), dequantize(b, jnp.bfloat16), w, idx)
+    _close(ref, want)
+
+
+def test_prefill_layout_and_skipped_copies(case):
+    """Column tiles launched first (prefill sizes) and ids outside [0, E) keep the result; h quantized beside the
+    kernels where the gate_up tile is not one activation group (16-wide tiles against 32-column groups)."""
+    x, idx, w, wgu, wd = case
+    gq, gs, dq, ds, fg, fd = _weights("fp8-fp8", wgu, wd)
+    skip = jnp.asarray(np.random.default_rng(1).random(idx.shape) < 0.3)
+    out = moe_experts_quant(x, gq[0], gs[0], dq[0], ds[0], jnp.where(skip, 0.0, w), jnp.where(skip, -1, idx),
+                            fmt_gu=fg, fmt_down=fd, block_n=16, cols_first=True, interpret=True)
+    ref = moe_experts_quant_reference(x, gq[0], gs[0], dq[0], ds[0], jnp.where(skip, 0.0, w),
+                                      jnp.where(skip, 0, idx), fmt_gu=fg, fmt_down=fd)
+    _close(out, ref)
+
+
+def test_supported_formats():
+    assert not supported(WeightFormat("int4", 64), WeightFormat("int4", 88), 2048, 176, 64)  # 16-deep steps only
+    assert supported(WeightFormat("int4", 128), WeightFormat("int4", 88), 2048, 1408, 64)  # V2-Lite's groups
+    assert not supported(WeightFormat("fp8", 128, 128, "fp8"), WeightFormat("fp8", 128, 128, "fp8"), 7168, 2000, 64)
+    with pytest.raises(ValueError, match="act"):
+        WeightFormat("int8", act="fp8")
+    with pytest.raises(ValueError, match="layout"):
+        WeightFormat("int4", 128, layout="nk")
+
+
+@pytest.fixture
+def triton_asm(cuda_lowering, monkeypatch):
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    captured, lower = [], reg.lowering.lower_jaxpr_to_triton_module
+
+    def capture(*a, **k):
+        out = lower(*a, **k)
+        captured.append(out.module.operation.get_asm())
+        return out
+
+    monkeypatch.setattr(reg.lowering, "lower_jaxpr_to_triton_module", capture)
+    return lambda fn, *args: (cuda_lowering(fn, *args), captured)[1]
+
+
+@pytest.mark.parametrize("kind, tokens", [("fp8-fp8", 32), ("fp8nk-fp8", 4096), ("int8", 32), ("int4", 32)])
+def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
+    """V3-shaped experts (D 7168, I 2048, 256 experts, top-8; INT4 in 128-row groups) at decode and prefill
+    sizes: both kernels lower, FP8 ones multiplying e4m3 by e4m3, the INT ones reading 1-byte weights."""
+    S = jax.ShapeDtypeStruct
+    Dv, Iv, Ev, L = 7168, 2048, 256, 2
+    if kind == "fp8-fp8":
+        f = WeightFormat("fp8", 128, 128, "fp8")
+        ws = (S((L, Ev, Dv, 2, Iv), FP8), S((L, Ev, Dv // 128, 2, Iv // 128), jnp.float32),
+              S((L, Ev, Iv, Dv), FP8), S((L, Ev, Iv // 128, Dv // 128), jnp.float32))
+    elif kind == "fp8nk-fp8":
+        f = WeightFormat("fp8", 128, 128, "fp8", "nk")
+        ws = (S((L, Ev, 2, Iv, Dv), FP8), S((L, Ev, 2, Iv // 128, Dv // 128), jnp.float32),
+              S((L, Ev, Dv, Iv), FP8), S((L, Ev, Dv // 128, Iv // 128), jnp.float32))
+    elif kind == "int8":
+        f = WeightFormat("int8")
+        ws = (S((L, Ev, Dv, 2, Iv), jnp.int8), S((L, Ev, 1, 2, Iv), jnp.float32),
+              S((L, Ev, Iv, Dv), jnp.int8), S((L, Ev, 1, Dv), jnp.float32))
+    else:
+        f = WeightFormat("int4", 128)
+        ws = (S((L, Ev, Dv // 2, 2, Iv), jnp.uint8), S((L, Ev, Dv // 128, 2, Iv), jnp.float32),
+              S((L, Ev, Iv // 2, Dv), jnp.uint8), S((L, Ev, Iv // 128, Dv), jnp.float32))
+    args = (S((tokens, Dv), jnp.bfloat16), *ws, S((tokens, 8), jnp.float32), S((tokens, 8), jnp.int32),
+            S((), jnp.int32))
+    mods = triton_asm(lambda x, a, b, c, d, w, i, l: moe_experts_quant(x, a, b, c, d, w, i, l, fmt_gu=f, fmt_down=f),
+                      *args)
+    assert len(mods) == 2  # gate_up, down
+    for asm in mods:
+        dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
+        assert dots
+        if kind.startswith("fp8"):
+            assert all(ln.count("f8E4M3FN>") >= 2 for ln in dots)
+        else:
+            assert "tt.ptr<i8>" in asm and "f8E4M3FN" not in asm
