@@ -178,19 +178,21 @@ class LLM:
         self.dtype = resolve_dtype(dtype, model)
         # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
         self.sharding, shardings = None, None
+        vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
             self.sharding = build_sharding(cfg0, parallel)
-            shardings = self.sharding.param_shardings(cfg0)
+            shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
+            vocab_multiple = self.sharding.vocab_multiple
         # The weights load while the engine compiles its step programs (weights/pending.py).
         if load_format == "dummy":  # vLLM's dummy format: config.json only, random weights drawn on the device
             from deepinfer_jax.weights.random_init import pending_random_params
 
-            self.model_config = ModelConfig.from_model_dir(model)
+            self.model_config = ModelConfig.from_model_dir(model).with_vocab_multiple(vocab_multiple)
             params = pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
         elif load_format == "auto":
             self.model_config, params = prepare_model(model, jnp.dtype(self.dtype), shardings=shardings,
-                                                      progress=progress)
+                                                      progress=progress, vocab_multiple=vocab_multiple)
         else:
             raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
         cfg = self.model_config
@@ -226,6 +228,13 @@ class LLM:
                                 sharding=self.sharding)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the loaded model has its multi-token-prediction layers (ModelConfig.has_mtp): False for a
+        checkpoint that declares num_nextn_predict_layers without MTP weights; speculative decoding with MTP
+        checks it."""
+        return self.model_config.has_mtp
 
     def get_tokenizer(self):
         return self.tokenizer

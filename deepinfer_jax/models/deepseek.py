@@ -51,8 +51,12 @@ def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> 
 
 
 def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32)."""
-    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
+    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32).
+    A vocab padded for tensor parallelism (cfg.padded_vocab_size) loses its padding columns here."""
+    logits = linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"])
+    if cfg.param_vocab_size != cfg.vocab_size:
+        logits = logits[..., : cfg.vocab_size]
+    return logits.astype(jnp.float32)
 
 
 def forward(
