@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from hf_models import build_hf_model, read_tensors, rewrite_checkpoint, save_hf_model
+from hf_models import build_hf_model, hf_greedy, read_tensors, rewrite_checkpoint, save_hf_model
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_CASE = os.path.join(REPO, "tests", "sharding", "run_case.py")
@@ -66,20 +66,11 @@ def runs(checkpoints):
     return out
 
 
-def _hf_greedy(model, prompt, n):
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, use_cache=True)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("kind", sorted(RUNS))
 def test_every_layout_loads_and_serves_hf_tokens(checkpoints, runs, kind):
     model, _ = checkpoints
     res = runs[kind]
-    want = [_hf_greedy(model, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
+    want = [hf_greedy(model, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
     for name, r in res["layouts"].items():
         layout = name.removesuffix(":load")
         tp = int(layout.split("x")[0])
