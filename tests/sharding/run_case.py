@@ -10,13 +10,14 @@ DEEPINFER_PREFILL_LAYERS RunnerConfig.prefill_layers (scan). Runs in its own
 process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
 "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens": [[...] per request],
 "compiles_after_warmup", "seconds", "steps", "kv_usage_after", "ranks", "mesh", "has_mtp", "param_vocab",
-"kv_cache_spec"}}}.
+"collectives", "bucket", "seq_rows", "kv_cache_spec"}}}.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -106,8 +107,24 @@ def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_imp
     return {"tokens": [done[r] for r in ids], "compiles_after_warmup": eng.runner.compiles_after_warmup,
             "seconds": round(time.time() - t0, 2), "steps": steps, "kv_usage_after": pools, "ranks": ranks,
             "mesh": None if sharding is None else dict(sharding.mesh.shape), "has_mtp": cfg.has_mtp,
+            "collectives": collectives(eng.runner.programs.executables.values()),
+            "bucket": BUDGET, "seq_rows": eng.shapes.seq_rows(BUDGET),
             "param_vocab": int(params["embed"].shape[0]),
             "kv_cache_spec": None if sharding is None else _spec(eng.runner.kv_cache)}
+
+
+COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+
+
+def collectives(executables) -> list:
+    """Sorted distinct [kind, [dims]] of the collectives in the compiled step programs' HLO (a tuple-shaped
+    all-reduce counts once per element)."""
+    seen = set()
+    for ex in executables:
+        for m in COLLECTIVE.finditer(ex.as_text()):
+            for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", m.group(1)):
+                seen.add((m.group(2), tuple(int(d) for d in dims.split(",") if d)))
+    return sorted([k, list(d)] for k, d in seen)
 
 
 def _spec(x) -> list:

@@ -84,6 +84,22 @@ def test_every_layout_loads_and_serves_hf_tokens(checkpoints, runs, kind):
             assert all(t < VOCAB for seq in r["tokens"] for t in seq)
 
 
+def test_collectives_are_the_predicted_ones(checkpoints, runs):
+    """The compiled steps' collectives (kind, result shape) are exactly those sharding/comm.py predicts, for the
+    layout of DP = 2 x EP = 4 with TP = 2 (vocab padded to 384): the prediction benchmarks/comm_volume.py prints
+    for the GPU runs rests on this."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.sharding import ParallelConfig
+    from deepinfer_jax.sharding.comm import step_collectives
+
+    _, dirs = checkpoints
+    r = runs["mtp_absent"]["layouts"]["2x2ep"]
+    cfg = ModelConfig.from_model_dir(dirs["mtp_absent"]).with_vocab_multiple(128)
+    want = sorted({(c.kind, c.shape) for c in step_collectives(cfg, ParallelConfig(2, 2, True), r["bucket"], r["seq_rows"], 4)})
+    got = sorted((k, tuple(d)) for k, d in r["collectives"])
+    assert got == want, f"compiled {got}, predicted {want}"
+
+
 def test_padded_vocab_never_sampled_nor_in_logprobs():
     """Padding columns are dropped from the logits (models/deepseek.py _logits): with the lm_head's padding
     columns set to a huge value, the logits still have vocab_size columns and equal the unpadded model's."""
