@@ -97,6 +97,8 @@ class ModelConfig:
         embedding and lm_head to a multiple of 64 x TP); unchanged where `multiple` divides vocab_size."""
         if multiple < 1:
             raise ValueError(f"vocab padding multiple must be >= 1, got {multiple}")
+        if self.padded_vocab_size and self.padded_vocab_size % multiple == 0:
+            return self  # padded already, to a multiple of this one
         if self.vocab_size % multiple == 0:
             return dataclasses.replace(self, padded_vocab_size=0)
         return dataclasses.replace(self, padded_vocab_size=-(-self.vocab_size // multiple) * multiple)

@@ -89,6 +89,7 @@ def test_a_vocab_tp_does_not_divide_is_padded_to_64_x_tp(vocab, tp, padded):
     that TP divides keeps its shapes."""
     cfg = cfg_of("v2_greedy_yarn", vocab_size=vocab).with_vocab_multiple(1 if vocab % tp == 0 else 64 * tp)
     assert cfg.padded_vocab_size == padded and cfg.vocab_size == vocab
+    assert cfg.with_vocab_multiple(1) == cfg  # a padded config stays padded (fit_config of a loaded one)
     check_rules(cfg, mesh_shape(ParallelConfig(tp)), default_rules(ParallelConfig(tp)))
     specs = param_partition_specs(cfg, default_rules(ParallelConfig(tp)))
     assert specs["embed"] == P("tensor", None)
