@@ -78,6 +78,10 @@ class ModelConfig:
     index_n_heads: int = 0
     index_head_dim: int = 0
     index_topk: int = 0
+    # Rows of embed / columns of lm_head in the params (0: vocab_size). Larger when tensor parallelism does
+    # not divide vocab_size (`with_vocab_multiple`): the padding rows are zero, and the forward drops the
+    # padding columns from the logits, so no padding id is ever sampled or reported.
+    padded_vocab_size: int = 0
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -100,6 +104,29 @@ class ModelConfig:
         (index_head_dim), so the key lives in the same pages as the latent (prefix caching, preemption and
         chunked prefill carry it unchanged)."""
         return self.latent_dim + (self.index_head_dim if self.has_indexer else 0)
+
+    @property
+    def param_vocab_size(self) -> int:
+        """The vocab length of embed and lm_head in the params (vocab_size plus any padding)."""
+        return max(self.vocab_size, self.padded_vocab_size)
+
+    def with_vocab_multiple(self, multiple: int) -> "ModelConfig":
+        """This config with the params' vocab padded to a multiple of `multiple` (vLLM pads its parallel
+        embedding and lm_head to a multiple of 64 x TP); unchanged where `multiple` divides vocab_size."""
+        if multiple < 1:
+            raise ValueError(f"vocab padding multiple must be >= 1, got {multiple}")
+        if self.padded_vocab_size and self.padded_vocab_size % multiple == 0:
+            return self  # padded already, to a multiple of this one
+        if self.vocab_size % multiple == 0:
+            return dataclasses.replace(self, padded_vocab_size=0)
+        return dataclasses.replace(self, padded_vocab_size=-(-self.vocab_size // multiple) * multiple)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the loaded model carries multi-token-prediction layers. A checkpoint whose config declares
+        num_nextn_predict_layers but whose files have no MTP weights (HF transformers drops them on save)
+        loads with num_nextn_predict_layers = 0: MTP is then absent and speculative decoding with it refused."""
+        return self.num_nextn_predict_layers > 0
 
     @property
     def has_e_score_correction_bias(self) -> bool:

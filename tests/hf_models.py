@@ -109,6 +109,16 @@ def hf_logits(model, token_ids) -> "np.ndarray":  # noqa: F821
     return out.logits.float().numpy()
 
 
+def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
+    """HF transformers' greedy continuation of `prompt`: exactly `n` tokens, EOS ignored."""
+    import torch
+
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0, use_cache=True)
+    return out[0, len(prompt):].tolist()
+
+
 def read_tensors(path: str) -> dict:
     """Every tensor of a checkpoint directory as numpy arrays (bf16 / fp8 through ml_dtypes)."""
     import numpy as np

@@ -11,6 +11,7 @@ from typing import Any, Sequence
 from deepinfer_jax.config import CacheConfig, RunnerConfig, SchedulerConfig
 from deepinfer_jax.engine.llm_engine import LLMEngine
 from deepinfer_jax.engine.plan import DTYPES, fit_problem, resolve_dtype  # noqa: F401 - resolve_dtype: LLM's API
+from deepinfer_jax.runner.multihost import check_launch, init_distributed  # noqa: F401 (the server's way to them)
 from deepinfer_jax.types import RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -156,7 +157,10 @@ class LLM:
     prefill_context_variant (prefill buckets' programs with and without the context part, picked on the
     host instead of a lax.cond a layer; on by default, RunnerConfig), greedy_variant (decode buckets get a program
     for steps whose every request is greedy, without the draw; on by default, RunnerConfig),
-    prefill_shared_forward (prefill buckets' sampling variants share one forward program; on by default,
+    nnodes, node_rank, master_addr, master_port (vLLM's multi-node launch: one process a host, each with the
+    same arguments and its own node_rank; runner/multihost.py; on ranks other than 0 `LLM(...)` runs rank 0's
+    steps and returns once rank 0 calls `shutdown()` or exits), prefill_shared_forward (prefill buckets' sampling
+    variants share one forward program; on by default,
     RunnerConfig), token_buckets (the step sizes in token slots; (): powers of two, runner/inputs.py), warmup_runs
     (runs of each step program at warm-up; None: RunnerConfig's), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
@@ -178,7 +182,18 @@ class LLM:
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
-                 token_buckets: Sequence[int] = (), warmup_runs: int | None = None):
+                 token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
+                 node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None):
+        # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
+        from deepinfer_jax.runner.multihost import StepChannel
+
+        check_launch(nnodes, node_rank, master_addr, master_port)
+        self.node_rank, self.nnodes = node_rank, nnodes
+        channel = None
+        if nnodes > 1:
+            init_distributed(nnodes, node_rank, master_addr, master_port)
+            channel = StepChannel(nnodes, node_rank, master_addr, master_port + 1)
+            skip_tokenizer_init = skip_tokenizer_init or node_rank > 0  # only rank 0 reads and writes text
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -188,6 +203,14 @@ class LLM:
         from deepinfer_jax.sharding import ParallelConfig, build_sharding
 
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        if nnodes > 1:
+            import jax
+
+            if parallel.world_size != jax.device_count():
+                raise ValueError(
+                    f"--tensor-parallel-size {tensor_parallel_size} x --data-parallel-size {data_parallel_size} = "
+                    f"{parallel.world_size} must equal the {jax.device_count()} devices of the --nnodes {nnodes} "
+                    f"hosts ({jax.local_device_count()} on this one): the mesh spans every host")
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
         cache_dir = enable_compilation_cache(compilation_cache_dir)
@@ -195,10 +218,12 @@ class LLM:
         self.dtype = resolve_dtype(dtype, model)
         # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
         self.sharding, shardings = None, None
+        vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
             self.sharding = build_sharding(cfg0, parallel)
-            shardings = self.sharding.param_shardings(cfg0)
+            shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
+            vocab_multiple = self.sharding.vocab_multiple
         if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
             problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
@@ -212,11 +237,12 @@ class LLM:
             if quantization not in (None, "auto"):
                 raise ValueError(f"quantization {quantization!r} with load_format 'dummy' is not supported (random "
                                  "weights are drawn in the engine dtype)")
-            self.model_config = ModelConfig.from_model_dir(model)
+            self.model_config = ModelConfig.from_model_dir(model).with_vocab_multiple(vocab_multiple)
             params = pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
         elif load_format == "auto":
             self.model_config, params = prepare_model(model, jnp.dtype(self.dtype), shardings=shardings,
-                                                      progress=progress, quantization=quantization)
+                                                      progress=progress, quantization=quantization,
+                                                      vocab_multiple=vocab_multiple)
         else:
             raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
         cfg = self.model_config
@@ -253,6 +279,19 @@ class LLM:
                                 sharding=self.sharding)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
+        self._channel = channel
+        if channel is not None and node_rank == 0:
+            self.engine.runner.channel = channel  # every step from now on goes to the other ranks first
+        elif channel is not None:  # another rank: run rank 0's steps until it closes the channel
+            n = self.engine.runner.follow(channel)
+            log.info("rank %d: followed %d steps of rank 0, which has closed the channel", node_rank, n)
+
+    @property
+    def has_mtp(self) -> bool:
+        """Whether the loaded model has its multi-token-prediction layers (ModelConfig.has_mtp): False for a
+        checkpoint that declares num_nextn_predict_layers without MTP weights; speculative decoding with MTP
+        checks it."""
+        return self.model_config.has_mtp
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -301,7 +340,16 @@ class LLM:
         sp = sampling_params or SamplingParams()
         return self._run(encoded, [sp] * len(encoded), use_tqdm)
 
+    def shutdown(self) -> None:
+        """Several hosts, rank 0: end the other ranks' step loops (their `LLM(...)` returns). Also done at exit."""
+        if self._channel is not None and self.node_rank == 0:
+            self.engine.runner.channel = None
+            self._channel.close()
+
     def _run(self, encoded, params, use_tqdm: bool) -> list[RequestOutput]:
+        if self.node_rank > 0:
+            raise RuntimeError(f"this LLM is --node-rank {self.node_rank} of {self.nnodes}: it ran rank 0's steps "
+                               "until rank 0 shut down; generate on rank 0")
         eng = self.engine
         ids = []
         for (tok_ids, text), sp in zip(encoded, params):

@@ -38,6 +38,7 @@ from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, Schedul
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
+from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.text.grammar import mask_words
@@ -110,6 +111,10 @@ class LLMEngine:
             num_pages, how = pages_for_memory(
                 cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
                 memory=memory)
+            if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
+                agreed = agree_min(num_pages)
+                if agreed != num_pages:
+                    num_pages, how = agreed, f"{agreed} pages (the fewest of the hosts; this one fits {num_pages})"
         else:
             how = f"{num_pages} pages (set explicitly)"
         if pending is not None:

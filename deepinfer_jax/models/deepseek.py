@@ -50,9 +50,21 @@ def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> 
     return moe_block(lp["moe"], cfg, x, moe_impl)
 
 
-def _logits(params: dict, cfg: ModelConfig, h: jax.Array) -> jax.Array:
-    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32)."""
-    return linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
+def _logits(params: dict, cfg: ModelConfig, h: jax.Array, mesh_rules: MeshRules | None = None) -> jax.Array:
+    """Final norm and lm_head: h [..., D] -> fp32 logits [..., V] (the lm_head's output in h's dtype, then fp32).
+    A vocab padded for tensor parallelism (cfg.padded_vocab_size) loses its padding columns here. Sharded, the
+    logits are first computed with the vocab split as lm_head's columns are: without that constraint XLA's
+    partitioner gathered the whole lm_head weight [D, V] on every device each step to produce the replicated
+    logits the sampler takes, instead of gathering the [S, V] logits."""
+    logits = linear(rms_norm(h, params["final_norm"], cfg.rms_norm_eps), params["lm_head"])
+    if mesh_rules is not None:
+        from jax.sharding import NamedSharding
+
+        spec = mesh_rules.spec(("seqs",) * (logits.ndim - 1) + ("vocab",))
+        logits = jax.lax.with_sharding_constraint(logits, NamedSharding(mesh_rules.mesh, spec))
+    if cfg.param_vocab_size != cfg.vocab_size:
+        logits = logits[..., : cfg.vocab_size]
+    return logits.astype(jnp.float32)
 
 
 def forward(
@@ -435,7 +447,7 @@ def forward_paged(
         if ys is not None:
             routing.append(ys)
     h = h[meta.logits_indices]  # [S, D]: each sequence's last token
-    logits = _logits(params, cfg, h)
+    logits = _logits(params, cfg, h, mesh_rules)
     if return_routing:
         return logits, kv_cache, jnp.concatenate(routing, axis=0)
     return logits, kv_cache

@@ -8,7 +8,7 @@ Weights are `[in, out]`; attention weights keep an explicit heads axis so tensor
 heads by editing the rules in `sharding/`, never this file.
 
 Tree (E experts, H heads, R = kv_lora_rank, dr = qk_rope_head_dim, dn = qk_nope_head_dim):
-  embed [V, D]; final_norm [D]; lm_head [D, V]
+  embed [V, D]; final_norm [D]; lm_head [D, V] (V: cfg.param_vocab_size, the vocab plus any TP padding)
   segments[i]: {input_layernorm [L, D], post_attention_layernorm [L, D],
                 attn: {q_proj [L, D, H, dn+dr] | q_a_proj [L, D, Rq], q_a_layernorm [L, Rq],
                        q_b_proj [L, Rq, H, dn+dr]; kv_a_proj_with_mqa [L, D, R+dr];
@@ -135,7 +135,7 @@ def layer_specs(cfg: ModelConfig, kind: str, n: int | None) -> dict[str, Any]:
 
 
 def param_specs(cfg: ModelConfig) -> dict[str, Any]:
-    D, V = cfg.hidden_size, cfg.vocab_size
+    D, V = cfg.hidden_size, cfg.param_vocab_size
     specs: dict[str, Any] = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",)),

@@ -97,6 +97,8 @@ class ModelRunner:
                               donate_argnums=0, out_shardings=resident)
         self._extract = jax.jit(extract_results, static_argnums=(1, 2))
         self._warm = False
+        # Several hosts (runner/multihost.py): on rank 0, the channel each step's inputs go to the other ranks by.
+        self.channel = None
         self.last_routing = None
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
@@ -193,6 +195,8 @@ class ModelRunner:
         forward's inputs, the sampler's), the forward, then the sampler."""
         if self._pending is not None:  # the first step before warm-up (warm-up takes the params itself)
             self.await_params()
+        if self.channel is not None:  # several hosts: the other ranks run this step too, in this order
+            self.channel.send_step(host)
         progs = self.programs
         key, inputs = packed(host)
         res = progs.resident(key)
@@ -215,6 +219,15 @@ class ModelRunner:
         out = StepOut(buf, res.sampled_layout, routing)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
+
+    def follow(self, channel) -> int:
+        """Another rank than 0 of several hosts (runner/multihost.py): run each step rank 0 sends, in order, until
+        it closes the channel; returns the number of steps run."""
+        n = 0
+        while (host := channel.recv_step()) is not None:
+            self.run(host).block_until_ready()
+            n += 1
+        return n
 
     def dispatch(self, plan_seqs, requests, seeds, ranks=None) -> tuple[HostStep, Any]:
         """Queue one step on the device and return at once (JAX dispatch is asynchronous).

@@ -98,7 +98,8 @@ class StepOut:
 
     def to_host(self):
         """The step's SampleOutput with numpy leaves (waits for the step)."""
-        return unpack_bits(np.asarray(self.buf), self.layout)
+        buf = self.buf if self.buf.is_fully_addressable else self.buf.addressable_data(0)  # several hosts: replicated
+        return unpack_bits(np.asarray(buf), self.layout)
 
 
 @dataclass

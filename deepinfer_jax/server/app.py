@@ -350,12 +350,32 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
     return server
 
 
+def _follow(ns) -> int:
+    """`deepinfer serve --node-rank R` (R > 0): no API server; load the weights, warm up and run rank 0's steps
+    until rank 0 exits (runner/multihost.py)."""
+    from deepinfer_jax.engine.llm import LLM
+    from deepinfer_jax.server.args import engine_kwargs, resolve_model
+
+    model_dir, _ = resolve_model(ns)
+    kw, _ = engine_kwargs(ns, progress=False)
+    log.info("rank %d of %d: loading %s, then following rank 0's steps", ns.node_rank, ns.nnodes, model_dir)
+    LLM(model_dir, **kw)
+    log.info("rank 0 has closed the step channel; exiting")
+    return 0
+
+
 def serve(ns) -> int:
     """`deepinfer serve`: run until SIGTERM / SIGINT, then drain and exit 0."""
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.log_level != "debug":  # JAX's INFO lines (e.g. the TPU backend it did not find) are noise to a user
         logging.getLogger("jax").setLevel(logging.WARNING)
 
+    if getattr(ns, "nnodes", 1) > 1:  # jax.distributed before anything touches JAX's backends (engine_kwargs does)
+        from deepinfer_jax.engine.llm import init_distributed
+
+        init_distributed(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
+        if ns.node_rank > 0:
+            return _follow(ns)
     holder: list[RunningServer] = []
 
     async def main() -> int:

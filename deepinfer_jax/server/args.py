@@ -204,6 +204,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
                         "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    h = p.add_argument_group("several hosts (one process a host; the API server on --node-rank 0 only)")
+    h.add_argument("--nnodes", "-n", type=positive_int, default=1, help="hosts (processes) the mesh spans")
+    h.add_argument("--node-rank", "-r", type=nonnegative_int, default=0, help="this host's rank; 0 serves the API")
+    h.add_argument("--master-addr", default=None, help="rank 0's address (jax.distributed's coordinator)")
+    h.add_argument("--master-port", type=port_number, default=None,
+                   help="the coordinator's port on rank 0; rank 0 sends the steps on the next port up")
 
 
 def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
@@ -272,6 +278,13 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         if ns.model is not None and ns.model != tag:
             parser.error(f"the model is given twice: {tag!r} and --model {ns.model!r}")
         ns.model = tag
+    if getattr(ns, "nnodes", 1) > 1 or getattr(ns, "node_rank", 0):
+        from deepinfer_jax.engine.llm import check_launch
+
+        try:
+            check_launch(ns.nnodes, ns.node_rank, ns.master_addr, ns.master_port)
+        except ValueError as e:
+            parser.error(str(e))
     model_dir, _ = resolve_model(ns)
     problem = model_dir_problem(model_dir)
     if problem:
@@ -349,6 +362,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir)
+    if getattr(ns, "nnodes", 1) > 1:
+        kw.update(nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "attn_impl", "moe_impl",
                  "unroll_max_tokens", "prefill_layers", "prefill_context_variant", "greedy_variant",
                  "prefill_shared_forward"):

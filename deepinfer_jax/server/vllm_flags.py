@@ -20,6 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype
+--nnodes --node-rank --master-addr --master-port
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -63,10 +64,6 @@ NOT_YET = {
     "--spec-model": "not yet: no speculative decoding",
     "--spec-tokens": "not yet: no speculative decoding",
     "--pipeline-parallel-size": "not yet: use --tensor-parallel-size / --data-parallel-size on one host",
-    "--nnodes": "not yet: one host only",
-    "--node-rank": "not yet: one host only",
-    "--master-addr": "not yet: one host only",
-    "--master-port": "not yet: one host only",
 }
 
 _R = {  # refused, by reason: {what to do: flags}
@@ -172,7 +169,7 @@ def install(parser: argparse.ArgumentParser) -> None:
 
 # vLLM's short aliases of refused flags (`-q`, `-pp`, ...), refused alike
 _SHORT = {"--pipeline-parallel-size": ["-pp"], "--speculative-config": ["-sc"],
-          "--nnodes": ["-n"], "--node-rank": ["-r"], "--compilation-config": ["-cc"], "--attention-config": ["-ac"],
+          "--compilation-config": ["-cc"], "--attention-config": ["-ac"],
           "--api-server-count": ["-asc"], "--data-parallel-address": ["-dpa"], "--data-parallel-backend": ["-dpb"],
           "--data-parallel-external-lb": ["-dpe"], "--data-parallel-hybrid-lb": ["-dph"],
           "--data-parallel-multi-port-external-lb": ["-dpm"], "--data-parallel-rank": ["-dpn"],

@@ -15,16 +15,29 @@ from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
 from deepinfer_jax.sharding.rules import Rules, check_rules, default_rules, kv_cache_sharding, param_shardings
 
+VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: a padded vocab is a multiple of 64 x its devices
+
 
 @dataclass(frozen=True)
 class ModelSharding:
     parallel: ParallelConfig
     mesh: Any  # jax.sharding.Mesh
     rules: Rules
+    _vocab_multiple: int = 1
 
     @property
     def mesh_rules(self) -> MeshRules:
         return MeshRules(self.mesh, self.rules)
+
+    @property
+    def vocab_multiple(self) -> int:
+        """What the params' vocab is padded to a multiple of: 1 where the devices splitting the vocab divide
+        `vocab_size`; else 64 x those devices (vLLM's padding of its parallel embedding and lm_head)."""
+        return self._vocab_multiple
+
+    def fit_config(self, cfg: ModelConfig) -> ModelConfig:
+        """`cfg` with its params' vocab padded as this layout needs (ModelConfig.with_vocab_multiple)."""
+        return cfg.with_vocab_multiple(self.vocab_multiple)
 
     @property
     def num_ranks(self) -> int:
@@ -32,7 +45,8 @@ class ModelSharding:
         return self.mesh_rules.size("pages")
 
     def param_shardings(self, cfg: ModelConfig) -> Any:
-        return param_shardings(cfg, self.mesh, self.rules)
+        """The params' shardings, for `cfg` with its vocab padded as this layout needs (fit_config)."""
+        return param_shardings(self.fit_config(cfg), self.mesh, self.rules)
 
     def fit_param_shardings(self, cfg: ModelConfig, params: Any) -> Any:
         """param_shardings with the exact structure of `params`: a quantized leaf gets its sharding for
@@ -80,7 +94,13 @@ class ModelSharding:
 
 def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rules: Rules | None = None
                    ) -> ModelSharding:
-    """Mesh + rules for `parallel`, checked against the model (ValueError naming the dimension)."""
+    """Mesh + rules for `parallel`, checked against the model (ValueError naming the dimension). A vocab that
+    the devices splitting it do not divide is padded (ModelSharding.vocab_multiple), never refused."""
     rules = default_rules(parallel) if rules is None else rules
-    check_rules(cfg, {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}, rules)
-    return ModelSharding(parallel, make_mesh(parallel, devices), rules)
+    shape = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
+    vocab_devices = 1
+    for a in dict(rules).get("vocab", ()):
+        vocab_devices *= shape.get(a, 1)
+    multiple = 1 if cfg.vocab_size % vocab_devices == 0 else VOCAB_PADDING * vocab_devices
+    check_rules(cfg.with_vocab_multiple(multiple), shape, rules)
+    return ModelSharding(parallel, make_mesh(parallel, devices), rules, multiple)

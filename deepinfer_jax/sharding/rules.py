@@ -69,6 +69,19 @@ def _dimension_name(logical: str, path: str) -> str:
     return DIMENSION_NAMES.get(logical, logical)
 
 
+# The launch flag behind each mesh axis, for refusals.
+AXIS_FLAGS = {DATA: "--data-parallel-size", TENSOR: "--tensor-parallel-size"}
+
+
+def _flags(logical: str, axes: tuple[str, ...]) -> str:
+    flags = " or ".join(AXIS_FLAGS.get(a, f"the {a!r} mesh axis") for a in axes)
+    if logical == "expert":
+        return flags + " (expert parallelism spans them), or drop --enable-expert-parallel"
+    if logical == "moe_mlp":
+        return flags + " (the experts' intermediate dim spans them), or set --enable-expert-parallel"
+    return flags
+
+
 def check_rules(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules) -> None:
     """Raise ValueError unless `rules` on a mesh of `mesh_shape` ({axis: size}) splits every param
     evenly and keeps the data-parallel attention consistent."""
@@ -101,7 +114,7 @@ def check_rules(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules) -
             if n > 1 and dim % n:
                 raise ValueError(
                     f"{_dimension_name(logical, name)} = {dim} is not divisible by {n} (logical axis "
-                    f"{logical!r} split over mesh axes {axes}, param {name}); choose a mesh that divides it")
+                    f"{logical!r} split over mesh axes {axes}, param {name}); change {_flags(logical, axes)}")
 
     jax.tree_util.tree_map_with_path(check, param_specs(cfg), is_leaf=is_spec)
 

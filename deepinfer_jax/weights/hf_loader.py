@@ -208,15 +208,17 @@ _update_donated = jax.jit(_update, donate_argnums=0)
 
 
 def _write(leaf: jax.Array, index: tuple, value: np.ndarray) -> jax.Array:
-    """leaf[index] = value, in place (donated). index: ints then slices/ints (gate/up half)."""
+    """leaf[index] = value, in place (donated). index: ints then slices/ints (gate/up half; a slice with bounds:
+    the first rows of a vocab padded for tensor parallelism)."""
     full = [slice(None)] * leaf.ndim
     for i, ix in enumerate(index):
         full[i] = ix
     starts, shape = [], []
     for ix, dim in zip(full, leaf.shape):
         if isinstance(ix, slice):
-            starts.append(0)
-            shape.append(dim)
+            start, stop, _ = ix.indices(dim)
+            starts.append(start)
+            shape.append(stop - start)
         else:
             starts.append(ix)
             shape.append(1)

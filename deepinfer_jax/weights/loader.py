@@ -53,24 +53,31 @@ def check_quantization(model_dir: str, quantization: str | None) -> None:
 
 
 def load_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True,
-               quantization: str | None = None) -> tuple[ModelConfig, dict]:
+               quantization: str | None = None, vocab_multiple: int = 1) -> tuple[ModelConfig, dict]:
     """Returns (ModelConfig, params) with every leaf on its device (or `shardings`, a params-shaped tree
     of jax.sharding.Sharding; at a quantized leaf either the float leaf's sharding or a
-    QuantizedWeight of shardings for q and scale)."""
-    cfg, pending = prepare_model(model_dir, dtype, shardings, progress, quantization)
+    QuantizedWeight of shardings for q and scale). `vocab_multiple`: embed / lm_head padded to a multiple of it
+    where it does not divide vocab_size (ModelSharding.vocab_multiple; the shardings are then the padded
+    config's). An "mtp" subtree of `shardings` is dropped when the checkpoint has no MTP weights."""
+    cfg, pending = prepare_model(model_dir, dtype, shardings, progress, quantization, vocab_multiple)
     return cfg, pending.result()
 
 
 def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True,
-                  quantization: str | None = None) -> tuple[ModelConfig, PendingParams]:
+                  quantization: str | None = None, vocab_multiple: int = 1) -> tuple[ModelConfig, PendingParams]:
     """`load_model` with the params pending (weights/pending.py): the directory is read and checked now (a
     CheckpointError before any device work), the arrays load once the engine starts the load."""
     check_quantization(model_dir, quantization)
     if is_converted(model_dir):
+        vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+        if vocab % vocab_multiple:
+            raise ValueError(f"vocab_size = {vocab} of the converted checkpoint {model_dir} is not divisible by "
+                             f"the tensor parallel size, and a converted checkpoint's vocab is not padded; serve "
+                             f"its HF directory (padded at load) or change --tensor-parallel-size")
         cfg, pending = prepare_converted(model_dir, dtype, shardings=shardings, progress=progress)
         kind = "converted"
     else:
-        cfg = ModelConfig.from_model_dir(model_dir)
+        cfg = ModelConfig.from_model_dir(model_dir).with_vocab_multiple(vocab_multiple)
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)
         cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings=shardings, progress=progress,

@@ -133,14 +133,17 @@ def layer_rules(cfg: ModelConfig, kind: str, layer: int, path: tuple, idx: tuple
 def expected_tensors(cfg: ModelConfig, fused_layers: frozenset[int] = frozenset()) -> list[TensorRule]:
     """Every HF tensor the params need. `fused_layers`: MoE layers stored in HF v5's fused layout."""
     D, V = cfg.hidden_size, cfg.vocab_size
+    # A vocab padded for tensor parallelism: the checkpoint's rows fill the first V of the leaf's, the rest stay 0.
+    rows = (slice(0, V),) if cfg.param_vocab_size != V else ()
+    cols = (slice(None), slice(0, V)) if cfg.param_vocab_size != V else ()
     rules = [
-        TensorRule("model.embed_tokens.weight", (V, D), ("embed",), (), _identity, False),
+        TensorRule("model.embed_tokens.weight", (V, D), ("embed",), rows, _identity, False),
         TensorRule("model.norm.weight", (D,), ("final_norm",), (), _identity, False),
     ]
     if cfg.tie_word_embeddings:
-        rules.append(TensorRule("model.embed_tokens.weight", (V, D), ("lm_head",), (), _t, False))
+        rules.append(TensorRule("model.embed_tokens.weight", (V, D), ("lm_head",), cols, _t, False))
     else:
-        rules.append(TensorRule("lm_head.weight", (V, D), ("lm_head",), (), _t, False))
+        rules.append(TensorRule("lm_head.weight", (V, D), ("lm_head",), cols, _t, False))
     for si, seg in enumerate(layer_segments(cfg)):
         for layer in range(seg.start, seg.stop):
             rules += layer_rules(cfg, seg.kind, layer, ("segments", si), (layer - seg.start,), layer in fused_layers)

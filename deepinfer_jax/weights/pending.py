@@ -80,6 +80,9 @@ def abstract_from_specs(cfg: ModelConfig, dtype: Any, shardings: Any = None) -> 
     """The params' abstract tree from the model's param specs (every leaf in `dtype` where the spec says "model";
     `shardings`: a params-shaped tree of shardings, None: the default device)."""
     specs = param_specs(cfg)
+    if isinstance(shardings, dict) and "mtp" in shardings and "mtp" not in specs:
+        # Shardings built from config.json's declared MTP layers for a checkpoint that has none: MTP is absent.
+        shardings = {k: v for k, v in shardings.items() if k != "mtp"}
     if shardings is None:
         default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         shardings = jax.tree.map(lambda _: default, specs, is_leaf=is_spec)

@@ -2,18 +2,22 @@
 
     python tests/sharding/run_case.py MODEL_DIR [LAYOUT ...]
 
-LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep; environment
+LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep, or one of those with ":load"
+(the checkpoint loaded onto the layout, no engine: {"has_mtp", "param_vocab", "num_leaves", "embed_spec",
+"on_mesh"}); environment
 DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference) and
 DEEPINFER_PREFILL_LAYERS RunnerConfig.prefill_layers (scan). Runs in its own
 process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
 "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens": [[...] per request],
-"compiles_after_warmup", "seconds", "steps", "kv_usage_after", "ranks", "mesh", "kv_cache_spec"}}}.
+"compiles_after_warmup", "seconds", "steps", "kv_usage_after", "ranks", "mesh", "has_mtp", "param_vocab",
+"collectives", "bucket", "seq_rows", "kv_cache_spec"}}}.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 
@@ -38,6 +42,25 @@ def parse_layout(name: str):
     return ParallelConfig(tp, dp, ep)
 
 
+def load_only(model_dir: str, layout: str) -> dict:
+    """Load the checkpoint under `layout` without building an engine (LAYOUT ":load")."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.sharding import build_sharding
+    from deepinfer_jax.weights.loader import load_model
+
+    cfg0 = ModelConfig.from_model_dir(model_dir)
+    sharding = build_sharding(cfg0, parse_layout(layout))
+    cfg, params = load_model(model_dir, jnp.float32, shardings=sharding.param_shardings(cfg0), progress=False,
+                             vocab_multiple=sharding.vocab_multiple)
+    leaves = jax.tree.leaves(params)
+    return {"has_mtp": cfg.has_mtp, "param_vocab": int(params["embed"].shape[0]), "num_leaves": len(leaves),
+            "embed_spec": list(params["embed"].sharding.spec),
+            "on_mesh": all(x.sharding.mesh.shape == sharding.mesh.shape for x in leaves)}
+
+
 def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_impl: str = "reference",
         prefill_layers: str = "scan") -> dict:
     import jax.numpy as jnp
@@ -52,11 +75,13 @@ def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_imp
     pc = parse_layout(layout)
     sharding = None
     shardings = None
+    multiple = 1
     if not pc.is_single_device:
         cfg0 = ModelConfig.from_model_dir(model_dir)
         sharding = build_sharding(cfg0, pc)
         shardings = sharding.param_shardings(cfg0)
-    cfg, params = load_model(model_dir, jnp.float32, shardings=shardings, progress=False)
+        multiple = sharding.vocab_multiple
+    cfg, params = load_model(model_dir, jnp.float32, shardings=shardings, progress=False, vocab_multiple=multiple)
     eng = LLMEngine(
         cfg, params, None,
         scheduler_config=SchedulerConfig(max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, max_model_len=MODEL_LEN),
@@ -81,8 +106,25 @@ def run(model_dir: str, layout: str, prompts, moe_impl: str = "ragged", attn_imp
     pools = [s.kv_cache_manager.usage for s in getattr(sched, "ranks", [sched])]
     return {"tokens": [done[r] for r in ids], "compiles_after_warmup": eng.runner.compiles_after_warmup,
             "seconds": round(time.time() - t0, 2), "steps": steps, "kv_usage_after": pools, "ranks": ranks,
-            "mesh": None if sharding is None else dict(sharding.mesh.shape),
+            "mesh": None if sharding is None else dict(sharding.mesh.shape), "has_mtp": cfg.has_mtp,
+            "collectives": collectives(eng.runner.programs.executables.values()),
+            "bucket": BUDGET, "seq_rows": eng.shapes.seq_rows(BUDGET),
+            "param_vocab": int(params["embed"].shape[0]),
             "kv_cache_spec": None if sharding is None else _spec(eng.runner.kv_cache)}
+
+
+COLLECTIVE = re.compile(r"= (\(?[^=]*?\)?) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(")
+
+
+def collectives(executables) -> list:
+    """Sorted distinct [kind, [dims]] of the collectives in the compiled step programs' HLO (a tuple-shaped
+    all-reduce counts once per element)."""
+    seen = set()
+    for ex in executables:
+        for m in COLLECTIVE.finditer(ex.as_text()):
+            for dims in re.findall(r"[a-z0-9]+\[([0-9,]*)\]", m.group(1)):
+                seen.add((m.group(2), tuple(int(d) for d in dims.split(",") if d)))
+    return sorted([k, list(d)] for k, d in seen)
 
 
 def _spec(x) -> list:
@@ -100,7 +142,8 @@ def main() -> None:
     impls = dict(moe_impl=os.environ.get("DEEPINFER_MOE_IMPL", "ragged"),
                  attn_impl=os.environ.get("DEEPINFER_ATTN_IMPL", "reference"),
                  prefill_layers=os.environ.get("DEEPINFER_PREFILL_LAYERS", "scan"))
-    results = {layout: run(model_dir, layout, prompts, **impls) for layout in layouts}
+    results = {layout: load_only(model_dir, layout.removesuffix(":load")) if layout.endswith(":load")
+               else run(model_dir, layout, prompts, **impls) for layout in layouts}
     print("RESULT " + json.dumps({"prompts": prompts, "max_tokens": MAX_TOKENS, "layouts": results}))
 
 

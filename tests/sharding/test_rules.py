@@ -62,19 +62,37 @@ def test_changing_a_layout_is_editing_the_rules():
     assert specs["embed"] == P(None, "tensor") and specs["segments"][1]["attn"]["kv_a_proj_with_mqa"] == P(None, "tensor", None)
 
 
+TP, DP = "--tensor-parallel-size", "--data-parallel-size"
+
+
 @pytest.mark.parametrize("case,overrides,pc,match", [
-    ("v2_greedy_yarn", dict(num_attention_heads=5, num_key_value_heads=5), ParallelConfig(2), "num_attention_heads = 5"),
+    ("v2_greedy_yarn", dict(num_attention_heads=5, num_key_value_heads=5), ParallelConfig(2),
+     f"num_attention_heads = 5 .*; change {TP}$"),
     ("v2_greedy_yarn", dict(num_attention_heads=4), ParallelConfig(8), "num_attention_heads = 4"),
-    ("v2_greedy_yarn", dict(n_routed_experts=10), ParallelConfig(4, 1, True), "n_routed_experts = 10"),
+    ("v2_greedy_yarn", dict(n_routed_experts=10), ParallelConfig(4, 1, True),
+     f"n_routed_experts = 10 .*change {DP} or {TP} .*drop --enable-expert-parallel"),
     ("v3_grouped_noaux", {}, ParallelConfig(4, 8, True), "n_routed_experts = 16"),
-    ("v2_greedy_yarn", dict(moe_intermediate_size=30), ParallelConfig(2, 2, False), "moe_intermediate_size = 30"),
+    ("v2_greedy_yarn", dict(moe_intermediate_size=30), ParallelConfig(2, 2, False),
+     "moe_intermediate_size = 30 .*set --enable-expert-parallel"),
     ("v2_greedy_yarn", dict(intermediate_size=90), ParallelConfig(4), "intermediate_size = 90"),
-    ("v2_greedy_yarn", dict(vocab_size=321), ParallelConfig(2), "vocab_size = 321"),
+    ("v2_greedy_yarn", dict(vocab_size=321), ParallelConfig(2), "vocab_size = 321"),  # unpadded: see below
 ])
 def test_mesh_that_does_not_divide_is_refused(case, overrides, pc, match):
     cfg = cfg_of(case, **overrides)
     with pytest.raises(ValueError, match=match):
         check_rules(cfg, mesh_shape(pc), default_rules(pc))
+
+
+@pytest.mark.parametrize("vocab,tp,padded", [(321, 2, 384), (611, 4, 768), (320, 2, 0)])
+def test_a_vocab_tp_does_not_divide_is_padded_to_64_x_tp(vocab, tp, padded):
+    """build_sharding pads such a vocab (ModelSharding.vocab_multiple = 64 x TP) instead of refusing it; a vocab
+    that TP divides keeps its shapes."""
+    cfg = cfg_of("v2_greedy_yarn", vocab_size=vocab).with_vocab_multiple(1 if vocab % tp == 0 else 64 * tp)
+    assert cfg.padded_vocab_size == padded and cfg.vocab_size == vocab
+    assert cfg.with_vocab_multiple(1) == cfg  # a padded config stays padded (fit_config of a loaded one)
+    check_rules(cfg, mesh_shape(ParallelConfig(tp)), default_rules(ParallelConfig(tp)))
+    specs = param_partition_specs(cfg, default_rules(ParallelConfig(tp)))
+    assert specs["embed"] == P("tensor", None)
 
 
 def test_inconsistent_rules_are_refused():

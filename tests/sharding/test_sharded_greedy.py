@@ -19,6 +19,8 @@ import sys
 
 import pytest
 
+from hf_models import hf_greedy
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_CASE = os.path.join(REPO, "tests", "sharding", "run_case.py")
 
@@ -44,22 +46,13 @@ def runs(hf_case):
     return out
 
 
-def _hf_greedy(model, prompt, n):
-    import torch
-
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0, use_cache=True)
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("case", sorted(LAYOUTS))
 def test_sharded_greedy_equals_single_device(runs, hf_case, case):
     model, _ = hf_case(case)
     res = runs[case]
     layouts = res["layouts"]
     base = layouts["1x1"]["tokens"]
-    assert base == [_hf_greedy(model, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
+    assert base == [hf_greedy(model, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
     timings = []
     for name in LAYOUTS[case][1:]:
         r = layouts[name]

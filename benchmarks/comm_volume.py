@@ -1,0 +1,70 @@
+"""Predicted communication per step for each layout (sharding/comm.py), so multi-GPU runs have a figure to check.
+
+    python benchmarks/comm_volume.py [--preset deepseek-v3] [--layouts 8x1 8x1ep 4x2ep 1x8ep ...]
+        [--decode-seqs 64] [--prefill-tokens 2048] [--dtype-bytes 2]
+
+For each layout ("TPxDP[ep]", as tests/sharding/run_case.py), prints the collectives of a decode step
+(--decode-seqs sequences a data rank, one token each) and of a prefill step (--prefill-tokens token slots and
+--decode-seqs sequence rows a data rank), the bytes each device sends or receives, and the time that
+takes at --link-gbps (per direction; NVLink 4 on H100/H200: about 450 GB/s, a 400 Gb/s NIC about 50 GB/s).
+No JAX, no device: the model's config.json (configs/models/<preset>.json) and the layout alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from deepinfer_jax.config import ModelConfig  # noqa: E402
+from deepinfer_jax.sharding import ParallelConfig  # noqa: E402
+from deepinfer_jax.sharding.comm import format_table, step_bytes  # noqa: E402
+from deepinfer_jax.sharding.layout import VOCAB_PADDING  # noqa: E402
+
+
+def parse_layout(name: str) -> ParallelConfig:
+    ep = name.endswith("ep")
+    tp, dp = (int(x) for x in name.removesuffix("ep").split("x"))
+    return ParallelConfig(tp, dp, ep)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="deepseek-v3", help="configs/models/<preset>.json")
+    ap.add_argument("--layouts", nargs="+", default=["8x1", "8x1ep", "4x2ep", "2x4ep", "1x8ep"])
+    ap.add_argument("--decode-seqs", type=int, default=64, help="sequences a data rank in the decode step")
+    ap.add_argument("--prefill-tokens", type=int, default=2048, help="token slots a data rank in the prefill step")
+    ap.add_argument("--dtype-bytes", type=int, default=2, help="2: bf16")
+    ap.add_argument("--link-gbps", type=float, default=450.0, help="GB/s per direction a device's link moves")
+    ap.add_argument("--verbose", action="store_true", help="every collective, not only the totals")
+    a = ap.parse_args(argv)
+    cfg = _load(a.preset)
+    steps = {"decode": (a.decode_seqs, a.decode_seqs), "prefill": (a.prefill_tokens, a.decode_seqs)}
+    print(f"{a.preset}: D={cfg.hidden_size} V={cfg.vocab_size} layers={cfg.num_hidden_layers} "
+          f"experts={cfg.n_routed_experts} k={cfg.num_experts_per_tok}; {a.dtype_bytes}-byte activations; "
+          f"link {a.link_gbps:g} GB/s")
+    print(f"{'layout':8s} {'step':8s} {'tokens/rank':>11s} {'MiB/device':>11s} {'ms at link':>10s}")
+    for name in a.layouts:
+        pc = parse_layout(name)
+        tp = pc.tensor_parallel_size
+        c = cfg if cfg.vocab_size % tp == 0 else cfg.with_vocab_multiple(VOCAB_PADDING * tp)
+        for step, (tokens, seqs) in steps.items():
+            b = step_bytes(c, pc, tokens, seqs, a.dtype_bytes)
+            print(f"{name:8s} {step:8s} {tokens:11d} {b / 2**20:11.2f} {b / (a.link_gbps * 1e9) * 1e3:10.3f}")
+            if a.verbose:
+                print(format_table(c, pc, tokens, seqs, a.dtype_bytes))
+    return 0
+
+
+def _load(preset: str) -> ModelConfig:
+    import json
+
+    with open(os.path.join(os.path.dirname(HERE), "configs", "models", f"{preset}.json")) as f:
+        return ModelConfig.from_hf_dict(json.load(f))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

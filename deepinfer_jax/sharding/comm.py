@@ -1,0 +1,107 @@
+"""The communication a step costs under a layout: every collective, its mesh axes and its bytes per device.
+
+A prediction for the multi-GPU runs to check, from the model's config and the layout alone (no JAX). It
+follows the layout of rules.py and the sharded code paths of the model:
+
+- embedding lookup with the vocab split over "tensor": each device looks up the ids in its rows, then an
+  all-reduce of [T_r, D] over "tensor" (T_r: the step's tokens of one data rank);
+- attention: heads over "tensor", o_proj's partial sums all-reduced, [T_r, D] over "tensor", per layer; the
+  latent cache is split by pages over "data" and each rank attends to its own tokens (nothing moves);
+- dense MLP and shared experts: intermediate dim over "tensor", [T_r, D] all-reduced over "tensor";
+- routed experts (models/moe.py experts_sharded, experts or their width over "data" x "tensor"): x [T_r, D]
+  and the routing (weights f32 and ids int32, [T_r, k]) all-gathered over "data", the fp32 partial outputs
+  [T, D] reduce-scattered over "data" and [T_r, D] fp32 summed over "tensor";
+- the last token of each sequence: its hidden state [S_r, D] taken from the data-split tokens (an all-reduce
+  over "data"; S_r: the sequence rows of one data rank);
+- logits: lm_head's vocab columns over "tensor", each device's [S_r, V / TP] slice gathered, [S_r, V] fp32
+  over "tensor" (models/deepseek.py _logits constrains them, or XLA would gather the lm_head weight instead);
+- the sampled ids [S] (int32) gathered over "data", so every device holds the step's results.
+
+Bytes are per device and per occurrence, as a ring algorithm moves them: an all-reduce of B bytes over n
+devices sends 2 (n - 1) / n B, an all-gather of a result of B bytes receives (n - 1) / n B, a reduce-scatter
+of an input of B bytes (n times its result) sends (n - 1) / n B. XLA may fuse neighbouring all-reduces into
+one (the routed experts' sum over "tensor" with the shared experts'), which changes the count of collectives,
+not the bytes. Small metadata moves (collective-permutes of the step's int32 inputs) are left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.sharding.mesh import ParallelConfig
+
+
+@dataclass(frozen=True)
+class Collective:
+    what: str  # "attention o_proj", "routed experts: gather x", ...
+    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter"
+    axis: str  # "tensor" | "data"
+    shape: tuple[int, ...]  # the collective's result on one device, as the compiled HLO shows it
+    dtype_bytes: int
+    per_step: int  # occurrences per step (layers)
+    bytes_per_device: int  # per occurrence
+
+    @property
+    def step_bytes(self) -> int:
+        return self.per_step * self.bytes_per_device
+
+
+def _ring(kind: str, nbytes: int, n: int) -> int:
+    if n <= 1:
+        return 0
+    factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
+    return int(round(factor * nbytes))
+
+
+def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2
+                     ) -> list[Collective]:
+    """The collectives of one step of `tokens` token slots and `seqs` sequence rows per data-parallel rank
+    (a padded bucket: token_buckets and seq_rows), in the engine dtype of `dtype_bytes` bytes."""
+    tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
+    D, k = cfg.hidden_size, cfg.num_experts_per_tok
+    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
+    n_dense = cfg.num_hidden_layers - n_moe
+    out: list[Collective] = []
+
+    def add(what, kind, axis, shape, nbytes_each, per_step):
+        n = tp if axis == "tensor" else dp
+        size = nbytes_each * (n if kind == "reduce-scatter" else 1)  # a reduce-scatter's input: n results
+        for s in shape:
+            size *= s
+        b = _ring(kind, size, n)
+        if b and per_step:
+            out.append(Collective(what, kind, axis, tuple(shape), nbytes_each, per_step, b))
+
+    add("embedding lookup (vocab split)", "all-reduce", "tensor", (tokens, D), dtype_bytes, 1)
+    add("attention o_proj", "all-reduce", "tensor", (tokens, D), dtype_bytes, cfg.num_hidden_layers)
+    add("dense MLP down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_dense)
+    if cfg.n_shared_experts:
+        add("shared experts down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_moe)
+    if n_moe and (dp > 1 or tp > 1):
+        add("routed experts: gather x", "all-gather", "data", (dp * tokens, D), dtype_bytes, n_moe)
+        add("routed experts: gather routing", "all-gather", "data", (dp * tokens, k), 8, n_moe)  # f32 + int32
+        add("routed experts: reduce-scatter y (fp32)", "reduce-scatter", "data", (tokens, D), 4, n_moe)
+        add("routed experts: sum y over tensor (fp32)", "all-reduce", "tensor", (tokens, D), 4, n_moe)
+    add("last tokens' hidden states", "all-reduce", "data", (seqs, D), dtype_bytes, 1)
+    # The padding columns go before the gather: XLA gathers the vocab_size columns, rounded up to a multiple of TP.
+    add("logits (vocab gathered, fp32)", "all-gather", "tensor", (seqs, -(-cfg.vocab_size // tp) * tp), 4, 1)
+    add("sampled ids", "all-gather", "data", (dp * seqs,), 4, 1)
+    return out
+
+
+def step_bytes(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> int:
+    """Bytes one device sends or receives in collectives during one step (step_collectives summed)."""
+    return sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes))
+
+
+def format_table(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> str:
+    """step_collectives as a text table, with the total per device."""
+    rows = step_collectives(cfg, pc, tokens, seqs, dtype_bytes)
+    head = (f"TP={pc.tensor_parallel_size} DP={pc.data_parallel_size} EP={pc.expert_parallel_size}: "
+            f"{tokens} tokens, {seqs} rows a data rank")
+    lines = [head, f"  {'collective':44s} {'kind':15s} {'axis':6s} {'per step':>8s} {'MiB/device':>11s}"]
+    for c in rows:
+        lines.append(f"  {c.what:44s} {c.kind:15s} {c.axis:6s} {c.per_step:8d} {c.step_bytes / 2**20:11.3f}")
+    lines.append(f"  {'total':44s} {'':15s} {'':6s} {'':8s} {sum(c.step_bytes for c in rows) / 2**20:11.3f}")
+    return "\n".join(lines)
