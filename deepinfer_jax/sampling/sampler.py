@@ -10,6 +10,8 @@ Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
      renormalised distribution, then min-p), then a Gumbel-max draw keyed by the row's key data
      (`categorical_rows`: the argmax of logits + `gumbel_noise`, taken in chunks).
+  6. with `draft_token_ids` (speculative decoding), each row verifies its draft instead of drawing freely:
+     sampling/rejection.py.
 
 Invariants:
   * Rows are independent: the output of a row depends only on that row's logits and
@@ -34,6 +36,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from deepinfer_jax.sampling.rejection import rejection_sample
 
 GREEDY_EPS = 1e-5  # temperature below this => greedy (vLLM's _SAMPLING_EPS)
 
@@ -60,6 +64,9 @@ class SamplingTensors:
     # None) leaves the stage out (statically).
     logit_bias_ids: jax.Array | None = None
     logit_bias_values: jax.Array | None = None
+    # Speculative decoding: i32[B] the draft token each row verifies (-1: none; sampling/rejection.py), or None
+    # for no verification stage (statically).
+    draft_token_ids: jax.Array | None = None
 
     @classmethod
     def defaults(cls, batch: int, prompt_len: int = 0, output_len: int = 0,
@@ -83,6 +90,7 @@ class SampleOutput:
     logprob: jax.Array          # f32[B]     raw log_softmax(logits)[token]
     top_logprob_ids: jax.Array  # i32[B, K]  K = max_logprobs (may be 0)
     top_logprobs: jax.Array     # f32[B, K]  raw log-softmax top-K, sorted descending
+    accepted: jax.Array | None = None  # i32[B] 1 where the row's draft was accepted (only with draft_token_ids)
 
 
 def _id_mask_scatter(ids: jax.Array, vocab: int, dtype) -> jax.Array:
@@ -257,15 +265,22 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         x = apply_token_bitmask(x, st.allowed_token_bits)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
 
+    draft = st.draft_token_ids
+    accepted = None
     if draw:
         temp = st.temperature.astype(jnp.float32)
         is_greedy = temp < GREEDY_EPS                                  # bool[B]
         scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
         masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
-        drawn = categorical_rows(st.rng_key_data, masked)
-        token_ids = jnp.where(is_greedy, greedy_ids, drawn)
+        if draft is not None:  # verification: the draft or the residual's draw (a plain draw where no draft)
+            token_ids, accepted = rejection_sample(masked, draft, st.rng_key_data, is_greedy, greedy_ids)
+        else:
+            drawn = categorical_rows(st.rng_key_data, masked)
+            token_ids = jnp.where(is_greedy, greedy_ids, drawn)
     else:
         token_ids = greedy_ids
+        if draft is not None:
+            accepted = (draft >= 0) & (greedy_ids == draft)
 
     picked = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[B, 1]
     logprob = ((picked - row_max) - log_norm)[:, 0]
@@ -277,4 +292,5 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         top_lp = jnp.pad(top_lp, ((0, 0), (0, max_logprobs - k)), constant_values=-jnp.inf)
         top_ids = jnp.pad(top_ids, ((0, 0), (0, max_logprobs - k)), constant_values=-1)
     return SampleOutput(token_ids=token_ids, logprob=logprob,
-                        top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+                        top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp,
+                        accepted=None if accepted is None else accepted.astype(jnp.int32))
