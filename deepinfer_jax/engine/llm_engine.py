@@ -19,6 +19,14 @@ token of step N-1, such a step first fetches N-1 (its ids, grammars and token st
 after the dispatch), so the device idles from N-1's end until N is dispatched. Each fetched token advances the
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
+Speculative decoding (`speculative_config`, config.SpeculativeConfig; docs/speculative.md): before each plan the
+engine proposes drafts (Request.spec_token_ids: n-gram prompt lookup on the host) for the requests that decode;
+the scheduler verifies as many as fit, their K + 1 positions in the same ragged step as everything else; the
+runner's rejection sampler keeps the target distribution (sampling/rejection.py) and a sequence takes its
+accepted drafts and one token of the target's. Since the next plan needs how many were accepted, every step is
+fetched before the next is planned (no placeholders), as a structured-output step is. Requests with a grammar do
+not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
+
 `params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
 cache counting their bytes, then starts their load, which runs while the runner compiles its step programs.
 """
@@ -34,15 +42,16 @@ from typing import Any
 
 import numpy as np
 
-from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer_jax.runner.device_memory import pages_for_memory
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
+from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.text.grammar import mask_words
 from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
-                                 SamplingParams)
+                                 RequestStatus, SamplingParams)
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
@@ -79,6 +88,26 @@ class _Child:
 
 
 @dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters (vLLM's spec_decode_* metrics): sequences that verified drafts in a step
+    (`num_drafts`), the drafts verified, those accepted, and accepted ones by position (index i: drafts accepted
+    at position i + 1). Mean acceptance length = 1 + num_accepted_tokens / num_drafts."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
 class _Parent:
     request_id: str
     prompt: str | None
@@ -89,8 +118,15 @@ class _Parent:
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Any, *, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, runner_config: RunnerConfig, num_pages: int | None = None,
-                 progress: bool = True, max_logprobs: int = 20, sharding: Any = None):
+                 progress: bool = True, max_logprobs: int = 20, sharding: Any = None,
+                 speculative_config: SpeculativeConfig | dict | str | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.spec = SpeculativeConfig.parse(speculative_config)
+        if self.spec is not None:
+            self.spec.check_supported()
+            if sharding is not None:
+                raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
+        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec is not None else None
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
@@ -119,7 +155,8 @@ class LLMEngine:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
-                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS)
+                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS,
+                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0))
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 
@@ -241,7 +278,10 @@ class LLMEngine:
         as a placeholder (runner/inputs.py `placeholder`) that the device resolves from N-1's output,
         and the host patches the real id in once N-1 is fetched. EOS, stop ids and stop strings are
         checked at that point, so a request that stopped at N-1 may still be computed once in N: that
-        work is dropped (the scheduler skips finished requests). Outputs are those of step N-1."""
+        work is dropped (the scheduler skips finished requests). Outputs are those of step N-1.
+        With speculative decoding each step is planned, run and fetched in turn (`_speculative_step`)."""
+        if self.spec is not None:
+            return self._speculative_step()
         plan = self.scheduler.schedule()
         inflight = None
         fetched = None
@@ -267,6 +307,49 @@ class LLMEngine:
             self._pending = (inflight, [(req, len(req.output_token_ids) - 1) for req, _, _ in updates])
         return outputs
 
+    def _propose(self) -> None:
+        """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
+        spec = self.spec
+        k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+        for req in self.scheduler.running:
+            if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
+                req.spec_token_ids = propose_ngram(req.all_token_ids, k, lo, hi)
+
+    def _speculative_step(self) -> list[RequestOutput]:
+        """One step with speculation: propose, plan, run, fetch and apply it (the scheduler appends each
+        sequence's tokens up to its first stop), then text and outputs."""
+        self._propose()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            return []
+        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
+        try:
+            inflight = self.runner.dispatch(plan.seqs, requests, self._seeds)
+        except Exception:
+            self._fail_plan(plan)
+            raise
+        result = self.runner.fetch(inflight)
+        stats = self.spec_stats
+        for seq in plan.seqs:
+            tokens = result.spec_token_ids.get(seq.request_id)
+            if seq.num_draft_tokens and tokens is not None:
+                stats.num_drafts += 1
+                stats.num_draft_tokens += seq.num_draft_tokens
+                stats.num_accepted_tokens += len(tokens) - 1
+                for i in range(len(tokens) - 1):
+                    stats.num_accepted_tokens_per_pos[i] += 1
+        updates = self.scheduler.update_from_output(plan, result.spec_token_ids)
+        fetched = []
+        for req, tokens, _ in updates:
+            pid = self._child_parent.get(req.request_id)
+            if pid is None:
+                continue
+            if req.grammar is not None and not req.is_finished:  # no drafts: one token
+                self._advance_grammar(req, tokens[0])
+            lps = result.spec_logprobs.get(req.request_id)
+            fetched.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
+        return self._emit(fetched)
+
     def _fetch_pending(self) -> list:
         """Fetch the last dispatched step and patch its ids into the requests, advancing their grammars and
         applying EOS and stop ids: [(request, token, its logprobs, parent id)] for `_emit`."""
@@ -286,18 +369,29 @@ class LLMEngine:
                 self._advance_grammar(req, token)
             if not req.is_finished:
                 self._check_token_stop(req)
-            fetched.append((req, token, result.logprobs.get(req.request_id), pid))
+            lp = result.logprobs.get(req.request_id)
+            fetched.append((req, [token], None if lp is None else [lp], pid))
         return fetched
 
     def _emit(self, fetched: list) -> list[RequestOutput]:
-        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched."""
+        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched: `fetched` holds
+        (request, its new tokens, their logprobs or None, parent id). A stop string met before the last of several
+        new tokens (speculation) drops the tokens after it."""
         touched: dict[str, None] = {}
-        for req, token, lp, pid in fetched:
+        for req, tokens, lps, pid in fetched:
             parent = self._parents.get(pid)
             if parent is None:  # aborted meanwhile
                 continue
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
-            self._append(child, [token], lp)
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                self._append(child, [token], None if lps is None else lps[i], last)
+                if not last and child.stopper is not None and child.stopper.stopped:
+                    del req.output_token_ids[len(req.output_token_ids) - (len(tokens) - 1 - i):]
+                    if req.status != RequestStatus.FINISHED_STOPPED or req.stop_reason != child.stopper.matched:
+                        # finished by a later token's length or EOS already: the stop string came first
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, child.stopper.matched
+                    break
             touched[pid] = None
         outputs = (self._output(pid) for pid in touched if pid in self._parents)
         return [out for out in outputs if out is not None]
@@ -334,7 +428,9 @@ class LLMEngine:
                 self.abort_request(pid)
         self.scheduler.update_from_output(plan, {})
 
-    def _append(self, child: _Child, new_ids: list[int], lp) -> None:
+    def _append(self, child: _Child, new_ids: list[int], lp, last: bool = True) -> None:
+        """Logprobs and text of one new token (`new_ids`: [it]); `last`: no more tokens of this step follow, so a
+        finished request's text is flushed."""
         req = child.request
         if child.logprobs is not None and lp is not None:
             sampled_lp, top_ids, top_lps = lp
@@ -352,7 +448,7 @@ class LLMEngine:
         parts.append(child.stopper.feed(child.detok.add(new_ids)))
         if child.stopper.stopped and not req.is_finished:
             self.scheduler.finish_request(req.request_id, "stop", stop_reason=child.stopper.matched)
-        if req.is_finished and not child.stopper.stopped:
+        if req.is_finished and not child.stopper.stopped and last:
             parts.append(child.stopper.feed(child.detok.flush()))
             parts.append(child.stopper.flush())
 

@@ -13,7 +13,7 @@ q = None is a point mass at d (n-gram proposals): accept with probability p(d), 
 The sequence keeps its leading accepted drafts and the token of its first rejected (or its bonus) row; the
 output then follows the target distribution exactly.
 
-Randomness: the residual draw is the Gumbel-max draw of sampler.categorical_rows with the row's key, so a row with
+Randomness: the residual draw is the Gumbel-max draw of draw.categorical_rows with the row's key, so a row with
 nothing to verify draws what the plain sampler draws; u hashes the same key with the id V (no vocabulary id), so
 it is independent of the draw's noise.
 """
@@ -23,11 +23,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from deepinfer_jax.sampling.draw import categorical_rows, noise_bits
+
 
 def acceptance_uniform(key_data: jax.Array, vocab: int) -> jax.Array:
     """key_data u32[B, 2] -> f32[B] uniform in [0, 1): the row's accept test's u (noise_bits at the id `vocab`)."""
-    from deepinfer_jax.sampling.sampler import noise_bits
-
     kd = key_data.astype(jnp.uint32)
     bits = noise_bits(kd[:, :1], kd[:, 1:], jnp.full((kd.shape[0], 1), vocab, jnp.int32))[:, 0]
     return jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0
@@ -39,8 +39,6 @@ def rejection_sample(masked: jax.Array, draft_ids: jax.Array, key_data: jax.Arra
     draft_ids i32[B] (< 0: none); key_data u32[B, 2]; is_greedy bool[B]; greedy_ids i32[B] (the argmax before
     the temperature); draft_probs f32[B, V] or None (a point mass at the draft). -> (token i32[B], accepted
     bool[B]): the draft where accepted, else the residual's draw."""
-    from deepinfer_jax.sampling.sampler import categorical_rows
-
     batch, vocab = masked.shape
     has = (draft_ids >= 0) & (draft_ids < vocab)
     d = jnp.where(has, draft_ids, 0)[:, None]                                      # i32[B, 1]

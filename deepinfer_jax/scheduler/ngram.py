@@ -8,24 +8,16 @@ one token as usual).
 
 from __future__ import annotations
 
-import numpy as np
 
-
-def propose_ngram(tokens, k: int, min_n: int, max_n: int) -> list[int]:
-    """Up to `k` proposed next tokens for the sequence `tokens` (ints), or [] when no n-gram of length
-    min_n..max_n at its end occurs earlier in it."""
-    seq = np.asarray(tokens, np.int64)
-    length = len(seq)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        if n < 1:
-            break
-        suffix = seq[length - n:]
-        # windows starting at 0 .. length - n - 1 (the suffix itself excluded): equal where every column matches
-        starts = np.ones(length - n, bool)
-        for j in range(n):
-            starts &= seq[j: length - n + j] == suffix[j]
-        hits = np.flatnonzero(starts)
-        if hits.size:
-            follow = int(hits[-1]) + n
-            return seq[follow: follow + k].tolist()
+def propose_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+    """Up to `k` proposed next tokens for the sequence `tokens`, or [] when no n-gram of length min_n..max_n at
+    its end occurs earlier in it."""
+    length = len(tokens)
+    last = tokens[-1] if tokens else None
+    for n in range(min(max_n, length - 1), max(min_n, 1) - 1, -1):
+        suffix = tokens[length - n:]
+        # windows ending at e = length - 2 down to n - 1 (the suffix itself excluded); the last token first
+        for e in range(length - 2, n - 2, -1):
+            if tokens[e] == last and tokens[e - n + 1: e + 1] == suffix:
+                return tokens[e + 1: e + 1 + k]
     return []

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.sampling import make_key_data_batch, rejection_sample
-from deepinfer_jax.sampling.sampler import categorical_rows
+from deepinfer_jax.sampling.draw import categorical_rows
 
 N = 20000  # rows (independent draws)
 # chi-square critical value at 7 degrees of freedom (8 ids), p = 1e-4
