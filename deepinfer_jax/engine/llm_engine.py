@@ -45,10 +45,10 @@ import numpy as np
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer_jax.runner.device_memory import pages_for_memory
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
+from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
-from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.text.grammar import mask_words
 from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
                                  RequestStatus, SamplingParams)
@@ -85,26 +85,6 @@ class _Child:
         elif len(parts) > 1:
             parts[:] = [text]
         return text
-
-
-@dataclass
-class SpecDecodeStats:
-    """Speculative decoding's counters (vLLM's spec_decode_* metrics): sequences that verified drafts in a step
-    (`num_drafts`), the drafts verified, those accepted, and accepted ones by position (index i: drafts accepted
-    at position i + 1). Mean acceptance length = 1 + num_accepted_tokens / num_drafts."""
-
-    num_speculative_tokens: int
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
 @dataclass
@@ -279,9 +259,9 @@ class LLMEngine:
         and the host patches the real id in once N-1 is fetched. EOS, stop ids and stop strings are
         checked at that point, so a request that stopped at N-1 may still be computed once in N: that
         work is dropped (the scheduler skips finished requests). Outputs are those of step N-1.
-        With speculative decoding each step is planned, run and fetched in turn (`_speculative_step`)."""
+        With speculative decoding each step is planned, run and fetched in turn (engine/speculative.py)."""
         if self.spec is not None:
-            return self._speculative_step()
+            return speculative_step(self)
         plan = self.scheduler.schedule()
         inflight = None
         fetched = None
@@ -306,49 +286,6 @@ class LLMEngine:
             # (request, index of its placeholder) for every request that sampled this step.
             self._pending = (inflight, [(req, len(req.output_token_ids) - 1) for req, _, _ in updates])
         return outputs
-
-    def _propose(self) -> None:
-        """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
-        spec = self.spec
-        k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
-        for req in self.scheduler.running:
-            if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
-                req.spec_token_ids = propose_ngram(req.all_token_ids, k, lo, hi)
-
-    def _speculative_step(self) -> list[RequestOutput]:
-        """One step with speculation: propose, plan, run, fetch and apply it (the scheduler appends each
-        sequence's tokens up to its first stop), then text and outputs."""
-        self._propose()
-        plan = self.scheduler.schedule()
-        if plan.is_empty:
-            return []
-        requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-        try:
-            inflight = self.runner.dispatch(plan.seqs, requests, self._seeds)
-        except Exception:
-            self._fail_plan(plan)
-            raise
-        result = self.runner.fetch(inflight)
-        stats = self.spec_stats
-        for seq in plan.seqs:
-            tokens = result.spec_token_ids.get(seq.request_id)
-            if seq.num_draft_tokens and tokens is not None:
-                stats.num_drafts += 1
-                stats.num_draft_tokens += seq.num_draft_tokens
-                stats.num_accepted_tokens += len(tokens) - 1
-                for i in range(len(tokens) - 1):
-                    stats.num_accepted_tokens_per_pos[i] += 1
-        updates = self.scheduler.update_from_output(plan, result.spec_token_ids)
-        fetched = []
-        for req, tokens, _ in updates:
-            pid = self._child_parent.get(req.request_id)
-            if pid is None:
-                continue
-            if req.grammar is not None and not req.is_finished:  # no drafts: one token
-                self._advance_grammar(req, tokens[0])
-            lps = result.spec_logprobs.get(req.request_id)
-            fetched.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
-        return self._emit(fetched)
 
     def _fetch_pending(self) -> list:
         """Fetch the last dispatched step and patch its ids into the requests, advancing their grammars and
@@ -491,4 +428,10 @@ class LLMEngine:
 
     # ---- stats -----------------------------------------------------------------------------------
     def stats(self):
-        return self.scheduler.stats()
+        """The scheduler's SchedulerStats, with a snapshot of `spec_stats` when speculating."""
+        st = self.scheduler.stats()
+        if self.spec_stats is None:
+            return st
+        spec = dataclasses.replace(self.spec_stats)
+        spec.num_accepted_tokens_per_pos = list(self.spec_stats.num_accepted_tokens_per_pos)
+        return dataclasses.replace(st, spec_decode=spec)

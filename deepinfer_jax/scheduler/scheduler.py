@@ -34,6 +34,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer_jax.config import CacheConfig, SchedulerConfig
 from deepinfer_jax.scheduler.kv_cache_manager import KVCacheManager, cdiv
@@ -107,6 +108,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # the engine's speculative decoding counters (engine.llm_engine.SpecDecodeStats, a snapshot), None without
+    spec_decode: Any = None
 
 
 class Scheduler:
