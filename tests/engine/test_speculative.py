@@ -1,6 +1,7 @@
 """Speculative decoding through the engine (n-gram drafts; docs/speculative.md): greedy output token for token as
 without speculation, with drafts both accepted and rejected, under chunked prefill, prefix caching and a pool small
-enough to preempt; logprobs, stop ids, n > 1 and seeds; no recompile after warm-up and no page leak."""
+enough to preempt; logprobs, stop ids, min_tokens, penalties, n > 1 and seeds; no recompile after warm-up and no
+page leak."""
 
 from __future__ import annotations
 
@@ -75,6 +76,13 @@ def test_logprobs_stop_ids_and_seeds(plain, spec):
     stop = free[5]
     out = _gen(spec, prompts[:1], temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop])[0].outputs[0]
     assert out.token_ids == free[: free.index(stop) + 1] and out.stop_reason == stop
+    # min_tokens holds the stop id back at each verified position as it would one token a step; penalties count
+    # the drafts before a position as outputs
+    late = dict(temperature=0.0, max_tokens=16, ignore_eos=True, stop_token_ids=[stop], min_tokens=free.index(stop) + 2)
+    kw = dict(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.5, frequency_penalty=0.3)
+    for p in (late, kw):
+        assert ([o.outputs[0].token_ids for o in _gen(spec, prompts, **p)]
+                == [o.outputs[0].token_ids for o in _gen(plain, prompts, **p)])
     # seeded sampling at temperature > 0 reproduces, n > 1 children differ
     kw = dict(temperature=1.0, seed=11, max_tokens=12, n=3, ignore_eos=True)
     first = [tuple(c.token_ids) for c in _gen(spec, prompts[:1], **kw)[0].outputs]
