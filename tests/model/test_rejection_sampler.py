@@ -74,3 +74,28 @@ def test_the_bound_fails_for_a_sampler_that_skips_the_residual():
     wrong = np.where(acc, d, np.asarray(categorical_rows(keys, logits)))
     assert _chi2(tok, P) < CHI2_7
     assert _chi2(wrong, P) > 10 * CHI2_7
+
+
+def test_sample_verifies_drafts_in_every_variant():
+    """sampler.sample with draft_token_ids: the greedy variant (no draw) and the draw variants accept a greedy row's
+    draft iff it is the argmax, emit the argmax, and report it in SampleOutput.accepted; a temperature row with
+    no draft draws as without verification."""
+    import dataclasses
+
+    from deepinfer_jax.sampling import SamplingTensors, sample
+
+    logits = jnp.asarray(np.tile(np.log(P), (4, 1)), jnp.float32)
+    st = SamplingTensors.defaults(4)
+    st = dataclasses.replace(st, temperature=np.array([0, 0, 1, 1], np.float32), rng_key_data=np.asarray(_keys(4)),
+                             draft_token_ids=np.array([0, 3, -1, -1], np.int32))
+    plain = dataclasses.replace(st, draft_token_ids=None)
+    for draw in (False, True):
+        rows = 2 if not draw else 4
+        cut = lambda t: jax.tree.map(lambda a: a[:rows], t)  # noqa: E731 - the greedy variant's rows only
+        out = jax.jit(sample, static_argnames=("max_logprobs", "full", "draw"))(
+            logits[:rows], cut(st), max_logprobs=0, full=False, draw=draw)
+        assert np.asarray(out.accepted).tolist() == [1, 0, 0, 0][:rows]
+        assert np.asarray(out.token_ids)[:2].tolist() == [0, 0]
+    free = jax.jit(sample, static_argnames=("max_logprobs", "full"))(logits, plain, max_logprobs=0, full=False)
+    assert np.asarray(out.token_ids)[2:].tolist() == np.asarray(free.token_ids)[2:].tolist()
+    assert free.accepted is None
