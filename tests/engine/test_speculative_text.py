@@ -54,3 +54,13 @@ def test_stop_strings_streaming_and_grammars_with_speculation():
     assert outs[0].outputs[0].token_ids == outs[2].outputs[0].token_ids == free.token_ids
     assert outs[1].outputs[0].text in ("yes", "no")
     assert eng.runner.compiles_after_warmup == 0 and eng.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_bad_speculative_configs_fail_before_loading():
+    import pytest
+
+    for cfg, message in (({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "not supported yet"),
+                         ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
+                         ({"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}, r"unknown keys \['draft'\]")):
+        with pytest.raises(ValueError, match=message):
+            LLM(ASSET, speculative_config=cfg, progress=False)
