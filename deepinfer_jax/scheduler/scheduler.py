@@ -25,6 +25,12 @@ prefix-cached there too, so a hit only ever names pages whose KV was written by 
 (identical prompts admitted in the same step each compute the whole prompt).
 Requests finished or aborted in between are skipped by the update.
 
+Speculative decoding: a decode whose request holds drafts (`Request.spec_token_ids`) is scheduled as its last token
+and as many drafts as the budget, max_model_len and max_tokens allow, their slots allocated ahead
+(`allocate_slots(num_lookahead_tokens=)`) only where they fit without preempting; `update_from_output` takes the
+seq's tokens (accepted drafts and the target's own), appends them up to the first stop and counts only the inputs
+they confirm as computed, so a rejected draft's slot is written again next step (docs/speculative.md).
+
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
 request never computes more than max_model_len tokens, so the oldest running request (or, if none,
 the waiting head) can always be scheduled: every step with unfinished requests makes progress.
@@ -108,7 +114,7 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
-    # the engine's speculative decoding counters (engine.llm_engine.SpecDecodeStats, a snapshot), None without
+    # the engine's speculative decoding counters (engine/speculative.py SpecDecodeStats, a snapshot), None without
     spec_decode: Any = None
 
 
