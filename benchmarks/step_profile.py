@@ -56,7 +56,7 @@ def main(argv=None) -> int:
     ap.add_argument("--route-experts", default="",
                     help="num_warps=W,shared_down_late=0|1: the route and experts launch (decode_moe_launch)")
     ap.add_argument("--argmax-chunk", type=int, default=0,
-                    help="the sampler's categorical draw: ids per argmax chunk (sampling/sampler.ARGMAX_CHUNK; "
+                    help="the sampler's categorical draw: ids per argmax chunk (sampling/draw.ARGMAX_CHUNK; "
                          "e.g. 1000000 for one argmax over the whole vocabulary)")
     ap.add_argument("--moe-decode-tiles", default="",
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
@@ -82,14 +82,14 @@ def main(argv=None) -> int:
     from deepinfer_jax.types import Request, SamplingParams
     from deepinfer_jax.weights.random_init import random_params
     from deepinfer_jax.kernels import mla_decode, mla_output, route_experts
-    from deepinfer_jax.sampling import sampler
+    from deepinfer_jax.sampling import draw
 
     if args.attn_splits:
         mla_decode.auto_splits = lambda num_tokens: args.attn_splits
     if args.attn_pages_per_step:
         mla_decode.PAGES_PER_STEP = args.attn_pages_per_step
     if args.argmax_chunk:
-        sampler.ARGMAX_CHUNK = args.argmax_chunk
+        draw.ARGMAX_CHUNK = args.argmax_chunk
     if args.attn_block_keys:
         mla_decode.BLOCK_KEYS = args.attn_block_keys
     for module, name, spec in ((mla_decode, "paged_mla_attention_splits", args.attn_kernel),

@@ -1,9 +1,8 @@
 """Frozen configuration dataclasses. No JAX here (ARCHITECTURE.md rule 2).
 
-`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2`, `deepseek_v3` or
-`deepseek_v32` (V3 plus DeepSeek Sparse Attention's lightning indexer) and carries every field the DeepSeek
-forward needs. Unknown model types and unsupported options raise `ConfigError` naming the field, never a
-silent default.
+`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2`, `deepseek_v3` or `deepseek_v32`
+(V3 plus DeepSeek Sparse Attention's lightning indexer) and carries every field the DeepSeek forward needs. Unknown
+model types and unsupported options raise `ConfigError` naming the field, never a silent default.
 """
 
 from __future__ import annotations
@@ -14,6 +13,8 @@ import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
+
+from deepinfer_jax.config_speculative import SpeculativeConfig  # noqa: F401 - re-exported
 
 SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3", "deepseek_v32")
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")

@@ -282,6 +282,9 @@ class Request:
     # The structured-output matcher (text/grammar.py GrammarMatcher) when sampling_params.structured_outputs is set:
     # the runner fills the step's token bitmask row from it, the engine advances it on each accepted token.
     grammar: Any = None
+    # Speculative decoding: the drafts proposed for the tokens after the last one (set by the engine before each
+    # schedule; the scheduler verifies as many as fit, and clears them once the step is applied).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.prompt_token_ids = list(self.prompt_token_ids)

@@ -32,6 +32,24 @@ from deepinfer_jax.types import CompletionOutput, RequestOutput, RequestOutputKi
 
 log = logging.getLogger(__name__)
 
+STATS_LOG_INTERVAL_S = 10.0  # the loop's periodic stats line, while requests run
+
+
+def stats_line(stats, last_spec) -> str:
+    """The periodic log line: running / waiting sequences, KV cache use and, when speculating, the mean acceptance
+    length since `last_spec` (the SpecDecodeStats of the previous line, or None)."""
+    line = (f"running {stats.num_running}, waiting {stats.num_waiting}, KV cache {100 * stats.kv_cache_usage:.1f}%, "
+            f"preemptions {stats.num_preemptions}")
+    sd = stats.spec_decode
+    if sd is not None:
+        drafts = sd.num_drafts - (last_spec.num_drafts if last_spec else 0)
+        verified = sd.num_draft_tokens - (last_spec.num_draft_tokens if last_spec else 0)
+        accepted = sd.num_accepted_tokens - (last_spec.num_accepted_tokens if last_spec else 0)
+        mean = 1 + accepted / drafts if drafts else 0.0
+        line += (f", spec decode: mean acceptance length {mean:.2f}, accepted {accepted} of {verified} draft tokens"
+                 f" ({100 * accepted / verified if verified else 0:.1f}%)")
+    return line
+
 
 class EngineNotReadyError(RuntimeError):
     """The engine is still loading / compiling, failed to start, or is shutting down."""
@@ -157,6 +175,8 @@ class AsyncEngine:
         self.healthy = True
         self.last_error: str | None = None
         self.stats: Any = None  # the latest SchedulerStats snapshot, written by the loop thread
+        self._logged_at = time.monotonic()  # the last periodic stats line (`stats_line`)
+        self._logged_spec = None
         self._cond = threading.Condition()
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
@@ -288,8 +308,19 @@ class AsyncEngine:
                 self._flush(pushes)
                 try:
                     self.stats = eng.stats()
+                    self._log_stats()
                 except Exception:  # noqa: BLE001
                     log.exception("engine stats failed")
+
+    def _log_stats(self) -> None:
+        """The periodic stats line (`stats_line`), every STATS_LOG_INTERVAL_S while requests run."""
+        now = time.monotonic()
+        if now - self._logged_at < STATS_LOG_INTERVAL_S or self.stats is None:
+            return
+        self._logged_at = now
+        if self.stats.num_running or self.stats.num_waiting:
+            log.info("%s", stats_line(self.stats, self._logged_spec))
+            self._logged_spec = getattr(self.stats, "spec_decode", None)
 
     def _iteration(self, eng, adds, aborts, stopping: bool, pushes) -> bool:
         """Apply the commands and run one step; False once the loop should end."""

@@ -183,7 +183,8 @@ class LLM:
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
                  token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
-                 node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None):
+                 node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
+                 speculative_config: dict | str | None = None):
         # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
         from deepinfer_jax.runner.multihost import StepChannel
 
@@ -202,6 +203,11 @@ class LLM:
         from deepinfer_jax.config import ModelConfig
         from deepinfer_jax.sharding import ParallelConfig, build_sharding
 
+        from deepinfer_jax.config import SpeculativeConfig
+
+        spec = SpeculativeConfig.parse(speculative_config)  # a bad config fails here, before any loading
+        if spec is not None:
+            spec.check_supported()
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
         if nnodes > 1:
             import jax
@@ -276,7 +282,7 @@ class LLM:
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
-                                sharding=self.sharding)
+                                sharding=self.sharding, speculative_config=spec)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
         self._channel = channel

@@ -19,6 +19,14 @@ token of step N-1, such a step first fetches N-1 (its ids, grammars and token st
 after the dispatch), so the device idles from N-1's end until N is dispatched. Each fetched token advances the
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
+Speculative decoding (`speculative_config`, config.SpeculativeConfig; docs/speculative.md): before each plan the
+engine proposes drafts (Request.spec_token_ids: n-gram prompt lookup on the host) for the requests that decode;
+the scheduler verifies as many as fit, their K + 1 positions in the same ragged step as everything else; the
+runner's rejection sampler keeps the target distribution (sampling/rejection.py) and a sequence takes its
+accepted drafts and one token of the target's. Since the next plan needs how many were accepted, every step is
+fetched before the next is planned (no placeholders), as a structured-output step is. Requests with a grammar do
+not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
+
 `params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
 cache counting their bytes, then starts their load, which runs while the runner compiles its step programs.
 """
@@ -34,16 +42,17 @@ from typing import Any
 
 import numpy as np
 
-from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
+from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.text.grammar import mask_words
 from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
-                                 SamplingParams)
+                                 RequestStatus, SamplingParams)
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
@@ -96,8 +105,15 @@ class _Parent:
 class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Any, *, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, runner_config: RunnerConfig, num_pages: int | None = None,
-                 progress: bool = True, max_logprobs: int = 20, sharding: Any = None):
+                 progress: bool = True, max_logprobs: int = 20, sharding: Any = None,
+                 speculative_config: SpeculativeConfig | dict | str | None = None):
         self.cfg, self.tokenizer = cfg, tokenizer
+        self.spec = SpeculativeConfig.parse(speculative_config)
+        if self.spec is not None:
+            self.spec.check_supported()
+            if sharding is not None:
+                raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
+        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec is not None else None
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
@@ -132,7 +148,8 @@ class LLMEngine:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
-                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS)
+                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS,
+                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0))
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 
@@ -273,7 +290,10 @@ class LLMEngine:
         as a placeholder (runner/inputs.py `placeholder`) that the device resolves from N-1's output,
         and the host patches the real id in once N-1 is fetched. EOS, stop ids and stop strings are
         checked at that point, so a request that stopped at N-1 may still be computed once in N: that
-        work is dropped (the scheduler skips finished requests). Outputs are those of step N-1."""
+        work is dropped (the scheduler skips finished requests). Outputs are those of step N-1.
+        With speculative decoding each step is planned, run and fetched in turn (engine/speculative.py)."""
+        if self.spec is not None:
+            return speculative_step(self)
         plan = self.scheduler.schedule()
         inflight = None
         fetched = None
@@ -318,18 +338,29 @@ class LLMEngine:
                 self._advance_grammar(req, token)
             if not req.is_finished:
                 self._check_token_stop(req)
-            fetched.append((req, token, result.logprobs.get(req.request_id), pid))
+            lp = result.logprobs.get(req.request_id)
+            fetched.append((req, [token], None if lp is None else [lp], pid))
         return fetched
 
     def _emit(self, fetched: list) -> list[RequestOutput]:
-        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched."""
+        """Text (detokenized, stop strings) and the outputs of the requests `_fetch_pending` patched: `fetched` holds
+        (request, its new tokens, their logprobs or None, parent id). A stop string met before the last of several
+        new tokens (speculation) drops the tokens after it."""
         touched: dict[str, None] = {}
-        for req, token, lp, pid in fetched:
+        for req, tokens, lps, pid in fetched:
             parent = self._parents.get(pid)
             if parent is None:  # aborted meanwhile
                 continue
             child = parent.children[0] if len(parent.children) == 1 else parent.children[int(req.request_id.rsplit("#", 1)[1])]
-            self._append(child, [token], lp)
+            for i, token in enumerate(tokens):
+                last = i == len(tokens) - 1
+                self._append(child, [token], None if lps is None else lps[i], last)
+                if not last and child.stopper is not None and child.stopper.stopped:
+                    del req.output_token_ids[len(req.output_token_ids) - (len(tokens) - 1 - i):]
+                    if req.status != RequestStatus.FINISHED_STOPPED or req.stop_reason != child.stopper.matched:
+                        # finished by a later token's length or EOS already: the stop string came first
+                        req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, child.stopper.matched
+                    break
             touched[pid] = None
         outputs = (self._output(pid) for pid in touched if pid in self._parents)
         return [out for out in outputs if out is not None]
@@ -366,7 +397,9 @@ class LLMEngine:
                 self.abort_request(pid)
         self.scheduler.update_from_output(plan, {})
 
-    def _append(self, child: _Child, new_ids: list[int], lp) -> None:
+    def _append(self, child: _Child, new_ids: list[int], lp, last: bool = True) -> None:
+        """Logprobs and text of one new token (`new_ids`: [it]); `last`: no more tokens of this step follow, so a
+        finished request's text is flushed."""
         req = child.request
         if child.logprobs is not None and lp is not None:
             sampled_lp, top_ids, top_lps = lp
@@ -384,7 +417,7 @@ class LLMEngine:
         parts.append(child.stopper.feed(child.detok.add(new_ids)))
         if child.stopper.stopped and not req.is_finished:
             self.scheduler.finish_request(req.request_id, "stop", stop_reason=child.stopper.matched)
-        if req.is_finished and not child.stopper.stopped:
+        if req.is_finished and not child.stopper.stopped and last:
             parts.append(child.stopper.feed(child.detok.flush()))
             parts.append(child.stopper.flush())
 
@@ -434,7 +467,13 @@ class LLMEngine:
 
     # ---- stats -----------------------------------------------------------------------------------
     def stats(self):
-        return self.scheduler.stats()
+        """The scheduler's SchedulerStats, with a snapshot of `spec_stats` when speculating."""
+        st = self.scheduler.stats()
+        if self.spec_stats is None:
+            return st
+        spec = dataclasses.replace(self.spec_stats)
+        spec.num_accepted_tokens_per_pos = list(self.spec_stats.num_accepted_tokens_per_pos)
+        return dataclasses.replace(st, spec_decode=spec)
 
     def memory_report(self) -> dict:
         """Device memory and device facts (ModelRunner.memory_report)."""

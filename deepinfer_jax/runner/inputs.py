@@ -74,6 +74,9 @@ class Shapes:
     mask_words: int = 0
     # entries of the full variant's logit_bias arrays (types.MAX_LOGIT_BIAS), or 0 for no bias stage.
     max_logit_bias: int = 0
+    # Speculative decoding: 1 + K, the positions each sequence row samples (its K drafts verified and a bonus);
+    # 1 without speculation. Every step then has seq_rows * spec_width sampling rows (one layout a bucket).
+    spec_width: int = 1
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -96,6 +99,7 @@ class HostStep:
     bucket: int
     penalties: bool  # the full sampling variant
     greedy: bool = False  # the greedy variant: every row greedy, no draw (RunnerConfig.greedy_variant)
+    spec_width: int = 1  # sampling rows a sequence row (Shapes.spec_width): row r's are r * W .. r * W + W - 1
 
     @property
     def variant(self) -> str:
@@ -181,8 +185,15 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
     seq_ids[:T] = seq_of
     slot_mapping = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)  # padding: the null page
     slot_mapping[:T] = page_table[seq_of, pos // ps] * ps + pos % ps
-    logits_indices = np.zeros(S, np.int32)
-    logits_indices[:R] = starts + lens - 1
+    W = shapes.spec_width
+    logits_indices = np.zeros(S * W, np.int32)
+    if W == 1:
+        logits_indices[:R] = starts + lens - 1
+    else:  # row r * W + j: the slot of its j-th verified position (the token before its draft j + 1), j <= drafts
+        drafts = np.fromiter((seq.num_draft_tokens for seq in plan_seqs), np.int64, R)  # [R]
+        j = np.arange(W)[None, :]
+        idx = (starts + lens - 1 - drafts)[:, None] + j  # [R, W]
+        logits_indices[: R * W] = np.where(j <= drafts[:, None], idx, 0).ravel()
     meta = StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
     if mark_context and not decode_kernel_step(meta):
         meta = dataclasses.replace(meta, has_context=bool((first > 0).any()))
@@ -249,5 +260,36 @@ def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int
         row_steps[row] = seq.num_output_tokens
     if grammar_rows:
         type(grammar_rows[0][0]).fill_bitmasks(grammar_rows, st.allowed_token_bits)
+    W = shapes.spec_width
+    if W > 1:
+        return _spec_rows(st, plan_seqs, requests, row_seeds, row_steps, W, penalties)
     key_data = make_key_data_batch(row_seeds, row_steps)
     return SamplingTensors(**{**st.__dict__, "rng_key_data": key_data.astype(np.uint32)})
+
+
+def _spec_rows(st: SamplingTensors, plan_seqs, requests, row_seeds, row_steps, W: int,
+               penalties: bool) -> SamplingTensors:
+    """Sequence rows' tensors [S, ...] -> sampling rows [S * W, ...] (Shapes.spec_width): row r * W + j samples
+    the sequence's output token num_output_tokens + j, verifying draft j + 1 (-1: none, the bonus position).
+    Each row's key, output history and min_tokens suppression are those of that token, as if the drafts
+    before it were sampled."""
+    fields = {name: (None if v is None else np.repeat(v, W, axis=0)) for name, v in st.__dict__.items()}
+    S = len(row_seeds)
+    drafts = np.full((S, W), -1, np.int32)
+    seeds = np.repeat(np.asarray(row_seeds, dtype=object), W)
+    steps = (np.repeat(np.asarray(row_steps, np.int64), W).reshape(S, W) + np.arange(W)).ravel()
+    for r, seq in enumerate(plan_seqs):
+        d = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
+        drafts[r, : len(d)] = d
+        req = requests[seq.request_id]
+        sp = req.sampling_params
+        n_out = req.num_output_tokens
+        for j in range(1, W):
+            row = r * W + j
+            if n_out + j >= sp.min_tokens:
+                fields["suppress_token_ids"][row] = -1
+            if penalties and j <= len(d):
+                fields["output_token_ids"][row, n_out: n_out + j] = d[:j]
+    key_data = make_key_data_batch(list(seeds), steps)
+    fields.update(rng_key_data=key_data.astype(np.uint32), draft_token_ids=drafts.ravel())
+    return SamplingTensors(**fields)

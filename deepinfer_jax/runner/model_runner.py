@@ -74,6 +74,8 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(runner_cfg.kv_dtype)
         self.sharding = sharding
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
+        if shapes.spec_width > 1 and sharding is not None:
+            raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
         # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their
         # program takes the split attention, whose context part it names (one device, the Pallas path).
         self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
@@ -182,7 +184,8 @@ class ModelRunner:
             meta = build_metadata(seqs, self.shapes, bucket, self._mark_context, self.page_rows)
             st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full)
             rows = [i for i, s in enumerate(seqs) if s.sample]
-            return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full)
+            return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full,
+                            spec_width=self.shapes.spec_width)
         metas = [build_metadata(g, self.shapes, bucket, page_rows=self.page_rows) for g in groups]
         sts = [build_sampling(g, requests, seeds, self.shapes, bucket, full) for g in groups]
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))

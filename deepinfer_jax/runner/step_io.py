@@ -106,17 +106,40 @@ class StepOut:
 class StepResult:
     token_ids: dict[str, int]
     logprobs: dict[str, tuple[float, list[int], list[float]]]  # rid -> (sampled lp, top ids, top lps)
+    # Speculative steps (HostStep.spec_width > 1): rid -> the tokens the step emits (its accepted drafts and the
+    # token of its first rejected or bonus position; token_ids holds the last), and their logprobs (full variant)
+    spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    spec_logprobs: dict[str, list[tuple[float, list[int], list[float]]]] = dataclasses.field(default_factory=dict)
 
 
 def step_result(host: HostStep, sampled) -> StepResult:
     """A step's SampleOutput on the host (`StepOut.to_host`) -> each sampling row's token id by request, and where
-    the step ran the full variant (`host.penalties`), its logprob and top logprobs."""
+    the step ran the full variant (`host.penalties`), its logprob and top logprobs. With speculation each
+    sequence row r has rows r * W ..: its tokens are those up to its first row that did not accept its draft."""
     result = StepResult({}, {})
     full = host.penalties
+    W = host.spec_width
+
+    def lp(row):
+        return (float(sampled.logprob[row]), sampled.top_logprob_ids[row].tolist(),
+                sampled.top_logprobs[row].tolist())
+
     for row in host.sample_rows:
         rid = host.request_ids[row]
-        result.token_ids[rid] = int(sampled.token_ids[row])
+        if W == 1:
+            result.token_ids[rid] = int(sampled.token_ids[row])
+            if full:
+                result.logprobs[rid] = lp(row)
+            continue
+        rows = []
+        for j in range(W):
+            rows.append(row * W + j)
+            if not sampled.accepted[row * W + j]:
+                break
+        tokens = [int(sampled.token_ids[i]) for i in rows]
+        result.spec_token_ids[rid] = tokens
+        result.token_ids[rid] = tokens[-1]
         if full:
-            result.logprobs[rid] = (float(sampled.logprob[row]), sampled.top_logprob_ids[row].tolist(),
-                                    sampled.top_logprobs[row].tolist())
+            result.spec_logprobs[rid] = [lp(i) for i in rows]
+            result.logprobs[rid] = result.spec_logprobs[rid][-1]
     return result

@@ -194,7 +194,10 @@ class StepPrograms:
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
                 sampled = sample(out, st, max_logprobs=k, full=full, draw=draw)
-                nxt = jnp.zeros((rows,), jnp.int32).at[: sampled.token_ids.shape[0]].set(sampled.token_ids)
+                # (with speculation, Shapes.spec_width > 1, the engine fetches every step before the next: no
+                # placeholder reads these, and the sampling rows may outnumber them)
+                ids = sampled.token_ids[:rows]
+                nxt = jnp.zeros((rows,), jnp.int32).at[: ids.shape[0]].set(ids)
                 if sh is not None:
                     nxt = jax.lax.with_sharding_constraint(
                         nxt, jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec()))

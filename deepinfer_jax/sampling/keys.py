@@ -1,7 +1,7 @@
 """Host-side derivation of per-token PRNG key data (numpy only, no device work).
 
 The sampler consumes key data ``u32[B, 2]`` (its draw hashes a row's two words with each
-vocabulary id: sampler.noise_bits), derived with threefry2x32. For a seeded request the
+vocabulary id: draw.noise_bits), derived with threefry2x32. For a seeded request the
 key for its ``step``-th output token (``step = num_output_tokens`` so far) is::
 
     jax.random.key_data(jax.random.fold_in(jax.random.PRNGKey(seed), step))

@@ -10,6 +10,8 @@ Pipeline, per row b (everything vectorised over the padded batch B, vocab V):
   5. other rows: / temperature, ``apply_truncation`` (top-k, then top-p over the top-k
      renormalised distribution, then min-p), then a Gumbel-max draw keyed by the row's key data
      (`categorical_rows`: the argmax of logits + `gumbel_noise`, taken in chunks).
+  6. with `draft_token_ids` (speculative decoding), each row verifies its draft instead of drawing freely:
+     sampling/rejection.py.
 
 Invariants:
   * Rows are independent: the output of a row depends only on that row's logits and
@@ -34,6 +36,9 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from deepinfer_jax.sampling.draw import ARGMAX_CHUNK, categorical_rows, gumbel_noise, noise_bits  # noqa: F401
+from deepinfer_jax.sampling.rejection import rejection_sample
 
 GREEDY_EPS = 1e-5  # temperature below this => greedy (vLLM's _SAMPLING_EPS)
 
@@ -60,6 +65,9 @@ class SamplingTensors:
     # None) leaves the stage out (statically).
     logit_bias_ids: jax.Array | None = None
     logit_bias_values: jax.Array | None = None
+    # Speculative decoding: i32[B] the draft token each row verifies (-1: none; sampling/rejection.py), or None
+    # for no verification stage (statically).
+    draft_token_ids: jax.Array | None = None
 
     @classmethod
     def defaults(cls, batch: int, prompt_len: int = 0, output_len: int = 0,
@@ -83,6 +91,7 @@ class SampleOutput:
     logprob: jax.Array          # f32[B]     raw log_softmax(logits)[token]
     top_logprob_ids: jax.Array  # i32[B, K]  K = max_logprobs (may be 0)
     top_logprobs: jax.Array     # f32[B, K]  raw log-softmax top-K, sorted descending
+    accepted: jax.Array | None = None  # i32[B] 1 where the row's draft was accepted (only with draft_token_ids)
 
 
 def _id_mask_scatter(ids: jax.Array, vocab: int, dtype) -> jax.Array:
@@ -182,57 +191,6 @@ def apply_truncation(logits: jax.Array, top_k: jax.Array, top_p: jax.Array,
     return jnp.where(ratio < min_p.astype(jnp.float32)[:, None], -jnp.inf, logits)
 
 
-ARGMAX_CHUNK = 1024  # the categorical draw's argmax runs over chunks of this many ids first
-
-
-def _mix32(x: jax.Array) -> jax.Array:
-    """uint32 -> uint32, a bijection with a low avalanche bias ("lowbias32": two xorshift-multiply rounds)."""
-    x = (x ^ (x >> 16)) * jnp.uint32(0x7FEB352D)
-    x = (x ^ (x >> 15)) * jnp.uint32(0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def noise_bits(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
-    """A row's key data words k0, k1 (uint32, e.g. [B, 1]) and vocabulary ids col (int32, e.g. [B, n], broadcasting
-    with them) -> uint32 random bits: `_mix32` twice, a key word folded in before each. For each key the map from
-    id to bits is a bijection, so no two ids of a row share their bits. About 15 integer operations an id, where
-    jax.random's threefry2x32 takes ~100; yet at batch 32 x 102,400 ids on an H100 the base sampler cost the same
-    with either (17.8 us beyond the lm_head with this hash, 15.5 with threefry: benchmarks/RESULTS.md): the
-    draw's fused passes over the logits, not the hash, set its time. The key data comes from threefry
-    (`keys.make_key_data`)."""
-    return _mix32(_mix32(col.astype(jnp.uint32) + k0) ^ k1)
-
-
-def gumbel_noise(k0: jax.Array, k1: jax.Array, col: jax.Array) -> jax.Array:
-    """`noise_bits` -> float32 Gumbel(0, 1) noise: the bits' top 23 as a uniform u in [tiny, 1) (jax.random.uniform's
-    mapping), then -log(-log(u)). Pure elementwise jnp, so XLA fuses it into the draw's argmax."""
-    bits = noise_bits(k0, k1, col)
-    u = jax.lax.bitcast_convert_type((bits >> 9) | jnp.uint32(0x3F800000), jnp.float32) - 1.0  # [0, 1)
-    tiny = jnp.float32(np.finfo(np.float32).tiny)
-    u = jnp.maximum(tiny, u * (1.0 - tiny) + tiny)
-    return -jnp.log(-jnp.log(u))
-
-
-def categorical_rows(key_data: jax.Array, logits: jax.Array) -> jax.Array:
-    """key_data u32[B, 2], logits f32[B, V] -> i32[B]: each row's Gumbel-max draw, the argmax of logits +
-    gumbel_noise(key, id) (an id at -inf is never drawn unless all are), taken over chunks of ARGMAX_CHUNK ids
-    and then over the chunks' maxima. The first maximum wins either way (the first chunk holding it, its first
-    index there). On an H200 at B = 32, V = 102,400 the fused draw and argmax took 26.5 us a step as one
-    [B, V] reduction and 21.8 us in chunks with threefry's noise, the noise's hash included
-    (benchmarks/RESULTS.md)."""
-    batch, vocab = logits.shape
-    kd = key_data.astype(jnp.uint32)
-    col = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 1)
-    z = logits + gumbel_noise(kd[:, :1], kd[:, 1:], col)  # f32[B, V]
-    n = -(-vocab // ARGMAX_CHUNK)
-    if n == 1:
-        return jnp.argmax(z, axis=-1).astype(jnp.int32)
-    z = jnp.pad(z, ((0, 0), (0, n * ARGMAX_CHUNK - vocab)), constant_values=-jnp.inf).reshape(batch, n, ARGMAX_CHUNK)
-    first = jnp.argmax(z, axis=-1).astype(jnp.int32)                   # i32[B, n] within each chunk
-    best = jnp.argmax(jnp.max(z, axis=-1), axis=-1).astype(jnp.int32)  # i32[B]    the chunk
-    return best * ARGMAX_CHUNK + jnp.take_along_axis(first, best[:, None], axis=-1)[:, 0]
-
-
 def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: bool = True,
            draw: bool = True) -> SampleOutput:
     """logits f32|bf16[B, V] -> SampleOutput. Jittable; ``max_logprobs``, ``full`` and ``draw`` must be static.
@@ -257,15 +215,22 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         x = apply_token_bitmask(x, st.allowed_token_bits)
     greedy_ids = jnp.argmax(x, axis=-1).astype(jnp.int32)              # i32[B]
 
+    draft = st.draft_token_ids
+    accepted = None
     if draw:
         temp = st.temperature.astype(jnp.float32)
         is_greedy = temp < GREEDY_EPS                                  # bool[B]
         scaled = x / jnp.where(is_greedy, 1.0, temp)[:, None]
         masked = apply_truncation(scaled, st.top_k, st.top_p, st.min_p, sort=full)
-        drawn = categorical_rows(st.rng_key_data, masked)
-        token_ids = jnp.where(is_greedy, greedy_ids, drawn)
+        if draft is not None:  # verification: the draft or the residual's draw (a plain draw where no draft)
+            token_ids, accepted = rejection_sample(masked, draft, st.rng_key_data, is_greedy, greedy_ids)
+        else:
+            drawn = categorical_rows(st.rng_key_data, masked)
+            token_ids = jnp.where(is_greedy, greedy_ids, drawn)
     else:
         token_ids = greedy_ids
+        if draft is not None:
+            accepted = (draft >= 0) & (greedy_ids == draft)
 
     picked = jnp.take_along_axis(logits, token_ids[:, None], axis=-1)  # f32[B, 1]
     logprob = ((picked - row_max) - log_norm)[:, 0]
@@ -277,4 +242,5 @@ def sample(logits: jax.Array, st: SamplingTensors, *, max_logprobs: int, full: b
         top_lp = jnp.pad(top_lp, ((0, 0), (0, max_logprobs - k)), constant_values=-jnp.inf)
         top_ids = jnp.pad(top_ids, ((0, 0), (0, max_logprobs - k)), constant_values=-1)
     return SampleOutput(token_ids=token_ids, logprob=logprob,
-                        top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp)
+                        top_logprob_ids=top_ids.astype(jnp.int32), top_logprobs=top_lp,
+                        accepted=None if accepted is None else accepted.astype(jnp.int32))

@@ -11,8 +11,8 @@ Protocol (vLLM v1's, with caching moved after the compute):
    KV exists, so a same-step hit on a block still being written is impossible.
 4. `free(req)` returns its blocks in reverse order (sequence tail evicted first).
 
-Invariants: a request's block list covers exactly cdiv(tokens with KV slots, page_size) pages, in
-sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Between its creation (the
+Invariants: a request's block list covers exactly cdiv(tokens with KV slots, page_size) pages (slots of
+speculative drafts included, rejected ones too), in sequence order; its first `_num_cached[req]` blocks are hashed (or were hits). Between its creation (the
 first allocation) and `free` the list only grows at its end; `block_list_generation` names that lifetime
 (a number no other list of any manager had), so a reader may keep what it copied and take only the new
 tail. Block hashes of a request are kept across preemption (token ids never change) and dropped when it
@@ -94,12 +94,16 @@ class KVCacheManager:
         return hit, len(hit) * self.page_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, new_computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Reserve pages for `num_new_tokens` tokens after the computed ones; False if short.
 
         `new_computed_blocks` (prefix hits, only for a request holding no blocks) are taken with
         one more reference each and count as computed tokens not yet in `num_computed_tokens`.
+        `num_lookahead_tokens`: slots for that many more (speculative drafts, not yet tokens of the request).
+        Pages of drafts a step rejects stay in the request's list (its next tokens fill them); they are freed
+        with the request's others.
         """
         rid = request.request_id
         blocks = self._blocks.get(rid)
@@ -114,7 +118,7 @@ class KVCacheManager:
                 f"{request.num_tokens} known)"
             )
         have = (len(blocks) if blocks else 0) + num_hit
-        num_new_blocks = max(cdiv(total, self.page_size) - have, 0)
+        num_new_blocks = max(cdiv(total + num_lookahead_tokens, self.page_size) - have, 0)
         pool = self.block_pool
         # Hits sitting in the free queue stop being free once touched.
         evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_count(b) == 0)

@@ -25,6 +25,12 @@ prefix-cached there too, so a hit only ever names pages whose KV was written by 
 (identical prompts admitted in the same step each compute the whole prompt).
 Requests finished or aborted in between are skipped by the update.
 
+Speculative decoding: a decode whose request holds drafts (`Request.spec_token_ids`) is scheduled as its last token
+and as many drafts as the budget, max_model_len and max_tokens allow, their slots allocated ahead
+(`allocate_slots(num_lookahead_tokens=)`) only where they fit without preempting; `update_from_output` takes the
+seq's tokens (accepted drafts and the target's own), appends them up to the first stop and counts only the inputs
+they confirm as computed, so a rejected draft's slot is written again next step (docs/speculative.md).
+
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
 request never computes more than max_model_len tokens, so the oldest running request (or, if none,
 the waiting head) can always be scheduled: every step with unfinished requests makes progress.
@@ -34,6 +40,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer_jax.config import CacheConfig, SchedulerConfig
 from deepinfer_jax.scheduler.kv_cache_manager import KVCacheManager, cdiv
@@ -56,6 +63,8 @@ class ScheduledSeq:
     num_output_tokens: outputs generated before this step (seeded sampling, penalties).
     page_gen: the page list's lifetime (KVCacheManager.block_list_generation; 0: unknown): a later step's
     seq of the same request and page_gen has these page_ids as its prefix.
+    num_draft_tokens: speculative decoding: the last this many of token_ids are drafts (Request.spec_token_ids)
+    the step verifies; it samples at its last num_draft_tokens + 1 positions.
     """
 
     request_id: str
@@ -66,11 +75,12 @@ class ScheduledSeq:
     num_output_tokens: int
     sampling_params: SamplingParams | None = None
     page_gen: int = 0
+    num_draft_tokens: int = 0
 
     @property
     def is_decode(self) -> bool:
-        """One query token (the decode path); longer chunks are prefill."""
-        return len(self.token_ids) == 1
+        """One query token, or one and its drafts (the decode path); longer chunks are prefill."""
+        return len(self.token_ids) - self.num_draft_tokens == 1
 
 
 @dataclass
@@ -104,6 +114,8 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # the engine's speculative decoding counters (engine/speculative.py SpecDecodeStats, a snapshot), None without
+    spec_decode: Any = None
 
 
 class Scheduler:
@@ -215,16 +227,26 @@ class Scheduler:
             remaining = threshold
         return min(remaining, budget)
 
-    def _seq(self, request: Request, start: int, n: int) -> ScheduledSeq:
+    def _num_drafts(self, request: Request, budget: int) -> int:
+        """How many of a decoding request's drafts a step verifies: within the token budget, max_model_len and
+        max_tokens (all accepted, the step emits one token more than it verifies)."""
+        sp = request.sampling_params
+        k = min(len(request.spec_token_ids), budget, self.config.max_model_len - request.num_tokens - 1)
+        if sp.max_tokens is not None:
+            k = min(k, sp.max_tokens - request.num_output_tokens - 1)
+        return max(k, 0)
+
+    def _seq(self, request: Request, start: int, n: int, num_drafts: int = 0) -> ScheduledSeq:
         return ScheduledSeq(
             request_id=request.request_id,
-            token_ids=request.token_ids_slice(start, start + n),
+            token_ids=request.token_ids_slice(start, start + n) + request.spec_token_ids[:num_drafts],
             start_pos=start,
             page_ids=list(self.kv_cache_manager.get_block_ids(request.request_id)),
             sample=start + n == request.num_tokens,
             num_output_tokens=request.num_output_tokens,
             sampling_params=request.sampling_params,
             page_gen=self.kv_cache_manager.block_list_generation(request.request_id),
+            num_draft_tokens=num_drafts,
         )
 
     def _preempt(self, request: Request) -> None:
@@ -232,6 +254,7 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -267,11 +290,15 @@ class Scheduler:
                 if (remaining == 1) != want_decode:
                     continue
                 n = self._chunk(remaining, budget)
-                if self._allocate_or_preempt(request, n, scheduled, preempted):
-                    seq = self._seq(request, request.num_computed_tokens, n)
+                # Speculation: the drafts' slots too where they fit without preempting anyone; else plain.
+                k = self._num_drafts(request, budget - n) if want_decode else 0
+                if k and not self.kv_cache_manager.allocate_slots(request, n, num_lookahead_tokens=k):
+                    k = 0
+                if k or self._allocate_or_preempt(request, n, scheduled, preempted):
+                    seq = self._seq(request, request.num_computed_tokens, n, k)
                     (decodes if seq.is_decode else prefills).append(seq)
                     scheduled.add(request.request_id)
-                    budget -= n
+                    budget -= n + k
 
         while (
             not preempted
@@ -314,7 +341,8 @@ class Scheduler:
         check stop conditions, free finished requests.
 
         Returns (request, newly appended token ids, finished?) for every request that sampled.
-        `sampled` must hold a token for every live `sample=True` sequence; extra keys are ignored.
+        `sampled` must hold a token for every live `sample=True` sequence (a speculative one, with
+        num_draft_tokens: its list of tokens); extra keys are ignored.
         """
         if not plan.seqs:
             return []
@@ -329,19 +357,43 @@ class Scheduler:
         any_finished = False
         for seq in live:
             request = self.requests[seq.request_id]
-            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
-            self.kv_cache_manager.cache_blocks(request)
-            if not seq.sample:
-                continue
-            token = int(sampled[seq.request_id])
-            request.output_token_ids.append(token)
-            if self._check_stop(request):
+            if seq.num_draft_tokens:
+                finished, appended = self._apply_verified(request, seq, sampled[seq.request_id])
+            else:
+                request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+                self.kv_cache_manager.cache_blocks(request)
+                if not seq.sample:
+                    continue
+                value = sampled[seq.request_id]
+                appended = [int(value[0] if isinstance(value, (list, tuple)) else value)]
+                request.output_token_ids.append(appended[0])
+                finished = self._check_stop(request)
+            request.spec_token_ids = []
+            if finished:
                 any_finished = True
                 self._release(request)
-            results.append((request, [token], request.is_finished))
+            results.append((request, appended, request.is_finished))
         if any_finished:
             self.running = [r for r in self.running if not r.is_finished]
         return results
+
+    def _apply_verified(self, request: Request, seq: ScheduledSeq, tokens) -> tuple[bool, list[int]]:
+        """A speculative seq's result: its tokens (accepted drafts, then the target's own; a list, never
+        placeholders) appended up to the first stop; the KV of the inputs they confirm counts as computed (the
+        rejected drafts' slots stay in the request's pages, to be written again). -> (finished, appended)."""
+        tokens = list(tokens)[: seq.num_draft_tokens + 1] if isinstance(tokens, (list, tuple)) else [tokens]
+        appended: list[int] = []
+        finished = False
+        for token in tokens:
+            request.output_token_ids.append(int(token))
+            appended.append(int(token))
+            if self._check_stop(request):
+                finished = True
+                break
+        # inputs: the last token and the drafts; the first len(appended) of them are confirmed
+        request.num_computed_tokens = seq.start_pos + len(seq.token_ids) - seq.num_draft_tokens + len(appended) - 1
+        self.kv_cache_manager.cache_blocks(request)
+        return finished, appended
 
     def _check_stop(self, request: Request) -> bool:
         """vLLM's order: length (max_tokens, max_model_len) first, then, once min_tokens outputs

@@ -87,6 +87,18 @@ def at_least_two(text: str) -> int:
     return _number(int, text, "an integer >= 2", lambda v: v >= 2)
 
 
+def speculative_config(text: str):
+    """--speculative-config JSON -> config.SpeculativeConfig (a bad one is a one-line usage error)."""
+    from deepinfer_jax.config import SpeculativeConfig
+
+    try:
+        spec = SpeculativeConfig.parse(text)
+        spec.check_supported()
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return spec
+
+
 def model_dir_problem(path: str) -> str | None:
     """Why `path` cannot be served (no directory, no or a bad config.json, an unsupported model), or None."""
     from deepinfer_jax.config import ConfigError, ModelConfig
@@ -164,6 +176,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="prefill buckets run a step as two programs, the bucket's forward (shared by its sampling "
                         "variants) and the variant's sampler, so warm-up compiles fewer whole forwards (one "
                         "device; default: on)")
+    g.add_argument("--speculative-config", "-sc", type=speculative_config, default=None,
+                   help='speculative decoding as JSON, vLLM\'s keys: {"method": "ngram", "num_speculative_tokens": 3, '
+                        '"prompt_lookup_max": 4} (docs/speculative.md)')
     g.add_argument("--compilation-cache-dir", default="default",
                    help='XLA compilation cache, and in its programs/ the compiled step programs a warm start '
                         'loads untraced ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; "none": off)')
@@ -253,6 +268,8 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
                 argv.append(flag)
         elif isinstance(value, list):
             argv += [flag] + [str(v) for v in value]
+        elif isinstance(value, dict) and dest == "speculative_config":  # its mapping, as the flag's JSON
+            argv += [flag, json.dumps(value)]
         elif isinstance(value, dict):
             bad(f"{key} must be a value or a list, got a mapping")
         else:
@@ -361,7 +378,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
-        compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir)
+        compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir,
+        speculative_config=ns.speculative_config)
     if getattr(ns, "nnodes", 1) > 1:
         kw.update(nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "attn_impl", "moe_impl",

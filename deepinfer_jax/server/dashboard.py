@@ -78,6 +78,20 @@ def _one(snap: dict, name: str, default: float = 0.0) -> float:
     return snap.get(P + name, {}).get((), default)
 
 
+def _speculative(snap: dict) -> dict[str, Any] | None:
+    """Speculative decoding's figures from vLLM's spec_decode_* counters: None when no step verified drafts."""
+    def total(name: str) -> float:  # summed over the counters' labels
+        return sum(snap.get(P + name, {}).values())
+
+    drafts = total("spec_decode_num_drafts_total")
+    if not drafts:
+        return None
+    tokens, accepted = total("spec_decode_num_draft_tokens_total"), total("spec_decode_num_accepted_tokens_total")
+    return {"drafts": drafts, "draft_tokens": tokens, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / tokens if tokens else None,
+            "mean_acceptance_length": 1 + accepted / drafts}
+
+
 def dashboard_data(s: Serving) -> dict[str, Any]:
     """The JSON of /dashboard/data (module docstring)."""
     memory = s.memory_report()
@@ -110,7 +124,7 @@ def dashboard_data(s: Serving) -> dict[str, Any]:
         "kv_cache_usage": _one(snap, "kv_cache_usage_perc"),
         "prefix_cache_hit_rate": hits / queries if queries else None,
         "host_cache": None,  # no host-memory KV tier in this engine
-        "speculative": None,  # no speculative decoding in this engine
+        "speculative": _speculative(snap),
         "memory": mem,
         "latency": {"ttft": _histogram(snap, "time_to_first_token_seconds"),
                     "itl": _histogram(snap, "inter_token_latency_seconds"),

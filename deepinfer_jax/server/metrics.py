@@ -65,7 +65,16 @@ class ServerMetrics:
                   self.preemptions, self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens,
                   self.generation_tokens):
             m.labels(model_name)  # every series exists from the first scrape
+        # speculative decoding (vLLM's spec_decode_* counters), fed from the stats' SpecDecodeStats when present
+        self.spec_drafts = Counter(P + "spec_decode_num_drafts", "Sequences that verified drafts, by step.", L,
+                                   registry=r)
+        self.spec_draft_tokens = Counter(P + "spec_decode_num_draft_tokens", "Draft tokens verified.", L, registry=r)
+        self.spec_accepted = Counter(P + "spec_decode_num_accepted_tokens", "Draft tokens accepted.", L, registry=r)
+        self.spec_accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Draft tokens accepted, by position (0: the first draft).",
+                                             L + ["position"], registry=r)
         self._last = (0, 0, 0)
+        self._last_spec: tuple = (0, 0, 0, ())
         self._children: dict[int, object] = {}
 
     def _l(self, metric):
@@ -103,7 +112,22 @@ class ServerMetrics:
                 if new > old:
                     self._l(counter).inc(new - old)
             self._last = now
+            if getattr(stats, "spec_decode", None) is not None:
+                self._spec(stats.spec_decode)
         self._l(self.in_flight).set(in_flight)
+
+    def _spec(self, sd) -> None:
+        now = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos))
+        for counter, new, old in zip((self.spec_drafts, self.spec_draft_tokens, self.spec_accepted), now,
+                                     self._last_spec):
+            if new > old:
+                self._l(counter).inc(new - old)
+        old_pos = self._last_spec[3] or (0,) * len(now[3])
+        for pos, (new, old) in enumerate(zip(now[3], old_pos)):
+            child = self.spec_accepted_per_pos.labels(self.model_name, str(pos))
+            if new > old:
+                child.inc(new - old)
+        self._last_spec = now
 
     # ---- per request -----------------------------------------------------------------------------
     def error(self, status: int, type: str) -> None:

@@ -20,7 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype
---nnodes --node-rank --master-addr --master-port
+--nnodes --node-rank --master-addr --master-port --speculative-config
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -59,10 +59,9 @@ NOT_YET = {
     "--quantization-config": "not yet: --quantization fp8 takes DeepSeek's 128 x 128 blocks; a checkpoint's own "
                              "quantization_config is read from its config.json",
     "--kv-cache-dtype-skip-layers": "not yet: --kv-cache-dtype applies to every layer",
-    "--speculative-config": "not yet: no speculative decoding",
-    "--spec-method": "not yet: no speculative decoding",
-    "--spec-model": "not yet: no speculative decoding",
-    "--spec-tokens": "not yet: no speculative decoding",
+    "--spec-method": "not yet: pass --speculative-config '{\"method\": ..., \"num_speculative_tokens\": K}'",
+    "--spec-model": "not yet: pass --speculative-config with its \"model\" key",
+    "--spec-tokens": "not yet: pass --speculative-config with its \"num_speculative_tokens\" key",
     "--pipeline-parallel-size": "not yet: use --tensor-parallel-size / --data-parallel-size on one host",
 }
 

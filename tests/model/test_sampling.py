@@ -303,7 +303,7 @@ def test_base_variant_equals_full_when_no_row_needs_it():
 def test_chunked_draw_is_the_whole_rows_gumbel_max(vocab, monkeypatch):
     """categorical_rows takes its argmax in chunks (ARGMAX_CHUNK, here also small, so that every size splits):
     the same ids as one argmax of logits + gumbel_noise over the whole row, ties and masked (-inf) ids included."""
-    from deepinfer_jax.sampling import sampler
+    from deepinfer_jax.sampling import draw
 
     rng = np.random.default_rng(vocab)
     batch = 8
@@ -314,10 +314,10 @@ def test_chunked_draw_is_the_whole_rows_gumbel_max(vocab, monkeypatch):
     logits[4, -1] = 60.0  # the last id, in the padded chunk
     key_data = jnp.asarray(make_key_data_batch(np.arange(batch) * 7 + 1, np.arange(batch)), jnp.uint32)
     col = jnp.broadcast_to(jnp.arange(vocab, dtype=jnp.int32), (batch, vocab))
-    want = np.asarray(jnp.argmax(logits + sampler.gumbel_noise(key_data[:, :1], key_data[:, 1:], col), axis=-1))
-    for chunk in (sampler.ARGMAX_CHUNK, 7, 64):
-        monkeypatch.setattr(sampler, "ARGMAX_CHUNK", chunk)
-        got = np.asarray(jax.jit(sampler.categorical_rows)(key_data, jnp.asarray(logits)))
+    want = np.asarray(jnp.argmax(logits + draw.gumbel_noise(key_data[:, :1], key_data[:, 1:], col), axis=-1))
+    for chunk in (draw.ARGMAX_CHUNK, 7, 64):
+        monkeypatch.setattr(draw, "ARGMAX_CHUNK", chunk)
+        got = np.asarray(jax.jit(draw.categorical_rows)(key_data, jnp.asarray(logits)))
         np.testing.assert_array_equal(got, want)
     assert got[4] == vocab - 1
     assert np.isfinite(logits[1, got[1]]) or not np.isfinite(logits[1]).any()  # a masked id only if all are
@@ -325,23 +325,23 @@ def test_chunked_draw_is_the_whole_rows_gumbel_max(vocab, monkeypatch):
 
 
 def test_noise_bits_are_a_bijection_per_key_and_uniform():
-    """sampler.noise_bits: for each key, distinct ids get distinct bits (2**16 ids); over many keys and ids each bit
+    """draw.noise_bits: for each key, distinct ids get distinct bits (2**16 ids); over many keys and ids each bit
     is set half the time, neighbouring ids and keys one step apart are uncorrelated, and the Gumbel noise has the
     distribution's mean (Euler's gamma) and variance (pi^2 / 6)."""
-    from deepinfer_jax.sampling import sampler
+    from deepinfer_jax.sampling import draw
 
     keys = jnp.asarray(make_key_data_batch(np.arange(64) + 5, np.zeros(64, np.int64)), jnp.uint32)  # [64, 2]
     col = jnp.broadcast_to(jnp.arange(1 << 16, dtype=jnp.int32), (64, 1 << 16))
-    bits = np.asarray(sampler.noise_bits(keys[:, :1], keys[:, 1:], col))  # [64, 65536]
+    bits = np.asarray(draw.noise_bits(keys[:, :1], keys[:, 1:], col))  # [64, 65536]
     assert all(len(np.unique(row)) == row.size for row in bits)
     ones = np.stack([(bits >> b) & 1 for b in range(32)]).mean(axis=(1, 2))  # each bit's frequency
     assert np.abs(ones - 0.5).max() < 0.003, ones
     u = (bits >> 9).astype(np.float64) / (1 << 23)  # the top 23 bits, as the noise takes them
     assert abs(np.corrcoef(u[:, :-1].ravel(), u[:, 1:].ravel())[0, 1]) < 0.003  # neighbouring ids
     steps = jnp.asarray(make_key_data_batch(np.full(64, 5), np.arange(64)), jnp.uint32)  # one seed, 64 steps
-    v = np.asarray(sampler.noise_bits(steps[:, :1], steps[:, 1:], col[:, :4096]) >> 9).astype(np.float64)
+    v = np.asarray(draw.noise_bits(steps[:, :1], steps[:, 1:], col[:, :4096]) >> 9).astype(np.float64)
     assert abs(np.corrcoef(v[:-1].ravel(), v[1:].ravel())[0, 1]) < 0.01  # consecutive steps
-    g = np.asarray(sampler.gumbel_noise(keys[:, :1], keys[:, 1:], col), np.float64)
+    g = np.asarray(draw.gumbel_noise(keys[:, :1], keys[:, 1:], col), np.float64)
     assert abs(g.mean() - np.euler_gamma) < 0.01 and abs(g.var() - np.pi ** 2 / 6) < 0.02
 
 

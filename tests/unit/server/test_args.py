@@ -115,9 +115,22 @@ def test_yaml_then_flags(tmp_path):
     assert ns.api_key == "secret" and ns.reasoning_parser == "deepseek_r1"
 
 
+def test_speculative_config_flag_and_yaml(tmp_path):
+    ns = parse_with_config(_serve_parser(), ["--speculative-config",
+                                             '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    spec = engine_kwargs(ns, platform="gpu")[0]["speculative_config"]
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == ("ngram", 3, 4, 4)
+    f = tmp_path / "c.yaml"
+    f.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 2\n")
+    assert parse_with_config(_serve_parser(), ["--config", str(f)]).speculative_config.num_speculative_tokens == 2
+    assert parse_with_config(_serve_parser(), []).speculative_config is None
+
+
 @pytest.mark.parametrize("text", ["nonsense_key: 1\n", "max_num_seqs: many\n", "enable_prefix_caching: 3\n",
                                   "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
-                                  "host: {a: 1}\n"])
+                                  "host: {a: 1}\n", "speculative_config: {method: ngram, num_speculative_tokens: 0}\n",
+                                  "speculative_config: {method: ngram, num_speculative_tokens: 2, k: 1}\n",
+                                  "speculative_config: {method: deepseek_mtp, num_speculative_tokens: 1}\n"])
 def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
     f.write_text(text)

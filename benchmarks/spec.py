@@ -1,0 +1,207 @@
+"""Speculative decoding: what a verify step costs, and what n-gram speculation gives end to end.
+
+    python benchmarks/spec.py                                          # GPU: the deepseek-v2-lite shape
+    python benchmarks/spec.py --preset tiny-deepseek-v2 --batches 1,4 --ks 1,2 --prompt-len 32 --steps 4 \\
+        --attn-impl reference --moe-impl ragged --dtype float32       # CPU smoke run
+
+Random weights (the preset's shape). One engine a K (0: no speculation) with `max_num_seqs` = the largest batch.
+First, for each K, a correctness check: greedy outputs with drafts equal to the target's own continuation
+("forced acceptance", below) and with n-gram drafts must equal the outputs without speculation, token for token.
+
+(1) Cost side, `verify`: every sequence of the batch verifies K drafts each step that the target rejects (random
+ids), so each step emits one token a sequence at the price of K + 1 positions. Printed: ms a decode step for K = 0
+and for each K, and the ratio. Acceptance length 1.0 by construction.
+
+(2) End to end, per batch and K, three modes; each line gives the mean acceptance length measured beside the
+figure (1 + accepted / sequences that verified drafts), the time a step, output tokens/s and the time per output
+token (TPOT) against K = 0:
+  * `ngram`: prompt lookup on copy-heavy prompts (a random passage repeated). Random weights do not copy, so the
+    acceptance is what it is (usually ~1.0); with `--model DIR` (a trained checkpoint with a tokenizer) the
+    prompts ask to repeat a passage of text, and the acceptance is real.
+  * `forced acceptance` (labelled): drafts are the target's own greedy continuation (from the K = 0 run), so
+    every draft is accepted: the ceiling at acceptance K + 1.
+Greedy sampling, EOS ignored, `--output-len` tokens a sequence; timing covers `--steps` steady decode steps after
+the prefill.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+PASSAGE = ("The committee reviewed the proposal in detail and agreed that the new schedule would take effect at the "
+           "start of the next quarter, provided that every team submitted its revised plan by the end of the month.")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="deepseek-v2-lite")
+    ap.add_argument("--model", default="", help="a checkpoint directory instead of random weights of --preset")
+    ap.add_argument("--batches", default="1,8,32,64")
+    ap.add_argument("--ks", default="1,2,3,4")
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=32, help="timed decode steps")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--attn-impl", default="pallas")
+    ap.add_argument("--moe-impl", default="pallas")
+    ap.add_argument("--page-size", type=int, default=64)
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+    from deepinfer_jax.engine import speculative
+    from deepinfer_jax.engine.llm_engine import LLMEngine
+    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+    from deepinfer_jax.types import SamplingParams
+
+    enable_compilation_cache("default")
+    batches = [int(b) for b in args.batches.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    steps = args.steps
+    # the prefill's token, a few steps to settle, the timed steps, at up to K + 1 tokens a step
+    output_len = (steps + 8) * (max(ks) + 1) + 2
+    tokenizer = None
+    if args.model:
+        from deepinfer_jax.text import load_tokenizer
+        from deepinfer_jax.weights.loader import prepare_model
+
+        cfg, params = prepare_model(args.model, jnp.dtype(args.dtype))
+        tokenizer = load_tokenizer(args.model)
+    else:
+        from deepinfer_jax.weights.random_init import random_params
+
+        cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models",
+                                                      f"{args.preset}.json"))
+        params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
+    print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
+          f"{args.model or args.preset + ' (random weights)'}", flush=True)
+    rng = np.random.default_rng(0)
+    vocab = cfg.vocab_size
+    max_b = max(batches)
+    if tokenizer is not None:
+        text = f"Repeat the following passage exactly.\n\n{PASSAGE}\n\nRepeated:\n{PASSAGE[:60]}"
+        base = tokenizer.encode(text)
+        prompts = [base + rng.integers(2, vocab, 0).tolist() for _ in range(max_b)]
+    else:  # a random passage, repeated: n-gram drafts find matches in the prompt
+        prompts = []
+        for _ in range(max_b):
+            passage = rng.integers(2, vocab, 32).tolist()
+            prompts.append((passage * (args.prompt_len // 32 + 1))[: args.prompt_len])
+    max_len = max(len(p) for p in prompts) + output_len + max(ks) + 8
+
+    def engine(k: int) -> LLMEngine:
+        t = time.time()
+        eng = LLMEngine(cfg, params, tokenizer,
+                        scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_model_len=max_len,
+                                                         max_num_batched_tokens=max(2048, max_b * (k + 1))),
+                        cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False,
+                                                 gpu_memory_utilization=0.85),
+                        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl),
+                        progress=False,
+                        speculative_config=None if k == 0 else {"method": "ngram", "num_speculative_tokens": k,
+                                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1})
+        print(f"K={k}: ready in {time.time() - t:.1f} s ({eng.num_warmup_compiles} programs)", flush=True)
+        return eng
+
+    sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    ngram = speculative.propose
+
+    def run(eng, b: int, proposer=None, timed: bool = True):
+        """Generate for the first b prompts; -> (outputs by id, ms a timed step (median), output tokens a timed step
+        (mean), mean acceptance length over the timed steps)."""
+        speculative.propose = proposer or ngram
+        try:
+            for i in range(b):
+                eng.add_request(str(i), prompts[i], sp)
+            mine = [eng.scheduler.requests[str(i)] for i in range(b)]
+            outs, times, tokens = {}, [], 0
+            st0 = None
+            n = 0
+            while eng.has_unfinished_requests():
+                reqs = eng.scheduler.running
+                decoding = len(reqs) == b and all(r.num_tokens - r.num_computed_tokens == 1 for r in reqs)
+                before = sum(r.num_output_tokens for r in mine)
+                t = time.perf_counter()
+                for o in eng.step():
+                    if o.finished:
+                        outs[o.request_id] = o.outputs[0].token_ids
+                elapsed = time.perf_counter() - t
+                if timed and decoding and 4 <= n < 4 + steps:
+                    if st0 is None and eng.spec_stats is not None:
+                        st0 = (eng.spec_stats.num_drafts, eng.spec_stats.num_accepted_tokens)
+                    times.append(elapsed)
+                    tokens += sum(r.num_output_tokens for r in mine) - before
+                n += decoding
+            acc = 1.0
+            if st0 is not None and eng.spec_stats.num_drafts > st0[0]:
+                acc = 1 + (eng.spec_stats.num_accepted_tokens - st0[1]) / (eng.spec_stats.num_drafts - st0[0])
+            # tokens a timed step, at the median step time
+            return outs, 1e3 * float(np.median(times)) if times else float("nan"), tokens / max(len(times), 1), acc
+        finally:
+            speculative.propose = ngram
+
+    def rejected(eng):  # K drafts a sequence that the target (random weights) rejects
+        k = eng.spec.num_speculative_tokens
+        for r in eng.scheduler.running:
+            if r.num_tokens - r.num_computed_tokens == 1:
+                r.spec_token_ids = [(r.output_token_ids[-1] + 1 + i) % vocab for i in range(k)]
+
+    def forced(ref):
+        def propose(eng):  # the target's own greedy continuation: every draft accepted
+            k = eng.spec.num_speculative_tokens
+            for r in eng.scheduler.running:
+                if r.num_tokens - r.num_computed_tokens == 1:
+                    r.spec_token_ids = ref[r.request_id][r.num_output_tokens: r.num_output_tokens + k]
+        return propose
+
+    plain = engine(0)
+    base = {b: run(plain, b) for b in batches}  # each batch's greedy outputs are its forced drafts
+    del plain  # its KV cache goes before the next engine sizes its own
+    gc.collect()
+    rows = []
+    for k in ks:
+        eng = engine(k)
+        b = min(batches)
+        ref = base[b][0]
+        for name, prop in (("forced", forced(ref)), ("ngram", None)):
+            outs = run(eng, b, prop, timed=False)[0]
+            same = sum(outs[i] == ref[i] for i in ref)
+            # bf16 logits of a K + 1-position step may differ from a one-position step's in the last bit, which can
+            # flip a near-tie; a wrong verification changes nearly every output
+            print(f"K={k}: {name} drafts: {same} of {len(ref)} greedy outputs equal without speculation", flush=True)
+            if 2 * same < len(ref):
+                print(f"K={k}: FAILED: {name} drafts change the greedy output", flush=True)
+                return 1
+        for b in batches:
+            _, ms0, tok0, _ = base[b]
+            _, ms_v, tok_v, acc_v = run(eng, b, rejected)
+            rows.append(("verify (all rejected)", k, b, ms0, tok0, ms_v, tok_v, acc_v))
+            for name, prop in (("ngram", None), ("forced acceptance", forced(base[b][0]))):
+                _, ms, tok, acc = run(eng, b, prop)
+                rows.append((name, k, b, ms0, tok0, ms, tok, acc))
+        del eng
+        gc.collect()
+    print()
+    print(f"{'mode':<22} {'K':>2} {'batch':>5} {'accept len':>10} {'step ms K=0':>11} {'step ms':>8} "
+          f"{'ratio':>6} {'tok/s K=0':>10} {'tok/s':>9} {'TPOT x':>7}")
+    for name, k, b, ms0, tok0, ms, tok, acc in rows:
+        tps0, tps = tok0 / (ms0 / 1e3), tok / (ms / 1e3)
+        print(f"{name:<22} {k:>2} {b:>5} {acc:>10.2f} {ms0:>11.2f} {ms:>8.2f} {ms / ms0:>6.2f} {tps0:>10.1f} "
+              f"{tps:>9.1f} {tps0 / tps if tps else float('nan'):>7.2f}")
+    print("\nTPOT x: time per output token with speculation / without (below 1: faster). tok/s: output tokens a "
+          "timed step (mean) over the median step time.")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""Speculative decoding's engine side (LLMEngine's docstring tells the whole): the drafts proposed before each
+plan, the step that verifies them (planned, run and fetched in turn) and the counters of vLLM's spec_decode
+metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer_jax.scheduler.ngram import propose_ngram
+from deepinfer_jax.types import RequestOutput
+
+
+@dataclass
+class SpecDecodeStats:
+    """Speculative decoding's counters (vLLM's spec_decode_* metrics): sequences that verified drafts in a step
+    (`num_drafts`), the drafts verified, those accepted, and accepted ones by position (index i: drafts accepted
+    at position i + 1). Mean acceptance length = 1 + num_accepted_tokens / num_drafts."""
+
+    num_speculative_tokens: int
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.num_accepted_tokens_per_pos:
+            self.num_accepted_tokens_per_pos = [0] * self.num_speculative_tokens
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def propose(engine) -> None:
+    """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
+    spec = engine.spec
+    k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
+    for req in engine.scheduler.running:
+        if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
+            req.spec_token_ids = propose_ngram(req.all_token_ids, k, lo, hi)
+
+
+def speculative_step(engine) -> list[RequestOutput]:
+    """One step with speculation: propose, plan, run, fetch and apply it (the scheduler appends each
+    sequence's tokens up to its first stop), then text and outputs."""
+    propose(engine)
+    plan = engine.scheduler.schedule()
+    if plan.is_empty:
+        return []
+    requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in plan.seqs}
+    try:
+        inflight = engine.runner.dispatch(plan.seqs, requests, engine._seeds)
+    except Exception:
+        engine._fail_plan(plan)
+        raise
+    result = engine.runner.fetch(inflight)
+    stats = engine.spec_stats
+    for seq in plan.seqs:
+        tokens = result.spec_token_ids.get(seq.request_id)
+        if seq.num_draft_tokens and tokens is not None:
+            stats.num_drafts += 1
+            stats.num_draft_tokens += seq.num_draft_tokens
+            stats.num_accepted_tokens += len(tokens) - 1
+            for i in range(len(tokens) - 1):
+                stats.num_accepted_tokens_per_pos[i] += 1
+    updates = engine.scheduler.update_from_output(plan, result.spec_token_ids)
+    fetched = []
+    for req, tokens, _ in updates:
+        pid = engine._child_parent.get(req.request_id)
+        if pid is None:
+            continue
+        if req.grammar is not None and not req.is_finished:  # no drafts: one token
+            engine._advance_grammar(req, tokens[0])
+        lps = result.spec_logprobs.get(req.request_id)
+        fetched.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
+    return engine._emit(fetched)

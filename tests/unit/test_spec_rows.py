@@ -1,0 +1,56 @@
+"""A speculative step's host layout (runner/inputs.py, Shapes.spec_width = K + 1): sequence row r's K + 1 sampling
+rows read the logits of its verified positions and check its drafts; each row's key, output history and
+min_tokens suppression are those of the token it samples; and the host keeps a sequence's tokens up to its first
+rejected row (runner/step_io.py: step_result)."""
+
+from __future__ import annotations
+
+import types
+
+import numpy as np
+
+from deepinfer_jax.runner.inputs import HostStep, Shapes, build_metadata, build_sampling
+from deepinfer_jax.runner.step_io import step_result
+from deepinfer_jax.sampling import make_key_data_batch
+from deepinfer_jax.scheduler.scheduler import ScheduledSeq
+from deepinfer_jax.types import Request, SamplingParams
+
+W = 3  # K = 2
+
+
+def _seq(rid, tokens, start, drafts, pages, outputs):
+    return ScheduledSeq(rid, tokens, start, pages, True, outputs, num_draft_tokens=drafts)
+
+
+def test_rows_positions_drafts_keys_and_histories():
+    shapes = Shapes(buckets=(16,), max_num_seqs=4, max_pages=4, page_size=4, max_model_len=16, max_suppress=2,
+                    spec_width=W)
+    a = Request("a", [5, 6, 7], SamplingParams(repetition_penalty=1.2, min_tokens=3), eos_token_ids=(1,))
+    a.output_token_ids = [8, 9]
+    b = Request("b", [4, 4], SamplingParams())
+    seqs = [_seq("a", [9, 20, 21], 4, 2, [1, 2], 2),  # last token 9 at position 4, drafts 20 and 21
+            _seq("b", [4, 4], 0, 0, [3], 0)]  # a prefill that samples: no drafts
+    meta = build_metadata(seqs, shapes, 16)
+    assert meta.logits_indices[:2 * W].tolist() == [0, 1, 2, 4, 0, 0]  # b's rows past the first: padding
+    st = build_sampling(seqs, {"a": a, "b": b}, {"a": 7, "b": 8}, shapes, 16, penalties=True)
+    assert st.draft_token_ids[:2 * W].tolist() == [20, 21, -1, -1, -1, -1]
+    want = make_key_data_batch([7, 7, 7, 8, 8, 8], [2, 3, 4, 0, 1, 2])
+    assert (st.rng_key_data[:2 * W] == want).all()
+    hist = st.output_token_ids
+    assert hist[0, :3].tolist() == [8, 9, -1] and hist[1, :3].tolist() == [8, 9, 20]
+    assert hist[2, :4].tolist() == [8, 9, 20, 21]
+    # min_tokens 3: output token 2 (row 0) holds EOS back, tokens 3 and 4 (rows 1, 2) do not
+    assert st.suppress_token_ids[0].tolist() == [1, -1] and (st.suppress_token_ids[1:3] == -1).all()
+
+
+def test_host_keeps_tokens_up_to_the_first_rejected_row():
+    host = HostStep(None, None, ["a", "b", "c"], [0, 1, 2], 16, True, spec_width=W)
+    sampled = types.SimpleNamespace(
+        token_ids=np.array([20, 21, 30, 40, 41, 42, 50, 51, 52]),
+        accepted=np.array([1, 1, 0, 0, 1, 0, 1, 0, 0]),
+        logprob=np.arange(9, dtype=np.float32), top_logprob_ids=np.zeros((9, 0), np.int32),
+        top_logprobs=np.zeros((9, 0), np.float32))
+    res = step_result(host, sampled)
+    assert res.spec_token_ids == {"a": [20, 21, 30], "b": [40], "c": [50, 51]}
+    assert res.token_ids == {"a": 30, "b": 40, "c": 51}
+    assert [lp[0] for lp in res.spec_logprobs["a"]] == [0.0, 1.0, 2.0]
