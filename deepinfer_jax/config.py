@@ -1,8 +1,10 @@
 """Frozen configuration dataclasses. No JAX here (ARCHITECTURE.md rule 2).
 
-`ModelConfig` is built from a Hugging Face `config.json` of model_type `deepseek_v2` or `deepseek_v3`
-and carries every field the DeepSeek forward needs. Unknown model types and unsupported options raise
-`ConfigError` naming the field, never a silent default.
+`ModelConfig` is built from a Hugging Face `config.json` and carries every field its family's forward
+needs. `MODEL_FAMILIES` maps each supported `model_type` to its family (the model module that serves it,
+models/registry.py): "deepseek" (MLA + MoE, `deepseek_v2` / `deepseek_v3`) or "dense" (GQA decoders:
+Llama, Qwen2, Qwen3, Mistral). Unknown model types and unsupported options raise `ConfigError` naming the
+field, never a silent default.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+# HF model_type -> (the family that serves it, models/registry.py; the HF architecture of that type).
+MODEL_FAMILIES = {
+    "deepseek_v2": ("deepseek", "DeepseekV2ForCausalLM"), "deepseek_v3": ("deepseek", "DeepseekV3ForCausalLM"),
+    "llama": ("dense", "LlamaForCausalLM"), "qwen2": ("dense", "Qwen2ForCausalLM"),
+    "qwen3": ("dense", "Qwen3ForCausalLM"), "mistral": ("dense", "MistralForCausalLM"),
+}
+SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
 
@@ -25,7 +33,7 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """YaRN parameters (DeepSeek's `rope_scaling` / HF v5's `rope_parameters` with type yarn)."""
+    """`rope_scaling` / HF v5's `rope_parameters`: YaRN (DeepSeek); yarn, linear or llama3 (dense family)."""
 
     factor: float
     original_max_position_embeddings: int
@@ -33,6 +41,11 @@ class RopeScaling:
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 0.0
+    rope_type: str = "yarn"  # "yarn" | "linear" | "llama3"
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    attention_factor: float | None = None  # yarn (dense): cos/sin amplitude; None = from factor and mscales
+    truncate: bool = True  # yarn (dense): floor/ceil the correction range
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,13 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # HF builds q_a_layernorm / kv_a_layernorm with a fixed 1e-6 whatever rms_norm_eps says.
     latent_norm_eps: float = 1e-6
+    # ---- the dense GQA family (models/dense.py); unused by DeepSeek ----
+    family: str = "deepseek"  # MODEL_FAMILIES[model_type]
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
+    sliding_window: int | None = None  # each token sees the last `sliding_window` keys (Mistral)
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -121,9 +141,12 @@ class ModelConfig:
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {model_type!r} is not supported; expected one of {SUPPORTED_MODEL_TYPES}"
-            )
+            archs = d.get("architectures") or []
+            named = f"architecture {archs[0]!r} (model_type {model_type!r})" if archs else f"model_type {model_type!r}"
+            raise ConfigError(f"{named} is not supported; supported: "
+                              + ", ".join(f"{a} ({t})" for t, (_, a) in MODEL_FAMILIES.items()))
+        if MODEL_FAMILIES[model_type][0] == "dense":
+            return _dense_config(cls, d)
 
         def req(key: str) -> Any:
             if d.get(key) is None:
@@ -207,6 +230,64 @@ class ModelConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
+    """A Llama / Qwen2 / Qwen3 / Mistral config.json -> ModelConfig of the dense family. Options these models
+    do not serve (biases beyond Qwen2's qkv bias, other activations, Qwen's sliding-window layers) are refused
+    by name."""
+    mt = d["model_type"]
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "max_position_embeddings"):
+        if d.get(key) is None:
+            raise ConfigError(f"config.json of a {mt} model needs {key!r}")
+    refused = [("hidden_act", d.get("hidden_act", "silu") != "silu"), ("mlp_bias", d.get("mlp_bias")),
+               ("attention_bias", mt != "qwen2" and d.get("attention_bias")),
+               ("partial_rotary_factor", d.get("partial_rotary_factor", 1.0) != 1.0),
+               ("use_sliding_window", mt != "mistral" and (
+                   d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())))]
+    for key, bad in refused:
+        if bad:
+            raise ConfigError(f"{key}={d.get(key)!r} is not supported for {mt}")
+    H = int(d["num_attention_heads"])
+    kvh = int(d.get("num_key_value_heads") or H)
+    if H % kvh:
+        raise ConfigError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {kvh}")
+    hd = int(d.get("head_dim") or int(d["hidden_size"]) // H)
+    eos = d.get("eos_token_id")
+    window = d.get("sliding_window") if mt == "mistral" else None
+    return cls(
+        model_type=mt, family="dense", vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
+        intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=0,
+        num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=H, q_lora_rank=None, kv_lora_rank=0,
+        qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd, n_routed_experts=0, n_shared_experts=0,
+        num_experts_per_tok=0, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+        norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=0, moe_layer_freq=1,
+        rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(_rope_dict(d).get("rope_theta", d.get("rope_theta", 10000.0))),
+        rope_scaling=_parse_dense_rope(d), max_position_embeddings=int(d["max_position_embeddings"]),
+        tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
+        eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos, num_key_value_heads=kvh,
+        head_dim=hd, attention_bias=mt == "qwen2", qk_norm=mt == "qwen3",
+        sliding_window=None if window is None else int(window))
+
+
+def _parse_dense_rope(d: dict[str, Any]) -> RopeScaling | None:
+    """`rope_scaling` of the dense family: none/default, linear, llama3 or yarn (HF's parameter names)."""
+    rs = _rope_dict(d)
+    kind, orig, af = rs.get("rope_type", rs.get("type")), rs.get("original_max_position_embeddings"), rs.get("attention_factor")
+    if kind in (None, "default"):
+        return None
+    if kind not in ("linear", "llama3", "yarn"):
+        raise ConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 or yarn)")
+    if rs.get("factor") is None or (kind == "llama3" and orig is None):
+        raise ConfigError(f"{kind} rope_scaling needs 'factor'" + (" and 'original_max_position_embeddings'" if kind == "llama3" else ""))
+    return RopeScaling(
+        factor=float(rs["factor"]), rope_type=kind, original_max_position_embeddings=int(orig or d["max_position_embeddings"]),
+        beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
+        mscale=float(rs.get("mscale") or 0.0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
+        low_freq_factor=float(rs.get("low_freq_factor", 1.0)), high_freq_factor=float(rs.get("high_freq_factor", 4.0)),
+        attention_factor=None if af is None else float(af), truncate=bool(rs.get("truncate", True)))
 
 
 def _rope_dict(d: dict[str, Any]) -> dict[str, Any]:

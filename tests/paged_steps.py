@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.models.registry import family_of
 
 PAGE = 8
 
@@ -31,4 +31,4 @@ def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="referen
         table[s, : len(pg)] = pg
     arr = lambda x: jnp.asarray(np.asarray(x, np.int32))  # noqa: E731
     meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
-    return forward_paged(params, cfg, cache, meta, attn_impl=attn_impl, **kw)
+    return family_of(cfg).forward_paged(params, cfg, cache, meta, attn_impl=attn_impl, **kw)

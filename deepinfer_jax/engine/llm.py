@@ -53,7 +53,8 @@ def num_params(cfg: ModelConfig) -> int:
 
     import jax
 
-    from deepinfer_jax.models.params import is_spec, param_specs
+    from deepinfer_jax.models.params import is_spec
+    from deepinfer_jax.models.registry import param_specs
 
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 

@@ -22,7 +22,8 @@ from typing import Any, Mapping
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.parallel import logical_to_spec
-from deepinfer_jax.models.params import is_spec, param_specs
+from deepinfer_jax.models.params import is_spec
+from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.sharding.mesh import DATA, TENSOR, ParallelConfig
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
