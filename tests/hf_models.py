@@ -145,6 +145,9 @@ DENSE_CASES = {
                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=10, use_sliding_window=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # sized for tensor parallelism 2 and 4 (vocab, heads, intermediate divisible; 2 KV heads split or replicated)
+    "llama_tp": dict(model_type="llama", vocab_size=336, intermediate_size=96, num_attention_heads=8, head_dim=12,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
     "mistral_window": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=7, head_dim=12,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }

@@ -232,13 +232,13 @@ def forward_paged(
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing an empty routing record
     [0, T, 0] (no MoE layers). `moe_impl` has no MoE layer to apply to. `unroll`: models/deepseek.py
     `run_layers`. Writes each token's k and v into its cache slot, then attends over the paged cache
-    (kernels/gqa_reference.py), so prefill, chunked prefill and decode are one call."""
+    (kernels/gqa_reference.py), so prefill, chunked prefill and decode are one call. With `mesh_rules` (tensor
+    parallel, sharding/layout.py) the same code runs, partitioned by XLA from the params' and the cache's
+    shardings: query heads, KV heads (or replicated) and the MLP's intermediate dim over the tensor axis."""
     from deepinfer_jax.models.deepseek import run_layers
 
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {attn_impl!r} is not available for the dense family; expected one of {ATTN_IMPLS}")
-    if mesh_rules is not None:
-        raise ValueError("tensor and data parallelism are not supported for the dense family yet")
     T = meta.token_ids.shape[0]
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, hd/2]
     h = params["embed"][meta.token_ids]  # [T, D]
