@@ -214,7 +214,19 @@ def write_kv(kv_cache: jax.Array, layer, meta: StepMetadata, kv: jax.Array) -> j
     return kv_cache.at[layer, page, offset].set(kv.astype(kv_cache.dtype))
 
 
-ATTN_IMPLS = ("reference",)
+ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
+
+
+def paged_attention(q, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, attn_impl: str, sharded: bool):
+    """q [T, H, hd] over the paged cache -> [T, H, hd]: the Pallas kernel (kernels/gqa_attention.py) on the Pallas
+    path, one device, shapes it supports; the reference (same semantics) elsewhere."""
+    from deepinfer_jax.kernels import gqa_attention
+
+    interpret = attn_impl == "pallas_interpret"
+    args = (q, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, softmax_scale(cfg), cfg.sliding_window)
+    if attn_impl != "reference" and not sharded and gqa_attention.supported(cfg.head_dim, kv_cache.shape[2], interpret):
+        return gqa_attention.paged_gqa_attention(*args, interpret=interpret)
+    return paged_gqa_attention_reference(*args)
 
 
 def forward_paged(
@@ -232,9 +244,10 @@ def forward_paged(
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing an empty routing record
     [0, T, 0] (no MoE layers). `moe_impl` has no MoE layer to apply to. `unroll`: models/deepseek.py
     `run_layers`. Writes each token's k and v into its cache slot, then attends over the paged cache
-    (kernels/gqa_reference.py), so prefill, chunked prefill and decode are one call. With `mesh_rules` (tensor
-    parallel, sharding/layout.py) the same code runs, partitioned by XLA from the params' and the cache's
-    shardings: query heads, KV heads (or replicated) and the MLP's intermediate dim over the tensor axis."""
+    (`paged_attention`: the Pallas kernel or the reference), so prefill, chunked prefill and decode are one call.
+    With `mesh_rules` (tensor parallel, sharding/layout.py) the same code runs with the reference attention,
+    partitioned by XLA from the params' and the cache's shardings: query heads, KV heads (or replicated) and the
+    MLP's intermediate dim over the tensor axis."""
     from deepinfer_jax.models.deepseek import run_layers
 
     if attn_impl not in ATTN_IMPLS:
@@ -249,8 +262,7 @@ def forward_paged(
         x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
         q, kv = project_qkv(lp["attn"], cfg, x, cos, sin)  # [T, H, hd], [T, 2, KVH, hd]
         cache = write_kv(cache, li, meta, kv)
-        a = paged_gqa_attention_reference(q, cache, li, meta.seq_ids, meta.positions, meta.page_table,
-                                          softmax_scale(cfg), cfg.sliding_window)
+        a = paged_attention(q, cache, li, meta, cfg, attn_impl, mesh_rules is not None)
         h = h + output_projection(lp["attn"], a)
         x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
         return (h + swiglu_mlp(x, lp["mlp"]), cache), None
