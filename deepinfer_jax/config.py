@@ -246,16 +246,14 @@ def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
                ("partial_rotary_factor", d.get("partial_rotary_factor", 1.0) != 1.0),
                ("use_sliding_window", mt != "mistral" and (
                    d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())))]
-    for key, bad in refused:
-        if bad:
-            raise ConfigError(f"{key}={d.get(key)!r} is not supported for {mt}")
+    if (key := next((k for k, bad in refused if bad), None)) is not None:
+        raise ConfigError(f"{key}={d.get(key)!r} is not supported for {mt}")
     H = int(d["num_attention_heads"])
     kvh = int(d.get("num_key_value_heads") or H)
     if H % kvh:
         raise ConfigError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {kvh}")
     hd = int(d.get("head_dim") or int(d["hidden_size"]) // H)
-    eos = d.get("eos_token_id")
-    window = d.get("sliding_window") if mt == "mistral" else None
+    eos, window = d.get("eos_token_id"), (d.get("sliding_window") if mt == "mistral" else None)
     return cls(
         model_type=mt, family="dense", vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
         intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=0,
@@ -275,15 +273,18 @@ def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
 def _parse_dense_rope(d: dict[str, Any]) -> RopeScaling | None:
     """`rope_scaling` of the dense family: none/default, linear, llama3 or yarn (HF's parameter names)."""
     rs = _rope_dict(d)
-    kind, orig, af = rs.get("rope_type", rs.get("type")), rs.get("original_max_position_embeddings"), rs.get("attention_factor")
+    kind, orig = rs.get("rope_type", rs.get("type")), rs.get("original_max_position_embeddings")
+    af = rs.get("attention_factor")
     if kind in (None, "default"):
         return None
     if kind not in ("linear", "llama3", "yarn"):
         raise ConfigError(f"rope_scaling type {kind!r} is not supported (default, linear, llama3 or yarn)")
     if rs.get("factor") is None or (kind == "llama3" and orig is None):
-        raise ConfigError(f"{kind} rope_scaling needs 'factor'" + (" and 'original_max_position_embeddings'" if kind == "llama3" else ""))
+        extra = " and 'original_max_position_embeddings'" if kind == "llama3" else ""
+        raise ConfigError(f"{kind} rope_scaling needs 'factor'{extra}")
     return RopeScaling(
-        factor=float(rs["factor"]), rope_type=kind, original_max_position_embeddings=int(orig or d["max_position_embeddings"]),
+        factor=float(rs["factor"]), rope_type=kind,
+        original_max_position_embeddings=int(orig or d["max_position_embeddings"]),
         beta_fast=float(rs.get("beta_fast") or 32.0), beta_slow=float(rs.get("beta_slow") or 1.0),
         mscale=float(rs.get("mscale") or 0.0), mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0),
         low_freq_factor=float(rs.get("low_freq_factor", 1.0)), high_freq_factor=float(rs.get("high_freq_factor", 4.0)),

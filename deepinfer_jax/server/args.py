@@ -161,7 +161,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DEEPINFER_API_KEY)")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
                    help="split <think>...</think> into reasoning_content")
-    g.add_argument("--tool-call-parser", default=None, choices=["deepseek_v3", "deepseek_v31", "hermes", "llama3_json"])
+    g.add_argument("--tool-call-parser", default=None,
+                   choices=["deepseek_v3", "deepseek_v31", "hermes", "llama3_json"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility; tool_choice 'auto' works whenever --tool-call-parser is set")
     g.add_argument("--max-queue-len", type=nonnegative_int, default=None,

@@ -1,5 +1,6 @@
 """Text room: tokenizers, chat templates, streaming detokenization, stop strings, and the
-reasoning / tool-call parsers (DeepSeek's, Hermes and Llama 3 JSON calls). Pure Python (tokenizers, sentencepiece, jinja2); no JAX.
+reasoning / tool-call parsers (DeepSeek's, Hermes and Llama 3 JSON calls). Pure Python (tokenizers,
+sentencepiece, jinja2); no JAX.
 
 Typical server flow for one chat request (see README.md in this folder):
     tok = load_tokenizer(model_dir, chat_template=args.chat_template)

@@ -68,7 +68,8 @@ def checkpoint_units(cfg: ModelConfig) -> list[Unit]:
     units = [Unit("top", (), None, {k: specs[k] for k in ("embed", "final_norm", "lm_head")})]
     for si, seg in enumerate(layer_segments(cfg)):
         # one layer's specs: the segment's stacked specs without their leading "layers" axis (any family)
-        one = jax.tree.map(lambda s: ParamSpec(s.shape[1:], s.axes[1:], s.dtype), specs["segments"][si], is_leaf=is_spec)
+        one = jax.tree.map(lambda s: ParamSpec(s.shape[1:], s.axes[1:], s.dtype), specs["segments"][si],
+                           is_leaf=is_spec)
         for layer in range(seg.start, seg.stop):
             units.append(Unit(f"layer_{layer:03d}", ("segments", si), layer - seg.start, one))
     for j, mtp in enumerate(specs.get("mtp", [])):

@@ -64,8 +64,8 @@ def _folds(cls, text):
     return whole
 
 
-@pytest.mark.parametrize("cls, text, content, calls",
-                         [(HermesToolParser, *c) for c in HERMES_CASES] + [(Llama3JsonToolParser, *c) for c in LLAMA_CASES])
+@pytest.mark.parametrize("cls, text, content, calls", [(HermesToolParser, *c) for c in HERMES_CASES]
+                         + [(Llama3JsonToolParser, *c) for c in LLAMA_CASES])
 def test_whole_text_and_streams_agree(cls, text, content, calls):
     got_content, got_calls = _folds(cls, text)
     assert got_content == content
