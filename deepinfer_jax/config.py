@@ -20,7 +20,8 @@ from typing import Any
 MODEL_FAMILIES = {
     "deepseek_v2": ("deepseek", "DeepseekV2ForCausalLM"), "deepseek_v3": ("deepseek", "DeepseekV3ForCausalLM"),
     "llama": ("dense", "LlamaForCausalLM"), "qwen2": ("dense", "Qwen2ForCausalLM"),
-    "qwen3": ("dense", "Qwen3ForCausalLM"), "mistral": ("dense", "MistralForCausalLM"),
+    "qwen3": ("dense", "Qwen3ForCausalLM"), "qwen3_moe": ("dense", "Qwen3MoeForCausalLM"),
+    "mistral": ("dense", "MistralForCausalLM"),
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
@@ -85,8 +86,7 @@ class ModelConfig:
     eos_token_id: int | tuple[int, ...] | None = None
     # HF builds q_a_layernorm / kv_a_layernorm with a fixed 1e-6 whatever rms_norm_eps says.
     latent_norm_eps: float = 1e-6
-    # ---- the dense GQA family (models/dense.py); unused by DeepSeek ----
-    family: str = "deepseek"  # MODEL_FAMILIES[model_type]
+    family: str = "deepseek"  # MODEL_FAMILIES[model_type]; the fields below: the dense family (models/dense.py)
     num_key_value_heads: int = 0
     head_dim: int = 0
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
@@ -233,41 +233,41 @@ class ModelConfig:
 
 
 def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
-    """A Llama / Qwen2 / Qwen3 / Mistral config.json -> ModelConfig of the dense family. Options these models
-    do not serve (biases beyond Qwen2's qkv bias, other activations, Qwen's sliding-window layers) are refused
-    by name."""
+    """A Llama / Qwen2 / Qwen3 (-MoE) / Mistral config.json -> ModelConfig of the dense family; options it does not
+    serve (biases beyond Qwen2's qkv bias, other activations, Qwen's sliding-window or dense layers) by name."""
     mt = d["model_type"]
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "max_position_embeddings"):
-        if d.get(key) is None:
-            raise ConfigError(f"config.json of a {mt} model needs {key!r}")
+    needed = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    if (key := next((k for k in needed + ("max_position_embeddings",) if d.get(k) is None), None)) is not None:
+        raise ConfigError(f"config.json of a {mt} model needs {key!r}")
     refused = [("hidden_act", d.get("hidden_act", "silu") != "silu"), ("mlp_bias", d.get("mlp_bias")),
                ("attention_bias", mt != "qwen2" and d.get("attention_bias")),
                ("partial_rotary_factor", d.get("partial_rotary_factor", 1.0) != 1.0),
                ("use_sliding_window", mt != "mistral" and (
-                   d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ())))]
+                   d.get("use_sliding_window") or "sliding_attention" in (d.get("layer_types") or ()))),
+               ("decoder_sparse_step", d.get("decoder_sparse_step", 1) != 1),
+               ("mlp_only_layers", d.get("mlp_only_layers"))]
     if (key := next((k for k, bad in refused if bad), None)) is not None:
         raise ConfigError(f"{key}={d.get(key)!r} is not supported for {mt}")
-    H = int(d["num_attention_heads"])
-    kvh = int(d.get("num_key_value_heads") or H)
+    experts = d.get("num_experts") or d.get("num_local_experts") or 0  # HF v5 saves the latter name
+    H, E = int(d["num_attention_heads"]), int(experts) if mt == "qwen3_moe" else 0
+    kvh, hd = int(d.get("num_key_value_heads") or H), int(d.get("head_dim") or int(d["hidden_size"]) // H)
     if H % kvh:
         raise ConfigError(f"num_attention_heads {H} is not a multiple of num_key_value_heads {kvh}")
-    hd = int(d.get("head_dim") or int(d["hidden_size"]) // H)
-    eos, window = d.get("eos_token_id"), (d.get("sliding_window") if mt == "mistral" else None)
+    eos, window = d.get("eos_token_id"), int(d.get("sliding_window") or 0) if mt == "mistral" else 0
     return cls(
         model_type=mt, family="dense", vocab_size=int(d["vocab_size"]), hidden_size=int(d["hidden_size"]),
-        intermediate_size=int(d["intermediate_size"]), moe_intermediate_size=0,
-        num_hidden_layers=int(d["num_hidden_layers"]), num_attention_heads=H, q_lora_rank=None, kv_lora_rank=0,
-        qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd, n_routed_experts=0, n_shared_experts=0,
-        num_experts_per_tok=0, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
-        norm_topk_prob=False, routed_scaling_factor=1.0, first_k_dense_replace=0, moe_layer_freq=1,
+        intermediate_size=int(d["intermediate_size"]), num_hidden_layers=int(d["num_hidden_layers"]),
+        moe_intermediate_size=int(d.get("moe_intermediate_size") or 0), num_attention_heads=H, q_lora_rank=None,
+        kv_lora_rank=0, qk_nope_head_dim=0, qk_rope_head_dim=hd, v_head_dim=hd, n_routed_experts=E, n_shared_experts=0,
+        num_experts_per_tok=int(d.get("num_experts_per_tok") or 0) if E else 0, n_group=1, topk_group=1,
+        topk_method="greedy", scoring_func="softmax", norm_topk_prob=bool(E and d.get("norm_topk_prob")),
+        routed_scaling_factor=1.0, first_k_dense_replace=0, moe_layer_freq=1,
         rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         rope_theta=float(_rope_dict(d).get("rope_theta", d.get("rope_theta", 10000.0))),
         rope_scaling=_parse_dense_rope(d), max_position_embeddings=int(d["max_position_embeddings"]),
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
-        eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos, num_key_value_heads=kvh,
-        head_dim=hd, attention_bias=mt == "qwen2", qk_norm=mt == "qwen3",
-        sliding_window=None if window is None else int(window))
+        eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos, num_key_value_heads=kvh, head_dim=hd,
+        attention_bias=mt == "qwen2", qk_norm=mt in ("qwen3", "qwen3_moe"), sliding_window=window or None)
 
 
 def _parse_dense_rope(d: dict[str, Any]) -> RopeScaling | None:

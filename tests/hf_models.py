@@ -148,15 +148,21 @@ DENSE_CASES = {
     # sized for tensor parallelism 2 and 4 (vocab, heads, intermediate divisible; 2 KV heads split or replicated)
     "llama_tp": dict(model_type="llama", vocab_size=336, intermediate_size=96, num_attention_heads=8, head_dim=12,
                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=10, use_sliding_window=False,
+                      num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[],
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
     "mistral_window": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=7, head_dim=12,
                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
 }
 DENSE_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
-                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 def build_dense_hf_model(case: str, seed: int = 0, **overrides):
-    """An fp32 eval-mode HF model of a dense family with randomised norms (q/k norms too) and biases."""
+    """An fp32 eval-mode HF model of a dense family with randomised norms (q/k norms too), biases, and for
+    Qwen3-MoE router and expert weights."""
     import torch
     import transformers
 
@@ -171,5 +177,9 @@ def build_dense_hf_model(case: str, seed: int = 0, **overrides):
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):  # the router: not flat
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "experts" in name:  # HF v5 leaves fused expert weights to the initializer's zeros or empties
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
     model.config._attn_implementation = "eager"
     return model

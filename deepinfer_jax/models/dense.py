@@ -1,4 +1,4 @@
-"""The dense GQA decoder family: Llama, Qwen2 / Qwen2.5 (and DeepSeek-R1-Distill-Qwen), Qwen3, Mistral.
+"""The GQA decoder family: Llama, Qwen2 / Qwen2.5 (and DeepSeek-R1-Distill-Qwen), Qwen3, Qwen3-MoE, Mistral.
 
 One module serves them all; config.json sets what differs (config.py `_dense_config`): Qwen2's q/k/v bias
 (`attention_bias`), Qwen3's per-head RMSNorm on q and k before RoPE (`qk_norm`), Mistral's sliding window,
@@ -15,7 +15,8 @@ Params (a single "dense" segment of all L layers, stacked; weights [in, out]):
                 attn: {q_proj [L, D, H, hd], kv_proj [L, D, 2, KVH, hd], o_proj [L, H, hd, D],
                        q_bias [L, H, hd], kv_bias [L, 2, KVH, hd] (attention_bias),
                        q_norm [L, hd], k_norm [L, hd] (qk_norm)},
-                mlp: {gate_up [L, D, 2, I], down [L, I, D]}}
+                mlp: {gate_up [L, D, 2, I], down [L, I, D]}
+                or, Qwen3-MoE, moe: {gate [L, D, E], experts: {gate_up [L, E, D, 2, Im], down [L, E, Im, D]}}}
 KV cache: [L, P, page_size, 2, KVH, hd] (kernels/gqa_reference.py), page 0 the null page as for DeepSeek.
 
 Entry points as models/deepseek.py's: `forward` (the whole sequence, no cache: the reference) and
@@ -35,6 +36,7 @@ from deepinfer_jax.config import ModelConfig, yarn_get_mscale
 from deepinfer_jax.kernels.gqa_reference import MASK_VALUE, paged_gqa_attention_reference
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import linear, rms_norm, swiglu_mlp, weight
+from deepinfer_jax.models.moe import moe_block
 from deepinfer_jax.models.params import ParamSpec
 
 
@@ -65,8 +67,14 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
         "input_layernorm": P((D,), ("embed",)),
         "post_attention_layernorm": P((D,), ("embed",)),
         "attn": attn,
-        "mlp": {"gate_up": P((D, 2, I), ("embed", None, "mlp")), "down": P((I, D), ("mlp", "embed"))},
     }
+    if cfg.n_routed_experts:  # Qwen3-MoE: every layer's MLP is the routed experts (no shared expert)
+        E, Im = cfg.n_routed_experts, cfg.moe_intermediate_size
+        layer["moe"] = {"gate": P((D, E), ("embed", None)),
+                        "experts": {"gate_up": P((E, D, 2, Im), ("expert", "embed", None, "moe_mlp")),
+                                    "down": P((E, Im, D), ("expert", "moe_mlp", "embed"))}}
+    else:
+        layer["mlp"] = {"gate_up": P((D, 2, I), ("embed", None, "mlp")), "down": P((I, D), ("mlp", "embed"))}
     return {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",)),
@@ -163,6 +171,14 @@ def output_projection(p: dict, a: jax.Array) -> jax.Array:
     return jnp.einsum("...hv,hvd->...d", a, weight(p["o_proj"], a.dtype))
 
 
+def mlp(lp: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str):
+    """x [T, D] -> ([T, D], routed expert ids [T, k] or None): the SwiGLU MLP, or Qwen3-MoE's experts
+    (models/moe.py: softmax top-k routing, renormalised with norm_topk_prob)."""
+    if "moe" not in lp:
+        return swiglu_mlp(x, lp["mlp"]), None
+    return moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True)
+
+
 def softmax_scale(cfg: ModelConfig) -> float:
     return cfg.head_dim ** -0.5
 
@@ -201,7 +217,7 @@ def forward(
         a = jnp.einsum("bkgst,btkd->bskgd", probs, kv[:, :, 1]).reshape(B, S, cfg.num_attention_heads, -1)
         h = h + output_projection(lp["attn"], a)
         x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-        return h + swiglu_mlp(x.reshape(B * S, -1), lp["mlp"]).reshape(B, S, -1), None
+        return h + mlp(lp, cfg, x.reshape(B * S, -1), "ragged")[0].reshape(B, S, -1), None
 
     h, _ = jax.lax.scan(body, h, params["segments"][0])
     return _logits(params, cfg, h)
@@ -241,8 +257,9 @@ def forward_paged(
     unroll: int | bool | str = 1,
     mesh_rules: Any = None,
 ):
-    """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing an empty routing record
-    [0, T, 0] (no MoE layers). `moe_impl` has no MoE layer to apply to. `unroll`: models/deepseek.py
+    """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing the routed expert ids [L, T, k] of a
+    Qwen3-MoE model (an empty [0, T, 0] for a dense one). `moe_impl`: its experts' implementation (models/moe.py).
+    `unroll`: models/deepseek.py
     `run_layers`. Writes each token's k and v into its cache slot, then attends over the paged cache
     (`paged_attention`: the Pallas kernel or the reference), so prefill, chunked prefill and decode are one call.
     With `mesh_rules` (tensor parallel, sharding/layout.py) the same code runs with the reference attention,
@@ -265,12 +282,13 @@ def forward_paged(
         a = paged_attention(q, cache, li, meta, cfg, attn_impl, mesh_rules is not None)
         h = h + output_projection(lp["attn"], a)
         x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-        return (h + swiglu_mlp(x, lp["mlp"]), cache), None
+        m, idx = mlp(lp, cfg, x, moe_impl)
+        return (h + m, cache), (idx if return_routing and idx is not None else None)
 
     L = cfg.num_hidden_layers
     ids = np.arange(L, dtype=np.int32)
-    (h, kv_cache), _ = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll)
+    (h, kv_cache), routing = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll)
     logits = _logits(params, cfg, h[meta.logits_indices])
     if return_routing:
-        return logits, kv_cache, jnp.zeros((0, T, 0), jnp.int32)
+        return logits, kv_cache, jnp.zeros((0, T, 0), jnp.int32) if routing is None else routing
     return logits, kv_cache

@@ -15,7 +15,7 @@ LENGTHS = [1, 5, 17, 33, 90, 9, 47, 24]
 MAX_TOKENS = [5, 9, 4, 7, 3, 8, 6, 5]
 
 
-@pytest.mark.parametrize("case", ["llama_llama3", "qwen2_tied", "qwen3", "mistral_window"])
+@pytest.mark.parametrize("case", ["llama_llama3", "qwen2_tied", "qwen3", "qwen3_moe", "mistral_window"])
 def test_greedy_matches_hf(hf_case, hf_greedy, case):
     model, path = hf_case(case)
     vocab = model.config.vocab_size

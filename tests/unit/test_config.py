@@ -108,6 +108,9 @@ def test_dense_families_parse():
     assert q3.qk_norm and q3.head_dim == 32
     assert ModelConfig.from_hf_dict(dict(DENSE, model_type="mistral", sliding_window=4096)).sliding_window == 4096
     assert ModelConfig.from_hf_dict(dict(DENSE, sliding_window=4096)).sliding_window is None  # llama has none
+    moe = ModelConfig.from_hf_dict(dict(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True))
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.qk_norm, moe.is_moe_layer(1)) == (8, 2, True, True)
 
 
 @pytest.mark.parametrize("change, message", [
@@ -119,6 +122,8 @@ def test_dense_families_parse():
     ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling type 'longrope'"),
     ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "needs 'factor' and 'original_max_position"),
     ({"intermediate_size": None}, "needs 'intermediate_size'"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\]"),
 ])
 def test_bad_dense_configs_are_named(change, message):
     with pytest.raises(ConfigError, match=message):
