@@ -259,8 +259,8 @@ def forward_paged(
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing the routed expert ids [L, T, k] of a
     Qwen3-MoE model (an empty [0, T, 0] for a dense one). `moe_impl`: its experts' implementation (models/moe.py).
-    `unroll`: models/deepseek.py
-    `run_layers`. Writes each token's k and v into its cache slot, then attends over the paged cache
+    `unroll`: models/deepseek.py `run_layers`. Writes each token's k and v into its cache slot, then attends over
+    the paged cache
     (`paged_attention`: the Pallas kernel or the reference), so prefill, chunked prefill and decode are one call.
     With `mesh_rules` (tensor parallel, sharding/layout.py) the same code runs with the reference attention,
     partitioned by XLA from the params' and the cache's shardings: query heads, KV heads (or replicated) and the
