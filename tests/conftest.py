@@ -11,17 +11,17 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
-from hf_models import CASES, build_hf_model, save_hf_model  # noqa: E402
+from hf_models import CASES, DENSE_CASES, build_dense_hf_model, build_hf_model, save_hf_model  # noqa: E402
 
 
 @pytest.fixture(scope="session")
 def hf_case(tmp_path_factory):
-    """hf_case(name) -> (hf_model, checkpoint_dir), cached per session."""
+    """hf_case(name) -> (hf_model, checkpoint_dir), cached per session; name from CASES or DENSE_CASES."""
     cache: dict[str, tuple] = {}
 
     def get(name: str):
         if name not in cache:
-            model = build_hf_model(name)
+            model = build_dense_hf_model(name) if name in DENSE_CASES else build_hf_model(name)
             path = save_hf_model(model, str(tmp_path_factory.mktemp(name)))
             cache[name] = (model, path)
         return cache[name]

@@ -149,3 +149,63 @@ def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
 
     rng = np.random.default_rng(seed)
     return [rng.integers(lo, vocab, int(n)).tolist() for n in lengths]
+
+
+# ---- the dense GQA family (models/dense.py): Llama, Qwen2, Qwen3, Mistral -----------------------------------
+
+# Odd shapes: 6 query heads over 2 KV heads (groups of 3), head_dim 12 (Qwen3: 10, not hidden / heads).
+DENSE_COMMON = dict(
+    vocab_size=331, hidden_size=72, intermediate_size=100, num_hidden_layers=3, num_attention_heads=6,
+    num_key_value_heads=2, max_position_embeddings=512, bos_token_id=0, eos_token_id=1, initializer_range=0.1,
+    rms_norm_eps=1e-5,
+)
+DENSE_CASES = {
+    "llama_llama3": dict(model_type="llama", tie_word_embeddings=False, rope_parameters={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 32, "rope_theta": 10000.0}),
+    "llama_linear_tied": dict(model_type="llama", tie_word_embeddings=True, rope_parameters={
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}),
+    "llama_yarn": dict(model_type="llama", tie_word_embeddings=False, rope_parameters={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0}),
+    "qwen2_tied": dict(model_type="qwen2", tie_word_embeddings=True, use_sliding_window=False,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=False, head_dim=10, use_sliding_window=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    # sized for tensor parallelism 2 and 4 (vocab, heads, intermediate divisible; 2 KV heads split or replicated)
+    "llama_tp": dict(model_type="llama", vocab_size=336, intermediate_size=96, num_attention_heads=8, head_dim=12,
+                     tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+    "qwen3_moe": dict(model_type="qwen3_moe", tie_word_embeddings=False, head_dim=10, use_sliding_window=False,
+                      num_experts=8, num_experts_per_tok=3, moe_intermediate_size=24, norm_topk_prob=True,
+                      decoder_sparse_step=1, mlp_only_layers=[],
+                      rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}),
+    "mistral_window": dict(model_type="mistral", tie_word_embeddings=False, sliding_window=7, head_dim=12,
+                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0}),
+}
+DENSE_CLASSES = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+                 "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+                 "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
+
+
+def build_dense_hf_model(case: str, seed: int = 0, **overrides):
+    """An fp32 eval-mode HF model of a dense family with randomised norms (q/k norms too), biases, and for
+    Qwen3-MoE router and expert weights."""
+    import torch
+    import transformers
+
+    kw = {**DENSE_COMMON, **DENSE_CASES[case], **overrides}
+    cfg_cls, model_cls = (getattr(transformers, n) for n in DENSE_CLASSES[kw.pop("model_type")])
+    torch.manual_seed(seed)
+    model = model_cls(cfg_cls(**kw)).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+            elif name.endswith("mlp.gate.weight"):  # the router: not flat
+                p.copy_(0.5 * torch.randn(p.shape, generator=g))
+            elif "experts" in name:  # HF v5 leaves fused expert weights to the initializer's zeros or empties
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+    model.config._attn_implementation = "eager"
+    return model

@@ -6,15 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.models.registry import family_of
 
 PAGE = 8
 
 
-def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", fn=forward_paged, fwd=None,
+def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="reference", fn=None, fwd=None,
          **kw):
     """chunks: per sequence (start, n). Flattens them into one ragged step, optionally padded. `fn`: the step
-    function (forward_paged, or a jitted form of it taking the same arguments); `fwd`: a jitted
+    function (default: the family's forward_paged, or a jitted form of it taking the same arguments); `fwd`: a jitted
     (params, cache, meta) -> (logits, cache) to run instead."""
     tid, pos, sid, slot, last = [], [], [], [], []
     for s, (start, n) in enumerate(chunks):
@@ -36,4 +36,4 @@ def step(params, cfg, cache, ids, pages, chunks, pad_to=None, attn_impl="referen
     meta = StepMetadata(arr(tid), arr(pos), arr(sid), arr(slot), jnp.asarray(table), arr(last))
     if fwd is not None:
         return fwd(params, cache, meta)
-    return fn(params, cfg, cache, meta, attn_impl=attn_impl, **kw)
+    return (fn or family_of(cfg).forward_paged)(params, cfg, cache, meta, attn_impl=attn_impl, **kw)

@@ -34,7 +34,8 @@ def num_params(cfg: ModelConfig) -> int:
 
     import jax
 
-    from deepinfer_jax.models.params import is_spec, param_specs
+    from deepinfer_jax.models.params import is_spec
+    from deepinfer_jax.models.registry import param_specs
 
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
@@ -119,13 +120,19 @@ def kv_cache_attn_impl(kv_cache_dtype: str, attn_impl: str) -> str:
     return "reference"
 
 
-def resolve_impls(attn_impl: str, moe_impl: str) -> tuple[str, str]:
-    """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests)."""
+def resolve_impls(attn_impl: str, moe_impl: str, attn_impls: tuple[str, ...] = ("reference", "pallas")
+                  ) -> tuple[str, str]:
+    """"auto" picks the Pallas kernels on a GPU and the XLA paths on other backends (CPU tests). `attn_impls`: those
+    the model's family serves (models/registry.py); "auto" takes the reference where it has no Pallas attention,
+    and another value is refused by name."""
     import jax
 
     gpu = jax.default_backend() == "gpu"
     if attn_impl == "auto":
-        attn_impl = "pallas" if gpu else "reference"
+        attn_impl = "pallas" if gpu and "pallas" in attn_impls else "reference"
+    elif attn_impl not in attn_impls:
+        raise ValueError(f"attn_impl {attn_impl!r} is not available for this model; expected 'auto' or one of "
+                         f"{attn_impls}")
     if moe_impl == "auto":
         moe_impl = "pallas" if gpu else "ragged"
     return attn_impl, moe_impl
@@ -267,8 +274,10 @@ class LLM:
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_memory_gib=gpu_memory,
                             enable_prefix_caching=enable_prefix_caching)
+        from deepinfer_jax.models.registry import family_of
+
         attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
-        attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
+        attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl, family_of(cfg).attn_impls)
         runner = RunnerConfig(dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,
                               fuse_shared_experts=fuse_shared_experts,

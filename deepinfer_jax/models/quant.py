@@ -47,6 +47,7 @@ QUANTIZED_LEAVES: dict[str, tuple[int, int]] = {
     "kv_a_proj_with_mqa": (1, 1),  # [D, R + dr]
     "kv_b_proj": (1, 2),  # [R, H, dn + dv]
     "o_proj": (2, 1),  # [H, dv, D]
+    "kv_proj": (1, 3),  # [D, 2, KVH, hd] (the dense family's k and v)
     "gate_up": (1, 2),  # [D, 2, I] (mlp, shared) / [E, D, 2, I] (experts)
     "down": (1, 1),  # [I, D] / [E, I, D]
 }

@@ -104,7 +104,7 @@ def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, 
     line for the log). `memory`: these figures instead of the device's (`given_memory`)."""
     import jax
 
-    from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+    from deepinfer_jax.models.registry import kv_cache_bytes_per_page
 
     per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
     device = jax.devices()[0]

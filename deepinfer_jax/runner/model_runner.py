@@ -37,8 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
-from deepinfer_jax.models.cache import init_kv_cache, kv_cache_shape
-from deepinfer_jax.models.deepseek import splits_prefill_attention
+from deepinfer_jax.models.registry import family_of, init_kv_cache, kv_cache_shape
 from deepinfer_jax.runner import program_cache, warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
@@ -78,8 +77,9 @@ class ModelRunner:
             raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
         # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their
         # program takes the split attention, whose context part it names (one device, the Pallas path).
-        self._mark_context = runner_cfg.prefill_context_variant and sharding is None and splits_prefill_attention(
-            cfg, runner_cfg.attn_impl, None, runner_cfg.prefill_attention)
+        self._mark_context = (runner_cfg.prefill_context_variant and sharding is None
+                              and family_of(cfg).splits_prefill_attention(cfg, runner_cfg.attn_impl, None,
+                                                                          runner_cfg.prefill_attention))
         self.page_rows = PageRows()  # the running requests' page ids, converted once (`forget` drops one)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
-from deepinfer_jax.models.deepseek import forward_paged
+from deepinfer_jax.models.registry import family_of
 from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
@@ -169,9 +169,11 @@ class StepPrograms:
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
-                out = forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                    return_routing=rc.collect_routing, unroll=unroll,
-                                    mesh_rules=None if sh is None else sh.mesh_rules, **rc.forward_switches())
+                fam = family_of(cfg)
+                switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
+                out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
+                                        return_routing=rc.collect_routing, unroll=unroll,
+                                        mesh_rules=None if sh is None else sh.mesh_rules, **switches)
                 last, kv_cache = out[0], out[1]  # the logits
                 if sh is not None:
                     last = jax.lax.with_sharding_constraint(last, sh.logits)

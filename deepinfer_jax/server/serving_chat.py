@@ -33,8 +33,8 @@ from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepErr
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            prompt_logprobs_json, random_id, usage)
 from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
-from deepinfer_jax.text import (ToolCallDelta, collect_tool_stream, deltas_to_openai, get_reasoning_parser,
-                                get_tool_parser, prompt_opens_reasoning)
+from deepinfer_jax.text import (FORCEABLE_TOOL_PARSERS, ToolCallDelta, collect_tool_stream, deltas_to_openai,
+                                get_reasoning_parser, get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.reasoning import THINK_END
 from deepinfer_jax.text.tool_parsers import CALL_BEGIN, CALLS_BEGIN, TOOL_SEP
 from deepinfer_jax.types import StructuredOutputsParams
@@ -129,6 +129,10 @@ class ChatHandler:
             raise APIError(f"could not apply the chat template: {e}", param="messages") from None
         s.check_chars(text, param="messages")
         prefix = ""
+        if tools_on and (req.named_tool or req.tool_choice == "required") and parser not in FORCEABLE_TOOL_PARSERS:
+            raise APIError(f"tool_choice {req.tool_choice!r} is not supported with --tool-call-parser {parser} (only "
+                           f"'auto' and 'none'; forced calls: {', '.join(FORCEABLE_TOOL_PARSERS)})",
+                           param="tool_choice")
         if tools_on and (req.named_tool or req.tool_choice == "required"):
             head = "</think>\n\n" if prompt_opens_reasoning(text) else ""
             prefix = head + forced_tool_prefix(parser, req.named_tool)

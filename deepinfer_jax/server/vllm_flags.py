@@ -26,7 +26,7 @@ SAME = set("""
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
 # (they would ask for something this server does not do), but for --no-trust-remote-code.
 NOOP: dict[str, str] = {
-    "--trust-remote-code": "no remote code runs here: the DeepSeek model code is built in",
+    "--trust-remote-code": "no remote code runs here: the model code is built in",
     "--enable-chunked-prefill": "prefill is always chunked (by --max-num-batched-tokens)",
     "--disable-log-stats": "the server logs no periodic statistics (see /metrics and /dashboard)",
     "--max-log-len": "requests are not logged",
@@ -35,21 +35,20 @@ NOOP: dict[str, str] = {
     "--enable-request-id-headers": "every response carries X-Request-Id already",
     "--enable-prompt-tokens-details": "usage.prompt_tokens_details (cached_tokens) is always sent",
     "--disable-custom-all-reduce": "collectives are XLA's; there is no custom all-reduce",
-    "--disable-sliding-window": "DeepSeek models have no sliding-window attention",
     "--disable-cascade-attn": "there is no cascade attention",
-    "--disable-hybrid-kv-cache-manager": "there is one KV cache manager (DeepSeek models have one layer kind)",
-    "--mamba-cache-dtype": "DeepSeek models have no Mamba layers",
-    "--mamba-ssm-cache-dtype": "DeepSeek models have no Mamba layers",
-    "--mamba-block-size": "DeepSeek models have no Mamba layers",
-    "--mamba-cache-mode": "DeepSeek models have no Mamba layers",
-    "--mamba-backend": "DeepSeek models have no Mamba layers",
-    "--mamba-cache-philox-rounds": "DeepSeek models have no Mamba layers",
-    "--enable-mamba-cache-stochastic-rounding": "DeepSeek models have no Mamba layers",
-    "--gdn-prefill-backend": "DeepSeek models have no gated-delta-net layers",
+    "--disable-hybrid-kv-cache-manager": "there is one KV cache manager (the served models have one layer kind)",
+    "--mamba-cache-dtype": "the served models have no Mamba layers",
+    "--mamba-ssm-cache-dtype": "the served models have no Mamba layers",
+    "--mamba-block-size": "the served models have no Mamba layers",
+    "--mamba-cache-mode": "the served models have no Mamba layers",
+    "--mamba-backend": "the served models have no Mamba layers",
+    "--mamba-cache-philox-rounds": "the served models have no Mamba layers",
+    "--enable-mamba-cache-stochastic-rounding": "the served models have no Mamba layers",
+    "--gdn-prefill-backend": "the served models have no gated-delta-net layers",
 }
 NOOP_BOOLEAN = {"--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--disable-uvicorn-access-log",
                 "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-prompt-tokens-details",
-                "--disable-custom-all-reduce", "--disable-sliding-window", "--disable-cascade-attn",
+                "--disable-custom-all-reduce", "--disable-cascade-attn",
                 "--disable-hybrid-kv-cache-manager", "--enable-mamba-cache-stochastic-rounding"}
 # --no- forms: only --no-trust-remote-code is as harmless; the others ask for something this server does not do
 NOOP_NO_FORM_OK = {"--trust-remote-code"}
@@ -79,10 +78,11 @@ _R = {  # refused, by reason: {what to do: flags}
         "--attention-backend --attention-config --moe-backend --linear-backend --kernel-config --ir-op-priority "
         "--enable-flashinfer-autotune --enable-bf16x3-router-gemm --mm-encoder-attn-backend --all2all-backend "
         "--override-attention-dtype --enable-flash-late-interaction --use-fp64-gumbel",
+    "a sliding window (Mistral) is applied as the model's config.json sets it": "--disable-sliding-window",
     "LoRA adapters are not supported": "--enable-lora --lora-modules --max-loras --max-lora-rank --max-cpu-loras "
         "--lora-dtype --lora-target-modules --fully-sharded-loras --default-mm-loras --enable-mixed-moe-lora-format "
         "--enable-moe-shared-loras --enable-tower-connector-lora --specialize-active-lora",
-    "DeepSeek text models only: no multimodal inputs": "--limit-mm-per-prompt --mm-processor-kwargs "
+    "text models only: no multimodal inputs": "--limit-mm-per-prompt --mm-processor-kwargs "
         "--mm-processor-cache-gb --mm-processor-cache-type --mm-shm-cache-max-object-size-mb --mm-encoder-tp-mode "
         "--mm-encoder-attn-dtype --mm-encoder-fp8-scale-path --mm-encoder-fp8-scale-save-path "
         "--mm-encoder-fp8-scale-save-margin --mm-encoder-only --mm-ipc-gpu-memory-gb --mm-tensor-ipc "

@@ -13,7 +13,8 @@ from typing import Any
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
-from deepinfer_jax.sharding.rules import Rules, check_rules, default_rules, kv_cache_sharding, param_shardings
+from deepinfer_jax.sharding.rules import (DENSE_KV_CACHE_AXES, KV_CACHE_AXES, Rules, check_rules, default_rules,
+                                          kv_cache_sharding, param_shardings)
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: a padded vocab is a multiple of 64 x its devices
 
@@ -24,6 +25,7 @@ class ModelSharding:
     mesh: Any  # jax.sharding.Mesh
     rules: Rules
     _vocab_multiple: int = 1
+    kv_cache_axes: tuple = KV_CACHE_AXES  # the cache's logical axes (the model family's layout)
 
     @property
     def mesh_rules(self) -> MeshRules:
@@ -65,7 +67,7 @@ class ModelSharding:
 
     @property
     def kv_cache(self) -> Any:
-        return kv_cache_sharding(self.mesh, self.rules)
+        return kv_cache_sharding(self.mesh, self.rules, self.kv_cache_axes)
 
     def _named(self, *axes):
         from jax.sharding import NamedSharding
@@ -95,7 +97,17 @@ class ModelSharding:
 def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rules: Rules | None = None
                    ) -> ModelSharding:
     """Mesh + rules for `parallel`, checked against the model (ValueError naming the dimension). A vocab that
-    the devices splitting it do not divide is padded (ModelSharding.vocab_multiple), never refused."""
+    the devices splitting it do not divide is padded (ModelSharding.vocab_multiple), never refused.
+
+    The dense family: tensor parallelism only (data-parallel attention is the MLA path's); its KV heads split
+    over the tensor axis where the degree divides them, else replicated, each device then computing and caching
+    every KV head (vLLM replicates them too when TP exceeds them)."""
+    if cfg.family == "dense":
+        if parallel.data_parallel_size > 1 or parallel.enable_expert_parallel:
+            raise ValueError("data_parallel_size > 1 and enable_expert_parallel are not supported for the dense "
+                             f"family ({cfg.model_type}); use tensor_parallel_size")
+        if rules is None and cfg.num_key_value_heads % parallel.tensor_parallel_size:
+            rules = tuple((k, ()) if k == "kv_heads" else (k, v) for k, v in default_rules(parallel))
     rules = default_rules(parallel) if rules is None else rules
     shape = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
     vocab_devices = 1
@@ -103,4 +115,5 @@ def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rul
         vocab_devices *= shape.get(a, 1)
     multiple = 1 if cfg.vocab_size % vocab_devices == 0 else VOCAB_PADDING * vocab_devices
     check_rules(cfg.with_vocab_multiple(multiple), shape, rules)
-    return ModelSharding(parallel, make_mesh(parallel, devices), rules, multiple)
+    axes = DENSE_KV_CACHE_AXES if cfg.family == "dense" else KV_CACHE_AXES
+    return ModelSharding(parallel, make_mesh(parallel, devices), rules, multiple, axes)

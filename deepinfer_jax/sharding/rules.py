@@ -22,13 +22,15 @@ from typing import Any, Mapping
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.parallel import logical_to_spec
-from deepinfer_jax.models.params import is_spec, param_specs
+from deepinfer_jax.models.params import is_spec
+from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.sharding.mesh import DATA, TENSOR, ParallelConfig
 
 Rules = tuple[tuple[str, tuple[str, ...]], ...]
 
-# The cache [L, P, page_size, R + dr] in logical axes.
+# The cache [L, P, page_size, R + dr] in logical axes; the dense family's [L, P, page_size, 2, KVH, hd].
 KV_CACHE_AXES = ("layers", "pages", None, "kv_latent")
+DENSE_KV_CACHE_AXES = ("layers", "pages", None, None, "kv_heads", "head_dim")
 
 # The model dimension behind each logical axis, for error messages.
 DIMENSION_NAMES = {
@@ -36,7 +38,8 @@ DIMENSION_NAMES = {
     "mlp": "intermediate_size", "moe_mlp": "moe_intermediate_size", "expert": "n_routed_experts",
     "q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "kv_latent": "kv_lora_rank + qk_rope_head_dim",
     "qk_head": "qk_nope_head_dim + qk_rope_head_dim", "kv_head": "qk_nope_head_dim + v_head_dim",
-    "v_head": "v_head_dim", "layers": "num_hidden_layers",
+    "v_head": "v_head_dim", "layers": "num_hidden_layers", "kv_heads": "num_key_value_heads",
+    "head_dim": "head_dim",
 }
 
 
@@ -48,6 +51,7 @@ def default_rules(pc: ParallelConfig) -> Rules:
         ("heads", (TENSOR,)),
         ("qk_head", ()), ("kv_head", ()), ("v_head", ()),
         ("q_lora", ()), ("kv_lora", ()), ("kv_latent", ()),
+        ("kv_heads", (TENSOR,)), ("head_dim", ()),
         ("mlp", (TENSOR,)),
         ("expert", moe if pc.enable_expert_parallel else ()),
         ("moe_mlp", () if pc.enable_expert_parallel else moe),
@@ -136,8 +140,9 @@ def param_shardings(cfg: ModelConfig, mesh, rules: Rules) -> Any:
                         is_leaf=lambda x: isinstance(x, PartitionSpec))
 
 
-def kv_cache_sharding(mesh, rules: Rules):
-    """NamedSharding of the paged latent cache [L, P, page_size, R + dr]: pages over the data axes."""
+def kv_cache_sharding(mesh, rules: Rules, axes: tuple = KV_CACHE_AXES):
+    """NamedSharding of the paged cache (`axes`: its logical axes; the latent cache [L, P, page_size, R + dr] by
+    default): pages over the data axes, the dense family's KV heads as the rules split them."""
     from jax.sharding import NamedSharding
 
-    return NamedSharding(mesh, logical_to_spec(KV_CACHE_AXES, rules))
+    return NamedSharding(mesh, logical_to_spec(axes, rules))

@@ -1,5 +1,6 @@
 """Text room: tokenizers, chat templates, streaming detokenization, stop strings, and the
-DeepSeek reasoning / tool-call parsers. Pure Python (tokenizers, sentencepiece, jinja2); no JAX.
+reasoning / tool-call parsers (DeepSeek's, Hermes and Llama 3 JSON calls). Pure Python (tokenizers,
+sentencepiece, jinja2); no JAX.
 
 Typical server flow for one chat request (see README.md in this folder):
     tok = load_tokenizer(model_dir, chat_template=args.chat_template)
@@ -21,15 +22,20 @@ from .reasoning import DeepSeekR1ReasoningParser, prompt_opens_reasoning
 from .stop import StopChecker, StopStringMatcher, truncate_at_stop
 from .tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer
 from .tool_parsers import DeepSeekV31ToolParser, DeepSeekV3ToolParser
+from .tool_parsers_json import HermesToolParser, Llama3JsonToolParser
 from .types import (ContentDelta, ToolCall, ToolCallDelta, ToolStreamDelta, collect_tool_stream,
                     deltas_to_openai)
 
-# "deepseek_v3" is vLLM's name for V3.1 / V3.2 (thinking switched by the template's `thinking`): the same parser,
-# as the rendered prompt decides whether the output starts inside reasoning (`prompt_opens_reasoning`).
+# "deepseek_v3" is vLLM's name for V3.1 / V3.2 (thinking switched by the template's `thinking`) and "qwen3" Qwen3's
+# `<think>`: the same rules, as the rendered prompt decides whether the output starts inside reasoning
+# (`prompt_opens_reasoning`).
 REASONING_PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1ReasoningParser,
-                                      "deepseek_v3": DeepSeekR1ReasoningParser}
+                                      "deepseek_v3": DeepSeekR1ReasoningParser, "qwen3": DeepSeekR1ReasoningParser}
 TOOL_PARSERS: dict[str, type] = {"deepseek_v3": DeepSeekV3ToolParser,
-                                 "deepseek_v31": DeepSeekV31ToolParser}
+                                 "deepseek_v31": DeepSeekV31ToolParser,
+                                 "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
+# Parsers whose calls `tool_choice` "required" or a named function can force (server/serving_chat.py).
+FORCEABLE_TOOL_PARSERS = ("deepseek_v3", "deepseek_v31")
 
 
 def _lookup(registry: dict[str, type], kind: str, name: str) -> type:
@@ -51,7 +57,8 @@ def get_tool_parser(name: str) -> type:
 
 __all__ = [
     "BUILTIN_TEMPLATES", "ChatTemplateError", "ContentDelta", "DeepSeekR1ReasoningParser",
-    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "IncrementalDetokenizer",
+    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "FORCEABLE_TOOL_PARSERS", "HermesToolParser",
+    "IncrementalDetokenizer", "Llama3JsonToolParser",
     "REASONING_PARSERS", "StopChecker", "StopStringMatcher", "TOOL_PARSERS", "Tokenizer",
     "TokenizerNotFoundError", "ToolCall", "ToolCallDelta", "ToolStreamDelta",
     "collect_tool_stream", "deltas_to_openai", "get_reasoning_parser", "get_tool_parser",

@@ -29,8 +29,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import ParamSpec, is_spec, param_specs, spec_dtype
+from deepinfer_jax.models.params import ParamSpec, is_spec, spec_dtype
 from deepinfer_jax.models.quant import FP8_BLOCK, Fp8Weight, fp8_layout, fp8_quantize_blocks, quant_layout
+from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
 from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor

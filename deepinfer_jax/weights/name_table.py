@@ -59,7 +59,33 @@ def _identity(w: np.ndarray) -> np.ndarray:
     return w
 
 
+def _dense_attn_rules(cfg: ModelConfig, pre: str, path: tuple, idx: tuple) -> list[TensorRule]:
+    """The dense family's attention (models/dense.py): k_proj and v_proj land in kv_proj's halves."""
+    D, H, KVH, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    a, s = path + ("attn",), f"{pre}.self_attn"
+    kv = a + ("kv_proj",)
+    rules = [TensorRule(f"{s}.q_proj.weight", (H * hd, D), a + ("q_proj",), idx, _heads_in(H, hd)),
+             TensorRule(f"{s}.k_proj.weight", (KVH * hd, D), kv, idx + (slice(None), 0), _heads_in(KVH, hd)),
+             TensorRule(f"{s}.v_proj.weight", (KVH * hd, D), kv, idx + (slice(None), 1), _heads_in(KVH, hd)),
+             TensorRule(f"{s}.o_proj.weight", (D, H * hd), a + ("o_proj",), idx, _heads_out(H, hd))]
+    if cfg.attention_bias:
+        kvb = a + ("kv_bias",)
+
+        def heads(n):
+            return lambda w: w.reshape(n, hd)
+
+        rules += [TensorRule(f"{s}.q_proj.bias", (H * hd,), a + ("q_bias",), idx, heads(H), False),
+                  TensorRule(f"{s}.k_proj.bias", (KVH * hd,), kvb, idx + (0,), heads(KVH), False),
+                  TensorRule(f"{s}.v_proj.bias", (KVH * hd,), kvb, idx + (1,), heads(KVH), False)]
+    if cfg.qk_norm:
+        rules += [TensorRule(f"{s}.q_norm.weight", (hd,), a + ("q_norm",), idx, _identity, False),
+                  TensorRule(f"{s}.k_norm.weight", (hd,), a + ("k_norm",), idx, _identity, False)]
+    return rules
+
+
 def _attn_rules(cfg: ModelConfig, pre: str, path: tuple, idx: tuple) -> list[TensorRule]:
+    if cfg.family == "dense":
+        return _dense_attn_rules(cfg, pre, path, idx)
     D, H = cfg.hidden_size, cfg.num_attention_heads
     dqk, dv, R, dr = cfg.qk_head_dim, cfg.v_head_dim, cfg.kv_lora_rank, cfg.qk_rope_head_dim
     a = path + ("attn",)

@@ -9,7 +9,7 @@ Layout of a converted directory (written by weights/convert.py):
                               pytree under params/state/
 
 The pytree has one top-level key per unit: "top" (embed, final_norm, lm_head), "layer_NNN" (decoder
-layer NNN, global index, with the unstacked `layer_specs` structure) and "mtp_J". Stacked leaves
+layer NNN, global index, with its segment's specs unstacked) and "mtp_J". Stacked leaves
 ([L, ...] per segment) are therefore stored as per-layer entries and stacked at load time. Units are
 written one orbax partial save at a time (so conversion holds about one layer on the host) and
 restored one at a time straight onto their target shardings, then placed into the stacked device
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import is_spec, layer_segments, layer_specs, param_specs, spec_dtype
+from deepinfer_jax.models.params import ParamSpec, is_spec, layer_segments, spec_dtype
+from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.models.quant import METHODS, QuantizedWeight, is_quantized, quant_layout, quantized_shapes
 from deepinfer_jax.weights.pending import PendingParams
 from deepinfer_jax.weights.safetensors_io import CheckpointError
@@ -66,9 +67,11 @@ def checkpoint_units(cfg: ModelConfig) -> list[Unit]:
     specs = param_specs(cfg)
     units = [Unit("top", (), None, {k: specs[k] for k in ("embed", "final_norm", "lm_head")})]
     for si, seg in enumerate(layer_segments(cfg)):
+        # one layer's specs: the segment's stacked specs without their leading "layers" axis (any family)
+        one = jax.tree.map(lambda s: ParamSpec(s.shape[1:], s.axes[1:], s.dtype), specs["segments"][si],
+                           is_leaf=is_spec)
         for layer in range(seg.start, seg.stop):
-            units.append(Unit(f"layer_{layer:03d}", ("segments", si), layer - seg.start,
-                              layer_specs(cfg, seg.kind, None)))
+            units.append(Unit(f"layer_{layer:03d}", ("segments", si), layer - seg.start, one))
     for j, mtp in enumerate(specs.get("mtp", [])):
         units.append(Unit(f"mtp_{j}", ("mtp", j), None, mtp))
     return units

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+from deepinfer_jax.models.params import is_spec, spec_dtype
+from deepinfer_jax.models.registry import param_specs
 
 
 def fits(abstract: jax.ShapeDtypeStruct, x: Any) -> bool:

@@ -14,7 +14,8 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+from deepinfer_jax.models.params import is_spec, spec_dtype
+from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
 
 

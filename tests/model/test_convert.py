@@ -221,8 +221,8 @@ def test_bad_inputs(hf_case, tmp_path, capsys):
     _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], r"no \*\.safetensors")
     (empty / "model.safetensors").write_bytes(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope")
     _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "not a safetensors file")
-    (empty / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "model_type 'llama' is not supported")
+    (empty / "config.json").write_text(json.dumps({"model_type": "gemma"}))
+    _bad(tmp_path, capsys, ["--src", str(empty), "--dst", dst], "model_type 'gemma' is not supported")
 
     t = _tensors(src)
     missing = dict(t)

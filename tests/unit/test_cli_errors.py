@@ -29,8 +29,8 @@ def dirs(tmp_path_factory):
     """Model directories that are not servable, and YAML configs that are not valid."""
     d = tmp_path_factory.mktemp("cli")
     (d / "empty").mkdir()
-    (d / "llama").mkdir()
-    (d / "llama" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (d / "gemma").mkdir()
+    (d / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma"}))
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{not json")
     (d / "syntax.yaml").write_text("max_num_seqs: [1\n")
@@ -48,7 +48,7 @@ def dirs(tmp_path_factory):
 USAGE_ERRORS = [
     (["serve", "--model", "/no/such/dir"], "argument --model: '/no/such/dir' does not exist"),
     (["serve", "--model", "{d}/empty"], "argument --model: .*no config.json"),
-    (["serve", "--model", "{d}/llama"], "argument --model: .*model_type 'llama' is not supported"),
+    (["serve", "--model", "{d}/gemma"], "argument --model: .*model_type 'gemma' is not supported"),
     (["serve", "--model", "{d}/badjson"], "argument --model: .*not valid JSON"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "argument --model"),
     (["chat", "--model", "{d}/empty"], "argument --model"),

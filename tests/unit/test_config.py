@@ -63,7 +63,7 @@ def test_moe_layer_freq():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama"}, "model_type 'llama' is not supported"),
+        ({"model_type": "gemma"}, "model_type 'gemma'.? is not supported; supported: .*LlamaForCausalLM"),
         ({"topk_method": "sinkhorn"}, "topk_method 'sinkhorn'"),
         ({"scoring_func": "relu"}, "scoring_func 'relu'"),
         ({"n_group": 3}, "not divisible by n_group 3"),
@@ -91,3 +91,40 @@ def test_cache_config_validation():
         CacheConfig(page_size=48)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         CacheConfig(gpu_memory_utilization=1.5)
+
+
+DENSE = dict(model_type="llama", vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def test_dense_families_parse():
+    c = ModelConfig.from_hf_dict(dict(DENSE, rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                           "original_max_position_embeddings": 64}))
+    assert (c.family, c.head_dim, c.num_key_value_heads, c.attention_bias, c.qk_norm) == ("dense", 8, 2, False, False)
+    assert c.rope_scaling.rope_type == "llama3" and c.rope_scaling.high_freq_factor == 4.0
+    q2 = ModelConfig.from_hf_dict(dict(DENSE, model_type="qwen2", tie_word_embeddings=True))
+    assert q2.attention_bias and q2.tie_word_embeddings
+    q3 = ModelConfig.from_hf_dict(dict(DENSE, model_type="qwen3", head_dim=32))
+    assert q3.qk_norm and q3.head_dim == 32
+    assert ModelConfig.from_hf_dict(dict(DENSE, model_type="mistral", sliding_window=4096)).sliding_window == 4096
+    assert ModelConfig.from_hf_dict(dict(DENSE, sliding_window=4096)).sliding_window is None  # llama has none
+    moe = ModelConfig.from_hf_dict(dict(DENSE, model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=32, norm_topk_prob=True))
+    assert (moe.n_routed_experts, moe.num_experts_per_tok, moe.qk_norm, moe.is_moe_layer(1)) == (8, 2, True, True)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"attention_bias": True}, "attention_bias=True is not supported for llama"),
+    ({"mlp_bias": True}, "mlp_bias"),
+    ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+    ({"model_type": "qwen2", "use_sliding_window": True}, "use_sliding_window=True is not supported for qwen2"),
+    ({"num_key_value_heads": 3}, "not a multiple of num_key_value_heads 3"),
+    ({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}, "rope_scaling type 'longrope'"),
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 2.0}}, "needs 'factor' and 'original_max_position"),
+    ({"intermediate_size": None}, "needs 'intermediate_size'"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "decoder_sparse_step": 2}, "decoder_sparse_step=2"),
+    ({"model_type": "qwen3_moe", "num_experts": 8, "mlp_only_layers": [0]}, "mlp_only_layers=\\[0\\]"),
+])
+def test_bad_dense_configs_are_named(change, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf_dict(dict(DENSE, **change))

@@ -92,8 +92,10 @@ def test_prompt_opens_reasoning():
 
 def test_registry():
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
-    with pytest.raises(ValueError, match="valid: deepseek_r1"):
-        get_reasoning_parser("qwen3")
+    assert get_reasoning_parser("qwen3") is DeepSeekR1ReasoningParser  # Qwen3's <think> follows the same rules
+    assert get_reasoning_parser("deepseek_v3") is DeepSeekR1ReasoningParser  # vLLM's name for V3.1 / V3.2
+    with pytest.raises(ValueError, match="valid: deepseek_r1, deepseek_v3, qwen3"):
+        get_reasoning_parser("granite")
 
 
 def test_random_fragment_soup_streams_consistently():

@@ -182,8 +182,8 @@ def test_runaway_call_head_becomes_content():
 def test_registry():
     assert get_tool_parser("deepseek_v3") is DeepSeekV3ToolParser
     assert get_tool_parser("deepseek_v31") is DeepSeekV31ToolParser
-    with pytest.raises(ValueError, match="valid: deepseek_v3, deepseek_v31"):
-        get_tool_parser("hermes")
+    with pytest.raises(ValueError, match="valid: deepseek_v3, deepseek_v31, hermes, llama3_json"):
+        get_tool_parser("pythonic")
 
 
 FRAGMENTS = [CB, CE, B, E, SEP, "function", "get_weather", "\n", "```json\n", "\n```", "```",

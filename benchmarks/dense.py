@@ -1,0 +1,134 @@
+"""Protocol A-dense (issue 52): offline generation on the dense family at the Qwen2.5-7B shape (DeepSeek-R1-Distill-
+Qwen-7B) and the Llama-3.1-8B shape, random weights, batch 32, 512 random prompt ids, 256 output tokens, ignore
+EOS, greedy and temperature 1.0. Correctness first: the Pallas GQA attention (kernels/gqa_attention.py) against
+the pure-JAX reference at each shape's heads (a decode step and a ragged prefill step, bf16), then the timings.
+
+    python benchmarks/dense.py                              # both shapes, on a GPU
+    python benchmarks/dense.py --shapes llama-3.1-8b --batch 8 --prompt-len 128 --output-len 32
+
+Prints per shape: the kernel's largest error against the reference, start-up time, output tokens/s for greedy
+and temperature 1, the mean decode step time beside its weight-read floor (weight bytes / HBM bandwidth).
+vLLM's figures on the same machine go beside these in benchmarks/RESULTS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+HBM_BYTES_PER_S = 3.35e12  # H100 SXM datasheet; pass --hbm for another card (H200: 4.8e12)
+
+SHAPES = {
+    "qwen2.5-7b": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", vocab_size=152064, hidden_size=3584,
+                       intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                       tie_word_embeddings=False, hidden_act="silu", use_sliding_window=False, bos_token_id=151643,
+                       eos_token_id=151643),
+    "llama-3.1-8b": dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=128256, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                         max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=False, hidden_act="silu", bos_token_id=128000, eos_token_id=128001,
+                         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                       "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+
+
+def check_kernel(cfg, page_size: int, context: int) -> float:
+    """Largest |kernel - reference| over a decode step (32 tokens at `context`) and a prefill step (2 prompts of
+    `context` tokens), bf16 cache of 2 layers."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.gqa_attention import paged_gqa_attention
+    from deepinfer_jax.kernels.gqa_reference import paged_gqa_attention_reference
+
+    H, KVH, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    pages_per_seq = context // page_size + 1
+    rng = np.random.default_rng(0)
+    worst = 0.0
+    for seqs, per_seq in ((32, 1), (2, context)):
+        num_pages = seqs * pages_per_seq + 1
+        cache = jnp.asarray(rng.standard_normal((2, num_pages, page_size, 2, KVH, hd)), jnp.bfloat16)
+        table = jnp.asarray(1 + rng.permutation(seqs * pages_per_seq).reshape(seqs, pages_per_seq), jnp.int32)
+        seq = np.repeat(np.arange(seqs), per_seq)
+        pos = np.concatenate([np.arange(context - per_seq, context)] * seqs)
+        q = jnp.asarray(rng.standard_normal((len(seq), H, hd)), jnp.bfloat16)
+        args = (q, cache, 1, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), table, hd ** -0.5)
+        out = jax.block_until_ready(paged_gqa_attention(*args))
+        ref = paged_gqa_attention_reference(*args)
+        worst = max(worst, float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()))
+    return worst
+
+
+def weight_bytes(cfg) -> int:
+    import jax
+
+    from deepinfer_jax.models.params import is_spec
+    from deepinfer_jax.models.registry import param_specs
+
+    leaves = jax.tree.flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]
+    return sum(2 * int(np.prod(s.shape)) for p, s in leaves if jax.tree_util.keystr(p) != "['embed']")
+
+
+def run_shape(name: str, args) -> dict:
+    from deepinfer_jax import LLM, SamplingParams
+    from deepinfer_jax.config import ModelConfig
+
+    d = tempfile.mkdtemp(prefix=f"dense-{name}-")
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(SHAPES[name], f)
+    cfg = ModelConfig.from_model_dir(d)
+    err = check_kernel(cfg, args.page_size, args.prompt_len)
+    print(f"[{name}] Pallas GQA attention vs reference: max |error| {err:.3g} (bf16)", flush=True)
+    if err > 0.05:
+        raise SystemExit(f"[{name}] the kernel disagrees with the reference ({err:.3g}): no timing")
+    t0 = time.time()
+    llm = LLM(d, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=args.batch,
+              max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False)
+    start = time.time() - t0
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(10, cfg.vocab_size, args.prompt_len).tolist()}
+               for _ in range(args.batch)]
+    row = {"shape": name, "startup_s": round(start, 1), "kernel_err": err}
+    for label, temp in (("greedy", 0.0), ("temp1", 1.0)):
+        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
+        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # nothing left to compile
+        t = time.time()
+        outs = llm.generate(prompts, params)
+        dt = time.time() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        row[f"{label}_tok_s"] = round(n / dt, 1)
+        row[f"{label}_distinct_tokens"] = len({t for o in outs for t in o.outputs[0].token_ids})
+        # decode steps: one per output token after the first; prefill is counted in, so this is an upper bound
+        row[f"{label}_ms_per_step_bound"] = round(1e3 * dt / args.output_len, 2)
+    row["weight_read_floor_ms"] = round(1e3 * weight_bytes(cfg) / args.hbm, 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--hbm", type=float, default=HBM_BYTES_PER_S, help="the card's HBM bytes/s for the floor")
+    args = ap.parse_args()
+    rows = [run_shape(s, args) for s in args.shapes]
+    keys = list(rows[0])
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r[k]) for k in keys))
+
+
+if __name__ == "__main__":
+    main()
