@@ -257,8 +257,13 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from gpu_memory_utilization at start
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_offloading_size: float = 0.0  # GiB of host memory for the KV cache's host tier (vLLM's name); 0: off
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching (drop --no-enable-prefix-caching)")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise ValueError(f"page_size must be a positive power of two, got {self.page_size}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -123,7 +123,8 @@ class LLM:
     """Load a model directory (HF safetensors or converted) and generate offline.
 
     Arguments mirror vLLM's: model, dtype, max_model_len, max_num_seqs, max_num_batched_tokens,
-    page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching,
+    page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching, kv_offloading_size (GiB of host
+    memory for the KV cache's host tier, 0: off; docs/kv-tier.md),
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
@@ -161,7 +162,8 @@ class LLM:
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
-                 token_buckets: Sequence[int] = (), warmup_runs: int | None = None):
+                 token_buckets: Sequence[int] = (), warmup_runs: int | None = None,
+                 kv_offloading_size: float = 0.0):
         import jax.numpy as jnp
 
         from deepinfer_jax.runner.compile_cache import enable_compilation_cache
@@ -208,7 +210,7 @@ class LLM:
                                 max_model_len=max_model_len)
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization,
-                            enable_prefix_caching=enable_prefix_caching)
+                            enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size)
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl)
         runner = RunnerConfig(dtype=self.dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,

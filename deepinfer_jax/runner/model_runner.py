@@ -44,6 +44,7 @@ from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
+from deepinfer_jax.runner.kv_transfer import KVTransfer
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
 from deepinfer_jax.runner.packing import sizes
 from deepinfer_jax.runner.prompt_scoring import PromptScorer
@@ -102,6 +103,7 @@ class ModelRunner:
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
         self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
+        self.kv_transfer = None  # runner/kv_transfer.py, with a host tier (`enable_host_tier`)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
@@ -155,6 +157,19 @@ class ModelRunner:
             t = time.perf_counter()
             self.params, self._pending = self._pending.result(), None
             log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
+
+    # ---- host tier of the KV cache (runner/kv_transfer.py) -----------------------------------------
+    def enable_host_tier(self, num_host_blocks: int) -> None:
+        """Hold `num_host_blocks` pages in host memory for the scheduler's host tier."""
+        if self.num_ranks > 1:
+            raise ValueError("kv_offloading_size is not supported with data-parallel attention "
+                             "(--data-parallel-size > 1)")
+        self.kv_transfer = KVTransfer(self.kv_cache, num_host_blocks)
+
+    def apply_kv_transfers(self, transfers) -> None:
+        """Queue a plan's page copies (scheduler/host_tier.py KVTransfers) before its step; None: nothing."""
+        if transfers:
+            self.kv_cache = self.kv_transfer.apply(self.kv_cache, transfers)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:

@@ -1,0 +1,56 @@
+"""The KV cache's host tier through LLM: greedy tokens equal HF transformers' while the tier serves prefix hits
+(a device pool too small for the prompts, which come back) and while preempted requests come back from it
+(swap) or, with a one-page tier, mostly recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_models import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config import CacheConfig, ModelConfig
+from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+
+PAGE = 8
+
+
+def _llm(path, cfg, host_pages):
+    gib = host_pages * kv_cache_bytes_per_page(cfg, PAGE, "float32") / 2**30
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+               max_num_batched_tokens=256, page_size=PAGE, progress=False, num_pages=80,
+               kv_offloading_size=gib)
+
+
+@pytest.mark.parametrize("host_pages", [300, 1])
+def test_greedy_with_the_host_tier(hf_case, hf_greedy, host_pages):
+    model, path = hf_case("v3_grouped_noaux")
+    llm = _llm(path, ModelConfig.from_model_dir(path), host_pages)
+    assert llm.engine.num_host_blocks == host_pages
+    # 6 prompts of 150-160 tokens: ~120 pages for 79 usable ones, so requests preempt and cached pages leave HBM.
+    prompts = random_prompts(31, [150, 153, 156, 159, 160, 151], model.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    stats = []
+    for _ in range(2):  # the second round finds its prompts' pages on the host (or recomputes them)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(model, p, 6), f"prompt of {len(p)} tokens"
+        stats.append(llm.engine.stats())
+    st = stats[-1]
+    assert st.num_preemptions > 0 and st.host_blocks_saved > 0
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+    assert llm.engine.runner.compiles_after_warmup == 0
+    kv_transfer = llm.engine.runner.kv_transfer
+    assert kv_transfer.bytes_to_host == st.host_blocks_saved * kv_transfer.page_bytes
+    if host_pages > 1:  # tier hits in the second round: at least 3 prompts' 18 full pages each
+        assert st.host_blocks_loaded >= 3 * 18 and st.host_tier_hits == st.host_blocks_loaded * PAGE
+        assert sum(o.num_cached_tokens for o in outs) >= 3 * 18 * PAGE
+        assert kv_transfer.bytes_to_device == st.host_blocks_loaded * kv_transfer.page_bytes
+    else:
+        assert st.host_blocks_loaded <= st.host_blocks_saved
+
+
+def test_host_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        CacheConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size must be >= 0"):
+        CacheConfig(kv_offloading_size=-1.0)
