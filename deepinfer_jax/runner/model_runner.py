@@ -109,7 +109,7 @@ class ModelRunner:
     def memory_report(self) -> dict[str, Any]:
         """Device memory in bytes, for /metrics: the weights, the KV cache, and (where the backend reports them,
         runner/device_memory.py) the allocator's limit and bytes in use, summed over this runner's devices;
-        plus the platform and device kind."""
+        plus the platform and device kind, and with a host tier its bytes and the bytes copied each way."""
         weights = None  # still loading (weights/pending.py)
         if self._pending is None:
             weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes"))
@@ -117,6 +117,10 @@ class ModelRunner:
         out: dict[str, Any] = {"weights": weights, "kv_cache": int(self.kv_cache.nbytes),
                                "platform": devices[0].platform, "device_kind": devices[0].device_kind,
                                "num_devices": len(devices), "limit": None, "in_use": None}
+        if self.kv_transfer is not None:  # the host tier: its pages' bytes, and the bytes copied each way so far
+            t = self.kv_transfer
+            out.update(kv_offload=int(t.storage.nbytes), kv_offload_to_host=t.bytes_to_host,
+                       kv_offload_to_device=t.bytes_to_device)
         mems = [device_memory(d) for d in devices]
         if all(m is not None for m in mems):
             out["limit"] = sum(m.limit for m in mems)

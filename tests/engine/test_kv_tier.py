@@ -47,6 +47,25 @@ def test_greedy_with_the_host_tier(hf_case, hf_greedy, host_pages):
         assert kv_transfer.bytes_to_device == st.host_blocks_loaded * kv_transfer.page_bytes
     else:
         assert st.host_blocks_loaded <= st.host_blocks_saved
+    _check_metrics(llm.engine, st)
+
+
+def _check_metrics(engine, st):
+    """/metrics and the dashboard's host tier read the engine's counters."""
+    from deepinfer_jax.server.dashboard import _host_cache
+    from deepinfer_jax.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    memory = engine.memory_report()
+    snap = m.snapshot(st, 0, memory)
+    one = lambda name, labels=(): snap["deepinfer:" + name][labels]  # noqa: E731
+    assert one("kv_offload_hits_total") == st.host_tier_hits and one("kv_offload_queries_total") == st.host_tier_queries
+    assert one("kv_offload_usage_perc") == st.host_tier_usage > 0
+    page = engine.runner.kv_transfer.page_bytes
+    assert one("kv_offload_bytes_total", (("direction", "to_host"),)) == st.host_blocks_saved * page
+    assert one("kv_offload_bytes_total", (("direction", "to_device"),)) == st.host_blocks_loaded * page
+    host = _host_cache(snap, memory)
+    assert host["bytes"] == engine.num_host_blocks * page and host["hits"] == st.host_tier_hits
 
 
 def test_host_tier_needs_prefix_caching():
