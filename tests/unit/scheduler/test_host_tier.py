@@ -117,3 +117,40 @@ def test_all_or_nothing_counts_host_hits():
 def test_needs_prefix_caching():
     with pytest.raises(ValueError, match="prefix caching"):
         KVCacheManager(num_pages=4, page_size=PS, enable_prefix_caching=False, num_host_blocks=2)
+
+
+def test_preempted_request_swaps_back_from_the_host():
+    """test_scheduler.py's preemption case with caching and a host tier: the victim's full pages stay cached, the
+    one its preemptor takes is saved to the host, and the victim comes back from both tiers, computing only its
+    last token (recompute would start at position 0)."""
+    from deepinfer_jax.config import CacheConfig, SchedulerConfig
+    from deepinfer_jax.scheduler.scheduler import Scheduler
+
+    s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32, max_model_len=16),
+                  CacheConfig(page_size=PS), 5, num_host_blocks=4)
+    a = Request("a", list(range(100, 106)), SamplingParams(max_tokens=6))
+    b = Request("b", list(range(200, 206)), SamplingParams(max_tokens=6))
+    s.add_request(a)
+    s.add_request(b)
+
+    def step():
+        plan = s.schedule()
+        s.update_from_output(plan, {q.request_id: 7 for q in plan.seqs if q.sample})
+        return plan
+
+    for _ in range(3):
+        assert not step().kv_transfers
+    assert s.kv_cache_manager.get_block_ids("b") == [3, 4]
+    plan = step()  # a needs a 3rd page: b is preempted, a takes b's tail page 4, which is saved to host block 0
+    assert plan.preempted_ids == ["b"] and s.kv_cache_manager.get_block_ids("a") == [1, 2, 4]
+    assert plan.kv_transfers.saves == [(4, 0)] and plan.kv_transfers.loads == []
+    while not a.is_finished:
+        step()
+    plan = step()  # b: page 3 from HBM, its second page loaded from the host into a's freed page 4
+    assert [(q.request_id, q.start_pos, len(q.token_ids)) for q in plan.seqs] == [("b", 8, 1)]
+    assert s.kv_cache_manager.get_block_ids("b") == [3, 4, 2]
+    assert plan.kv_transfers.loads == [(0, 4)] and plan.kv_transfers.saves == [(2, 1)]  # a's cached page 2 evicted
+    assert b.num_preemptions == 1 and s.stats().host_tier_hits == 4
+    while s.has_unfinished_requests():
+        step()
+    assert b.output_token_ids == [7] * 6
