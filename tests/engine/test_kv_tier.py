@@ -29,6 +29,7 @@ def test_greedy_with_the_host_tier(hf_case, hf_greedy, host_pages):
     # 6 prompts of 150-160 tokens: ~120 pages for 79 usable ones, so requests preempt and cached pages leave HBM.
     prompts = random_prompts(31, [150, 153, 156, 159, 160, 151], model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    address = llm.engine.runner.kv_cache.unsafe_buffer_pointer()
     stats = []
     for _ in range(2):  # the second round finds its prompts' pages on the host (or recomputes them)
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
@@ -36,6 +37,7 @@ def test_greedy_with_the_host_tier(hf_case, hf_greedy, host_pages):
             assert o.outputs[0].token_ids == hf_greedy(model, p, 6), f"prompt of {len(p)} tokens"
         stats.append(llm.engine.stats())
     st = stats[-1]
+    assert llm.engine.runner.kv_cache.unsafe_buffer_pointer() == address  # the loads scatter in place (donated)
     assert st.num_preemptions > 0 and st.host_blocks_saved > 0
     assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
     assert llm.engine.runner.compiles_after_warmup == 0
