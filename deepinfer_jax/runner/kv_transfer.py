@@ -10,8 +10,8 @@ The host tier's pages are one numpy array, `storage` [num_host_blocks, L, page_s
 4. put the loads' pages on the device (asynchronous) and scatter them into the cache (one program, the cache
    donated), after the gather in dispatch order, so a page saved and reused in the same batch is read first.
 Nothing here waits for the device except step 1's copies of a batch already in flight. Copy counts are padded
-to powers of two (padding names the null page 0, garbage by design, and host rows past the real ones), so
-the gather and scatter compile once per size class.
+to powers of two (padding rows read or write the null page 0, garbage by design), so the gather and scatter
+compile once per size class, on first use.
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ class KVTransfer:
         self.flush()
         loads = None
         if transfers.loads:
-            host_ids = np.array([h for h, _ in transfers.loads], np.int64)
-            n = _pow2(len(host_ids))
-            pages = np.zeros((n,) + self.storage.shape[1:], self.storage.dtype)
-            pages[: len(host_ids)] = self.storage[host_ids]
+            k = len(transfers.loads)
+            n = _pow2(k)
+            host_ids = np.full((n,), transfers.loads[0][0], np.int64)  # padding rows land in the null page
+            host_ids[:k] = [h for h, _ in transfers.loads]
             dev_ids = np.full((n,), NULL_PAGE, np.int32)
-            dev_ids[: len(host_ids)] = [d for _, d in transfers.loads]
-            loads = (dev_ids, pages)
-            self.bytes_to_device += len(host_ids) * self.page_bytes
+            dev_ids[:k] = [d for _, d in transfers.loads]
+            loads = (dev_ids, np.take(self.storage, host_ids, axis=0))  # one host copy, padding included
+            self.bytes_to_device += k * self.page_bytes
         if transfers.saves:
             n = _pow2(len(transfers.saves))
             dev_ids = np.full((n,), NULL_PAGE, np.int32)

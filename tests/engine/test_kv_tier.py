@@ -79,3 +79,31 @@ def test_host_tier_needs_prefix_caching():
         CacheConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="kv_offloading_size must be >= 0"):
         CacheConfig(kv_offloading_size=-1.0)
+
+
+def test_kv_transfer_copies_pages_exactly():
+    """runner/kv_transfer.py on a small cache: saves land in the host storage a batch later, loads write the device
+    pages, and a device page saved and loaded over in the same batch is saved with its old contents."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from deepinfer_jax.runner.kv_transfer import KVTransfer
+    from deepinfer_jax.scheduler.host_tier import KVTransfers
+
+    L, P, D = 2, 6, 3
+    kv = jnp.arange(L * P * PAGE * D, dtype=jnp.float32).reshape(L, P, PAGE, D)
+    ref = np.array(kv)
+    t = KVTransfer(kv, num_host_blocks=4)
+    kv = t.apply(kv, KVTransfers(saves=[(2, 3), (5, 0), (1, 1)]))
+    assert not t.storage.any()  # still in flight
+    kv = t.apply(kv, KVTransfers(saves=[(4, 2)], loads=[(3, 4), (0, 3)]))  # page 4 saved, then overwritten
+    for host, dev in [(3, 2), (0, 5), (1, 1)]:
+        np.testing.assert_array_equal(t.storage[host], ref[:, dev])
+    out = np.array(kv)
+    np.testing.assert_array_equal(out[:, 4], ref[:, 2])
+    np.testing.assert_array_equal(out[:, 3], ref[:, 5])
+    for p in (1, 2, 5):
+        np.testing.assert_array_equal(out[:, p], ref[:, p])
+    t.flush()
+    np.testing.assert_array_equal(t.storage[2], ref[:, 4])
+    assert t.bytes_to_host == 4 * t.page_bytes and t.bytes_to_device == 2 * t.page_bytes
