@@ -120,7 +120,8 @@ class ServerMetrics:
             self._l(self.offload_usage).set(getattr(stats, "host_tier_usage", 0.0))
             now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
                    getattr(stats, "host_tier_queries", 0), getattr(stats, "host_tier_hits", 0))
-            counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.offload_queries, self.offload_hits)
+            counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.offload_queries,
+                        self.offload_hits)
             for counter, new, old in zip(counters, now, self._last):
                 if new > old:
                     self._l(counter).inc(new - old)
