@@ -21,9 +21,14 @@ class CacheConfig:
     num_pages: int | None = None  # None: sized from gpu_memory_utilization at start
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_offloading_size: float = 0.0  # GiB of host memory for the KV cache's host tier (vLLM's name); 0: off
     gpu_memory_gib: float | None = None  # the memory of each device, for a device without figures (or a smaller one)
 
     def __post_init__(self) -> None:
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching (drop --no-enable-prefix-caching)")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

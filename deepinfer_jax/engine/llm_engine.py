@@ -44,6 +44,7 @@ import numpy as np
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
+from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
@@ -118,6 +119,13 @@ class LLMEngine:
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
         max_pages = cdiv(self.max_model_len, ps)
+        # The KV cache's host tier (scheduler/host_tier.py, runner/kv_transfer.py): pages in host memory.
+        self.num_host_blocks = 0
+        if cache_config.kv_offloading_size:
+            if sharding is not None and sharding.num_ranks > 1:
+                raise ValueError("kv_offloading_size is not supported with data-parallel attention "
+                                 "(--data-parallel-size > 1)")
+            self.num_host_blocks = host_tier_blocks(cfg, ps, runner_config.dtype, cache_config.kv_offloading_size)
         # Params may still be to load (weights/pending.py): their bytes count as in use, and they load (on a thread
         # of their own) from here on, while the runner lowers and compiles the step programs.
         pending = params if isinstance(params, PendingParams) else None
@@ -139,6 +147,8 @@ class LLMEngine:
         # (tests/kernels/test_kernel_lowering.py checks the Triton IR).
         if sharding is not None and sharding.num_ranks > 1:
             how += f" per data-parallel rank, {sharding.num_ranks} ranks"
+        if self.num_host_blocks:
+            how += f"; host tier {self.num_host_blocks} pages ({cache_config.kv_offloading_size} GiB)"
         log.info("KV cache: %s", how)
         self.kv_cache_report = how
         buckets = tuple(sorted(runner_config.token_buckets)) or token_buckets(
@@ -156,8 +166,10 @@ class LLMEngine:
             self.scheduler = DPScheduler([Scheduler(scheduler_config, cache_config, num_pages)
                                           for _ in range(sharding.num_ranks)])
         else:
-            self.scheduler = Scheduler(scheduler_config, cache_config, num_pages)
+            self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks)
         self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
+        if self.num_host_blocks:
+            self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
         self._rng = np.random.default_rng(runner_config.seed)
         self._seeds: dict[str, int] = {}
@@ -295,6 +307,7 @@ class LLMEngine:
         if self.spec is not None:
             return speculative_step(self)
         plan = self.scheduler.schedule()
+        self.runner.apply_kv_transfers(getattr(plan, "kv_transfers", None))  # host tier: before the step
         inflight = None
         fetched = None
         if not plan.is_empty:

@@ -45,6 +45,7 @@ def speculative_step(engine) -> list[RequestOutput]:
     sequence's tokens up to its first stop), then text and outputs."""
     propose(engine)
     plan = engine.scheduler.schedule()
+    engine.runner.apply_kv_transfers(getattr(plan, "kv_transfers", None))  # host tier: before the step
     if plan.is_empty:
         return []
     requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in plan.seqs}

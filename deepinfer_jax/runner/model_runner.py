@@ -43,6 +43,7 @@ from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
                                          next_pow2)
+from deepinfer_jax.runner.kv_transfer import KVTransfer
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
 from deepinfer_jax.runner.packing import sizes
 from deepinfer_jax.runner.prompt_scoring import PromptScorer
@@ -106,12 +107,13 @@ class ModelRunner:
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
         self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
+        self.kv_transfer = None  # runner/kv_transfer.py, with a host tier (`enable_host_tier`)
 
     # ---- reporting ---------------------------------------------------------------------------------
     def memory_report(self) -> dict[str, Any]:
         """Device memory in bytes, for /metrics: the weights, the KV cache, and (where the backend reports them,
         runner/device_memory.py) the allocator's limit and bytes in use, summed over this runner's devices;
-        plus the platform and device kind."""
+        plus the platform and device kind, and with a host tier its bytes and the bytes copied each way."""
         weights = None  # still loading (weights/pending.py)
         if self._pending is None:
             weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes"))
@@ -119,6 +121,10 @@ class ModelRunner:
         out: dict[str, Any] = {"weights": weights, "kv_cache": int(self.kv_cache.nbytes),
                                "platform": devices[0].platform, "device_kind": devices[0].device_kind,
                                "num_devices": len(devices), "limit": None, "in_use": None}
+        if self.kv_transfer is not None:  # the host tier: its pages' bytes, and the bytes copied each way so far
+            t = self.kv_transfer
+            out.update(kv_offload=int(t.storage.nbytes), kv_offload_to_host=t.bytes_to_host,
+                       kv_offload_to_device=t.bytes_to_device)
         mems = [device_memory(d) for d in devices]
         if all(m is not None for m in mems):
             out["limit"] = sum(m.limit for m in mems)
@@ -159,6 +165,19 @@ class ModelRunner:
             t = time.perf_counter()
             self.params, self._pending = self._pending.result(), None
             log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
+
+    # ---- host tier of the KV cache (runner/kv_transfer.py) -----------------------------------------
+    def enable_host_tier(self, num_host_blocks: int) -> None:
+        """Hold `num_host_blocks` pages in host memory for the scheduler's host tier."""
+        if self.num_ranks > 1:
+            raise ValueError("kv_offloading_size is not supported with data-parallel attention "
+                             "(--data-parallel-size > 1)")
+        self.kv_transfer = KVTransfer(self.kv_cache, num_host_blocks)
+
+    def apply_kv_transfers(self, transfers) -> None:
+        """Queue a plan's page copies (scheduler/host_tier.py KVTransfers) before its step; None: nothing."""
+        if transfers:
+            self.kv_cache = self.kv_transfer.apply(self.kv_cache, transfers)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:

@@ -10,7 +10,8 @@ Invariants:
   `free_blocks` appends hashed blocks at the tail in the order given (callers pass a sequence's
   blocks in reverse so its tail is evicted before its head, like vLLM) and puts unhashed blocks at
   the head, since they hold nothing worth keeping.
-- Allocation of a hashed block removes its hash from the prefix cache (eviction).
+- Allocation of a hashed block removes its hash from the prefix cache (eviction); with `on_evict` set
+  (the host tier, scheduler/host_tier.py) it is told (block id, hash) first, so the page can be saved.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class BlockPool:
             raise ValueError(f"num_pages must be at least 2 (block 0 is the null block), got {num_pages}")
         self.num_pages = num_pages
         self.prefix_cache = prefix_cache
+        self.on_evict = None  # (block id, hash) -> None, called when allocation evicts a cached block
         self._ref = [0] * num_pages
         self._hash: list[BlockHash | None] = [None] * num_pages
         self._ref[NULL_BLOCK_ID] = 1  # pinned forever
@@ -70,6 +72,8 @@ class BlockPool:
         out = []
         for _ in range(num_blocks):
             block_id, _ = self._free.popitem(last=False)
+            if self.on_evict is not None and self._hash[block_id] is not None:
+                self.on_evict(block_id, self._hash[block_id])
             self._evict(block_id)
             self._ref[block_id] = 1
             out.append(block_id)

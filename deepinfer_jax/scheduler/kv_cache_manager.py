@@ -17,6 +17,11 @@ first allocation) and `free` the list only grows at its end; `block_list_generat
 (a number no other list of any manager had), so a reader may keep what it copied and take only the new
 tail. Block hashes of a request are kept across preemption (token ids never change) and dropped when it
 finishes.
+With a host tier (scheduler/host_tier.py), a hit list may name host blocks (negative ids, `host_hit_id`):
+the lookup takes each block from HBM where cached there, else from the host tier, and stops at the first
+block in neither. Allocation gives each host hit a fresh device block (cached under its hash at once) and
+records the load; blocks the allocation evicts from HBM are saved to the host tier. `take_transfers` hands the
+step's copies to the plan.
 Counters `prefix_cache_queries` / `prefix_cache_hits` are in tokens, counted once per successful
 first allocation (a re-admission after preemption counts again), as vLLM's metrics.
 """
@@ -27,6 +32,7 @@ import itertools
 from collections.abc import Sequence
 
 from deepinfer_jax.scheduler.block_pool import BlockPool
+from deepinfer_jax.scheduler.host_tier import HostTier, KVTransfers, host_hit_id, is_host_hit
 from deepinfer_jax.scheduler.prefix_cache import (
     BlockHash,
     PrefixCache,
@@ -46,11 +52,18 @@ _generations = itertools.count(1)  # one number per block list's lifetime, over 
 class KVCacheManager:
     """Per-request page lists on top of a BlockPool (and a PrefixCache when caching is on)."""
 
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
         self.block_pool = BlockPool(num_pages, self.prefix_cache)
+        self.host_tier = None
+        if num_host_blocks:
+            if not enable_prefix_caching:
+                raise ValueError("the KV host tier (kv_offloading_size) needs prefix caching enabled")
+            self.host_tier = HostTier(num_host_blocks)
+            self.block_pool.on_evict = self.host_tier.store
         self._blocks: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_cached: dict[str, int] = {}
@@ -90,7 +103,18 @@ class KVCacheManager:
             return [], 0
         hashes = self._block_hashes(request)
         n = min(len(hashes), max_hit_blocks(request.num_tokens, self.page_size))
-        hit = self.prefix_cache.lookup(hashes[:n])
+        if self.host_tier is None:
+            hit = self.prefix_cache.lookup(hashes[:n])
+            return hit, len(hit) * self.page_size
+        hit = []
+        for h in hashes[:n]:
+            block_id = self.prefix_cache.get(h)
+            if block_id is None:
+                host_block = self.host_tier.lookup(h)
+                if host_block is None:
+                    break
+                block_id = host_hit_id(host_block)
+            hit.append(block_id)
         return hit, len(hit) * self.page_size
 
     def allocate_slots(
@@ -120,9 +144,11 @@ class KVCacheManager:
         have = (len(blocks) if blocks else 0) + num_hit
         num_new_blocks = max(cdiv(total + num_lookahead_tokens, self.page_size) - have, 0)
         pool = self.block_pool
-        # Hits sitting in the free queue stop being free once touched.
-        evictable_hits = sum(1 for b in new_computed_blocks if pool.ref_count(b) == 0)
-        if num_new_blocks + evictable_hits > pool.num_free_blocks:
+        host_hits = [i for i, b in enumerate(new_computed_blocks) if is_host_hit(b)]
+        device_hits = [b for b in new_computed_blocks if not is_host_hit(b)]
+        # Hits sitting in the free queue stop being free once touched; host hits each take a fresh block.
+        evictable_hits = sum(1 for b in device_hits if pool.ref_count(b) == 0)
+        if num_new_blocks + len(host_hits) + evictable_hits > pool.num_free_blocks:
             return False
         if blocks is None:
             blocks = self._blocks[rid] = []
@@ -131,10 +157,34 @@ class KVCacheManager:
             if self.prefix_cache is not None:
                 self.prefix_cache_queries += request.num_tokens
                 self.prefix_cache_hits += num_hit * self.page_size
-        pool.touch(new_computed_blocks)  # before allocating, so hits are not evicted by it
-        blocks.extend(new_computed_blocks)
+            if self.host_tier is not None:
+                self.host_tier.queries += request.num_tokens - len(device_hits) * self.page_size
+                self.host_tier.hits += len(host_hits) * self.page_size
+        pool.touch(device_hits)  # before allocating, so hits are not evicted by it
+        if host_hits:
+            blocks.extend(self._load_host_hits(request, new_computed_blocks, host_hits))
+        else:
+            blocks.extend(new_computed_blocks)
         blocks.extend(pool.get_new_blocks(num_new_blocks))
         return True
+
+    def _load_host_hits(self, request: Request, hits: Sequence[int], host_hits: list[int]) -> list[int]:
+        """The hit list with each host hit replaced by a fresh device block, cached under its hash, whose
+        load is recorded. Host hits are touched first, so that this allocation's saves do not evict them."""
+        tier, hashes = self.host_tier, self._block_hashes(request)
+        for i in host_hits:
+            tier.touch(-1 - hits[i])
+        fresh = iter(self.block_pool.get_new_blocks(len(host_hits)))
+        out = list(hits)
+        for i in host_hits:
+            out[i] = next(fresh)
+            tier.load(-1 - hits[i], out[i])
+            self.block_pool.cache_block(out[i], hashes[i])
+        return out
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The page copies recorded since the last call (None without a host tier)."""
+        return None if self.host_tier is None else self.host_tier.take_transfers()
 
     def cache_blocks(self, request: Request) -> None:
         """Hash the blocks made full by the computed tokens (call after the step ran)."""
@@ -165,5 +215,9 @@ class KVCacheManager:
             self._hashes.pop(rid, None)
 
     def reset_prefix_cache(self) -> bool:
-        """Forget all cached blocks; only possible when no request holds pages."""
-        return self.block_pool.reset_prefix_cache()
+        """Forget all cached blocks (both tiers); only possible when no request holds pages."""
+        if not self.block_pool.reset_prefix_cache():
+            return False
+        if self.host_tier is not None:
+            self.host_tier.reset()
+        return True

@@ -90,12 +90,15 @@ class StepPlan:
     preempted_ids: requests preempted while planning this step (their pages are free now).
     finished_ids: requests that finished (any reason, aborts included) since the previous plan; the
     runner may drop per-request state for them.
+    kv_transfers: the host tier's page copies (scheduler/host_tier.py KVTransfers) to apply before the step's
+    program, or None without a tier.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_scheduled_tokens: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    kv_transfers: Any = None
 
     @property
     def num_decodes(self) -> int:
@@ -116,6 +119,12 @@ class SchedulerStats:
     num_preemptions: int
     # the engine's speculative decoding counters (engine/speculative.py SpecDecodeStats, a snapshot), None without
     spec_decode: Any = None
+    # The host tier's (scheduler/host_tier.py; all 0 without one): usage, tokens looked up / served, pages copied.
+    host_tier_usage: float = 0.0
+    host_tier_queries: int = 0
+    host_tier_hits: int = 0
+    host_blocks_saved: int = 0
+    host_blocks_loaded: int = 0
 
 
 class Scheduler:
@@ -126,6 +135,7 @@ class Scheduler:
         scheduler_config: SchedulerConfig,
         cache_config: CacheConfig,
         num_pages: int | None = None,
+        num_host_blocks: int = 0,
     ) -> None:
         num_pages = cache_config.num_pages if num_pages is None else num_pages
         if num_pages is None:
@@ -140,7 +150,7 @@ class Scheduler:
                 f"got {num_pages}"
             )
         self.kv_cache_manager = KVCacheManager(
-            num_pages, self.page_size, cache_config.enable_prefix_caching
+            num_pages, self.page_size, cache_config.enable_prefix_caching, num_host_blocks
         )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -211,6 +221,10 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         kv = self.kv_cache_manager
+        tier = kv.host_tier
+        host = {} if tier is None else dict(
+            host_tier_usage=tier.usage, host_tier_queries=tier.queries, host_tier_hits=tier.hits,
+            host_blocks_saved=tier.blocks_saved, host_blocks_loaded=tier.blocks_loaded)
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -218,6 +232,7 @@ class Scheduler:
             prefix_cache_queries=kv.prefix_cache_queries,
             prefix_cache_hits=kv.prefix_cache_hits,
             num_preemptions=self.num_preemptions,
+            **host,
         )
 
     # ---- planning ------------------------------------------------------------------------------
@@ -327,6 +342,7 @@ class Scheduler:
             num_scheduled_tokens=self.config.max_num_batched_tokens - budget,
             preempted_ids=preempted,
             finished_ids=self._finished_ids,
+            kv_transfers=self.kv_cache_manager.take_transfers(),
         )
         self._finished_ids = []
         if plan.seqs:

@@ -71,6 +71,10 @@ def nonnegative_float(text: str) -> float:
     return _number(float, text, "a number >= 0", lambda v: v >= 0)
 
 
+def nonnegative_float(text: str) -> float:
+    return _number(float, text, "a number >= 0", lambda v: v >= 0)
+
+
 def fraction(text: str) -> float:
     return _number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
@@ -144,6 +148,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="memory of each device in GiB, for one without memory figures or to leave room: the KV cache "
                         "is sized from it, and a model that cannot fit is refused before loading (deepinfer plan)")
     g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    g.add_argument("--kv-offloading-size", type=nonnegative_float, default=0.0, metavar="GIB",
+                   help="GiB of host memory for the KV cache's host tier: prefix-cache pages leaving device memory "
+                        "are kept there and copied back on a hit (needs prefix caching; 0: off; docs/kv-tier.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
     g.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="experts sharded over TP x DP")
@@ -377,6 +384,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
         gpu_memory=ns.gpu_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
+        kv_offloading_size=ns.kv_offloading_size,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,

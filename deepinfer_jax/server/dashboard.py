@@ -123,14 +123,25 @@ def dashboard_data(s: Serving) -> dict[str, Any]:
                      "prefix_cache_queries": queries, "prefix_cache_hits": hits},
         "kv_cache_usage": _one(snap, "kv_cache_usage_perc"),
         "prefix_cache_hit_rate": hits / queries if queries else None,
-        "host_cache": None,  # no host-memory KV tier in this engine
         "speculative": _speculative(snap),
+        "host_cache": _host_cache(snap, memory),
         "memory": mem,
         "latency": {"ttft": _histogram(snap, "time_to_first_token_seconds"),
                     "itl": _histogram(snap, "inter_token_latency_seconds"),
                     "e2e": _histogram(snap, "e2e_request_latency_seconds"),
                     "queue": _histogram(snap, "request_queue_time_seconds")},
     }
+
+
+def _host_cache(snap, memory) -> dict[str, Any] | None:
+    """The KV cache's host tier (docs/kv-tier.md), None when off: its bytes, usage, hit rate, bytes copied."""
+    if not memory or not memory.get("kv_offload"):
+        return None
+    queries, hits = _one(snap, "kv_offload_queries_total"), _one(snap, "kv_offload_hits_total")
+    moved = {dict(k)["direction"]: v for k, v in snap.get(P + "kv_offload_bytes_total", {}).items()}
+    return {"bytes": memory["kv_offload"], "usage": _one(snap, "kv_offload_usage_perc"), "queries": queries,
+            "hits": hits, "hit_rate": hits / queries if queries else None,
+            "bytes_to_host": moved.get("to_host", 0.0), "bytes_to_device": moved.get("to_device", 0.0)}
 
 
 _BUILD: dict[str, Any] = {}

@@ -8,6 +8,9 @@ Ours too: `deepinfer:device_memory_bytes{kind}` (weights, kv_cache, and where th
 allocator's limit and in_use), read from the engine at scrape time, and `deepinfer:request_errors_total{status,
 type}`, the error replies (streams' in-band error events included). `snapshot()` reads the registry back as
 plain numbers for /dashboard/data, so the dashboard and /metrics show the same figures.
+The KV cache's host tier (docs/kv-tier.md; all 0 without one): `kv_offload_usage_perc`, `kv_offload_queries` /
+`kv_offload_hits` (tokens looked up in / served from it) from the stats, and `kv_offload_bytes{direction}`
+(`to_host`, `to_device`) from the memory report.
 """
 
 from __future__ import annotations
@@ -59,11 +62,21 @@ class ServerMetrics:
                                    registry=r)
         self.errors = Counter(P + "request_errors", "Error replies by HTTP status and error type.",
                               L + ["status", "type"], registry=r)
+        self.offload_usage = Gauge(P + "kv_offload_usage_perc", "Fraction of host-tier KV blocks holding a page.",
+                                   L, registry=r)
+        self.offload_queries = Counter(P + "kv_offload_queries", "Prompt tokens looked up in the host KV tier.", L,
+                                       registry=r)
+        self.offload_hits = Counter(P + "kv_offload_hits", "Prompt tokens served from the host KV tier.", L,
+                                    registry=r)
+        self.offload_bytes = Counter(P + "kv_offload_bytes", "KV bytes copied between the device and the host tier.",
+                                     L + ["direction"], registry=r)
+        for direction in ("to_host", "to_device"):
+            self.offload_bytes.labels(model_name, direction)
         for reason in ("stop", "length", "abort", "error"):
             self.success.labels(model_name, reason)
         for m in (self.running, self.waiting, self.in_flight, self.kv_usage, self.prefix_queries, self.prefix_hits,
                   self.preemptions, self.ttft, self.itl, self.e2e, self.queue, self.prompt_tokens,
-                  self.generation_tokens):
+                  self.generation_tokens, self.offload_usage, self.offload_queries, self.offload_hits):
             m.labels(model_name)  # every series exists from the first scrape
         # speculative decoding (vLLM's spec_decode_* counters), fed from the stats' SpecDecodeStats when present
         self.spec_drafts = Counter(P + "spec_decode_num_drafts", "Sequences that verified drafts, by step.", L,
@@ -73,7 +86,8 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position (0: the first draft).",
                                              L + ["position"], registry=r)
-        self._last = (0, 0, 0)
+        self._last = (0, 0, 0, 0, 0)
+        self._last_bytes = {"to_host": 0, "to_device": 0}
         self._last_spec: tuple = (0, 0, 0, ())
         self._children: dict[int, object] = {}
 
@@ -103,12 +117,21 @@ class ServerMetrics:
             for kind in ("weights", "kv_cache", "limit", "in_use"):
                 if memory.get(kind) is not None:
                     self.device_memory.labels(self.model_name, kind).set(memory[kind])
+            for direction in ("to_host", "to_device"):
+                new = memory.get("kv_offload_" + direction) or 0
+                if new > self._last_bytes[direction]:
+                    self.offload_bytes.labels(self.model_name, direction).inc(new - self._last_bytes[direction])
+                    self._last_bytes[direction] = new
         if stats is not None:
             self._l(self.running).set(stats.num_running)
             self._l(self.waiting).set(stats.num_waiting)
             self._l(self.kv_usage).set(stats.kv_cache_usage)
-            now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions)
-            for counter, new, old in zip((self.prefix_queries, self.prefix_hits, self.preemptions), now, self._last):
+            self._l(self.offload_usage).set(getattr(stats, "host_tier_usage", 0.0))
+            now = (stats.prefix_cache_queries, stats.prefix_cache_hits, stats.num_preemptions,
+                   getattr(stats, "host_tier_queries", 0), getattr(stats, "host_tier_hits", 0))
+            counters = (self.prefix_queries, self.prefix_hits, self.preemptions, self.offload_queries,
+                        self.offload_hits)
+            for counter, new, old in zip(counters, now, self._last):
                 if new > old:
                     self._l(counter).inc(new - old)
             self._last = now

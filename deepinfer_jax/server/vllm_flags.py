@@ -19,7 +19,7 @@ SAME = set("""
 --model --dtype --load-format --max-model-len --max-num-seqs --max-num-batched-tokens --gpu-memory-utilization
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
---tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype
+--tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
 --nnodes --node-rank --master-addr --master-port --speculative-config
 """.split())
 
@@ -101,10 +101,11 @@ _R = {  # refused, by reason: {what to do: flags}
         "--cp-kv-cache-interleave-size --dcp-comm-backend --enable-dbo --dbo-decode-token-threshold "
         "--dbo-prefill-token-threshold --ubatch-size --enable-eplb --eplb-config --enable-elastic-ep "
         "--expert-placement-strategy --enable-ep-weight-filter",
-    "the KV cache is sized by --gpu-memory-utilization or --num-pages, on the device only (no offloading, "
-    "transfer or sharing)": "--kv-cache-memory-bytes --cpu-offload-gb --cpu-offload-params --offload-backend "
+    "the KV cache is sized by --gpu-memory-utilization or --num-pages, with a host tier from "
+    "--kv-offloading-size (its own, native backend); weights stay on the devices, and there is no KV transfer "
+    "or sharing": "--kv-cache-memory-bytes --cpu-offload-gb --cpu-offload-params --offload-backend "
         "--offload-group-size --offload-num-in-group --offload-params --offload-prefetch-step --kv-offloading-backend "
-        "--kv-offloading-size --kv-transfer-config --kv-events-config --ec-transfer-config --kv-sharing-fast-prefill "
+        "--kv-transfer-config --kv-events-config --ec-transfer-config --kv-sharing-fast-prefill "
         "--calculate-kv-scales --enable-sleep-mode --enable-cumem-allocator --weight-transfer-config",
     "the scheduler is first-come first-served continuous batching with chunked prefill; --max-num-seqs and "
     "--max-num-batched-tokens tune it": "--scheduling-policy --scheduler-cls --long-prefill-token-threshold "

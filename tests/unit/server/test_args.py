@@ -106,6 +106,18 @@ def test_coarse_token_buckets():
     assert coarse_token_buckets(100, 300) == (512,)  # the top holds max(tokens, sequences)
 
 
+def test_kv_offloading_size(model_dirs, tmp_path, capsys):
+    _, large = model_dirs
+    assert _kw(["--model", large])[0]["kv_offloading_size"] == 0.0
+    assert _kw(["--model", large, "--kv-offloading-size", "2.5"])[0]["kv_offloading_size"] == 2.5
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\nkv_offloading_size: 4\n")
+    assert _kw(["--config", str(f)])[0]["kv_offloading_size"] == 4.0
+    with pytest.raises(SystemExit):
+        _kw(["--model", large, "--kv-offloading-size", "-1"])
+    assert "--kv-offloading-size" in capsys.readouterr().err
+
+
 def test_yaml_then_flags(tmp_path):
     f = tmp_path / "c.yaml"
     f.write_text("max-num-seqs: 8\nenable_prefix_caching: false\nserved_model_name: [x, y]\nport: 9\n"

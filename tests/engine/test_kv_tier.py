@@ -1,0 +1,109 @@
+"""The KV cache's host tier through LLM: greedy tokens equal HF transformers' while the tier serves prefix hits
+(a device pool too small for the prompts, which come back) and while preempted requests come back from it
+(swap) or, with a one-page tier, mostly recompute."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_models import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config import CacheConfig, ModelConfig
+from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+
+PAGE = 8
+
+
+def _llm(path, cfg, host_pages):
+    gib = host_pages * kv_cache_bytes_per_page(cfg, PAGE, "float32") / 2**30
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+               max_num_batched_tokens=256, page_size=PAGE, progress=False, num_pages=80,
+               kv_offloading_size=gib)
+
+
+@pytest.mark.parametrize("host_pages", [300, 1])
+def test_greedy_with_the_host_tier(hf_case, hf_greedy, host_pages):
+    model, path = hf_case("v3_grouped_noaux")
+    llm = _llm(path, ModelConfig.from_model_dir(path), host_pages)
+    assert llm.engine.num_host_blocks == host_pages
+    # 6 prompts of 150-160 tokens: ~120 pages for 79 usable ones, so requests preempt and cached pages leave HBM.
+    prompts = random_prompts(31, [150, 153, 156, 159, 160, 151], model.config.vocab_size)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    address = llm.engine.runner.kv_cache.unsafe_buffer_pointer()
+    stats = []
+    for _ in range(2):  # the second round finds its prompts' pages on the host (or recomputes them)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+        for p, o in zip(prompts, outs):
+            assert o.outputs[0].token_ids == hf_greedy(model, p, 6), f"prompt of {len(p)} tokens"
+        stats.append(llm.engine.stats())
+    st = stats[-1]
+    assert llm.engine.runner.kv_cache.unsafe_buffer_pointer() == address  # the loads scatter in place (donated)
+    assert st.num_preemptions > 0 and st.host_blocks_saved > 0
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+    assert llm.engine.runner.compiles_after_warmup == 0
+    kv_transfer = llm.engine.runner.kv_transfer
+    assert kv_transfer.bytes_to_host == st.host_blocks_saved * kv_transfer.page_bytes
+    if host_pages > 1:
+        # the first round's prompts are distinct: its hits are the preempted request's own pages (the exact swap
+        # case, pages coming back from the host, is tests/unit/scheduler/test_host_tier.py's)
+        assert stats[0].num_preemptions > 0 and stats[0].prefix_cache_hits > 0
+        # tier hits in the second round: at least 3 prompts' 18 full pages each
+        assert st.host_blocks_loaded >= 3 * 18 and st.host_tier_hits == st.host_blocks_loaded * PAGE
+        assert sum(o.num_cached_tokens for o in outs) >= 3 * 18 * PAGE
+        assert kv_transfer.bytes_to_device == st.host_blocks_loaded * kv_transfer.page_bytes
+    else:
+        assert st.host_blocks_loaded <= st.host_blocks_saved
+    _check_metrics(llm.engine, st)
+
+
+def _check_metrics(engine, st):
+    """/metrics and the dashboard's host tier read the engine's counters."""
+    from deepinfer_jax.server.dashboard import _host_cache
+    from deepinfer_jax.server.metrics import ServerMetrics
+
+    m = ServerMetrics("m")
+    memory = engine.memory_report()
+    snap = m.snapshot(st, 0, memory)
+    one = lambda name, labels=(): snap["deepinfer:" + name][labels]  # noqa: E731
+    assert one("kv_offload_hits_total") == st.host_tier_hits and one("kv_offload_queries_total") == st.host_tier_queries
+    assert one("kv_offload_usage_perc") == st.host_tier_usage > 0
+    page = engine.runner.kv_transfer.page_bytes
+    assert one("kv_offload_bytes_total", (("direction", "to_host"),)) == st.host_blocks_saved * page
+    assert one("kv_offload_bytes_total", (("direction", "to_device"),)) == st.host_blocks_loaded * page
+    host = _host_cache(snap, memory)
+    assert host["bytes"] == engine.num_host_blocks * page and host["hits"] == st.host_tier_hits
+
+
+def test_host_tier_needs_prefix_caching():
+    with pytest.raises(ValueError, match="needs prefix caching"):
+        CacheConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match="kv_offloading_size must be >= 0"):
+        CacheConfig(kv_offloading_size=-1.0)
+
+
+def test_kv_transfer_copies_pages_exactly():
+    """runner/kv_transfer.py on a small cache: saves land in the host storage a batch later, loads write the device
+    pages, and a device page saved and loaded over in the same batch is saved with its old contents."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from deepinfer_jax.runner.kv_transfer import KVTransfer
+    from deepinfer_jax.scheduler.host_tier import KVTransfers
+
+    L, P, D = 2, 6, 3
+    kv = jnp.arange(L * P * PAGE * D, dtype=jnp.float32).reshape(L, P, PAGE, D)
+    ref = np.array(kv)
+    t = KVTransfer(kv, num_host_blocks=4)
+    kv = t.apply(kv, KVTransfers(saves=[(2, 3), (5, 0), (1, 1)]))
+    assert not t.storage.any()  # still in flight
+    kv = t.apply(kv, KVTransfers(saves=[(4, 2)], loads=[(3, 4), (0, 3)]))  # page 4 saved, then overwritten
+    for host, dev in [(3, 2), (0, 5), (1, 1)]:
+        np.testing.assert_array_equal(t.storage[host], ref[:, dev])
+    out = np.array(kv)
+    np.testing.assert_array_equal(out[:, 4], ref[:, 2])
+    np.testing.assert_array_equal(out[:, 3], ref[:, 5])
+    for p in (1, 2, 5):
+        np.testing.assert_array_equal(out[:, p], ref[:, p])
+    t.flush()
+    np.testing.assert_array_equal(t.storage[2], ref[:, 4])
+    assert t.bytes_to_host == 4 * t.page_bytes and t.bytes_to_device == 2 * t.page_bytes
