@@ -15,8 +15,9 @@ with data-parallel attention each rank gets its own scheduler and page pool (sha
 Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
 add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
 full variant, whose allowed-token bitmask the runner fills from the matchers; since the mask of step N needs the
-token of step N-1, such a step first fetches N-1 (its ids, grammars and token stops; its text and outputs come
-after the dispatch), so the device idles from N-1's end until N is dispatched. Each fetched token advances the
+token of step N-1, the runner queues N's forward first (a program of its own), then the engine fetches N-1 (its
+ids, grammars and token stops; its text and outputs come after the dispatch) and the runner fills the masks and
+queues N's sampler, so the host's mask work overlaps N's forward on the device. Each fetched token advances the
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
 Speculative decoding (`speculative_config`, config.SpeculativeConfig; docs/speculative.md): before each plan the
@@ -312,16 +313,19 @@ class LLMEngine:
         fetched = None
         if not plan.is_empty:
             requests = {s.request_id: self.scheduler.requests[s.request_id] for s in plan.seqs}
-            if self._pending is not None and any(s.sample and requests[s.request_id].grammar is not None
-                                                 for s in plan.seqs):
-                # A grammar's mask for this step needs the token of the step in flight: fetch it (ids, grammars
-                # and token stops) first; its text and outputs wait until this step is dispatched.
-                fetched = self._fetch_pending()
+            # A grammar's mask for this step needs the token of the step in flight: the runner fetches it (ids,
+            # grammars, token stops; text and outputs after the dispatch) once this step's forward is queued.
+            box = []
+            grammar = self._pending is not None and any(s.sample and requests[s.request_id].grammar is not None
+                                                        for s in plan.seqs)
             try:
-                inflight = self.runner.dispatch(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None))
+                inflight = self.runner.dispatch(plan.seqs, requests, self._seeds, getattr(plan, "ranks", None),
+                                                before_sampling=(lambda: box.append(self._fetch_pending()))
+                                                if grammar else None)
             except Exception:
                 self._fail_plan(plan)
                 raise
+            fetched = box[0] if box else None
         outputs = self._emit(self._fetch_pending() if fetched is None else fetched)
         if inflight is not None:
             host = inflight[0]

@@ -215,17 +215,26 @@ def needs_full_variant(req: Request) -> bool:
             or req.grammar is not None or sp.logit_bias is not None)
 
 
+def fill_masks(plan_seqs, requests: dict[str, Request], st: SamplingTensors) -> None:
+    """Fill the allowed-token bitmask row of each sampling seq whose request has a grammar from its matcher's
+    allowed next tokens (one call for all of them); the other rows keep theirs (all ones)."""
+    rows = [(requests[seq.request_id].grammar, row) for row, seq in enumerate(plan_seqs)
+            if seq.sample and requests[seq.request_id].grammar is not None]
+    if rows:
+        type(rows[0][0]).fill_bitmasks(rows, st.allowed_token_bits)
+
+
 def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
-                   bucket: int, penalties: bool) -> SamplingTensors:
+                   bucket: int, penalties: bool, masks: bool = True) -> SamplingTensors:
     """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty (full) variant, else
     [S, 0]; so is the allowed-token bitmask [S, shapes.mask_words]: all ones, and for each sampling row of a
-    request with a grammar (Request.grammar) that matcher's allowed next tokens, filled in one call."""
+    request with a grammar (Request.grammar) that matcher's allowed next tokens, filled in one call (`fill_masks`;
+    `masks` False leaves that to the caller)."""
     S = shapes.seq_rows(bucket)
     L = shapes.max_model_len if penalties else 0
     st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress,
                                   mask_words=shapes.mask_words if penalties else 0,
                                   bias_len=shapes.max_logit_bias if penalties else 0)
-    grammar_rows = []
     row_seeds, row_steps = [0] * S, [0] * S  # Python ints: any seed (negative, >= 2**64) reduces mod 2**64
     for row, seq in enumerate(plan_seqs):
         req = requests[seq.request_id]
@@ -255,11 +264,10 @@ def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int
         if req.grammar is not None and seq.sample:
             if not penalties or not shapes.mask_words:
                 raise ValueError(f"request {seq.request_id} has a grammar but the step has no token bitmask")
-            grammar_rows.append((req.grammar, row))
         row_seeds[row] = seeds[seq.request_id]
         row_steps[row] = seq.num_output_tokens
-    if grammar_rows:
-        type(grammar_rows[0][0]).fill_bitmasks(grammar_rows, st.allowed_token_bits)
+    if masks:
+        fill_masks(plan_seqs, requests, st)
     W = shapes.spec_width
     if W > 1:
         return _spec_rows(st, plan_seqs, requests, row_seeds, row_steps, W, penalties)

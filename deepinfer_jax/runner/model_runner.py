@@ -41,8 +41,8 @@ from deepinfer_jax.models.registry import family_of, init_kv_cache, kv_cache_sha
 from deepinfer_jax.runner import program_cache, warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
-from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, needs_full_variant,
-                                         next_pow2)
+from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, fill_masks,
+                                         needs_full_variant, next_pow2)
 from deepinfer_jax.runner.kv_transfer import KVTransfer
 from deepinfer_jax.runner.lowering import speed_up_kernel_lowering
 from deepinfer_jax.runner.packing import sizes
@@ -180,8 +180,9 @@ class ModelRunner:
             self.kv_cache = self.kv_transfer.apply(self.kv_cache, transfers)
 
     # ---- execution -------------------------------------------------------------------------------
-    def prepare(self, plan_seqs, requests, seeds, ranks=None) -> HostStep:
-        """`ranks[i]`: the data-parallel rank of plan_seqs[i] (needed when num_ranks > 1)."""
+    def prepare(self, plan_seqs, requests, seeds, ranks=None, masks: bool = True) -> HostStep:
+        """`ranks[i]`: the data-parallel rank of plan_seqs[i] (needed when num_ranks > 1). `masks` False leaves the
+        structured-output rows' token bitmasks unfilled (all ones), for `run` to fill later."""
         if self.num_ranks == 1:
             groups = [plan_seqs]
         elif ranks is None:
@@ -190,18 +191,18 @@ class ModelRunner:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
         want_full = any(needs_full_variant(requests[s.request_id]) for s in plan_seqs)
-        host = self._host_step(groups, requests, seeds, bucket, want_full)
+        host = self._host_step(groups, requests, seeds, bucket, want_full, masks)
         if not want_full and self.has_greedy_variant(bucket) and all(
                 requests[s.request_id].sampling_params.is_greedy() for s in plan_seqs):
             host.greedy = True
         return host
 
-    def _host_step(self, groups, requests, seeds, bucket: int, full: bool) -> HostStep:
+    def _host_step(self, groups, requests, seeds, bucket: int, full: bool, masks: bool = True) -> HostStep:
         """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
         if self.num_ranks == 1:
             (seqs,) = groups
             meta = build_metadata(seqs, self.shapes, bucket, self._mark_context, self.page_rows)
-            st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full)
+            st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full, masks=masks)
             rows = [i for i, s in enumerate(seqs) if s.sample]
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full,
                             spec_width=self.shapes.spec_width)
@@ -210,11 +211,14 @@ class ModelRunner:
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
         return HostStep(meta, st, rids, rows, bucket, full)
 
-    def run(self, host: HostStep) -> StepOut:
+    def run(self, host: HostStep, before_sampling=None) -> StepOut:
         """Queue the step: one host->device copy of its packed inputs, the small program that puts them
         in the step program's inbox, the step program, and the small one that copies its results out. Where
         the step shares its bucket's forward (StepPrograms.shares_forward): two copies and two stagings (the
-        forward's inputs, the sampler's), the forward, then the sampler."""
+        forward's inputs, the sampler's), the forward, then the sampler. `before_sampling` (such a step only):
+        (callback, plan_seqs, requests): once the forward is queued, the callback runs (the engine's fetch of the
+        step before, which advances the structured-output matchers), then the rows' bitmasks are filled from the
+        matchers, then the sampler is queued; the forward runs on the device meanwhile."""
         if self._pending is not None:  # the first step before warm-up (warm-up takes the params itself)
             self.await_params()
         if self.channel is not None:  # several hosts: the other ranks run this step too, in this order
@@ -226,10 +230,15 @@ class ModelRunner:
             ml, sid = key[0], progs.sampler_id(key)
             n, out_key = sum(sizes(ml)), progs.forward_buffers(ml)
             progs.forward_inboxes[ml] = self._stage(progs.forward_inboxes[ml], inputs[:n])
-            res.inbox = self._stage(res.inbox, inputs[n:])
             fwd, smp = progs.program(("forward", ml)), progs.program(("sampler", sid))
             inbox, out = progs.forward_inboxes[ml], progs.forward_outputs[out_key]
             self.kv_cache, progs.forward_outputs[out_key] = fwd(self.params, self.kv_cache, self._prev_tokens, inbox, out)
+            if before_sampling is not None:  # the forward is queued: now the masks, then the sampler's inputs
+                callback, seqs, reqs = before_sampling
+                callback()
+                fill_masks(seqs, reqs, host.sampling)
+                inputs = packed(host)[1]
+            res.inbox = self._stage(res.inbox, inputs[n:])
             self._prev_tokens, res.outbox = smp(progs.forward_outputs[out_key], self._prev_tokens, res.inbox,
                                                 res.outbox)
         else:
@@ -251,16 +260,34 @@ class ModelRunner:
             n += 1
         return n
 
-    def dispatch(self, plan_seqs, requests, seeds, ranks=None) -> tuple[HostStep, Any]:
+    def defers_masks(self, plan_seqs, requests) -> bool:
+        """Whether a step of these seqs runs its forward before its sampling inputs are built (`dispatch`'s
+        `before_sampling`): full-variant steps where the programs split them (StepPrograms.splits_full), one
+        sampling row a sequence."""
+        return (self.programs.splits_full() and self.shapes.spec_width == 1
+                and any(needs_full_variant(requests[s.request_id]) for s in plan_seqs))
+
+    def dispatch(self, plan_seqs, requests, seeds, ranks=None, before_sampling=None) -> tuple[HostStep, Any]:
         """Queue one step on the device and return at once (JAX dispatch is asynchronous).
 
         Token ids <= -2 in the plan (and in the penalty histories) are placeholders for ids the
         previous dispatched step samples: -(row + 2) reads row `row` of its output on the device, so
-        the host can plan step N+1 before step N's ids come back. `fetch` waits for the results."""
-        host = self.prepare(plan_seqs, requests, seeds, ranks)
+        the host can plan step N+1 before step N's ids come back. `fetch` waits for the results.
+
+        `before_sampling`: a callable the step's structured-output bitmasks depend on (the engine's fetch of the
+        step in flight, which advances the matchers). Where the step's forward is a program of its own
+        (`defers_masks`) it runs once the forward is queued, so the device computes the forward meanwhile;
+        otherwise first."""
+        later = None
+        if before_sampling is not None:
+            if self.defers_masks(plan_seqs, requests):
+                later = (plan_seqs, requests)
+            else:
+                before_sampling()
+        host = self.prepare(plan_seqs, requests, seeds, ranks, masks=later is None)
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
-        out = self.run(host)
+        out = self.run(host, None if later is None else (before_sampling, *later))
         # Start the results' device-to-host copy now: it runs as soon as the step ends, and `fetch`
         # (called after the next step is queued) finds them on the host.
         out.copy_to_host_async()

@@ -62,14 +62,21 @@ class StepPrograms:
         self._sampler_ids: dict[Any, tuple] = {}  # a step's key -> `sampler_id`, cached for the host's path
 
     # ---- what a step runs ---------------------------------------------------------------------------
+    def splits_full(self) -> bool:
+        """Whether steps may run as two programs (`shares_forward`): RunnerConfig.prefill_shared_forward, on one
+        device, with no routing collected."""
+        rc = self.runner_cfg
+        return rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
+
     def shares_forward(self, key) -> bool:
-        """Whether `key`'s step runs as two programs (RunnerConfig.prefill_shared_forward): its bucket's forward,
-        shared by the bucket's sampling variants, then the variant's sampler. Prefill buckets (more token slots
-        than sequence rows) on one device, with no routing collected."""
+        """Whether `key`'s step runs as two programs (`splits_full`): its bucket's forward, shared by the bucket's
+        sampling variants, then the variant's sampler. Prefill buckets (more token slots than sequence rows), whose
+        variants then share one compiled forward, and every bucket's full variant, whose structured-output
+        bitmasks can then be filled on the host while the forward runs (ModelRunner.dispatch)."""
         if key not in self._shares:
-            rc, meta = self.runner_cfg, meta_struct(key[0])
-            self._shares[key] = (rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
-                                 and meta.token_ids.shape[0] > meta.logits_indices.shape[0])
+            meta = meta_struct(key[0])
+            self._shares[key] = self.splits_full() and (
+                key[1] == "full" or meta.token_ids.shape[0] > meta.logits_indices.shape[0])
         return self._shares[key]
 
     def sampler_id(self, key) -> tuple:
