@@ -103,7 +103,11 @@ def tokenize(tok, corpus) -> dict[int, tuple[np.ndarray, np.ndarray]]:
     rows: dict[int, list] = {b: [] for b in BUCKETS}
     for enc, (_, spans) in zip(encs, corpus):
         ids = enc.ids  # the template renders BOS as text; it is special token id 0
-        m = [any(a <= s < b for a, b in spans) for s, _ in enc.offsets]
+        starts = np.array([s for s, _ in enc.offsets])
+        m = np.zeros(len(ids), bool)
+        for a, b in spans:
+            m |= (starts >= a) & (starts < b)
+        m = m.tolist()
         b = next((b for b in BUCKETS if len(ids) <= b), None)
         if b is not None:
             rows[b].append((ids + [1] * (b - len(ids)), m + [False] * (b - len(ids))))
@@ -123,8 +127,8 @@ def init(cfg, seed: int):
     return jax.tree_util.tree_map_with_path(fix, params)
 
 
-def make_step(cfg, compute_dtype, lr_at, wd: float = 0.1, b1: float = 0.9, b2: float = 0.95):
-    """The jitted train step: (params, adam state, ids [B, S], mask [B, S], step) -> (params, state, stats)."""
+def make_step(cfg, compute_dtype, wd: float = 0.1, b1: float = 0.9, b2: float = 0.95):
+    """The jitted train step: (params, adam state, ids [B, S], mask [B, S], step, lr) -> (params, state, stats)."""
     import jax
     import jax.numpy as jnp
 
@@ -146,11 +150,11 @@ def make_step(cfg, compute_dtype, lr_at, wd: float = 0.1, b1: float = 0.9, b2: f
 
     trainable = lambda path: "e_score_correction_bias" not in jax.tree_util.keystr(path)
 
-    def step(params, state, ids, mask, t):
+    def step(params, state, ids, mask, t, lr):
         (_, (main, mtp)), g = jax.value_and_grad(loss_fn, has_aux=True)(params, ids, mask)
         gnorm = jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g)))
         scale = jnp.minimum(1.0, 1.0 / (gnorm + 1e-6))
-        lr, tf = lr_at(t), (t + 1).astype(jnp.float32)
+        tf = (t + 1).astype(jnp.float32)
         m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g * scale, state["m"], g)
         v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * (g * scale) ** 2, state["v"], g)
 
@@ -259,29 +263,40 @@ def train(a) -> str:
     print(f"model: {n_params / 1e6:.2f}M parameters ({2 * n_params / 2**20:.1f} MiB in bf16), "
           f"{'bf16' if gpu else 'fp32'} compute on {jax.default_backend()}", flush=True)
     warm = min(200, a.steps // 10 + 1)
-    lr_at = lambda t: a.lr * jnp.minimum(1.0, (t + 1) / warm) * (
-        0.1 + 0.45 * (1 + jnp.cos(jnp.pi * jnp.minimum(1.0, t / a.steps))))
-    step = make_step(cfg, jnp.bfloat16 if gpu else jnp.float32, lr_at)
+    step = make_step(cfg, jnp.bfloat16 if gpu else jnp.float32)
     state = {"m": jax.tree.map(jnp.zeros_like, params), "v": jax.tree.map(jnp.zeros_like, params)}
     weights = np.array([len(buckets.get(b, ((),))[0]) * b for b in BUCKETS], float)
     rng = np.random.default_rng(a.seed)
-    curve, t_train = [], time.time()
-    for t in range(a.steps):
+    t_compile = time.time()
+    compiled = {b: step.lower(params, state, jnp.asarray(v[0][:max(1, tokens_per_step // b)]),
+                              jnp.asarray(v[1][:max(1, tokens_per_step // b)]), jnp.int32(0), jnp.float32(0)).compile()
+                for b, v in buckets.items()}  # before the clock starts: --train-seconds counts steps only
+    print(f"compiled {len(compiled)} step programs ({time.time() - t_compile:.0f} s)", flush=True)
+    curve, t_train, t = [], time.time(), 0
+    while True:
+        # progress: the larger of steps done and time used (--train-seconds); warm-up, then cosine to 10%
+        progress = max(t / a.steps, (time.time() - t_train) / a.train_seconds if a.train_seconds else 0.0)
+        last = progress >= 1.0 or t == a.steps - 1
+        lr = a.lr * min(1.0, (t + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
         b = BUCKETS[int(rng.choice(len(BUCKETS), p=weights / weights.sum()))]
         ids, mask = buckets[b]
         rows = rng.integers(0, len(ids), max(1, tokens_per_step // b))
-        params, state, st = step(params, state, jnp.asarray(ids[rows]), jnp.asarray(mask[rows]), jnp.int32(t))
-        if t % a.log_every == 0 or t == a.steps - 1:
+        params, state, st = compiled[b](params, state, jnp.asarray(ids[rows]), jnp.asarray(mask[rows]),
+                                        jnp.int32(t), jnp.float32(lr))
+        t += 1
+        if (t - 1) % a.log_every == 0 or last:
             st = {k: float(v) for k, v in st.items()}
-            curve.append(dict(step=t, **{k: round(v, 5) for k, v in st.items()}))
-            print(f"step {t:5d} loss {st['main']:.4f} mtp {st['mtp']:.4f} |g| {st['gnorm']:.2f} "
+            curve.append(dict(step=t - 1, **{k: round(v, 5) for k, v in st.items()}))
+            print(f"step {t - 1:5d} loss {st['main']:.4f} mtp {st['mtp']:.4f} |g| {st['gnorm']:.2f} "
                   f"lr {st['lr']:.2e} ({time.time() - t_train:.0f} s)", flush=True)
+        if last:
+            break
     train_s = time.time() - t_train
     save(a.out, tok, hf_cfg, params, cfg)
     svg_plot(os.path.join(a.out, "loss.svg"), {"main": [(c["step"], c["main"]) for c in curve],
                                                "mtp": [(c["step"], c["mtp"]) for c in curve]})
     diff = check_with_hf(a.out, params, cfg)
-    log = dict(steps=a.steps, seed=a.seed, device_batch=a.device_batch, tokens_per_step=tokens_per_step,
+    log = dict(steps=t, seed=a.seed, device_batch=a.device_batch, tokens_per_step=tokens_per_step,
                lr=a.lr, conversations=len(corpus), params=n_params, device=str(jax.devices()[0].device_kind),
                train_seconds=round(train_s), total_seconds=round(time.time() - t0), hf_max_logit_diff=diff,
                curve=curve)
@@ -298,6 +313,8 @@ def main(argv=None) -> int:
     p.add_argument("--device-batch", type=int, default=None,
                    help="rows of 256 tokens per step (shorter buckets get more rows); default 128 on a GPU, 8 on a CPU")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--train-seconds", type=float, default=None,
+                   help="also end training (and its learning-rate schedule) after this many seconds of steps")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--vocab-size", type=int, default=3072)
     p.add_argument("--log-every", type=int, default=50)
