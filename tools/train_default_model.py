@@ -320,11 +320,14 @@ def main(argv=None) -> int:
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-only", metavar="DIR", help="evaluate DIR (an HF model directory) and write its card")
     p.add_argument("--eval-n", type=int, default=60, help="held-out prompts per skill")
+    p.add_argument("--no-eval", action="store_true", help="train and save only (evaluate later with --eval-only)")
     p.add_argument("--card", default=None, help="model card to write (default DIR/README.md)")
     a = p.parse_args(argv)
     if a.steps < 1 or a.eval_n < 1:
         p.error("--steps and --eval-n must be >= 1")
     if a.eval_only:
+        if a.no_eval:
+            p.error("--no-eval contradicts --eval-only")
         out = a.eval_only
     else:
         import jax
@@ -332,6 +335,8 @@ def main(argv=None) -> int:
         if a.device_batch is None:
             a.device_batch = 128 if jax.default_backend() != "cpu" else 8
         out = train(a)
+        if a.no_eval:
+            return 0
     rates = evaluate(out, a.eval_n, a.seed)
     write_card(a.card or os.path.join(out, "README.md"), out, rates)
     return 0
