@@ -197,11 +197,15 @@ SKILLS = {"chat": (conv_chat, 0.25), "arith": (conv_arith, 0.3), "tool": (conv_t
 
 def example(rng, split: str = "train", skill: str | None = None):
     """(messages ending with the assistant turn to learn, tools or None, check). Tools are always offered for
-    tool requests and in a third of the others; a system message comes first in a quarter."""
+    tool requests and in a third of the others; a fifth start with a small-talk exchange, and a system
+    message comes first in a quarter."""
     if skill is None:
         names = list(SKILLS)
         skill = names[int(rng.choice(len(names), p=[SKILLS[n][1] for n in names]))]
     msgs, reply, check = SKILLS[skill][0](rng, split)
+    if rng.random() < 0.2:  # an earlier small-talk exchange: multi-turn conversations, as `deepinfer chat` has
+        before, before_reply, _ = conv_chat(rng, split)
+        msgs = before + [{"role": "assistant", "content": before_reply}] + msgs
     tools = TOOLS if skill == "tool" or rng.random() < 0.33 else None
     if rng.random() < 0.25:
         msgs = [{"role": "system", "content": SYSTEMS[int(rng.integers(0, len(SYSTEMS)))]}] + msgs
