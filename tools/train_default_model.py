@@ -41,7 +41,7 @@ sys.path[:0] = [ROOT, os.path.join(ROOT, "tools")]
 
 import default_model_data as data  # noqa: E402
 from default_eval import evaluate, write_card  # noqa: E402
-from make_default_model import EOS, NOT_SPECIAL, SPECIAL, tokenizer_config, write_safetensors  # noqa: E402
+from make_default_model import NOT_SPECIAL, SPECIAL, tokenizer_config, write_safetensors  # noqa: E402
 
 BUCKETS = (128, 256, 512)
 MTP_WEIGHT = 0.3
@@ -201,10 +201,10 @@ def svg_plot(path: str, curves: dict[str, list[tuple[int, float]]]) -> None:
              f'<rect width="{W}" height="{H}" fill="white"/>',
              f'<text x="{pad}" y="20" font-size="12">loss (log scale) vs step; top {math.exp(hi):.2f}, '
              f'bottom {math.exp(lo):.3f}, last step {x1}</text>']
-    for (name, c), col in zip(curves.items(), ["#1f77b4", "#d62728", "#2ca02c"]):
+    for i, ((name, c), col) in enumerate(zip(curves.items(), ["#1f77b4", "#d62728", "#2ca02c"])):
         d = " ".join(f"{fx(x):.1f},{fy(y):.1f}" for x, y in c)
         parts.append(f'<polyline fill="none" stroke="{col}" points="{d}"/>')
-        parts.append(f'<text x="{W - 150}" y="{20 + 15 * len(parts) % 60}" fill="{col}" font-size="12">{name}</text>')
+        parts.append(f'<text x="{W - 150}" y="{40 + 15 * i}" fill="{col}" font-size="12">{name}</text>')
     with open(path, "w") as f:
         f.write("\n".join(parts + ["</svg>"]))
 
