@@ -1,7 +1,8 @@
 """Train the embedded default model (deepinfer_jax/assets/default-model) from generated conversations.
 
-    python tools/train_default_model.py [--steps N] [--out DIR] [--device-batch B] [--seed S]
-    python tools/train_default_model.py --eval-only DIR [--card README.md]
+    python tools/train_default_model.py [--steps N] [--train-seconds T] [--out DIR] [--device-batch B]
+                                        [--seed S] [--compute-dtype auto|bfloat16|float32] [--no-eval]
+    python tools/train_default_model.py --eval-only DIR [--eval-n N] [--card README.md]
 
 Data (tools/default_model_data.py, no download): chat, arithmetic with <think> working, get_weather /
 get_time tool calls and answers from tool results, JSON with asked keys; every conversation rendered
@@ -9,11 +10,13 @@ through the built-in deepseek_v3 chat template (what serving renders), loss on t
 Tokenizer: a byte-level BPE (`tokenizers`, digits split one by one) trained on that text, DeepSeek's
 special tokens at ids 0.. (BOS 0, EOS 1), <think>/</think> as added tokens.
 Model: DeepSeek-V3 architecture (MLA with q-LoRA, 1 dense + 3 MoE layers of 8 routed experts top-2 plus a
-shared one, noaux_tc sigmoid router, one MTP layer), about 5.6M parameters, 11 MB in bf16.
+shared one, noaux_tc sigmoid router, one MTP layer), about 5.4M parameters, 10-11 MB in bf16.
 Training: `jax.grad` of next-token cross-entropy over deepinfer_jax.models.deepseek.forward plus 0.3 x the
 MTP module's cross-entropy of the token after next (models/mtp.py), AdamW written here (betas 0.9/0.95,
 weight decay 0.1 on matrices), warm-up then cosine decay, clipping at 1; the whole step is one jit.
-Batches come from three length buckets with the same token count. bf16 matmuls on a GPU, fp32 on a CPU.
+Batches come from three length buckets with the same token count. bf16 weights in the forward on a GPU
+(params and AdamW state fp32), fp32 on a CPU. `--train-seconds` ends training after that many seconds of
+steps (compilation excluded), the schedule following whichever of steps or time runs out first.
 Router correction biases stay 0 (no load-balancing update).
 Output (--out): the HF directory (config.json, model.safetensors bf16, tokenizer.json,
 tokenizer_config.json), train_log.json, loss.svg; then the evaluation (below) runs on it and writes
@@ -141,7 +144,9 @@ def make_step(cfg, compute_dtype, wd: float = 0.1, b1: float = 0.9, b2: float = 
         return (nll * mask).sum() / jnp.maximum(mask.sum(), 1)
 
     def loss_fn(params, ids, mask):
-        p = jax.tree.map(lambda x: x.astype(compute_dtype) if x.dtype == jnp.float32 and x.ndim > 1 else x, params)
+        p = jax.tree_util.tree_map_with_path(  # the engine's layout: all in the model dtype but the router bias
+            lambda path, x: x if "e_score_correction_bias" in jax.tree_util.keystr(path) else x.astype(compute_dtype),
+            params)
         logits, hidden = forward(p, cfg, ids, moe_impl="dense", return_hidden=True)
         main = ce(logits[:, :-1], ids[:, 1:], mask[:, 1:])
         mtp_logits = mtp_forward(p, cfg, hidden[:, :-1], ids[:, 1:], moe_impl="dense")  # predicts ids[:, 2:]
@@ -259,11 +264,12 @@ def train(a) -> str:
     hf_cfg = model_config(tok.get_vocab_size())
     cfg = ModelConfig.from_hf_dict(hf_cfg)
     params = init(cfg, a.seed)
+    dtype = {"auto": "bfloat16" if gpu else "float32"}.get(a.compute_dtype, a.compute_dtype)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {n_params / 1e6:.2f}M parameters ({2 * n_params / 2**20:.1f} MiB in bf16), "
-          f"{'bf16' if gpu else 'fp32'} compute on {jax.default_backend()}", flush=True)
+          f"{dtype} compute on {jax.default_backend()}", flush=True)
     warm = min(200, a.steps // 10 + 1)
-    step = make_step(cfg, jnp.bfloat16 if gpu else jnp.float32)
+    step = make_step(cfg, jnp.dtype(dtype))
     state = {"m": jax.tree.map(jnp.zeros_like, params), "v": jax.tree.map(jnp.zeros_like, params)}
     weights = np.array([len(buckets.get(b, ((),))[0]) * b for b in BUCKETS], float)
     rng = np.random.default_rng(a.seed)
@@ -316,6 +322,8 @@ def main(argv=None) -> int:
     p.add_argument("--train-seconds", type=float, default=None,
                    help="also end training (and its learning-rate schedule) after this many seconds of steps")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                   help="dtype of the forward's weights (params and AdamW stay fp32); auto: bfloat16 on a GPU")
     p.add_argument("--vocab-size", type=int, default=3072)
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-only", metavar="DIR", help="evaluate DIR (an HF model directory) and write its card")
