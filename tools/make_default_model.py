@@ -1,7 +1,8 @@
-"""Build the embedded demo model, deepinfer_jax/assets/default-model (what `deepinfer serve` serves
-without --model).
+"""Build an untrained demo model (bigram embeddings, random layers): the embedded default model before
+tools/train_default_model.py trained one. Its helpers (`train_tokenizer`, `write_safetensors`,
+`tensor_names`, `model_config`) serve tests/e2e and the trainer.
 
-    python tools/make_default_model.py [--out DIR] [--vocab-size 2048] [--hidden-size 256] [--seed 0]
+    python tools/make_default_model.py --out DIR [--vocab-size 2048] [--hidden-size 256] [--seed 0]
 
 What it writes (about 3 MB, no downloads; deterministic for a given Python version):
 - tokenizer.json: a byte-level BPE trained with `tokenizers` on English prose that ships with Python
@@ -33,7 +34,6 @@ import sys
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULT_OUT = os.path.join(ROOT, "deepinfer_jax", "assets", "default-model")
 
 BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 USER, ASSISTANT = "<｜User｜>", "<｜Assistant｜>"
@@ -196,7 +196,8 @@ def build(out: str, vocab_size: int = 2048, hidden: int = 256, seed: int = 0) ->
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=DEFAULT_OUT)
+    p.add_argument("--out", required=True, help="output directory (the shipped default model is trained: "
+                                                 "tools/train_default_model.py)")
     p.add_argument("--vocab-size", type=int, default=2048)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)

@@ -67,6 +67,28 @@ def _logits(params: dict, cfg: ModelConfig, h: jax.Array, mesh_rules: MeshRules 
     return logits.astype(jnp.float32)
 
 
+def decoder_layer(lp: dict, cfg: ModelConfig, kind: str, h: jax.Array, cos, sin, mask, attend, moe_impl: str) -> jax.Array:
+    """One pre-norm decoder layer over the whole sequence: h [B, S, D] -> [B, S, D]."""
+    B, S = h.shape[:2]
+    x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
+    q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
+    m = dsa.sparse_mask(lp["attn"], cfg, x, cos, sin, mask) if cfg.has_indexer else mask  # [B, S, S]
+    a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, m)  # [B, S, H, dv]
+    h = h + mla.output_projection(lp["attn"], a)
+    x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
+    return h + _mlp(lp, cfg, kind, x.reshape(B * S, -1), moe_impl).reshape(B, S, -1)
+
+
+def sequence_inputs(cfg: ModelConfig, B: int, S: int, attention_mask: jax.Array | None):
+    """(cos, sin [B, S, dr/2], causal mask [B, S, S]) of a whole-sequence forward from position 0."""
+    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+    cos, sin = rope_cos_sin(cfg, positions)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
+    if attention_mask is not None:
+        mask = mask & attention_mask[:, None, :]
+    return cos, sin, mask
+
+
 def forward(
     params: dict,
     cfg: ModelConfig,
@@ -75,30 +97,23 @@ def forward(
     moe_impl: str = "ragged",
     mla_form: str = "expanded",
     attention_mask: jax.Array | None = None,  # [B, S] bool, False for padding (right padding)
-) -> jax.Array:  # [B, S, V] fp32
+    return_hidden: bool = False,
+):  # [B, S, V] fp32 logits, and with return_hidden the final-normed hidden states [B, S, D] (MTP's input)
     B, S = token_ids.shape
-    positions = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
-    cos, sin = rope_cos_sin(cfg, positions)  # [B, S, dr/2]
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((S, S), bool)), (B, S, S))
-    if attention_mask is not None:
-        mask = mask & attention_mask[:, None, :]
+    cos, sin, mask = sequence_inputs(cfg, B, S, attention_mask)
     attend = {"expanded": mla.attend_expanded, "absorbed": mla.attend_absorbed_dense}[mla_form]
     h = params["embed"][token_ids]  # [B, S, D]
 
     for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
 
         def body(h, lp, kind=seg.kind):
-            x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
-            q_nope, q_pe, c_kv, k_pe = mla.project_qkv(lp["attn"], cfg, x, cos, sin)
-            m = dsa.sparse_mask(lp["attn"], cfg, x, cos, sin, mask) if cfg.has_indexer else mask  # [B, S, S]
-            a = attend(lp["attn"], cfg, q_nope, q_pe, c_kv, k_pe, m)  # [B, S, H, dv]
-            h = h + mla.output_projection(lp["attn"], a)
-            x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
-            m = _mlp(lp, cfg, kind, x.reshape(B * S, -1), moe_impl).reshape(B, S, -1)
-            return h + m, None
+            return decoder_layer(lp, cfg, kind, h, cos, sin, mask, attend, moe_impl), None
 
         h, _ = jax.lax.scan(body, h, seg_params)
-    return _logits(params, cfg, h)
+    if not return_hidden:
+        return _logits(params, cfg, h)
+    normed = rms_norm(h, params["final_norm"], cfg.rms_norm_eps)
+    return linear(normed, params["lm_head"])[..., : cfg.vocab_size].astype(jnp.float32), normed
 
 
 def paged_attention(

@@ -21,11 +21,11 @@ from typing import Any
 DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
                                  "default-model")
 DEFAULT_MODEL_NAME = "deepinfer-default"
-# What the embedded model is (tools/make_default_model.py builds it), for --help and the first log line.
-DEFAULT_MODEL_NOTE = ("the embedded demo model, a 2-layer DeepSeek-V3-architecture model of 2.1M parameters: its "
-                      "embeddings and lm_head hold a bigram table of English prose (Python's bundled documentation), "
-                      "its attention and MLP weights are random, so it answers with English-looking word salad. It "
-                      "is there to try the server and the API without a download; pass --model DIR for a real model")
+# What the embedded model is (tools/train_default_model.py trains it), for --help and the first log line.
+DEFAULT_MODEL_NOTE = ("the embedded default model, a small DeepSeek-V3-architecture model that ships in the package "
+                      "(deepinfer_jax/assets/default-model; its README.md model card says how it was trained and what "
+                      "it does well). It is there to try the server and the API without a download; pass --model DIR "
+                      "for a real model")
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -17,7 +17,8 @@ from deepinfer_jax.text.grammar import GrammarCompiler, GrammarMatcher, allowed_
 from deepinfer_jax.types import SamplingParams, StructuredOutputsParams as SOP
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "..", "..", "deepinfer_jax", "assets", "default-model")
-VOCAB = 2048  # the default model's config.json vocab_size (its tokenizer has 2,046 + specials)
+with open(os.path.join(ASSET, "config.json")) as _f:
+    VOCAB = json.load(_f)["vocab_size"]  # the default model's (at least its tokenizer's size)
 
 SCHEMAS = [
     {"type": "object", "properties": {"id": {"type": "integer", "minimum": -5, "maximum": 999},
