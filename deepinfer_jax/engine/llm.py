@@ -234,6 +234,9 @@ class LLM:
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
+            if cfg0.family == "deepseek_v4":
+                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size "
+                                 "above 1 are not supported for it yet")
             self.sharding = build_sharding(cfg0, parallel)
             shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
             vocab_multiple = self.sharding.vocab_multiple

@@ -46,3 +46,24 @@ def test_greedy_matches_hf_with_chunks_preemption_and_prefix_hits(engine, hf_gre
     again = _greedy(llm, model, hf_greedy, prompts[:3], n[:3])  # the shared prefix is cached now
     # at least 3 of the prefix's 4 full pages hit (the small pool evicts its least recently used pages)
     assert all(o.num_cached_tokens >= 12 for o in again), [o.num_cached_tokens for o in again]
+
+
+def test_async_engine_streams_hf_greedy_tokens(engine, hf_greedy):
+    """The server's path (AsyncEngine deltas) over the same engine: the deltas add up to HF's greedy tokens."""
+    import asyncio
+
+    from deepinfer_jax.engine.async_engine import AsyncEngine
+
+    model, llm = engine
+    prompt = random_prompts(34, [23], model.config.vocab_size)[0]
+    eng = AsyncEngine(lambda: llm.engine, max_queue_len=4).start()
+    assert eng.wait_ready(10)
+
+    async def go():
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        return [o async for o in eng.submit("v4", prompt, sp)]
+
+    outs = asyncio.run(go())
+    eng.shutdown()
+    assert len(outs) > 1 and outs[-1].finished
+    assert sum((o.outputs[0].token_ids for o in outs), []) == hf_greedy(model, prompt, 8)
