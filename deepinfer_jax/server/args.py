@@ -197,7 +197,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
                         "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["deepseek_v3", "deepseek_v31", "hermes", "llama3_json"])
+                   choices=["deepseek_v3", "deepseek_v31", "deepseek_v4", "hermes", "llama3_json"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model choose to call tools (tool_choice 'auto', the default when a request has "
                         "tools), as in vLLM; needs --tool-call-parser. Without it a request's tools are only shown "
