@@ -7,8 +7,9 @@
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
 own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from the tensors' dtypes in the
-headers) and the converted checkpoint's quantization give their formats; the family's
-`models/registry.kv_cache_bytes_per_page` gives the KV bytes a token (DeepSeek-V4: its family's specs, one device); `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
+headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: its family's specs, float,
+one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token;
+`runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
 `--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the

@@ -60,7 +60,8 @@ def param_specs(cfg: ModelConfig) -> Any:
     return v4_param_specs(cfg.v4)
 
 
-def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *, attention_mask: jax.Array | None = None) -> jax.Array:
+def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *,
+            attention_mask: jax.Array | None = None) -> jax.Array:
     """token_ids [B, S] -> logits [B, S, V] (fp32), each row from position 0, no cache (`v4_forward`). With right
     padding (attention_mask), a padded slot changes no earlier position (attention is causal)."""
     del attention_mask

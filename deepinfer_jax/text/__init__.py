@@ -58,7 +58,8 @@ def get_tool_parser(name: str) -> type:
 
 __all__ = [
     "BUILTIN_TEMPLATES", "ChatTemplateError", "ContentDelta", "DeepSeekR1ReasoningParser", "DeepSeekV4ReasoningParser",
-    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "DeepSeekV4ToolParser", "FORCEABLE_TOOL_PARSERS", "HermesToolParser",
+    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "DeepSeekV4ToolParser", "FORCEABLE_TOOL_PARSERS",
+    "HermesToolParser",
     "IncrementalDetokenizer", "Llama3JsonToolParser",
     "REASONING_PARSERS", "StopChecker", "StopStringMatcher", "TOOL_PARSERS", "Tokenizer",
     "TokenizerNotFoundError", "ToolCall", "ToolCallDelta", "ToolStreamDelta",

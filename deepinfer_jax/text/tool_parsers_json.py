@@ -187,8 +187,8 @@ class Llama3JsonToolParser(_JsonToolParser):
 DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
 DSML_INVOKE, DSML_INVOKE_END = "<｜DSML｜invoke", "</｜DSML｜invoke>"
 _DSML_INVOKE_RE = re.compile(r'<｜DSML｜invoke\s+name="([^"]+)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
-_DSML_PARAM_RE = re.compile(r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>',
-                            re.DOTALL)
+_DSML_PARAM_RE = re.compile(
+    r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>', re.DOTALL)
 
 
 def _dsml_value(raw: str, is_string: str) -> Any:

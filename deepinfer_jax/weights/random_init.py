@@ -47,9 +47,9 @@ def _drawer(plan: tuple, out_shardings: tuple | None):
     """The jitted draw of `plan`'s leaves ((shape, dtype, lo, hi) each) from a key."""
 
     def draw(key):  # no fp32 temporary: uniform draws in the leaf's dtype
-        return [jax.random.randint(jax.random.fold_in(key, i), shape, lo, hi, dt)
-                if jnp.issubdtype(dt, jnp.integer) else jax.random.uniform(jax.random.fold_in(key, i), shape, dt, lo, hi)
-                for i, (shape, dt, lo, hi) in enumerate(plan)]
+        keys = [jax.random.fold_in(key, i) for i in range(len(plan))]
+        return [jax.random.randint(k, shape, lo, hi, dt) if jnp.issubdtype(dt, jnp.integer)
+                else jax.random.uniform(k, shape, dt, lo, hi) for k, (shape, dt, lo, hi) in zip(keys, plan)]
 
     return jax.jit(draw, out_shardings=None if out_shardings is None else list(out_shardings))
 

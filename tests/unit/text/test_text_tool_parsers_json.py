@@ -107,10 +107,11 @@ DSML_CASES = [
     (B + dsml("now", []) + E + " done", " done", [("now", "{}")]),
     ("no calls, only <｜DSML｜ text", "no calls, only <｜DSML｜ text", []),
     # a string="false" value that is not JSON stays a string; a malformed invoke is content, the next one parses
-    (B + dsml("f", [("x", "not json", False)]) + '<｜DSML｜invoke>bad</｜DSML｜invoke>' + dsml("g", []) + E, '<｜DSML｜invoke>bad</｜DSML｜invoke>',
-     [("f", '{"x": "not json"}'), ("g", "{}")]),
+    (B + dsml("f", [("x", "not json", False)]) + '<｜DSML｜invoke>bad</｜DSML｜invoke>' + dsml("g", []) + E,
+     '<｜DSML｜invoke>bad</｜DSML｜invoke>', [("f", '{"x": "not json"}'), ("g", "{}")]),
     # cut off inside an invoke: the complete calls stand, the torn one is content
-    (B + dsml("f", []) + '<｜DSML｜invoke name="g">\n<｜DSML｜param', '<｜DSML｜invoke name="g">\n<｜DSML｜param', [("f", "{}")]),
+    (B + dsml("f", []) + '<｜DSML｜invoke name="g">\n<｜DSML｜param', '<｜DSML｜invoke name="g">\n<｜DSML｜param',
+     [("f", "{}")]),
 ]
 
 
