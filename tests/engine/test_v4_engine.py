@@ -12,12 +12,18 @@ from deepinfer_jax import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def engine(tmp_path_factory):
+def v4_dir(tmp_path_factory):
     from hf_models_v4 import build_hf_v4
 
     model = build_hf_v4(seed=0)
     path = str(tmp_path_factory.mktemp("v4"))
     model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def engine(v4_dir):
+    model, path = v4_dir
     llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=13, page_size=4, num_pages=24, progress=False,
               token_buckets=(4, 13), greedy_variant=False, warmup_runs=1)  # few step programs to compile
@@ -67,3 +73,13 @@ def test_async_engine_streams_hf_greedy_tokens(engine, hf_greedy):
     eng.shutdown()
     assert len(outs) > 1 and outs[-1].finished
     assert sum((o.outputs[0].token_ids for o in outs), []) == hf_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(moe_impl="pallas"), "moe_impl 'pallas' is not available for deepseek_v4"),
+    (dict(tensor_parallel_size=2), "deepseek_v4 runs on one device"),
+    (dict(quantization="fp8"), "quantization 'fp8' is not supported for deepseek_v4"),
+])
+def test_unsupported_options_are_refused_by_name(v4_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(v4_dir[1], dtype="float32", skip_tokenizer_init=True, max_model_len=64, progress=False, **kwargs)
