@@ -3,10 +3,11 @@
 `ModelConfig` is built from a Hugging Face `config.json` and carries every field its family's forward needs.
 `MODEL_FAMILIES` maps each supported `model_type` to its family (the model module that serves it,
 models/registry.py): "deepseek" (MLA + MoE: `deepseek_v2`, `deepseek_v3`, and `deepseek_v32` with DeepSeek Sparse
-Attention's lightning indexer) or "dense" (GQA decoders: Llama, Qwen2, Qwen3, Mistral). Unknown model types and
+Attention's lightning indexer), "dense" (GQA decoders: Llama, Qwen2, Qwen3, Mistral) or "deepseek_v4" (its fields in
+`ModelConfig.v4`, a V4Config of config_v4.py). Unknown model types and
 unsupported options raise `ConfigError` naming the field, never a silent default. The engine's own settings
 (CacheConfig, SchedulerConfig, RunnerConfig) live in config_engine.py and speculative decoding's in
-config_speculative.py; both are re-exported here.
+config_speculative.py; both are re-exported here, as are ConfigError and RopeScaling (config_common.py).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_jax.config_common import ConfigError, RopeScaling  # noqa: F401 - re-exported
 from deepinfer_jax.config_engine import (  # noqa: F401 - re-exported
     FORWARD_SWITCHES, KV_CACHE_DTYPES, CacheConfig, RunnerConfig, SchedulerConfig)
 from deepinfer_jax.config_speculative import SpeculativeConfig  # noqa: F401 - re-exported
@@ -29,31 +31,11 @@ MODEL_FAMILIES = {
     "llama": ("dense", "LlamaForCausalLM"), "qwen2": ("dense", "Qwen2ForCausalLM"),
     "qwen3": ("dense", "Qwen3ForCausalLM"), "qwen3_moe": ("dense", "Qwen3MoeForCausalLM"),
     "mistral": ("dense", "MistralForCausalLM"),
+    "deepseek_v4": ("deepseek_v4", "DeepseekV4ForCausalLM"),
 }
 SUPPORTED_MODEL_TYPES = tuple(MODEL_FAMILIES)
 TOPK_METHODS = ("greedy", "group_limited_greedy", "noaux_tc")
 SCORING_FUNCS = ("softmax", "sigmoid")
-
-
-class ConfigError(ValueError):
-    """An HF config that this engine cannot serve, with the offending field named."""
-
-
-@dataclass(frozen=True)
-class RopeScaling:
-    """`rope_scaling` / HF v5's `rope_parameters`: YaRN (DeepSeek); yarn, linear or llama3 (dense family)."""
-
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 0.0
-    rope_type: str = "yarn"  # "yarn" | "linear" | "llama3"
-    low_freq_factor: float = 1.0  # llama3
-    high_freq_factor: float = 4.0  # llama3
-    attention_factor: float | None = None  # yarn (dense): cos/sin amplitude; None = from factor and mscales
-    truncate: bool = True  # yarn (dense): floor/ceil the correction range
 
 
 @dataclass(frozen=True)
@@ -108,6 +90,7 @@ class ModelConfig:
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
     qk_norm: bool = False  # RMSNorm per head on q and k before RoPE (Qwen3)
     sliding_window: int | None = None  # each token sees the last `sliding_window` keys (Mistral)
+    v4: Any = None  # the deepseek_v4 family: its V4Config (config_v4.py), which its model code reads
 
     # ---- derived sizes -------------------------------------------------------------------------
     @property
@@ -198,6 +181,8 @@ class ModelConfig:
                               + ", ".join(f"{a} ({t})" for t, (_, a) in MODEL_FAMILIES.items()))
         if MODEL_FAMILIES[model_type][0] == "dense":
             return _dense_config(cls, d)
+        if model_type == "deepseek_v4":
+            return _v4_config(cls, d)
 
         def req(key: str) -> Any:
             if d.get(key) is None:
@@ -336,6 +321,28 @@ def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
         tie_word_embeddings=bool(d.get("tie_word_embeddings", False)), bos_token_id=d.get("bos_token_id"),
         eos_token_id=tuple(int(e) for e in eos) if isinstance(eos, list) else eos, num_key_value_heads=kvh, head_dim=hd,
         attention_bias=mt == "qwen2", qk_norm=mt in ("qwen3", "qwen3_moe"), sliding_window=window or None)
+
+
+def _v4_config(cls, d: dict[str, Any]) -> "ModelConfig":
+    """A deepseek_v4 config.json -> ModelConfig of the deepseek_v4 family: the engine-facing fields (vocab,
+    layers, positions, special tokens) here, every V4 field in `v4` (V4Config). The MTP block is not loaded
+    (num_nextn_predict_layers 0), so speculative decoding with MTP is refused by has_mtp."""
+    from deepinfer_jax.config_v4 import V4Config
+
+    v4 = V4Config.from_hf_dict(d)
+    return cls(
+        model_type="deepseek_v4", family="deepseek_v4", vocab_size=v4.vocab_size, hidden_size=v4.hidden_size,
+        intermediate_size=0, moe_intermediate_size=v4.moe_intermediate_size,
+        num_hidden_layers=v4.num_hidden_layers, num_attention_heads=v4.num_attention_heads,
+        q_lora_rank=v4.q_lora_rank, kv_lora_rank=0, qk_nope_head_dim=v4.head_dim - v4.qk_rope_head_dim,
+        qk_rope_head_dim=v4.qk_rope_head_dim, v_head_dim=v4.head_dim, n_routed_experts=v4.n_routed_experts,
+        n_shared_experts=v4.n_shared_experts, num_experts_per_tok=v4.num_experts_per_tok, n_group=1, topk_group=1,
+        topk_method="noaux_tc", scoring_func=v4.scoring_func, norm_topk_prob=True,
+        routed_scaling_factor=v4.routed_scaling_factor, first_k_dense_replace=0, moe_layer_freq=1,
+        rms_norm_eps=v4.rms_norm_eps, rope_theta=v4.rope_theta, rope_scaling=None,
+        max_position_embeddings=v4.max_position_embeddings, num_nextn_predict_layers=0,
+        tie_word_embeddings=v4.tie_word_embeddings, bos_token_id=v4.bos_token_id, eos_token_id=v4.eos_token_id,
+        num_key_value_heads=1, head_dim=v4.head_dim, sliding_window=v4.sliding_window, v4=v4)
 
 
 def _parse_dense_rope(d: dict[str, Any]) -> RopeScaling | None:

@@ -21,7 +21,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from deepinfer_jax.config import ConfigError, ModelConfig, RopeScaling
+from deepinfer_jax.config_common import ConfigError, RopeScaling
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
@@ -317,6 +317,6 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
     return tuple(groups)
 
 
-def mla_cache_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 2) -> int:
-    """V2 / V3 MLA: one latent row (kv_lora_rank + qk_rope_head_dim) per token per layer."""
+def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:
+    """`cfg` a ModelConfig of V2 / V3 MLA: one latent row (kv_lora_rank + qk_rope_head_dim) per token per layer."""
     return cfg.num_hidden_layers * cfg.kv_cache_dim * dtype_bytes

@@ -235,6 +235,9 @@ class LLM:
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
+            if cfg0.family == "deepseek_v4":
+                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size "
+                                 "above 1 are not supported for it yet")
             self.sharding = build_sharding(cfg0, parallel)
             shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
             vocab_multiple = self.sharding.vocab_multiple
@@ -278,6 +281,9 @@ class LLM:
         from deepinfer_jax.models.registry import family_of
 
         attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
+        if cfg.family == "deepseek_v4" and moe_impl != "auto":
+            raise ValueError(f"moe_impl {moe_impl!r} is not available for deepseek_v4: its routed experts run densely "
+                             "(the reference path); leave it 'auto'")
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl, family_of(cfg).attn_impls)
         runner = RunnerConfig(dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,

@@ -7,8 +7,9 @@
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
 own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from the tensors' dtypes in the
-headers) and the converted checkpoint's quantization give their formats; `models/cache.kv_cache_bytes_per_page`
-gives the KV bytes a token; `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
+headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: its family's specs, float,
+one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token;
+`runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
 `--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
@@ -114,6 +115,18 @@ def leaf_bytes(shape: tuple[int, ...], itemsize: float, splits: tuple[int, ...])
     return int(math.prod(d // (s if d > 1 else 1) for d, s in zip(shape, splits)) * itemsize)
 
 
+def v4_weight_bytes(cfg, dtype: str) -> int:
+    """Bytes of a DeepSeek-V4 model's params on its one device (the family's param specs, in `dtype` where "model")."""
+    import jax
+    import numpy as np
+
+    from deepinfer_jax.models.params import is_spec, spec_dtype
+    from deepinfer_jax.models.registry import param_specs
+
+    return sum(math.prod(s.shape) * np.dtype(spec_dtype(s, dtype)).itemsize
+               for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+
+
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
                             group_size: int = 128) -> int:
@@ -192,7 +205,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     import dataclasses
 
     from deepinfer_jax.config import ModelConfig, RunnerConfig
-    from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+    from deepinfer_jax.models.registry import kv_cache_bytes_per_page
     from deepinfer_jax.runner.device_memory import given_memory
     from deepinfer_jax.sharding.mesh import ParallelConfig
     from deepinfer_jax.weights.loader import check_quantization, is_converted
@@ -201,7 +214,12 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
-    if is_converted(model_dir):
+    if cfg.family == "deepseek_v4":  # one device, float weights (docs/v4.md)
+        if not parallel.is_single_device:
+            raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size above 1 "
+                             "are not supported for it yet")
+        nbytes, weights = v4_weight_bytes(cfg, dtype), "float"
+    elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))

@@ -53,7 +53,14 @@ def _dense() -> ModelFamily:
                        dense.ATTN_IMPLS)
 
 
-_BUILDERS = {"deepseek": _deepseek, "dense": _dense}
+def _deepseek_v4() -> ModelFamily:
+    from deepinfer_jax.models import v4_paged
+
+    return ModelFamily("deepseek_v4", v4_paged.param_specs, v4_paged.forward, v4_paged.forward_paged,
+                       v4_paged.kv_cache_shape, (), v4_paged.ATTN_IMPLS)
+
+
+_BUILDERS = {"deepseek": _deepseek, "dense": _dense, "deepseek_v4": _deepseek_v4}
 _FAMILIES: dict[str, ModelFamily] = {}
 
 

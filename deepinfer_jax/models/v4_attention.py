@@ -149,20 +149,8 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
     attends over everything written so far, so a chunk that ends mid-window leaves the open window's
     projections for the chunk that closes it."""
     lt = cfg.layer_types[layer]
-    S, H, hd = x.shape[0], cfg.num_attention_heads, cfg.head_dim
-    kind = "main" if lt == SLIDING else "compress"
-    cos, sin = v4_cos_sin(cfg, kind, positions)
-
-    q_res = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps)  # [S, Rq]
-    q = jnp.einsum("sr,rhd->shd", q_res, p["q_b_proj"].astype(x.dtype))  # [S, H, hd]
-    q = rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
-    kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
-
-    new = {"raw": kv}
-    if lt != SLIDING:
-        new["kv"], new["gate"] = project(p["compressor"], x)
-    if lt == CSA:
-        new["idx_kv"], new["idx_gate"] = project(p["indexer"], x)
+    hd = cfg.head_dim
+    q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, positions)
     if cache is None:
         buf = new
     else:
@@ -184,13 +172,40 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
             keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=0)
             allowed = jnp.concatenate([allowed, see], axis=1)
 
-    logits = jnp.einsum("shd,td->hst", q.astype(jnp.float32), keys.astype(jnp.float32)) * hd**-0.5
-    logits = jnp.where(allowed[None], logits, -jnp.inf)
+    return attend(cfg, p, q, keys, allowed, cos, sin, x.dtype), (None if cache is None else buf)
+
+
+def attention_inputs(cfg: V4Config, lt: str, p: dict, x: jax.Array, positions: jax.Array):
+    """x [S, D] at positions [S] of a layer of type `lt` -> (q_res [S, Rq], q [S, H, hd] roped, the per-token
+    cache entries {raw [S, hd] (the roped K = V row), kv / gate (CSA, HCA: the compressor's projections),
+    idx_kv / idx_gate (CSA: the indexer's)}, cos, sin [S, rope / 2])."""
+    kind = "main" if lt == SLIDING else "compress"
+    cos, sin = v4_cos_sin(cfg, kind, positions)
+    q_res = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps)  # [S, Rq]
+    q = jnp.einsum("sr,rhd->shd", q_res, p["q_b_proj"].astype(x.dtype))  # [S, H, hd]
+    q = rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
+    kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
+    new = {"raw": kv}
+    if lt != SLIDING:
+        new["kv"], new["gate"] = project(p["compressor"], x)
+    if lt == CSA:
+        new["idx_kv"], new["idx_gate"] = project(p["indexer"], x)
+    return q_res, q, new, cos, sin
+
+
+def attend(cfg: V4Config, p: dict, q: jax.Array, keys: jax.Array, allowed: jax.Array, cos: jax.Array,
+           sin: jax.Array, dtype) -> jax.Array:
+    """q [S, H, hd] over keys (= values) [S or 1, T, hd] where allowed [S or 1, T] (the sinks add one logit to
+    each softmax), the output's rope slice rotated back, then the grouped low-rank projection -> [S, D]."""
+    S, H, hd = q.shape
+    keys = jnp.broadcast_to(keys, (S,) + keys.shape[-2:]).astype(jnp.float32)
+    logits = jnp.einsum("shd,std->hst", q.astype(jnp.float32), keys) * hd**-0.5
+    logits = jnp.where(jnp.broadcast_to(allowed, (S, keys.shape[1]))[None], logits, -jnp.inf)
     sinks = jnp.broadcast_to(p["sinks"].astype(jnp.float32)[:, None, None], (H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("hst,td->shd", probs, keys.astype(jnp.float32)).astype(x.dtype)  # [S, H, hd]
+    out = jnp.einsum("hst,std->shd", probs, keys).astype(dtype)  # [S, H, hd]
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
     g = cfg.o_groups
-    grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), p["o_a_proj"].astype(x.dtype))
-    return linear(grouped.reshape(S, -1), p["o_b_proj"]), (None if cache is None else buf)
+    grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), p["o_a_proj"].astype(dtype))
+    return linear(grouped.reshape(S, -1), p["o_b_proj"])

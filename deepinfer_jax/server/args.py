@@ -200,11 +200,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
     g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $DEEPINFER_API_KEY)")
-    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "qwen3"],
+    g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3"],
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
-                        "qwen3: Qwen3's; the same rules)")
+                        "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")
     g.add_argument("--tool-call-parser", default=None,
-                   choices=["deepseek_v3", "deepseek_v31", "hermes", "llama3_json"])
+                   choices=["deepseek_v3", "deepseek_v31", "deepseek_v4", "hermes", "llama3_json"])
     g.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="let the model choose to call tools (tool_choice 'auto', the default when a request has "
                         "tools), as in vLLM; needs --tool-call-parser. Without it a request's tools are only shown "

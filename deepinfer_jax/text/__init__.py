@@ -18,21 +18,22 @@ from __future__ import annotations
 from .chat_template import ChatTemplateError, render_chat_template
 from .builtin_templates import BUILTIN_TEMPLATES
 from .detokenizer import IncrementalDetokenizer
-from .reasoning import DeepSeekR1ReasoningParser, prompt_opens_reasoning
+from .reasoning import DeepSeekR1ReasoningParser, DeepSeekV4ReasoningParser, prompt_opens_reasoning
 from .stop import StopChecker, StopStringMatcher, truncate_at_stop
 from .tokenizer import Tokenizer, TokenizerNotFoundError, load_tokenizer
 from .tool_parsers import DeepSeekV31ToolParser, DeepSeekV3ToolParser
-from .tool_parsers_json import HermesToolParser, Llama3JsonToolParser
+from .tool_parsers_json import DeepSeekV4ToolParser, HermesToolParser, Llama3JsonToolParser
 from .types import (ContentDelta, ToolCall, ToolCallDelta, ToolStreamDelta, collect_tool_stream,
                     deltas_to_openai)
 
 # "deepseek_v3" is vLLM's name for V3.1 / V3.2 (thinking switched by the template's `thinking`) and "qwen3" Qwen3's
 # `<think>`: the same rules, as the rendered prompt decides whether the output starts inside reasoning
-# (`prompt_opens_reasoning`).
+# (`prompt_opens_reasoning`); "deepseek_v4" adds that a DSML tool-call block opened in reasoning ends it.
 REASONING_PARSERS: dict[str, type] = {"deepseek_r1": DeepSeekR1ReasoningParser,
-                                      "deepseek_v3": DeepSeekR1ReasoningParser, "qwen3": DeepSeekR1ReasoningParser}
+                                      "deepseek_v3": DeepSeekR1ReasoningParser, "qwen3": DeepSeekR1ReasoningParser,
+                                      "deepseek_v4": DeepSeekV4ReasoningParser}
 TOOL_PARSERS: dict[str, type] = {"deepseek_v3": DeepSeekV3ToolParser,
-                                 "deepseek_v31": DeepSeekV31ToolParser,
+                                 "deepseek_v31": DeepSeekV31ToolParser, "deepseek_v4": DeepSeekV4ToolParser,
                                  "hermes": HermesToolParser, "llama3_json": Llama3JsonToolParser}
 # Parsers whose calls `tool_choice` "required" or a named function can force (server/serving_chat.py).
 FORCEABLE_TOOL_PARSERS = ("deepseek_v3", "deepseek_v31")
@@ -56,8 +57,9 @@ def get_tool_parser(name: str) -> type:
 
 
 __all__ = [
-    "BUILTIN_TEMPLATES", "ChatTemplateError", "ContentDelta", "DeepSeekR1ReasoningParser",
-    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "FORCEABLE_TOOL_PARSERS", "HermesToolParser",
+    "BUILTIN_TEMPLATES", "ChatTemplateError", "ContentDelta", "DeepSeekR1ReasoningParser", "DeepSeekV4ReasoningParser",
+    "DeepSeekV31ToolParser", "DeepSeekV3ToolParser", "DeepSeekV4ToolParser", "FORCEABLE_TOOL_PARSERS",
+    "HermesToolParser",
     "IncrementalDetokenizer", "Llama3JsonToolParser",
     "REASONING_PARSERS", "StopChecker", "StopStringMatcher", "TOOL_PARSERS", "Tokenizer",
     "TokenizerNotFoundError", "ToolCall", "ToolCallDelta", "ToolStreamDelta",

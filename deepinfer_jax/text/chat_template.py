@@ -21,8 +21,9 @@ Which template a model directory gets (`resolve_chat_template`), first match win
 4. a built-in template, chosen by
    a. a name hint: the directory's basename or config.json `_name_or_path` containing the
       word "r1" ("DeepSeek-R1", "R1-Distill", "deepseek_r1-0528") -> "deepseek_r1";
-   b. config.json `model_type` "deepseek_v2" -> "deepseek_v2" (V2-Lite-Chat format), "deepseek_v32" ->
-      "deepseek_v31" (V3.2 keeps V3.1's format);
+   b. config.json `model_type` "deepseek_v2" -> "deepseek_v2" (V2-Lite-Chat format), "deepseek_v32" or
+      "deepseek_v4" -> "deepseek_v31" (V3.2 keeps V3.1's format; V4's checkpoints ship no jinja template, and the
+      V3.1 turns stand in for its format: DSML tool calls are not rendered, docs/v4.md);
    c. `model_type` "deepseek_v3", or a vocabulary containing "<｜User｜>" -> "deepseek_v3";
    d. otherwise there is no template and `apply_chat_template` raises.
 """
@@ -149,7 +150,7 @@ def builtin_template_name(model_dir: str | None, config: Mapping[str, Any] | Non
     model_type = config.get("model_type")
     if model_type == "deepseek_v2":
         return "deepseek_v2"
-    if model_type == "deepseek_v32":
+    if model_type in ("deepseek_v32", "deepseek_v4"):
         return "deepseek_v31"
     if model_type == "deepseek_v3" or has_user_token:
         return "deepseek_v3"

@@ -111,3 +111,61 @@ class DeepSeekR1ReasoningParser:
         r1, c1 = p.feed(text)
         r2, c2 = p.flush()
         return r1 + r2, c1 + c2
+
+
+DSML_TOOL_CALLS = "<｜DSML｜tool_calls>"
+
+
+class DeepSeekV4ReasoningParser(DeepSeekR1ReasoningParser):
+    """`deepseek_v4` (vLLM's name): `deepseek_r1`'s rules, and a DSML tool-call block (`<｜DSML｜tool_calls>`) that
+    starts inside reasoning ends it: the block and everything after it are content, except the `</think>` that
+    would have closed the reasoning, which is dropped (the text is the same as vLLM's whole-output split)."""
+
+    special_tokens = (THINK_START, THINK_END, DSML_TOOL_CALLS)
+
+    def __init__(self, starts_in_reasoning: bool = True):
+        super().__init__(starts_in_reasoning)
+        self._drop_end = False  # after a tool block opened in reasoning: the first `</think>` is dropped
+
+    def feed(self, delta: str) -> tuple[str, str]:
+        self._buf += delta
+        reasoning: list[str] = []
+        content: list[str] = []
+        while True:
+            buf = self._buf
+            if self._state == _START:
+                if buf.startswith(THINK_START):
+                    self._buf, self._state = buf[len(THINK_START):], _REASONING
+                    continue
+                if THINK_START.startswith(buf):
+                    break
+                self._state = _REASONING if self.starts_in_reasoning else _CONTENT
+                continue
+            if self._state == _REASONING:
+                i, j = buf.find(THINK_END), buf.find(DSML_TOOL_CALLS)
+                if j >= 0 and (i < 0 or j < i):  # the tool block comes first: it and what follows are content
+                    reasoning.append(buf[:j])
+                    self._buf, self._state, self._drop_end = buf[j:], _CONTENT, True
+                    continue
+                if i >= 0:
+                    reasoning.append(buf[:i])
+                    self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
+                    continue
+                keep = max(_partial_suffix_len(buf, THINK_END), _partial_suffix_len(buf, DSML_TOOL_CALLS))
+                reasoning.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                break
+            if self._drop_end:  # content owing the drop of one `</think>`
+                i = buf.find(THINK_END)
+                if i >= 0:
+                    content.append(buf[:i] + buf[i + len(THINK_END):])
+                    self._buf, self._drop_end = "", False
+                    break
+                keep = _partial_suffix_len(buf, THINK_END)
+                content.append(buf[: len(buf) - keep])
+                self._buf = buf[len(buf) - keep:]
+                break
+            content.append(buf)
+            self._buf = ""
+            break
+        return "".join(reasoning), "".join(content)

@@ -1,8 +1,16 @@
-"""Tool-call parsers `hermes` (Qwen2.5 / Qwen3, Hermes) and `llama3_json` (Llama 3.1+), vLLM's names and formats.
+"""Tool-call parsers `hermes` (Qwen2.5 / Qwen3, Hermes), `llama3_json` (Llama 3.1+) and `deepseek_v4` (DeepSeek-V4's
+DSML), vLLM's names and formats; each call is emitted whole once complete.
 
   hermes:      content <tool_call>\\n{"name": NAME, "arguments": {...}}\\n</tool_call> (one block a call, any number)
   llama3_json: the whole output is the call(s): optional `<|python_tag|>`, then {"name": NAME, "parameters": {...}}
                (or "arguments"), several separated by ";". Output that does not start so is content.
+  deepseek_v4: content <｜DSML｜tool_calls> then per call <｜DSML｜invoke name="NAME"> and its parameters
+               <｜DSML｜parameter name="KEY" string="true|false">VALUE</｜DSML｜parameter>, </｜DSML｜invoke>, and
+               </｜DSML｜tool_calls> (V3.2's invoke / parameter grammar in V4's block). The arguments are the JSON object
+               of the parameters: a string="true" value as the string, a string="false" one decoded as JSON (kept as
+               the string where it is not JSON; vLLM coerces it by the request's tool schema, which no parser here
+               sees). Whitespace between calls is dropped, other text in the block is content; an invoke that does
+               not parse, or is cut off by the end of the stream, is given back verbatim as content.
 
 Same API and stream shape as text/tool_parsers.py (`feed`, `flush`, `extract`, `num_tool_calls`,
 `special_tokens`). A call is emitted whole once it is complete: one ToolCallDelta with id, type and name, then one
@@ -16,6 +24,7 @@ off by the end of the stream is parsed if it is complete JSON, else given back a
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Callable
 
 from .tool_parsers import random_call_id
@@ -173,3 +182,82 @@ class Llama3JsonToolParser(_JsonToolParser):
                 rest = rest[1:].lstrip()
             i = len(s) - len(rest)
         return calls or None
+
+
+DSML_CALLS_BEGIN, DSML_CALLS_END = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
+DSML_INVOKE, DSML_INVOKE_END = "<｜DSML｜invoke", "</｜DSML｜invoke>"
+_DSML_INVOKE_RE = re.compile(r'<｜DSML｜invoke\s+name="([^"]+)"\s*>(.*?)</｜DSML｜invoke>', re.DOTALL)
+_DSML_PARAM_RE = re.compile(
+    r'<｜DSML｜parameter\s+name="([^"]+)"\s+string="(true|false)"\s*>(.*?)</｜DSML｜parameter>', re.DOTALL)
+
+
+def _dsml_value(raw: str, is_string: str) -> Any:
+    if is_string == "true":
+        return raw
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw
+
+
+class DeepSeekV4ToolParser(_JsonToolParser):
+    special_tokens = (DSML_CALLS_BEGIN, DSML_CALLS_END)
+
+    def __init__(self, id_factory: Callable[[], str] | None = None):
+        super().__init__(id_factory)
+        self._in_block = False
+
+    def feed(self, delta_text: str) -> list[ToolStreamDelta]:
+        self._buf += delta_text
+        self._run(final=False)
+        return self._take()
+
+    def flush(self) -> list[ToolStreamDelta]:
+        self._run(final=True)
+        if self._in_block:  # cut off in the block: a torn invoke is content, whitespace before it a gap
+            k = self._buf.find(DSML_INVOKE)
+            self._gap(self._buf if k < 0 else self._buf[:k])
+            if k >= 0:
+                self._content(self._buf[k:])
+        else:
+            self._content(self._buf)
+        self._buf, self._in_block = "", False
+        return self._take()
+
+    def _gap(self, text: str) -> None:
+        """Text inside the block between calls: content unless it is only whitespace."""
+        if text.strip():
+            self._content(text)
+
+    def _run(self, final: bool) -> None:
+        while True:
+            buf = self._buf
+            if not self._in_block:
+                i = buf.find(DSML_CALLS_BEGIN)
+                if i < 0:
+                    keep = 0 if final else _partial_suffix_len(buf, DSML_CALLS_BEGIN)
+                    self._content(buf[: len(buf) - keep])
+                    self._buf = buf[len(buf) - keep:]
+                    return
+                self._content(buf[:i])
+                self._buf, self._in_block = buf[i + len(DSML_CALLS_BEGIN):], True
+                continue
+            end, k = buf.find(DSML_CALLS_END), buf.find(DSML_INVOKE)
+            if end >= 0 and (k < 0 or end < k):  # the block closes
+                self._gap(buf[:end])
+                self._buf, self._in_block = buf[end + len(DSML_CALLS_END):], False
+                continue
+            if k < 0:
+                return  # held: the rest may still open a call or close the block
+            e = buf.find(DSML_INVOKE_END, k)
+            if e < 0:
+                return
+            self._gap(buf[:k])
+            segment = buf[k: e + len(DSML_INVOKE_END)]
+            m = _DSML_INVOKE_RE.fullmatch(segment)
+            if m is None:
+                self._content(segment)
+            else:
+                params = {key: _dsml_value(v, st) for key, st, v in _DSML_PARAM_RE.findall(m.group(2))}
+                self._call(m.group(1), json.dumps(params, ensure_ascii=False))
+            self._buf = buf[e + len(DSML_INVOKE_END):]

@@ -138,6 +138,8 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
     _validate_args(src, dst, dtype, quantize, group_size, overwrite)
     hf_config = _read_hf_config(src)
     cfg = ModelConfig.from_hf_dict(hf_config)
+    if cfg.family == "deepseek_v4":
+        return _convert_v4(src, dst, cfg, hf_config, dtype, quantize)
     tensors = index_checkpoint(src)
     cfg = effective_config(cfg, tensors)
     fused = fused_moe_layers(tensors)
@@ -183,6 +185,36 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
     finally:
         if bar is not None:
             bar.close()
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_v4(src: str, dst: str, cfg: ModelConfig, hf_config: dict, dtype: str, quantize: str) -> dict:
+    """DeepSeek-V4: the checkpoint read and checked by its name table (weights/name_table_v4.py), on the host, in
+    `dtype`, then written unit by unit (orbax_io: "top" and one unit per layer). Float weights only."""
+    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+
+    if quantize != "none":
+        raise ValueError(f"--quantize {quantize} is not supported for deepseek_v4 (float conversions only)")
+    _, host = load_v4_checkpoint(src, DTYPES[dtype], cfg.v4, on_host=True)
+    units = orbax_io.checkpoint_units(cfg)
+    parent = os.path.dirname(os.path.abspath(dst))
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{os.path.basename(os.path.abspath(dst))}.converting-{uuid.uuid4().hex[:8]}")
+    try:
+        os.makedirs(tmp)
+        writer = orbax_io.UnitWriter(tmp)
+        nbytes = 0
+        for u in units:
+            tree = ({k: host[k] for k in u.specs} if not u.path else host[u.path[0]][u.path[1]])
+            nbytes += sum(x.nbytes for x in jax.tree.leaves(tree))
+            writer.save(u.name, tree)
+        writer.finalize()
+        meta = _write_metadata(tmp, src, cfg, hf_config, dtype, "none", 0, units, frozenset(), nbytes, False)
+        _replace(tmp, dst)
+        tmp = None
+        return meta
+    finally:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -76,6 +76,9 @@ def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = No
                              f"its HF directory (padded at load) or change --tensor-parallel-size")
         cfg, pending = prepare_converted(model_dir, dtype, shardings=shardings, progress=progress)
         kind = "converted"
+    elif ModelConfig.from_model_dir(model_dir).family == "deepseek_v4":
+        cfg, pending = _prepare_v4(model_dir, dtype, shardings, quantization, vocab_multiple)
+        kind = "HF"
     else:
         cfg = ModelConfig.from_model_dir(model_dir).with_vocab_multiple(vocab_multiple)
         with open(os.path.join(model_dir, "config.json")) as f:
@@ -92,3 +95,20 @@ def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = No
         return params
 
     return cfg, PendingParams(pending.abstract, logged_load)
+
+
+def _prepare_v4(model_dir: str, dtype: Any, shardings: Any, quantization: str | None,
+                vocab_multiple: int) -> tuple[ModelConfig, PendingParams]:
+    """A DeepSeek-V4 HF directory (weights/name_table_v4.py): one device, bf16 / fp32 weights; the checkpoint's
+    names and shapes are checked when the load runs."""
+    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+    from deepinfer_jax.weights.pending import abstract_from_specs
+
+    if shardings is not None or vocab_multiple != 1:
+        raise ValueError("deepseek_v4 loads on one device only: a parallel layout (tensor / data / expert "
+                         "parallel) is not supported for it yet")
+    if quantization not in (None, "auto"):
+        raise ValueError(f"quantization {quantization!r} is not supported for deepseek_v4 (its FP8 / FP4 "
+                         "released weights are not loaded yet; a bf16 or fp32 checkpoint loads)")
+    cfg = ModelConfig.from_model_dir(model_dir)
+    return cfg, PendingParams(abstract_from_specs(cfg, dtype), lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4)[1])

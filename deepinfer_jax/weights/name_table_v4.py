@@ -194,9 +194,11 @@ def v4_is_ignored(name: str) -> bool:
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 
 
-def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config | None = None) -> tuple[V4Config, Any]:
+def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config | None = None,
+                       on_host: bool = False) -> tuple[V4Config, Any]:
     """(config, params) of an HF-saved DeepSeek-V4 directory; every needed tensor is checked first and
-    an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly."""
+    an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly.
+    `on_host`: the params as numpy arrays (the converter's), else on the default device."""
     cfg = cfg or V4Config.from_model_dir(model_dir)
     tensors = {}
     for name, info in index_checkpoint(model_dir).items():
@@ -231,7 +233,7 @@ def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config |
             leaf[rule.index] = value
         else:
             leaf[...] = value
-    return cfg, _to_device(host)
+    return cfg, (host if on_host else _to_device(host))
 
 
 def _alloc(spec: Any, dtype: Any) -> Any:

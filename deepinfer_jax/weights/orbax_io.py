@@ -9,7 +9,8 @@ Layout of a converted directory (written by weights/convert.py):
                               pytree under params/state/
 
 The pytree has one top-level key per unit: "top" (embed, final_norm, lm_head), "layer_NNN" (decoder
-layer NNN, global index, with its segment's specs unstacked) and "mtp_J". Stacked leaves
+layer NNN, global index, with its segment's specs unstacked) and "mtp_J". DeepSeek-V4's layers are not
+stacked (a dict per layer): "top" adds its hc_head, and "layer_NNN" is params["layers"][NNN] as it is. Stacked leaves
 ([L, ...] per segment) are therefore stored as per-layer entries and stacked at load time. Units are
 written one orbax partial save at a time (so conversion holds about one layer on the host) and
 restored one at a time straight onto their target shardings, then placed into the stacked device
@@ -65,6 +66,10 @@ class Unit:
 
 def checkpoint_units(cfg: ModelConfig) -> list[Unit]:
     specs = param_specs(cfg)
+    if cfg.family == "deepseek_v4":  # one dict per layer (models/v4_params.py): nothing stacked
+        top = {k: specs[k] for k in ("embed", "final_norm", "lm_head", "hc_head")}
+        return [Unit("top", (), None, top)] + [Unit(f"layer_{i:03d}", ("layers", i), None, lp)
+                                                for i, lp in enumerate(specs["layers"])]
     units = [Unit("top", (), None, {k: specs[k] for k in ("embed", "final_norm", "lm_head")})]
     for si, seg in enumerate(layer_segments(cfg)):
         # one layer's specs: the segment's stacked specs without their leading "layers" axis (any family)
@@ -275,7 +280,10 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
     def params_tree(make: Any, stacked_only: bool = False) -> dict:
         """The params' tree with every array made by make(shape, dtype, sharding): stacked leaves once a segment,
         on their full shardings; the other units' leaves on theirs (`stacked_only`: left out)."""
-        params: dict = {"segments": [None] * len(layer_segments(cfg))}
+        if cfg.family == "deepseek_v4":
+            params: dict = {"layers": [None] * cfg.num_hidden_layers}
+        else:
+            params = {"segments": [None] * len(layer_segments(cfg))}
         if cfg.num_nextn_predict_layers:
             params["mtp"] = [None] * cfg.num_nextn_predict_layers
         for u in units:

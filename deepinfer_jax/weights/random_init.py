@@ -34,6 +34,8 @@ def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, sc
             lo, hi = 0.9, 1.1
         elif "e_score_correction_bias" in name:
             lo, hi = 0.0, 0.1
+        elif "tid2eid" in name:  # DeepSeek-V4's hash routing table: expert ids, uniform over the experts
+            lo, hi = 0, cfg.n_routed_experts
         plan.append((tuple(spec.shape), jnp.dtype(spec_dtype(spec, dtype)), lo, hi))
     out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
     out = _drawer(tuple(plan), out_shardings)(jax.random.key(seed))
@@ -45,8 +47,9 @@ def _drawer(plan: tuple, out_shardings: tuple | None):
     """The jitted draw of `plan`'s leaves ((shape, dtype, lo, hi) each) from a key."""
 
     def draw(key):  # no fp32 temporary: uniform draws in the leaf's dtype
-        return [jax.random.uniform(jax.random.fold_in(key, i), shape, dt, lo, hi)
-                for i, (shape, dt, lo, hi) in enumerate(plan)]
+        keys = [jax.random.fold_in(key, i) for i in range(len(plan))]
+        return [jax.random.randint(k, shape, lo, hi, dt) if jnp.issubdtype(dt, jnp.integer)
+                else jax.random.uniform(k, shape, dt, lo, hi) for k, (shape, dt, lo, hi) in zip(keys, plan)]
 
     return jax.jit(draw, out_shardings=None if out_shardings is None else list(out_shardings))
 

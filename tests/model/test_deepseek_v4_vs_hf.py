@@ -165,3 +165,42 @@ def test_sigmoid_scored_moe_layers_match_hf(tmp_path):
             ref = model.model.layers[i].mlp(torch.tensor(x[None]), input_ids=torch.tensor(ids[None]))[0].numpy()
         out = v4_moe(cfg, i, params["layers"][i]["moe"], jnp.asarray(x), jnp.asarray(ids, jnp.int32))
         np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5, rtol=0)
+
+
+def test_convert_round_trip_and_engine_loader(v4, tmp_path):
+    """The converter writes the V4 params unit by unit; loading the converted directory, and the HF directory
+    through the engine's loader, gives the name table's params leaf for leaf. Quantized conversion is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.weights.convert import convert
+    from deepinfer_jax.weights.loader import load_model
+
+    _, path, _, params = v4
+    dst = str(tmp_path / "conv")
+    convert(path, dst, "float32", "none", progress=False)
+    cfg_hf, p_hf = load_model(path, jnp.float32, progress=False)
+    cfg_c, p_c = load_model(dst, jnp.float32, progress=False)
+    assert cfg_c == cfg_hf == ModelConfig.from_model_dir(path) and cfg_c.family == "deepseek_v4"
+    for got in (p_hf, p_c):
+        assert jax.tree.structure(got) == jax.tree.structure(params)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), got, params)
+    with pytest.raises(ValueError, match="--quantize int8 is not supported for deepseek_v4"):
+        convert(path, str(tmp_path / "q"), "float32", "int8", progress=False)
+
+
+def test_plan_counts_the_family_params_and_cache(v4):
+    """`deepinfer plan` on a V4 directory: the weights' bytes are the loaded params' and a token's KV bytes the
+    family's cache layout (every layer's widest entry); a parallel layout is refused by name."""
+    import jax
+
+    from deepinfer_jax.engine.plan import plan
+    from deepinfer_jax.models.v4_paged import entry_width
+
+    _, path, cfg, params = v4
+    p = plan(path, dtype="float32", gpu_memory_gib=1.0)
+    assert p.weight_bytes_per_device == sum(x.nbytes for x in jax.tree.leaves(params))
+    assert p.kv_bytes_per_token == cfg.num_hidden_layers * entry_width(cfg) * 4 and p.fits
+    with pytest.raises(ValueError, match="deepseek_v4 runs on one device"):
+        plan(path, tensor_parallel_size=2)

@@ -36,3 +36,21 @@ def test_random_params_leaves_and_ranges():
     other = random_params(cfg, jnp.bfloat16, seed=8)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(again)))
     assert not np.array_equal(jax.tree.leaves(params)[0], jax.tree.leaves(other)[0])
+
+
+def test_v4_random_params_hash_table_names_experts():
+    """DeepSeek-V4's dummy weights: every leaf of the family's specs, the hash routing table int32 expert ids."""
+    from hf_models_v4 import V4_TINY
+
+    from deepinfer_jax.models.registry import param_specs as family_specs
+
+    one_layer = dict(num_hidden_layers=1, layer_types=["sliding_attention"], mlp_layer_types=["hash_moe"])
+    cfg = ModelConfig.from_hf_dict(dict(V4_TINY, model_type="deepseek_v4", **one_layer))  # few leaves to compile
+    params = random_params(cfg, jnp.float32, seed=3)
+    specs = jax.tree.leaves(family_specs(cfg), is_leaf=is_spec)
+    assert [x.shape for x in jax.tree.leaves(params)] == [s.shape for s in specs]
+    tables = [lp["moe"]["tid2eid"] for lp in params["layers"] if "tid2eid" in lp["moe"]]
+    assert len(tables) == 1
+    for t in tables:
+        assert t.dtype == jnp.int32 and int(t.min()) >= 0 and int(t.max()) < cfg.n_routed_experts
+        assert len(np.unique(np.asarray(t))) > 1

@@ -17,10 +17,11 @@ PKG = "deepinfer_jax"
 # room -> rooms it may import (besides itself). Rooms are first path components under deepinfer_jax.
 ALLOWED = {
     "xla_env": set(),
-    "config": {"config_engine", "config_speculative"},
+    "config": {"config_common", "config_engine", "config_speculative", "config_v4"},
+    "config_common": set(),
     "config_engine": set(),
     "config_speculative": set(),
-    "config_v4": {"config"},
+    "config_v4": {"config_common"},
     "types": set(),
     "text": {"config", "types"},
     "scheduler": {"config", "types"},
@@ -36,7 +37,7 @@ ALLOWED = {
     "cli": {"config", "types", "text", "engine", "server", "weights"},
     "__init__": {"engine", "types", "xla_env"},
 }
-NO_JAX = {"xla_env", "config", "config_engine", "config_speculative", "config_v4", "types", "text", "scheduler"}
+NO_JAX = {"xla_env", "config", "config_common", "config_engine", "config_speculative", "config_v4", "types", "text", "scheduler"}
 NO_JAX_FILES = {os.path.join("server", "protocol.py")}
 
 

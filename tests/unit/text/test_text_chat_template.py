@@ -196,6 +196,7 @@ def test_selection_rule(make_dir, tmp_path):
     assert sel(make_dir("DeepSeek-V3-tiny", config={"model_type": "deepseek_v3"})) == "builtin:deepseek_v3"
     assert sel(make_dir("prover1", config={"model_type": "deepseek_v3"})) == "builtin:deepseek_v3"
     assert sel(make_dir("DeepSeek-V3.2-tiny", config={"model_type": "deepseek_v32"})) == "builtin:deepseek_v31"
+    assert sel(make_dir("DeepSeek-V4-tiny", config={"model_type": "deepseek_v4"})) == "builtin:deepseek_v31"
     # the directory's own template beats built-ins; chat_template.jinja beats tokenizer_config
     d = make_dir("own-r1", tokenizer_config={"chat_template": "TC"})
     assert sel(d) == "tokenizer_config.json"

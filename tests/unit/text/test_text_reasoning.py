@@ -94,7 +94,7 @@ def test_registry():
     assert get_reasoning_parser("deepseek_r1") is DeepSeekR1ReasoningParser
     assert get_reasoning_parser("qwen3") is DeepSeekR1ReasoningParser  # Qwen3's <think> follows the same rules
     assert get_reasoning_parser("deepseek_v3") is DeepSeekR1ReasoningParser  # vLLM's name for V3.1 / V3.2
-    with pytest.raises(ValueError, match="valid: deepseek_r1, deepseek_v3, qwen3"):
+    with pytest.raises(ValueError, match="valid: deepseek_r1, deepseek_v3, deepseek_v4, qwen3"):
         get_reasoning_parser("granite")
 
 
@@ -122,3 +122,28 @@ def test_deepseek_v3_name_follows_the_v31_prompt():
     cls = get_reasoning_parser("deepseek_v3")
     assert cls(prompt_opens_reasoning("<｜User｜>q<｜Assistant｜><think>")).extract("hmm</think>A") == ("hmm", "A")
     assert cls(prompt_opens_reasoning("<｜User｜>q<｜Assistant｜></think>")).extract("A</think>B") == ("", "A</think>B")
+
+
+# deepseek_v4: a DSML tool-call block opened inside reasoning ends it; the `</think>` it skipped is dropped
+# (vLLM's DeepSeekV4ReasoningParser: reasoning.partition(block start), content = block + rest + content).
+DSML = "<｜DSML｜tool_calls>"
+V4_CASES = [
+    (f"plan{DSML}<｜DSML｜invoke name=\"f\">x</｜DSML｜invoke></｜DSML｜tool_calls></think>tail", True,
+     "plan", f"{DSML}<｜DSML｜invoke name=\"f\">x</｜DSML｜invoke></｜DSML｜tool_calls>tail"),
+    (f"<think>a</think>b{DSML}c</think>d", False, "a", f"b{DSML}c</think>d"),  # block after reasoning: verbatim
+    (f"<think>a{DSML}c", False, "a", f"{DSML}c"),  # no </think> to drop
+    (f"a{DSML}b</think>c</think>d", True, "a", f"{DSML}bc</think>d"),  # only the first is dropped
+    ("r</think>c", True, "r", "c"),  # without a block: deepseek_r1's split
+    (f"plain {DSML} text", False, "", f"plain {DSML} text"),
+]
+
+
+@pytest.mark.parametrize("text,starts,reasoning,content", V4_CASES)
+def test_deepseek_v4_parser_whole_and_streamed(text, starts, reasoning, content):
+    cls = get_reasoning_parser("deepseek_v4")
+    assert cls(starts_in_reasoning=starts).extract(text) == (reasoning, content)
+    rng = random.Random(len(text))
+    cuts = [sorted(rng.sample(range(1, len(text)), 4)) for _ in range(8)]
+    for deltas in [list(text)] + [[text[i:j] for i, j in zip([0] + c, c + [len(text)])] for c in cuts]:
+        r, c = streamed(cls(starts_in_reasoning=starts), deltas)
+        assert ("".join(r), "".join(c)) == (reasoning, content), deltas

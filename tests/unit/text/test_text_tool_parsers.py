@@ -182,7 +182,7 @@ def test_runaway_call_head_becomes_content():
 def test_registry():
     assert get_tool_parser("deepseek_v3") is DeepSeekV3ToolParser
     assert get_tool_parser("deepseek_v31") is DeepSeekV31ToolParser
-    with pytest.raises(ValueError, match="valid: deepseek_v3, deepseek_v31, hermes, llama3_json"):
+    with pytest.raises(ValueError, match="valid: deepseek_v3, deepseek_v31, deepseek_v4, hermes, llama3_json"):
         get_tool_parser("pythonic")
 
 

@@ -89,3 +89,35 @@ def test_parsers_by_vllm_names():
     p.feed(hermes("f", {}))
     p.flush()
     assert p.num_tool_calls == 1
+
+
+def dsml(name, params):
+    """One DSML invoke: params [(key, value, is_string)]."""
+    body = "".join(f'<｜DSML｜parameter name="{k}" string="{"true" if s else "false"}">{v}</｜DSML｜parameter>\n'
+                   for k, v, s in params)
+    return f'<｜DSML｜invoke name="{name}">\n{body}</｜DSML｜invoke>\n'
+
+
+B, E = "<｜DSML｜tool_calls>", "</｜DSML｜tool_calls>"
+DSML_CASES = [
+    ("Let me look.\n\n" + B + "\n" + dsml("get_weather", [("location", "杭州", True), ("days", "3", False)])
+     + dsml("search", [("q", 'a "quoted" <b>', True), ("opts", '{"k": [1, null]}', False)]) + E,
+     "Let me look.\n\n", [("get_weather", '{"location": "杭州", "days": 3}'),
+                          ("search", '{"q": "a \\"quoted\\" <b>", "opts": {"k": [1, null]}}')]),
+    (B + dsml("now", []) + E + " done", " done", [("now", "{}")]),
+    ("no calls, only <｜DSML｜ text", "no calls, only <｜DSML｜ text", []),
+    # a string="false" value that is not JSON stays a string; a malformed invoke is content, the next one parses
+    (B + dsml("f", [("x", "not json", False)]) + '<｜DSML｜invoke>bad</｜DSML｜invoke>' + dsml("g", []) + E,
+     '<｜DSML｜invoke>bad</｜DSML｜invoke>', [("f", '{"x": "not json"}'), ("g", "{}")]),
+    # cut off inside an invoke: the complete calls stand, the torn one is content
+    (B + dsml("f", []) + '<｜DSML｜invoke name="g">\n<｜DSML｜param', '<｜DSML｜invoke name="g">\n<｜DSML｜param',
+     [("f", "{}")]),
+]
+
+
+@pytest.mark.parametrize("text, content, calls", DSML_CASES)
+def test_deepseek_v4_dsml_whole_text_and_streams_agree(text, content, calls):
+    cls = get_tool_parser("deepseek_v4")
+    got_content, got_calls = _folds(cls, text)
+    assert got_content == content
+    assert [(c.name, c.arguments) for c in got_calls] == calls

@@ -1,0 +1,85 @@
+"""DeepSeek-V4 through the whole engine: greedy tokens equal HF transformers' in fp32 on the tiny random checkpoint
+with every layer kind (sliding, CSA, HCA; hash_moe, moe), under batching, chunked prefill whose chunks end inside
+compression windows, preemption and prefix caching, contexts past the sliding window and many compression windows.
+One engine serves every check (its pool small enough to preempt, its token budget odd so chunks split windows)."""
+
+from __future__ import annotations
+
+import pytest
+
+from hf_models import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def v4_dir(tmp_path_factory):
+    from hf_models_v4 import build_hf_v4
+
+    model = build_hf_v4(seed=0)
+    path = str(tmp_path_factory.mktemp("v4"))
+    model.save_pretrained(path, safe_serialization=True)
+    return model, path
+
+
+@pytest.fixture(scope="module")
+def engine(v4_dir):
+    model, path = v4_dir
+    llm = LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=13, page_size=4, num_pages=24, progress=False,
+              token_buckets=(4, 13), greedy_variant=False, warmup_runs=1)  # few step programs to compile
+    return model, llm
+
+
+def _greedy(llm, model, hf_greedy, prompts, n):
+    params = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in n]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    for p, k, o in zip(prompts, n, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, k), f"prompt of {len(p)} tokens"
+    assert llm.engine.scheduler.kv_cache_manager.usage == 0.0
+    return outs
+
+
+def test_greedy_matches_hf_with_chunks_preemption_and_prefix_hits(engine, hf_greedy):
+    model, llm = engine
+    vocab = model.config.vocab_size
+    system = random_prompts(31, [18], vocab)[0]
+    tails = random_prompts(32, [3, 11, 22], vocab)
+    prompts = [system + t for t in tails] + random_prompts(33, [5, 29], vocab)
+    n = [9, 12, 6, 14, 10]
+    before = llm.engine.stats().num_preemptions
+    _greedy(llm, model, hf_greedy, prompts, n)
+    assert llm.engine.stats().num_preemptions > before  # 23 usable pages of 4 for ~190 tokens in flight
+    again = _greedy(llm, model, hf_greedy, prompts[:3], n[:3])  # the shared prefix is cached now
+    # at least 3 of the prefix's 4 full pages hit (the small pool evicts its least recently used pages)
+    assert all(o.num_cached_tokens >= 12 for o in again), [o.num_cached_tokens for o in again]
+
+
+def test_async_engine_streams_hf_greedy_tokens(engine, hf_greedy):
+    """The server's path (AsyncEngine deltas) over the same engine: the deltas add up to HF's greedy tokens."""
+    import asyncio
+
+    from deepinfer_jax.engine.async_engine import AsyncEngine
+
+    model, llm = engine
+    prompt = random_prompts(34, [23], model.config.vocab_size)[0]
+    eng = AsyncEngine(lambda: llm.engine, max_queue_len=4).start()
+    assert eng.wait_ready(10)
+
+    async def go():
+        sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        return [o async for o in eng.submit("v4", prompt, sp)]
+
+    outs = asyncio.run(go())
+    eng.shutdown()
+    assert len(outs) > 1 and outs[-1].finished
+    assert sum((o.outputs[0].token_ids for o in outs), []) == hf_greedy(model, prompt, 8)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(moe_impl="pallas"), "moe_impl 'pallas' is not available for deepseek_v4"),
+    (dict(tensor_parallel_size=2), "deepseek_v4 runs on one device"),
+    (dict(quantization="fp8"), "quantization 'fp8' is not supported for deepseek_v4"),
+])
+def test_unsupported_options_are_refused_by_name(v4_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(v4_dir[1], dtype="float32", skip_tokenizer_init=True, max_model_len=64, progress=False, **kwargs)
