@@ -353,3 +353,30 @@ def test_fp8_gemm_on_stacked_v3_weights_uses_64_bit_offsets(triton_modules, laye
                                                                               jnp.float32), s((), jnp.int32))
     (ir,) = triton_modules(lambda x, q, sc, l: fp8_matmul(x, q, sc, l, layout="nk"), *args)
     assert _fp8_pointer_offsets(ir) == offsets
+
+
+@pytest.mark.parametrize("kernel", [paged_mla_attention, paged_mla_prefill_attention])
+def test_attention_on_an_fp8_cache_lowers_for_sm90(triton_modules, kernel):
+    """An e4m3 cache at H200 size (79.6 GB in bf16, half in e4m3: 64-bit offsets either way): the pages load as
+    e4m3 and widen to bf16 before the score and value dots."""
+    s = jax.ShapeDtypeStruct
+    args = (s((T, H, R), jnp.bfloat16), s((T, H, DR), jnp.bfloat16),
+            s((L, 80000, PS, R + DR), jnp.float8_e4m3fn), s((), jnp.int32), s((T,), jnp.int32), s((T,), jnp.int32),
+            s((8, 16), jnp.int32))
+    (ir,) = triton_modules(lambda *a: kernel(*a, 0.1), *args)
+    assert "i64" in _fp8_pointer_offsets(ir) and "tt.fp_to_fp" in ir
+    assert not [ln for ln in ir.splitlines() if "tt.dot" in ln and "f8E4M3FN" in ln]
+
+
+def test_latent_write_into_an_fp8_cache_lowers_for_sm90(triton_modules):
+    """The absorb launch's latent write into an e4m3 cache: the stores narrow to e4m3 (saturated first)."""
+    from deepinfer_jax.kernels.mla_absorb import absorb_query_write_latents
+
+    s = jax.ShapeDtypeStruct
+    fn = lambda q, kv_b, c, sn, ckv, nw, cache, slots: absorb_query_write_latents(  # noqa: E731
+        q, kv_b, 3, c, sn, ckv, nw, cache, 4, slots, dn=128, eps=1e-6)
+    args = (s((32, H, 192), jnp.bfloat16), s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32),
+            s((32, DR // 2), jnp.float32), s((32, R + DR), jnp.bfloat16), s((L, R), jnp.bfloat16),
+            s((L, 40000, PS, R + DR), jnp.float8_e4m3fn), s((32,), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.store") == 6 and "tt.fp_to_fp" in ir
