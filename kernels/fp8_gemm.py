@@ -16,9 +16,11 @@ transposed copy is made). `block` is (bk, bn) in both. Two activation modes:
 - act="bf16" (W8A16): x stays bf16 and each weight tile is widened to bf16 in the kernel (e4m3 values are
   exact in bf16), the product scaled by the block's scale. Same weight bytes, no activation rounding.
 
-Grid (N // tile_n, M_pad // tile_m, split_k); program (n, m, s) accumulates K chunk s of its tile and writes
-an fp32 partial; the split_k partials are summed in JAX (XLA fuses the sum into the consumer). At decode
-sizes (M <= 64) `plan` splits K so that about 128 programs stream the weight, as kernels/decode_matmul.py.
+At decode sizes (M <= 64) the grid is (N // tile_n, M_pad // tile_m, split_k): program (n, m, s) accumulates K
+chunk s of its tile and writes an fp32 partial, summed in JAX (XLA fuses the sum into the consumer); `plan`
+splits K so that about 128 programs stream the weight, as kernels/decode_matmul.py. Above, each program owns a
+whole output tile, on a 1-D grid ordered in groups of row tiles so that a weight tile is read from HBM once per
+group rather than once per row tile (`_tile_of`), and writes x's dtype directly.
 With `layer`, q [L, K, N] and scale [L, kb, nb] are read at that layer in place (the model's stacked weights).
 
 Three parts (ARCHITECTURE.md rule 6): `fp8_matmul` (the kernel; `interpret=True` runs it on the CPU),
@@ -112,13 +114,32 @@ def supported(K: int, N: int, block: tuple[int, int]) -> bool:
     return K % bk == 0 and N % bn == 0 and tiles_for(block) is not None
 
 
-def plan(M: int, K: int, N: int, block: tuple[int, int]) -> tuple[int, int, int, int]:
-    """(tile_m, tile_k, tile_n, split_k): tile_m a power of two of at least 16 rows (64 from 64 tokens, 128
-    from 1,024); decode sizes split K so that about 128 programs stream the weight."""
+def plan(M: int, K: int, N: int, block: tuple[int, int]) -> tuple[int, int, int, int, int, int]:
+    """(tile_m, tile_k, tile_n, split_k, num_warps, num_stages). Decode sizes (M <= 64): tile_m 16 / 32 / 64 and
+    K split so that about 128 programs stream the weight. Above, the tensor cores' shapes for FP8 wgmma (vLLM's
+    w8a8_block_fp8_matmul configs for H100 take the same): 64 x 128 x 128 tiles, 4 warps, 4 stages up to 256 rows;
+    from 257 rows 128 x 128 x 128 tiles on 8 warps (two warpgroups), 3 stages (96 KiB of FP8 tiles in flight),
+    in `GROUP_M`-row groups (`_tile_of`)."""
     tk, tn = tiles_for(block)
-    tm = 16 if M <= 16 else 32 if M <= 32 else 64 if M <= 1024 else 128
-    split = fewest_chunks(N // tn, K // tk) if M <= DECODE_MAX_TOKENS else 1
-    return tm, tk, tn, split
+    if M <= DECODE_MAX_TOKENS:
+        tm = 16 if M <= 16 else 32 if M <= 32 else 64
+        return tm, tk, tn, fewest_chunks(N // tn, K // tk), 4, 4
+    if M <= 256:
+        return 64, tk, tn, 1, 4, 4
+    return 128, tk, tn, 1, 8, 3
+
+
+GROUP_M = 8  # row tiles whose programs run side by side at prefill sizes, sharing each weight tile in L2
+
+
+def _tile_of(pid, num_m: int, num_n: int):
+    """(n, m) of program pid on a 1-D grid, in groups of GROUP_M row tiles (Triton's matmul ordering): the programs
+    in flight cover a few row tiles by many column tiles, so each weight tile read from HBM serves GROUP_M row tiles
+    from L2, where a column-major order re-reads the whole weight for every row tile (M / tile_m times)."""
+    per_group = GROUP_M * num_n
+    first = (pid // per_group) * GROUP_M
+    size = jnp.minimum(num_m - first, GROUP_M)
+    return (pid % per_group) // size, first + (pid % per_group) % size
 
 
 def dot_nk(a, b, **kw):
@@ -126,8 +147,11 @@ def dot_nk(a, b, **kw):
     return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, **kw)
 
 
-def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn, k_steps, act, layout):
-    n, m, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn, k_steps, act, layout, grouped):
+    if grouped:  # prefill sizes: one chunk of K, a 1-D grid in row groups, the output in x's dtype
+        (n, m), s = _tile_of(pl.program_id(0), o_ref.shape[0] // tm, o_ref.shape[1] // tn), 0
+    else:
+        n, m, s = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     layer = layer_ref[0]
     rows, cols = pl.ds(m * tm, tm), pl.ds(n * tn, tn)
     nb = (n * tn) // bn  # this tile's scale column (tn divides bn)
@@ -148,13 +172,16 @@ def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn
         return acc + dot(x, w.astype(x.dtype), precision=EXACT) * scale
 
     acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((tm, tn), jnp.float32))
-    o_ref[s, rows, cols] = acc
+    if grouped:
+        o_ref[rows, cols] = acc.astype(o_ref.dtype)
+    else:
+        o_ref[s, rows, cols] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("block", "act", "layout", "tile_m", "split_k", "num_warps",
                                              "num_stages", "interpret"))
 def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="kn", tile_m=None, split_k=None,
-               num_warps=4, num_stages=4, interpret=False):
+               num_warps=None, num_stages=None, interpret=False):
     """x [M, K], q [(L,) K, N] float8_e4m3fn, scale [(L,) K // bk, N // bn] fp32 (layout "nk": q [(L,) N, K],
     scale [(L,) N // bn, K // bk]) -> [M, N] in x's dtype (module docstring). `layer` (int32 scalar) indexes
     stacked q / scale in place. Tiles left as None come from `plan`."""
@@ -173,8 +200,9 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="
         raise ValueError(f"fp8_matmul: no kernel tiling for x {x.shape} @ q {q.shape[1:]} with block {block}")
     if scale.shape[1:] != ((K // bk, N // bn) if layout == "kn" else (N // bn, K // bk)):
         raise ValueError(f"fp8_matmul: scale {scale.shape[1:]} does not match q {q.shape[1:]} with block {block}")
-    tm, tk, tn, split = plan(M, K, N, block)
-    tm, split = tile_m or tm, split_k or split
+    tm, tk, tn, split, warps, stages = plan(M, K, N, block)
+    tm, split, warps, stages = tile_m or tm, split_k or split, num_warps or warps, num_stages or stages
+    grouped = split == 1 and M > DECODE_MAX_TOKENS
     m_pad = _cdiv(M, tm) * tm
     if act == "fp8":
         xk, xs = quantize_act(x, bk)  # [M, K] e4m3, [M, K // bk]
@@ -183,10 +211,13 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="
     if m_pad != M:
         xk, xs = (jnp.pad(a, ((0, m_pad - M), (0, 0))) for a in (xk, xs))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
+    if grouped:
+        grid, out = (m_pad // tm * (N // tn),), jax.ShapeDtypeStruct((m_pad, N), x.dtype)
+    else:
+        grid, out = (N // tn, m_pad // tm, split), jax.ShapeDtypeStruct((split, m_pad, N), jnp.float32)
     part = pl.pallas_call(
         functools.partial(_kernel, tk=tk, tn=tn, tm=tm, bk=bk, bn=bn, k_steps=K // (split * tk), act=act,
-                          layout=layout),
-        grid=(N // tn, m_pad // tm, split), out_shape=jax.ShapeDtypeStruct((split, m_pad, N), jnp.float32),
-        compiler_params=compiler_params(num_warps, num_stages, interpret), interpret=interpret,
+                          layout=layout, grouped=grouped),
+        grid=grid, out_shape=out, compiler_params=compiler_params(warps, stages, interpret), interpret=interpret,
     )(layer, xk, xs, q, scale.astype(jnp.float32))
-    return part.sum(axis=0)[:M].astype(x.dtype)
+    return part[:M] if grouped else part.sum(axis=0)[:M].astype(x.dtype)

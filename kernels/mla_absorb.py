@@ -50,6 +50,16 @@ from jax.experimental import pallas as pl
 from deepinfer_jax.kernels.mla_decode import EXACT
 from deepinfer_jax.kernels.triton_params import compiler_params
 
+E4M3_MAX = 448.0
+
+
+def to_cache(v, dtype):
+    """v as the cache stores it: a cast, saturating at e4m3's +-448 for an FP8 cache (models/cache.py
+    `to_cache_dtype`'s arithmetic: e4m3fn has no infinity, an out-of-range value would become NaN)."""
+    if jnp.dtype(dtype) == jnp.float8_e4m3fn:
+        v = jnp.clip(v, -E4M3_MAX, E4M3_MAX)
+    return v.astype(dtype)
+
 BLOCK_T = 16  # Triton's dot needs at least 16 rows
 
 
@@ -149,13 +159,13 @@ def latent_row(t, slot_ref, load_ckv, norm_ref, layer, cos_ref, sin_ref, cache_l
     normed = (xf * jax.lax.rsqrt(jnp.mean(xf * xf) + eps)).astype(x.dtype)
     w = norm_ref[layer, pl.ds(0, R)]  # [R]
     c_kv = (w.astype(jnp.float32) * normed.astype(jnp.float32)).astype(jnp.promote_types(w.dtype, x.dtype))
-    cache_ref[cache_layer, page, offset, pl.ds(0, R)] = c_kv.astype(cache_ref.dtype)
+    cache_ref[cache_layer, page, offset, pl.ds(0, R)] = to_cache(c_kv, cache_ref.dtype)
     x0 = load_ckv(t, R, dr // 2, 2).astype(jnp.float32)  # [dr/2]
     x1 = load_ckv(t, R + 1, dr // 2, 2).astype(jnp.float32)
     c, s = cos_ref[t, :], sin_ref[t, :]
     for lane, y in ((0, x0 * c - x1 * s), (1, x0 * s + x1 * c)):  # k_pe in x's dtype, then the cache's
-        cache_ref[cache_layer, page, offset, pl.ds(R + lane, dr // 2, stride=2)] = (
-            y.astype(x.dtype).astype(cache_ref.dtype))
+        cache_ref[cache_layer, page, offset, pl.ds(R + lane, dr // 2, stride=2)] = to_cache(
+            y.astype(x.dtype), cache_ref.dtype)
 
 
 def _absorb_latent_kernel(layer_ref, cache_layer_ref, slot_ref, q_ref, w_ref, cos_ref, sin_ref, ckv_ref, norm_ref,
@@ -245,6 +255,6 @@ def absorb_query_write_latents_reference(q, kv_b, layer, cos, sin, ckv, norm_w, 
         H, dr = kv_b.shape[2], 2 * cos.shape[-1]
         q, ckv = q[:, :H * (dn + dr)].reshape(q.shape[0], H, dn + dr), q[:, H * (dn + dr):]
     q_lat, q_pe = absorb_query_reference(q, kv_b, layer, cos, sin, dn=dn)
-    latent = latents_reference(ckv, norm_w[layer], cos, sin, eps=eps).astype(cache.dtype)
+    latent = to_cache(latents_reference(ckv, norm_w[layer], cos, sin, eps=eps), cache.dtype)
     page_size = cache.shape[2]
     return q_lat, q_pe, cache.at[cache_layer, slots // page_size, slots % page_size].set(latent)

@@ -44,8 +44,10 @@ def page_scores(q_lat, q_pe, kv_ref, layer, page, i, visible_to, *, page_size, r
         keys = pl.ds((i % (page_size // block)) * block, block)
     chunks = q_lat if isinstance(q_lat, tuple) else (q_lat,)
     w = rank // len(chunks)
-    kv = tuple(kv_ref[layer, page, keys, pl.ds(j * w, w)] for j in range(len(chunks)))  # c x [block, R / c]
-    pe = kv_ref[layer, page, keys, pl.ds(rank, dr)]  # [block, dr]
+    # An FP8 cache (e4m3, scale 1.0) is widened to the query's dtype after the load, as the reference does
+    wide = (lambda a: a.astype(q_pe.dtype)) if kv_ref.dtype == jnp.float8_e4m3fn else (lambda a: a)
+    kv = tuple(wide(kv_ref[layer, page, keys, pl.ds(j * w, w)]) for j in range(len(chunks)))  # c x [block, R / c]
+    pe = wide(kv_ref[layer, page, keys, pl.ds(rank, dr)])  # [block, dr]
     dots = [jnp.dot(q, k.T, preferred_element_type=jnp.float32, precision=EXACT) for q, k in zip(chunks, kv)]
     dots.append(jnp.dot(q_pe, pe.T, preferred_element_type=jnp.float32, precision=EXACT))
     s = functools.reduce(jnp.add, dots)  # [rows, block]

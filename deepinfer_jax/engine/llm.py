@@ -100,23 +100,24 @@ def quantization_problem(model_dir: str, quantization: str | None) -> str | None
     return None
 
 
-def kv_cache_attn_impl(kv_cache_dtype: str, attn_impl: str) -> str:
-    """The attention implementation an FP8 KV cache runs on: the XLA reference, which dequantizes the cache on
-    read. The Pallas attention kernels (kernels/mla_decode.py, mla_prefill.py, mla_chunk.py, and mla_absorb.py's
-    latent write) load and store the cache in the compute dtype, so "auto" steps aside from them and an explicit
-    Pallas choice is refused."""
+def kv_cache_attn_impl(kv_cache_dtype: str, attn_impl: str, kernels_read_fp8: bool = False) -> str:
+    """The attention implementation an FP8 KV cache runs on. `kernels_read_fp8`: the model's Pallas attention
+    kernels take an e4m3 cache (DeepSeek's MLA kernels: kernels/mla_decode.py, mla_prefill.py and mla_absorb.py's
+    latent write), so attn_impl stands as asked. Elsewhere (the sparse V3.2 and the GQA kernels read the cache in
+    the compute dtype) the XLA reference, which dequantizes on read: "auto" steps aside from the kernels and an
+    explicit Pallas choice is refused."""
     from deepinfer_jax.config import KV_CACHE_DTYPES
 
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "auto":
+    if kv_cache_dtype == "auto" or kernels_read_fp8:
         return attn_impl
     if attn_impl in ("pallas", "pallas_interpret"):
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs with attn_impl 'reference' only for now: the "
-                         "Pallas attention kernels read and write the cache in the compute dtype")
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype!r} runs with attn_impl 'reference' only for this model: "
+                         "its Pallas attention kernels read and write the cache in the compute dtype")
     if attn_impl == "auto":
-        log.info("kv_cache_dtype %s: attention on the XLA reference path (the Pallas attention kernels do not read "
-                 "an FP8 cache yet)", kv_cache_dtype)
+        log.info("kv_cache_dtype %s: attention on the XLA reference path (this model's Pallas attention kernels do "
+                 "not read an FP8 cache)", kv_cache_dtype)
     return "reference"
 
 
@@ -280,7 +281,7 @@ class LLM:
                             enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size)
         from deepinfer_jax.models.registry import family_of
 
-        attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl)
+        attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl, cfg.family == "deepseek" and not cfg.has_indexer)
         if cfg.family == "deepseek_v4" and moe_impl != "auto":
             raise ValueError(f"moe_impl {moe_impl!r} is not available for deepseek_v4: its routed experts run densely "
                              "(the reference path); leave it 'auto'")

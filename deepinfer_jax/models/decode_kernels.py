@@ -18,7 +18,7 @@ from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.layers import StackedWeight
 from deepinfer_jax.models.moe import routing_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
-from deepinfer_jax.models.quant import is_quantized
+from deepinfer_jax.models.quant import fp8_kernel_act, is_fp8, is_quantized
 
 
 # Projections a decode step reads in place (group, name, weight dims contracted): those XLA copies
@@ -43,7 +43,8 @@ def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules
                    enabled: bool) -> dict:
     """{(group, name): stacked weight [L, ...]} of the segment's projections that a step reads in place
     through kernels/decode_matmul.py: with `enabled`, on the Pallas path on one device, for a step of at
-    most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile. Empty otherwise."""
+    most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile; FP8 weights where `fp8_stackable`
+    sends them through kernels/fp8_gemm.py (read in place the same way). Empty otherwise."""
     if not enabled or not pallas_one_device(attn_impl, mesh_rules):
         return {}
     from deepinfer_jax.kernels import decode_matmul
@@ -51,12 +52,26 @@ def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules
     out = {}
     for group, name, in_dims in STACKABLE:
         w = seg_params.get(group, {}).get(name)
-        if w is None or is_quantized(w):
+        if w is None:
             continue
         K, N = math.prod(w.shape[1:1 + in_dims]), math.prod(w.shape[1 + in_dims:])
-        if decode_matmul.supported(num_tokens, K, N):
+        if is_fp8(w):
+            if fp8_stackable(w, num_tokens, K, N):
+                out[(group, name)] = w
+        elif not is_quantized(w) and decode_matmul.supported(num_tokens, K, N):
             out[(group, name)] = w
     return out
+
+
+def fp8_stackable(w, num_tokens: int, K: int, N: int) -> bool:
+    """Whether a stacked Fp8Weight [L, K, N] (logical) goes through kernels/fp8_gemm.py in this step: the rule
+    (`quant.fp8_kernel_act`), whole blocks the kernel tiles, and gate and up blocked apart on a block boundary
+    (its [L, 2, I, D] read as one [L, 2I, D])."""
+    from deepinfer_jax.kernels import fp8_gemm
+
+    bn, bk = w.block
+    return (fp8_kernel_act(num_tokens, K, N) is not None and fp8_gemm.supported(K, N, (bk, bn))
+            and (w.parts == 1 or (N // w.parts) % bn == 0))
 
 
 def _decode_kv_b(seg_params: dict, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
@@ -130,6 +145,8 @@ def decode_route_weights(seg, seg_params: dict, cfg: ModelConfig, projections: d
     from deepinfer_jax.kernels import residual_route
 
     if not enabled or seg.kind != "moe" or ("attn", "o_proj") not in projections or not fuse_moe_routing:
+        return None
+    if is_quantized(projections[("attn", "o_proj")]):  # FP8 o_proj: no float split-K partials to route from
         return None
     gate, norm = seg_params["moe"]["gate"], seg_params["post_attention_layernorm"]
     if is_quantized(gate) or not routing_into_kernels(cfg, moe_impl, mesh_rules, num_tokens, experts):

@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, yarn_get_mscale
-from deepinfer_jax.models.quant import dequantize, flatten_out_dims, is_quantized, quantized_matmul
+from deepinfer_jax.models.quant import (dequantize, flatten_out_dims, fp8_kernel_act, is_fp8, is_quantized,
+                                       quantized_matmul)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -41,13 +42,23 @@ class StackedWeight(NamedTuple):
 
 def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Array:
     """x [..., *in] through one layer of w.stacked [L, *in, *out] (its first `in_dims` weight dims
-    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel."""
+    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel (an Fp8Weight: the FP8 GEMM)."""
     from deepinfer_jax.kernels.decode_matmul import decode_matmul
 
     shape = w.stacked.shape[1:]
     ins, outs = shape[:in_dims], shape[in_dims:]
     K, N = math.prod(ins), math.prod(outs)
     lead = x.shape[: x.ndim - in_dims]
+    if is_fp8(w.stacked):  # HF's [L, (2,) N, K] e4m3 and its block scales, read as stored
+        from deepinfer_jax.kernels.fp8_gemm import fp8_matmul
+
+        f = w.stacked
+        q = f.q.reshape(f.q.shape[0], -1, f.q.shape[-1])  # gate_up [L, 2, I, D] -> [L, 2I, D], gate rows first
+        s = f.scale.reshape(f.scale.shape[0], -1, f.scale.shape[-1])
+        x2 = x.reshape(-1, K)
+        act = fp8_kernel_act(x2.shape[0], K, N) or "bf16"  # decode_stacked sent it here by the same rule
+        y = fp8_matmul(x2, q, s, w.layer, block=(f.block[1], f.block[0]), act=act, layout="nk", interpret=w.interpret)
+        return y.astype(x.dtype).reshape(*lead, *outs)
     y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, interpret=w.interpret)
     return y.astype(x.dtype).reshape(*lead, *outs)
 

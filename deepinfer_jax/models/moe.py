@@ -39,7 +39,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.layers import silu_mul, swiglu_mlp, weight
 from deepinfer_jax.models.parallel import MeshRules
-from deepinfer_jax.models.quant import QuantizedWeight, is_quantized
+from deepinfer_jax.models.quant import QuantizedWeight, fp8_kernel_act, is_fp8, is_quantized
 
 
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
@@ -227,13 +227,20 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
 
 def quantized_experts(ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array, layer: jax.Array | None,
                       interpret: bool) -> jax.Array | None:
-    """INT8 / INT4 experts {gate_up, down} ([(L,) E, ..] QuantizedWeights, read at `layer` in place) through
-    kernels/moe_gmm_quant.py, which dequantizes each weight tile inside the kernels (W8A16 / W4A16): [T, D] in
+    """INT8 / INT4 / FP8 experts {gate_up, down} ([(L,) E, ..] QuantizedWeights or Fp8Weights, read at `layer` in
+    place) through kernels/moe_gmm_quant.py, which dequantizes each weight tile inside the kernels (W8A16 / W4A16;
+    FP8: W8A8 or W8A16 as `quant.fp8_kernel_act` picks): [T, D] in
     x's dtype, or None where its tiles do not fit the shapes (the caller then dequantizes one layer)."""
     from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat, moe_experts_quant, supported
 
     gu, down = ex["gate_up"], ex["down"]
-    fg, fd = (WeightFormat(f"int{a.bits}", a.group_size) for a in (gu, down))
+    if is_fp8(gu) and is_fp8(down):  # HF's [out, in] blocks as stored; W8A8 or W8A16 by `fp8_kernel_act`
+        act = fp8_kernel_act(x.shape[0], experts=True)
+        fg, fd = (WeightFormat("fp8", group=a.block[1], block_n=a.block[0], act=act, layout="nk") for a in (gu, down))
+    elif is_fp8(gu) or is_fp8(down):
+        return None
+    else:
+        fg, fd = (WeightFormat(f"int{a.bits}", a.group_size) for a in (gu, down))
     D, I = gu.shape[-3], gu.shape[-1]
     if not supported(fg, fd, D, I, idx.size):
         return None

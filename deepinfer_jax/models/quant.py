@@ -170,6 +170,41 @@ def quantize_fp8(w: np.ndarray, n_in: int, n_out: int, gate_up: bool, block: tup
     return Fp8Weight(q, scale, tuple(block), tuple(ins), tuple(outs), parts)
 
 
+def quantize_params_fp8(params: Any, block: tuple[int, int] = FP8_BLOCK) -> Any:
+    """A float params tree with every `QUANTIZED_LEAVES` leaf as the Fp8Weight an FP8 checkpoint of it with
+    `block` = (bn, bk) loads as (`quantize_fp8`, host-side); other leaves unchanged."""
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        lay = quant_layout(keys)
+        if lay is None:
+            return leaf
+        fw = quantize_fp8(np.asarray(jnp.asarray(leaf, jnp.float32)), lay[0], lay[1], keys[-1] == "gate_up", block)
+        return dataclasses.replace(fw, q=jnp.asarray(fw.q), scale=jnp.asarray(fw.scale))
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+# Where FP8 weights take the Pallas kernels (the Pallas path on one device). Dense projections: W8A8
+# (kernels/fp8_gemm.py) at decode sizes for weights of at least FP8_GEMM_MIN_ELEMENTS, where it beat bf16 weights on
+# an H100 (o_proj, the dense MLP, q_b: 1.4-1.7x) and smaller ones lost (q_a [7168, 1536]: 0.7x); prefill sizes
+# keep the reference (dequantize + XLA's dot) until benchmarks/fp8_gemm_tiles.py shows the prefill tiles beating
+# it. Routed experts: always the quantized grouped GEMMs (never a dequantized copy of the layer's experts),
+# W8A8 at decode sizes, W8A16 (bf16 tensor cores, the tiles of the bf16 experts) above.
+FP8_KERNEL_MAX_TOKENS = 64
+FP8_GEMM_MIN_ELEMENTS = 16 * 2**20
+FP8_DECODE_ACT = "fp8"  # the activations of decode-size steps: "fp8" (W8A8) or "bf16" (W8A16, no rounding of x)
+
+
+def fp8_kernel_act(num_tokens: int, K: int = 0, N: int = 0, experts: bool = False) -> str | None:
+    """The one rule (above) for an FP8 weight of [K, N] (or the routed experts) in a step of num_tokens:
+    the kernels' activation mode, "fp8" (W8A8) or "bf16" (W8A16), or None for the reference."""
+    decode = num_tokens <= FP8_KERNEL_MAX_TOKENS
+    if experts:
+        return FP8_DECODE_ACT if decode else "bf16"
+    return FP8_DECODE_ACT if decode and K * N >= FP8_GEMM_MIN_ELEMENTS else None
+
+
 def is_fp8(w) -> bool:
     return isinstance(w, Fp8Weight)
 
@@ -295,8 +330,9 @@ def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:
 
 def fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
     """x: [..., K] @ dequant(w): [K, N] -> [..., N] for an unstacked weight with one input and one output
-    axis (q [N, K], or gate_up [2, I, D] viewed as [D, 2I]). The reference: dequantize in fp32, cast to x's dtype, dot. This is the one place a
-    block-scaled FP8 GEMM kernel takes over (x [M, K] with q.T, scale.T and block (bk, bn))."""
+    axis (q [N, K], or gate_up [2, I, D] viewed as [D, 2I]). The reference: dequantize in fp32, cast to x's
+    dtype, dot. The kernel path reads stacked weights in place instead (`layers.stacked_matmul`, where
+    `fp8_kernel_act` routes a decode step's projection to kernels/fp8_gemm.py)."""
     if len(w.shape) != 2:
         raise ValueError(f"fp8_linear needs an unstacked [in, out] weight, got logical shape {w.shape}")
     return jnp.einsum("...i,io->...o", x, fp8_dequantize(w, x.dtype))

@@ -327,8 +327,8 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
             parser.error("argument --quantization: not supported with --load-format dummy (random weights are "
                          "drawn in the engine dtype)")
     if ns.kv_cache_dtype != "auto" and ns.attn_impl in ("pallas", "pallas_interpret"):
-        parser.error(f"argument --kv-cache-dtype: {ns.kv_cache_dtype} runs with --attn-impl reference only for now "
-                     "(the Pallas attention kernels read and write the cache in the compute dtype)")
+        parser.error(f"argument --kv-cache-dtype: {ns.kv_cache_dtype} runs with --attn-impl auto (the Pallas MLA "
+                     "kernels where the model's kernels read an FP8 cache, else the reference) or reference")
     if ns.gpu_memory is not None and ns.load_format == "auto":  # refused before anything loads (engine/plan.py)
         from deepinfer_jax.engine.plan import fit_problem, resolve_dtype
 

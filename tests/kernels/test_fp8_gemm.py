@@ -32,6 +32,7 @@ def _close(out, ref):
     (1, 256, 48, (128, 16), "bf16", None, "nk"),    # one token: split K, 16-wide column tiles; HF's [N, K]
     (33, 256, 64, (32, 64), "fp8", 3, "nk"),        # stacked layers, 32-deep blocks, rows over one tile
     (70, 128, 96, (64, 96), "bf16", 2, "kn"),       # bn 96: 32-wide tiles inside a block, rows over 64
+    (1100, 64, 48, (32, 16), "fp8", 2, "nk"),       # prefill tiles: 9 row tiles of 128, a second, partial group
 ])
 def test_kernel_matches_reference(M, K, N, block, act, L, layout):
     """The kernel against the reference of its activation mode; "nk" weights (the checkpoint's [N, K] and its
@@ -41,6 +42,16 @@ def test_kernel_matches_reference(M, K, N, block, act, L, layout):
     qk, sk = (q, s) if layout == "kn" else (jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2))
     out = fp8_matmul(x, qk, sk, layer, block=block, act=act, layout=layout, interpret=True)
     _close(out, fp8_matmul_reference(x, q, s, block, layer, act_quant=act == "fp8"))
+
+
+def test_prefill_grid_visits_every_tile_once():
+    """The grouped 1-D order (`_tile_of`) is a permutation of the (n, m) tiles, for row counts around GROUP_M."""
+    from deepinfer_jax.kernels.fp8_gemm import GROUP_M, _tile_of
+
+    for num_m, num_n in [(1, 5), (GROUP_M, 3), (GROUP_M + 3, 4), (3 * GROUP_M - 1, 2)]:
+        n, m = _tile_of(jnp.arange(num_m * num_n), num_m, num_n)
+        assert sorted(zip(np.asarray(n).tolist(), np.asarray(m).tolist())) == [
+            (a, b) for a in range(num_n) for b in range(num_m)]
 
 
 def test_act_quant_error_is_fp8_sized():

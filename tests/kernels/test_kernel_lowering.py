@@ -5,7 +5,9 @@ the attention kernels address large caches with 64-bit offsets.
 The attention kernels read the whole paged cache [L, P, page, 576] with a layer index: a cache over
 4 GiB needs 64-bit pointer offsets, or loads from the upper pages would wrap around. jax's Pallas-Triton
 lowering picks 64-bit offsets for refs over 2**32 bytes; this test pins that behaviour, which lets the
-engine size the cache from the device memory instead of capping it at 2**31 elements.
+engine size the cache from the device memory instead of capping it at 2**31 elements. For 1-byte arrays
+(FP8 weights) the same rule would leave i32 offsets on 2**31 to 2**32 elements; kernels/triton_offsets.py
+widens them, and the FP8 tests below pin it at DeepSeek-V3's sizes.
 """
 
 from __future__ import annotations
@@ -312,3 +314,69 @@ def test_route_and_experts_launch_lowers_for_sm90(triton_modules):
     # gate_up on the routing, routed down on the routing and on its block
     assert ir.count("scf.while") == 7
 
+
+
+def _fp8_pointer_offsets(ir: str) -> set[str]:
+    """The offset types of the e4m3 tensor pointers (the FP8 weight tiles) in the module."""
+    return {line.rsplit(",", 1)[1].strip().split("x")[-1].rstrip(">")
+            for line in ir.splitlines() if "tt.addptr" in line and "ptr<f8E4M3FN>" in line and "tensor<" in line}
+
+
+def test_fp8_experts_of_one_v3_layer_use_64_bit_offsets(triton_modules):
+    """DeepSeek-V3's routed experts of one layer in FP8 as the checkpoint stores them ("nk"): gate_up [1, 256, 2,
+    2048, 7168] is 7.5 GB and down [1, 256, 7168, 2048] 3.8 GB, 3.8e9 elements: over 2**31, so i32 offsets would
+    wrap (kernels/triton_offsets.py); both kernels read their weight with 64-bit offsets (the activations' small
+    e4m3 tiles keep 32-bit ones)."""
+    from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat, moe_experts_quant
+
+    s = jax.ShapeDtypeStruct
+    E, D, I, k, f8 = 256, 7168, 2048, 8, jnp.float8_e4m3fn
+    fmt = WeightFormat("fp8", group=128, block_n=128, act="fp8", layout="nk")
+    args = (s((32, D), jnp.bfloat16), s((1, E, 2, I, D), f8), s((1, E, 2, I // 128, D // 128), jnp.float32),
+            s((1, E, D, I), f8), s((1, E, D // 128, I // 128), jnp.float32), s((32, k), jnp.float32),
+            s((32, k), jnp.int32), s((), jnp.int32))
+    irs = triton_modules(lambda *a: moe_experts_quant(*a, fmt_gu=fmt, fmt_down=fmt), *args)
+    assert len(irs) == 2
+    assert [_fp8_pointer_offsets(ir) for ir in irs] == [{"i32", "i64"}, {"i32", "i64"}]
+
+
+@pytest.mark.parametrize("layers, offsets", [(1, {"i32"}), (61, {"i32", "i64"})])
+def test_fp8_gemm_on_stacked_v3_weights_uses_64_bit_offsets(triton_modules, layers, offsets):
+    """V3's q_b_proj [N 24576, K 1536] in FP8: one layer (38 MB) keeps i32 offsets; stacked over 61 layers it
+    is 2.3e9 elements in 2.3 GB, under 2**32 bytes but over 2**31 elements, and takes i64 (x's e4m3 tiles keep
+    i32)."""
+    from deepinfer_jax.kernels.fp8_gemm import fp8_matmul
+
+    s = jax.ShapeDtypeStruct
+    N, K = 24576, 1536
+    args = (s((32, K), jnp.bfloat16), s((layers, N, K), jnp.float8_e4m3fn), s((layers, N // 128, K // 128),
+                                                                              jnp.float32), s((), jnp.int32))
+    (ir,) = triton_modules(lambda x, q, sc, l: fp8_matmul(x, q, sc, l, layout="nk"), *args)
+    assert _fp8_pointer_offsets(ir) == offsets
+
+
+@pytest.mark.parametrize("kernel", [paged_mla_attention, paged_mla_prefill_attention])
+def test_attention_on_an_fp8_cache_lowers_for_sm90(triton_modules, kernel):
+    """An e4m3 cache at H200 size (79.6 GB in bf16, half in e4m3: 64-bit offsets either way): the pages load as
+    e4m3 and widen to bf16 before the score and value dots."""
+    s = jax.ShapeDtypeStruct
+    args = (s((T, H, R), jnp.bfloat16), s((T, H, DR), jnp.bfloat16),
+            s((L, 80000, PS, R + DR), jnp.float8_e4m3fn), s((), jnp.int32), s((T,), jnp.int32), s((T,), jnp.int32),
+            s((8, 16), jnp.int32))
+    (ir,) = triton_modules(lambda *a: kernel(*a, 0.1), *args)
+    assert "i64" in _fp8_pointer_offsets(ir) and "tt.fp_to_fp" in ir
+    assert not [ln for ln in ir.splitlines() if "tt.dot" in ln and "f8E4M3FN" in ln]
+
+
+def test_latent_write_into_an_fp8_cache_lowers_for_sm90(triton_modules):
+    """The absorb launch's latent write into an e4m3 cache: the stores narrow to e4m3 (saturated first)."""
+    from deepinfer_jax.kernels.mla_absorb import absorb_query_write_latents
+
+    s = jax.ShapeDtypeStruct
+    fn = lambda q, kv_b, c, sn, ckv, nw, cache, slots: absorb_query_write_latents(  # noqa: E731
+        q, kv_b, 3, c, sn, ckv, nw, cache, 4, slots, dn=128, eps=1e-6)
+    args = (s((32, H, 192), jnp.bfloat16), s((L, R, H, 256), jnp.bfloat16), s((32, DR // 2), jnp.float32),
+            s((32, DR // 2), jnp.float32), s((32, R + DR), jnp.bfloat16), s((L, R), jnp.bfloat16),
+            s((L, 40000, PS, R + DR), jnp.float8_e4m3fn), s((32,), jnp.int32))
+    (ir,) = triton_modules(fn, *args)
+    assert ir.count("tt.store") == 6 and "tt.fp_to_fp" in ir

@@ -181,3 +181,30 @@ def test_latents_in_the_promoted_dtype_of_norm_and_activations():
 def test_latent_supported_sizes():
     assert latent_supported(32, 128, 64, 512) and not latent_supported(32, 128, 64, 384)  # R a power of two
     assert not latent_supported(8, 128, 64, 512)
+
+
+def test_latents_into_an_fp8_cache_saturate_as_the_model_writes_them():
+    """An e4m3 cache: the kernel stores the latents as models/cache.py `to_cache_dtype` does, bit for bit,
+    saturating at +-448 (some latent columns here are far beyond it) rather than writing NaN."""
+    from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype
+    from deepinfer_jax.models.deepseek import write_latents
+    from deepinfer_jax.models.layers import apply_rope, rms_norm
+
+    f8 = jnp.float8_e4m3fn
+    q, kv_b, cos, sin, ckv, norm_w, cache, slots, dn = _latent_step(np.random.default_rng(8), 16, 11, 4, 9,
+                                                                      jnp.float32)
+    norm_w = norm_w.at[:, :4].multiply(500.0)
+    cache = to_cache_dtype(cache, f8)
+    R, eps, layer, cache_layer, T = norm_w.shape[1], 1e-6, 2, 3, 16
+    meta = StepMetadata(*(jnp.zeros(T, jnp.int32),) * 3, slots, jnp.zeros((1, 1), jnp.int32), jnp.zeros(1, jnp.int32))
+    c_kv, k_pe = rms_norm(ckv[:, :R], norm_w[layer], eps), apply_rope(ckv[:, R:], cos, sin)
+    want = write_latents(cache, cache_layer, meta, to_cache_dtype(jnp.concatenate([c_kv, k_pe], axis=-1), f8))
+    got = absorb_query_write_latents(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots, dn=dn,
+                                     eps=eps, interpret=True)[2]
+    assert got.dtype == f8
+    g = np.asarray(got, np.float32)
+    np.testing.assert_array_equal(g, np.asarray(want, np.float32))
+    assert not np.isnan(g).any() and (np.abs(g) == 448.0).any()
+    ref = absorb_query_write_latents_reference(q, kv_b, layer, cos, sin, ckv, norm_w, cache, cache_layer, slots,
+                                               dn=dn, eps=eps)[2]
+    np.testing.assert_array_equal(np.asarray(ref, np.float32), g)

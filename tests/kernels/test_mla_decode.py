@@ -130,3 +130,13 @@ def test_latent_in_column_chunks_matches_the_reference(qk_chunks, block_keys, sp
     ql, qp, kv, sid, pos, pt = _case(8)
     with pytest.raises(ValueError, match="qk_chunks"):
         paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, qk_chunks=2, prefetch_ids=False, interpret=True)
+
+
+def test_fp8_cache_matches_reference():
+    """An e4m3 cache (scale 1.0): the kernel widens each loaded page to the query's dtype, as the reference
+    widens its gather, so the fp32 results agree as closely as on an fp32 cache."""
+    ql, qp, kv, sid, pos, pt = _case(4)
+    kv8 = kv.astype(jnp.float8_e4m3fn)
+    ref = paged_mla_attention_reference(ql, qp, kv8, 2, sid, pos, pt, 0.17)
+    out = paged_mla_attention(ql, qp, kv8, 2, sid, pos, pt, 0.17, num_splits=3, block_h=4, interpret=True)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)

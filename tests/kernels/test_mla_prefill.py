@@ -193,3 +193,10 @@ def test_paged_attention_dispatch(monkeypatch):
         ref = paged_mla_attention_reference(ql, qp, kv, 1, sid, pos, pt, 0.17)
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=2e-6)
         assert calls[-1] == expect
+
+
+def test_fp8_cache_matches_reference():
+    """An e4m3 cache: pages widened to the query's dtype after the load (mla_decode.page_scores), as the
+    reference widens its gather."""
+    ql, qp, kv, *rest = _step(5, MIXED, 64)
+    _check(ql, qp, kv.astype(jnp.float8_e4m3fn), *rest, 1, 2e-6, block_q=4, block_h=4)
