@@ -130,8 +130,9 @@ def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket
         for f in dataclasses.fields(metas[0]) if not f.metadata.get("static")})
     offsets = np.repeat(np.arange(len(metas), dtype=np.int32) * bucket, seq_rows)
     meta = dataclasses.replace(meta, logits_indices=(meta.logits_indices + offsets).astype(np.int32))
-    st = type(samplings[0])(**{
-        f.name: np.concatenate([getattr(s, f.name) for s in samplings], axis=0)
+    st = type(samplings[0])(**{  # optional fields a step does not carry (None) stay None
+        f.name: None if getattr(samplings[0], f.name) is None else
+        np.concatenate([getattr(s, f.name) for s in samplings], axis=0)
         for f in dataclasses.fields(samplings[0])})
     request_ids: list[str | None] = [None] * (len(metas) * seq_rows)
     sample_rows: list[int] = []
