@@ -32,7 +32,9 @@ if [[ -n "$extras" ]] && ! command -v chromium >/dev/null 2>&1; then
   # the dashboard's browser test (tests/e2e/test_dashboard.py) drives a headless Chromium
   if command -v apt-get >/dev/null 2>&1 && { [[ $EUID -eq 0 ]] || sudo -n true 2>/dev/null; }; then
     sudo_=""; [[ $EUID -eq 0 ]] || sudo_="sudo -n"
-    $sudo_ apt-get install -y -q chromium >/dev/null || { $sudo_ apt-get update -q >/dev/null && $sudo_ apt-get install -y -q chromium >/dev/null; }
+    $sudo_ apt-get install -y -q chromium >/dev/null 2>&1 || { $sudo_ apt-get update -q >/dev/null 2>&1 &&
+      $sudo_ apt-get install -y -q chromium >/dev/null 2>&1; } ||
+      echo "setup: could not install chromium: the dashboard's browser test will be skipped" >&2
   else
     echo "setup: chromium is not installed and cannot be installed here (no apt-get or no root): the dashboard's browser test will be skipped" >&2
   fi
