@@ -12,6 +12,8 @@ import re
 import jsonschema
 
 from deepinfer_jax import LLM, SamplingParams, StructuredOutputsParams
+from deepinfer_jax.runner.step_io import packed
+from deepinfer_jax.runner.step_programs import program_kind
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "..", "deepinfer_jax", "assets", "default-model")
 SCHEMA = {"type": "object", "properties": {
@@ -41,6 +43,12 @@ def test_llm_structured_outputs_beside_free_requests():
     assert outs[8].outputs[0].text in ("yes", "no")
     assert len(outs[9].outputs) == 2 and all(re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", c.text) for c in outs[9].outputs)
     eng = llm.engine
+    # Those constrained steps ran their forward before their masks were filled (ModelRunner.dispatch's
+    # before_sampling): every full-variant step, decode-sized ones included, is a forward and a sampler.
+    progs = eng.runner.programs
+    for bucket in eng.shapes.buckets:
+        key = packed(eng.runner.padding_step(bucket, True))[0]
+        assert [kind for kind, _ in map(program_kind, progs.programs_of(key))] == ["forward", "sampler"]
     assert eng.runner.compiles_after_warmup == 0
     assert eng.scheduler.kv_cache_manager.usage == 0.0
     assert len(eng.runner.page_rows) == 0
