@@ -69,8 +69,9 @@ TOOLS_PREAMBLE_V31 = (
     "### Functions"
 )
 
-_V3_FAMILY = r"""
-{%- set ns = namespace(system='', n_sys=0, tool_run=false, tools='') -%}
+# The system prompt (system messages joined, then the tools' preamble and JSON schemas) after BOS: the V3 and V3.1
+# templates share it (their namespaces both carry `system`, `n_sys` and `tools`).
+_SYSTEM_HEAD = r"""
 {%- for m in messages -%}
   {%- if m['role'] == 'system' -%}
     {%- set ns.system = ns.system ~ ('\n\n' if ns.n_sys > 0 else '') ~ (m['content'] or '') -%}
@@ -84,7 +85,11 @@ _V3_FAMILY = r"""
   {%- endfor -%}
   {%- set ns.system = (ns.system ~ '\n\n' if ns.n_sys > 0 else '') ~ ns.tools -%}
 {%- endif -%}
-{{- bos_token ~ ns.system -}}
+{{- bos_token ~ ns.system -}}"""
+
+_V3_FAMILY = r"""
+{%- set ns = namespace(system='', n_sys=0, tool_run=false, tools='') -%}
+@@SYSTEM_HEAD@@
 {%- for m in messages -%}
   {%- set content = m['content'] or '' -%}
   {%- if m['role'] == 'user' -%}
@@ -137,27 +142,15 @@ def _jinja_literal(text: str) -> str:
     return "'" + text.replace("\\", "\\\\").replace("'", "\\'").replace("\n", "\\n") + "'"
 
 
-_V3_FAMILY = _V3_FAMILY.replace("@@TOOLS_PREAMBLE@@", _jinja_literal(TOOLS_PREAMBLE))
+_V3_FAMILY = _V3_FAMILY.replace("@@SYSTEM_HEAD@@", _SYSTEM_HEAD).replace("@@TOOLS_PREAMBLE@@",
+                                                                         _jinja_literal(TOOLS_PREAMBLE))
 DEEPSEEK_V3_TEMPLATE = _V3_FAMILY.replace("@@STRIP_THINK@@", "").replace("@@GEN_SUFFIX@@", "")
 DEEPSEEK_R1_TEMPLATE = _V3_FAMILY.replace("@@STRIP_THINK@@", _STRIP_THINK).replace(
     "@@GEN_SUFFIX@@", r"<think>\n")
 
 DEEPSEEK_V31_TEMPLATE = r"""
 {%- set ns = namespace(system='', n_sys=0, after_user=false, after_tool=false, tools='') -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'system' -%}
-    {%- set ns.system = ns.system ~ ('\n\n' if ns.n_sys > 0 else '') ~ (m['content'] or '') -%}
-    {%- set ns.n_sys = ns.n_sys + 1 -%}
-  {%- endif -%}
-{%- endfor -%}
-{%- if tools -%}
-  {%- set ns.tools = @@TOOLS_PREAMBLE@@ -%}
-  {%- for t in tools -%}
-    {%- set ns.tools = ns.tools ~ '\n```json\n' ~ (t | tojson) ~ '\n```' -%}
-  {%- endfor -%}
-  {%- set ns.system = (ns.system ~ '\n\n' if ns.n_sys > 0 else '') ~ ns.tools -%}
-{%- endif -%}
-{{- bos_token ~ ns.system -}}
+@@SYSTEM_HEAD@@
 {%- for m in messages -%}
   {%- set content = m['content'] or '' -%}
   {%- if m['role'] == 'user' -%}
@@ -190,7 +183,7 @@ DEEPSEEK_V31_TEMPLATE = r"""
 {%- if add_generation_prompt and not ns.after_tool -%}
   {{- '<｜Assistant｜>' ~ ('<think>' if thinking is defined and thinking else '</think>') -}}
 {%- endif -%}
-""".replace("@@TOOLS_PREAMBLE@@", _jinja_literal(TOOLS_PREAMBLE_V31))
+""".replace("@@SYSTEM_HEAD@@", _SYSTEM_HEAD).replace("@@TOOLS_PREAMBLE@@", _jinja_literal(TOOLS_PREAMBLE_V31))
 
 DEEPSEEK_V2_TEMPLATE = r"""
 {%- if tools -%}
