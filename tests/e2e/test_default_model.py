@@ -74,7 +74,10 @@ def test_card_has_every_rate():
 
 @pytest.mark.parametrize("skill", default_eval.SKILLS)
 def test_default_model_holds_its_card_rate(replies, skill):
-    need = lower_bound(default_eval.read_rates(CARD)[skill])
+    rate = default_eval.read_rates(CARD)[skill]
+    need = lower_bound(rate)
+    if need == 0:  # a bound of 0 would pass whatever the model does: say so rather than pass
+        pytest.skip(f"{skill}: the card's rate {rate} is too low for {K} prompts to bound from below")
     got = sum(replies[skill])
     assert len(replies[skill]) == K
     assert got >= need, f"{skill}: {got}/{K} held-out prompts passed, the model card's rate asks for >= {need}"
