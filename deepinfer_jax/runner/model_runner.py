@@ -287,7 +287,7 @@ class ModelRunner:
         host = self.prepare(plan_seqs, requests, seeds, ranks, masks=later is None)
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
         before = CompileCounter.count()
-        out = self.run(host, None if later is None else (before_sampling, *later))
+        out = self.run(host) if later is None else self.run(host, before_sampling=(before_sampling, *later))
         # Start the results' device-to-host copy now: it runs as soon as the step ends, and `fetch`
         # (called after the next step is queued) finds them on the host.
         out.copy_to_host_async()
