@@ -10,7 +10,8 @@ from deepinfer_jax import LLM, SamplingParams, StructuredOutputsParams
 from deepinfer_jax.types import RequestOutputKind
 
 ASSET = os.path.join(os.path.dirname(__file__), "..", "..", "deepinfer_jax", "assets", "default-model")
-PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the"
+# A chat turn whose answer repeats its reasoning: the n-gram drafts of the answer's tokens are accepted.
+QUESTION = [{"role": "user", "content": "What is 4 times 7?"}]
 
 
 def test_stop_strings_streaming_and_grammars_with_speculation():
@@ -19,20 +20,20 @@ def test_stop_strings_streaming_and_grammars_with_speculation():
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3,
                                   "prompt_lookup_min": 1})
     eng = llm.engine
+    PROMPT = llm.tokenizer.apply_chat_template(QUESTION, tokenize=False, add_generation_prompt=True)
     free = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
     assert eng.spec_stats.num_accepted_tokens > 0
     text = free.text
-    # A prompt that holds the output's loop: from the first decode on, steps emit several tokens. A stop string that
-    # starts in the output's third token ends inside such a step: the tokens after it are dropped, as if the
+    # The answer after </think> copies the reasoning line, so its tokens come several a step (accepted drafts). A stop
+    # string that starts at the answer and ends inside such a step: the tokens after it are dropped, as if the
     # tokens had come one a step.
-    looped = PROMPT + text
-    ref = llm.generate([looped], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0].outputs[0]
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0]
     tok = llm.tokenizer
-    start = len(tok.decode(ref.token_ids[:2]))
-    stop = ref.text[start: start + 3]
-    n = next(m for m in range(1, 13) if stop in tok.decode(ref.token_ids[:m]))
+    j = ref.text.index("</think>") + len("</think>")
+    stop = ref.text[j: j + 9]  # "\n\n" and the answer's first 7 characters: nowhere earlier in the text
+    n = next(m for m in range(1, 17) if stop in tok.decode(ref.token_ids[:m]))
     accepted = eng.spec_stats.num_accepted_tokens
-    out = llm.generate([looped], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True,
+    out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
                                                 stop=[stop]))[0].outputs[0]
     assert eng.spec_stats.num_accepted_tokens > accepted
     assert out.finish_reason == "stop" and out.stop_reason == stop and out.text == ref.text[: ref.text.find(stop)]
