@@ -81,6 +81,15 @@ class _JsonToolParser:
         out, self._out = self._out, []
         return out
 
+    def feed(self, delta_text: str) -> list[ToolStreamDelta]:
+        """The deltas `delta_text` completes (subclasses scan `_buf` in `_run`)."""
+        self._buf += delta_text
+        self._run(final=False)
+        return self._take()
+
+    def _run(self, final: bool) -> None:
+        raise NotImplementedError
+
 
 class HermesToolParser(_JsonToolParser):
     special_tokens = (HERMES_BEGIN, HERMES_END)
@@ -88,11 +97,6 @@ class HermesToolParser(_JsonToolParser):
     def __init__(self, id_factory: Callable[[], str] | None = None):
         super().__init__(id_factory)
         self._in_call = False
-
-    def feed(self, delta_text: str) -> list[ToolStreamDelta]:
-        self._buf += delta_text
-        self._run(final=False)
-        return self._take()
 
     def flush(self) -> list[ToolStreamDelta]:
         self._run(final=True)
@@ -206,11 +210,6 @@ class DeepSeekV4ToolParser(_JsonToolParser):
     def __init__(self, id_factory: Callable[[], str] | None = None):
         super().__init__(id_factory)
         self._in_block = False
-
-    def feed(self, delta_text: str) -> list[ToolStreamDelta]:
-        self._buf += delta_text
-        self._run(final=False)
-        return self._take()
 
     def flush(self) -> list[ToolStreamDelta]:
         self._run(final=True)
