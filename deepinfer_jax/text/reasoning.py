@@ -81,20 +81,28 @@ class DeepSeekR1ReasoningParser:
                     break
                 self._state = _REASONING if self.starts_in_reasoning else _CONTENT
                 continue
-            if self._state == _REASONING:
-                i = buf.find(THINK_END)
-                if i >= 0:
-                    reasoning.append(buf[:i])
-                    self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
-                    continue
-                keep = _partial_suffix_len(buf, THINK_END)
-                reasoning.append(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
+            if not (self._reasoning_step(buf, reasoning) if self._state == _REASONING
+                    else self._content_step(buf, content)):
                 break
-            content.append(buf)
-            self._buf = ""
-            break
         return "".join(reasoning), "".join(content)
+
+    def _reasoning_step(self, buf: str, reasoning: list[str]) -> bool:
+        """In reasoning: move what `buf` settles into `reasoning` (or the state on); True to scan on."""
+        i = buf.find(THINK_END)
+        if i >= 0:
+            reasoning.append(buf[:i])
+            self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
+            return True
+        keep = _partial_suffix_len(buf, THINK_END)
+        reasoning.append(buf[: len(buf) - keep])
+        self._buf = buf[len(buf) - keep:]
+        return False
+
+    def _content_step(self, buf: str, content: list[str]) -> bool:
+        """In content: all of `buf` is content."""
+        content.append(buf)
+        self._buf = ""
+        return False
 
     def flush(self) -> tuple[str, str]:
         """End of stream: release held text into the field it was held for."""
@@ -127,45 +135,30 @@ class DeepSeekV4ReasoningParser(DeepSeekR1ReasoningParser):
         super().__init__(starts_in_reasoning)
         self._drop_end = False  # after a tool block opened in reasoning: the first `</think>` is dropped
 
-    def feed(self, delta: str) -> tuple[str, str]:
-        self._buf += delta
-        reasoning: list[str] = []
-        content: list[str] = []
-        while True:
-            buf = self._buf
-            if self._state == _START:
-                if buf.startswith(THINK_START):
-                    self._buf, self._state = buf[len(THINK_START):], _REASONING
-                    continue
-                if THINK_START.startswith(buf):
-                    break
-                self._state = _REASONING if self.starts_in_reasoning else _CONTENT
-                continue
-            if self._state == _REASONING:
-                i, j = buf.find(THINK_END), buf.find(DSML_TOOL_CALLS)
-                if j >= 0 and (i < 0 or j < i):  # the tool block comes first: it and what follows are content
-                    reasoning.append(buf[:j])
-                    self._buf, self._state, self._drop_end = buf[j:], _CONTENT, True
-                    continue
-                if i >= 0:
-                    reasoning.append(buf[:i])
-                    self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
-                    continue
-                keep = max(_partial_suffix_len(buf, THINK_END), _partial_suffix_len(buf, DSML_TOOL_CALLS))
-                reasoning.append(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-                break
-            if self._drop_end:  # content owing the drop of one `</think>`
-                i = buf.find(THINK_END)
-                if i >= 0:
-                    content.append(buf[:i] + buf[i + len(THINK_END):])
-                    self._buf, self._drop_end = "", False
-                    break
-                keep = _partial_suffix_len(buf, THINK_END)
-                content.append(buf[: len(buf) - keep])
-                self._buf = buf[len(buf) - keep:]
-                break
-            content.append(buf)
-            self._buf = ""
-            break
-        return "".join(reasoning), "".join(content)
+    def _reasoning_step(self, buf: str, reasoning: list[str]) -> bool:
+        i, j = buf.find(THINK_END), buf.find(DSML_TOOL_CALLS)
+        if j >= 0 and (i < 0 or j < i):  # the tool block comes first: it and what follows are content
+            reasoning.append(buf[:j])
+            self._buf, self._state, self._drop_end = buf[j:], _CONTENT, True
+            return True
+        if i >= 0:
+            reasoning.append(buf[:i])
+            self._buf, self._state = buf[i + len(THINK_END):], _CONTENT
+            return True
+        keep = max(_partial_suffix_len(buf, THINK_END), _partial_suffix_len(buf, DSML_TOOL_CALLS))
+        reasoning.append(buf[: len(buf) - keep])
+        self._buf = buf[len(buf) - keep:]
+        return False
+
+    def _content_step(self, buf: str, content: list[str]) -> bool:
+        if not self._drop_end:
+            return super()._content_step(buf, content)
+        i = buf.find(THINK_END)  # content owing the drop of one `</think>`
+        if i >= 0:
+            content.append(buf[:i] + buf[i + len(THINK_END):])
+            self._buf, self._drop_end = "", False
+            return False
+        keep = _partial_suffix_len(buf, THINK_END)
+        content.append(buf[: len(buf) - keep])
+        self._buf = buf[len(buf) - keep:]
+        return False
