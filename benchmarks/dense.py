@@ -102,9 +102,11 @@ def run_shape(name: str, args) -> dict:
     for label, temp in (("greedy", 0.0), ("temp1", 1.0)):
         params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
         llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # nothing left to compile
-        t = time.time()
-        outs = llm.generate(prompts, params)
-        dt = time.time() - t
+        dt = float("inf")
+        for _ in range(2):  # the better of two runs, as vllm_peer.py times vLLM: a first run pays one-off costs
+            t = time.time()
+            outs = llm.generate(prompts, params)
+            dt = min(dt, time.time() - t)
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         row[f"{label}_tok_s"] = round(n / dt, 1)
         row[f"{label}_distinct_tokens"] = len({t for o in outs for t in o.outputs[0].token_ids})

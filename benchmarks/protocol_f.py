@@ -125,7 +125,7 @@ def write_checkpoint(d: str, cfg: dict, seed: int = 0) -> None:
         for name, shape, fp8 in tensors:
             n = int(np.prod(shape))
             if fp8:
-                start = int(rng.integers(0, pool.size - min(n, pool.size)))
+                start = int(rng.integers(0, max(1, pool.size - n)))
                 q = np.resize(pool[start:], n) if n > pool.size - start else pool[start:start + n]
                 w.write(name, q.reshape(shape))
                 sshape = tuple(-(-s // BLOCK) for s in shape)
