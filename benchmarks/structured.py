@@ -4,6 +4,7 @@ with the host's bitmask time per step and the sampling variant each run's steps 
     python benchmarks/structured.py                   # GPU: the deepseek-v2-lite shape, batches 1, 32, 128
     python benchmarks/structured.py --smoke           # CPU: the tiny preset at tiny shapes (the script's own check)
     python benchmarks/structured.py --mask-only       # the host's mask fill alone (llguidance), no model, any machine
+    python benchmarks/structured.py --samplers        # each sampling variant's sampler alone on the device
 
 Random weights (the preset's shape), `--prompt-len` random prompt ids, `--output-len` tokens a sequence, ignore
 EOS, temperature 1. The constrained runs hold every sequence to JSON lines of a realistic record schema (nested
@@ -136,6 +137,59 @@ def mask_only(args, cfg, tokenizer, batches: list[int]) -> int:
     return 0
 
 
+def samplers(args, cfg, batches: list[int], iters: int = 50) -> int:
+    """The sampler of each variant alone on the device (sampling.sample as the step programs call it), `iters`
+    samples in one program on random logits [batch, vocab]: base, greedy, mask (all rows free: an all-ones mask;
+    half the rows constrained to ~1% of the vocabulary) and full (with the penalty histories, bias entries and
+    the mask of the engine's shapes, `max_logprobs` 20). Prints us a sample."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.sampling import SamplingTensors, sample
+    from deepinfer_jax.text.grammar import mask_words
+    from deepinfer_jax.types import MAX_LOGIT_BIAS
+
+    V, W, L = cfg.vocab_size, mask_words(cfg.vocab_size), args.prompt_len + args.output_len + 8
+    print(f"device: {jax.devices()[0].device_kind}; vocabulary {V}; us a sample, {iters} in one program")
+
+    def timed(logits, st, variant) -> float:
+        full, draw = variant == "full", variant != "greedy"
+
+        @jax.jit
+        def loop(logits, st):
+            def body(i, acc):
+                out = sample(logits + i.astype(jnp.float32) * 1e-6, st, max_logprobs=20 if full else 0, full=full,
+                             draw=draw)
+                return acc + out.token_ids.sum() + out.logprob.sum().astype(jnp.int32)
+            return jax.lax.fori_loop(0, iters, body, jnp.int32(0))
+
+        loop(logits, st).block_until_ready()
+        t = time.perf_counter()
+        for _ in range(5):
+            r = loop(logits, st)
+        r.block_until_ready()
+        return 1e6 * (time.perf_counter() - t) / (5 * iters)
+
+    rng = np.random.default_rng(0)
+    for batch in batches:
+        logits = jnp.asarray(rng.normal(size=(batch, V)).astype(np.float32))
+        keys = rng.integers(0, 2**32, (batch, 2), dtype=np.uint64).astype(np.uint32)
+        base = dataclasses.replace(SamplingTensors.defaults(batch, suppress_len=8), rng_key_data=keys)
+        ones = dataclasses.replace(base, allowed_token_bits=np.full((batch, W), -1, np.int32))
+        bits = np.where(rng.random((batch, W)) < 0.01, -1, 0).astype(np.int32)
+        bits[batch // 2:] = -1
+        half = dataclasses.replace(ones, allowed_token_bits=bits)
+        full = dataclasses.replace(SamplingTensors.defaults(batch, L, L, 8, W, MAX_LOGIT_BIAS), rng_key_data=keys)
+        cases = (("base", base, "base"), ("greedy", dataclasses.replace(base, temperature=np.zeros(batch, np.float32)),
+                                          "greedy"),
+                 ("mask, all ones", ones, "mask"), ("mask, half constrained", half, "mask"), ("full", full, "full"))
+        line = ", ".join(f"{name} {timed(logits, st, variant):.1f}" for name, st, variant in cases)
+        print(f"batch {batch:4d}: {line}", flush=True)
+    return 0
+
+
 def run_one(eng, name: str, prompts, sp) -> tuple[dict, dict]:
     """Decode `prompts` under `sp`: (figures, request id -> output token ids)."""
     runner = eng.runner
@@ -177,6 +231,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU check at tiny shapes: " + ", ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in SMOKE.items()))
     ap.add_argument("--mask-only", action="store_true", help="time the host's mask fill alone (no model)")
+    ap.add_argument("--samplers", action="store_true", help="time each sampling variant's sampler alone")
     ap.add_argument("--json", default="", help="write the figures to this file")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -188,8 +243,10 @@ def main(argv=None) -> int:
 
     cfg_path = os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json")
     cfg = ModelConfig.from_json_file(cfg_path)
-    tokenizer = load_tokenizer(model_dir(args, cfg_path, cfg.vocab_size))
     batches = [int(b) for b in args.batches.split(",")]
+    if args.samplers:
+        return samplers(args, cfg, batches)
+    tokenizer = load_tokenizer(model_dir(args, cfg_path, cfg.vocab_size))
     if args.mask_only:
         return mask_only(args, cfg, tokenizer, batches)
 
