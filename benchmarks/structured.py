@@ -140,8 +140,9 @@ def mask_only(args, cfg, tokenizer, batches: list[int]) -> int:
 def samplers(args, cfg, batches: list[int], iters: int = 50) -> int:
     """The sampler of each variant alone on the device (sampling.sample as the step programs call it), `iters`
     samples in one program on random logits [batch, vocab]: base, greedy, mask (all rows free: an all-ones mask;
-    half the rows constrained to ~1% of the vocabulary) and full (with the penalty histories, bias entries and
-    the mask of the engine's shapes, `max_logprobs` 20). Prints us a sample."""
+    half the rows constrained to ~1% of the vocabulary; the same with the logit_bias stage, which the mask variant
+    leaves to the full one) and full (with the penalty histories, bias entries and the mask of the engine's shapes,
+    `max_logprobs` 20). Prints us a sample."""
     import dataclasses
 
     import jax
@@ -181,10 +182,14 @@ def samplers(args, cfg, batches: list[int], iters: int = 50) -> int:
         bits = np.where(rng.random((batch, W)) < 0.01, -1, 0).astype(np.int32)
         bits[batch // 2:] = -1
         half = dataclasses.replace(ones, allowed_token_bits=bits)
+        bias = SamplingTensors.defaults(batch, bias_len=MAX_LOGIT_BIAS)
+        bias.logit_bias_ids[:, :4] = rng.integers(0, V, (batch, 4))
+        bias = dataclasses.replace(half, logit_bias_ids=bias.logit_bias_ids, logit_bias_values=bias.logit_bias_values)
         full = dataclasses.replace(SamplingTensors.defaults(batch, L, L, 8, W, MAX_LOGIT_BIAS), rng_key_data=keys)
         cases = (("base", base, "base"), ("greedy", dataclasses.replace(base, temperature=np.zeros(batch, np.float32)),
                                           "greedy"),
-                 ("mask, all ones", ones, "mask"), ("mask, half constrained", half, "mask"), ("full", full, "full"))
+                 ("mask, all ones", ones, "mask"), ("mask, half constrained", half, "mask"),
+                 ("mask with logit_bias", bias, "mask"), ("full", full, "full"))
         line = ", ".join(f"{name} {timed(logits, st, variant):.1f}" for name, st, variant in cases)
         print(f"batch {batch:4d}: {line}", flush=True)
     return 0
