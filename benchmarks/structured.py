@@ -115,7 +115,9 @@ def mask_only(args, cfg, tokenizer, batches: list[int]) -> int:
     from deepinfer_jax.text.grammar import GrammarCompiler, GrammarMatcher, allowed_ids, mask_words
     from deepinfer_jax.types import StructuredOutputsParams
 
-    compiler = GrammarCompiler(tokenizer, cfg.vocab_size, [1] if not cfg.eos_token_ids else cfg.eos_token_ids)
+    # the engine's EOS ids: the model's and the tokenizer's (the trained BPE's table may stop below the model's)
+    eos = tuple(dict.fromkeys(tuple(cfg.eos_token_ids) + tuple(tokenizer.eos_token_ids or ())))
+    compiler = GrammarCompiler(tokenizer, cfg.vocab_size, eos)
     spec = StructuredOutputsParams(grammar=GRAMMAR)
     rng = np.random.default_rng(0)
     print(f"host mask fill, {os.cpu_count()} CPUs, vocabulary {cfg.vocab_size}, {args.output_len} steps a batch")
