@@ -14,10 +14,10 @@ with data-parallel attention each rank gets its own scheduler and page pool (sha
 
 Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
 add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
-full variant, whose allowed-token bitmask the runner fills from the matchers; since the mask of step N needs the
-token of step N-1, the runner queues N's forward first (a program of its own), then the engine fetches N-1 (its
-ids, grammars and token stops; its text and outputs come after the dispatch) and the runner fills the masks and
-queues N's sampler, so the host's mask work overlaps N's forward on the device. Each fetched token advances the
+mask (or full) variant, whose allowed-token bitmask the runner fills from the matchers (no tokenizer: no bitmask);
+since the mask of step N needs the token of step N-1, the runner queues N's forward first, then the engine fetches
+N-1 (its ids, grammars and token stops; its text and outputs come after the dispatch) and the runner fills the masks
+and queues N's sampler, so the host's mask work overlaps N's forward on the device. Each fetched token advances the
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
 Speculative decoding (`speculative_config`, config.SpeculativeConfig; docs/speculative.md): before each plan the
@@ -159,7 +159,8 @@ class LLMEngine:
             raise ValueError(f"the largest token bucket {buckets[-1]} is below max(max_num_batched_tokens, "
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
-                             mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS,
+                             mask_words=mask_words(cfg.vocab_size) if tokenizer is not None else 0,
+                             max_logit_bias=MAX_LOGIT_BIAS,
                              spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0))
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler

@@ -69,8 +69,8 @@ class Shapes:
     page_size: int
     max_model_len: int
     max_suppress: int = 8
-    # int32 words a row of the full variant's allowed-token bitmask (structured output): cdiv(vocab, 32), or 0
-    # for no mask stage.
+    # int32 words a row of the allowed-token bitmask (structured output) of the full and mask variants:
+    # cdiv(vocab, 32), or 0 for no mask stage.
     mask_words: int = 0
     # entries of the full variant's logit_bias arrays (types.MAX_LOGIT_BIAS), or 0 for no bias stage.
     max_logit_bias: int = 0
@@ -100,11 +100,12 @@ class HostStep:
     penalties: bool  # the full sampling variant
     greedy: bool = False  # the greedy variant: every row greedy, no draw (RunnerConfig.greedy_variant)
     spec_width: int = 1  # sampling rows a sequence row (Shapes.spec_width): row r's are r * W .. r * W + W - 1
+    masked: bool = False  # the mask variant: the base sampler and the allowed-token bitmask (structured output)
 
     @property
     def variant(self) -> str:
-        """The step program's sampling variant: "full", "greedy" or "base"."""
-        return "full" if self.penalties else "greedy" if self.greedy else "base"
+        """The step program's sampling variant: "full", "mask", "greedy" or "base"."""
+        return "full" if self.penalties else "mask" if self.masked else "greedy" if self.greedy else "base"
 
 
 PAGE_ROWS_MIN = 32  # pages a sequence (mean over the step) above which build_metadata takes PageRows' arrays
@@ -205,35 +206,38 @@ def uses_penalties(req: Request) -> bool:
     return sp.presence_penalty != 0.0 or sp.frequency_penalty != 0.0 or sp.repetition_penalty != 1.0
 
 
-def needs_full_variant(req: Request) -> bool:
+def needs_full_variant(req: Request, mask_variant: bool = False) -> bool:
     """Whether a request needs the step's full variant: penalties (history arrays), logprobs, the
-    sort that top-k / top-p take, a structured-output grammar (the allowed-token bitmask) or a logit_bias.
+    sort that top-k / top-p take, a logit_bias, or a structured-output grammar (the allowed-token bitmask)
+    unless the runner has the mask variant (`mask_variant`), which takes a grammar alone.
     Decided on the host so that the step has no device-side branches."""
     sp = req.sampling_params
     truncates = sp.top_k > 0 or sp.top_p < 1.0  # top_k is stored as 0 when off
     return (uses_penalties(req) or sp.logprobs is not None or (not sp.is_greedy() and truncates)
-            or req.grammar is not None or sp.logit_bias is not None)
+            or (req.grammar is not None and not mask_variant) or sp.logit_bias is not None)
 
 
-def fill_masks(plan_seqs, requests: dict[str, Request], st: SamplingTensors) -> None:
+def fill_masks(plan_seqs, requests: dict[str, Request], st: SamplingTensors) -> int:
     """Fill the allowed-token bitmask row of each sampling seq whose request has a grammar from its matcher's
-    allowed next tokens (one call for all of them); the other rows keep theirs (all ones)."""
+    allowed next tokens (one call for all of them); the other rows keep theirs (all ones). Returns the rows filled."""
     rows = [(requests[seq.request_id].grammar, row) for row, seq in enumerate(plan_seqs)
             if seq.sample and requests[seq.request_id].grammar is not None]
     if rows:
         type(rows[0][0]).fill_bitmasks(rows, st.allowed_token_bits)
+    return len(rows)
 
 
 def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int], shapes: Shapes,
-                   bucket: int, penalties: bool, masks: bool = True) -> SamplingTensors:
-    """Per-row sampling tensors. History arrays are [S, max_model_len] in the penalty (full) variant, else
-    [S, 0]; so is the allowed-token bitmask [S, shapes.mask_words]: all ones, and for each sampling row of a
-    request with a grammar (Request.grammar) that matcher's allowed next tokens, filled in one call (`fill_masks`;
-    `masks` False leaves that to the caller)."""
+                   bucket: int, penalties: bool, masks: bool = True, masked: bool = False) -> SamplingTensors:
+    """Per-row sampling tensors. History arrays and the logit_bias arrays are [S, max_model_len] and
+    [S, max_logit_bias] in the penalty (full) variant, else [S, 0]; the allowed-token bitmask is
+    [S, shapes.mask_words] in the full variant and in the mask variant (`masked`), else [S, 0]: all ones, and for
+    each sampling row of a request with a grammar (Request.grammar) that matcher's allowed next tokens, filled in
+    one call (`fill_masks`; `masks` False leaves that to the caller)."""
     S = shapes.seq_rows(bucket)
     L = shapes.max_model_len if penalties else 0
     st = SamplingTensors.defaults(S, prompt_len=L, output_len=L, suppress_len=shapes.max_suppress,
-                                  mask_words=shapes.mask_words if penalties else 0,
+                                  mask_words=shapes.mask_words if penalties or masked else 0,
                                   bias_len=shapes.max_logit_bias if penalties else 0)
     row_seeds, row_steps = [0] * S, [0] * S  # Python ints: any seed (negative, >= 2**64) reduces mod 2**64
     for row, seq in enumerate(plan_seqs):
@@ -262,7 +266,7 @@ def build_sampling(plan_seqs, requests: dict[str, Request], seeds: dict[str, int
             st.logit_bias_ids[row, :n] = list(sp.logit_bias)
             st.logit_bias_values[row, :n] = list(sp.logit_bias.values())
         if req.grammar is not None and seq.sample:
-            if not penalties or not shapes.mask_words:
+            if not (penalties or masked) or not shapes.mask_words:
                 raise ValueError(f"request {seq.request_id} has a grammar but the step has no token bitmask")
         row_seeds[row] = seeds[seq.request_id]
         row_steps[row] = seq.num_output_tokens

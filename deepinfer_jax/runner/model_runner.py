@@ -6,11 +6,14 @@ which reads the logits of each sequence's last token on the device (logits never
 the sampled token ids (and logprobs) for the rows that sample.
 
 Variants: for each token bucket, a base sampler (no penalties, no top-k / top-p, no top logprobs) and
-a full one (penalty history arrays, the top-k / top-p sort, top `max_logprobs` logprobs), and for decode
-buckets (RunnerConfig.greedy_variant) a greedy one (every row greedy: no draw); the host picks one per step
-(inputs.needs_full_variant, `prepare`), so the step has no device-side branch. A bucket's programs share
+a full one (penalty history arrays, logit_bias, the structured-output bitmask, the top-k / top-p sort, top
+`max_logprobs` logprobs), for decode buckets (RunnerConfig.greedy_variant) a greedy one (every row greedy: no
+draw), and where a step's forward may be a program of its own (`has_mask_variant`) a mask one: the base sampler
+and the bitmask, for steps whose constrained rows need nothing else of the full variant. The host picks one per
+step (inputs.needs_full_variant, `prepare`), so the step has no device-side branch. A bucket's programs share
 the forward's trace; with RunnerConfig.prefill_shared_forward a prefill bucket's variants share its compiled
-forward too, each step then the forward and the variant's sampler as two programs. runner/step_programs.py
+forward too, each step then the forward and the variant's sampler as two programs, and so do every bucket's full
+and mask variants (their masks are filled while the forward runs). runner/step_programs.py
 makes and holds the programs and their resident buffers. `warmup()` compiles all of them (runner/warmup.py, which
 calls the public methods below the warm-up heading); afterwards `CompileCounter` sees every backend compile (or
 persistent-cache load) during this runner's steps, and `compiles_after_warmup` must stay 0 (tests assert it;
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from typing import Any
 
 import jax
@@ -105,6 +109,11 @@ class ModelRunner:
         self.last_routing = None
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
+        self.steps_by_variant: Counter[str] = Counter()  # steps dispatched, by sampling variant (HostStep.variant)
+        # The host's structured-output bitmask fills done while a step's forward ran (`run`'s before_sampling):
+        # how many, their rows and seconds in all, and the last one's seconds.
+        self.mask_fills = self.mask_fill_rows = 0
+        self.mask_fill_seconds = self.last_mask_fill_seconds = 0.0
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
         self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
         self.kv_transfer = None  # runner/kv_transfer.py, with a host tier (`enable_host_tier`)
@@ -143,9 +152,16 @@ class ModelRunner:
         self._warm = True
         return n
 
-    def padding_step(self, bucket: int, full: bool) -> HostStep:
-        """A step of `bucket` with no sequences (all padding), in the full sampling variant or the base one."""
-        return self._host_step([[]] * self.num_ranks, {}, {}, bucket, full)
+    def padding_step(self, bucket: int, full: bool, masked: bool = False) -> HostStep:
+        """A step of `bucket` with no sequences (all padding), in the full sampling variant, the mask one (`masked`)
+        or the base one."""
+        return self._host_step([[]] * self.num_ranks, {}, {}, bucket, full, masked=masked)
+
+    def has_mask_variant(self) -> bool:
+        """Whether steps whose constrained rows need only their bitmask (no logprobs, penalties, top-k / top-p,
+        logit_bias) sample in the mask variant rather than the full one: where a step's forward may be a program of
+        its own (StepPrograms.splits_full), the shapes have a bitmask and no speculation."""
+        return self.programs.splits_full() and self.shapes.mask_words > 0 and self.shapes.spec_width == 1
 
     def has_greedy_variant(self, bucket: int) -> bool:
         """Whether `bucket` has the greedy sampling variant (RunnerConfig.greedy_variant: decode buckets)."""
@@ -190,22 +206,26 @@ class ModelRunner:
         else:
             groups = [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)]
         bucket = self.shapes.bucket_for(max(sum(len(s.token_ids) for s in g) for g in groups))
-        want_full = any(needs_full_variant(requests[s.request_id]) for s in plan_seqs)
-        host = self._host_step(groups, requests, seeds, bucket, want_full, masks)
-        if not want_full and self.has_greedy_variant(bucket) and all(
+        lean = self.has_mask_variant()
+        want_full = any(needs_full_variant(requests[s.request_id], lean) for s in plan_seqs)
+        masked = lean and not want_full and any(requests[s.request_id].grammar is not None for s in plan_seqs)
+        host = self._host_step(groups, requests, seeds, bucket, want_full, masks, masked)
+        if not (want_full or masked) and self.has_greedy_variant(bucket) and all(
                 requests[s.request_id].sampling_params.is_greedy() for s in plan_seqs):
             host.greedy = True
         return host
 
-    def _host_step(self, groups, requests, seeds, bucket: int, full: bool, masks: bool = True) -> HostStep:
-        """One rank's seqs per group -> the padded HostStep (ranks laid out one after another)."""
+    def _host_step(self, groups, requests, seeds, bucket: int, full: bool, masks: bool = True,
+                   masked: bool = False) -> HostStep:
+        """One rank's seqs per group -> the padded HostStep (ranks laid out one after another). `masked`: the mask
+        variant (one rank only: `has_mask_variant`)."""
         if self.num_ranks == 1:
             (seqs,) = groups
             meta = build_metadata(seqs, self.shapes, bucket, self._mark_context, self.page_rows)
-            st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full, masks=masks)
+            st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full, masks=masks, masked=masked)
             rows = [i for i, s in enumerate(seqs) if s.sample]
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full,
-                            spec_width=self.shapes.spec_width)
+                            spec_width=self.shapes.spec_width, masked=masked)
         metas = [build_metadata(g, self.shapes, bucket, page_rows=self.page_rows) for g in groups]
         sts = [build_sampling(g, requests, seeds, self.shapes, bucket, full) for g in groups]
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
@@ -236,7 +256,11 @@ class ModelRunner:
             if before_sampling is not None:  # the forward is queued: now the masks, then the sampler's inputs
                 callback, seqs, reqs = before_sampling
                 callback()
-                fill_masks(seqs, reqs, host.sampling)
+                t = time.perf_counter()
+                self.mask_fill_rows += fill_masks(seqs, reqs, host.sampling)
+                self.last_mask_fill_seconds = time.perf_counter() - t
+                self.mask_fill_seconds += self.last_mask_fill_seconds
+                self.mask_fills += 1
                 inputs = packed(host)[1]
             res.inbox = self._stage(res.inbox, inputs[n:])
             self._prev_tokens, res.outbox = smp(progs.forward_outputs[out_key], self._prev_tokens, res.inbox,
@@ -286,6 +310,7 @@ class ModelRunner:
                 before_sampling()
         host = self.prepare(plan_seqs, requests, seeds, ranks, masks=later is None)
         self.last_num_tokens = sum(len(s.token_ids) for s in plan_seqs)
+        self.steps_by_variant[host.variant] += 1
         before = CompileCounter.count()
         out = self.run(host) if later is None else self.run(host, before_sampling=(before_sampling, *later))
         # Start the results' device-to-host copy now: it runs as soon as the step ends, and `fetch`

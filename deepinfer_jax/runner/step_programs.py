@@ -71,12 +71,12 @@ class StepPrograms:
     def shares_forward(self, key) -> bool:
         """Whether `key`'s step runs as two programs (`splits_full`): its bucket's forward, shared by the bucket's
         sampling variants, then the variant's sampler. Prefill buckets (more token slots than sequence rows), whose
-        variants then share one compiled forward, and every bucket's full variant, whose structured-output
+        variants then share one compiled forward, and every bucket's full and mask variants, whose structured-output
         bitmasks can then be filled on the host while the forward runs (ModelRunner.dispatch)."""
         if key not in self._shares:
             meta = meta_struct(key[0])
             self._shares[key] = self.splits_full() and (
-                key[1] == "full" or meta.token_ids.shape[0] > meta.logits_indices.shape[0])
+                key[1] in ("full", "mask") or meta.token_ids.shape[0] > meta.logits_indices.shape[0])
         return self._shares[key]
 
     def sampler_id(self, key) -> tuple:
@@ -192,7 +192,8 @@ class StepPrograms:
 
     def _sample_fn(self, variant: str, layout: Layout):
         """The jitted sampler of one (bucket, variant): (the forward's output, prev_tokens, ints, floats)
-        -> (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program."""
+        -> (SampledTokens, the next step's prev_tokens [max_rows]). Traced inside `_step_fn`'s program. The mask
+        variant is the base one on a sampling layout with the allowed-token bitmask (inputs.build_sampling)."""
         key = (variant, layout)
         if key not in self._smp_fns:
             full, draw = variant == "full", variant != "greedy"

@@ -1,11 +1,12 @@
 """Warm-up: every step program compiled (or loaded) before the first request, then each step run on padding.
 
-`plan(runner)` lists the steps to run (one padding step a bucket and sampling variant, both context variants where
-prefill buckets have them) and the programs they need (step_programs.program_kind's ids), the slowest to compile
-first. `warm_up(runner)` traces and lowers the programs one after another on the calling thread, from the params'
-abstract tree while the weights still load (weights/pending.py), hands each to a pool of compile threads as soon
-as it is lowered, then takes the params and runs each step `RunnerConfig.warmup_runs` times as soon as its programs
-are compiled. Afterwards the runner calls the compiled executables directly and counts any compile as a recompile.
+`plan(runner)` lists the steps to run (one padding step a bucket and sampling variant, the mask variant with the
+full one, both context variants where prefill buckets have them) and the programs they need
+(step_programs.program_kind's ids), the slowest to compile first. `warm_up(runner)` traces and lowers the programs
+one after another on the calling thread, from the params' abstract tree while the weights still load
+(weights/pending.py), hands each to a pool of compile threads as soon as it is lowered, then takes the params and
+runs each step `RunnerConfig.warmup_runs` times as soon as its programs are compiled. Afterwards the runner calls
+the compiled executables directly and counts any compile as a recompile.
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def plan(runner) -> tuple[list[HostStep], dict[Any, tuple[int, str]]]:
     hosts = [runner.padding_step(b, full) for b in buckets for full in variants]
     hosts += [dataclasses.replace(h, greedy=True) for h in hosts
               if not h.penalties and runner.has_greedy_variant(h.bucket)]
+    if runner.runner_cfg.warmup_full_variant and runner.has_mask_variant():  # its forward is the full variant's
+        hosts += [runner.padding_step(b, False, masked=True) for b in buckets]
     # An empty plan is a step without cached context; where prefill buckets say so, the other variant too.
     hosts += [dataclasses.replace(h, meta=dataclasses.replace(h.meta, has_context=True)) for h in hosts
               if h.meta.has_context is False]

@@ -28,6 +28,22 @@ def test_needs_full_variant(kw, full):
     assert needs_full_variant(Request("r", [1, 2], SamplingParams(**kw))) is full
 
 
+@pytest.mark.parametrize("kw, full", [
+    ({}, False),
+    ({"temperature": 1.0, "min_p": 0.1}, False),
+    ({"logprobs": 0}, True),
+    ({"temperature": 0.7, "top_p": 0.9}, True),
+    ({"logit_bias": {3: 5.0}}, True),
+    ({"repetition_penalty": 1.1}, True),
+])
+def test_a_grammar_alone_needs_the_full_variant_only_without_the_mask_variant(kw, full):
+    """A request with a grammar (any matcher: only its presence counts here) needs the full variant where the runner
+    has no mask variant; with it, only what else it asks for decides."""
+    req = Request("r", [1, 2], SamplingParams(**kw), grammar=object())
+    assert needs_full_variant(req) is True
+    assert needs_full_variant(req, mask_variant=True) is full
+
+
 def test_prefill_buckets_say_whether_the_step_has_cached_context():
     """build_metadata(mark_context=True) (RunnerConfig.prefill_context_variant): a prefill bucket (more token
     slots than sequence rows) marks a step with any sequence past position 0 (a later chunk, a prefix-cache
