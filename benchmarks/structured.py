@@ -233,6 +233,8 @@ def main(argv=None) -> int:
     ap.add_argument("--moe-impl", default="pallas")
     ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--token-buckets", default="", help="comma-separated token buckets to compile (default: the "
+                    "engine's); e.g. 32,16384 for batch 32 x 512 alone, a shorter start-up")
     ap.add_argument("--tokenizer", default="", help="a folder with the model's tokenizer.json (and its config)")
     ap.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "deepinfer-bench"))
     ap.add_argument("--smoke", action="store_true", help="CPU check at tiny shapes: " + ", ".join(
@@ -275,7 +277,9 @@ def main(argv=None) -> int:
         scheduler_config=SchedulerConfig(max_num_seqs=max(batches), max_num_batched_tokens=args.max_num_batched_tokens,
                                          max_model_len=args.prompt_len + args.output_len + 8),
         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False, gpu_memory_utilization=0.85),
-        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl),
+        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl, **(
+            {"token_buckets": tuple(sorted(int(b) for b in args.token_buckets.split(",")))}
+            if args.token_buckets else {})),
         progress=False)
     print(f"ready in {time.time() - t0:.1f} s ({eng.num_warmup_compiles} programs; mask variant: "
           f"{eng.runner.has_mask_variant()})", flush=True)
