@@ -34,6 +34,8 @@ class SpecDecodeStats:
 def propose(engine) -> None:
     """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
     spec = engine.spec
+    if spec.method == "draft_model":  # engine/spec_draft.py
+        return engine.drafter.propose(engine)
     k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
     for req in engine.scheduler.running:
         if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
