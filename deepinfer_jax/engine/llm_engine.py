@@ -47,8 +47,7 @@ from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, Schedul
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
-from deepinfer_jax.engine.spec_draft import drafter_for
-from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
+from deepinfer_jax.engine.speculative import SpecDecodeStats, drafter_for, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer_jax.engine.spec_draft import drafter_for  # noqa: F401 - the draft_model method's (LLMEngine's)
 from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.types import RequestOutput
 
