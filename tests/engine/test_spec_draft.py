@@ -24,7 +24,10 @@ def path(hf_case):
 
 @pytest.fixture(scope="module")
 def plain(path):
-    return LLM(path, **ARGS)
+    # test_speculative.py's and test_engine_features.py's engine (its programs come from the session's program cache
+    # when those ran first)
+    return LLM(path, dtype="float32", skip_tokenizer_init=True, max_model_len=512, max_num_seqs=16,
+               max_num_batched_tokens=256, page_size=8, progress=False)
 
 
 @pytest.fixture(scope="module")
