@@ -117,12 +117,12 @@ class Drafter:
     def propose(self, engine) -> None:
         """Drafts (Request.spec_token_ids) for every running request that decodes next and has no grammar, at most
         K and within max_model_len and max_tokens (the scheduler verifies no more)."""
+        from deepinfer_jax.runner.draft_runner import DraftItem
+
         sched = engine.scheduler
         kv = sched.kv_cache_manager
         ps = self.runner.page_size
         items, held = [], {}
-        from deepinfer_jax.runner.draft_runner import DraftItem
-
         for req in sched.running:
             if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
                 continue
