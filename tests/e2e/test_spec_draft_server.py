@@ -38,7 +38,8 @@ def llm(scripted_model, xla_cache_dir):
 
     path = scripted_model[0]
     return LLM(path, dtype="float32", max_model_len=512, max_num_seqs=16, max_num_batched_tokens=64, page_size=8,
-               progress=False, compilation_cache_dir=xla_cache_dir, token_buckets=(16, 64),
+               progress=False, compilation_cache_dir=xla_cache_dir, token_buckets=(16, 64), greedy_variant=False,
+               prefill_context_variant=False,
                speculative_config={"method": "draft_model", "model": path, "num_speculative_tokens": 3})
 
 
