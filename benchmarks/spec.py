@@ -1,4 +1,4 @@
-"""Speculative decoding: what a verify step costs, and what n-gram speculation gives end to end.
+"""Speculative decoding: what a verify step costs, and what n-gram and draft-model speculation give end to end.
 
     python benchmarks/spec.py                                          # GPU: the deepseek-v2-lite shape
     python benchmarks/spec.py --preset tiny-deepseek-v2 --batches 1,4 --ks 1,2 --prompt-len 32 --steps 4 \\
@@ -20,6 +20,13 @@ token (TPOT) against K = 0:
     prompts ask to repeat a passage of text, and the acceptance is real.
   * `forced acceptance` (labelled): drafts are the target's own greedy continuation (from the K = 0 run), so
     every draft is accepted: the ceiling at acceptance K + 1.
+  * `draft_model` (`--draft`, labelled with the draft): a draft model with its own runner and paged cache proposes
+    K greedy drafts a step (engine/spec_draft.py), its cost (catch-up and K draft steps) inside the step time.
+    `--draft layers` (the default with random weights): the preset's shape cut to `--draft-layers` layers, random
+    weights of its own: the cost side (a random draft is rejected: acceptance ~1.0). `--draft self` (with
+    `--model`, e.g. the embedded default model): the checkpoint as its own draft, every draft accepted: the ceiling
+    at acceptance K + 1 with the draft's real cost. `--draft DIR`: that checkpoint. Its correctness check (greedy
+    outputs equal without speculation) runs first, as for the others.
 Greedy sampling, EOS ignored, `--output-len` tokens a sequence; timing covers `--steps` steady decode steps after
 the prefill.
 """
@@ -53,7 +60,13 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-impl", default="pallas")
     ap.add_argument("--moe-impl", default="pallas")
     ap.add_argument("--page-size", type=int, default=64)
+    ap.add_argument("--draft", default="", help="draft_model mode: 'layers' (default with random weights), 'self' "
+                    "(the --model checkpoint as its own draft), a checkpoint directory, or 'none'")
+    ap.add_argument("--draft-layers", type=int, default=2, help="--draft layers: the draft's decoder layers")
     args = ap.parse_args(argv)
+    draft = args.draft or ("self" if args.model else "layers")
+    if draft == "self" and not args.model:
+        ap.error("--draft self needs --model (random weights differ between the target and a draft)")
 
     import jax
     import jax.numpy as jnp
@@ -99,18 +112,38 @@ def main(argv=None) -> int:
             prompts.append((passage * (args.prompt_len // 32 + 1))[: args.prompt_len])
     max_len = max(len(p) for p in prompts) + output_len + max(ks) + 8
 
-    def engine(k: int) -> LLMEngine:
+    draft_dir, draft_label = None, None
+    if draft == "self":
+        draft_dir, draft_label = args.model, "draft_model (self)"
+    elif draft == "layers":  # the preset cut to a few layers, random weights (load_format dummy: drawn at load)
+        import json
+        import tempfile
+
+        with open(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json")) as f:
+            small = json.load(f)
+        small["num_hidden_layers"] = args.draft_layers
+        small["first_k_dense_replace"] = min(small.get("first_k_dense_replace", 0), args.draft_layers - 1)
+        draft_dir = tempfile.mkdtemp(prefix="spec-draft-")
+        with open(os.path.join(draft_dir, "config.json"), "w") as f:
+            json.dump(small, f)
+        draft_label = f"draft_model ({args.draft_layers}-layer, random)"
+    elif draft != "none":
+        draft_dir, draft_label = draft, f"draft_model ({os.path.basename(draft.rstrip('/'))})"
+
+    def engine(k: int, draft_model: str | None = None) -> LLMEngine:
         t = time.time()
+        spec = ({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k} if draft_model else
+                {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
         eng = LLMEngine(cfg, params, tokenizer,
                         scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_model_len=max_len,
                                                          max_num_batched_tokens=max(2048, max_b * (k + 1))),
                         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False,
                                                  gpu_memory_utilization=0.85),
                         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl),
-                        progress=False,
-                        speculative_config=None if k == 0 else {"method": "ngram", "num_speculative_tokens": k,
-                                                                "prompt_lookup_max": 4, "prompt_lookup_min": 1})
-        print(f"K={k}: ready in {time.time() - t:.1f} s ({eng.num_warmup_compiles} programs)", flush=True)
+                        progress=False, speculative_config=None if k == 0 else spec,
+                        load_format="auto" if args.model else "dummy")
+        print(f"K={k}{' ' + draft_label if draft_model else ''}: ready in {time.time() - t:.1f} s "
+              f"({eng.num_warmup_compiles} programs)", flush=True)
         return eng
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -191,12 +224,28 @@ def main(argv=None) -> int:
                 rows.append((name, k, b, ms0, tok0, ms, tok, acc))
         del eng
         gc.collect()
+        if draft_dir is None:
+            continue
+        eng = engine(k, draft_dir)
+        b = min(batches)
+        outs = run(eng, b, timed=False)[0]
+        same = sum(outs[i] == base[b][0][i] for i in base[b][0])
+        print(f"K={k}: {draft_label} drafts: {same} of {len(outs)} greedy outputs equal without speculation", flush=True)
+        if 2 * same < len(outs):
+            print(f"K={k}: FAILED: {draft_label} drafts change the greedy output", flush=True)
+            return 1
+        for b in batches:
+            _, ms0, tok0, _ = base[b]
+            _, ms, tok, acc = run(eng, b)
+            rows.append((draft_label, k, b, ms0, tok0, ms, tok, acc))
+        del eng
+        gc.collect()
     print()
-    print(f"{'mode':<22} {'K':>2} {'batch':>5} {'accept len':>10} {'step ms K=0':>11} {'step ms':>8} "
+    print(f"{'mode':<30} {'K':>2} {'batch':>5} {'accept len':>10} {'step ms K=0':>11} {'step ms':>8} "
           f"{'ratio':>6} {'tok/s K=0':>10} {'tok/s':>9} {'TPOT x':>7}")
     for name, k, b, ms0, tok0, ms, tok, acc in rows:
         tps0, tps = tok0 / (ms0 / 1e3), tok / (ms / 1e3)
-        print(f"{name:<22} {k:>2} {b:>5} {acc:>10.2f} {ms0:>11.2f} {ms:>8.2f} {ms / ms0:>6.2f} {tps0:>10.1f} "
+        print(f"{name:<30} {k:>2} {b:>5} {acc:>10.2f} {ms0:>11.2f} {ms:>8.2f} {ms / ms0:>6.2f} {tps0:>10.1f} "
               f"{tps:>9.1f} {tps0 / tps if tps else float('nan'):>7.2f}")
     print("\nTPOT x: time per output token with speculation / without (below 1: faster). tok/s: output tokens a "
           "timed step (mean) over the median step time.")

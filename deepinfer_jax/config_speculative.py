@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "deepseek_mtp", "draft_model")
 # The methods this engine runs; the others are refused at start, naming the method.
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram",)
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,10 @@ class SpeculativeConfig:
         return cls(**value)
 
     def check_supported(self) -> None:
-        """Refuse, naming it, a method this engine does not run yet."""
+        """Refuse, naming it, a method this engine does not run yet, and a draft model directory that does not exist
+        (before anything loads; engine/spec_draft.py checks the draft's vocabulary)."""
         if self.method not in IMPLEMENTED_SPECULATIVE_METHODS:
             raise ValueError(f"speculative_config method {self.method!r} is not supported yet (supported: "
                              f"{', '.join(IMPLEMENTED_SPECULATIVE_METHODS)})")
+        if self.method == "draft_model" and not os.path.isdir(self.model):
+            raise ValueError(f"speculative_config model {self.model!r} (the draft) is not a directory")

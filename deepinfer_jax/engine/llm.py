@@ -299,7 +299,7 @@ class LLM:
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
-                                sharding=self.sharding, speculative_config=spec)
+                                sharding=self.sharding, speculative_config=spec, load_format=load_format)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
         self._channel = channel

@@ -21,7 +21,7 @@ and queues N's sampler, so the host's mask work overlaps N's forward on the devi
 matcher; the request finishes ("stop") once its grammar is complete and takes nothing more.
 
 Speculative decoding (`speculative_config`, config.SpeculativeConfig; docs/speculative.md): before each plan the
-engine proposes drafts (Request.spec_token_ids: n-gram prompt lookup on the host) for the requests that decode;
+engine proposes drafts (Request.spec_token_ids: n-gram lookup, or `drafter`'s model) for the requests that decode;
 the scheduler verifies as many as fit, their K + 1 positions in the same ragged step as everything else; the
 runner's rejection sampler keeps the target distribution (sampling/rejection.py) and a sequence takes its
 accepted drafts and one token of the target's. Since the next plan needs how many were accepted, every step is
@@ -47,7 +47,7 @@ from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, Schedul
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
-from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
+from deepinfer_jax.engine.speculative import SpecDecodeStats, drafter_for, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
@@ -108,7 +108,7 @@ class LLMEngine:
     def __init__(self, cfg: ModelConfig, params: Any, tokenizer: Any, *, scheduler_config: SchedulerConfig,
                  cache_config: CacheConfig, runner_config: RunnerConfig, num_pages: int | None = None,
                  progress: bool = True, max_logprobs: int = 20, sharding: Any = None,
-                 speculative_config: SpeculativeConfig | dict | str | None = None):
+                 speculative_config: SpeculativeConfig | dict | str | None = None, load_format: str = "auto"):
         self.cfg, self.tokenizer = cfg, tokenizer
         self.spec = SpeculativeConfig.parse(speculative_config)
         if self.spec is not None:
@@ -116,6 +116,7 @@ class LLMEngine:
             if sharding is not None:
                 raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
         self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec is not None else None
+        self.drafter = drafter_for(self.spec, cfg, tokenizer, runner_config, scheduler_config.max_model_len, load_format)
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
@@ -135,7 +136,7 @@ class LLMEngine:
             memory = None if cache_config.gpu_memory_gib is None else given_memory(cache_config.gpu_memory_gib)
             num_pages, how = pages_for_memory(
                 cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
-                memory=memory)
+                memory=memory, extra_bytes_per_page=self.drafter.bytes_per_page(ps) if self.drafter else 0)
             if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
@@ -173,6 +174,7 @@ class LLMEngine:
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
+        self.num_warmup_compiles += self.drafter.start(self.shapes, num_pages, progress) if self.drafter else 0
         self._rng = np.random.default_rng(runner_config.seed)
         self._seeds: dict[str, int] = {}
         self._parents: dict[str, _Parent] = {}

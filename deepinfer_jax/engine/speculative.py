@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer_jax.engine.spec_draft import drafter_for  # noqa: F401 - the draft_model method's (LLMEngine's)
 from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.types import RequestOutput
 
@@ -34,6 +35,8 @@ class SpecDecodeStats:
 def propose(engine) -> None:
     """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
     spec = engine.spec
+    if spec.method == "draft_model":  # engine/spec_draft.py
+        return engine.drafter.propose(engine)
     k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
     for req in engine.scheduler.running:
         if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:

@@ -97,16 +97,18 @@ def given_memory(gib: float) -> DeviceMemory:
 
 
 def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, fallback_pages: int,
-                     loading=None, memory: DeviceMemory | None = None) -> tuple[int, str]:
+                     loading=None, memory: DeviceMemory | None = None,
+                     extra_bytes_per_page: int = 0) -> tuple[int, str]:
     """KV pages that fit in gpu_memory_utilization of the first device's memory, less what is in use (the
     weights) and what `loading` (a weights/pending.py PendingParams, or None) will take, within the share XLA's
     scheduler assumes (`kv_cache_bytes`); a device without memory figures (CPU) -> fallback_pages. -> (pages, a
-    line for the log). `memory`: these figures instead of the device's (`given_memory`)."""
+    line for the log). `memory`: these figures instead of the device's (`given_memory`). `extra_bytes_per_page`:
+    another cache's bytes for each page (a speculative draft model's, whose pool mirrors the target's pages)."""
     import jax
 
     from deepinfer_jax.models.registry import kv_cache_bytes_per_page
 
-    per_page = kv_cache_bytes_per_page(cfg, page_size, dtype)
+    per_page = kv_cache_bytes_per_page(cfg, page_size, dtype) + extra_bytes_per_page
     device = jax.devices()[0]
     mem = memory or device_memory(device)
     if mem is None:

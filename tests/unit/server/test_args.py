@@ -146,13 +146,17 @@ def test_speculative_config_flag_and_yaml(tmp_path):
     f.write_text("speculative_config:\n  method: ngram\n  num_speculative_tokens: 2\n")
     assert parse_with_config(_serve_parser(), ["--config", str(f)]).speculative_config.num_speculative_tokens == 2
     assert parse_with_config(_serve_parser(), []).speculative_config is None
+    f.write_text(f"speculative_config:\n  method: draft_model\n  model: {tmp_path}\n  num_speculative_tokens: 4\n")
+    spec = parse_with_config(_serve_parser(), ["--config", str(f)]).speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", str(tmp_path), 4)
 
 
 @pytest.mark.parametrize("text", ["nonsense_key: 1\n", "max_num_seqs: many\n", "enable_prefix_caching: 3\n",
                                   "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
                                   "host: {a: 1}\n", "speculative_config: {method: ngram, num_speculative_tokens: 0}\n",
                                   "speculative_config: {method: ngram, num_speculative_tokens: 2, k: 1}\n",
-                                  "speculative_config: {method: deepseek_mtp, num_speculative_tokens: 1}\n"])
+                                  "speculative_config: {method: deepseek_mtp, num_speculative_tokens: 1}\n",
+                                  "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n"])
 def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
     f.write_text(text)
