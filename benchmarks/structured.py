@@ -93,6 +93,10 @@ def model_dir(args, cfg_path: str, vocab_size: int) -> str:
             if os.path.exists(src):
                 shutil.copyfile(src, os.path.join(d, name))
         return d
+    with open(os.path.join(d, "config.json")) as f:
+        cfg = json.load(f)
+    with open(os.path.join(d, "config.json"), "w") as f:  # the trained BPE's BOS / EOS: the preset's ids are text
+        json.dump({**cfg, "bos_token_id": 0, "eos_token_id": 1}, f)
     tj = os.path.join(d, "tokenizer.json")
     if not os.path.exists(tj):
         t = time.time()
@@ -204,12 +208,18 @@ def run_one(eng, name: str, prompts, sp) -> tuple[dict, dict]:
     for i, p in enumerate(prompts):
         eng.add_request(f"{name}-{len(prompts)}-{i}", p, sp)
     steps, fills, t = 0, [], time.perf_counter()
-    tokens, texts = {}, []
+    tokens, texts, ended = {}, [], 0
+    eos = set(eng.eos_token_ids)
     while eng.has_unfinished_requests():
         n = runner.mask_fills
         for out in eng.step():
-            tokens[out.request_id] = out.outputs[0].token_ids
-            texts.append(out.outputs[0].text)
+            ids = list(out.outputs[0].token_ids)
+            tokens[out.request_id] = ids
+            # ignore_eos decodes on past an EOS the grammar allowed (after a complete record); what a request
+            # returns ends there, so the records are read from the tokens before the first EOS.
+            cut = next((i for i, t in enumerate(ids) if t in eos), len(ids))
+            ended += cut < len(ids)
+            texts.append(eng.tokenizer.decode(ids[:cut]) + ("\n" if cut < len(ids) else ""))
         if runner.mask_fills > n:
             fills.append(runner.last_mask_fill_seconds)
         steps += 1
@@ -219,6 +229,7 @@ def run_one(eng, name: str, prompts, sp) -> tuple[dict, dict]:
     if sp.structured_outputs is not None:
         row["mask_ms"] = _stats(fills)
         row["records_valid"] = _count_valid(texts)
+        row["ended_by_eos"] = ended
     return row, tokens
 
 
@@ -255,7 +266,9 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     if args.samplers:
         return samplers(args, cfg, batches)
-    tokenizer = load_tokenizer(model_dir(args, cfg_path, cfg.vocab_size))
+    d = model_dir(args, cfg_path, cfg.vocab_size)
+    tokenizer = load_tokenizer(d)
+    cfg = ModelConfig.from_json_file(os.path.join(d, "config.json"))  # with the tokenizer's BOS / EOS ids
     if args.mask_only:
         return mask_only(args, cfg, tokenizer, batches)
 
@@ -313,7 +326,8 @@ def main(argv=None) -> int:
         print(f"batch {batch:4d}: overhead {row['overhead_pct']:.1f}% (mask variant), "
               f"{row['overhead_full_pct']:.1f}% (full variant); host mask {m['mean']:.3f} ms a step (p50 "
               f"{m['p50']:.3f}, p90 {m['p90']:.3f}; {m['mean'] / batch:.4f} ms a row) beside a "
-              f"{row['json']['step_ms']:.2f} ms step; records valid {good}/{total} and {good_f}/{total_f}; "
+              f"{row['json']['step_ms']:.2f} ms step; records valid {good}/{total} and {good_f}/{total_f} "
+              f"({row['json']['ended_by_eos']} of {batch} sequences sampled EOS after a record); "
               f"json and json+lp tokens {'equal' if row['same_tokens'] else 'DIFFER'}", flush=True)
         results.append(row)
 
