@@ -16,6 +16,11 @@
 #                    concurrency 1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   vllm_serve       the same client against vLLM's OpenAI server on the same model directory (dummy weights,
 #                    the same flags; its extra wheels: vllm_serve_deps.sh)
+#   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
+#   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
+#   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
+#   protocol_b_long  long contexts: 4K in / 512 out and 16K in / 256 out at concurrency 16, 32, 64
+#   vllm_serve_long  the same against vLLM's server
 #   protocol_c       Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32,
 #                    prefix caching on and then off (TTFT is the figure)
 #   vllm_protocol_c  the same client against vLLM's server (prefix caching on, its default)
@@ -45,6 +50,15 @@ run_part() {
     hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
     vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;
     protocol_b) protocol_b ;;
+    protocol_a_high) for b in 128 256; do
+        python3 benchmarks/offline.py --preset "$preset" --batch $b --buckets $b,16384 --max-num-batched-tokens 16384 \
+          --json "$out/protocol_a_$b.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$b.log" 2>&1; done ;;
+    protocol_b_high) client_args=$b_high_client serve_max_seqs=512 protocol_b protocol_b_high ;;
+    vllm_serve_high) client_args=$b_high_client serve_max_seqs=512 vllm_serve vllm_serve_high ;;
+    protocol_b_long) for l in $b_long_lens; do client_args="$(b_long_client $l)" serve_max_seqs=64 \
+        protocol_b protocol_b_long_${l%%:*} $(( ${l%%:*} + ${l##*:} + 64 )); done ;;
+    vllm_serve_long) for l in $b_long_lens; do client_args="$(b_long_client $l)" serve_max_seqs=64 \
+        vllm_serve vllm_serve_long_${l%%:*} $(( ${l%%:*} + ${l##*:} + 64 )); done ;;
     vllm_serve) vllm_serve ;;
     protocol_c) protocol_c ;;
     vllm_protocol_c) client_args=$protocol_c_client vllm_serve vllm_protocol_c $protocol_c_len ;;
@@ -98,11 +112,15 @@ serve_and_measure() {  # NAME PORT COMMAND...: start a server, wait for /health,
   kill -TERM $server; wait $server
 }
 
-protocol_b() {
+protocol_b() {  # [NAME] [MAX_MODEL_LEN]
   dummy_dir
-  serve_and_measure protocol_b 8011 python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy \
-    --port 8011 --max-num-seqs 128 --max-model-len 1024 ${SERVE_ARGS:-}
+  serve_and_measure "${1:-protocol_b}" 8011 python3 -m deepinfer_jax.cli serve --model "$dummy" --load-format dummy \
+    --port 8011 --max-num-seqs ${serve_max_seqs:-128} --max-model-len "${2:-1024}" ${SERVE_ARGS:-}
 }
+
+b_high_client="--input-len 512 --output-len 128 --max-concurrency 1,32,128,256,512"
+b_long_lens="4096:512 16384:256"  # input:output
+b_long_client() { echo "--input-len ${1%%:*} --output-len ${1##*:} --max-concurrency 16,32,64"; }
 
 vllm_serve() {  # NAME [MAX_MODEL_LEN]: vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights
                 # drawn from U(+-0.05))
@@ -112,7 +130,7 @@ vllm_serve() {  # NAME [MAX_MODEL_LEN]: vLLM's defaults otherwise (prefix cachin
   serve_and_measure "$name" 8012 env PYTHONPATH=$vllm/pkgs:$vllm/site VLLM_USE_FLASHINFER_SAMPLER=0 \
     HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_CACHE_ROOT="$(mktemp -d)" \
     python3 -m vllm.entrypoints.openai.api_server --model "$dummy" --load-format dummy --dtype bfloat16 \
-    --port 8012 --max-num-seqs 128 --max-model-len "${2:-1024}" --gpu-memory-utilization 0.85
+    --port 8012 --max-num-seqs ${serve_max_seqs:-128} --max-model-len "${2:-1024}" --gpu-memory-utilization 0.85
 }
 
 prefix_len=${SHARED_PREFIX:-2048}
@@ -136,12 +154,13 @@ echo "== summary =="
 has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/kernels.log" | head -20
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
+has protocol_a_high && grep -H -E "Protocol A|prefill [0-9]|decode step" "$out"/protocol_a_128.log "$out"/protocol_a_256.log
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
 has sharded && grep -h -E "^\|" "$out/sharded.log"
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
-for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c; do
-  has "${part%_o[nf]*}" && [[ -f "$out/ready_$part.log" ]] && cat "$out/ready_$part.log" &&
-    grep -h -E "^concurrency" "$out/$part.log"
+for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c protocol_b_high vllm_serve_high \
+    protocol_b_long_4096 protocol_b_long_16384 vllm_serve_long_4096 vllm_serve_long_16384; do
+  [[ -f "$out/ready_$part.log" ]] && cat "$out/ready_$part.log" && grep -h -E "^concurrency" "$out/$part.log"
 done
 exit 0

@@ -306,6 +306,12 @@ def main(argv=None, prog: str | None = None) -> int:
               f"H200's 4.3 TB/s {limit:,.0f}; runs {', '.join(f'{r[0]:.2f}' for r in runs)}); "
               f"distinct experts/layer/step {experts:.1f} of "
               f"{cfg.n_routed_experts}; distinct tokens (last 64 steps) {distinct}", flush=True)
+        # A decode step's floors at this batch: its weight bytes over HBM bandwidth, its FLOPs over the bf16
+        # matmul rate. At 128-512 sequences the MoE turns compute-bound, where the second floor takes over.
+        step_ms = (best - t_prefill) / max(1, args.output_len - 1) * 1e3
+        flops_ms = active * args.batch / BF16_FLOPS * 1e3 if active else float("nan")
+        print(f"  decode step {step_ms:.2f} ms (the run less its prefill, over {args.output_len - 1} steps); floors: "
+              f"weight bytes {floor_step * 1e3:.2f} ms, FLOPs {flops_ms:.2f} ms", flush=True)
         results[f"temp{temp}"] = {"seconds": best, "tok_s": tps, "limit_tok_s": limit, "experts": experts,
                                   "distinct_tokens": distinct}
     if args.trace:
