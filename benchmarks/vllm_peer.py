@@ -6,7 +6,8 @@ greedy and temperature 1.0. Run it with vLLM importable (its bundle, ../shared/p
     python benchmarks/vllm_peer.py --dir /path/to/protocol-f-v3-fp8 --batches 32,128
 
 Prints start-up (load + compile + CUDA graphs) and, per batch and temperature, output tokens/s and how many
-distinct tokens the batch produced (a handful means collapsed dummy weights: an invalid run). The same
+distinct tokens the batch produced (a handful means collapsed dummy weights: an invalid run). A quantized
+checkpoint needs compressed-tensors and loguru beside the bundle (benchmarks/vllm_serve_deps.sh fetches them). The same
 prompts (seeded ids) as benchmarks/dense.py and benchmarks/protocol_f.py draw.
 """
 
