@@ -374,3 +374,25 @@ def v4_context_page_bytes(cfg: V4Config, page_size: int, dtype_bytes: int = 2) -
     """Bytes one page of page_size tokens of context costs in the compressed groups (what grows with the context)."""
     return sum(v4_group_page_bytes(g, page_size) / g.tokens_per_row
                for g in v4_cache_groups(cfg, dtype_bytes) if g.window_tokens is None)
+
+
+def v4_pool_bytes(pools: CachePools) -> tuple[int, ...]:
+    """Bytes of each pool of `pools`: its pages times its groups' page bytes (equal within a shared pool)."""
+    page = [0] * len(pools.pool_pages)
+    for g, k in zip(pools.groups, pools.pool_of):
+        page[k] = max(page[k], v4_group_page_bytes(g, pools.page_size))
+    return tuple(n * b for n, b in zip(pools.pool_pages, page))
+
+
+def v4_fit_pools(cfg: V4Config, page_size: int, budget_bytes: int, max_num_seqs: int, max_chunk: int,
+                 max_model_len: int, dtype_bytes: int = 2) -> CachePools:
+    """The pools (`v4_cache_pools`) of the most context pages whose bytes fit `budget_bytes`; at least one page
+    (the scheduler then names what one sequence of max_model_len lacks)."""
+    def pools(n: int) -> CachePools:
+        return v4_cache_pools(cfg, page_size, n, max_num_seqs, max_chunk, max_model_len, dtype_bytes)
+
+    lo, hi = 1, max(1, int(budget_bytes // max(v4_context_page_bytes(cfg, page_size, dtype_bytes), 1)) + 1)
+    while lo < hi:  # the bytes grow with the context pages: the largest count within the budget
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(v4_pool_bytes(pools(mid))) <= budget_bytes else (lo, mid - 1)
+    return pools(lo)
