@@ -347,27 +347,28 @@ class CachePools:
     pool_of: tuple[int, ...]
     pool_pages: tuple[int, ...]
     page_size: int
+    context_tokens: int = 0  # tokens of context the compressed groups hold besides a partly filled page a sequence
+    # (at least max_model_len)
 
 
 def v4_cache_pools(cfg: V4Config, page_size: int, context_pages: int, max_num_seqs: int, max_chunk: int,
                    max_model_len: int, dtype_bytes: int = 2) -> CachePools:
-    """The pools of a cache that holds `context_pages` pages of page_size tokens of context: a compressed
-    group one page per page_size * its rate of those tokens plus one partly filled page per sequence; a
-    windowed group `max_num_seqs` windows and a step of `max_chunk` tokens. Each group's share holds at least
-    one sequence of max_model_len (the scheduler's progress guarantee)."""
+    """The pools of a cache that holds `context_pages` pages of page_size tokens of context (the null page
+    included; at least max_model_len tokens, so one sequence always fits: the scheduler's progress guarantee): a
+    compressed group one page per page_size * its rate of those tokens plus one partly filled page per sequence;
+    a windowed group `max_num_seqs` windows and a step of `max_chunk` tokens."""
     groups = v4_cache_groups(cfg, dtype_bytes)
-    tokens = max(context_pages - 1, 0) * page_size
+    tokens = max((context_pages - 1) * page_size, max_model_len)
     pages = []
     for g in groups:
-        one = v4_max_live_pages(g, page_size, max_model_len, max_chunk)
         if g.window_tokens is None:
             n = g.pages(tokens, page_size) + max_num_seqs
         else:
             n = max_num_seqs * (-(-(g.window_tokens - 1) // page_size) + 2) + -(-max_chunk // page_size)
-        pages.append(max(n, one))
+        pages.append(max(n, v4_max_live_pages(g, page_size, max_model_len, max_chunk)))
     if len({v4_group_page_bytes(g, page_size) for g in groups}) == 1:
-        return CachePools(groups, (0,) * len(groups), (sum(pages) + 1,), page_size)
-    return CachePools(groups, tuple(range(len(groups))), tuple(n + 1 for n in pages), page_size)
+        return CachePools(groups, (0,) * len(groups), (sum(pages) + 1,), page_size, tokens)
+    return CachePools(groups, tuple(range(len(groups))), tuple(n + 1 for n in pages), page_size, tokens)
 
 
 def v4_context_page_bytes(cfg: V4Config, page_size: int, dtype_bytes: int = 2) -> float:
@@ -386,8 +387,8 @@ def v4_pool_bytes(pools: CachePools) -> tuple[int, ...]:
 
 def v4_fit_pools(cfg: V4Config, page_size: int, budget_bytes: int, max_num_seqs: int, max_chunk: int,
                  max_model_len: int, dtype_bytes: int = 2) -> CachePools:
-    """The pools (`v4_cache_pools`) of the most context pages whose bytes fit `budget_bytes`; at least one page
-    (the scheduler then names what one sequence of max_model_len lacks)."""
+    """The pools (`v4_cache_pools`) of the most context pages whose bytes fit `budget_bytes`; those of one sequence
+    of max_model_len when even they do not fit (`v4_pool_bytes` then exceeds the budget)."""
     def pools(n: int) -> CachePools:
         return v4_cache_pools(cfg, page_size, n, max_num_seqs, max_chunk, max_model_len, dtype_bytes)
 
