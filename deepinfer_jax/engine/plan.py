@@ -115,7 +115,8 @@ class MemoryPlan:
         for g in self.kv_groups:
             per = (f"{g['bytes_per_token']:,.1f} bytes per token" if g["window"] is None else
                    f"window {g['window']} tokens, {size(g['bytes_per_sequence'])} per sequence")
-            pool = f"; pool {g['pool_pages']} pages of {g['page_size']} rows ({size(g['pool_bytes'])})" if "pool_pages" in g else ""
+            pool = (f"; pool {g['pool_pages']} pages of {g['page_size']} rows ({size(g['pool_bytes'])})"
+                    if "pool_pages" in g else "")
             out.append(f"  group {g['name']}: {g['layers']} layers x {g['row_bytes']} bytes a row, a row per "
                        f"{g['tokens_per_row']} tokens, {per}{pool}")
         if self.gpu_memory_bytes is not None:
@@ -277,15 +278,16 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
 
         sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
                                 max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs))
-        groups, pooled, pool_bytes = v4_groups(cfg, page_size, sched, RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype),
-                                   cache)
+        runner = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        groups, pooled, pool_bytes = v4_groups(cfg, page_size, sched, runner, cache)
         if pooled is not None and fits is not False:
-            tokens, fits = pooled, pooled >= max_len and pool_bytes <= cache
+            tokens, fits = pooled, pool_bytes <= cache  # the pools hold at least max_model_len (v4_cache_pools)
             reason = "" if fits else (
-                f"the KV cache ({size(cache)} per device) holds {pooled} tokens of context in the growing cache groups "
-                f"beside the windowed groups of {max_num_seqs} sequences, fewer than max_model_len {max_len}")
+                f"the cache groups' pools for one sequence of max_model_len {max_len} and the windows of "
+                f"{max_num_seqs} sequences take {size(pool_bytes)}, more than the KV cache's {size(cache)} per device")
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
-                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason, groups)
+                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
+                      groups)
 
 
 def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tuple[dict, ...], int | None, int]:

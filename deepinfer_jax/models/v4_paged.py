@@ -34,7 +34,8 @@ from deepinfer_jax.config_v4 import CSA, SLIDING, CachePools, V4Config, v4_cache
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
-from deepinfer_jax.models.v4_attention import attend, attention_inputs, closed_rows, indexer_select, rope_tail, v4_cos_sin
+from deepinfer_jax.models.v4_attention import (attend, attention_inputs, closed_rows, indexer_select, rope_tail,
+                                               v4_cos_sin)
 from deepinfer_jax.models.v4_params import v4_param_specs
 
 ATTN_IMPLS = ("reference",)
@@ -151,7 +152,8 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
         row = _pool_closing(cfg, p["compressor"], kv, gate, at >= 0, hd, rate, csa, start)
         if csa:
             ikv, igate = state[..., 4 * hd : 4 * hd + 2 * di], state[..., 4 * hd + 2 * di :]
-            row = jnp.concatenate([row, _pool_closing(cfg, p["indexer"], ikv, igate, at >= 0, di, rate, True, start)], -1)
+            key = _pool_closing(cfg, p["indexer"], ikv, igate, at >= 0, di, rate, True, start)
+            row = jnp.concatenate([row, key], axis=-1)
         ci, cl = cache.layer(name, i)
         c_table, c_slots = meta.groups[ci]
         cache.write(ci, cl, c_slots, row)  # only a token closing its window has a slot off the null page
@@ -187,7 +189,8 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
         post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
-        a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache, meta)
+        a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
+                             meta)
         streams = hc_merge(post, comb, a, streams)
         post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
         m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),

@@ -172,8 +172,8 @@ class HybridKVCacheManager:
         computed = request.num_computed_tokens + hit.num_tokens
         total = computed + num_new_tokens
         if num_new_tokens <= 0 or total > request.num_tokens:
-            raise ValueError(f"request {rid}: cannot schedule {num_new_tokens} new tokens ({request.num_computed_tokens}"
-                             f" computed + {hit.num_tokens} hit, {request.num_tokens} known)")
+            raise ValueError(f"request {rid}: cannot schedule {num_new_tokens} new tokens "
+                             f"({request.num_computed_tokens} computed + {hit.num_tokens} hit, {request.num_tokens} known)")
         if blocks:
             self._free_skipped(rid, computed)
         have = [len(b) for b in blocks] if blocks else [len(b) for b in hit.blocks] or [0] * len(self.groups)
@@ -183,7 +183,8 @@ class HybridKVCacheManager:
             per_pool[self.pools_spec.pool_of[gi]] += n
         for gi, ids in enumerate(hit.blocks):  # hits in a free queue stop being free once touched
             pool = self._pool(gi)
-            per_pool[self.pools_spec.pool_of[gi]] += sum(1 for b in ids if b != NULL_BLOCK_ID and pool.ref_count(b) == 0)
+            per_pool[self.pools_spec.pool_of[gi]] += sum(1 for b in ids
+                                                         if b != NULL_BLOCK_ID and pool.ref_count(b) == 0)
         if any(n > p.num_free_blocks for n, p in zip(per_pool, self.pools)):
             return False
         if blocks is None:
