@@ -151,3 +151,28 @@ def test_scheduler_plans_group_tables_and_preemption_frees_every_group():
     s.finish_request("a", "abort")
     s.finish_request("b", "abort")
     assert kv.usage == 0.0
+
+
+def test_step_metadata_carries_each_groups_table_and_slots():
+    """runner/inputs.group_tables: a windowed group's slot for every token, a compressed group's only for the
+    token closing its row's window (others and padding: the null page)."""
+    from deepinfer_jax.runner.inputs import Shapes, build_metadata
+
+    s = make_scheduler(csa_pages=6, max_len=40, budget=7)
+    r = req("r", 30)
+    s.add_request(r)
+    plan = s.schedule()
+    s.update_from_output(plan, {})
+    plan = s.schedule()  # positions 7..13: csa rows 1 (closed at 7), 2 (closed at 11); hca row 0 closed at 7
+    (seq,) = plan.seqs
+    shapes = Shapes(buckets=(8,), max_num_seqs=4, max_pages=10, page_size=PS, max_model_len=40,
+                    kv_pools=s.kv_cache_manager.pools_spec)
+    meta = build_metadata(plan.seqs, shapes, 8)
+    sliding, csa, state, hca = (seq.group_page_ids[i] for i in range(4))
+    (t_sl, s_sl), (t_csa, s_csa), (_, s_st), (t_hca, s_hca) = meta.groups
+    assert t_sl.shape == (4, 10) and t_csa.shape == (4, 3) and t_hca.shape == (4, 2)  # 40 tokens: 10 rows of csa
+    pos = list(range(7, 14))
+    assert s_sl[:7].tolist() == [sliding[p // PS] * PS + p % PS for p in pos] and s_sl[7] == 7 % PS  # padding: null
+    assert s_st[:7].tolist() == [state[p // PS] * PS + p % PS for p in pos]
+    assert s_csa[:7].tolist() == [csa[0] * PS + 1, 0, 0, 0, csa[0] * PS + 2, 0, 0]
+    assert s_hca[:7].tolist() == [hca[0] * PS + 0] + [0] * 6
