@@ -7,7 +7,7 @@ deepseek_v2; with none, HF's default DeepseekV4Config (43 layers, V4-Flash's wid
 published shape (61 layers, latent 512 + 64) are compared. Prints, per model: the bytes per token of each
 growing group, the fixed bytes per sequence (sliding rings, compressor state) and the total per sequence
 at each context. Arithmetic from the config (`config_v4.v4_cache_bytes_per_token`), not a device
-measurement: the device figures come from the engine's own allocation once the paged V4 path exists.
+measurement: `benchmarks/v4_long_context.py` allocates the engine's per-group pools on the device.
 """
 
 from __future__ import annotations

@@ -320,3 +320,80 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
 def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:
     """`cfg` a ModelConfig of V2 / V3 MLA: one latent row (kv_lora_rank + qk_rope_head_dim) per token per layer."""
     return cfg.num_hidden_layers * cfg.kv_cache_dim * dtype_bytes
+
+
+def v4_group_page_bytes(group: CacheGroup, page_size: int) -> int:
+    """Bytes of one page of `group`: page_size rows of each of its layers."""
+    return len(group.layers) * page_size * group.row_bytes
+
+
+def v4_max_live_pages(group: CacheGroup, page_size: int, max_model_len: int, max_chunk: int) -> int:
+    """The most pages of `group` one sequence holds at once: a whole max_model_len for a compressed group; for
+    a windowed one its window and a step's chunk of up to `max_chunk` tokens (pages behind the window are
+    given back before each allocation)."""
+    full = group.pages(max_model_len, page_size)
+    if group.window_tokens is None:
+        return full
+    return min(full, -(-(group.window_tokens - 1 + max_chunk) // page_size) + 1)
+
+
+@dataclass(frozen=True)
+class CachePools:
+    """The page pools of a per-group cache: `groups` (`v4_cache_groups`), the pool each group draws its pages
+    from (`pool_of`) and each pool's pages (`pool_pages`, its null page 0 included). One pool when every group's
+    page has the same bytes, else one per group. The scheduler's accounting and the runner's layout both read it."""
+
+    groups: tuple[CacheGroup, ...]
+    pool_of: tuple[int, ...]
+    pool_pages: tuple[int, ...]
+    page_size: int
+    context_tokens: int = 0  # tokens of context the compressed groups hold besides a partly filled page a sequence
+    # (at least max_model_len)
+
+
+def v4_cache_pools(cfg: V4Config, page_size: int, context_pages: int, max_num_seqs: int, max_chunk: int,
+                   max_model_len: int, dtype_bytes: int = 2) -> CachePools:
+    """The pools of a cache that holds `context_pages` pages of page_size tokens of context (the null page
+    included; at least max_model_len tokens, so one sequence always fits: the scheduler's progress guarantee): a
+    compressed group one page per page_size * its rate of those tokens plus one partly filled page per sequence;
+    a windowed group `max_num_seqs` windows and a step of `max_chunk` tokens."""
+    groups = v4_cache_groups(cfg, dtype_bytes)
+    tokens = max((context_pages - 1) * page_size, max_model_len)
+    pages = []
+    for g in groups:
+        if g.window_tokens is None:
+            n = g.pages(tokens, page_size) + max_num_seqs
+        else:
+            n = max_num_seqs * (-(-(g.window_tokens - 1) // page_size) + 2) + -(-max_chunk // page_size)
+        pages.append(max(n, v4_max_live_pages(g, page_size, max_model_len, max_chunk)))
+    if len({v4_group_page_bytes(g, page_size) for g in groups}) == 1:
+        return CachePools(groups, (0,) * len(groups), (sum(pages) + 1,), page_size, tokens)
+    return CachePools(groups, tuple(range(len(groups))), tuple(n + 1 for n in pages), page_size, tokens)
+
+
+def v4_context_page_bytes(cfg: V4Config, page_size: int, dtype_bytes: int = 2) -> float:
+    """Bytes one page of page_size tokens of context costs in the compressed groups (what grows with the context)."""
+    return sum(v4_group_page_bytes(g, page_size) / g.tokens_per_row
+               for g in v4_cache_groups(cfg, dtype_bytes) if g.window_tokens is None)
+
+
+def v4_pool_bytes(pools: CachePools) -> tuple[int, ...]:
+    """Bytes of each pool of `pools`: its pages times its groups' page bytes (equal within a shared pool)."""
+    page = [0] * len(pools.pool_pages)
+    for g, k in zip(pools.groups, pools.pool_of):
+        page[k] = max(page[k], v4_group_page_bytes(g, pools.page_size))
+    return tuple(n * b for n, b in zip(pools.pool_pages, page))
+
+
+def v4_fit_pools(cfg: V4Config, page_size: int, budget_bytes: int, max_num_seqs: int, max_chunk: int,
+                 max_model_len: int, dtype_bytes: int = 2) -> CachePools:
+    """The pools (`v4_cache_pools`) of the most context pages whose bytes fit `budget_bytes`; those of one sequence
+    of max_model_len when even they do not fit (`v4_pool_bytes` then exceeds the budget)."""
+    def pools(n: int) -> CachePools:
+        return v4_cache_pools(cfg, page_size, n, max_num_seqs, max_chunk, max_model_len, dtype_bytes)
+
+    lo, hi = 1, max(1, int(budget_bytes // max(v4_context_page_bytes(cfg, page_size, dtype_bytes), 1)) + 1)
+    while lo < hi:  # the bytes grow with the context pages: the largest count within the budget
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if sum(v4_pool_bytes(pools(mid))) <= budget_bytes else (lo, mid - 1)
+    return pools(lo)

@@ -245,7 +245,8 @@ class LLM:
         if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
             problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
-                                  max_model_len)
+                                  max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens)
             if problem:
                 raise ValueError(problem)
         # The weights load while the engine compiles its step programs (weights/pending.py).

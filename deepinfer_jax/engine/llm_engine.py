@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
-from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
+from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory, v4_pools
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
@@ -84,8 +84,7 @@ class LLMEngine:
                 raise ValueError("kv_offloading_size is not supported with data-parallel attention "
                                  "(--data-parallel-size > 1)")
             self.num_host_blocks = host_tier_blocks(cfg, ps, runner_config.dtype, cache_config.kv_offloading_size)
-        # Params may still be to load (weights/pending.py): their bytes count as in use, and they load (on a thread
-        # of their own) from here on, while the runner lowers and compiles the step programs.
+        # Params may still be loading (weights/pending.py): their bytes count as in use; they load while warm-up compiles.
         pending = params if isinstance(params, PendingParams) else None
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
@@ -99,6 +98,8 @@ class LLMEngine:
                     num_pages, how = agreed, f"{agreed} pages (the fewest of the hosts; this one fits {num_pages})"
         else:
             how = f"{num_pages} pages (set explicitly)"
+        self.cache_pools, how = (v4_pools(cfg, num_pages, how, ps, scheduler_config, runner_config)  # a pool per group
+                                 if cfg.family == "deepseek_v4" else (None, how))
         if pending is not None:
             pending.start()
         # No cap for the Pallas kernels: their loads from a cache over 4 GiB use 64-bit offsets
@@ -118,14 +119,15 @@ class LLMEngine:
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
                              mask_words=mask_words(cfg.vocab_size) if tokenizer is not None else 0,
                              max_logit_bias=MAX_LOGIT_BIAS,
-                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0))
+                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0),
+                             kv_pools=self.cache_pools)
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 
             self.scheduler = DPScheduler([Scheduler(scheduler_config, cache_config, num_pages)
                                           for _ in range(sharding.num_ranks)])
         else:
-            self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks)
+            self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks, self.cache_pools)
         self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)

@@ -2,7 +2,8 @@
 
     deepinfer plan --model DIR [--tensor-parallel-size N] [--data-parallel-size N] [--enable-expert-parallel]
                    [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
-                   [--gpu-memory-utilization F] [--max-model-len N] [--json]
+                   [--gpu-memory-utilization F] [--max-model-len N] [--page-size N] [--max-num-seqs N]
+                   [--max-num-batched-tokens N] [--json]
 
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
@@ -10,7 +11,11 @@ own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from
 headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: its family's specs, float,
 one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token;
 `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
-`--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading.
+`--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading. DeepSeek-V4's
+cache is paged per group (docs/v4.md): the plan lists each group's bytes (per token of context for the compressed
+groups, per sequence for the windowed ones) and, with a device's memory, the pools the engine makes of the cache's
+bytes (`runner/device_memory.v4_pools`, for --page-size / --max-num-seqs / --max-num-batched-tokens) and the
+tokens of context they hold.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
@@ -50,10 +55,11 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
 
 def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantization: str | None,
                 kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
-                max_model_len: int | None) -> str | None:
+                max_model_len: int | None, **v4_sizes) -> str | None:
     """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
     figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
-    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel). Reads config.json and
+    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel); `v4_sizes`: page_size,
+    max_num_seqs, max_num_batched_tokens as the engine will have them (DeepSeek-V4's pools). Reads config.json and
     the safetensors headers only."""
     import jax
 
@@ -65,7 +71,7 @@ def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantiz
     tp, dp, ep = parallel
     p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, dtype=dtype,
              quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
-             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, **v4_sizes)
     return f"{model} does not fit: {p.reason}" if p.fits is False else None
 
 
@@ -93,6 +99,9 @@ class MemoryPlan:
     kv_tokens_per_rank: int | None  # tokens of KV each data-parallel rank holds
     fits: bool | None  # None: no --gpu-memory given
     reason: str
+    # DeepSeek-V4's per-group cache: per group its layers, row bytes, tokens a row, window, bytes a token of context
+    # (compressed groups) or a sequence (windowed), and with a device's memory its pool's pages and bytes
+    kv_groups: tuple = ()
 
     def lines(self) -> list[str]:
         gib = size
@@ -100,7 +109,16 @@ class MemoryPlan:
                f"TP {self.tensor_parallel_size} x DP {self.data_parallel_size}"
                + (" with expert parallelism" if self.enable_expert_parallel else ""),
                f"weights per device: {gib(self.weight_bytes_per_device)}",
-               f"KV cache per token: {self.kv_bytes_per_token} bytes"]
+               f"KV cache per token: {self.kv_bytes_per_token} bytes"
+               + (" (the compressed cache groups; the windowed ones cost a fixed share per sequence)"
+                  if self.kv_groups else "")]
+        for g in self.kv_groups:
+            per = (f"{g['bytes_per_token']:,.1f} bytes per token" if g["window"] is None else
+                   f"window {g['window']} tokens, {size(g['bytes_per_sequence'])} per sequence")
+            pool = (f"; pool {g['pool_pages']} pages of {g['page_size']} rows ({size(g['pool_bytes'])})"
+                    if "pool_pages" in g else "")
+            out.append(f"  group {g['name']}: {g['layers']} layers x {g['row_bytes']} bytes a row, a row per "
+                       f"{g['tokens_per_row']} tokens, {per}{pool}")
         if self.gpu_memory_bytes is not None:
             out.append(f"KV cache per device: {gib(self.kv_cache_bytes_per_device)} of {gib(self.gpu_memory_bytes)}"
                        f" -> {self.kv_tokens_per_rank} tokens per data-parallel rank "
@@ -198,10 +216,12 @@ def fit_verdict(weight_bytes: int, per_token: int, max_len: int, memory, gpu_mem
 def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
          enable_expert_parallel: bool = False, dtype: str = "auto", quantization: str | None = None,
          kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
-         max_model_len: int | None = None, memory=None) -> MemoryPlan:
+         max_model_len: int | None = None, memory=None, page_size: int = 64, max_num_seqs: int = 256,
+         max_num_batched_tokens: int | None = None) -> MemoryPlan:
     """The memory plan of serving `model_dir` so (see the module doc). Reads config.json and the safetensors
     headers (or a converted checkpoint's metadata); a ValueError / CheckpointError for what the engine refuses.
-    `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`."""
+    `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`. page_size,
+    max_num_seqs and max_num_batched_tokens (the engine's defaults) size DeepSeek-V4's per-group pools."""
     import dataclasses
 
     from deepinfer_jax.config import ModelConfig, RunnerConfig
@@ -252,8 +272,55 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     if memory is not None:
         mem_bytes = memory.device_total or memory.limit
         cache, tokens, fits, reason = fit_verdict(nbytes, per_token, max_len, memory, gpu_memory_utilization)
+    groups = ()
+    if cfg.family == "deepseek_v4":
+        from deepinfer_jax.config import SchedulerConfig
+
+        sched = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_len,
+                                max_num_batched_tokens=max_num_batched_tokens or max(2048, max_num_seqs))
+        runner = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        groups, pooled, pool_bytes = v4_groups(cfg, page_size, sched, runner, cache)
+        if pooled is not None and fits is not False:
+            tokens, fits = pooled, pool_bytes <= cache  # the pools hold at least max_model_len (v4_cache_pools)
+            reason = "" if fits else (
+                f"the cache groups' pools for one sequence of max_model_len {max_len} and the windows of "
+                f"{max_num_seqs} sequences take {size(pool_bytes)}, more than the KV cache's {size(cache)} per device")
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
-                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason)
+                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
+                      groups)
+
+
+def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tuple[dict, ...], int | None, int]:
+    """DeepSeek-V4's cache groups for `plan` -> (a dict per group, the tokens of context the pools hold and the pools'
+    bytes, or None and 0). With
+    `cache` (the KV cache's bytes on the device) the pools are those the engine makes of them (`pages_for_memory`'s
+    pages, then runner/device_memory.v4_pools)."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config_v4 import v4_cache_groups, v4_group_page_bytes, v4_pool_bytes
+    from deepinfer_jax.models.registry import kv_cache_bytes_per_page
+    from deepinfer_jax.runner.device_memory import v4_pools
+
+    item = jnp.dtype(runner.kv_dtype).itemsize
+    pools = None
+    if cache is not None:
+        num_pages = cache // kv_cache_bytes_per_page(cfg, page_size, runner.kv_dtype)
+        pools = v4_pools(cfg, num_pages, "sized by memory", page_size, sched, runner)[0]
+    out = []
+    for gi, g in enumerate(v4_cache_groups(cfg.v4, item)):
+        d = dict(name=g.name, layers=len(g.layers), row_bytes=g.row_bytes, tokens_per_row=g.tokens_per_row,
+                 window=g.window_tokens, page_size=page_size)
+        if g.window_tokens is None:
+            d["bytes_per_token"] = v4_group_page_bytes(g, page_size) / page_size / g.tokens_per_row
+        else:
+            d["bytes_per_sequence"] = g.window_tokens * g.row_bytes * len(g.layers)
+        if pools is not None:
+            k = pools.pool_of[gi]
+            d.update(pool_pages=pools.pool_pages[k], pool_bytes=v4_pool_bytes(pools)[k])
+        out.append(d)
+    if pools is None:
+        return tuple(out), None, 0
+    return tuple(out), pools.context_tokens, sum(v4_pool_bytes(pools))
 
 
 def main(argv: list[str]) -> int:
@@ -268,6 +335,11 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB of memory per device")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64,
+                   help="tokens per KV cache page (DeepSeek-V4: sizes its per-group pools)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="DeepSeek-V4: sequences its windowed pools hold")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="DeepSeek-V4: a step's tokens its windowed pools hold (default max(2048, --max-num-seqs))")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     try:
@@ -275,7 +347,8 @@ def main(argv: list[str]) -> int:
                       data_parallel_size=ns.data_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
                       dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
                       gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      max_model_len=ns.max_model_len)
+                      max_model_len=ns.max_model_len, page_size=ns.page_size, max_num_seqs=ns.max_num_seqs,
+                      max_num_batched_tokens=ns.max_num_batched_tokens)
     except (ValueError, OSError) as e:
         print(f"deepinfer plan: error: {e}", file=sys.stderr)
         return 2

@@ -57,6 +57,8 @@ class StepMetadata:
         has cached tokens before its first one here (a later chunk, a prefix-cache hit, a decode), as the
         host knows it; None: not given, and a prefill-bucket step decides on the device
         (models/deepseek.py attend_split). False is exact: no token of the step may see a cached key.
+    groups: a per-group cache (DeepSeek-V4, models/v4_paged.py): per cache group (page_table [S, pages],
+        slot_mapping [T]), the group's pages of each sequence and the row slot each token writes; None otherwise.
     """
 
     token_ids: jax.Array
@@ -66,3 +68,4 @@ class StepMetadata:
     page_table: jax.Array
     logits_indices: jax.Array
     has_context: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
+    groups: tuple | None = None

@@ -88,8 +88,12 @@ def kv_cache_bytes_per_page(cfg: ModelConfig, page_size: int, dtype) -> int:
     return math.prod(kv_cache_shape(cfg, 1, page_size)) * jnp.dtype(dtype).itemsize
 
 
-def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> jax.Array:
-    return jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
+def init_kv_cache(cfg: ModelConfig, num_pages: Any, page_size: int, dtype=jnp.bfloat16) -> Any:
+    """The zero cache: one array, or for a per-group cache (`num_pages` a config_v4.CachePools) one per pool."""
+    shape = kv_cache_shape(cfg, num_pages, page_size)
+    if shape and isinstance(shape[0], tuple):
+        return tuple(jnp.zeros(s, dtype) for s in shape)
+    return jnp.zeros(shape, dtype)
 
 
 def supported_models() -> dict[str, tuple[str, str]]:

@@ -1,59 +1,57 @@
-"""DeepSeek-V4 through the engine: the family's paged cache and its forward over one ragged step.
+"""DeepSeek-V4 through the engine: the per-group paged cache and the forward over one ragged step.
 
-The cache is token-granular, one entry per layer and token slot, so the scheduler's single page table per
-sequence, its page accounting, prefix caching (an entry depends only on the tokens up to it) and preemption
-(recompute) hold unchanged. A token's entry of layer i holds what later tokens need of it:
-  every layer: the roped K = V row `raw` [hd] (the sliding window reads it);
-  CSA / HCA layers: the compressor's projections `kv`, `gate` [c*hd] (c = 2 for CSA, 1 for HCA), from which
-    every compressed row is pooled once its window closes;
-  CSA layers: the indexer's projections `idx_kv`, `idx_gate` [2*di] (its keys are pooled likewise).
-Layout: kv_cache [L, num_pages, page_size, W], W the widest layer's entry (raw, kv, gate, idx_kv, idx_gate
-concatenated; a narrower layer leaves the tail unused). Page 0 is the null page, as for every family.
+The cache holds what each group of `v4_cache_groups` (config_v4.py) needs, paged per group as the scheduler
+accounts it (scheduler/hybrid_cache_manager.py), one array per pool of the engine's CachePools: [pool pages,
+page elements], group g's page p that pool's row p seen as [layers of g, page_size, row width of g]:
+  sliding    every layer    `raw`, the roped K = V row [hd] of each token (window sliding_window);
+  csa_state  CSA layers     the compressor's `kv`, `gate` [2hd] and the indexer's `idx_kv`, `idx_gate` [2di] of
+                            each token (window 2m: a CSA row pools two windows);
+  csa        CSA layers     per m tokens, the pooled row [hd] and the pooled indexer key [di];
+  hca_state  HCA layers     the compressor's `kv`, `gate` [hd] of each token (window m');
+  hca        HCA layers     per m' tokens, the pooled row [hd].
+Page 0 of every pool is the null page (padding and tokens that close no window write there; freed window pages
+read from it, masked). A group's page table and slot mapping come in StepMetadata.groups.
 
-A step writes its tokens' entries at their slots, gathers each sequence's pages into a contiguous history
-[S, max_pages * page_size, W] (row j = position j), pools the compressed rows of that history (a row is seen
-only once its window is wholly at or before the query, so rows of unwritten slots are never visible), and
-attends each token over its own sequence's history: the same arithmetic as `v4_attention` with a cache,
-so chunks may end anywhere inside a compression window. This is the reference path (pure JAX gathers,
-recomputing the pooled rows each step); docs/v4.md says what the memory-efficient per-group layout adds.
+A step, per layer: its tokens' raw rows and projections are written at their slots; a token that closes a
+compression window (pos + 1 a multiple of the rate) pools the window's projections from the state pages (CSA:
+series a of the previous window and series b of its own) and writes the row, once; each token then attends over
+the raw rows of its window and its sequence's closed compressed rows (CSA: the lightning indexer's top-k of the
+cached keys), with the sink, in one softmax (the concatenation is the log-sum-exp merge of the two parts). So
+chunks may end anywhere inside a window: the open window's projections wait in the state pages. Reference path:
+pure-JAX gathers; the kernels (paged indexer scores, top-k, sparse attention) are docs/v4.md's next step.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.config_v4 import CSA, SLIDING, V4Config
+from deepinfer_jax.config_v4 import CSA, SLIDING, CachePools, V4Config, v4_cache_groups
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
-from deepinfer_jax.models.v4_attention import attend, attention_inputs, closed_rows, indexer_select, pool_rows
+from deepinfer_jax.models.v4_attention import (attend, attention_inputs, closed_rows, indexer_select, rope_tail,
+                                               v4_cos_sin)
 from deepinfer_jax.models.v4_params import v4_param_specs
 
 ATTN_IMPLS = ("reference",)
 
 
-def entry_widths(cfg: V4Config, layer_type: str) -> tuple[tuple[str, int], ...]:
-    """The fields of one token's cache entry of a layer of `layer_type`, in order, with their widths."""
-    hd, di = cfg.head_dim, cfg.index_head_dim
-    fields = [("raw", hd)]
-    if layer_type != SLIDING:
-        w = (2 if layer_type == CSA else 1) * hd
-        fields += [("kv", w), ("gate", w)]
-    if layer_type == CSA:
-        fields += [("idx_kv", 2 * di), ("idx_gate", 2 * di)]
-    return tuple(fields)
-
-
-def entry_width(cfg: V4Config) -> int:
-    return max(sum(w for _, w in entry_widths(cfg, lt)) for lt in set(cfg.layer_types))
-
-
-def kv_cache_shape(cfg: ModelConfig, num_pages: int, page_size: int) -> tuple[int, ...]:
-    return (cfg.num_hidden_layers, num_pages, page_size, entry_width(cfg.v4))
+def kv_cache_shape(cfg: ModelConfig, num_pages: Any, page_size: int) -> tuple:
+    """A CachePools -> one (pool pages, page elements) per pool. An int (sizing, registry.kv_cache_bytes_per_page):
+    (num_pages, the elements one page of page_size tokens of context costs in the compressed groups, rounded up)."""
+    groups = v4_cache_groups(cfg.v4, 1)  # row_bytes at one byte an element: row widths
+    if isinstance(num_pages, CachePools):
+        elems = [0] * len(num_pages.pool_pages)
+        for g, k in zip(groups, num_pages.pool_of):
+            elems[k] = max(elems[k], len(g.layers) * page_size * g.row_bytes)
+        return tuple((n, e) for n, e in zip(num_pages.pool_pages, elems))
+    per_page = sum(len(g.layers) * page_size * g.row_bytes / g.tokens_per_row for g in groups if not g.window_tokens)
+    return (num_pages, max(1, math.ceil(per_page)))  # a model of sliding layers only grows nothing: one element
 
 
 def param_specs(cfg: ModelConfig) -> Any:
@@ -68,51 +66,113 @@ def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *,
     return jax.vmap(lambda t: v4_forward(cfg.v4, params, t))(token_ids)
 
 
-def _split(entry: jax.Array, fields: tuple[tuple[str, int], ...]) -> dict[str, jax.Array]:
-    out, o = {}, 0
-    for name, w in fields:
-        out[name] = entry[..., o : o + w]
-        o += w
-    return out
+class _Cache:
+    """The step's view of the per-pool arrays: read and write one group's rows of one layer."""
+
+    def __init__(self, cfg: V4Config, arrays: tuple, page_size: int):
+        self.groups = v4_cache_groups(cfg, 1)
+        self.index = {g.name: gi for gi, g in enumerate(self.groups)}
+        self.arrays, self.ps = list(arrays), page_size
+        self.pool_of = (0,) * len(self.groups) if len(arrays) == 1 else tuple(range(len(self.groups)))
+
+    def layer(self, name: str, i: int) -> tuple[int, int]:
+        """(group index, the layer's index within the group) of global layer i."""
+        gi = self.index[name]
+        return gi, self.groups[gi].layers.index(i)
+
+    def view(self, gi: int) -> jax.Array:
+        """[pages, layers, page_size, width] of group gi."""
+        g, a = self.groups[gi], self.arrays[self.pool_of[gi]]
+        return a.reshape(a.shape[0], len(g.layers), self.ps, g.row_bytes)
+
+    def write(self, gi: int, layer: int, slots: jax.Array, rows: jax.Array) -> None:
+        """Rows [T, width] at flat slots [T] (page * page_size + offset) of one layer of group gi."""
+        k, a = self.pool_of[gi], self.arrays[self.pool_of[gi]]
+        v = self.view(gi).at[slots // self.ps, layer, slots % self.ps].set(rows.astype(a.dtype))
+        self.arrays[k] = v.reshape(a.shape)
+
+    def rows_at(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> jax.Array:
+        """The rows [T, n, width] at row indices pos [T, n] of each token's sequence (seq_ids [T]); an index out
+        of the table's range reads a clamped row (callers mask it)."""
+        pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
+        pages = table[seq_ids[:, None], pos // self.ps]
+        return self.view(gi)[:, layer][pages, pos % self.ps]
+
+    def history(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array) -> jax.Array:
+        """Every row [T, pages * page_size, width] of each token's sequence, row j at index j."""
+        S, P = table.shape
+        return self.view(gi)[:, layer][table].reshape(S, P * self.ps, -1)[seq_ids]
 
 
-def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: jax.Array, meta: StepMetadata):
-    """Layer i's attention for the step's tokens x [T, D] -> ([T, D], cache with their entries written)."""
-    lt, hd, W = cfg.layer_types[i], cfg.head_dim, cache.shape[-1]
-    fields = entry_widths(cfg, lt)
-    pos = meta.positions
+def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid: jax.Array, width: int,
+                  rate: int, overlap: bool, start: jax.Array) -> jax.Array:
+    """The compressed row each token would close: `pool_rows`' arithmetic over one window per token. kv, gate
+    [T, n, c*width] are the projections at positions pos + 1 - n .. pos (n = 2 * rate with `overlap`, CSA: the
+    previous window's series a, then this window's series b; else rate), `valid` [T, n] marks positions >= 0;
+    start [T] the window's first position (its rope). -> [T, width]."""
+    n = kv.shape[1]
+    g = gate.astype(jnp.float32) + jnp.tile(p["position_bias"].astype(jnp.float32), (n // rate, 1))
+    if overlap:
+        kv = jnp.concatenate([kv[:, :rate, :width], kv[:, rate:, width:]], axis=1)  # [T, 2m, width]
+        g = jnp.concatenate([g[:, :rate, :width], g[:, rate:, width:]], axis=1)
+    # a position before 0 gets no weight (finite, so a row of no valid position pools to 0, never NaN)
+    g = jnp.where(valid[..., None], g, jnp.finfo(jnp.float32).min)
+    kv = jnp.where(valid[..., None], kv, 0)
+    w = jax.nn.softmax(g, axis=1).astype(kv.dtype)
+    pooled = rms_norm(jnp.sum(kv * w, axis=1), p["kv_norm"], cfg.rms_norm_eps)
+    cos, sin = v4_cos_sin(cfg, "compress", start)
+    return rope_tail(pooled, cos, sin)
+
+
+def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache, meta: StepMetadata) -> jax.Array:
+    """Layer i's attention for the step's tokens x [T, D] -> [T, D], its rows written into `cache`."""
+    lt, hd, di = cfg.layer_types[i], cfg.head_dim, cfg.index_head_dim
+    pos, seq = meta.positions, meta.seq_ids
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
-    entry = jnp.concatenate([new[name] for name, _ in fields], axis=-1)  # [T, w]
-    entry = jnp.pad(entry, ((0, 0), (0, W - entry.shape[-1]))).astype(cache.dtype)
-    ps = cache.shape[2]
-    cache = cache.at[i, meta.slot_mapping // ps, meta.slot_mapping % ps].set(entry)
 
-    S, max_pages = meta.page_table.shape
-    hist = _split(cache[i][meta.page_table].reshape(S, max_pages * ps, W), fields)  # [S, Lmax, .] row j = pos j
-    Lmax = max_pages * ps
-    j = jnp.arange(Lmax)[None, :]
-    allowed = (j <= pos[:, None]) & (j > pos[:, None] - cfg.sliding_window)  # [T, Lmax]
-    keys = hist["raw"][meta.seq_ids]  # [T, Lmax, hd]
-    if lt != SLIDING and Lmax // cfg.compress_rate(lt):
-        rate = cfg.compress_rate(lt)
-        pool = jax.vmap(lambda kv, g: pool_rows(cfg, p["compressor"], kv, g, hd, rate, overlap=lt == CSA))
-        rows = pool(hist["kv"], hist["gate"])[meta.seq_ids]  # [T, R, hd]
-        if lt == CSA:
-            ipool = jax.vmap(lambda kv, g: pool_rows(cfg, p["indexer"], kv, g, cfg.index_head_dim, rate, True))
-            idx_keys = ipool(hist["idx_kv"], hist["idx_gate"])[meta.seq_ids]  # [T, R, di]
+    gi, li = cache.layer("sliding", i)
+    table, slots = meta.groups[gi]
+    cache.write(gi, li, slots, new["raw"])
+    W = cfg.sliding_window
+    win = pos[:, None] - W + 1 + jnp.arange(W)[None, :]  # [T, W] the window's positions
+    keys, allowed = cache.rows_at(gi, li, table, seq, win), win >= 0
+    if lt != SLIDING:
+        csa, rate = lt == CSA, cfg.compress_rate(lt)
+        name = "csa" if csa else "hca"
+        si, sl = cache.layer(name + "_state", i)
+        s_table, s_slots = meta.groups[si]
+        fields = ("kv", "gate", "idx_kv", "idx_gate") if csa else ("kv", "gate")
+        cache.write(si, sl, s_slots, jnp.concatenate([new[f] for f in fields], axis=-1))
+        n = 2 * rate if csa else rate
+        at = pos[:, None] + 1 - n + jnp.arange(n)[None, :]  # [T, n]
+        state = cache.rows_at(si, sl, s_table, seq, at)  # [T, n, state width]
+        c = 2 if csa else 1
+        kv, gate = state[..., : c * hd], state[..., c * hd : 2 * c * hd]
+        start = pos + 1 - rate
+        row = _pool_closing(cfg, p["compressor"], kv, gate, at >= 0, hd, rate, csa, start)
+        if csa:
+            ikv, igate = state[..., 4 * hd : 4 * hd + 2 * di], state[..., 4 * hd + 2 * di :]
+            key = _pool_closing(cfg, p["indexer"], ikv, igate, at >= 0, di, rate, True, start)
+            row = jnp.concatenate([row, key], axis=-1)
+        ci, cl = cache.layer(name, i)
+        c_table, c_slots = meta.groups[ci]
+        cache.write(ci, cl, c_slots, row)  # only a token closing its window has a slot off the null page
+        hist = cache.history(ci, cl, c_table, seq)  # [T, R, hd (+ di)]
+        if csa:
             see = jax.vmap(lambda k, xt, qt, pt: indexer_select(cfg, p["indexer"], k, xt[None], qt[None], pt[None])[0])(
-                idx_keys, x, q_res, pos)
+                hist[..., hd:], x, q_res, pos)
         else:
-            see = closed_rows(pos, rows.shape[1], rate)
-        keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
+            see = closed_rows(pos, hist.shape[1], rate)
+        keys = jnp.concatenate([keys, hist[..., :hd].astype(keys.dtype)], axis=1)
         allowed = jnp.concatenate([allowed, see], axis=1)
-    return attend(cfg, p, q, keys, allowed, cos, sin, x.dtype), cache
+    return attend(cfg, p, q, keys, allowed, cos, sin, x.dtype)
 
 
-def forward_paged(params: Any, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, *,
+def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, *,
                   moe_impl: str = "ragged", attn_impl: str = "reference", return_routing: bool = False,
                   unroll: Any = 1, mesh_rules: Any = None):
-    """-> (logits [S, V] fp32, updated kv_cache) for one ragged step; prefill, chunked prefill and decode alike.
+    """-> (logits [S, V] fp32, updated kv_cache: one array per pool) for one ragged step; prefill, chunked prefill
+    and decode alike.
     The routed experts are computed densely (`v4_moe`, the reference), whatever `moe_impl` names; `unroll`
     does not apply (V4's layers differ in kind and run as a Python loop)."""
     del moe_impl, unroll
@@ -121,12 +181,16 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: jax.Array, meta: Step
     if mesh_rules is not None:
         raise ValueError("deepseek_v4 runs on one device (no tensor / data / expert parallel layout yet)")
     v4 = cfg.v4
+    if meta.groups is None:
+        raise ValueError("deepseek_v4's paged forward needs the step's per-group page tables (StepMetadata.groups)")
+    page_size = kv_cache[0].shape[1] // (v4.num_hidden_layers * v4.head_dim)  # pool 0 holds `sliding`: [L, ps, hd]
+    cache = _Cache(v4, tuple(kv_cache), page_size)
     x = params["embed"][meta.token_ids]  # [T, D]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
         post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
-        a, kv_cache = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps),
-                                       kv_cache, meta)
+        a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
+                             meta)
         streams = hc_merge(post, comb, a, streams)
         post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
         m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
@@ -134,7 +198,7 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: jax.Array, meta: Step
         streams = hc_merge(post, comb, m, streams)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
+    kv_cache = tuple(cache.arrays)
     if return_routing:
         return logits, kv_cache, jnp.zeros((0, x.shape[0], 0), jnp.int32)
     return logits, kv_cache
-

@@ -118,3 +118,25 @@ def pages_for_memory(cfg, page_size: int, dtype, gpu_memory_utilization: float, 
     pages = kv_cache_bytes(mem, gpu_memory_utilization) // per_page
     return pages, (f"{pages} pages x {page_size} tokens = {pages * page_size} tokens "
                    f"({pages * per_page / 2**30:.2f} GiB of {mem.limit / 2**30:.1f} GiB, {mem.source})")
+
+
+def v4_pools(cfg, num_pages: int, how: str, page_size: int, scheduler_config, runner_config):
+    """DeepSeek-V4's per-group pools (config_v4.CachePools) -> (pools, a line for the log). `num_pages` (and `how`,
+    the line that sized it) as the engine found them: set explicitly or, on a device without memory figures, the
+    fallback (`pages_for_memory`), they are pages of context; sized by the device's memory, the pools are the most
+    that fit those pages' bytes (the family's `kv_cache_bytes_per_page`: a page of context)."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config_v4 import v4_cache_pools, v4_fit_pools, v4_pool_bytes
+    from deepinfer_jax.models.registry import kv_cache_bytes_per_page
+
+    sc, item = scheduler_config, jnp.dtype(runner_config.kv_dtype).itemsize
+    rest = (sc.max_num_seqs, sc.max_num_batched_tokens, sc.max_model_len, item)
+    if how.endswith("(set explicitly)") or "no device memory stats" in how:
+        pools = v4_cache_pools(cfg.v4, page_size, num_pages, *rest)
+    else:
+        budget = num_pages * kv_cache_bytes_per_page(cfg, page_size, runner_config.kv_dtype)
+        pools = v4_fit_pools(cfg.v4, page_size, budget, *rest)
+    nbytes = sum(v4_pool_bytes(pools))
+    by_group = ", ".join(f"{g.name} {pools.pool_pages[k]}" for g, k in zip(pools.groups, pools.pool_of))
+    return pools, f"pages per cache group: {by_group} x {page_size} rows ({nbytes / 2**30:.3f} GiB; {how})"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -77,6 +78,9 @@ class Shapes:
     # Speculative decoding: 1 + K, the positions each sequence row samples (its K drafts verified and a bonus);
     # 1 without speculation. Every step then has seq_rows * spec_width sampling rows (one layout a bucket).
     spec_width: int = 1
+    # A per-group cache (config_v4.CachePools, DeepSeek-V4): the pools, and each step carries every group's page
+    # table and slot mapping (StepMetadata.groups). None: one page table.
+    kv_pools: Any = None
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
@@ -196,9 +200,32 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
         idx = (starts + lens - 1 - drafts)[:, None] + j  # [R, W]
         logits_indices[: R * W] = np.where(j <= drafts[:, None], idx, 0).ravel()
     meta = StepMetadata(token_ids, positions, seq_ids, slot_mapping, page_table, logits_indices)
+    if shapes.kv_pools is not None:
+        meta = dataclasses.replace(meta, groups=group_tables(plan_seqs, shapes, S, bucket, seq_of, pos))
     if mark_context and not decode_kernel_step(meta):
         meta = dataclasses.replace(meta, has_context=bool((first > 0).any()))
     return meta
+
+
+def group_tables(plan_seqs, shapes: Shapes, S: int, bucket: int, seq_of: np.ndarray, pos: np.ndarray) -> tuple:
+    """Per cache group of `shapes.kv_pools`: (page_table [S, pages of max_model_len], slot_mapping [bucket]). A token
+    writes a row of a compressed group (a row per `tokens_per_row` tokens) only when it closes the row's window
+    (pos + 1 a multiple of the rate); other tokens, and padding, write into the null page."""
+    ps, T = shapes.page_size, len(pos)
+    out = []
+    for gi, g in enumerate(shapes.kv_pools.groups):
+        r = g.tokens_per_row
+        width = max(1, -(-(shapes.max_model_len // r) // ps))
+        table = np.full((S, width), NULL_PAGE, np.int32)
+        for row, seq in enumerate(plan_seqs):
+            ids = seq.group_page_ids[gi]
+            table[row, : len(ids)] = ids
+        slots = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)
+        w = pos // r
+        real = table[seq_of, np.minimum(w // ps, width - 1)] * ps + w % ps
+        slots[:T] = np.where((pos + 1) % r == 0, real, NULL_PAGE * ps)
+        out.append((table, slots))
+    return tuple(out)
 
 
 def uses_penalties(req: Request) -> bool:

@@ -91,7 +91,8 @@ class ModelRunner:
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         else:
-            self.kv_cache = init_kv_cache(cfg, num_pages, shapes.page_size, self.kv_dtype)
+            # a per-group cache (DeepSeek-V4): one array per pool of shapes.kv_pools
+            self.kv_cache = init_kv_cache(cfg, shapes.kv_pools or num_pages, shapes.page_size, self.kv_dtype)
         self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
         self.programs = StepPrograms(cfg, runner_cfg, shapes, num_pages, max_logprobs, sharding, self.max_rows)
         resident = self.programs.resident_sharding
@@ -126,8 +127,9 @@ class ModelRunner:
         weights = None  # still loading (weights/pending.py)
         if self._pending is None:
             weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes"))
-        devices = list(self.kv_cache.sharding.device_set)
-        out: dict[str, Any] = {"weights": weights, "kv_cache": int(self.kv_cache.nbytes),
+        caches = jax.tree_util.tree_leaves(self.kv_cache)  # one array, or one per pool of a per-group cache
+        devices = list(caches[0].sharding.device_set)
+        out: dict[str, Any] = {"weights": weights, "kv_cache": sum(int(c.nbytes) for c in caches),
                                "platform": devices[0].platform, "device_kind": devices[0].device_kind,
                                "num_devices": len(devices), "limit": None, "in_use": None}
         if self.kv_transfer is not None:  # the host tier: its pages' bytes, and the bytes copied each way so far

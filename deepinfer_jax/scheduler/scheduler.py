@@ -31,6 +31,11 @@ and as many drafts as the budget, max_model_len and max_tokens allow, their slot
 seq's tokens (accepted drafts and the target's own), appends them up to the first stop and counts only the inputs
 they confirm as computed, so a rejected draft's slot is written again next step (docs/speculative.md).
 
+Per-group cache (`cache_pools`, config_v4.CachePools: DeepSeek-V4): the pages are accounted per cache group by
+scheduler/hybrid_cache_manager.py (windowed groups give pages behind their window back, compressed groups take a
+page per page_size x rate tokens, prefix hits end on every compressed group's page boundary); each ScheduledSeq
+then carries every group's page table (`group_page_ids`).
+
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
 request never computes more than max_model_len tokens, so the oldest running request (or, if none,
 the waiting head) can always be scheduled: every step with unfinished requests makes progress.
@@ -43,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer_jax.config import CacheConfig, SchedulerConfig
+from deepinfer_jax.scheduler.hybrid_cache_manager import HybridKVCacheManager
 from deepinfer_jax.scheduler.kv_cache_manager import KVCacheManager, cdiv
 from deepinfer_jax.types import Request, RequestStatus, SamplingParams
 
@@ -76,6 +82,7 @@ class ScheduledSeq:
     sampling_params: SamplingParams | None = None
     page_gen: int = 0
     num_draft_tokens: int = 0
+    group_page_ids: tuple[list[int], ...] = ()  # a per-group cache: each group's page table (page_ids: the first's)
 
     @property
     def is_decode(self) -> bool:
@@ -136,22 +143,30 @@ class Scheduler:
         cache_config: CacheConfig,
         num_pages: int | None = None,
         num_host_blocks: int = 0,
+        cache_pools: Any = None,
     ) -> None:
         num_pages = cache_config.num_pages if num_pages is None else num_pages
-        if num_pages is None:
-            raise ValueError("num_pages must be given (cache_config.num_pages is None)")
         self.config = scheduler_config
         self.page_size = cache_config.page_size
-        need = cdiv(scheduler_config.max_model_len, self.page_size)
-        if need > num_pages - 1:
-            raise ValueError(
-                f"num_pages must be at least {need + 1} (max_model_len "
-                f"{scheduler_config.max_model_len} / page_size {self.page_size} + the null page), "
-                f"got {num_pages}"
+        if cache_pools is not None:  # a per-group cache (config_v4.CachePools): a page table per group
+            if num_host_blocks:
+                raise ValueError("kv_offloading_size is not supported with a per-group cache (deepseek_v4)")
+            self.kv_cache_manager = HybridKVCacheManager(
+                cache_pools, cache_config.enable_prefix_caching, scheduler_config.max_model_len,
+                scheduler_config.max_num_batched_tokens)
+        else:
+            if num_pages is None:
+                raise ValueError("num_pages must be given (cache_config.num_pages is None)")
+            need = cdiv(scheduler_config.max_model_len, self.page_size)
+            if need > num_pages - 1:
+                raise ValueError(
+                    f"num_pages must be at least {need + 1} (max_model_len "
+                    f"{scheduler_config.max_model_len} / page_size {self.page_size} + the null page), "
+                    f"got {num_pages}"
+                )
+            self.kv_cache_manager = KVCacheManager(
+                num_pages, self.page_size, cache_config.enable_prefix_caching, num_host_blocks
             )
-        self.kv_cache_manager = KVCacheManager(
-            num_pages, self.page_size, cache_config.enable_prefix_caching, num_host_blocks
-        )
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -252,6 +267,7 @@ class Scheduler:
         return max(k, 0)
 
     def _seq(self, request: Request, start: int, n: int, num_drafts: int = 0) -> ScheduledSeq:
+        kv = self.kv_cache_manager
         return ScheduledSeq(
             request_id=request.request_id,
             token_ids=request.token_ids_slice(start, start + n) + request.spec_token_ids[:num_drafts],
@@ -262,6 +278,8 @@ class Scheduler:
             sampling_params=request.sampling_params,
             page_gen=self.kv_cache_manager.block_list_generation(request.request_id),
             num_draft_tokens=num_drafts,
+            group_page_ids=(tuple(map(list, kv.group_block_ids(request.request_id)))
+                            if isinstance(kv, HybridKVCacheManager) else ()),
         )
 
     def _preempt(self, request: Request) -> None:

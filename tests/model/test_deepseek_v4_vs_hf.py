@@ -191,16 +191,16 @@ def test_convert_round_trip_and_engine_loader(v4, tmp_path):
 
 
 def test_plan_counts_the_family_params_and_cache(v4):
-    """`deepinfer plan` on a V4 directory: the weights' bytes are the loaded params' and a token's KV bytes the
-    family's cache layout (every layer's widest entry); a parallel layout is refused by name."""
+    """`deepinfer plan` on a V4 directory: the weights' bytes are the loaded params' and a token's KV bytes those of
+    the compressed groups (a row of each CSA layer, head_dim + index_head_dim, per 4 tokens; of each HCA layer,
+    head_dim, per 8); a parallel layout is refused by name."""
     import jax
 
     from deepinfer_jax.engine.plan import plan
-    from deepinfer_jax.models.v4_paged import entry_width
 
     _, path, cfg, params = v4
     p = plan(path, dtype="float32", gpu_memory_gib=1.0)
     assert p.weight_bytes_per_device == sum(x.nbytes for x in jax.tree.leaves(params))
-    assert p.kv_bytes_per_token == cfg.num_hidden_layers * entry_width(cfg) * 4 and p.fits
+    assert p.kv_bytes_per_token == (2 * (24 + 12) // 4 + 24 // 8) * 4 and p.fits
     with pytest.raises(ValueError, match="deepseek_v4 runs on one device"):
         plan(path, tensor_parallel_size=2)

@@ -115,3 +115,26 @@ def test_cache_groups_page_accounting():
     assert g["csa_state"].window_tokens == 8 and g["hca_state"].window_tokens == 128
     assert v4_cache_fixed_bytes(cfg, 2) == (6 * 128 * 512 * 2 + 2 * 8 * 4 * (512 + 128) * 2
                                             + 2 * 128 * 2 * 512 * 2)
+
+
+def test_pools_of_a_context_and_of_a_budget():
+    """`v4_cache_pools`: compressed pools one page per page_size x rate tokens of the context (never below
+    max_model_len) and a page a sequence; windowed pools max_num_seqs windows and a step's chunk. `v4_fit_pools`:
+    the most context within a byte budget."""
+    from deepinfer_jax.config_v4 import v4_cache_pools, v4_fit_pools, v4_pool_bytes
+
+    cfg = V4Config.from_hf_dict(LEGACY)  # sliding window 128, CSA m 4 (2 layers), HCA m' 128 (2 layers)
+    pools = v4_cache_pools(cfg, 16, 1 + 4096 // 16, 8, 512, 2048)  # 4,096 tokens of context, 8 sequences
+    names = [g.name for g in pools.groups]
+    pages = dict(zip(names, pools.pool_pages))
+    assert pools.pool_of == (0, 1, 2, 3, 4) and pools.context_tokens == 4096
+    assert pages["csa"] == 4096 // (16 * 4) + 8 + 1 and pages["hca"] == 4096 // (16 * 128) + 8 + 1
+    # a window of 128 holds cdiv(127, 16) + 2 = 10 pages a sequence, plus a 512-token step: 32 pages
+    assert pages["sliding"] == pages["hca_state"] == 8 * 10 + 32 + 1 and pages["csa_state"] == 8 * 3 + 32 + 1
+    assert v4_pool_bytes(pools)[1] == pages["csa"] * 2 * 16 * (512 + 128) * 2
+    assert v4_cache_pools(cfg, 16, 1, 8, 512, 2048).context_tokens == 2048  # at least max_model_len
+    budget = sum(v4_pool_bytes(pools))
+    fit = v4_fit_pools(cfg, 16, budget, 8, 512, 2048)
+    assert sum(v4_pool_bytes(fit)) <= budget < sum(v4_pool_bytes(v4_cache_pools(
+        cfg, 16, fit.context_tokens // 16 + 2, 8, 512, 2048)))
+    assert fit.context_tokens >= 4096
