@@ -10,7 +10,8 @@ shares its pages); outputs are gathered under the parent id with CompletionOutpu
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the runner places everything on the mesh;
 with data-parallel attention each rank gets its own scheduler and page pool (sharding/data_parallel.py),
-`num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank.
+`num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank. With pipeline
+parallelism (`sharding` a sharding.pipeline.PipelineSharding) the runner is runner/pipeline.py's.
 
 Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
 add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
@@ -168,7 +169,10 @@ class LLMEngine:
                                           for _ in range(sharding.num_ranks)])
         else:
             self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks)
-        self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
+        runner_class = ModelRunner
+        if getattr(sharding, "pipeline_parallel_size", 1) > 1:  # sharding/pipeline.py: one program a stage
+            from deepinfer_jax.runner.pipeline import PipelineRunner as runner_class
+        self.runner = runner_class(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
