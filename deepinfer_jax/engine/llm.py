@@ -254,7 +254,8 @@ class LLM:
                 shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
             vocab_multiple = self.sharding.vocab_multiple
         if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
-            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
+            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel,
+                                          pipeline_parallel_size),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
                                   max_model_len)
             if problem:

@@ -134,8 +134,11 @@ class LLMEngine:
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
             memory = None if cache_config.gpu_memory_gib is None else given_memory(cache_config.gpu_memory_gib)
+            kv_cfg = cfg  # with pipeline parallelism a device caches its stage's layers only: the largest stage's
+            if getattr(sharding, "pipeline_parallel_size", 1) > 1:
+                kv_cfg = dataclasses.replace(cfg, num_hidden_layers=max(st.num_layers for st in sharding.stages))
             num_pages, how = pages_for_memory(
-                cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
+                kv_cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
                 memory=memory)
             if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
                 agreed = agree_min(num_pages)
