@@ -199,6 +199,9 @@ class LLM:
         from deepinfer_jax.runner.multihost import StepChannel
 
         check_launch(nnodes, node_rank, master_addr, master_port)
+        if nnodes > 1 and pipeline_parallel_size > 1:
+            raise ValueError("--pipeline-parallel-size > 1 with --nnodes > 1 is not supported yet; the stages run "
+                             "on the devices of one host")
         self.node_rank, self.nnodes = node_rank, nnodes
         channel = None
         if nnodes > 1:
@@ -220,9 +223,6 @@ class LLM:
             spec.check_supported()
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
                                   pipeline_parallel_size)
-        if nnodes > 1 and pipeline_parallel_size > 1:
-            raise ValueError("--pipeline-parallel-size > 1 with --nnodes > 1 is not supported yet; the stages run "
-                             "on the devices of one host")
         if nnodes > 1:
             import jax
 

@@ -16,7 +16,7 @@ one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
 every tensor rank of its data rank. With pipeline parallelism a device holds its stage's share (models/pipeline.py):
-the embedding on the first stage, the final norm and lm_head (and an MTP head) on the last, and its stage's layers
+the embedding on the first stage, the final norm and lm_head on the last (no MTP head), and its stage's layers
 and their KV cache; the figures per device are the largest stage's, and each stage's weight bytes are listed.
 """
 
@@ -143,10 +143,11 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`.
     `stage` (a models/pipeline.py PipelineStage): a device of that pipeline stage, which holds its layers' share
     of each stacked segment (bytes linear in the layers: the layer axis is never split) and the embedding or the
-    final norm, lm_head and MTP head as its place in the pipeline says."""
+    final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there)."""
     import numpy as np
 
-    from deepinfer_jax.models.params import is_spec, layer_segments, param_specs, spec_dtype
+    from deepinfer_jax.models.params import is_spec, layer_segments, spec_dtype
+    from deepinfer_jax.models.registry import param_specs  # the model family's (the dense family's own)
     from deepinfer_jax.models.quant import METHODS, fp8_layout, quant_layout, quantized_shapes
     from deepinfer_jax.sharding.rules import check_rules, default_rules
 
@@ -163,6 +164,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
         if path[0] == "segments":
             seg = layer_segments(cfg)[path[1]]
             return max(0, min(seg.stop, stage.stop) - max(seg.start, stage.start)), seg.num_layers
+        if path[0] == "mtp":  # not kept: speculative decoding is refused with pipeline parallelism
+            return 0, 1
         return int(stage.first if path[0] == "embed" else stage.last), 1
 
     def walk(tree: Any, path: tuple) -> None:

@@ -6,8 +6,9 @@ ranks) whose step is a chain of programs instead of one (sharding/pipeline.py la
 - stage 0: embedding and its layers, [T, D] hidden states out;
 - stage r (0 < r < last): its layers on the hidden states the stage before computed, moved onto its devices
   (`jax.device_put` from one stage's devices to the next's: the only bytes that cross stages, T x D a step);
-- the last stage: its layers, the final norm and lm_head, and the sampler, whose sampled ids (the next step's
-  placeholders, ModelRunner.dispatch) are copied back to stage 0 for the next step's embedding.
+- the last stage: its layers, the final norm and lm_head (the logits [S, V]), then the sampling variant's sampler
+  as a program of its own on the same devices (the variants of a bucket share its stages' programs); the sampled
+  ids (the next step's placeholders, ModelRunner.dispatch) are copied back to stage 0 for its embedding.
 
 Each stage holds its own layers' params and its own KV cache [its layers, pages, ...] with the same page ids (every
 stage sees the same step metadata), so the scheduler, prefix caching and preemption are those of one model.
@@ -22,13 +23,13 @@ the KV cache, routing collection, several hosts.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
+from deepinfer_jax.models.pipeline import stage_tree
 from deepinfer_jax.models.registry import family_of, kv_cache_shape
 from deepinfer_jax.runner import warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
@@ -40,9 +41,14 @@ from deepinfer_jax.runner.step_io import StepOut, packed, resolve_placeholders, 
 from deepinfer_jax.runner.step_programs import StepPrograms
 from deepinfer_jax.weights.pending import PendingParams
 
-log = logging.getLogger(__name__)
 
 FLAG = "--pipeline-parallel-size > 1"
+
+
+def _cut(tree: Any, offset: int, n: int) -> Any:
+    """A stacked segment's leaves -> layers [offset, offset + n) of them (the whole leaf as it is where that is all
+    of it: a segment that one stage holds is not copied)."""
+    return jax.tree.map(lambda a: a if (offset, n) == (0, a.shape[0]) else a[offset:offset + n], tree)
 
 
 class PipelineRunner(ModelRunner):
@@ -64,12 +70,7 @@ class PipelineRunner(ModelRunner):
         self.stage_params, self.stage_caches = [], []
         full_shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
         for st, sh in zip(self.stages, self.stage_shardings):
-            def cut(tree, offset, n):  # a stacked segment -> the stage's layers of it
-                return jax.tree.map(lambda a: a if (offset, n) == (0, a.shape[0]) else a[offset:offset + n], tree)
-
-            from deepinfer_jax.models.pipeline import stage_tree
-
-            part = stage_tree(params, cfg, st, cut)
+            part = stage_tree(params, cfg, st, _cut)
             self.stage_params.append(jax.device_put(part, sharding.stage_param_shardings(cfg, params, st.rank)))
             self.stage_caches.append(jnp.zeros((st.num_layers, *full_shape[1:]), self.kv_dtype, device=sh.kv_cache))
         del params
@@ -79,9 +80,10 @@ class PipelineRunner(ModelRunner):
                                      self.max_rows)
         self._replicated = [jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
                             for sh in self.stage_shardings]
-        self._hidden = [sh._named("tokens", None) for sh in self.stage_shardings]
+        self._hidden = [jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("tokens", None)))
+                        for sh in self.stage_shardings]  # [T, D]: tokens over the data axis, as the step's
         self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._replicated[-1])
-        self._fns: dict[Any, Any] = {}  # (stage rank, meta layout) or ("last", a step's key) -> jitted program
+        self._fns: dict[Any, Any] = {}  # (stage rank, meta layout) or ("sampler", a step's key) -> jitted program
         self._warm = False
         self.channel = None
         self.last_routing = None
@@ -130,25 +132,22 @@ class PipelineRunner(ModelRunner):
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, host: HostStep, before_sampling=None) -> StepOut:
-        """Queue the step's programs stage after stage (module docstring); returns the last stage's results."""
+        """Queue the step's programs stage after stage (module docstring), then the sampler on the last stage's
+        devices; returns its results."""
         key, inputs = packed(host)
         res = self.programs.resident(key)  # the layout of the results
         n_meta = sum(sizes(key[0]))
-        hidden = None
+        out = None  # stage r's output: hidden states [T, D], on the last stage the logits [S, V]
         for st in self.stages:
             rep = self._replicated[st.rank]
-            if st.last:
-                fn = self._last_fn(key)
-                inbox = jax.device_put(inputs, rep)
-                cache, self._prev_tokens, outbox = fn(self.stage_params[st.rank], self.stage_caches[st.rank],
-                                                      self._prev_tokens, inbox, hidden)
-            else:
-                prev = jax.device_put(self._prev_tokens, rep) if st.first else None
-                inbox = jax.device_put(inputs[:n_meta], rep)
-                hidden, cache = self._stage_fn(st.rank, key[0])(self.stage_params[st.rank],
-                                                                  self.stage_caches[st.rank], prev, inbox, hidden)
-                hidden = jax.device_put(hidden, self._hidden[st.rank + 1])  # to the next stage's devices
-            self.stage_caches[st.rank] = cache
+            if not st.first:
+                out = jax.device_put(out, self._hidden[st.rank])  # from the stage before's devices
+            prev = jax.device_put(self._prev_tokens, rep) if st.first else None
+            out, self.stage_caches[st.rank] = self._stage_fn(st.rank, key[0])(
+                self.stage_params[st.rank], self.stage_caches[st.rank], prev, jax.device_put(inputs[:n_meta], rep),
+                out)
+        self._prev_tokens, outbox = self._sampler_fn(key)(out, self._prev_tokens,
+                                                          jax.device_put(inputs[n_meta:], self._replicated[-1]))
         return StepOut(outbox, res.sampled_layout, None)
 
     def _forward(self, rank: int):
@@ -173,8 +172,8 @@ class PipelineRunner(ModelRunner):
         return forward
 
     def _stage_fn(self, rank: int, layout):
-        """Stage `rank` (not the last) of a bucket: (params, cache, prev_tokens or None, meta inbox, hidden or None)
-        -> (hidden [T, D], cache), the cache donated."""
+        """Stage `rank` of a bucket: (params, cache, prev_tokens or None, meta inbox, hidden or None) -> (hidden
+        [T, D], or on the last stage the logits [S, V] fp32; cache), the cache donated."""
         if (rank, layout) not in self._fns:
             parts, fwd = sizes(layout), self._forward(rank)  # no `self` in the program's closure
 
@@ -185,20 +184,20 @@ class PipelineRunner(ModelRunner):
             self._fns[(rank, layout)] = jax.jit(stage, donate_argnums=1)
         return self._fns[(rank, layout)]
 
-    def _last_fn(self, key):
-        """The last stage of a step of `key`: (params, cache, prev_tokens, inbox, hidden) -> (cache, the next
-        prev_tokens, the packed sampled tokens), the cache and prev_tokens donated."""
-        if ("last", key) not in self._fns:
-            meta_layout, variant, sampling_layout = key
-            parts = self.programs.resident(key).parts
-            smp = self.programs._sample_fn(variant, sampling_layout)
-            fwd = self._forward(len(self.stages) - 1)
+    def _sampler_fn(self, key):
+        """The sampler of a step of `key` on the last stage's devices: (logits [S, V], prev_tokens, sampling inbox)
+        -> (the next prev_tokens, the packed sampled tokens), prev_tokens donated. A bucket's sampling variants share
+        its stages' programs; each has its own (small) sampler program."""
+        if ("sampler", key) not in self._fns:
+            _, variant, sampling_layout = key
+            parts = self.programs.resident(key).parts[2:]
+            smp = self.programs._sample_fn(variant, sampling_layout)  # the one-program step's sampler
 
-            def last(params, cache, prev_tokens, inbox, hidden):
-                mi, mf, si, sf = split_inbox(inbox, parts)
-                logits, cache = fwd(params, cache, prev_tokens, mi, mf, meta_layout, hidden)
+            def sampler(logits, prev_tokens, inbox):
+                si, sf = split_inbox(inbox, parts)
                 sampled, nxt = smp(logits, prev_tokens, si, sf)
-                return cache, nxt, pack_bits((sampled, None))
+                return nxt, pack_bits((sampled, None))
 
-            self._fns[("last", key)] = jax.jit(last, donate_argnums=(1, 2))
-        return self._fns[("last", key)]
+            # keep_unused: a variant that reads no placeholder leaves prev_tokens unused (see step_programs.py)
+            self._fns[("sampler", key)] = jax.jit(sampler, donate_argnums=1, keep_unused=True)
+        return self._fns[("sampler", key)]

@@ -8,7 +8,7 @@ step metadata, so each data-parallel rank owns the same requests and pages on ev
 
 Loading: a leaf that one stage alone holds (the embedding, the final norm and lm_head, a segment of layers inside
 one stage) loads straight onto that stage's devices; a segment of stacked layers that two stages share loads on
-the host and the runner cuts it and places each stage's part (`load_shardings`).
+the host and the runner cuts it and places each stage's part (`load_shardings`). An MTP head is not kept.
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class PipelineSharding:
             owners = [st.rank for st in self.stages if max(seg.start, st.start) < min(seg.stop, st.stop)]
             sub = per_stage[owners[0]]["segments"][i]
             out["segments"].append(sub if len(owners) == 1 else jax.tree.map(lambda _: host, sub))
-        if "mtp" in per_stage[-1]:
-            out["mtp"] = per_stage[-1]["mtp"]
+        if "mtp" in per_stage[-1]:  # never run with pipeline parallelism: on the host, dropped once loaded
+            out["mtp"] = jax.tree.map(lambda _: host, per_stage[-1]["mtp"])
         return out
 
     def stage_param_shardings(self, cfg: ModelConfig, params: Any, rank: int) -> Any:

@@ -6,8 +6,8 @@ LAYOUT is "TPxDP[ep]-ppN" (tests/sharding/run_case.py's layouts with N pipeline 
 or "1x1" for one device. The workload: two waves of requests. The first has more requests than max_num_seqs
 (batching), prompts longer than the 32-token step budget (chunked prefill) and fewer KV pages than its running
 requests want (preemption); the second repeats the first wave's last prompt with new tails (prefix-cache hits).
-Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "compiles_after_warmup",
-"preemptions", "prefix_hits", "stage_layers", "stage_devices", "kv_usage_after"}}}.
+Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
+"preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after"}}}.
 """
 
 from __future__ import annotations
@@ -44,11 +44,14 @@ def parse_layout(name: str) -> dict:
 
 
 def run(model_dir: str, layout: str, waves) -> dict:
+    import time
+
     import jax
 
     from deepinfer_jax import LLM
     from deepinfer_jax.types import SamplingParams
 
+    t0 = time.time()
     llm = LLM(model_dir, dtype="float32", max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, page_size=PAGE,
               max_model_len=MODEL_LEN, num_pages=NUM_PAGES, token_buckets=(BUDGET,), attn_impl="reference",
               moe_impl="ragged", prefill_layers="scan", skip_tokenizer_init=True, compilation_cache_dir=None,
@@ -68,10 +71,17 @@ def run(model_dir: str, layout: str, waves) -> dict:
     for p, c in zip(getattr(runner, "stage_params", [runner.params]), getattr(runner, "stage_caches", [runner.kv_cache])):
         devs = {d.id for x in jax.tree.leaves(p) for d in x.sharding.device_set} | {d.id for d in c.sharding.device_set}
         stage_devices.append(sorted(devs))
+    stage_bytes = []  # the params' bytes on a device of each stage (the most any of its devices holds)
+    for p in getattr(runner, "stage_params", [runner.params]):
+        per_dev: dict[int, int] = {}
+        for x in jax.tree.leaves(p):
+            for shard in x.addressable_shards:
+                per_dev[shard.device.id] = per_dev.get(shard.device.id, 0) + shard.data.nbytes
+        stage_bytes.append(max(per_dev.values()))
     pools = [s.kv_cache_manager.usage for s in getattr(eng.scheduler, "ranks", [eng.scheduler])]
-    return {"tokens": tokens, "compiles_after_warmup": runner.compiles_after_warmup,
+    return {"tokens": tokens, "seconds": round(time.time() - t0, 1), "compiles_after_warmup": runner.compiles_after_warmup,
             "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers,
-            "stage_devices": stage_devices, "kv_usage_after": pools}
+            "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools}
 
 
 def main() -> None:
