@@ -7,7 +7,8 @@ or "1x1" for one device. The workload: two waves of requests. The first has more
 (batching), prompts longer than the 32-token step budget (chunked prefill) and fewer KV pages than its running
 requests want (preemption); the second repeats the first wave's last prompt with new tails (prefix-cache hits).
 Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
-"preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after"}}}.
+"preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
+"memory_devices"}}}.
 """
 
 from __future__ import annotations
@@ -81,7 +82,8 @@ def run(model_dir: str, layout: str, waves) -> dict:
     pools = [s.kv_cache_manager.usage for s in getattr(eng.scheduler, "ranks", [eng.scheduler])]
     return {"tokens": tokens, "seconds": round(time.time() - t0, 1), "compiles_after_warmup": runner.compiles_after_warmup,
             "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers,
-            "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools}
+            "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
+            "memory_devices": runner.memory_report()["num_devices"]}
 
 
 def main() -> None:

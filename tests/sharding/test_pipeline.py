@@ -1,7 +1,7 @@
 """Pipeline parallelism through `LLM` on 8 fake CPU devices, fp32: HF transformers' greedy tokens under PP4,
 PP2 x TP2, PP2 x TP4 and PP2 x DP2 x EP4 on a 5-layer DeepSeek-V3 checkpoint (stages of uneven layers, split as
-vLLM splits them: 3 + 2 and 1 + 1 + 2 + 1; the dense layer and the MoE layers in different stages), and PP2 on a
-dense Llama checkpoint (PP2 x TP2) through the model registry. The workload (tests/sharding/run_pipeline.py) batches more
+vLLM splits them: 3 + 2 and 1 + 1 + 2 + 1; the dense layer and the MoE layers in different stages), and PP2 x TP2
+on a dense Llama checkpoint through the model registry. The workload (tests/sharding/run_pipeline.py) batches more
 requests than max_num_seqs, chunks long prompts, preempts for want of pages and hits the prefix cache. One
 subprocess a model (the fake devices must be set before JAX starts), both at once.
 """
@@ -69,6 +69,7 @@ def test_pipeline_stages_hold_their_layers_on_their_own_devices(runs):
                 assert r["stage_layers"] == V3_STAGE_LAYERS[pp], layout  # each stage's KV cache: its layers only
             n = tp * dp
             assert r["stage_devices"] == [list(range(s * n, (s + 1) * n)) for s in range(pp)], layout
+            assert r["memory_devices"] == pp * n, layout  # /metrics' memory report counts every stage's devices
             p = plan(path, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
                      enable_expert_parallel=base.endswith("ep"), pipeline_parallel_size=pp)
             assert list(p.stage_weight_bytes) == r["stage_weight_bytes"], layout
