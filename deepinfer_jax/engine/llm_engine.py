@@ -10,8 +10,7 @@ shares its pages); outputs are gathered under the parent id with CompletionOutpu
 
 Sharded (`sharding`, a deepinfer_jax.sharding.ModelSharding): the runner places everything on the mesh;
 with data-parallel attention each rank gets its own scheduler and page pool (sharding/data_parallel.py),
-`num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank. With pipeline
-parallelism (`sharding` a sharding.pipeline.PipelineSharding) the runner is runner/pipeline.py's.
+`num_pages` counts pages per rank, and max_num_seqs / max_num_batched_tokens hold per rank.
 
 Structured output (SamplingParams.structured_outputs): each child gets a grammar matcher (text/grammar.py) at
 add_request, which raises ValueError if the grammar does not compile. A step with such a request samples in the
@@ -49,7 +48,7 @@ from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
-from deepinfer_jax.runner.model_runner import ModelRunner
+from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
@@ -134,11 +133,8 @@ class LLMEngine:
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
             memory = None if cache_config.gpu_memory_gib is None else given_memory(cache_config.gpu_memory_gib)
-            kv_cfg = cfg  # with pipeline parallelism a device caches its stage's layers only: the largest stage's
-            if getattr(sharding, "pipeline_parallel_size", 1) > 1:
-                kv_cfg = dataclasses.replace(cfg, num_hidden_layers=max(st.num_layers for st in sharding.stages))
             num_pages, how = pages_for_memory(
-                kv_cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
+                kv_sizing_config(cfg, sharding), ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
                 memory=memory)
             if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
                 agreed = agree_min(num_pages)
@@ -172,10 +168,8 @@ class LLMEngine:
                                           for _ in range(sharding.num_ranks)])
         else:
             self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks)
-        runner_class = ModelRunner
-        if getattr(sharding, "pipeline_parallel_size", 1) > 1:  # sharding/pipeline.py: one program a stage
-            from deepinfer_jax.runner.pipeline import PipelineRunner as runner_class
-        self.runner = runner_class(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
+        self.runner = runner_class(sharding)(cfg, params, runner_config, self.shapes, num_pages, max_logprobs,
+                                             sharding=sharding)
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)

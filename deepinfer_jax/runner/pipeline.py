@@ -23,6 +23,7 @@ the KV cache, routing collection, several hosts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -43,6 +44,20 @@ from deepinfer_jax.weights.pending import PendingParams
 
 
 FLAG = "--pipeline-parallel-size > 1"
+
+
+def runner_class(sharding: Any) -> type:
+    """The engine's runner for `sharding`: PipelineRunner where it has pipeline stages (sharding/pipeline.py), else
+    ModelRunner."""
+    return PipelineRunner if getattr(sharding, "pipeline_parallel_size", 1) > 1 else ModelRunner
+
+
+def kv_sizing_config(cfg: ModelConfig, sharding: Any) -> ModelConfig:
+    """The config whose KV cache bytes a page are one device's (runner/device_memory.py pages_for_memory): with
+    pipeline stages, a device caches its stage's layers only, so the largest stage's layer count."""
+    if getattr(sharding, "pipeline_parallel_size", 1) == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_hidden_layers=max(st.num_layers for st in sharding.stages))
 
 
 def _cut(tree: Any, offset: int, n: int) -> Any:
