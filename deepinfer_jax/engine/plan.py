@@ -146,7 +146,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there)."""
     import numpy as np
 
-    from deepinfer_jax.models.params import is_spec, layer_segments, spec_dtype
+    from deepinfer_jax.models.params import is_spec, spec_dtype
+    from deepinfer_jax.models.pipeline import param_segments
     from deepinfer_jax.models.registry import param_specs  # the model family's (the dense family's own)
     from deepinfer_jax.models.quant import METHODS, fp8_layout, quant_layout, quantized_shapes
     from deepinfer_jax.sharding.rules import check_rules, default_rules
@@ -162,7 +163,7 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
         if stage is None:
             return 1, 1
         if path[0] == "segments":
-            seg = layer_segments(cfg)[path[1]]
+            seg = param_segments(cfg)[path[1]]
             return max(0, min(seg.stop, stage.stop) - max(seg.start, stage.start)), seg.num_layers
         if path[0] == "mtp":  # not kept: speculative decoding is refused with pipeline parallelism
             return 0, 1

@@ -468,8 +468,8 @@ def forward_paged(
         (h, kv_cache), ys = run_layers(body, (h, kv_cache), scanned, layer_ids, local_ids, unroll)
         if ys is not None:
             routing.append(ys)
-    if stage is not None and not stage.last:  # the next stage's input
-        return (h, kv_cache, jnp.concatenate(routing, axis=0)) if return_routing else (h, kv_cache)
+    if stage is not None and not stage.last:  # the next stage's input (no routing: the runner does not collect it)
+        return h, kv_cache
     h = h[meta.logits_indices]  # [S, D]: each sequence's last token
     logits = _logits(params, cfg, h, mesh_rules)
     if return_routing:

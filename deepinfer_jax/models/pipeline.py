@@ -69,9 +69,16 @@ def pipeline_stages(cfg: ModelConfig, pp: int) -> list[PipelineStage]:
     return [PipelineStage(r, pp, a, b) for r, (a, b) in enumerate(pp_layer_ranges(cfg.num_hidden_layers, pp))]
 
 
+def param_segments(cfg: ModelConfig) -> tuple[Segment, ...]:
+    """The layers of each entry of params["segments"]: models/params.py's segments; the dense family (models/dense.py)
+    stacks all its layers in one."""
+    return (Segment("dense", 0, cfg.num_hidden_layers),) if cfg.family == "dense" else layer_segments(cfg)
+
+
 def stage_segments(cfg: ModelConfig, stage: PipelineStage) -> list[StageSegment]:
+    """The entries of params["segments"] that meet the stage's layers, each cut to them."""
     out = []
-    for i, seg in enumerate(layer_segments(cfg)):
+    for i, seg in enumerate(param_segments(cfg)):
         a, b = max(seg.start, stage.start), min(seg.stop, stage.stop)
         if a < b:
             out.append(StageSegment(i, Segment(seg.kind, a, b), Segment(seg.kind, a - stage.start, b - stage.start),

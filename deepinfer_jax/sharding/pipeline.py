@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.params import layer_segments
-from deepinfer_jax.models.pipeline import PipelineStage, pipeline_stages, stage_tree
+from deepinfer_jax.models.pipeline import PipelineStage, param_segments, pipeline_stages, stage_tree
 from deepinfer_jax.sharding.layout import ModelSharding, build_sharding
 from deepinfer_jax.sharding.mesh import ParallelConfig
 
@@ -58,7 +57,7 @@ class PipelineSharding:
             host = jax.sharding.SingleDeviceSharding(self.shardings[0].mesh.devices.flat[0])
         out = {"embed": per_stage[0]["embed"], "final_norm": per_stage[-1]["final_norm"],
                "lm_head": per_stage[-1]["lm_head"], "segments": []}
-        for i, seg in enumerate(layer_segments(cfg)):
+        for i, seg in enumerate(param_segments(cfg)):
             owners = [st.rank for st in self.stages if max(seg.start, st.start) < min(seg.stop, st.stop)]
             sub = per_stage[owners[0]]["segments"][i]
             out["segments"].append(sub if len(owners) == 1 else jax.tree.map(lambda _: host, sub))
