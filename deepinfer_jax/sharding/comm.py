@@ -89,7 +89,7 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
             out.append(Collective(what, kind, axis, tuple(shape), nbytes_each, per_step, b))
 
     add("embedding lookup (vocab split)", "all-reduce", "tensor", (tokens, D), dtype_bytes, int(first))
-    add("pipeline: sampled ids in (from the last stage)", "receive", "pipe", (dp * seqs,), 4, int(first and not last))
+    add("pipeline: sampled ids in (from last stage)", "receive", "pipe", (dp * seqs,), 4, int(first and not last))
     add("pipeline: hidden states in (stage before)", "receive", "pipe", (tokens, D), dtype_bytes, int(not first))
     add("attention o_proj", "all-reduce", "tensor", (tokens, D), dtype_bytes, len(layers))
     add("dense MLP down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_dense)
