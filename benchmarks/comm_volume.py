@@ -3,9 +3,9 @@
     python benchmarks/comm_volume.py [--preset deepseek-v3] [--layouts 8x1 8x1ep 4x2ep 1x8ep ...]
         [--decode-seqs 64] [--prefill-tokens 2048] [--dtype-bytes 2]
 
-For each layout ("TPxDP[ep]", as tests/sharding/run_case.py), prints the collectives of a decode step
+For each layout ("TPxDP[ep]" as tests/sharding/run_case.py, with "-ppN" for N pipeline stages: "4x1-pp2"), prints the collectives of a decode step
 (--decode-seqs sequences a data rank, one token each) and of a prefill step (--prefill-tokens token slots and
---decode-seqs sequence rows a data rank), the bytes each device sends or receives, and the time that
+--decode-seqs sequence rows a data rank), the bytes each device sends or receives (with PP, a device of the busiest stage), and the time that
 takes at --link-gbps (per direction; NVLink 4 on H100/H200: about 450 GB/s, a 400 Gb/s NIC about 50 GB/s).
 No JAX, no device: the model's config.json (configs/models/<preset>.json) and the layout alone.
 """
@@ -26,15 +26,17 @@ from deepinfer_jax.sharding.layout import VOCAB_PADDING  # noqa: E402
 
 
 def parse_layout(name: str) -> ParallelConfig:
+    name, _, pp = name.partition("-pp")
     ep = name.endswith("ep")
     tp, dp = (int(x) for x in name.removesuffix("ep").split("x"))
-    return ParallelConfig(tp, dp, ep)
+    return ParallelConfig(tp, dp, ep, int(pp or 1))
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--preset", default="deepseek-v3", help="configs/models/<preset>.json")
-    ap.add_argument("--layouts", nargs="+", default=["8x1", "8x1ep", "4x2ep", "2x4ep", "1x8ep"])
+    ap.add_argument("--layouts", nargs="+", default=["8x1", "8x1ep", "4x2ep", "2x4ep", "1x8ep", "4x1-pp2",
+                                                     "8x1-pp2", "1x8ep-pp2"])
     ap.add_argument("--decode-seqs", type=int, default=64, help="sequences a data rank in the decode step")
     ap.add_argument("--prefill-tokens", type=int, default=2048, help="token slots a data rank in the prefill step")
     ap.add_argument("--dtype-bytes", type=int, default=2, help="2: bf16")

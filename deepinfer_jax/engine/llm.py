@@ -152,7 +152,8 @@ class LLM:
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
-    and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
+    and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank), pipeline_parallel_size (the decoder
+    layers split into that many stages, each on its own TP x DP devices: sharding/pipeline.py). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), gpu_memory (GiB per device: the memory the KV cache is sized from and the model checked against,
     for a device without memory figures or to leave room; None: the device's own), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
@@ -182,7 +183,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None, page_size: int = 64,
                  gpu_memory_utilization: float = 0.9, enable_prefix_caching: bool = True,
                  skip_tokenizer_init: bool = False, seed: int = 0, tensor_parallel_size: int = 1,
-                 data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 data_parallel_size: int = 1, enable_expert_parallel: bool = False, pipeline_parallel_size: int = 1,
                  num_pages: int | None = None, attn_impl: str = "auto", moe_impl: str = "auto",
                  chat_template: str | None = None, compilation_cache_dir: str | None = "default",
                  load_format: str = "auto", unroll_max_tokens: int | None = None,
@@ -198,6 +199,9 @@ class LLM:
         from deepinfer_jax.runner.multihost import StepChannel
 
         check_launch(nnodes, node_rank, master_addr, master_port)
+        if nnodes > 1 and pipeline_parallel_size > 1:
+            raise ValueError("--pipeline-parallel-size > 1 with --nnodes > 1 is not supported yet; the stages run "
+                             "on the devices of one host")
         self.node_rank, self.nnodes = node_rank, nnodes
         channel = None
         if nnodes > 1:
@@ -217,7 +221,8 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # a bad config fails here, before any loading
         if spec is not None:
             spec.check_supported()
-        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
+                                  pipeline_parallel_size)
         if nnodes > 1:
             import jax
 
@@ -237,13 +242,20 @@ class LLM:
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
             if cfg0.family == "deepseek_v4":
-                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size "
-                                 "above 1 are not supported for it yet")
-            self.sharding = build_sharding(cfg0, parallel)
-            shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
+                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
+                                 "--pipeline-parallel-size above 1 are not supported for it yet")
+            if pipeline_parallel_size > 1:  # one layout a stage; leaves load onto the stage that holds them
+                from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
+
+                self.sharding = build_pipeline_sharding(cfg0, parallel)
+                shardings = self.sharding.load_shardings(cfg0)
+            else:
+                self.sharding = build_sharding(cfg0, parallel)
+                shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
             vocab_multiple = self.sharding.vocab_multiple
         if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)
-            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel),
+            problem = fit_problem(model, (tensor_parallel_size, data_parallel_size, enable_expert_parallel,
+                                          pipeline_parallel_size),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
                                   max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens)

@@ -48,7 +48,7 @@ from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
 from deepinfer_jax.engine.speculative import SpecDecodeStats, drafter_for, speculative_step
-from deepinfer_jax.runner.model_runner import ModelRunner
+from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
@@ -90,8 +90,9 @@ class LLMEngine:
             fallback = scheduler_config.max_num_seqs * max_pages + 1
             memory = None if cache_config.gpu_memory_gib is None else given_memory(cache_config.gpu_memory_gib)
             num_pages, how = pages_for_memory(
-                cfg, ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization, fallback, loading=pending,
-                memory=memory, extra_bytes_per_page=self.drafter.bytes_per_page(ps) if self.drafter else 0)
+                kv_sizing_config(cfg, sharding), ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization,
+                fallback, loading=pending, memory=memory,
+                extra_bytes_per_page=self.drafter.bytes_per_page(ps) if self.drafter else 0)
             if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
@@ -128,7 +129,8 @@ class LLMEngine:
                                           for _ in range(sharding.num_ranks)])
         else:
             self.scheduler = Scheduler(scheduler_config, cache_config, num_pages, self.num_host_blocks, self.cache_pools)
-        self.runner = ModelRunner(cfg, params, runner_config, self.shapes, num_pages, max_logprobs, sharding=sharding)
+        self.runner = runner_class(sharding)(cfg, params, runner_config, self.shapes, num_pages, max_logprobs,
+                                             sharding=sharding)
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)

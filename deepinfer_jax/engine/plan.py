@@ -1,6 +1,7 @@
 """`deepinfer plan`: whether a model fits, from its config.json and safetensors headers alone (no weights read).
 
     deepinfer plan --model DIR [--tensor-parallel-size N] [--data-parallel-size N] [--enable-expert-parallel]
+                   [--pipeline-parallel-size N]
                    [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
                    [--gpu-memory-utilization F] [--max-model-len N] [--page-size N] [--max-num-seqs N]
                    [--max-num-batched-tokens N] [--json]
@@ -19,7 +20,9 @@ tokens of context they hold.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
-every tensor rank of its data rank.
+every tensor rank of its data rank. With pipeline parallelism a device holds its stage's share (models/pipeline.py):
+the embedding on the first stage, the final norm and lm_head on the last (no MTP head), and its stage's layers
+and their KV cache; the figures per device are the largest stage's, and each stage's weight bytes are listed.
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
     return "float16" if t == "float16" else "bfloat16"
 
 
-def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantization: str | None,
+def fit_problem(model: str, parallel: tuple, dtype: str, quantization: str | None,
                 kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
                 max_model_len: int | None, **v4_sizes) -> str | None:
     """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
     figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
-    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel); `v4_sizes`: page_size,
-    max_num_seqs, max_num_batched_tokens as the engine will have them (DeepSeek-V4's pools). Reads config.json and
+    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel[, pipeline_parallel_size]);
+    `v4_sizes`: page_size, max_num_seqs, max_num_batched_tokens as the engine will have them (DeepSeek-V4's pools).
+    Reads config.json and
     the safetensors headers only."""
     import jax
 
@@ -68,8 +72,9 @@ def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantiz
     memory = given_memory(gpu_memory) if gpu_memory is not None else device_memory(jax.devices()[0])
     if memory is None:
         return None
-    tp, dp, ep = parallel
-    p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, dtype=dtype,
+    tp, dp, ep, *pp = parallel
+    p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
+             pipeline_parallel_size=pp[0] if pp else 1, dtype=dtype,
              quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
              gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, **v4_sizes)
     return f"{model} does not fit: {p.reason}" if p.fits is False else None
@@ -102,13 +107,18 @@ class MemoryPlan:
     # DeepSeek-V4's per-group cache: per group its layers, row bytes, tokens a row, window, bytes a token of context
     # (compressed groups) or a sequence (windowed), and with a device's memory its pool's pages and bytes
     kv_groups: tuple = ()
+    pipeline_parallel_size: int = 1
+    stage_weight_bytes: tuple[int, ...] = ()  # per device of each pipeline stage (PP > 1)
 
     def lines(self) -> list[str]:
         gib = size
         out = [f"model {self.model}: weights {self.weights}, dtype {self.dtype}, KV cache {self.kv_cache_dtype}, "
                f"TP {self.tensor_parallel_size} x DP {self.data_parallel_size}"
+               + (f" x PP {self.pipeline_parallel_size}" if self.pipeline_parallel_size > 1 else "")
                + (" with expert parallelism" if self.enable_expert_parallel else ""),
-               f"weights per device: {gib(self.weight_bytes_per_device)}",
+               f"weights per device: {gib(self.weight_bytes_per_device)}"
+               + (" (the largest stage; per stage: " + ", ".join(gib(b) for b in self.stage_weight_bytes) + ")"
+                  if self.stage_weight_bytes else ""),
                f"KV cache per token: {self.kv_bytes_per_token} bytes"
                + (" (the compressed cache groups; the windowed ones cost a fixed share per sequence)"
                   if self.kv_groups else "")]
@@ -147,12 +157,17 @@ def v4_weight_bytes(cfg, dtype: str) -> int:
 
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
-                            group_size: int = 128) -> int:
+                            group_size: int = 128, stage=None) -> int:
     """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
-    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`."""
+    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`.
+    `stage` (a models/pipeline.py PipelineStage): a device of that pipeline stage, which holds its layers' share
+    of each stacked segment (bytes linear in the layers: the layer axis is never split) and the embedding or the
+    final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there)."""
     import numpy as np
 
-    from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
+    from deepinfer_jax.models.params import is_spec, spec_dtype
+    from deepinfer_jax.models.pipeline import param_segments
+    from deepinfer_jax.models.registry import param_specs  # the model family's (the dense family's own)
     from deepinfer_jax.models.quant import METHODS, fp8_layout, quant_layout, quantized_shapes
     from deepinfer_jax.sharding.rules import check_rules, default_rules
 
@@ -163,9 +178,23 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     bits = METHODS[int_method]
     total = 0
 
+    def share(path: tuple) -> tuple[int, int]:  # (numerator, denominator) of a leaf's bytes this stage holds
+        if stage is None:
+            return 1, 1
+        if path[0] == "segments":
+            seg = param_segments(cfg)[path[1]]
+            return max(0, min(seg.stop, stage.stop) - max(seg.start, stage.start)), seg.num_layers
+        if path[0] == "mtp":  # not kept: speculative decoding is refused with pipeline parallelism
+            return 0, 1
+        return int(stage.first if path[0] == "embed" else stage.last), 1
+
     def walk(tree: Any, path: tuple) -> None:
         nonlocal total
         if is_spec(tree):
+            num, den = share(path)
+            if not num:
+                return
+            before = total
             splits = tuple(math.prod(mesh[a] for a in table.get(ax, ())) if ax else 1 for ax in tree.axes)
             lay = quant_layout(path)
             if path in fp8_paths:
@@ -176,6 +205,7 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
                 total += leaf_bytes(q, 1, splits) + leaf_bytes(s, 4, splits)
             else:
                 total += leaf_bytes(tree.shape, np.dtype(spec_dtype(tree, dtype)).itemsize, splits)
+            total = before + (total - before) * num // den
         elif isinstance(tree, dict):
             for k, v in tree.items():
                 walk(v, path + (k,))
@@ -214,7 +244,7 @@ def fit_verdict(weight_bytes: int, per_token: int, max_len: int, memory, gpu_mem
 
 
 def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-         enable_expert_parallel: bool = False, dtype: str = "auto", quantization: str | None = None,
+         enable_expert_parallel: bool = False, pipeline_parallel_size: int = 1, dtype: str = "auto", quantization: str | None = None,
          kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, memory=None, page_size: int = 64, max_num_seqs: int = 256,
          max_num_batched_tokens: int | None = None) -> MemoryPlan:
@@ -231,21 +261,25 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     from deepinfer_jax.weights.loader import check_quantization, is_converted
 
     check_quantization(model_dir, quantization)
-    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+    parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
+                              pipeline_parallel_size)
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     if cfg.family == "deepseek_v4":  # one device, float weights (docs/v4.md)
         if not parallel.is_single_device:
-            raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size above 1 "
-                             "are not supported for it yet")
+            raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
+                             "--pipeline-parallel-size above 1 are not supported for it yet")
         nbytes, weights = v4_weight_bytes(cfg, dtype), "float"
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))
         method = meta["quantization"]["method"]
-        nbytes = weight_bytes_per_device(cfg, dtype, parallel, int_method=method,
-                                         group_size=int(meta["quantization"].get("group_size") or 128))
+        def weigh(stage=None):
+            return weight_bytes_per_device(cfg, dtype, parallel, int_method=method, stage=stage,
+                                           group_size=int(meta["quantization"].get("group_size") or 128))
+
+        nbytes = weigh()
         weights = "float" if method == "none" else method
     else:
         from deepinfer_jax.weights.hf_loader import (
@@ -260,10 +294,21 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         rules = expected_tensors(cfg, fused_moe_layers(tensors))
         paths, online = fp8_leaf_paths(rules, tensors, quantization, not parallel.is_single_device)
         block = FP8_BLOCK if online else fp8_block_shape(hf_config)
-        nbytes = weight_bytes_per_device(cfg, dtype, parallel, paths, block)
+        def weigh(stage=None):
+            return weight_bytes_per_device(cfg, dtype, parallel, paths, block, stage=stage)
+
+        nbytes = weigh()
         weights = ("fp8 (online)" if online else "fp8 (kept)") if paths else "float"
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
     per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
+    stage_bytes: tuple[int, ...] = ()
+    if pipeline_parallel_size > 1:  # a device holds its stage's share: the largest stage's figures
+        from deepinfer_jax.models.pipeline import pipeline_stages
+
+        stages = pipeline_stages(cfg, pipeline_parallel_size)
+        stage_bytes = tuple(weigh(st) for st in stages)
+        nbytes = max(stage_bytes)
+        per_token = per_token * max(st.num_layers for st in stages) // cfg.num_hidden_layers
     max_len = max_model_len or min(cfg.max_position_embeddings, 4096)
     if memory is None and gpu_memory_gib is not None:
         memory = given_memory(gpu_memory_gib)
@@ -287,7 +332,8 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                 f"{max_num_seqs} sequences take {size(pool_bytes)}, more than the KV cache's {size(cache)} per device")
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
                       enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
-                      groups)
+                      kv_groups=groups, pipeline_parallel_size=pipeline_parallel_size,
+                      stage_weight_bytes=stage_bytes)
 
 
 def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tuple[dict, ...], int | None, int]:
@@ -329,6 +375,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     p.add_argument("--enable-expert-parallel", action="store_true")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
     p.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"])
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
@@ -345,6 +392,7 @@ def main(argv: list[str]) -> int:
     try:
         result = plan(ns.model, tensor_parallel_size=ns.tensor_parallel_size,
                       data_parallel_size=ns.data_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
+                      pipeline_parallel_size=ns.pipeline_parallel_size,
                       dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
                       gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
                       max_model_len=ns.max_model_len, page_size=ns.page_size, max_num_seqs=ns.max_num_seqs,

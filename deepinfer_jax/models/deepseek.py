@@ -41,6 +41,7 @@ from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_co
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
+from deepinfer_jax.models.pipeline import PipelineStage, stage_segments
 
 
 def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> jax.Array:
@@ -332,6 +333,8 @@ def forward_paged(
     decode_moe_shared_tiles: tuple[int, int, int] | None = None,
     decode_merged_qkv: bool = False,
     moe_prefill_mosaic: bool = False,
+    stage: PipelineStage | None = None,
+    hidden: jax.Array | None = None,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
@@ -364,15 +367,19 @@ def forward_paged(
     `decode_merged_qkv`: where `merged_qkv_applies` allows, the q / kv_a projections are one
     GEMM (`mla.project_qkv_merged`) whose output the absorb and latent launch reads in place.
     `moe_prefill_mosaic`: MoE steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm_mgpu.py;
-    moe.moe_block `mosaic`)."""
+    moe.moe_block `mosaic`).
+    `stage`: one pipeline stage (models/pipeline.py): `params` and `kv_cache` are the stage's, the first stage
+    embeds the token ids, the others start from `hidden` [T, D] (the stage before's output), and a stage other
+    than the last returns (hidden [T, D] after its layers, kv_cache) instead of the logits."""
     if cfg.has_indexer:
         dsa.check_paged_support(attn_impl, mesh_rules)
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
     split_plan = chunk_split_plan(cfg, meta, attn_impl, mesh_rules, prefill_attention)
-    h = params["embed"][meta.token_ids]  # [T, D]
+    h = params["embed"][meta.token_ids] if stage is None or stage.first else hidden  # [T, D]
     routing: list[jax.Array] = []
+    segments = layer_segments(cfg) if stage is None else [s.local for s in stage_segments(cfg, stage)]
 
-    for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
+    for seg, seg_params in zip(segments, params["segments"]):
         # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
         # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
         experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
@@ -461,6 +468,8 @@ def forward_paged(
         (h, kv_cache), ys = run_layers(body, (h, kv_cache), scanned, layer_ids, local_ids, unroll)
         if ys is not None:
             routing.append(ys)
+    if stage is not None and not stage.last:  # the next stage's input (no routing: the runner does not collect it)
+        return h, kv_cache
     h = h[meta.logits_indices]  # [S, D]: each sequence's last token
     logits = _logits(params, cfg, h, mesh_rules)
     if return_routing:

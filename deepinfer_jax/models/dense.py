@@ -256,6 +256,8 @@ def forward_paged(
     return_routing: bool = False,
     unroll: int | bool | str = 1,
     mesh_rules: Any = None,
+    stage: Any = None,
+    hidden: jax.Array | None = None,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing the routed expert ids [L, T, k] of a
     Qwen3-MoE model (an empty [0, T, 0] for a dense one). `moe_impl`: its experts' implementation (models/moe.py).
@@ -264,14 +266,15 @@ def forward_paged(
     (`paged_attention`: the Pallas kernel or the reference), so prefill, chunked prefill and decode are one call.
     With `mesh_rules` (tensor parallel, sharding/layout.py) the same code runs with the reference attention,
     partitioned by XLA from the params' and the cache's shardings: query heads, KV heads (or replicated) and the
-    MLP's intermediate dim over the tensor axis."""
+    MLP's intermediate dim over the tensor axis. `stage`, `hidden`: one pipeline stage, as models/deepseek.py
+    forward_paged takes them."""
     from deepinfer_jax.models.deepseek import run_layers
 
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {attn_impl!r} is not available for the dense family; expected one of {ATTN_IMPLS}")
     T = meta.token_ids.shape[0]
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, hd/2]
-    h = params["embed"][meta.token_ids]  # [T, D]
+    h = params["embed"][meta.token_ids] if stage is None or stage.first else hidden  # [T, D]
 
     def body(carry, xs):
         h, cache = carry
@@ -285,9 +288,11 @@ def forward_paged(
         m, idx = mlp(lp, cfg, x, moe_impl)
         return (h + m, cache), (idx if return_routing and idx is not None else None)
 
-    L = cfg.num_hidden_layers
+    L = cfg.num_hidden_layers if stage is None else stage.num_layers
     ids = np.arange(L, dtype=np.int32)
     (h, kv_cache), routing = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll)
+    if stage is not None and not stage.last:  # the next stage's input
+        return h, kv_cache
     logits = _logits(params, cfg, h[meta.logits_indices])
     if return_routing:
         return logits, kv_cache, jnp.zeros((0, T, 0), jnp.int32) if routing is None else routing

@@ -154,6 +154,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
     g.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="experts sharded over TP x DP")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
+                   help="decoder layers split into this many stages, each on its own TP x DP devices")
     g.add_argument("--page-size", "--block-size", dest="page_size", type=power_of_two, default=64,
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
@@ -333,7 +335,7 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         from deepinfer_jax.engine.plan import fit_problem, resolve_dtype
 
         kw, _ = engine_kwargs(ns, progress=False)
-        pc = (ns.tensor_parallel_size, ns.data_parallel_size, ns.enable_expert_parallel)
+        pc = (ns.tensor_parallel_size, ns.data_parallel_size, ns.enable_expert_parallel, ns.pipeline_parallel_size)
         try:
             problem = fit_problem(model_dir, pc, resolve_dtype(ns.dtype, model_dir), ns.quantization,
                                   ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"))
@@ -386,7 +388,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
         kv_offloading_size=ns.kv_offloading_size,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
-        enable_expert_parallel=ns.enable_expert_parallel, num_pages=ns.num_pages,
+        enable_expert_parallel=ns.enable_expert_parallel, pipeline_parallel_size=ns.pipeline_parallel_size,
+        num_pages=ns.num_pages,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir,
         speculative_config=ns.speculative_config)

@@ -20,7 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
---nnodes --node-rank --master-addr --master-port --speculative-config
+--nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -61,7 +61,6 @@ NOT_YET = {
     "--spec-method": "not yet: pass --speculative-config '{\"method\": ..., \"num_speculative_tokens\": K}'",
     "--spec-model": "not yet: pass --speculative-config with its \"model\" key",
     "--spec-tokens": "not yet: pass --speculative-config with its \"num_speculative_tokens\" key",
-    "--pipeline-parallel-size": "not yet: use --tensor-parallel-size / --data-parallel-size on one host",
 }
 
 _R = {  # refused, by reason: {what to do: flags}

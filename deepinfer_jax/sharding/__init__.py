@@ -1,4 +1,4 @@
-"""Tensor, expert and data parallelism over a jax.sharding Mesh (see README.md in this folder)."""
+"""Tensor, expert, data and pipeline parallelism over jax.sharding Meshes (see README.md in this folder)."""
 
 from deepinfer_jax.sharding.layout import ModelSharding, build_sharding
 from deepinfer_jax.sharding.mesh import DATA, TENSOR, ParallelConfig, make_mesh

@@ -15,7 +15,14 @@ follows the layout of rules.py and the sharded code paths of the model:
   over "data"; S_r: the sequence rows of one data rank);
 - logits: lm_head's vocab columns over "tensor", each device's [S_r, V / TP] slice gathered, [S_r, V] fp32
   over "tensor" (models/deepseek.py _logits constrains them, or XLA would gather the lm_head weight instead);
-- the sampled ids [S] (int32) gathered over "data", so every device holds the step's results.
+- the sampled ids [S] (int32) gathered over "data", so every device holds the step's results;
+- pipeline parallelism (runner/pipeline.py): a device runs its stage's layers only, so the per-layer collectives
+  above count that stage's layers, the embedding's only on the first stage and the last tokens', the logits' and
+  the sampled ids' only on the last; between stages the hidden states [T_r, D] go point to point from each device
+  of a stage to the devices of the next holding the same data rank (one "send" on the stage before, one "receive"
+  on the stage after), and the sampled ids [dp x S] (int32) go from the last stage back to the first, whose
+  embedding reads them as the next step's tokens. `step_collectives(..., stage=)` gives one stage's list;
+  `step_bytes` the busiest stage's total.
 
 Bytes are per device and per occurrence, as a ring algorithm moves them: an all-reduce of B bytes over n
 devices sends 2 (n - 1) / n B, an all-gather of a result of B bytes receives (n - 1) / n B, a reduce-scatter
@@ -29,14 +36,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.models.pipeline import PipelineStage, pipeline_stages
 from deepinfer_jax.sharding.mesh import ParallelConfig
 
 
 @dataclass(frozen=True)
 class Collective:
     what: str  # "attention o_proj", "routed experts: gather x", ...
-    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter"
-    axis: str  # "tensor" | "data"
+    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "send" | "receive" (point to point)
+    axis: str  # "tensor" | "data" | "pipe" (between pipeline stages)
     shape: tuple[int, ...]  # the collective's result on one device, as the compiled HLO shows it
     dtype_bytes: int
     per_step: int  # occurrences per step (layers)
@@ -50,22 +58,29 @@ class Collective:
 def _ring(kind: str, nbytes: int, n: int) -> int:
     if n <= 1:
         return 0
+    if kind in ("send", "receive"):
+        return nbytes
     factor = 2 * (n - 1) / n if kind == "all-reduce" else (n - 1) / n
     return int(round(factor * nbytes))
 
 
-def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2
-                     ) -> list[Collective]:
+def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
+                     stage: PipelineStage | None = None) -> list[Collective]:
     """The collectives of one step of `tokens` token slots and `seqs` sequence rows per data-parallel rank
-    (a padded bucket: token_buckets and seq_rows), in the engine dtype of `dtype_bytes` bytes."""
+    (a padded bucket: token_buckets and seq_rows), in the engine dtype of `dtype_bytes` bytes. With pipeline
+    parallelism, those of a device of `stage` (models/pipeline.py; None: the first)."""
     tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
-    n_moe = sum(1 for i in range(cfg.num_hidden_layers) if cfg.is_moe_layer(i))
-    n_dense = cfg.num_hidden_layers - n_moe
+    if stage is None:
+        stage = pipeline_stages(cfg, pc.pipeline_parallel_size)[0]
+    layers = range(stage.start, stage.stop)
+    n_moe = sum(1 for i in layers if cfg.is_moe_layer(i))
+    n_dense = len(layers) - n_moe
+    first, last = stage.first, stage.last
     out: list[Collective] = []
 
     def add(what, kind, axis, shape, nbytes_each, per_step):
-        n = tp if axis == "tensor" else dp
+        n = {"tensor": tp, "data": dp, "pipe": pc.pipeline_parallel_size}[axis]
         size = nbytes_each * (n if kind == "reduce-scatter" else 1)  # a reduce-scatter's input: n results
         for s in shape:
             size *= s
@@ -73,8 +88,10 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
         if b and per_step:
             out.append(Collective(what, kind, axis, tuple(shape), nbytes_each, per_step, b))
 
-    add("embedding lookup (vocab split)", "all-reduce", "tensor", (tokens, D), dtype_bytes, 1)
-    add("attention o_proj", "all-reduce", "tensor", (tokens, D), dtype_bytes, cfg.num_hidden_layers)
+    add("embedding lookup (vocab split)", "all-reduce", "tensor", (tokens, D), dtype_bytes, int(first))
+    add("pipeline: sampled ids in (from last stage)", "receive", "pipe", (dp * seqs,), 4, int(first and not last))
+    add("pipeline: hidden states in (stage before)", "receive", "pipe", (tokens, D), dtype_bytes, int(not first))
+    add("attention o_proj", "all-reduce", "tensor", (tokens, D), dtype_bytes, len(layers))
     add("dense MLP down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_dense)
     if cfg.n_shared_experts:
         add("shared experts down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_moe)
@@ -83,25 +100,33 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
         add("routed experts: gather routing", "all-gather", "data", (dp * tokens, k), 8, n_moe)  # f32 + int32
         add("routed experts: reduce-scatter y (fp32)", "reduce-scatter", "data", (tokens, D), 4, n_moe)
         add("routed experts: sum y over tensor (fp32)", "all-reduce", "tensor", (tokens, D), 4, n_moe)
-    add("last tokens' hidden states", "all-reduce", "data", (seqs, D), dtype_bytes, 1)
+    add("pipeline: hidden states out (next stage)", "send", "pipe", (tokens, D), dtype_bytes, int(not last))
+    add("last tokens' hidden states", "all-reduce", "data", (seqs, D), dtype_bytes, int(last))
     # The padding columns go before the gather: XLA gathers the vocab_size columns, rounded up to a multiple of TP.
-    add("logits (vocab gathered, fp32)", "all-gather", "tensor", (seqs, -(-cfg.vocab_size // tp) * tp), 4, 1)
-    add("sampled ids", "all-gather", "data", (dp * seqs,), 4, 1)
+    add("logits (vocab gathered, fp32)", "all-gather", "tensor", (seqs, -(-cfg.vocab_size // tp) * tp), 4, int(last))
+    add("sampled ids", "all-gather", "data", (dp * seqs,), 4, int(last))
+    add("pipeline: sampled ids out (to stage 0)", "send", "pipe", (dp * seqs,), 4, int(last and not first))
     return out
 
 
 def step_bytes(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> int:
-    """Bytes one device sends or receives in collectives during one step (step_collectives summed)."""
-    return sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes))
+    """Bytes one device sends or receives in collectives during one step (step_collectives summed); with
+    pipeline parallelism, a device of the busiest stage."""
+    return max(sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st))
+               for st in pipeline_stages(cfg, pc.pipeline_parallel_size))
 
 
 def format_table(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> str:
-    """step_collectives as a text table, with the total per device."""
-    rows = step_collectives(cfg, pc, tokens, seqs, dtype_bytes)
-    head = (f"TP={pc.tensor_parallel_size} DP={pc.data_parallel_size} EP={pc.expert_parallel_size}: "
-            f"{tokens} tokens, {seqs} rows a data rank")
-    lines = [head, f"  {'collective':44s} {'kind':15s} {'axis':6s} {'per step':>8s} {'MiB/device':>11s}"]
-    for c in rows:
-        lines.append(f"  {c.what:44s} {c.kind:15s} {c.axis:6s} {c.per_step:8d} {c.step_bytes / 2**20:11.3f}")
-    lines.append(f"  {'total':44s} {'':15s} {'':6s} {'':8s} {sum(c.step_bytes for c in rows) / 2**20:11.3f}")
+    """step_collectives as a text table, with the total per device (a table a pipeline stage)."""
+    pp = pc.pipeline_parallel_size
+    lines = []
+    for st in pipeline_stages(cfg, pp):
+        rows = step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st)
+        head = (f"TP={pc.tensor_parallel_size} DP={pc.data_parallel_size} EP={pc.expert_parallel_size}"
+                + (f" PP={pp}, stage {st.rank} (layers {st.start}-{st.stop - 1})" if pp > 1 else "")
+                + f": {tokens} tokens, {seqs} rows a data rank")
+        lines += [head, f"  {'collective':44s} {'kind':15s} {'axis':6s} {'per step':>8s} {'MiB/device':>11s}"]
+        for c in rows:
+            lines.append(f"  {c.what:44s} {c.kind:15s} {c.axis:6s} {c.per_step:8d} {c.step_bytes / 2**20:11.3f}")
+        lines.append(f"  {'total':44s} {'':15s} {'':6s} {'':8s} {sum(c.step_bytes for c in rows) / 2**20:11.3f}")
     return "\n".join(lines)

@@ -4,7 +4,8 @@ Mesh: two axes, ("data", "tensor") of sizes (data_parallel_size, tensor_parallel
 order (the tensor axis varies fastest, so a TP group is a run of neighbouring devices, which on a GPU
 host share the fastest links). Expert parallelism is not a third axis: as in vLLM, the MoE layers span
 all TP x DP devices, split over experts with `enable_expert_parallel` and over the experts'
-intermediate dim otherwise (see rules.py).
+intermediate dim otherwise (see rules.py). Pipeline parallelism is not an axis either: each of its
+`pipeline_parallel_size` stages gets a mesh of its own over the next TP x DP devices (sharding/pipeline.py).
 """
 
 from __future__ import annotations
@@ -21,15 +22,22 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
     @property
     def world_size(self) -> int:
+        """The devices of one mesh: TP x DP (with pipeline parallelism, of one stage)."""
         return self.tensor_parallel_size * self.data_parallel_size
+
+    @property
+    def num_devices(self) -> int:
+        """Every device the layout uses: TP x DP x PP."""
+        return self.world_size * self.pipeline_parallel_size
 
     @property
     def expert_parallel_size(self) -> int:
@@ -38,7 +46,7 @@ class ParallelConfig:
 
     @property
     def is_single_device(self) -> bool:
-        return self.world_size == 1
+        return self.num_devices == 1
 
 
 def make_mesh(pc: ParallelConfig, devices=None):

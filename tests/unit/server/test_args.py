@@ -227,3 +227,16 @@ def test_kv_cache_dtype_flag_and_yaml(tmp_path, capsys):
         check_engine_args(parser, parse_with_config(parser, ["--kv-cache-dtype", "fp8", "--attn-impl", "pallas"]))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "argument --kv-cache-dtype: fp8 runs with" in err
+
+
+def test_pipeline_parallel_size_flag_and_yaml(model_dirs, tmp_path, capsys):
+    """--pipeline-parallel-size / -pp (vLLM's flag, also a YAML key) reaches LLM; 0 is a usage error."""
+    _, large = model_dirs
+    assert _kw(["--model", large])[0]["pipeline_parallel_size"] == 1
+    assert _kw(["--model", large, "-pp", "2"])[0]["pipeline_parallel_size"] == 2
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\npipeline-parallel-size: 4\n")
+    assert _kw(["--config", str(f)])[0]["pipeline_parallel_size"] == 4
+    with pytest.raises(SystemExit):
+        _kw(["--model", large, "--pipeline-parallel-size", "0"])
+    assert "--pipeline-parallel-size" in capsys.readouterr().err

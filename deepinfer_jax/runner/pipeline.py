@@ -1,0 +1,218 @@
+"""Pipeline parallelism on the device: one program a stage, each on its own devices, run one after another.
+
+`PipelineRunner` is a ModelRunner (same host side: `prepare`, `dispatch`, `fetch`, placeholders, data-parallel
+ranks) whose step is a chain of programs instead of one (sharding/pipeline.py lays the stages out):
+
+- stage 0: embedding and its layers, [T, D] hidden states out;
+- stage r (0 < r < last): its layers on the hidden states the stage before computed, moved onto its devices
+  (`jax.device_put` from one stage's devices to the next's: the only bytes that cross stages, T x D a step);
+- the last stage: its layers, the final norm and lm_head (the logits [S, V]), then the sampling variant's sampler
+  as a program of its own on the same devices (the variants of a bucket share its stages' programs); the sampled
+  ids (the next step's placeholders, ModelRunner.dispatch) are copied back to stage 0 for its embedding.
+
+Each stage holds its own layers' params and its own KV cache [its layers, pages, ...] with the same page ids (every
+stage sees the same step metadata), so the scheduler, prefix caching and preemption are those of one model.
+
+Stages run one after another within a step, and the engine's overlapped loop keeps one step in flight ahead of
+the host, not one a stage: pipeline parallelism here splits a model's weights and cache over more devices (to
+fit), it does not yet overlap the stages of different micro-batches (vLLM's virtual engines).
+
+Not with pipeline parallelism (refused, naming the option): speculative decoding, prompt logprobs, the host tier of
+the KV cache, routing collection, several hosts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config import ModelConfig, RunnerConfig
+from deepinfer_jax.models.pipeline import stage_tree
+from deepinfer_jax.models.registry import family_of, kv_cache_shape
+from deepinfer_jax.runner import warmup
+from deepinfer_jax.runner.compile_cache import CompileCounter
+from deepinfer_jax.runner.device_memory import device_memory
+from deepinfer_jax.runner.inputs import HostStep, PageRows, Shapes, next_pow2
+from deepinfer_jax.runner.model_runner import ModelRunner
+from deepinfer_jax.runner.packing import pack_bits, sizes, unpack
+from deepinfer_jax.runner.step_io import StepOut, packed, resolve_placeholders, split_inbox
+from deepinfer_jax.runner.step_programs import StepPrograms
+from deepinfer_jax.weights.pending import PendingParams
+
+
+FLAG = "--pipeline-parallel-size > 1"
+
+
+def runner_class(sharding: Any) -> type:
+    """The engine's runner for `sharding`: PipelineRunner where it has pipeline stages (sharding/pipeline.py), else
+    ModelRunner."""
+    return PipelineRunner if getattr(sharding, "pipeline_parallel_size", 1) > 1 else ModelRunner
+
+
+def kv_sizing_config(cfg: ModelConfig, sharding: Any) -> ModelConfig:
+    """The config whose KV cache bytes a page are one device's (runner/device_memory.py pages_for_memory): with
+    pipeline stages, a device caches its stage's layers only, so the largest stage's layer count."""
+    if getattr(sharding, "pipeline_parallel_size", 1) == 1:
+        return cfg
+    return dataclasses.replace(cfg, num_hidden_layers=max(st.num_layers for st in sharding.stages))
+
+
+def _cut(tree: Any, offset: int, n: int) -> Any:
+    """A stacked segment's leaves -> layers [offset, offset + n) of them (the whole leaf as it is where that is all
+    of it: a segment that one stage holds is not copied)."""
+    return jax.tree.map(lambda a: a if (offset, n) == (0, a.shape[0]) else a[offset:offset + n], tree)
+
+
+class PipelineRunner(ModelRunner):
+    def __init__(self, cfg: ModelConfig, params: Any, runner_cfg: RunnerConfig, shapes: Shapes,
+                 num_pages: int, max_logprobs: int = 20, sharding: Any = None):
+        if shapes.spec_width > 1:
+            raise ValueError(f"speculative_config is not supported with {FLAG}")
+        if runner_cfg.collect_routing:
+            raise ValueError(f"collect_routing is not supported with {FLAG}")
+        CompileCounter.install()
+        if isinstance(params, PendingParams):
+            params = params.result()
+        self.cfg, self.runner_cfg, self.shapes, self.num_pages = cfg, runner_cfg, shapes, num_pages
+        self.max_logprobs, self.kv_dtype = max_logprobs, jnp.dtype(runner_cfg.kv_dtype)
+        self.sharding, self.num_ranks = sharding, sharding.num_ranks
+        self.stages, self.stage_shardings = sharding.stages, sharding.shardings
+        self._pending, self._mark_context, self.params = None, False, None
+        self.page_rows = PageRows()
+        self.stage_params, self.stage_caches = [], []
+        full_shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
+        for st, sh in zip(self.stages, self.stage_shardings):
+            part = stage_tree(params, cfg, st, _cut)
+            self.stage_params.append(jax.device_put(part, sharding.stage_param_shardings(cfg, params, st.rank)))
+            self.stage_caches.append(jnp.zeros((st.num_layers, *full_shape[1:]), self.kv_dtype, device=sh.kv_cache))
+        del params
+        self.max_rows = self.num_ranks * next_pow2(shapes.max_num_seqs)
+        # The last stage's programs: the resident layouts of each step's results, and the samplers.
+        self.programs = StepPrograms(cfg, runner_cfg, shapes, num_pages, max_logprobs, self.stage_shardings[-1],
+                                     self.max_rows)
+        self._replicated = [jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+                            for sh in self.stage_shardings]
+        self._hidden = [jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("tokens", None)))
+                        for sh in self.stage_shardings]  # [T, D]: tokens over the data axis, as the step's
+        self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._replicated[-1])
+        self._fns: dict[Any, Any] = {}  # (stage rank, meta layout) or ("sampler", a step's key) -> jitted program
+        self._warm = False
+        self.channel = None
+        self.last_routing = None
+        self.last_num_tokens = 0
+        self.compiles_after_warmup = 0
+        self.programs_loaded = 0
+        self._scorer = None
+        self.kv_transfer = None
+
+    @property
+    def kv_cache(self):
+        """The last stage's cache (every stage's has the same pages; `stage_caches` holds them all)."""
+        return self.stage_caches[-1]
+
+    # ---- reporting ---------------------------------------------------------------------------------
+    def memory_report(self) -> dict[str, Any]:
+        """ModelRunner.memory_report summed over the stages' devices."""
+        leaves = [x for p in self.stage_params for x in jax.tree_util.tree_leaves(p) if hasattr(x, "nbytes")]
+        devices = [d for c in self.stage_caches for d in c.sharding.device_set]
+        out: dict[str, Any] = {"weights": sum(int(x.nbytes) for x in leaves),
+                               "kv_cache": sum(int(c.nbytes) for c in self.stage_caches),
+                               "platform": devices[0].platform, "device_kind": devices[0].device_kind,
+                               "num_devices": len(devices), "limit": None, "in_use": None}
+        mems = [device_memory(d) for d in devices]
+        if all(m is not None for m in mems):
+            out["limit"], out["in_use"] = sum(m.limit for m in mems), sum(m.in_use for m in mems)
+        return out
+
+    # ---- what pipeline parallelism does not run ----------------------------------------------------
+    def enable_host_tier(self, num_host_blocks: int) -> None:
+        raise ValueError(f"kv_offloading_size is not supported with {FLAG}")
+
+    def score_prompt(self, token_ids: list[int]):
+        raise ValueError(f"prompt_logprobs is not supported with {FLAG}")
+
+    # ---- warm-up -----------------------------------------------------------------------------------
+    def warmup(self, progress: bool = True) -> int:
+        """Run each warm-up step (runner/warmup.py `plan`: a padding step a bucket and sampling variant) once,
+        which compiles its stages' programs; returns the number of programs compiled."""
+        hosts, _ = warmup.plan(self)
+        for host in hosts:
+            for _ in range(max(1, self.runner_cfg.warmup_runs)):
+                jax.block_until_ready(self.run(host).buf)
+        self._warm = True
+        return len(self._fns)
+
+    # ---- the step ----------------------------------------------------------------------------------
+    def run(self, host: HostStep, before_sampling=None) -> StepOut:
+        """Queue the step's programs stage after stage (module docstring), then the sampler on the last stage's
+        devices; returns its results."""
+        key, inputs = packed(host)
+        res = self.programs.resident(key)  # the layout of the results
+        n_meta = sum(sizes(key[0]))
+        out = None  # stage r's output: hidden states [T, D], on the last stage the logits [S, V]
+        for st in self.stages:
+            rep = self._replicated[st.rank]
+            if not st.first:
+                out = jax.device_put(out, self._hidden[st.rank])  # from the stage before's devices
+            prev = jax.device_put(self._prev_tokens, rep) if st.first else None
+            out, self.stage_caches[st.rank] = self._stage_fn(st.rank, key[0])(
+                self.stage_params[st.rank], self.stage_caches[st.rank], prev, jax.device_put(inputs[:n_meta], rep),
+                out)
+        self._prev_tokens, outbox = self._sampler_fn(key)(out, self._prev_tokens,
+                                                          jax.device_put(inputs[n_meta:], self._replicated[-1]))
+        return StepOut(outbox, res.sampled_layout, None)
+
+    def _forward(self, rank: int):
+        """Stage `rank`'s forward, to trace inside its program: (params, cache, prev_tokens, meta ints, meta floats,
+        meta layout, hidden) -> (hidden [T, D], or on the last stage logits [S, V] fp32; its cache)."""
+        cfg, rc, st, sh = self.cfg, self.runner_cfg, self.stages[rank], self.stage_shardings[rank]
+        fam = family_of(cfg)
+        switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
+        out_sharding = sh.logits if st.last else self._hidden[rank]
+
+        def forward(params, cache, prev_tokens, mi, mf, layout, hidden):
+            meta = unpack(mi, mf, layout)
+            if st.first:
+                meta = resolve_placeholders(meta, None, prev_tokens)[0]
+            meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
+            out, cache = fam.forward_paged(params, cfg, cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
+                                           unroll=rc.layer_loop(meta.token_ids.shape[0], jax.default_backend()),
+                                           mesh_rules=sh.mesh_rules, stage=st, hidden=hidden, **switches)
+            out = jax.lax.with_sharding_constraint(out, out_sharding)
+            return out, jax.lax.with_sharding_constraint(cache, sh.kv_cache)
+
+        return forward
+
+    def _stage_fn(self, rank: int, layout):
+        """Stage `rank` of a bucket: (params, cache, prev_tokens or None, meta inbox, hidden or None) -> (hidden
+        [T, D], or on the last stage the logits [S, V] fp32; cache), the cache donated."""
+        if (rank, layout) not in self._fns:
+            parts, fwd = sizes(layout), self._forward(rank)  # no `self` in the program's closure
+
+            def stage(params, cache, prev_tokens, inbox, hidden):
+                mi, mf = split_inbox(inbox, parts)
+                return fwd(params, cache, prev_tokens, mi, mf, layout, hidden)
+
+            self._fns[(rank, layout)] = jax.jit(stage, donate_argnums=1)
+        return self._fns[(rank, layout)]
+
+    def _sampler_fn(self, key):
+        """The sampler of a step of `key` on the last stage's devices: (logits [S, V], prev_tokens, sampling inbox)
+        -> (the next prev_tokens, the packed sampled tokens), prev_tokens donated. A bucket's sampling variants share
+        its stages' programs; each has its own (small) sampler program."""
+        if ("sampler", key) not in self._fns:
+            _, variant, sampling_layout = key
+            parts = self.programs.resident(key).parts[2:]
+            smp = self.programs._sample_fn(variant, sampling_layout)  # the one-program step's sampler
+
+            def sampler(logits, prev_tokens, inbox):
+                si, sf = split_inbox(inbox, parts)
+                sampled, nxt = smp(logits, prev_tokens, si, sf)
+                return nxt, pack_bits((sampled, None))
+
+            # keep_unused: a variant that reads no placeholder leaves prev_tokens unused (see step_programs.py)
+            self._fns[("sampler", key)] = jax.jit(sampler, donate_argnums=1, keep_unused=True)
+        return self._fns[("sampler", key)]

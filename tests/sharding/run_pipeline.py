@@ -1,0 +1,101 @@
+"""Run one greedy workload through `LLM` under pipeline-parallel layouts on 8 fake CPU devices; print JSON.
+
+    python tests/sharding/run_pipeline.py MODEL_DIR LAYOUT [LAYOUT ...]
+
+LAYOUT is "TPxDP[ep]-ppN" (tests/sharding/run_case.py's layouts with N pipeline stages), e.g. 1x1-pp2 2x1-pp2,
+or "1x1" for one device. The workload: two waves of requests. The first has more requests than max_num_seqs
+(batching), prompts longer than the 32-token step budget (chunked prefill) and fewer KV pages than its running
+requests want (preemption); the second repeats the first wave's last prompt with new tails (prefix-cache hits).
+Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
+"preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
+"memory_devices"}}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+
+FIRST_WAVE = [3, 17, 40, 75, 1, 9, 33, 60]  # prompt lengths
+SECOND_WAVE_TAILS = [5, 12]  # new tokens after the first wave's last prompt
+MAX_TOKENS = [8, 6, 10, 5, 9, 7, 6, 8, 6, 7]
+NUM_PAGES, PAGE, BUDGET, MAX_SEQS, MODEL_LEN = 14, 8, 32, 4, 88
+
+
+def workload(vocab: int) -> tuple[list[list[int]], list[list[int]]]:
+    rng = np.random.default_rng(11)
+    first = [rng.integers(2, vocab, n).tolist() for n in FIRST_WAVE]
+    second = [first[-1] + rng.integers(2, vocab, n).tolist() for n in SECOND_WAVE_TAILS]
+    return first, second
+
+
+def parse_layout(name: str) -> dict:
+    base, _, pp = name.partition("-pp")
+    ep = base.endswith("ep")
+    tp, dp = (int(x) for x in base.removesuffix("ep").split("x"))
+    return dict(tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
+                pipeline_parallel_size=int(pp or 1))
+
+
+def run(model_dir: str, layout: str, waves) -> dict:
+    import time
+
+    import jax
+
+    from deepinfer_jax import LLM
+    from deepinfer_jax.types import SamplingParams
+
+    t0 = time.time()
+    llm = LLM(model_dir, dtype="float32", max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, page_size=PAGE,
+              max_model_len=MODEL_LEN, num_pages=NUM_PAGES, token_buckets=(BUDGET,), attn_impl="reference",
+              moe_impl="ragged", prefill_layers="scan", skip_tokenizer_init=True, compilation_cache_dir=None,
+              progress=False, **parse_layout(layout))
+    tokens, n = [], 0
+    for wave in waves:
+        params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                  for m in MAX_TOKENS[n:n + len(wave)]]
+        n += len(wave)
+        outs = llm.generate([{"prompt_token_ids": p} for p in wave], params)
+        tokens += [o.outputs[0].token_ids for o in outs]
+    eng = llm.engine
+    st = eng.scheduler.stats()
+    runner = eng.runner
+    stage_layers = [int(c.shape[0]) for c in getattr(runner, "stage_caches", [runner.kv_cache])]
+    stage_devices = []
+    for p, c in zip(getattr(runner, "stage_params", [runner.params]), getattr(runner, "stage_caches", [runner.kv_cache])):
+        devs = {d.id for x in jax.tree.leaves(p) for d in x.sharding.device_set} | {d.id for d in c.sharding.device_set}
+        stage_devices.append(sorted(devs))
+    stage_bytes = []  # the params' bytes on a device of each stage (the most any of its devices holds)
+    for p in getattr(runner, "stage_params", [runner.params]):
+        per_dev: dict[int, int] = {}
+        for x in jax.tree.leaves(p):
+            for shard in x.addressable_shards:
+                per_dev[shard.device.id] = per_dev.get(shard.device.id, 0) + shard.data.nbytes
+        stage_bytes.append(max(per_dev.values()))
+    pools = [s.kv_cache_manager.usage for s in getattr(eng.scheduler, "ranks", [eng.scheduler])]
+    return {"tokens": tokens, "seconds": round(time.time() - t0, 1), "compiles_after_warmup": runner.compiles_after_warmup,
+            "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers,
+            "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
+            "memory_devices": runner.memory_report()["num_devices"]}
+
+
+def main() -> None:
+    model_dir, layouts = sys.argv[1], sys.argv[2:]
+    from deepinfer_jax.config import ModelConfig
+
+    waves = workload(ModelConfig.from_model_dir(model_dir).vocab_size)
+    results = {layout: run(model_dir, layout, waves) for layout in layouts}
+    print("RESULT " + json.dumps({"prompts": waves[0] + waves[1], "max_tokens": MAX_TOKENS[:sum(map(len, waves))],
+                                  "layouts": results}))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()

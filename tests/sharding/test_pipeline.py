@@ -1,0 +1,75 @@
+"""Pipeline parallelism through `LLM` on 8 fake CPU devices, fp32: HF transformers' greedy tokens under PP4,
+PP2 x TP2, PP2 x TP4 and PP2 x DP2 x EP4 on a 5-layer DeepSeek-V3 checkpoint (stages of uneven layers, split as
+vLLM splits them: 3 + 2 and 1 + 1 + 2 + 1; the dense layer and the MoE layers in different stages), and PP2 x TP2
+on a dense Llama checkpoint through the model registry. The workload (tests/sharding/run_pipeline.py) batches more
+requests than max_num_seqs, chunks long prompts, preempts for want of pages and hits the prefix cache. One
+subprocess a model (the fake devices must be set before JAX starts), both at once.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_models import build_hf_model, hf_greedy, save_hf_model
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+RUN = os.path.join(REPO, "tests", "sharding", "run_pipeline.py")
+
+V3_LAYOUTS = ["1x1-pp4", "2x1-pp2", "4x1-pp2", "2x2ep-pp2"]  # PP2 alone: the PP2 x TP layouts' stage split
+DENSE_LAYOUTS = ["2x1-pp2"]
+V3_STAGE_LAYERS = {2: [3, 2], 4: [1, 1, 2, 1]}  # vLLM's get_pp_indices for 5 layers
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, hf_case):
+    v3 = build_hf_model("v3_grouped_noaux", num_hidden_layers=5)
+    v3_dir = save_hf_model(v3, str(tmp_path_factory.mktemp("v3_5_layers")))
+    dense, dense_dir = hf_case("llama_tp")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+    procs = {name: subprocess.Popen([sys.executable, RUN, path, *layouts], stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, env=env)
+             for name, path, layouts in (("v3", v3_dir, V3_LAYOUTS), ("dense", dense_dir, DENSE_LAYOUTS))}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=900)
+        assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
+        out[name] = json.loads(stdout.split("RESULT ", 1)[1])
+    return {"v3": (v3, out["v3"], v3_dir), "dense": (dense, out["dense"], dense_dir)}
+
+
+@pytest.mark.parametrize("model", ["v3", "dense"])
+def test_pipeline_greedy_equals_hf(runs, model):
+    hf, res, _ = runs[model]
+    want = [hf_greedy(hf, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
+    for layout, r in res["layouts"].items():
+        assert r["tokens"] == want, layout
+        assert r["compiles_after_warmup"] == 0, layout
+        assert r["preemptions"] > 0 and r["prefix_hits"] > 0, layout  # the workload did preempt and hit
+        assert all(u == 0.0 for u in r["kv_usage_after"]), layout
+    print(f"\n{model}: " + ", ".join(f"{k} {r['seconds']}s" for k, r in res["layouts"].items()))
+
+
+def test_pipeline_stages_hold_their_layers_on_their_own_devices(runs):
+    """Each stage's params and KV cache on its own TP x DP devices, its cache holding its layers only, and its
+    params' bytes a device what `deepinfer plan` predicts for that stage."""
+    from deepinfer_jax.engine.plan import plan
+
+    for model in ("v3", "dense"):
+        _, res, path = runs[model]
+        for layout, r in res["layouts"].items():
+            base, pp = layout.split("-pp")
+            pp = int(pp)
+            tp, dp = (int(x) for x in base.removesuffix("ep").split("x"))
+            if model == "v3":
+                assert r["stage_layers"] == V3_STAGE_LAYERS[pp], layout  # each stage's KV cache: its layers only
+            n = tp * dp
+            assert r["stage_devices"] == [list(range(s * n, (s + 1) * n)) for s in range(pp)], layout
+            assert r["memory_devices"] == pp * n, layout  # /metrics' memory report counts every stage's devices
+            p = plan(path, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
+                     enable_expert_parallel=base.endswith("ep"), pipeline_parallel_size=pp)
+            assert list(p.stage_weight_bytes) == r["stage_weight_bytes"], layout

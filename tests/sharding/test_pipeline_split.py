@@ -1,0 +1,87 @@
+"""Pipeline stages without devices: vLLM's layer split, each stage's share of the segments, of the weights
+(`deepinfer plan`) and of the step's communication (sharding/comm.py), and the refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+
+from deepinfer_jax.config import ModelConfig
+from deepinfer_jax.engine.plan import weight_bytes_per_device
+from deepinfer_jax.models.params import Segment
+from deepinfer_jax.models.pipeline import pipeline_stages, pp_layer_ranges, stage_segments
+from deepinfer_jax.sharding import ParallelConfig
+from deepinfer_jax.sharding.comm import step_bytes, step_collectives
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cfg(preset: str, **kw) -> ModelConfig:
+    with open(os.path.join(REPO, "configs", "models", f"{preset}.json")) as f:
+        return dataclasses.replace(ModelConfig.from_hf_dict(json.load(f)), **kw)
+
+
+# vLLM's get_pp_indices (vllm/distributed/utils.py): num_layers // pp each, the remainder one layer each to the
+# stages just before the last.
+@pytest.mark.parametrize("layers, pp, sizes", [
+    (5, 2, [3, 2]), (5, 4, [1, 1, 2, 1]), (7, 4, [2, 2, 2, 1]), (8, 4, [2, 2, 2, 2]), (61, 4, [15, 15, 16, 15]),
+    (61, 8, [7, 7, 8, 8, 8, 8, 8, 7]), (27, 1, [27]),
+])
+def test_layer_split_is_vllms(layers, pp, sizes):
+    ranges = pp_layer_ranges(layers, pp)
+    assert [b - a for a, b in ranges] == sizes
+    assert ranges[0][0] == 0 and ranges[-1][1] == layers
+    assert all(ranges[i][1] == ranges[i + 1][0] for i in range(pp - 1))  # contiguous
+
+
+def test_fewer_layers_than_stages_is_refused():
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 3 is below --pipeline-parallel-size 4"):
+        pp_layer_ranges(3, 4)
+
+
+def test_stage_segments_cut_the_stacked_segments():
+    cfg = _cfg("tiny-deepseek-v3", num_hidden_layers=5)  # layer 0 dense, 1-4 MoE
+    s0, s1 = pipeline_stages(cfg, 2)
+    assert [(x.index, x.layers, x.local, x.offset) for x in stage_segments(cfg, s0)] == [
+        (0, Segment("dense", 0, 1), Segment("dense", 0, 1), 0), (1, Segment("moe", 1, 3), Segment("moe", 1, 3), 0)]
+    assert [(x.index, x.layers, x.local, x.offset) for x in stage_segments(cfg, s1)] == [
+        (1, Segment("moe", 3, 5), Segment("moe", 0, 2), 2)]
+
+
+def test_stage_weight_bytes_add_up_to_the_model():
+    cfg = _cfg("deepseek-v3", num_nextn_predict_layers=0)
+    for tp, dp, ep, pp in ((1, 1, False, 4), (8, 1, True, 2), (2, 4, True, 8)):
+        pc = ParallelConfig(tp, dp, ep, pp)
+        stages = [weight_bytes_per_device(cfg, "bfloat16", pc, stage=st) for st in pipeline_stages(cfg, pp)]
+        assert sum(stages) == weight_bytes_per_device(cfg, "bfloat16", pc)
+
+
+def test_pipeline_communication_per_stage():
+    cfg = _cfg("deepseek-v3")
+    one = step_collectives(cfg, ParallelConfig(4, 1), 64, 64)
+    pc = ParallelConfig(4, 1, False, 4)
+    per_stage = [step_collectives(cfg, pc, 64, 64, stage=st) for st in pipeline_stages(cfg, 4)]
+
+    def count(rows, what):
+        return sum(c.per_step for c in rows if c.what == what)
+
+    for what in {c.what for c in one}:  # every collective of one model, each layer's on its stage only
+        assert sum(count(rows, what) for rows in per_stage) == count(one, what), what
+    hidden = [[c for c in rows if c.axis == "pipe" and "hidden" in c.what] for rows in per_stage]
+    assert [[c.kind for c in h] for h in hidden] == [["send"], ["receive", "send"], ["receive", "send"], ["receive"]]
+    assert all(c.bytes_per_device == 64 * cfg.hidden_size * 2 for h in hidden for c in h)
+    assert step_bytes(cfg, pc, 64, 64) == max(sum(c.step_bytes for c in rows) for rows in per_stage)
+
+
+def test_too_few_devices_is_refused():
+    import jax
+
+    from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
+
+    cfg = _cfg("tiny-deepseek-v3")
+    with pytest.raises(ValueError, match=r"--pipeline-parallel-size 2 x --tensor-parallel-size 1 x "
+                                         r"--data-parallel-size 1 needs 2 devices; 1 available"):
+        build_pipeline_sharding(cfg, ParallelConfig(1, 1, False, 2), jax.devices()[:1])
