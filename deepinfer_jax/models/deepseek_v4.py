@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config_v4 import V4Config
-from deepinfer_jax.models.layers import linear, rms_norm
+from deepinfer_jax.models.layers import linear, rms_norm, weight
 from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
 
 
@@ -91,11 +91,11 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
-    gu = jnp.einsum("sd,edgi->segi", x, p["experts"]["gate_up"].astype(x.dtype))  # [S, E, 2, I]
+    gu = jnp.einsum("sd,edgi->segi", x, weight(p["experts"]["gate_up"], x.dtype))  # [S, E, 2, I]
     h = clamped_swiglu(gu[..., 0, :], gu[..., 1, :], lim)
-    y = jnp.einsum("sei,eid->sed", h, p["experts"]["down"].astype(x.dtype))
+    y = jnp.einsum("sei,eid->sed", h, weight(p["experts"]["down"], x.dtype))
     routed = jnp.einsum("se,sed->sd", dense_w.astype(x.dtype), y)
-    sgu = jnp.einsum("sd,dgi->sgi", x, p["shared"]["gate_up"].astype(x.dtype))
+    sgu = jnp.einsum("sd,dgi->sgi", x, weight(p["shared"]["gate_up"], x.dtype))
     shared = linear(clamped_swiglu(sgu[:, 0], sgu[:, 1], lim), p["shared"]["down"])
     return routed + shared
 

@@ -1,0 +1,136 @@
+"""DeepSeek-V4 in its released formats (weights/v4_native.py) on the tiny checkpoint rewritten as DeepSeek ships
+V4-Flash: attention and shared-expert linears FP8 (e4m3, ue8m0 block scales under `.scale`, blocks partial at the
+edges), routed experts FP4 (I8 packed e2m1 pairs, F8_E8M0 scales per 1 x 32, groups partial over input sizes 40
+and 24). The FP8 / FP4 leaves hold the file's bytes, dequantize exactly to the released weights, and the forward
+on them is HF transformers' on the dequantized weights; "none" dequantizes at load; the converter and `deepinfer
+plan` take the directory; bad scales are named."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from hf_models import random_prompts, read_tensors, rewrite_checkpoint
+from deepinfer_jax.models.quant import Fp8Weight, dequantize, is_quantized
+from deepinfer_jax.models.quant_fp4 import Fp4Weight
+from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+from deepinfer_jax.weights.safetensors_io import CheckpointError
+
+SEQ = 40
+
+
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    from hf_models_v4 import v4_release_dirs
+
+    model, rel, ref = v4_release_dirs(str(tmp_path_factory.mktemp("v4rel")))
+    cfg, params = load_v4_checkpoint(rel)
+    _, floats = load_v4_checkpoint(ref)
+    return model, rel, ref, cfg, params, floats
+
+
+def _quantized(params):
+    return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=is_quantized)[0] if is_quantized(x)]
+
+
+def test_leaves_hold_the_files_bytes(release):
+    _, rel, _, cfg, params, _ = release
+    files = read_tensors(rel)
+    lp = params["layers"][1]
+    gu, down = lp["moe"]["experts"]["gate_up"], lp["moe"]["experts"]["down"]
+    E, D, I = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert isinstance(gu, Fp4Weight) and gu.q.shape == (E, 2, I, D // 2) and gu.scale.shape == (E, 2, I, 2)
+    assert gu.q.dtype == jnp.uint8 and gu.scale.dtype == jnp.uint8 and gu.shape == (E, D, 2, I)
+    assert isinstance(down, Fp4Weight) and down.q.shape == (E, D, I // 2) and down.shape == (E, I, D)
+    w3 = "model.layers.1.ffn.experts.4.w3"  # up
+    np.testing.assert_array_equal(np.asarray(gu.q[4, 1]), files[w3 + ".weight"].view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(gu.scale[4, 1]), files[w3 + ".scale"].view(np.uint8))
+    qb = lp["attn"]["q_b_proj"]
+    assert isinstance(qb, Fp8Weight) and qb.block == (8, 12) and qb.q.dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(np.asarray(qb.q), files["model.layers.1.attn.wq_b.weight"])
+    np.testing.assert_array_equal(np.asarray(qb.scale), files["model.layers.1.attn.wq_b.scale"].astype(np.float32))
+    assert isinstance(lp["attn"]["indexer"]["q_b_proj"], Fp8Weight) and isinstance(lp["moe"]["shared"]["down"], Fp8Weight)
+    assert not is_quantized(lp["attn"]["compressor"]["kv_proj"]) and not is_quantized(lp["moe"]["gate"])
+    # The routed experts take on the device exactly their bytes in the file (packed codes + e8m0 scales).
+    file_bytes = sum(a.nbytes for n, a in files.items() if ".ffn.experts." in n)
+    dev = sum(x.q.nbytes + x.scale.nbytes for lp in params["layers"] for x in lp["moe"]["experts"].values())
+    assert dev == file_bytes
+
+
+def test_dequantized_leaves_are_the_released_weights_and_logits_match_hf(release):
+    import torch
+
+    from deepinfer_jax.models.deepseek_v4 import v4_forward
+
+    model, _, _, cfg, params, floats = release
+    quantized = _quantized(params)
+    assert len(quantized) == cfg.num_hidden_layers * 9 + sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+    float_leaves = dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(floats)[0])
+    for path, w in quantized:  # bit for bit: e4m3 / e2m1 times a power of two is exact in fp32
+        deq = dequantize(w, jnp.float32)
+        if path.endswith("['o_a_proj']"):
+            deq = jnp.moveaxis(deq, 0, 1)  # [H*hd/g, g, r] -> [g, H*hd/g, r]
+        np.testing.assert_array_equal(np.asarray(deq), np.asarray(float_leaves[path]), err_msg=path)
+    ids = np.array(random_prompts(3, [SEQ], cfg.vocab_size)[0])
+    with torch.no_grad():
+        ref = model(torch.tensor(ids[None]), use_cache=False).logits[0].numpy()
+    fwd = jax.jit(lambda p, t: v4_forward(cfg, p, t))
+    out = np.asarray(fwd(params, jnp.asarray(ids, jnp.int32)))
+    np.testing.assert_allclose(out, ref, atol=1e-4, rtol=0)
+
+
+def test_none_dequantizes_and_convert_writes_the_float_weights(release, tmp_path):
+    from deepinfer_jax.weights.convert import convert
+    from deepinfer_jax.weights.loader import load_model
+
+    _, rel, _, _, _, floats = release
+    _, none = load_v4_checkpoint(rel, quantization="none")
+    jax.tree.map(np.testing.assert_array_equal, none, floats)
+    meta = convert(rel, str(tmp_path / "conv"), dtype="float32", progress=False)
+    assert meta["quantization"]["method"] == "none" and meta["source"]["fp8"]
+    _, conv = load_model(str(tmp_path / "conv"), jnp.float32, progress=False)
+    jax.tree.map(np.testing.assert_array_equal, conv, floats)
+
+
+def test_plan_counts_the_fp4_and_fp8_bytes(release):
+    from deepinfer_jax.engine.plan import plan
+    from deepinfer_jax.models.quant import weights_nbytes
+    from deepinfer_jax.weights.loader import load_model
+
+    _, rel, _, _, params, floats = release
+    p = plan(rel, dtype="float32")
+    assert p.weights == "fp4 (kept) + fp8 (kept)" and p.weight_bytes_per_device == weights_nbytes(params)
+    assert plan(rel, dtype="float32", quantization="none").weight_bytes_per_device == weights_nbytes(floats)
+    _, loaded = load_model(rel, jnp.float32, progress=False)  # the engine's loader: the same leaves
+    assert weights_nbytes(loaded) == weights_nbytes(params)
+    with pytest.raises(ValueError, match="quantization 'fp8' is not supported for deepseek_v4"):
+        plan(rel, dtype="float32", quantization="fp8")
+
+
+@pytest.mark.parametrize("edit, needle", [
+    ("drop_scale", r"model.layers.0.self_attn.q_a_proj.weight is F8_E4M3 without its scales"),
+    ("fp4_scale_shape", r"model.layers.2.ffn.experts.1.w2.scale has shape \(40, 2\), expected \(40, 1\)"),
+    ("no_config", "is F8_E4M3 but config.json has no quantization_config"),
+])
+def test_bad_release_names_the_tensor(release, tmp_path, edit, needle):
+    import json
+    import os
+
+    _, rel, _, _, _, _ = release
+    tensors = read_tensors(rel)
+    with open(os.path.join(rel, "config.json")) as f:
+        cfg = json.load(f)
+    if edit == "drop_scale":
+        del tensors["model.layers.0.attn.wq_a.scale"]
+    elif edit == "fp4_scale_shape":
+        tensors["model.layers.2.ffn.experts.1.w2.scale"] = np.zeros((40, 2), np.uint8)
+    else:
+        del cfg["quantization_config"]
+    d = rewrite_checkpoint(rel, str(tmp_path / edit), tensors)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with pytest.raises(CheckpointError, match=needle):
+        load_v4_checkpoint(d)
