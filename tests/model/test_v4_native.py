@@ -134,3 +134,40 @@ def test_bad_release_names_the_tensor(release, tmp_path, edit, needle):
         json.dump(cfg, f)
     with pytest.raises(CheckpointError, match=needle):
         load_v4_checkpoint(d)
+
+
+@pytest.mark.parametrize("experts", ["fp4", "fp8"])
+def test_quantized_experts_through_the_kernels_match_the_reference(experts):
+    """The V4 MoE (both routings) with released-format experts through kernels/moe_gmm_quant.py (interpret mode,
+    swiglu_limit applied in the gate_up kernel) equals the dense reference on the same weights (fp32). Hidden 64 and
+    width 32: whole FP4 groups and FP8 blocks along K, as the kernels take them."""
+    from hf_models_v4 import V4_TINY
+
+    from deepinfer_jax.config_v4 import V4Config
+    from deepinfer_jax.kernels.moe_gmm_quant import supported
+    from deepinfer_jax.models.deepseek_v4 import expert_formats, v4_moe
+    from deepinfer_jax.models.quant import quantize_fp8
+    from deepinfer_jax.models.quant_fp4 import quantize_fp4
+    from deepinfer_jax.models.v4_params import v4_init_params
+
+    cfg = V4Config.from_hf_dict({**V4_TINY, "model_type": "deepseek_v4", "hidden_size": 64,
+                                 "moe_intermediate_size": 32, "num_hidden_layers": 2,
+                                 "layer_types": V4_TINY["layer_types"][:2], "mlp_layer_types": ["hash_moe", "moe"]})
+    params = v4_init_params(cfg, seed=1, std=0.2)
+    x = jnp.asarray(np.random.default_rng(2).standard_normal((11, 64)), jnp.float32)
+    tokens = jnp.asarray(random_prompts(4, [11], cfg.vocab_size)[0], jnp.int32)
+    for i, lp in enumerate(params["layers"]):
+        ex = lp["moe"]["experts"]
+        if experts == "fp4":
+            q = {"gate_up": quantize_fp4(np.asarray(ex["gate_up"]), 2, gate_up=True),
+                 "down": quantize_fp4(np.asarray(ex["down"]), 1)}
+        else:
+            q = {"gate_up": quantize_fp8(np.asarray(ex["gate_up"]), 1, 2, True, (16, 32)),
+                 "down": quantize_fp8(np.asarray(ex["down"]), 1, 1, False, (16, 32))}
+        q = {k: jax.tree.map(jnp.asarray, v) for k, v in q.items()}
+        p = {**lp["moe"], "experts": q}
+        fmts = expert_formats(q)  # the kernels take these experts: no fallback to the reference
+        assert fmts[0].kind == experts and supported(*fmts, 64, 32, 11 * cfg.num_experts_per_tok)
+        ref = v4_moe(cfg, i, p, x, tokens)
+        out = v4_moe(cfg, i, p, x, tokens, impl="pallas_interpret")
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
