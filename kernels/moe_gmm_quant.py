@@ -51,7 +51,7 @@ from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
 from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
 from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
-from deepinfer_jax.models.quant_fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
+from deepinfer_jax.kernels.fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,7 @@ w[n, k] = e2m1(code[n, k]) * scale[n, k // 32].
 [*lead, (2,) N, cdiv(K, group)], so the device holds the file's bytes (K / 2 + K / 32 a row). Like
 `quant.Fp8Weight` it stands for a float leaf of logical shape [*lead, *in_shape, *out_shape] (`lead`: experts E;
 `parts` = 2 for gate_up, gate and up two HF tensors). `fp4_dequantize` is the pure-JAX reference (exact in
-fp32: an e2m1 value times a power of two); `quantize_fp4` is the host-side writer (DeepSeek's rounding: the
+fp32: an e2m1 value times a power of two; the decoding is kernels/fp4.py's, which the kernels share); `quantize_fp4` is the host-side writer (DeepSeek's rounding: the
 group's scale is amax / 6 rounded up to a power of two, values rounded to the nearest e2m1, ties to the even
 code), used to make FP4 checkpoints in tests.
 """
@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-FP4_GROUP = 32  # V4's routed experts: one e8m0 scale per 1 x 32 group
+from deepinfer_jax.kernels.fp4 import E2M1_VALUES, FP4_GROUP, fp4_rows
+
 FP4_MAX = 6.0  # the largest e2m1 magnitude
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 
 @jax.tree_util.register_dataclass
@@ -71,36 +71,6 @@ def fp4_layout(shape: tuple[int, ...], n_out: int, group: int = FP4_GROUP, gate_
     parts = outs[0] if gate_up else 1
     rows = (parts, int(np.prod(outs[1:]))) if gate_up else (int(np.prod(outs)),)
     return lead + rows + (K // 2,), lead + rows + (-(-K // group),), (K,), outs, parts
-
-
-def e8m0_to_float(s: jax.Array) -> jax.Array:
-    """e8m0 bytes (uint8 / int32) -> fp32 2 ** (s - 127), exactly (byte 0: 2 ** -127, a denormal; 255 is NaN
-    in e8m0 and never written)."""
-    s = s.astype(jnp.int32)
-    bits = jax.lax.bitcast_convert_type(s << 23, jnp.float32)
-    return jnp.where(s == 0, jnp.float32(2.0**-127), bits)
-
-
-def e2m1_to_float(c: jax.Array) -> jax.Array:
-    """e2m1 codes (int32 in [0, 16)) -> fp32 values, by arithmetic (no table lookup: it lowers in a kernel)."""
-    e, m = (c >> 1) & 3, (c & 1).astype(jnp.float32)
-    pow2 = jnp.where(e == 1, 1.0, jnp.where(e == 2, 2.0, 4.0))
-    mag = jnp.where(e == 0, 0.5 * m, (1.0 + 0.5 * m) * pow2)
-    return jnp.where(c >= 8, -mag, mag)
-
-
-def fp4_unpack(q: jax.Array) -> jax.Array:
-    """Packed bytes [.., K / 2] -> the e2m1 values [.., K] in fp32 (low nibble first)."""
-    b = q.astype(jnp.int32)
-    v = jnp.stack([e2m1_to_float(b & 15), e2m1_to_float(b >> 4)], axis=-1)
-    return v.reshape(q.shape[:-1] + (2 * q.shape[-1],))
-
-
-def fp4_rows(q: jax.Array, scale: jax.Array, group: int = FP4_GROUP) -> jax.Array:
-    """q [.., N, K / 2], scale [.., N, cdiv(K, group)] -> the fp32 weight [.., N, K] (HF's orientation)."""
-    v = fp4_unpack(q)
-    s = jnp.repeat(e8m0_to_float(scale), group, axis=-1)[..., : v.shape[-1]]
-    return v * s
 
 
 def fp4_dequantize(w: Fp4Weight, dtype=jnp.bfloat16) -> jax.Array:

@@ -171,3 +171,27 @@ def test_quantized_experts_through_the_kernels_match_the_reference(experts):
         ref = v4_moe(cfg, i, p, x, tokens)
         out = v4_moe(cfg, i, p, x, tokens, impl="pallas_interpret")
         np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("q", ["fp4", "mxfp4"])
+def test_online_fp4_is_refused_naming_why(release, q):
+    from deepinfer_jax.weights.loader import check_quantization
+
+    with pytest.raises(ValueError, match=f"quantization '{q}': online FP4 quantization is not implemented"):
+        check_quantization(release[1], q)
+
+
+def test_fp8_experts_as_v4_flash_base_ships_them(release, tmp_path):
+    """expert_dtype "fp8" (V4-Flash-Base): the routed experts are FP8 blocks too, kept as Fp8Weight in HF's
+    orientation (gate and up apart), dequantizing to the released weights."""
+    import os
+
+    from hf_models_v4 import write_v4_release
+
+    _, rel, _, _, _, _ = release
+    d, deq = write_v4_release(os.path.join(os.path.dirname(rel), "float"), str(tmp_path / "base"), (8, 12), "fp8")
+    _, params = load_v4_checkpoint(d)
+    gu = params["layers"][2]["moe"]["experts"]["gate_up"]
+    assert isinstance(gu, Fp8Weight) and gu.q.shape == (6, 2, 24, 40) and gu.parts == 2
+    up = np.asarray(dequantize(gu, jnp.float32))[3, :, 1, :]  # [D, I] of expert 3's up projection
+    np.testing.assert_array_equal(up, deq["model.layers.2.ffn.experts.3.w3.weight"].T)
