@@ -48,10 +48,10 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
+from deepinfer_jax.kernels.fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
 from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
 from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
-from deepinfer_jax.kernels.fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,8 +273,8 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
 
 
 def dequant_expert(q, s, f: WeightFormat, n_out: int) -> jax.Array:
-    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]) back to fp32
-    [.., K, *out]."""
+    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]; FP4: [.., (2,)
+    N, K / 2]) back to fp32 [.., K, *out]."""
     if f.kind == "fp4":
         return jnp.moveaxis(fp4_rows(q, s, f.group), -1, -1 - n_out)  # [.., (2,) N, K] -> [.., K, (2,) N]
     if f.layout == "nk":

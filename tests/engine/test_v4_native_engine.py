@@ -11,11 +11,8 @@ from deepinfer_jax import LLM, SamplingParams
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    from hf_models_v4 import v4_release_dirs
-
-    model, rel, _ = v4_release_dirs(str(tmp_path_factory.mktemp("v4rel")))
-    return model, rel
+def release(v4_release):
+    return v4_release[:2]
 
 
 def test_llm_serves_the_release_format_with_hf_greedy_tokens(release, hf_greedy):

@@ -181,14 +181,14 @@ def _fp4(wgu, wd):
 
 
 def test_fp4_kernels_match_reference(case):
-    """FP4 experts read in place (layer 1 of two, bf16, V4's swiglu_limit) against the reference on that layer;
-    the reference's dequant is models/quant_fp4.py's (exact); in fp32 (unstacked, no limit) the kernels equal
-    the reference up to the order of the sums."""
+    """FP4 experts read in place (layer 1 of two, V4's swiglu_limit) against the reference on that layer; the
+    reference's dequant is models/quant_fp4.py's (exact). Hidden 64, width 96: two and three 32-column groups."""
     from deepinfer_jax.models.quant_fp4 import fp4_dequantize
 
     x, idx, w, wgu, wd = case
+    x, wgu, wd = x[:, :64], wgu[:, :, :64], wd[..., :64]
     gq, gs, dq, ds, fg, fd, a, b = _fp4(wgu, wd)
-    assert supported(fg, fd, D, I, T * K)
+    assert supported(fg, fd, 64, I, T * K)
     out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, swiglu_limit=0.3,
                             interpret=True)
     ref = moe_experts_quant_reference(x, gq[1], gs[1], dq[1], ds[1], w, idx, fmt_gu=fg, fmt_down=fd,
@@ -196,10 +196,6 @@ def test_fp4_kernels_match_reference(case):
     _close(out, ref)
     np.testing.assert_array_equal(np.asarray(dequant_expert(gq, gs, fg, 2)),
                                   np.asarray(fp4_dequantize(a, jnp.float32)))
-    x32 = x.astype(jnp.float32)
-    out32 = moe_experts_quant(x32, gq[0], gs[0], dq[0], ds[0], w, idx, fmt_gu=fg, fmt_down=fd, interpret=True)
-    ref32 = moe_experts_quant_reference(x32, gq[0], gs[0], dq[0], ds[0], w, idx, fmt_gu=fg, fmt_down=fd)
-    np.testing.assert_allclose(np.asarray(out32), np.asarray(ref32), rtol=1e-5, atol=1e-5)
 
 
 def test_fp4_formats():

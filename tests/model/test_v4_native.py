@@ -22,10 +22,8 @@ SEQ = 40
 
 
 @pytest.fixture(scope="module")
-def release(tmp_path_factory):
-    from hf_models_v4 import v4_release_dirs
-
-    model, rel, ref = v4_release_dirs(str(tmp_path_factory.mktemp("v4rel")))
+def release(v4_release):
+    model, rel, ref = v4_release
     cfg, params = load_v4_checkpoint(rel)
     _, floats = load_v4_checkpoint(ref)
     return model, rel, ref, cfg, params, floats
@@ -138,9 +136,9 @@ def test_bad_release_names_the_tensor(release, tmp_path, edit, needle):
 
 @pytest.mark.parametrize("experts", ["fp4", "fp8"])
 def test_quantized_experts_through_the_kernels_match_the_reference(experts):
-    """The V4 MoE (both routings) with released-format experts through kernels/moe_gmm_quant.py (interpret mode,
-    swiglu_limit applied in the gate_up kernel) equals the dense reference on the same weights (fp32). Hidden 64 and
-    width 32: whole FP4 groups and FP8 blocks along K, as the kernels take them."""
+    """The V4 MoE (scored routing with FP4 experts, hash routing with FP8 ones) through kernels/moe_gmm_quant.py
+    (interpret mode, swiglu_limit in the gate_up kernel) equals the dense reference on the same weights (fp32).
+    Hidden 64 and width 32: whole FP4 groups and FP8 blocks along K, as the kernels take them."""
     from hf_models_v4 import V4_TINY
 
     from deepinfer_jax.config_v4 import V4Config
@@ -156,21 +154,22 @@ def test_quantized_experts_through_the_kernels_match_the_reference(experts):
     params = v4_init_params(cfg, seed=1, std=0.2)
     x = jnp.asarray(np.random.default_rng(2).standard_normal((11, 64)), jnp.float32)
     tokens = jnp.asarray(random_prompts(4, [11], cfg.vocab_size)[0], jnp.int32)
-    for i, lp in enumerate(params["layers"]):
-        ex = lp["moe"]["experts"]
-        if experts == "fp4":
-            q = {"gate_up": quantize_fp4(np.asarray(ex["gate_up"]), 2, gate_up=True),
-                 "down": quantize_fp4(np.asarray(ex["down"]), 1)}
-        else:
-            q = {"gate_up": quantize_fp8(np.asarray(ex["gate_up"]), 1, 2, True, (16, 32)),
-                 "down": quantize_fp8(np.asarray(ex["down"]), 1, 1, False, (16, 32))}
-        q = {k: jax.tree.map(jnp.asarray, v) for k, v in q.items()}
-        p = {**lp["moe"], "experts": q}
-        fmts = expert_formats(q)  # the kernels take these experts: no fallback to the reference
-        assert fmts[0].kind == experts and supported(*fmts, 64, 32, 11 * cfg.num_experts_per_tok)
-        ref = v4_moe(cfg, i, p, x, tokens)
-        out = v4_moe(cfg, i, p, x, tokens, impl="pallas_interpret")
-        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+    i = 1 if experts == "fp4" else 0
+    lp = params["layers"][i]
+    ex = lp["moe"]["experts"]
+    if experts == "fp4":
+        q = {"gate_up": quantize_fp4(np.asarray(ex["gate_up"]), 2, gate_up=True),
+             "down": quantize_fp4(np.asarray(ex["down"]), 1)}
+    else:
+        q = {"gate_up": quantize_fp8(np.asarray(ex["gate_up"]), 1, 2, True, (16, 32)),
+             "down": quantize_fp8(np.asarray(ex["down"]), 1, 1, False, (16, 32))}
+    q = {k: jax.tree.map(jnp.asarray, v) for k, v in q.items()}
+    p = {**lp["moe"], "experts": q}
+    fmts = expert_formats(q)  # the kernels take these experts: no fallback to the reference
+    assert fmts[0].kind == experts and supported(*fmts, 64, 32, 11 * cfg.num_experts_per_tok)
+    ref = v4_moe(cfg, i, p, x, tokens)
+    out = v4_moe(cfg, i, p, x, tokens, impl="pallas_interpret")
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("q", ["fp4", "mxfp4"])
