@@ -11,9 +11,9 @@ w[n, k] = e2m1(code[n, k]) * scale[n, k // 32].
 [*lead, (2,) N, cdiv(K, group)], so the device holds the file's bytes (K / 2 + K / 32 a row). Like
 `quant.Fp8Weight` it stands for a float leaf of logical shape [*lead, *in_shape, *out_shape] (`lead`: experts E;
 `parts` = 2 for gate_up, gate and up two HF tensors). `fp4_dequantize` is the pure-JAX reference (exact in
-fp32: an e2m1 value times a power of two; the decoding is kernels/fp4.py's, which the kernels share); `quantize_fp4` is the host-side writer (DeepSeek's rounding: the
-group's scale is amax / 6 rounded up to a power of two, values rounded to the nearest e2m1, ties to the even
-code), used to make FP4 checkpoints in tests.
+fp32: an e2m1 value times a power of two; the decoding is kernels/fp4.py's, which the kernels share);
+`quantize_fp4` is the host-side writer (DeepSeek's rounding: the group's scale is amax / 6 rounded up to a power
+of two, values rounded to the nearest e2m1, ties to the even code), used to make FP4 checkpoints in tests.
 """
 
 from __future__ import annotations

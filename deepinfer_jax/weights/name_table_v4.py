@@ -201,8 +201,8 @@ def v4_is_ignored(name: str) -> bool:
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 
 
-def check_v4_checkpoint(model_dir: str, cfg: V4Config
-                        ) -> tuple[dict[str, TensorInfo], list[TensorRule], dict[str, str], dict[tuple, str], V4Quant | None]:
+def check_v4_checkpoint(model_dir: str, cfg: V4Config) -> tuple[dict[str, TensorInfo], list[TensorRule],
+                                                                 dict[str, str], dict[tuple, str], V4Quant | None]:
     """(tensors by HF name, the rules, each rule tensor's stored kind, the quantized leaves' kinds, the format)
     of a V4 directory, every needed tensor checked (a missing, misshapen or unknown one is named), from the
     headers alone."""
@@ -262,7 +262,8 @@ def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config |
             at = quant_index(rule) or Ellipsis
             qa[at], sa[at] = q, s
             continue
-        raw = dequantized(rule, tensors, kind, quant) if kind != "float" else np.asarray(load_tensor(tensors[rule.hf_name]))
+        info = tensors[rule.hf_name]
+        raw = dequantized(rule, tensors, kind, quant) if kind != "float" else np.asarray(load_tensor(info))
         leaf = _leaf(host, rule.path)
         value = rule.transform(raw)
         if rule.hf_name.endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):

@@ -50,7 +50,8 @@ def test_leaves_hold_the_files_bytes(release):
     assert isinstance(qb, Fp8Weight) and qb.block == (8, 12) and qb.q.dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(np.asarray(qb.q), files["model.layers.1.attn.wq_b.weight"])
     np.testing.assert_array_equal(np.asarray(qb.scale), files["model.layers.1.attn.wq_b.scale"].astype(np.float32))
-    assert isinstance(lp["attn"]["indexer"]["q_b_proj"], Fp8Weight) and isinstance(lp["moe"]["shared"]["down"], Fp8Weight)
+    assert isinstance(lp["attn"]["indexer"]["q_b_proj"], Fp8Weight)
+    assert isinstance(lp["moe"]["shared"]["down"], Fp8Weight)
     assert not is_quantized(lp["attn"]["compressor"]["kv_proj"]) and not is_quantized(lp["moe"]["gate"])
     # The routed experts take on the device exactly their bytes in the file (packed codes + e8m0 scales).
     file_bytes = sum(a.nbytes for n, a in files.items() if ".ffn.experts." in n)
@@ -65,7 +66,8 @@ def test_dequantized_leaves_are_the_released_weights_and_logits_match_hf(release
 
     model, _, _, cfg, params, floats = release
     quantized = _quantized(params)
-    assert len(quantized) == cfg.num_hidden_layers * 9 + sum(t == "compressed_sparse_attention" for t in cfg.layer_types)
+    csa = sum(t == "compressed_sparse_attention" for t in cfg.layer_types)  # the indexer's q_b_proj
+    assert len(quantized) == cfg.num_hidden_layers * 9 + csa
     float_leaves = dict((jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(floats)[0])
     for path, w in quantized:  # bit for bit: e4m3 / e2m1 times a power of two is exact in fp32
         deq = dequantize(w, jnp.float32)
@@ -194,3 +196,17 @@ def test_fp8_experts_as_v4_flash_base_ships_them(release, tmp_path):
     assert isinstance(gu, Fp8Weight) and gu.q.shape == (6, 2, 24, 40) and gu.parts == 2
     up = np.asarray(dequantize(gu, jnp.float32))[3, :, 1, :]  # [D, I] of expert 3's up projection
     np.testing.assert_array_equal(up, deq["model.layers.2.ffn.experts.3.w3.weight"].T)
+
+
+def test_fp4_scales_in_a_float_container_are_read_exactly():
+    """FP4 scales stored as F32 (a power-of-two container, as V4-Flash-Base stores its ue8m0 scales) become the
+    same e8m0 bytes; a scale that is not a power of two is refused, naming the tensor."""
+    import ml_dtypes
+
+    from deepinfer_jax.weights.v4_native import e8m0_bytes
+
+    s = np.array([[2.0**-9, 0.5, 1.0, 4.0]], np.float32)
+    np.testing.assert_array_equal(e8m0_bytes(s, "x"), [[118, 126, 127, 129]])
+    np.testing.assert_array_equal(e8m0_bytes(s.astype(ml_dtypes.float8_e8m0fnu), "x"), [[118, 126, 127, 129]])
+    with pytest.raises(CheckpointError, match="tensor w.scale holds scales that are not powers of two"):
+        e8m0_bytes(np.array([0.75], np.float32), "w.scale")
