@@ -38,9 +38,9 @@ def check_quantization(model_dir: str, quantization: str | None) -> None:
     """A ValueError unless `quantization` can be served from `model_dir` (see the module doc)."""
     q = quantization or "auto"
     if q in ("fp4", "mxfp4", "nvfp4"):
-        raise ValueError(f"quantization {q!r}: online FP4 quantization is not implemented (vLLM's online MXFP4 is "
-                         "'mxfp4'); FP4 weights are served as a checkpoint stores them: DeepSeek-V4's released FP4 "
-                         "experts load with 'auto'")
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}: online FP4 quantization is not "
+                         "implemented (vLLM's online MXFP4 is 'mxfp4'); FP4 weights are served as a checkpoint stores "
+                         "them: DeepSeek-V4's released FP4 experts load with 'auto'")
     if q not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if q == "auto":

@@ -178,7 +178,7 @@ def test_quantized_experts_through_the_kernels_match_the_reference(experts):
 def test_online_fp4_is_refused_naming_why(release, q):
     from deepinfer_jax.weights.loader import check_quantization
 
-    with pytest.raises(ValueError, match=f"quantization '{q}': online FP4 quantization is not implemented"):
+    with pytest.raises(ValueError, match=f"got '{q}': online FP4 quantization is not implemented"):
         check_quantization(release[1], q)
 
 
