@@ -11,6 +11,7 @@ INT4's group is chosen per leaf), with the stacked layouts of models/quant.py an
     int4   [L, E, D/2, 2, I] uint8 / [L, E, D/g, 2, I]  [L, E, I/2, D] uint8 / [L, E, I/g, D]  (g rows a group)
     fp8    [L, E, D, 2, I] e4m3 / [L, E, D/bk, 2, I/bn] [L, E, I, D] e4m3 / [L, E, I/bk, D/bn] (bk x bn blocks)
     fp8 "nk" [L, E, 2, I, D] / [L, E, 2, I/bn, D/bk]    [L, E, D, I] / [L, E, D/bn, I/bk]     (HF's [out, in])
+    fp4 "nk" [L, E, 2, I, D/2] uint8 / [L, E, 2, I, D/g]  [L, E, D, I/2] / [L, E, D, I/g]      (e8m0 bytes, g = 32)
 
 FP8 weights come in either orientation (`WeightFormat.layout`): "kn" as the INT ones, or "nk", each HF tensor
 as the checkpoint stores it with its `weight_scale_inv` (models/quant.py's Fp8Weight: gate and up two parts),
@@ -20,11 +21,17 @@ multiplied by the transposed tile in the kernel, so no transposed copy is made.
 - int4 (W4A16): two 4-bit rows a byte (low nibble = even row, high = odd, stored + 8); a K step unpacks its
   [tile_k / 2, tile_n] bytes into the even and the odd rows, scales each by its group's scale in fp32 (as
   models/quant.py `dequantize`), and multiplies them by x's even and odd columns (strided loads).
+- fp4 (W4A16, DeepSeek-V4's routed experts, models/quant_fp4.py): two e2m1 codes a byte along K (low nibble =
+  even column), one e8m0 scale per row and 1 x g group. A K step is one group: its [tn, g / 2] bytes unpack into
+  the even and the odd columns, each decoded by arithmetic (no table) and scaled by the row's 2 ** (s - 127) in
+  fp32, then multiplied by x's even and odd columns (strided loads), as INT4's steps.
 - fp8, act="bf16" (W8A16): q widened to bf16 (exact), each K step's product scaled by its block's scale.
 - fp8, act="fp8" (W8A8, FP8 tensor cores): x quantized per token group of 1 x bk (`fp8_gemm.quantize_act`)
   beside the gate_up kernel; the gate_up kernel quantizes h the same way in its epilogue when its column tile is
   the down weight's bk (one scale per row per tile, no second pass over h), else h is stored in fp32 and
   quantized in JAX.
+
+`swiglu_limit` (DeepSeek-V4): the gate clamped to <= limit and up to [-limit, limit] before silu(gate) * up.
 
 Three parts (ARCHITECTURE.md rule 6): `moe_experts_quant` (the kernels; `interpret=True` on the CPU),
 `moe_experts_quant_reference` (pure JAX: the weights dequantized whole, `moe_gmm.moe_experts_reference`'s
@@ -41,6 +48,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
+from deepinfer_jax.kernels.fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
 from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
 from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -48,9 +56,10 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 
 @dataclasses.dataclass(frozen=True)
 class WeightFormat:
-    """How one expert weight is stored: kind "int8" | "int4" | "fp8"; group: INT4's rows per scale group
-    (models/quant.py's group_size) or FP8's block rows bk; block_n: FP8's block columns bn; act: FP8's
-    activations, "fp8" (W8A8) or "bf16" (W8A16); layout: FP8's orientation, "kn" or "nk" (module docstring)."""
+    """How one expert weight is stored: kind "int8" | "int4" | "fp8" | "fp4"; group: INT4's rows per scale group
+    (models/quant.py's group_size), FP8's block rows bk or FP4's group (32); block_n: FP8's block columns bn;
+    act: FP8's activations, "fp8" (W8A8) or "bf16" (W8A16); layout: FP8's orientation, "kn" or "nk" (FP4: "nk",
+    the checkpoint's; module docstring)."""
     kind: str
     group: int = 0
     block_n: int = 0
@@ -58,11 +67,12 @@ class WeightFormat:
     layout: str = "kn"
 
     def __post_init__(self):
-        if self.kind not in ("int8", "int4", "fp8"):
-            raise ValueError(f"WeightFormat: kind must be 'int8', 'int4' or 'fp8', got {self.kind!r}")
+        if self.kind not in ("int8", "int4", "fp8", "fp4"):
+            raise ValueError(f"WeightFormat: kind must be 'int8', 'int4', 'fp8' or 'fp4', got {self.kind!r}")
         if self.act not in ("bf16", "fp8") or (self.act == "fp8" and self.kind != "fp8"):
             raise ValueError(f"WeightFormat: act {self.act!r} is not available for {self.kind}")
-        if self.layout not in ("kn", "nk") or (self.layout == "nk" and self.kind != "fp8"):
+        layouts = {"fp8": ("kn", "nk"), "fp4": ("nk",)}.get(self.kind, ("kn",))
+        if self.layout not in layouts:
             raise ValueError(f"WeightFormat: layout {self.layout!r} is not available for {self.kind}")
 
 
@@ -73,6 +83,10 @@ def _tiles(f: WeightFormat, K: int, N: int, block_n: int, block_k: int) -> tuple
     if f.kind == "int4":  # whole bytes a step (tk even), 16-deep dots on each half
         tk = largest_pow2_divisor(K, max(block_k, 32))
         if f.group % 2 or tk < 32:  # a row pair straddling two groups: none in models/quant.py's groups
+            return None
+    if f.kind == "fp4":  # one group a step: 16-deep dots on each half
+        tk = f.group
+        if K % f.group or f.group % 32 or f.group > 128:
             return None
     if f.kind == "fp8":  # a step within one scale block, a column tile within one
         tk = largest_pow2_divisor(f.group, block_k if f.act == "bf16" else max(block_k, 32))
@@ -110,6 +124,15 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
         hi = (((b >> 4) - 8).astype(jnp.float32) * s_odd).astype(x_even.dtype)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
         return dot(x_even, lo) + dot(x_at(pl.ds(k0 + 1, half, stride=2)), hi)
+    if f.kind == "fp4":  # [tn, tk / 2] bytes of the "nk" tile, one scale per row (tk is the group)
+        half = tk // 2
+        b = q_at(pl.ds(k0 // 2, half)).astype(jnp.int32)
+        s = e8m0_to_float(s_at(pl.ds(k0 // f.group, 1), pl.ds(n * tn, tn)))  # [tn, 1]
+        x_even = x_at(pl.ds(k0, half, stride=2))
+        lo = (e2m1_to_float(b & 15) * s).astype(x_even.dtype)
+        hi = (e2m1_to_float(b >> 4) * s).astype(x_even.dtype)
+        return (dot_nk(x_even, lo, precision=EXACT)
+                + dot_nk(x_at(pl.ds(k0 + 1, half, stride=2)), hi, precision=EXACT))
     kb = k0 // f.group
     scale = s_at(kb, (n * tn) // f.block_n)
     w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
@@ -126,7 +149,7 @@ def _block_and_tile(cols_first):
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, f, bm, tk, tn, K, E, cols_first,
-                    quant_h):
+                    quant_h, limit):
     """h[rows, tile n] = silu(x @ W_gate[e][:, n]) * (x @ W_up[e][:, n]) for row block b (x gathered [M_pad, D]);
     with quant_h, h in e4m3 and its scale per row hs[rows, n] (the tile is one 1 x tn group)."""
     b, n = _block_and_tile(cols_first)
@@ -153,7 +176,7 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
         if f.kind == "int8":  # the per-column scale, after the K loop
             gate = gate * s_ref[layer, e, pl.ds(0, 1), 0, cols]
             up = up * s_ref[layer, e, pl.ds(0, 1), 1, cols]
-        h = jax.nn.silu(gate) * up
+        h = swiglu(gate, up, limit)
         if quant_h:  # DeepSeek's act_quant of this row group in the epilogue
             amax = jnp.max(jnp.abs(h), axis=1)
             hscale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
@@ -161,6 +184,13 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
             hs[0][rows, n] = hscale
         else:
             h_ref[rows, cols] = h.astype(h_ref.dtype)
+
+
+def swiglu(gate, up, limit):
+    """silu(gate) * up; with `limit` (DeepSeek-V4's swiglu_limit) gate <= limit and up in [-limit, limit] first."""
+    if limit is not None:
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return jax.nn.silu(gate) * up
 
 
 def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first):
@@ -186,10 +216,10 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
 
 
 @functools.partial(jax.jit, static_argnames=("fmt_gu", "fmt_down", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "cols_first", "interpret"))
+                                             "num_stages", "cols_first", "swiglu_limit", "interpret"))
 def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *, fmt_gu, fmt_down, block_m=None,
                       block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
-                      interpret=False):
+                      swiglu_limit=None, interpret=False):
     """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
     else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
     None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`)."""
@@ -225,9 +255,9 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h_shape.append(jax.ShapeDtypeStruct((m_pad, I // fmt_down.group), jnp.float32))
     out = pl.pallas_call(
         functools.partial(_gate_up_kernel, f=fmt_gu, bm=bm, tk=t1[0], tn=t1[1], K=D, E=E, cols_first=cols_first,
-                          quant_h=quant_h),
+                          quant_h=quant_h, limit=swiglu_limit),
         grid=grid(I // t1[1]), out_shape=tuple(h_shape), compiler_params=params, interpret=interpret,
-    )(layer, block_expert, xk, xs, gu_q, gu_s.astype(jnp.float32))
+    )(layer, block_expert, xk, xs, gu_q, gu_s if fmt_gu.kind == "fp4" else gu_s.astype(jnp.float32))
     if quant_h:
         h, hs = out
     elif down8:  # the gate_up tile is not one activation group: quantize h beside the kernels
@@ -238,13 +268,15 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first),
         grid=grid(D // t2[1]), out_shape=jax.ShapeDtypeStruct((m_pad, D), x.dtype), compiler_params=params,
         interpret=interpret,
-    )(layer, block_expert, h, hs, down_q, down_s.astype(jnp.float32))
+    )(layer, block_expert, h, hs, down_q, down_s if fmt_down.kind == "fp4" else down_s.astype(jnp.float32))
     return combine_rows(y, row_of, weights, T, k, D, x.dtype)
 
 
 def dequant_expert(q, s, f: WeightFormat, n_out: int) -> jax.Array:
-    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]) back to fp32
-    [.., K, *out]."""
+    """A stored expert weight [.., K(packed), *out] (n_out output axes; FP8 "nk": [.., (2,) N, K]; FP4: [.., (2,)
+    N, K / 2]) back to fp32 [.., K, *out]."""
+    if f.kind == "fp4":
+        return jnp.moveaxis(fp4_rows(q, s, f.group), -1, -1 - n_out)  # [.., (2,) N, K] -> [.., K, (2,) N]
     if f.layout == "nk":
         w = dequant_fp8(q, s, (f.block_n, f.group))  # [.., (2,) N, K]: rows in bn blocks, columns in bk
         return jnp.moveaxis(w, -1, -1 - n_out)  # K before the output axes: [.., K, (2,) N]
@@ -268,7 +300,7 @@ def _through_fp8(a, group):
     return aq.astype(jnp.float32) * jnp.repeat(s, group, axis=1)[:, : a.shape[1]]
 
 
-def moe_experts_quant_reference(x, gu_q, gu_s, down_q, down_s, weights, idx, *, fmt_gu, fmt_down):
+def moe_experts_quant_reference(x, gu_q, gu_s, down_q, down_s, weights, idx, *, fmt_gu, fmt_down, swiglu_limit=None):
     """Pure JAX over unstacked [E, ..] weights: each copy through its dequantized expert, fp32 throughout, x's
     dtype out (h rounded to x's dtype between the two GEMMs, as the kernels store it; with FP8 activations, x
     and h rounded through `quantize_act` instead)."""
@@ -277,7 +309,7 @@ def moe_experts_quant_reference(x, gu_q, gu_s, down_q, down_s, weights, idx, *, 
     xf = _through_fp8(x, fmt_gu.group) if fmt_gu.act == "fp8" else x.astype(jnp.float32)
     g = jnp.einsum("td,tkdi->tki", xf, wgu[..., 0, :], precision=EXACT)
     u = jnp.einsum("td,tkdi->tki", xf, wgu[..., 1, :], precision=EXACT)
-    h = jax.nn.silu(g) * u  # [T, k, I]
+    h = swiglu(g, u, swiglu_limit)  # [T, k, I]
     T, k, I = h.shape
     if fmt_down.act == "fp8":
         h = _through_fp8(h.reshape(T * k, I), fmt_down.group).reshape(T, k, I)

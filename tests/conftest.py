@@ -29,6 +29,15 @@ def hf_case(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="session")
+def v4_release(tmp_path_factory):
+    """(HF's model on the dequantized weights, the release-format dir, the dequantized float dir) of the tiny
+    DeepSeek-V4 written as DeepSeek releases V4 (FP8 linears, FP4 experts; tests/hf_models_v4.py), once a session."""
+    from hf_models_v4 import v4_release_dirs
+
+    return v4_release_dirs(str(tmp_path_factory.mktemp("v4release")))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
     """Every engine of the session (LLM's compilation_cache_dir "default", `serve` and `generate` subprocesses)

@@ -52,3 +52,82 @@ def build_hf_v4(seed: int = 0, **overrides):
                                      for _ in range(b.shape[0])]))
     model.config._attn_implementation = "eager"
     return model
+
+
+# ---- DeepSeek-V4 as released: FP8 linears (e4m3, ue8m0 block scales) and FP4 routed experts ----------------
+
+FP8_LINEARS = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_a.weight", ".attn.wo_b.weight",
+               ".attn.indexer.wq_b.weight", ".shared_experts.w1.weight", ".shared_experts.w2.weight",
+               ".shared_experts.w3.weight")
+
+
+def fp8_ue8m0_blocks(w, block):
+    """w [N, K] -> (e4m3 [N, K], e8m0 scales [cdiv(N, bn), cdiv(K, bk)]): per block the smallest power of two
+    >= amax / 448 (DeepSeek's ue8m0 scales), q = e4m3(w / scale)."""
+    import ml_dtypes
+    import numpy as np
+
+    bn, bk = block
+    N, K = w.shape
+    sn, sk = -(-N // bn), -(-K // bk)
+    pad = np.zeros((sn * bn, sk * bk), np.float32)
+    pad[:N, :K] = w
+    amax = np.maximum(np.abs(pad.reshape(sn, bn, sk, bk)).max(axis=(1, 3)), 1e-30)
+    mant, exp = np.frexp(amax / 448.0)
+    scale = np.ldexp(np.float32(1.0), np.where(mant == 0.5, exp - 1, exp)).astype(np.float32)
+    full = np.repeat(np.repeat(scale, bn, 0), bk, 1)[:N, :K]
+    q = np.clip(w / full, -448, 448).astype(ml_dtypes.float8_e4m3fn)
+    return q, scale.astype(ml_dtypes.float8_e8m0fnu)
+
+
+def write_v4_release(src: str, dst: str, block=(8, 12), expert_dtype: str = "fp4"):
+    """The float V4 checkpoint `src` (DeepSeek's names, as HF saves it) rewritten as DeepSeek releases V4: the
+    attention and shared-expert linears FP8 with `.scale` beside each `.weight`, the routed experts FP4 (I8 packed
+    pairs + F8_E8M0 scales per 1 x 32) or FP8 (`expert_dtype`), the rest as it was. Returns (dst, the dequantized
+    tensors under the same names: what the released weights are, exactly, in fp32)."""
+    import ml_dtypes
+    import numpy as np
+
+    from hf_models import read_tensors, rewrite_checkpoint
+    from deepinfer_jax.models.quant_fp4 import E2M1_VALUES, fp4_quantize_rows
+
+    out, deq = {}, {}
+    for name, w in read_tensors(src).items():
+        expert = ".ffn.experts." in name and name.endswith(".weight")
+        if expert and expert_dtype == "fp4":
+            q, s = fp4_quantize_rows(w)
+            out[name], out[name[:-len("weight")] + "scale"] = q.view(np.int8), s.view(ml_dtypes.float8_e8m0fnu)
+            lut = np.array(E2M1_VALUES, np.float32)
+            v = np.stack([lut[q & 15], lut[q >> 4]], -1).reshape(w.shape)
+            deq[name] = v * np.repeat(np.ldexp(np.float32(1), s.astype(np.int32) - 127), 32, -1)[:, : w.shape[1]]
+        elif expert or name.endswith(FP8_LINEARS):
+            q, s = fp8_ue8m0_blocks(w, block)
+            out[name], out[name[:-len("weight")] + "scale"] = q, s
+            full = np.repeat(np.repeat(s.astype(np.float32), block[0], 0), block[1], 1)[: w.shape[0], : w.shape[1]]
+            deq[name] = q.astype(np.float32) * full
+        else:
+            out[name] = deq[name] = w
+    quant = {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "scale_fmt": "ue8m0", "weight_block_size": list(block)},
+             "expert_dtype": expert_dtype}
+    return rewrite_checkpoint(src, dst, out, quant), deq
+
+
+def v4_release_dirs(tmp: str, block=(8, 12), expert_dtype: str = "fp4"):
+    """(HF's fp32 model on the released weights dequantized, the release-format directory, the dequantized float
+    directory) of the tiny V4 checkpoint (odd shapes: FP8 blocks partial at the edges, FP4 groups of 32 over input
+    sizes 40 and 24)."""
+    import os
+
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    from hf_models import rewrite_checkpoint
+
+    src = os.path.join(tmp, "float")
+    build_hf_v4(seed=0).save_pretrained(src, safe_serialization=True)
+    rel, deq = write_v4_release(src, os.path.join(tmp, "release"), block, expert_dtype)
+    ref = rewrite_checkpoint(src, os.path.join(tmp, "dequantized"), deq)
+    model = DeepseekV4ForCausalLM.from_pretrained(ref, torch_dtype=torch.float32).eval()
+    model.config._attn_implementation = "eager"
+    return model, rel, ref

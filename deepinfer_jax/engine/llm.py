@@ -295,9 +295,6 @@ class LLM:
         from deepinfer_jax.models.registry import family_of
 
         attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl, cfg.family == "deepseek" and not cfg.has_indexer)
-        if cfg.family == "deepseek_v4" and moe_impl != "auto":
-            raise ValueError(f"moe_impl {moe_impl!r} is not available for deepseek_v4: its routed experts run densely "
-                             "(the reference path); leave it 'auto'")
         attn_impl, moe_impl = resolve_impls(attn_impl, moe_impl, family_of(cfg).attn_impls)
         runner = RunnerConfig(dtype=self.dtype, kv_cache_dtype=kv_cache_dtype, attn_impl=attn_impl, moe_impl=moe_impl, seed=seed,
                               unroll_max_tokens=unroll_max_tokens, prefill_layers=prefill_layers,

@@ -91,7 +91,7 @@ def size(b: float) -> str:
 class MemoryPlan:
     model: str
     dtype: str
-    weights: str  # "float", "fp8 (kept)", "fp8 (online)", "int8", "int4"
+    weights: str  # "float", "fp8 (kept)", "fp8 (online)", "int8", "int4"; V4: "fp4 (kept) + fp8 (kept)"
     kv_cache_dtype: str
     tensor_parallel_size: int
     data_parallel_size: int
@@ -143,16 +143,27 @@ def leaf_bytes(shape: tuple[int, ...], itemsize: float, splits: tuple[int, ...])
     return int(math.prod(d // (s if d > 1 else 1) for d, s in zip(shape, splits)) * itemsize)
 
 
-def v4_weight_bytes(cfg, dtype: str) -> int:
-    """Bytes of a DeepSeek-V4 model's params on its one device (the family's param specs, in `dtype` where "model")."""
+def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization: str | None = None
+                   ) -> tuple[int, str]:
+    """(bytes of a DeepSeek-V4 model's params on its one device, the weights' format): the loader's own abstract
+    tree of an HF directory (FP8 / FP4 leaves as the checkpoint stores them, weights/name_table_v4.py `v4_abstract`),
+    else the family's float param specs in `dtype`."""
     import jax
     import numpy as np
 
-    from deepinfer_jax.models.params import is_spec, spec_dtype
-    from deepinfer_jax.models.registry import param_specs
+    from deepinfer_jax.models.quant import is_fp8
+    from deepinfer_jax.models.quant_fp4 import is_fp4
+    from deepinfer_jax.weights.pending import abstract_from_specs
 
-    return sum(math.prod(s.shape) * np.dtype(spec_dtype(s, dtype)).itemsize
-               for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+    abstract = abstract_from_specs(cfg, jax.numpy.dtype(dtype))
+    if model_dir is not None:
+        from deepinfer_jax.weights.name_table_v4 import v4_abstract
+
+        abstract = v4_abstract(model_dir, cfg.v4, abstract, quantization)
+    quant = [x for x in jax.tree.leaves(abstract, is_leaf=lambda x: is_fp8(x) or is_fp4(x)) if is_fp8(x) or is_fp4(x)]
+    kinds = sorted({"fp4" if is_fp4(x) else "fp8" for x in quant})
+    nbytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
+    return nbytes, " + ".join(f"{k} (kept)" for k in kinds) or "float"
 
 
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
@@ -265,11 +276,14 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                               pipeline_parallel_size)
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
-    if cfg.family == "deepseek_v4":  # one device, float weights (docs/v4.md)
+    if cfg.family == "deepseek_v4":  # one device; float, or FP8 / FP4 as released (docs/v4.md)
         if not parallel.is_single_device:
             raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
                              "--pipeline-parallel-size above 1 are not supported for it yet")
-        nbytes, weights = v4_weight_bytes(cfg, dtype), "float"
+        from deepinfer_jax.weights.loader import check_v4_quantization
+
+        check_v4_quantization(quantization)
+        nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization)
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)

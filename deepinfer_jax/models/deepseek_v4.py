@@ -14,7 +14,9 @@ new streams = post * sublayer(sum_j pre_j x_j) + comb^T x.
 MoE: router scores s = scoring_func(x W_gate) (sqrtsoftplus or sigmoid); "moe" layers pick the top-k of s + correction bias,
 "hash_moe" layers take the experts of a static token-id table; weights are the picked scores
 normalised to sum 1, times routed_scaling_factor. Experts and the shared expert are SwiGLU with the
-gate clamped to <= swiglu_limit and up to [-limit, limit].
+gate clamped to <= swiglu_limit and up to [-limit, limit]. Routed experts kept in a released format (FP4, or FP8
+blocks; weights/v4_native.py) are dequantized whole by the reference; `impl` "pallas" / "pallas_interpret" runs
+them through kernels/moe_gmm_quant.py instead, reading the stored bytes (`v4_quant_experts`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,9 @@ import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config_v4 import V4Config
-from deepinfer_jax.models.layers import linear, rms_norm
+from deepinfer_jax.models.layers import linear, rms_norm, weight
+from deepinfer_jax.models.quant import is_fp8
+from deepinfer_jax.models.quant_fp4 import is_fp4
 from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
 
 
@@ -79,8 +83,41 @@ def router_scores(cfg: V4Config, logits: jax.Array) -> jax.Array:
     return jax.nn.sigmoid(logits)
 
 
-def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array) -> jax.Array:
-    """Routed experts (every expert computed densely: this is the reference) plus the shared expert.
+def expert_formats(ex: dict):
+    """(gate_up format, down format) of kernels/moe_gmm_quant.py for routed experts kept as released (FP4, or FP8
+    blocks in HF's orientation), or None (float experts)."""
+    from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat
+
+    def fmt(w):
+        if is_fp4(w):
+            return WeightFormat("fp4", w.group, layout="nk")
+        if is_fp8(w):
+            return WeightFormat("fp8", w.block[1], w.block[0], layout="nk")
+        return None
+
+    f = (fmt(ex["gate_up"]), fmt(ex["down"]))
+    return f if None not in f else None
+
+
+def v4_quant_experts(cfg: V4Config, ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                     interpret: bool) -> jax.Array | None:
+    """The routed experts' sum [S, D] through the quantized grouped GEMMs (x [S, D], w / idx [S, k]), the stored
+    FP4 / FP8 bytes read in the kernels; None where the formats or shapes are not the kernels' (`supported`)."""
+    from deepinfer_jax.kernels.moe_gmm_quant import moe_experts_quant, supported
+
+    fmts = expert_formats(ex)
+    D, I = cfg.hidden_size, cfg.moe_intermediate_size
+    if fmts is None or not supported(*fmts, D, I, idx.size):
+        return None
+    gu, dn = ex["gate_up"], ex["down"]
+    return moe_experts_quant(x, gu.q, gu.scale, dn.q, dn.scale, w, idx.astype(jnp.int32), fmt_gu=fmts[0],
+                             fmt_down=fmts[1], swiglu_limit=cfg.swiglu_limit, interpret=interpret)
+
+
+def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array,
+           impl: str = "reference") -> jax.Array:
+    """Routed experts (every expert computed densely: this is the reference; with `impl` "pallas" /
+    "pallas_interpret" quantized experts go through the kernels where they take them) plus the shared expert.
     x [S, D], token_ids [S] -> [S, D]."""
     E, lim = cfg.n_routed_experts, cfg.swiglu_limit
     scores = router_scores(cfg, linear(x, p["gate"]).astype(jnp.float32))  # [S, E]
@@ -90,13 +127,17 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
         _, idx = jax.lax.top_k(scores + p["e_score_correction_bias"], cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
-    dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
-    gu = jnp.einsum("sd,edgi->segi", x, p["experts"]["gate_up"].astype(x.dtype))  # [S, E, 2, I]
-    h = clamped_swiglu(gu[..., 0, :], gu[..., 1, :], lim)
-    y = jnp.einsum("sei,eid->sed", h, p["experts"]["down"].astype(x.dtype))
-    routed = jnp.einsum("se,sed->sd", dense_w.astype(x.dtype), y)
-    sgu = jnp.einsum("sd,dgi->sgi", x, p["shared"]["gate_up"].astype(x.dtype))
+    sgu = jnp.einsum("sd,dgi->sgi", x, weight(p["shared"]["gate_up"], x.dtype))
     shared = linear(clamped_swiglu(sgu[:, 0], sgu[:, 1], lim), p["shared"]["down"])
+    if impl in ("pallas", "pallas_interpret"):
+        routed = v4_quant_experts(cfg, p["experts"], x, w, idx, impl == "pallas_interpret")
+        if routed is not None:
+            return routed + shared
+    dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
+    gu = jnp.einsum("sd,edgi->segi", x, weight(p["experts"]["gate_up"], x.dtype))  # [S, E, 2, I]
+    h = clamped_swiglu(gu[..., 0, :], gu[..., 1, :], lim)
+    y = jnp.einsum("sei,eid->sed", h, weight(p["experts"]["down"], x.dtype))
+    routed = jnp.einsum("se,sed->sd", dense_w.astype(x.dtype), y)
     return routed + shared
 
 

@@ -27,7 +27,8 @@ correction bias stay in the model dtype.
 FP8 block-scaled weights (DeepSeek-V3's checkpoint format) are an `Fp8Weight` instead: the checkpoint's
 own e4m3 tensors and `weight_scale_inv` blocks, kept as they are (see its docstring). `is_quantized` is
 true for both kinds, so every float-only kernel path steps aside for either; `dequantize` and
-`quantized_matmul` serve both.
+`quantized_matmul` serve both. DeepSeek-V4's FP4 routed experts are an `Fp4Weight` (models/quant_fp4.py), a
+third kind served the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from deepinfer_jax.models.quant_fp4 import Fp4Weight, fp4_dequantize, is_fp4
 
 # leaf name -> (n_in, n_out): how many axes before the outputs are contracted, how many are outputs.
 QUANTIZED_LEAVES: dict[str, tuple[int, int]] = {
@@ -210,8 +213,8 @@ def is_fp8(w) -> bool:
 
 
 def is_quantized(w) -> bool:
-    """A QuantizedWeight (INT8 / INT4) or an Fp8Weight: any leaf that is not a plain float array."""
-    return isinstance(w, (QuantizedWeight, Fp8Weight))
+    """A QuantizedWeight (INT8 / INT4), an Fp8Weight or an Fp4Weight: any leaf that is not a plain float array."""
+    return isinstance(w, (QuantizedWeight, Fp8Weight, Fp4Weight))
 
 
 def quant_layout(path: tuple) -> tuple[int, int] | None:
@@ -315,6 +318,8 @@ def dequantize(w, dtype=jnp.bfloat16) -> jax.Array:
     """Back to a float array of the logical shape [*lead, *in, *out] (computed in fp32, cast to dtype)."""
     if is_fp8(w):
         return fp8_dequantize(w, dtype)
+    if is_fp4(w):
+        return fp4_dequantize(w, dtype)
     if w.bits == 8:
         return (w.q.astype(jnp.float32) * w.scale.astype(jnp.float32)).astype(dtype)
     ax = w.q.ndim - w.n_out - 1  # packed input axis
@@ -344,6 +349,10 @@ def quantized_matmul(x: jax.Array, w) -> jax.Array:
     through `fp8_linear`."""
     if is_fp8(w):
         return fp8_linear(x, w)
+    if is_fp4(w):
+        if len(w.shape) != 2:
+            raise ValueError(f"quantized_matmul needs an unstacked [in, out] weight, got logical shape {w.shape}")
+        return jnp.einsum("...i,io->...o", x, fp4_dequantize(w, x.dtype))
     if w.q.ndim != 2 or w.n_out != 1:
         raise ValueError(f"quantized_matmul needs a 2-D [in, out] weight, got q {w.q.shape} n_out {w.n_out}")
     if w.bits == 8:
@@ -354,7 +363,7 @@ def quantized_matmul(x: jax.Array, w) -> jax.Array:
 
 def flatten_out_dims(w):
     """Merge the output axes into one: [.., in, *out] -> [.., in, prod(out)] (gate_up [D, 2, I] -> [D, 2I])."""
-    if is_fp8(w):  # the stored tensors stay as they are; only the logical view merges
+    if is_fp8(w) or is_fp4(w):  # the stored tensors stay as they are; only the logical view merges
         return dataclasses.replace(w, out_shape=(int(np.prod(w.out_shape)),))
     if w.n_out == 1:
         return w

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config_v4 import CSA, SLIDING, V4Config
-from deepinfer_jax.models.layers import apply_rope, linear, rms_norm
+from deepinfer_jax.models.layers import apply_rope, linear, rms_norm, weight
+from deepinfer_jax.models.quant import is_fp8
 
 
 # ---- rotary ---------------------------------------------------------------------------------------
@@ -109,7 +110,7 @@ def indexer_select(cfg: V4Config, p: dict, keys: jax.Array, x: jax.Array, q_res:
     the top `index_topk` of sum_h w[t, h] * relu(q[t, h] . keys[s]) among the rows whose window is closed."""
     rate, di = cfg.compress_rate(CSA), cfg.index_head_dim
     T = keys.shape[0]
-    q = jnp.einsum("sr,rhd->shd", q_res, p["q_b_proj"].astype(q_res.dtype))  # [S, nI, di]
+    q = jnp.einsum("sr,rhd->shd", q_res, weight(p["q_b_proj"], q_res.dtype))  # [S, nI, di]
     cos, sin = v4_cos_sin(cfg, "compress", positions)
     q = rope_tail(q, cos, sin)
     scores = jax.nn.relu(jnp.einsum("shd,td->sht", q.astype(jnp.float32), keys.astype(jnp.float32)))
@@ -182,7 +183,7 @@ def attention_inputs(cfg: V4Config, lt: str, p: dict, x: jax.Array, positions: j
     kind = "main" if lt == SLIDING else "compress"
     cos, sin = v4_cos_sin(cfg, kind, positions)
     q_res = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps)  # [S, Rq]
-    q = jnp.einsum("sr,rhd->shd", q_res, p["q_b_proj"].astype(x.dtype))  # [S, H, hd]
+    q = jnp.einsum("sr,rhd->shd", q_res, weight(p["q_b_proj"], x.dtype))  # [S, H, hd]
     q = rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
     kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
     new = {"raw": kv}
@@ -207,5 +208,7 @@ def attend(cfg: V4Config, p: dict, q: jax.Array, keys: jax.Array, allowed: jax.A
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
     g = cfg.o_groups
-    grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), p["o_a_proj"].astype(dtype))
+    wa = p["o_a_proj"]  # [g, H*hd/g, r]; an FP8 one is [H*hd/g, g, r] (weights/v4_native.py)
+    wa = jnp.moveaxis(weight(wa, dtype), 0, 1) if is_fp8(wa) else wa.astype(dtype)
+    grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), wa)
     return linear(grouped.reshape(S, -1), p["o_b_proj"])

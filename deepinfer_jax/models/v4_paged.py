@@ -173,9 +173,10 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
                   unroll: Any = 1, mesh_rules: Any = None):
     """-> (logits [S, V] fp32, updated kv_cache: one array per pool) for one ragged step; prefill, chunked prefill
     and decode alike.
-    The routed experts are computed densely (`v4_moe`, the reference), whatever `moe_impl` names; `unroll`
-    does not apply (V4's layers differ in kind and run as a Python loop)."""
-    del moe_impl, unroll
+    `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
+    float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
+    apply (V4's layers differ in kind and run as a Python loop)."""
+    del unroll
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {attn_impl!r} is not available for deepseek_v4; expected one of {ATTN_IMPLS}")
     if mesh_rules is not None:
@@ -194,7 +195,7 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
         streams = hc_merge(post, comb, a, streams)
         post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
         m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
-                   meta.token_ids)
+                   meta.token_ids, impl=moe_impl)
         streams = hc_merge(post, comb, m, streams)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)

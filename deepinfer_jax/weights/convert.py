@@ -191,12 +191,14 @@ def convert(src: str, dst: str, dtype: str = "bfloat16", quantize: str = "none",
 
 def _convert_v4(src: str, dst: str, cfg: ModelConfig, hf_config: dict, dtype: str, quantize: str) -> dict:
     """DeepSeek-V4: the checkpoint read and checked by its name table (weights/name_table_v4.py), on the host, in
-    `dtype`, then written unit by unit (orbax_io: "top" and one unit per layer). Float weights only."""
+    `dtype`, then written unit by unit (orbax_io: "top" and one unit per layer). Float weights only: a released
+    FP8 / FP4 checkpoint is dequantized (served in its own formats from the HF directory instead)."""
     from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
 
     if quantize != "none":
-        raise ValueError(f"--quantize {quantize} is not supported for deepseek_v4 (float conversions only)")
-    _, host = load_v4_checkpoint(src, DTYPES[dtype], cfg.v4, on_host=True)
+        raise ValueError(f"--quantize {quantize} is not supported for deepseek_v4 (float conversions only; serve "
+                         f"the HF directory {src} to keep a released checkpoint's FP8 / FP4 weights)")
+    _, host = load_v4_checkpoint(src, DTYPES[dtype], cfg.v4, on_host=True, quantization="none")
     units = orbax_io.checkpoint_units(cfg)
     parent = os.path.dirname(os.path.abspath(dst))
     os.makedirs(parent, exist_ok=True)
@@ -210,7 +212,8 @@ def _convert_v4(src: str, dst: str, cfg: ModelConfig, hf_config: dict, dtype: st
             nbytes += sum(x.nbytes for x in jax.tree.leaves(tree))
             writer.save(u.name, tree)
         writer.finalize()
-        meta = _write_metadata(tmp, src, cfg, hf_config, dtype, "none", 0, units, frozenset(), nbytes, False)
+        meta = _write_metadata(tmp, src, cfg, hf_config, dtype, "none", 0, units, frozenset(), nbytes,
+                               bool(hf_config.get("quantization_config")))
         _replace(tmp, dst)
         tmp = None
         return meta

@@ -37,6 +37,10 @@ QUANTIZATIONS = ("auto", "none", "fp8", "int8", "int4")
 def check_quantization(model_dir: str, quantization: str | None) -> None:
     """A ValueError unless `quantization` can be served from `model_dir` (see the module doc)."""
     q = quantization or "auto"
+    if q in ("fp4", "mxfp4", "nvfp4"):
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {q!r}: online FP4 quantization is not "
+                         "implemented (vLLM's online MXFP4 is 'mxfp4'); FP4 weights are served as a checkpoint stores "
+                         "them: DeepSeek-V4's released FP4 experts load with 'auto'")
     if q not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS}, got {quantization!r}")
     if q == "auto":
@@ -97,18 +101,27 @@ def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = No
     return cfg, PendingParams(pending.abstract, logged_load)
 
 
+def check_v4_quantization(quantization: str | None) -> None:
+    """DeepSeek-V4 takes "auto" (a released FP8 / FP4 checkpoint in its formats) and "none" (dequantized)."""
+    if quantization not in (None, "auto", "none"):
+        raise ValueError(f"quantization {quantization!r} is not supported for deepseek_v4: a released FP8 / FP4 "
+                         "checkpoint is served in its formats ('auto') or dequantized ('none'); online quantization "
+                         "of a V4 float checkpoint is not implemented")
+
+
 def _prepare_v4(model_dir: str, dtype: Any, shardings: Any, quantization: str | None,
                 vocab_multiple: int) -> tuple[ModelConfig, PendingParams]:
-    """A DeepSeek-V4 HF directory (weights/name_table_v4.py): one device, bf16 / fp32 weights; the checkpoint's
-    names and shapes are checked when the load runs."""
-    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+    """A DeepSeek-V4 HF directory (weights/name_table_v4.py): one device; bf16 / fp32 weights, or the released FP8 /
+    FP4 ones kept in their formats ("auto") or dequantized ("none"). The names, shapes and dtypes of every tensor
+    are checked now, from the headers."""
+    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint, v4_abstract
     from deepinfer_jax.weights.pending import abstract_from_specs
 
     if shardings is not None or vocab_multiple != 1:
         raise ValueError("deepseek_v4 loads on one device only: a parallel layout (tensor / data / expert "
                          "parallel) is not supported for it yet")
-    if quantization not in (None, "auto"):
-        raise ValueError(f"quantization {quantization!r} is not supported for deepseek_v4 (its FP8 / FP4 "
-                         "released weights are not loaded yet; a bf16 or fp32 checkpoint loads)")
+    check_v4_quantization(quantization)
     cfg = ModelConfig.from_model_dir(model_dir)
-    return cfg, PendingParams(abstract_from_specs(cfg, dtype), lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4)[1])
+    abstract = v4_abstract(model_dir, cfg.v4, abstract_from_specs(cfg, dtype), quantization)
+    return cfg, PendingParams(abstract, lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4,
+                                                                   quantization=quantization)[1])

@@ -13,11 +13,15 @@ assembles the params on the host, then on the device.
 
 Tensors HF itself does not load are skipped by name: the MTP block (`mtp.*`: HF's
 `_keys_to_ignore_on_load_unexpected`) and rotary buffers. FP8 / FP4 weights as DeepSeek releases them
-are not read here (a non-float tensor is refused, naming it).
+(`X.scale` beside `X.weight`) are read by weights/v4_native.py: kept as Fp8Weight / Fp4Weight leaves, or
+dequantized with quantization "none".
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
 import re
 from typing import Any
 
@@ -28,7 +32,10 @@ from deepinfer_jax.config_v4 import CSA, SLIDING, V4Config
 from deepinfer_jax.models.params import is_spec
 from deepinfer_jax.models.v4_params import v4_param_specs
 from deepinfer_jax.weights.name_table import TensorRule
-from deepinfer_jax.weights.safetensors_io import CheckpointError, index_checkpoint, load_tensor
+from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor
+from deepinfer_jax.weights.v4_native import (V4Quant, check_quantized, dequantized, leaf_kinds, leaf_shapes,
+                                             quant_index, read_quantized, scale_aliases, stored_kind,
+                                             v4_quant_config)
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 INT_DTYPES = ("I64", "I32")
@@ -194,46 +201,94 @@ def v4_is_ignored(name: str) -> bool:
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.gate_up_proj$")
 
 
-def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config | None = None,
-                       on_host: bool = False) -> tuple[V4Config, Any]:
-    """(config, params) of an HF-saved DeepSeek-V4 directory; every needed tensor is checked first and
-    an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly.
-    `on_host`: the params as numpy arrays (the converter's), else on the default device."""
-    cfg = cfg or V4Config.from_model_dir(model_dir)
-    tensors = {}
+def check_v4_checkpoint(model_dir: str, cfg: V4Config) -> tuple[dict[str, TensorInfo], list[TensorRule],
+                                                                 dict[str, str], dict[tuple, str], V4Quant | None]:
+    """(tensors by HF name, the rules, each rule tensor's stored kind, the quantized leaves' kinds, the format)
+    of a V4 directory, every needed tensor checked (a missing, misshapen or unknown one is named), from the
+    headers alone."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        quant = v4_quant_config(json.load(f))
+    tensors: dict[str, TensorInfo] = {}
     for name, info in index_checkpoint(model_dir).items():
         canon = canonical_v4_name(name)
         if canon in tensors:
             raise CheckpointError(f"checkpoint names tensor {canon} twice (as {tensors[canon].name} and {name})")
         tensors[canon] = info
+    tensors = scale_aliases(tensors)
     fused = frozenset(int(m.group(1)) for n in tensors if (m := _FUSED.match(n)))
     rules = v4_expected_tensors(cfg, fused)
-    known = {r.hf_name for r in rules}
+    known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
+    kinds = {}
     for rule in rules:
         info = tensors.get(rule.hf_name)
         if info is None:
             raise CheckpointError(f"checkpoint is missing tensor {rule.hf_name} (HF's name)")
+        allowed = INT_DTYPES if rule.hf_name.endswith("tid2eid") else FLOAT_DTYPES
+        kinds[rule.hf_name] = "float" if info.dtype in allowed else stored_kind(rule, info)
+        if kinds[rule.hf_name] != "float":
+            check_quantized(rule, info, tensors, quant)
+            continue
         if info.shape != rule.hf_shape:
             raise CheckpointError(f"tensor {rule.hf_name} has shape {info.shape}, expected {rule.hf_shape}")
-        allowed = INT_DTYPES if rule.hf_name.endswith("tid2eid") else FLOAT_DTYPES
         if info.dtype not in allowed:
             raise CheckpointError(f"tensor {rule.hf_name} has dtype {info.dtype}; expected one of {allowed}")
     extra = sorted(n for n in tensors if n not in known and not v4_is_ignored(n))
     if extra:
         raise CheckpointError(f"checkpoint has {len(extra)} tensor(s) the V4 name table does not know, e.g. {extra[0]}")
+    return tensors, rules, kinds, leaf_kinds(rules, kinds), quant
 
+
+def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config | None = None,
+                       on_host: bool = False, quantization: str | None = None) -> tuple[V4Config, Any]:
+    """(config, params) of an HF-saved DeepSeek-V4 directory; every needed tensor is checked first and
+    an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly.
+    `quantization` None / "auto": FP8 / FP4 tensors kept (weights/v4_native.py); "none": dequantized to `dtype`.
+    `on_host`: the params as numpy arrays (the converter's), else on the default device."""
+    cfg = cfg or V4Config.from_model_dir(model_dir)
+    tensors, rules, kinds, leaves, quant = check_v4_checkpoint(model_dir, cfg)
+    keep = quantization in (None, "auto")
     specs = v4_param_specs(cfg)
     host: dict = _alloc(specs, dtype)
+    packed: dict[tuple, tuple] = {}
+    if keep:
+        for path, kind in leaves.items():
+            qs, qd, ss, sd, make = leaf_shapes(kind, path, _leaf(specs, path).shape, quant)
+            packed[path] = (np.zeros(qs, qd), np.zeros(ss, sd), make)
     for rule in rules:
+        kind = kinds[rule.hf_name]
+        if kind != "float" and keep:
+            q, s = read_quantized(rule, tensors, kind)
+            qa, sa, _ = packed[rule.path]
+            at = quant_index(rule) or Ellipsis
+            qa[at], sa[at] = q, s
+            continue
+        info = tensors[rule.hf_name]
+        raw = dequantized(rule, tensors, kind, quant) if kind != "float" else np.asarray(load_tensor(info))
         leaf = _leaf(host, rule.path)
-        value = rule.transform(np.asarray(load_tensor(tensors[rule.hf_name])))
+        value = rule.transform(raw)
         if rule.hf_name.endswith("tid2eid") and (value.min() < 0 or value.max() >= cfg.n_routed_experts):
             raise CheckpointError(f"tensor {rule.hf_name} names experts outside 0..{cfg.n_routed_experts - 1}")
         if rule.index:
             leaf[rule.index] = value
         else:
             leaf[...] = value
+    for path, (qa, sa, make) in packed.items():
+        _leaf(host, path[:-1])[path[-1]] = make(qa, sa)
     return cfg, (host if on_host else _to_device(host))
+
+
+def v4_abstract(model_dir: str, cfg: V4Config, abstract: Any, quantization: str | None = None) -> Any:
+    """The float params' abstract tree (`abstract`, from the specs) with the leaves `load_v4_checkpoint` keeps
+    quantized as Fp8Weight / Fp4Weight of ShapeDtypeStructs (their shardings the float leaf's)."""
+    from deepinfer_jax.weights.v4_native import abstract_leaf
+
+    if quantization not in (None, "auto"):
+        return abstract
+    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, cfg)
+    for path, kind in leaves.items():
+        leaf = _leaf(abstract, path)
+        _leaf(abstract, path[:-1])[path[-1]] = abstract_leaf(kind, path, leaf.shape, quant, leaf.sharding)
+    return abstract
 
 
 def _alloc(spec: Any, dtype: Any) -> Any:
@@ -256,4 +311,6 @@ def _to_device(tree: Any) -> Any:
         return {k: _to_device(v) for k, v in tree.items()}
     if isinstance(tree, list):
         return [_to_device(v) for v in tree]
+    if dataclasses.is_dataclass(tree):  # an Fp8Weight / Fp4Weight
+        return dataclasses.replace(tree, q=jnp.asarray(tree.q), scale=jnp.asarray(tree.scale))
     return jnp.asarray(tree)

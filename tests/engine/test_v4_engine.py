@@ -118,7 +118,6 @@ def test_async_engine_streams_hf_greedy_tokens(engine, hf_greedy):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(moe_impl="pallas"), "moe_impl 'pallas' is not available for deepseek_v4"),
     (dict(tensor_parallel_size=2), "deepseek_v4 runs on one device"),
     (dict(quantization="fp8"), "quantization 'fp8' is not supported for deepseek_v4"),
 ])

@@ -168,3 +168,54 @@ def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
             assert all(ln.count("f8E4M3FN>") >= 2 for ln in dots)
         else:
             assert "tt.ptr<i8>" in asm and "f8E4M3FN" not in asm
+
+
+def _fp4(wgu, wd):
+    """Both layers' experts as DeepSeek-V4's FP4 checkpoint stores them (models/quant_fp4.py): gate_up
+    [L, E, 2, I, D/2] / [L, E, 2, I, D/32], down [L, E, D, I/2] / [L, E, D, I/32], e8m0 scale bytes."""
+    from deepinfer_jax.models.quant_fp4 import quantize_fp4
+
+    a, b = quantize_fp4(wgu, 2, gate_up=True), quantize_fp4(wd, 1)
+    f = WeightFormat("fp4", 32, layout="nk")
+    return jnp.asarray(a.q), jnp.asarray(a.scale), jnp.asarray(b.q), jnp.asarray(b.scale), f, f, a, b
+
+
+def test_fp4_kernels_match_reference(case):
+    """FP4 experts read in place (layer 1 of two, V4's swiglu_limit) against the reference on that layer; the
+    reference's dequant is models/quant_fp4.py's (exact). Hidden 64, width 96: two and three 32-column groups."""
+    from deepinfer_jax.models.quant_fp4 import fp4_dequantize
+
+    x, idx, w, wgu, wd = case
+    x, wgu, wd = x[:, :64], wgu[:, :, :64], wd[..., :64]
+    gq, gs, dq, ds, fg, fd, a, b = _fp4(wgu, wd)
+    assert supported(fg, fd, 64, I, T * K)
+    out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, swiglu_limit=0.3,
+                            interpret=True)
+    ref = moe_experts_quant_reference(x, gq[1], gs[1], dq[1], ds[1], w, idx, fmt_gu=fg, fmt_down=fd,
+                                      swiglu_limit=0.3)
+    _close(out, ref)
+    np.testing.assert_array_equal(np.asarray(dequant_expert(gq, gs, fg, 2)),
+                                  np.asarray(fp4_dequantize(a, jnp.float32)))
+
+
+def test_fp4_formats():
+    assert supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 4096, 2048, 64)
+    assert not supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 40, 24, 8)
+    with pytest.raises(ValueError, match="layout"):
+        WeightFormat("fp4", 32)
+
+
+def test_fp4_kernels_lower_for_sm90(triton_asm):
+    """V4-Flash's routed experts (D 4096, I 2048, 256 experts, top-6) in FP4 at a decode size: both kernels lower
+    and read 1-byte weights and scales (no float copy of the experts)."""
+    S = jax.ShapeDtypeStruct
+    Dv, Iv, Ev, T4 = 4096, 2048, 256, 32
+    f = WeightFormat("fp4", 32, layout="nk")
+    args = (S((T4, Dv), jnp.bfloat16), S((Ev, 2, Iv, Dv // 2), jnp.uint8), S((Ev, 2, Iv, Dv // 32), jnp.uint8),
+            S((Ev, Dv, Iv // 2), jnp.uint8), S((Ev, Dv, Iv // 32), jnp.uint8), S((T4, 6), jnp.float32),
+            S((T4, 6), jnp.int32))
+    mods = triton_asm(lambda x, a, b, c, d, w, i: moe_experts_quant(x, a, b, c, d, w, i, fmt_gu=f, fmt_down=f,
+                                                                    swiglu_limit=10.0), *args)
+    assert len(mods) == 2
+    for asm in mods:
+        assert [ln for ln in asm.splitlines() if "tt.dot" in ln] and "tt.ptr<i8>" in asm
