@@ -2,7 +2,8 @@
 
     deepinfer plan --model DIR [--tensor-parallel-size N] [--data-parallel-size N] [--enable-expert-parallel]
                    [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
-                   [--gpu-memory-utilization F] [--max-model-len N] [--json]
+                   [--gpu-memory-utilization F] [--max-model-len N] [--cpu-offload-gb GIB]
+                   [--kv-offloading-size GIB] [--json]
 
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
@@ -10,7 +11,10 @@ own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from
 headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: its family's specs, float,
 one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token;
 `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
-`--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading.
+`--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading. With
+`--cpu-offload-gb` the leaves runner/weight_offload.py `choose`s from the same per-leaf bytes are counted in host
+memory, not on the device; `--kv-offloading-size` adds the KV host tier's pages (of PAGE_SIZE tokens, the engine's
+default page) in host memory.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
@@ -29,6 +33,7 @@ from typing import Any
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+PAGE_SIZE = 64  # CacheConfig.page_size's default: the host tier holds whole pages
 
 
 def resolve_dtype(dtype: str, model_dir: str) -> str:
@@ -50,11 +55,11 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
 
 def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantization: str | None,
                 kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
-                max_model_len: int | None) -> str | None:
+                max_model_len: int | None, cpu_offload_gb: float = 0.0) -> str | None:
     """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
     figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
-    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel). Reads config.json and
-    the safetensors headers only."""
+    given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel); `cpu_offload_gb`: GiB of
+    weights in host memory. Reads config.json and the safetensors headers only."""
     import jax
 
     from deepinfer_jax.runner.device_memory import device_memory, given_memory
@@ -65,7 +70,8 @@ def fit_problem(model: str, parallel: tuple[int, int, bool], dtype: str, quantiz
     tp, dp, ep = parallel
     p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, dtype=dtype,
              quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
-             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len)
+             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+             cpu_offload_gb=cpu_offload_gb)
     return f"{model} does not fit: {p.reason}" if p.fits is False else None
 
 
@@ -85,7 +91,7 @@ class MemoryPlan:
     tensor_parallel_size: int
     data_parallel_size: int
     enable_expert_parallel: bool
-    weight_bytes_per_device: int
+    weight_bytes_per_device: int  # on the device (less what --cpu-offload-gb keeps in host memory)
     kv_bytes_per_token: int  # on each device holding the token's pages
     max_model_len: int
     gpu_memory_bytes: int | None
@@ -93,14 +99,22 @@ class MemoryPlan:
     kv_tokens_per_rank: int | None  # tokens of KV each data-parallel rank holds
     fits: bool | None  # None: no --gpu-memory given
     reason: str
+    offloaded_weight_bytes: int = 0  # weights in host memory (--cpu-offload-gb)
+    kv_host_tier_bytes: int = 0  # the KV cache's host tier (--kv-offloading-size), whole pages
+    kv_host_tier_tokens: int = 0
 
     def lines(self) -> list[str]:
         gib = size
         out = [f"model {self.model}: weights {self.weights}, dtype {self.dtype}, KV cache {self.kv_cache_dtype}, "
                f"TP {self.tensor_parallel_size} x DP {self.data_parallel_size}"
                + (" with expert parallelism" if self.enable_expert_parallel else ""),
-               f"weights per device: {gib(self.weight_bytes_per_device)}",
+               f"weights per device: {gib(self.weight_bytes_per_device)}" + (
+                   f" on the device, {gib(self.offloaded_weight_bytes)} in host memory (--cpu-offload-gb)"
+                   if self.offloaded_weight_bytes else ""),
                f"KV cache per token: {self.kv_bytes_per_token} bytes"]
+        if self.kv_host_tier_bytes:
+            out.append(f"KV host tier: {gib(self.kv_host_tier_bytes)} in host memory -> {self.kv_host_tier_tokens} "
+                       f"tokens (--kv-offloading-size)")
         if self.gpu_memory_bytes is not None:
             out.append(f"KV cache per device: {gib(self.kv_cache_bytes_per_device)} of {gib(self.gpu_memory_bytes)}"
                        f" -> {self.kv_tokens_per_rank} tokens per data-parallel rank "
@@ -115,23 +129,29 @@ def leaf_bytes(shape: tuple[int, ...], itemsize: float, splits: tuple[int, ...])
     return int(math.prod(d // (s if d > 1 else 1) for d, s in zip(shape, splits)) * itemsize)
 
 
-def v4_weight_bytes(cfg, dtype: str) -> int:
-    """Bytes of a DeepSeek-V4 model's params on its one device (the family's param specs, in `dtype` where "model")."""
+def v4_weight_bytes(cfg, dtype: str, by_leaf: dict | None = None) -> int:
+    """Bytes of a DeepSeek-V4 model's params on its one device (the family's param specs, in `dtype` where "model");
+    `by_leaf`: filled with each leaf's bytes by path."""
     import jax
     import numpy as np
 
     from deepinfer_jax.models.params import is_spec, spec_dtype
     from deepinfer_jax.models.registry import param_specs
+    from deepinfer_jax.runner.weight_offload import path_key
 
-    return sum(math.prod(s.shape) * np.dtype(spec_dtype(s, dtype)).itemsize
-               for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+    flat = jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]
+    sizes = {path_key(p): math.prod(s.shape) * np.dtype(spec_dtype(s, dtype)).itemsize for p, s in flat}
+    if by_leaf is not None:
+        by_leaf.update(sizes)
+    return sum(sizes.values())
 
 
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
-                            group_size: int = 128) -> int:
+                            group_size: int = 128, by_leaf: dict | None = None) -> int:
     """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
-    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`."""
+    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`.
+    `by_leaf`: filled with each leaf's bytes by path (a quantized leaf's q and scale together)."""
     import numpy as np
 
     from deepinfer_jax.models.params import is_spec, param_specs, spec_dtype
@@ -148,6 +168,7 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     def walk(tree: Any, path: tuple) -> None:
         nonlocal total
         if is_spec(tree):
+            before = total
             splits = tuple(math.prod(mesh[a] for a in table.get(ax, ())) if ax else 1 for ax in tree.axes)
             lay = quant_layout(path)
             if path in fp8_paths:
@@ -158,6 +179,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
                 total += leaf_bytes(q, 1, splits) + leaf_bytes(s, 4, splits)
             else:
                 total += leaf_bytes(tree.shape, np.dtype(spec_dtype(tree, dtype)).itemsize, splits)
+            if by_leaf is not None:
+                by_leaf[path] = total - before
         elif isinstance(tree, dict):
             for k, v in tree.items():
                 walk(v, path + (k,))
@@ -198,10 +221,12 @@ def fit_verdict(weight_bytes: int, per_token: int, max_len: int, memory, gpu_mem
 def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
          enable_expert_parallel: bool = False, dtype: str = "auto", quantization: str | None = None,
          kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
-         max_model_len: int | None = None, memory=None) -> MemoryPlan:
+         max_model_len: int | None = None, memory=None, cpu_offload_gb: float = 0.0,
+         kv_offloading_size: float = 0.0) -> MemoryPlan:
     """The memory plan of serving `model_dir` so (see the module doc). Reads config.json and the safetensors
     headers (or a converted checkpoint's metadata); a ValueError / CheckpointError for what the engine refuses.
-    `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`."""
+    `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`.
+    `cpu_offload_gb`, `kv_offloading_size`: GiB of weights, and of KV host tier, in host memory."""
     import dataclasses
 
     from deepinfer_jax.config import ModelConfig, RunnerConfig
@@ -214,18 +239,20 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
+    by_leaf: dict = {}  # each leaf's bytes on a device, for --cpu-offload-gb's choice
     if cfg.family == "deepseek_v4":  # one device, float weights (docs/v4.md)
         if not parallel.is_single_device:
             raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size above 1 "
                              "are not supported for it yet")
-        nbytes, weights = v4_weight_bytes(cfg, dtype), "float"
+        nbytes, weights = v4_weight_bytes(cfg, dtype, by_leaf), "float"
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))
         method = meta["quantization"]["method"]
         nbytes = weight_bytes_per_device(cfg, dtype, parallel, int_method=method,
-                                         group_size=int(meta["quantization"].get("group_size") or 128))
+                                         group_size=int(meta["quantization"].get("group_size") or 128),
+                                         by_leaf=by_leaf)
         weights = "float" if method == "none" else method
     else:
         from deepinfer_jax.weights.hf_loader import (
@@ -240,10 +267,24 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         rules = expected_tensors(cfg, fused_moe_layers(tensors))
         paths, online = fp8_leaf_paths(rules, tensors, quantization, not parallel.is_single_device)
         block = FP8_BLOCK if online else fp8_block_shape(hf_config)
-        nbytes = weight_bytes_per_device(cfg, dtype, parallel, paths, block)
+        nbytes = weight_bytes_per_device(cfg, dtype, parallel, paths, block, by_leaf=by_leaf)
         weights = ("fp8 (online)" if online else "fp8 (kept)") if paths else "float"
+    offloaded = 0
+    if cpu_offload_gb:  # the engine's own choice (runner/weight_offload.py) on the same per-leaf bytes
+        from deepinfer_jax.runner.weight_offload import check_budget, choose
+
+        if not parallel.is_single_device:
+            raise ValueError("cpu_offload_gb is not supported with tensor, data or expert parallelism yet "
+                             "(--tensor-parallel-size / --data-parallel-size above 1)")
+        offloaded = sum(by_leaf[p] for p in choose(by_leaf.items(), check_budget(cpu_offload_gb, nbytes)))
+    nbytes -= offloaded
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
     per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
+    host_tier_tokens = 0
+    if kv_offloading_size:
+        from deepinfer_jax.runner.kv_transfer import host_tier_blocks
+
+        host_tier_tokens = host_tier_blocks(cfg, PAGE_SIZE, kv_dtype, kv_offloading_size) * PAGE_SIZE
     max_len = max_model_len or min(cfg.max_position_embeddings, 4096)
     if memory is None and gpu_memory_gib is not None:
         memory = given_memory(gpu_memory_gib)
@@ -253,7 +294,8 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         mem_bytes = memory.device_total or memory.limit
         cache, tokens, fits, reason = fit_verdict(nbytes, per_token, max_len, memory, gpu_memory_utilization)
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
-                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason)
+                      enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
+                      offloaded, host_tier_tokens * per_token, host_tier_tokens)
 
 
 def main(argv: list[str]) -> int:
@@ -268,6 +310,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--gpu-memory", type=float, default=None, help="GiB of memory per device")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="GiB of weights in host memory")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, help="GiB of host memory for the KV host tier")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     try:
@@ -275,7 +319,8 @@ def main(argv: list[str]) -> int:
                       data_parallel_size=ns.data_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,
                       dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
                       gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
-                      max_model_len=ns.max_model_len)
+                      max_model_len=ns.max_model_len, cpu_offload_gb=ns.cpu_offload_gb,
+                      kv_offloading_size=ns.kv_offloading_size)
     except (ValueError, OSError) as e:
         print(f"deepinfer plan: error: {e}", file=sys.stderr)
         return 2
