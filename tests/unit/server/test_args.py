@@ -223,3 +223,15 @@ def test_kv_cache_dtype_flag_and_yaml(tmp_path, capsys):
         check_engine_args(parser, parse_with_config(parser, ["--kv-cache-dtype", "fp8", "--attn-impl", "pallas"]))
     err = capsys.readouterr().err.strip()
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "argument --kv-cache-dtype: fp8 runs with" in err
+
+
+def test_cpu_offload_gb(model_dirs, tmp_path, capsys):
+    _, large = model_dirs
+    assert _kw(["--model", large])[0]["cpu_offload_gb"] == 0.0
+    assert _kw(["--model", large, "--cpu-offload-gb", "1.5"])[0]["cpu_offload_gb"] == 1.5
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\ncpu_offload_gb: 3\n")
+    assert _kw(["--config", str(f)])[0]["cpu_offload_gb"] == 3.0
+    with pytest.raises(SystemExit):
+        _kw(["--model", large, "--cpu-offload-gb", "-1"])
+    assert "--cpu-offload-gb" in capsys.readouterr().err
