@@ -7,9 +7,10 @@ fixed concurrency. TTFT and throughput with the host tier against without it (th
         --device-prefixes 2 --requests 16 --attn-impl reference --moe-impl dense --dtype float32   # CPU smoke run
 
 First the host link: host-to-device and device-to-host copy bandwidth of a 256 MiB buffer, pageable and pinned
-(the tier's pool is pinned where the backend allows: the line after says which). Then correctness: with the tier on, every prefix is served once cold and once
-from the host tier (after other prefixes evicted it from the device), and the greedy tokens of the two are
-compared (they must match; bf16 chunking differences would show as a match rate below 1). Then the timed runs:
+(the tier's pool is pinned where the backend allows: a line says which). Then correctness: with the tier on,
+every prefix is served once cold and once from the host tier (after other prefixes evicted it from the device),
+and the greedy tokens of the two are compared (they must match; bf16 chunking differences would show as a match
+rate below 1). Then the timed runs:
 the same request stream without and with the tier, TTFT p50 / p90 and mean, output tokens/s, bytes moved.
 The device cache is fixed at --device-prefixes prefixes' pages (--num-pages derived), the prefixes number 4x that.
 """

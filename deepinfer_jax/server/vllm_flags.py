@@ -104,7 +104,8 @@ _R = {  # refused, by reason: {what to do: flags}
         "--expert-placement-strategy --enable-ep-weight-filter",
     "the KV cache is sized by --gpu-memory-utilization or --num-pages, with a host tier from "
     "--kv-offloading-size (its own, native backend); weights go to host memory by --cpu-offload-gb alone (routed "
-    "experts first, docs/offload.md), and there is no KV transfer or sharing": "--kv-cache-memory-bytes --cpu-offload-params --offload-backend "
+    "experts first, docs/offload.md), and there is no KV transfer or sharing":
+        "--kv-cache-memory-bytes --cpu-offload-params --offload-backend "
         "--offload-group-size --offload-num-in-group --offload-params --offload-prefetch-step --kv-offloading-backend "
         "--kv-transfer-config --kv-events-config --ec-transfer-config --kv-sharing-fast-prefill "
         "--calculate-kv-scales --enable-sleep-mode --enable-cumem-allocator --weight-transfer-config",
