@@ -6,10 +6,11 @@ fixed concurrency. TTFT and throughput with the host tier against without it (th
     python benchmarks/kv_tier.py --preset tiny-deepseek-v2 --prefix-len 64 --suffix-len 8 --output-len 4 \\
         --device-prefixes 2 --requests 16 --attn-impl reference --moe-impl dense --dtype float32   # CPU smoke run
 
-First the host link: pageable host-to-device and device-to-host copy bandwidth of a 256 MiB buffer (the tier's
-copies are pageable numpy too). Then correctness: with the tier on, every prefix is served once cold and once
-from the host tier (after other prefixes evicted it from the device), and the greedy tokens of the two are
-compared (they must match; bf16 chunking differences would show as a match rate below 1). Then the timed runs:
+First the host link: host-to-device and device-to-host copy bandwidth of a 256 MiB buffer, pageable and pinned
+(the tier's pool is pinned where the backend allows: a line says which). Then correctness: with the tier on,
+every prefix is served once cold and once from the host tier (after other prefixes evicted it from the device),
+and the greedy tokens of the two are compared (they must match; bf16 chunking differences would show as a match
+rate below 1). Then the timed runs:
 the same request stream without and with the tier, TTFT p50 / p90 and mean, output tokens/s, bytes moved.
 The device cache is fixed at --device-prefixes prefixes' pages (--num-pages derived), the prefixes number 4x that.
 """
@@ -105,6 +106,10 @@ def main(argv=None) -> int:
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
     h2d, d2h = link_bandwidth()
     print(f"host link (pageable, 256 MiB): host-to-device {h2d:.1f} GB/s, device-to-host {d2h:.1f} GB/s", flush=True)
+    from offload import pinned_link_bandwidth
+
+    h2d, d2h = pinned_link_bandwidth(256)
+    print(f"host link (pinned, 256 MiB): host-to-device {h2d:.1f} GB/s, device-to-host {d2h:.1f} GB/s", flush=True)
 
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
@@ -141,6 +146,7 @@ def main(argv=None) -> int:
 
     # correctness: each prefix cold, then (the others having evicted it) from the host tier
     eng = engine(tier_gib)
+    print(f"host tier pool: {'pinned' if eng.runner.kv_transfer.pinned else 'pageable'} host memory", flush=True)
     check = stream(num_prefixes, 1)
     check = check + check  # the same prompts again, after the others evicted them from the device
     res = closed_loop(eng, check, args.concurrency, args.output_len)

@@ -23,12 +23,15 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     kv_offloading_size: float = 0.0  # GiB of host memory for the KV cache's host tier (vLLM's name); 0: off
     gpu_memory_gib: float | None = None  # the memory of each device, for a device without figures (or a smaller one)
+    cpu_offload_gb: float = 0.0  # GiB of weights kept in host memory (vLLM's name; runner/weight_offload.py); 0: off
 
     def __post_init__(self) -> None:
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching (drop --no-enable-prefix-caching)")
+        if self.cpu_offload_gb < 0:
+            raise ValueError(f"cpu_offload_gb must be >= 0 GiB, got {self.cpu_offload_gb}")
         if self.gpu_memory_gib is not None and not self.gpu_memory_gib > 0:
             raise ValueError(f"gpu_memory_gib must be positive, got {self.gpu_memory_gib}")
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):

@@ -148,7 +148,8 @@ class LLM:
     converted with that --quantize; weights/loader.py), kv_cache_dtype ("auto": the compute dtype; "fp8": e4m3
     with scale 1.0, RunnerConfig.kv_cache_dtype), max_model_len, max_num_seqs, max_num_batched_tokens,
     page_size (vLLM's block_size), gpu_memory_utilization, enable_prefix_caching, kv_offloading_size (GiB of host
-    memory for the KV cache's host tier, 0: off; docs/kv-tier.md),
+    memory for the KV cache's host tier, 0: off; docs/kv-tier.md), cpu_offload_gb (GiB of weights kept in host
+    memory and copied in by each step, one device, 0: off; docs/offload.md),
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
@@ -194,7 +195,8 @@ class LLM:
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
                  token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-                 speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0):
+                 speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0,
+                 cpu_offload_gb: float = 0.0):
         # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
         from deepinfer_jax.runner.multihost import StepChannel
 
@@ -258,7 +260,7 @@ class LLM:
                                           pipeline_parallel_size),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
                                   max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens)
+                                  max_num_batched_tokens=max_num_batched_tokens, cpu_offload_gb=cpu_offload_gb)
             if problem:
                 raise ValueError(problem)
         # The weights load while the engine compiles its step programs (weights/pending.py).
@@ -291,7 +293,8 @@ class LLM:
                                 max_model_len=max_model_len)
         cache = CacheConfig(page_size=page_size, num_pages=num_pages,
                             gpu_memory_utilization=gpu_memory_utilization, gpu_memory_gib=gpu_memory,
-                            enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size)
+                            enable_prefix_caching=enable_prefix_caching, kv_offloading_size=kv_offloading_size,
+                            cpu_offload_gb=cpu_offload_gb)
         from deepinfer_jax.models.registry import family_of
 
         attn_impl = kv_cache_attn_impl(kv_cache_dtype, attn_impl, cfg.family == "deepseek" and not cfg.has_indexer)

@@ -50,6 +50,7 @@ from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Paren
 from deepinfer_jax.engine.speculative import SpecDecodeStats, drafter_for, speculative_step
 from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
 from deepinfer_jax.runner.multihost import agree_min
+from deepinfer_jax.runner.weight_offload import offload as offload_weights
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.text.grammar import mask_words
@@ -83,8 +84,10 @@ class LLMEngine:
             if sharding is not None and sharding.num_ranks > 1:
                 raise ValueError("kv_offloading_size is not supported with data-parallel attention "
                                  "(--data-parallel-size > 1)")
-            self.num_host_blocks = host_tier_blocks(cfg, ps, runner_config.dtype, cache_config.kv_offloading_size)
-        # Params may still be loading (weights/pending.py): their bytes count as in use; they load while warm-up compiles.
+            self.num_host_blocks = host_tier_blocks(cfg, ps, runner_config.kv_dtype, cache_config.kv_offloading_size)
+        # Params may still be to load (weights/pending.py): their bytes count as in use, and they load (on a thread
+        # of their own) from here on, while the runner lowers and compiles the step programs.
+        params, self.offloaded_weight_bytes = offload_weights(params, cache_config.cpu_offload_gb, sharding)
         pending = params if isinstance(params, PendingParams) else None
         if num_pages is None:
             fallback = scheduler_config.max_num_seqs * max_pages + 1

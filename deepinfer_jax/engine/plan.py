@@ -4,7 +4,7 @@
                    [--pipeline-parallel-size N]
                    [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
                    [--gpu-memory-utilization F] [--max-model-len N] [--page-size N] [--max-num-seqs N]
-                   [--max-num-batched-tokens N] [--json]
+                   [--max-num-batched-tokens N] [--cpu-offload-gb GIB] [--kv-offloading-size GIB] [--json]
 
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
@@ -17,6 +17,10 @@ cache is paged per group (docs/v4.md): the plan lists each group's bytes (per to
 groups, per sequence for the windowed ones) and, with a device's memory, the pools the engine makes of the cache's
 bytes (`runner/device_memory.v4_pools`, for --page-size / --max-num-seqs / --max-num-batched-tokens) and the
 tokens of context they hold.
+With
+`--cpu-offload-gb` the leaves runner/weight_offload.py `choose`s from the same per-leaf bytes are counted in host
+memory, not on the device; `--kv-offloading-size` adds the KV host tier's pages (of PAGE_SIZE tokens, the engine's
+default page) in host memory.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
@@ -37,6 +41,7 @@ from typing import Any
 
 
 DTYPES = ("auto", "bfloat16", "float16", "float32")
+PAGE_SIZE = 64  # CacheConfig.page_size's default: the host tier holds whole pages
 
 
 def resolve_dtype(dtype: str, model_dir: str) -> str:
@@ -58,13 +63,12 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
 
 def fit_problem(model: str, parallel: tuple, dtype: str, quantization: str | None,
                 kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
-                max_model_len: int | None, **v4_sizes) -> str | None:
+                max_model_len: int | None, cpu_offload_gb: float = 0.0, **v4_sizes) -> str | None:
     """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
     figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
     given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel[, pipeline_parallel_size]);
-    `v4_sizes`: page_size, max_num_seqs, max_num_batched_tokens as the engine will have them (DeepSeek-V4's pools).
-    Reads config.json and
-    the safetensors headers only."""
+    `cpu_offload_gb`: GiB of weights in host memory; `v4_sizes`: page_size, max_num_seqs, max_num_batched_tokens as
+    the engine will have them (DeepSeek-V4's pools). Reads config.json and the safetensors headers only."""
     import jax
 
     from deepinfer_jax.runner.device_memory import device_memory, given_memory
@@ -76,7 +80,8 @@ def fit_problem(model: str, parallel: tuple, dtype: str, quantization: str | Non
     p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
              pipeline_parallel_size=pp[0] if pp else 1, dtype=dtype,
              quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
-             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len, **v4_sizes)
+             gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
+             cpu_offload_gb=cpu_offload_gb, **v4_sizes)
     return f"{model} does not fit: {p.reason}" if p.fits is False else None
 
 
@@ -96,7 +101,7 @@ class MemoryPlan:
     tensor_parallel_size: int
     data_parallel_size: int
     enable_expert_parallel: bool
-    weight_bytes_per_device: int
+    weight_bytes_per_device: int  # on the device (less what --cpu-offload-gb keeps in host memory)
     kv_bytes_per_token: int  # on each device holding the token's pages
     max_model_len: int
     gpu_memory_bytes: int | None
@@ -109,6 +114,9 @@ class MemoryPlan:
     kv_groups: tuple = ()
     pipeline_parallel_size: int = 1
     stage_weight_bytes: tuple[int, ...] = ()  # per device of each pipeline stage (PP > 1)
+    offloaded_weight_bytes: int = 0  # weights in host memory (--cpu-offload-gb)
+    kv_host_tier_bytes: int = 0  # the KV cache's host tier (--kv-offloading-size), whole pages
+    kv_host_tier_tokens: int = 0
 
     def lines(self) -> list[str]:
         gib = size
@@ -118,7 +126,9 @@ class MemoryPlan:
                + (" with expert parallelism" if self.enable_expert_parallel else ""),
                f"weights per device: {gib(self.weight_bytes_per_device)}"
                + (" (the largest stage; per stage: " + ", ".join(gib(b) for b in self.stage_weight_bytes) + ")"
-                  if self.stage_weight_bytes else ""),
+                  if self.stage_weight_bytes else "")
+               + (f" on the device, {gib(self.offloaded_weight_bytes)} in host memory (--cpu-offload-gb)"
+                  if self.offloaded_weight_bytes else ""),
                f"KV cache per token: {self.kv_bytes_per_token} bytes"
                + (" (the compressed cache groups; the windowed ones cost a fixed share per sequence)"
                   if self.kv_groups else "")]
@@ -129,6 +139,9 @@ class MemoryPlan:
                     if "pool_pages" in g else "")
             out.append(f"  group {g['name']}: {g['layers']} layers x {g['row_bytes']} bytes a row, a row per "
                        f"{g['tokens_per_row']} tokens, {per}{pool}")
+        if self.kv_host_tier_bytes:
+            out.append(f"KV host tier: {gib(self.kv_host_tier_bytes)} in host memory -> {self.kv_host_tier_tokens} "
+                       f"tokens (--kv-offloading-size)")
         if self.gpu_memory_bytes is not None:
             out.append(f"KV cache per device: {gib(self.kv_cache_bytes_per_device)} of {gib(self.gpu_memory_bytes)}"
                        f" -> {self.kv_tokens_per_rank} tokens per data-parallel rank "
@@ -143,16 +156,18 @@ def leaf_bytes(shape: tuple[int, ...], itemsize: float, splits: tuple[int, ...])
     return int(math.prod(d // (s if d > 1 else 1) for d, s in zip(shape, splits)) * itemsize)
 
 
-def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization: str | None = None
-                   ) -> tuple[int, str]:
+def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization: str | None = None,
+                    by_leaf: dict | None = None) -> tuple[int, str]:
     """(bytes of a DeepSeek-V4 model's params on its one device, the weights' format): the loader's own abstract
     tree of an HF directory (FP8 / FP4 leaves as the checkpoint stores them, weights/name_table_v4.py `v4_abstract`),
-    else the family's float param specs in `dtype`."""
+    else the family's float param specs in `dtype`. `by_leaf`: filled with each leaf's bytes by path (a quantized
+    leaf's arrays together)."""
     import jax
     import numpy as np
 
     from deepinfer_jax.models.quant import is_fp8
     from deepinfer_jax.models.quant_fp4 import is_fp4
+    from deepinfer_jax.runner.weight_offload import path_key
     from deepinfer_jax.weights.pending import abstract_from_specs
 
     abstract = abstract_from_specs(cfg, jax.numpy.dtype(dtype))
@@ -160,20 +175,28 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
         from deepinfer_jax.weights.name_table_v4 import v4_abstract
 
         abstract = v4_abstract(model_dir, cfg.v4, abstract, quantization)
-    quant = [x for x in jax.tree.leaves(abstract, is_leaf=lambda x: is_fp8(x) or is_fp4(x)) if is_fp8(x) or is_fp4(x)]
-    kinds = sorted({"fp4" if is_fp4(x) else "fp8" for x in quant})
-    nbytes = sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(abstract))
-    return nbytes, " + ".join(f"{k} (kept)" for k in kinds) or "float"
+
+    def quantized(x):
+        return is_fp8(x) or is_fp4(x)
+
+    flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=quantized)[0]
+    sizes = {path_key(p): sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
+             for p, x in flat}
+    if by_leaf is not None:
+        by_leaf.update(sizes)
+    kinds = sorted({"fp4" if is_fp4(x) else "fp8" for _, x in flat if quantized(x)})
+    return sum(sizes.values()), " + ".join(f"{k} (kept)" for k in kinds) or "float"
 
 
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
-                            group_size: int = 128, stage=None) -> int:
+                            group_size: int = 128, stage=None, by_leaf: dict | None = None) -> int:
     """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
     leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`.
     `stage` (a models/pipeline.py PipelineStage): a device of that pipeline stage, which holds its layers' share
     of each stacked segment (bytes linear in the layers: the layer axis is never split) and the embedding or the
-    final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there)."""
+    final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there).
+    `by_leaf`: filled with each leaf's bytes by path (a quantized leaf's q and scale together)."""
     import numpy as np
 
     from deepinfer_jax.models.params import is_spec, spec_dtype
@@ -217,6 +240,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
             else:
                 total += leaf_bytes(tree.shape, np.dtype(spec_dtype(tree, dtype)).itemsize, splits)
             total = before + (total - before) * num // den
+            if by_leaf is not None:
+                by_leaf[path] = total - before
         elif isinstance(tree, dict):
             for k, v in tree.items():
                 walk(v, path + (k,))
@@ -258,11 +283,13 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
          enable_expert_parallel: bool = False, pipeline_parallel_size: int = 1, dtype: str = "auto", quantization: str | None = None,
          kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, memory=None, page_size: int = 64, max_num_seqs: int = 256,
-         max_num_batched_tokens: int | None = None) -> MemoryPlan:
+         max_num_batched_tokens: int | None = None, cpu_offload_gb: float = 0.0,
+         kv_offloading_size: float = 0.0) -> MemoryPlan:
     """The memory plan of serving `model_dir` so (see the module doc). Reads config.json and the safetensors
     headers (or a converted checkpoint's metadata); a ValueError / CheckpointError for what the engine refuses.
     `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`. page_size,
-    max_num_seqs and max_num_batched_tokens (the engine's defaults) size DeepSeek-V4's per-group pools."""
+    max_num_seqs and max_num_batched_tokens (the engine's defaults) size DeepSeek-V4's per-group pools.
+    `cpu_offload_gb`, `kv_offloading_size`: GiB of weights, and of KV host tier, in host memory."""
     import dataclasses
 
     from deepinfer_jax.config import ModelConfig, RunnerConfig
@@ -276,6 +303,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                               pipeline_parallel_size)
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
+    by_leaf: dict = {}  # each leaf's bytes on a device, for --cpu-offload-gb's choice
     if cfg.family == "deepseek_v4":  # one device; float, or FP8 / FP4 as released (docs/v4.md)
         if not parallel.is_single_device:
             raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
@@ -283,17 +311,18 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         from deepinfer_jax.weights.loader import check_v4_quantization
 
         check_v4_quantization(quantization)
-        nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization)
+        nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
+                                          by_leaf)
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)
         cfg = dataclasses.replace(cfg, num_nextn_predict_layers=int(meta["num_nextn_predict_layers"]))
         method = meta["quantization"]["method"]
-        def weigh(stage=None):
-            return weight_bytes_per_device(cfg, dtype, parallel, int_method=method, stage=stage,
+        def weigh(stage=None, by_leaf=None):
+            return weight_bytes_per_device(cfg, dtype, parallel, int_method=method, stage=stage, by_leaf=by_leaf,
                                            group_size=int(meta["quantization"].get("group_size") or 128))
 
-        nbytes = weigh()
+        nbytes = weigh(by_leaf=by_leaf)
         weights = "float" if method == "none" else method
     else:
         from deepinfer_jax.weights.hf_loader import (
@@ -308,11 +337,20 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         rules = expected_tensors(cfg, fused_moe_layers(tensors))
         paths, online = fp8_leaf_paths(rules, tensors, quantization, not parallel.is_single_device)
         block = FP8_BLOCK if online else fp8_block_shape(hf_config)
-        def weigh(stage=None):
-            return weight_bytes_per_device(cfg, dtype, parallel, paths, block, stage=stage)
+        def weigh(stage=None, by_leaf=None):
+            return weight_bytes_per_device(cfg, dtype, parallel, paths, block, stage=stage, by_leaf=by_leaf)
 
-        nbytes = weigh()
+        nbytes = weigh(by_leaf=by_leaf)
         weights = ("fp8 (online)" if online else "fp8 (kept)") if paths else "float"
+    offloaded = 0
+    if cpu_offload_gb:  # the engine's own choice (runner/weight_offload.py) on the same per-leaf bytes
+        from deepinfer_jax.runner.weight_offload import check_budget, choose
+
+        if not parallel.is_single_device:
+            raise ValueError("cpu_offload_gb is not supported with tensor, data or expert parallelism yet "
+                             "(--tensor-parallel-size / --data-parallel-size above 1)")
+        offloaded = sum(by_leaf[p] for p in choose(by_leaf.items(), check_budget(cpu_offload_gb, nbytes)))
+    nbytes -= offloaded
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
     per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
     stage_bytes: tuple[int, ...] = ()
@@ -323,6 +361,11 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         stage_bytes = tuple(weigh(st) for st in stages)
         nbytes = max(stage_bytes)
         per_token = per_token * max(st.num_layers for st in stages) // cfg.num_hidden_layers
+    host_tier_tokens = 0
+    if kv_offloading_size:
+        from deepinfer_jax.runner.kv_transfer import host_tier_blocks
+
+        host_tier_tokens = host_tier_blocks(cfg, PAGE_SIZE, kv_dtype, kv_offloading_size) * PAGE_SIZE
     max_len = max_model_len or min(cfg.max_position_embeddings, 4096)
     if memory is None and gpu_memory_gib is not None:
         memory = given_memory(gpu_memory_gib)
@@ -347,7 +390,8 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
                       enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
                       kv_groups=groups, pipeline_parallel_size=pipeline_parallel_size,
-                      stage_weight_bytes=stage_bytes)
+                      stage_weight_bytes=stage_bytes, offloaded_weight_bytes=offloaded,
+                      kv_host_tier_bytes=host_tier_tokens * per_token, kv_host_tier_tokens=host_tier_tokens)
 
 
 def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tuple[dict, ...], int | None, int]:
@@ -401,6 +445,8 @@ def main(argv: list[str]) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256, help="DeepSeek-V4: sequences its windowed pools hold")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="DeepSeek-V4: a step's tokens its windowed pools hold (default max(2048, --max-num-seqs))")
+    p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="GiB of weights in host memory")
+    p.add_argument("--kv-offloading-size", type=float, default=0.0, help="GiB of host memory for the KV host tier")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     try:
@@ -410,7 +456,8 @@ def main(argv: list[str]) -> int:
                       dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype,
                       gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
                       max_model_len=ns.max_model_len, page_size=ns.page_size, max_num_seqs=ns.max_num_seqs,
-                      max_num_batched_tokens=ns.max_num_batched_tokens)
+                      max_num_batched_tokens=ns.max_num_batched_tokens, cpu_offload_gb=ns.cpu_offload_gb,
+                      kv_offloading_size=ns.kv_offloading_size)
     except (ValueError, OSError) as e:
         print(f"deepinfer plan: error: {e}", file=sys.stderr)
         return 2

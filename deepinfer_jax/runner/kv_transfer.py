@@ -1,21 +1,34 @@
 """Page copies between the device KV cache and the host tier's pages (scheduler/host_tier.py).
 
-The host tier's pages are one numpy array, `storage` [num_host_blocks, L, page_size, D] in the cache's dtype
-(a block's page is contiguous there). `apply(kv_cache, transfers)` runs before a step's program, in this order:
-1. finish the saves of earlier batches: their gathered pages are copied into `storage` (they were dispatched a
-   step ago with an asynchronous device-to-host copy, so this rarely waits);
-2. read the loads' pages out of `storage` (a host-side copy, so a save landing later cannot change them);
-3. gather the saves' pages on the device (one program; the KV cache is only read) and start their copy to the
-   host without waiting;
-4. put the loads' pages on the device (asynchronous) and scatter them into the cache (one program, the cache
-   donated), after the gather in dispatch order, so a page saved and reused in the same batch is read first.
-Nothing here waits for the device except step 1's copies of a batch already in flight. Copy counts are padded
-to powers of two (padding rows read or write the null page 0, garbage by design), so the gather and scatter
-compile once per size class, on first use.
+The host tier's pages are one array `storage` [num_host_blocks, L, page_size, D] in the cache's dtype (a block's
+page is contiguous there). Two kinds of pool:
+
+- Pinned (`pinned`): a JAX array in the device's "pinned_host" memory, where the backend has it and its programs
+  compile (checked once, `_pinned_programs`); the copies are DMA from and to page-locked memory, and nothing on
+  the host touches the pages. `apply(kv_cache, transfers)` queues three programs, in this order: the loads' pages
+  read out of `storage` onto the device (`_fetch`: a dynamic slice of host memory a page, each copied to the
+  device), so a save later in the batch cannot change them; the saves' pages gathered on the device and written
+  into `storage` (`_save`: each page copied to host memory and updated in place there, `storage` donated); the
+  loaded pages scattered into the cache (the cache donated), after the gather in dispatch order, so a page
+  saved and reused in the same batch is read first. The host waits for none of them.
+- Pageable (elsewhere: a sharded cache, or a backend without pinned host memory): a numpy array, and `apply` runs
+  1. finish the saves of earlier batches: their gathered pages are copied into `storage` (they were dispatched a
+     step ago with an asynchronous device-to-host copy, so this rarely waits);
+  2. read the loads' pages out of `storage` (a host-side copy, so a save landing later cannot change them);
+  3. gather the saves' pages on the device (one program; the KV cache is only read) and start their copy to the
+     host without waiting;
+  4. put the loads' pages on the device (asynchronous) and scatter them into the cache (one program, the cache
+     donated), after the gather in dispatch order.
+  Nothing here waits for the device except step 1's copies of a batch already in flight.
+
+Copy counts are padded to powers of two, so each program compiles once per size class, on first use. Padding
+rows repeat the batch's first copy in the pinned pool (the same page written twice with the same bytes), and in
+the pageable one read or write the null page 0 (garbage by design).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import jax
@@ -23,6 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.models.cache import NULL_PAGE, kv_cache_bytes_per_page
+
+log = logging.getLogger(__name__)
+HOST_KIND = "pinned_host"
 
 
 def _pow2(n: int) -> int:
@@ -37,13 +53,51 @@ def _scatter(kv, ids, pages):  # pages [n, L, ps, D] -> kv with kv[:, ids[i]] = 
     return kv.at[:, ids].set(jnp.moveaxis(pages, 0, 1).astype(kv.dtype))
 
 
+def _fetch(storage, ids):  # storage [N, L, ps, D] in host memory, ids [n] -> its pages [n, L, ps, D] on the device
+    return jnp.concatenate([jax.device_put(jax.lax.dynamic_slice_in_dim(storage, ids[i], 1, 0), jax.memory.Space.Device)
+                            for i in range(ids.shape[0])])
+
+
+def _save(storage, ids, pages):  # pages [n, L, ps, D] on the device -> storage with storage[ids[i]] = pages[i]
+    for i in range(ids.shape[0]):
+        row = jax.device_put(pages[i:i + 1], jax.memory.Space.Host)
+        storage = jax.lax.dynamic_update_slice_in_dim(storage, row, ids[i], 0)
+    return storage
+
+
+def _pinned_programs(kv_cache: Any, num_host_blocks: int):
+    """(storage zeroed in pinned host memory, fetch, save) for a cache on one device whose backend has pinned host
+    memory and compiles the two programs (tried on one page); None otherwise (the pool is then pageable)."""
+    devices = list(kv_cache.sharding.device_set)
+    if len(devices) != 1 or HOST_KIND not in [m.kind for m in devices[0].addressable_memories()]:
+        return None
+    host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind=HOST_KIND)
+    L, _, ps, D = kv_cache.shape
+    fetch = jax.jit(_fetch)
+    save = jax.jit(_save, donate_argnums=0, out_shardings=host)
+    try:
+        storage = jax.device_put(np.zeros((num_host_blocks, L, ps, D), np.dtype(kv_cache.dtype)), host)
+        one = np.zeros((1,), np.int32)
+        fetch.lower(storage, one).compile()
+        save.lower(storage, one, jax.ShapeDtypeStruct((1, L, ps, D), kv_cache.dtype)).compile()
+    except Exception as e:  # noqa: BLE001 - a backend whose compiler lacks these host-memory copies
+        log.warning("KV host tier: pageable host memory (pinned host memory unavailable: %s)", str(e)[:200])
+        return None
+    return storage, fetch, save
+
+
 class KVTransfer:
     """The host tier's page storage and the programs that copy pages in and out of the device cache."""
 
     def __init__(self, kv_cache: Any, num_host_blocks: int) -> None:
         L, _, ps, D = kv_cache.shape
         self.page_bytes = L * ps * D * kv_cache.dtype.itemsize
-        self.storage = np.zeros((num_host_blocks, L, ps, D), dtype=np.dtype(kv_cache.dtype))
+        pinned = _pinned_programs(kv_cache, num_host_blocks)
+        self.pinned = pinned is not None
+        if pinned is not None:
+            self.storage, self._fetch, self._save = pinned
+        else:
+            self.storage = np.zeros((num_host_blocks, L, ps, D), dtype=np.dtype(kv_cache.dtype))
         self._gather = jax.jit(_gather)
         self._scatter = jax.jit(_scatter, donate_argnums=0)
         self._inflight: list[tuple[np.ndarray, Any]] = []  # (host blocks, gathered pages) not yet in storage
@@ -51,13 +105,15 @@ class KVTransfer:
         self.bytes_to_device = 0
 
     def flush(self) -> None:
-        """Land every save in flight in `storage` (waits for their copies)."""
+        """Land every save in flight in `storage` (waits for their copies; the pageable pool's)."""
         for host_ids, pages in self._inflight:
             self.storage[host_ids] = np.asarray(pages)[: len(host_ids)]
         self._inflight.clear()
 
     def apply(self, kv_cache: Any, transfers) -> Any:
         """Queue one step's copies (scheduler/host_tier.py KVTransfers); returns the new KV cache."""
+        if self.pinned:
+            return self._apply_pinned(kv_cache, transfers)
         self.flush()
         loads = None
         if transfers.loads:
@@ -84,6 +140,32 @@ class KVTransfer:
                 pages = jax.device_put(pages, devices[0])
             kv_cache = self._scatter(kv_cache, dev_ids, pages)
         return kv_cache
+
+
+    def _apply_pinned(self, kv_cache: Any, transfers) -> Any:
+        """`apply` on the pinned pool (module doc): fetch the loads, save the saves, scatter the loads."""
+        pages = None
+        if transfers.loads:
+            host_ids, dev_ids = _padded(transfers.loads)
+            pages = self._fetch(self.storage, host_ids)
+            self.bytes_to_device += len(transfers.loads) * self.page_bytes
+        if transfers.saves:
+            src, dst = _padded(transfers.saves)
+            self.storage = self._save(self.storage, dst, self._gather(kv_cache, src))
+            self.bytes_to_host += len(transfers.saves) * self.page_bytes
+        if pages is not None:
+            kv_cache = self._scatter(kv_cache, dev_ids, pages)
+        return kv_cache
+
+
+def _padded(pairs) -> tuple[np.ndarray, np.ndarray]:
+    """(a, b) pairs -> two int32 arrays of a power-of-two length, padded with the first pair."""
+    n = _pow2(len(pairs))
+    a = np.full((n,), pairs[0][0], np.int32)
+    b = np.full((n,), pairs[0][1], np.int32)
+    a[: len(pairs)] = [x for x, _ in pairs]
+    b[: len(pairs)] = [y for _, y in pairs]
+    return a, b
 
 
 def host_tier_blocks(cfg, page_size: int, dtype, gib: float) -> int:

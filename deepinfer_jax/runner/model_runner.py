@@ -53,6 +53,7 @@ from deepinfer_jax.runner.packing import sizes
 from deepinfer_jax.runner.prompt_scoring import PromptScorer
 from deepinfer_jax.runner.step_io import StepOut, StepResult, extract_results, packed, step_result
 from deepinfer_jax.runner.step_programs import StepPrograms
+from deepinfer_jax.runner.weight_offload import host_bytes
 from deepinfer_jax.sharding.data_parallel import merge_rank_steps
 from deepinfer_jax.weights.pending import PendingParams
 
@@ -124,14 +125,17 @@ class ModelRunner:
         """Device memory in bytes, for /metrics: the weights, the KV cache, and (where the backend reports them,
         runner/device_memory.py) the allocator's limit and bytes in use, summed over this runner's devices;
         plus the platform and device kind, and with a host tier its bytes and the bytes copied each way."""
-        weights = None  # still loading (weights/pending.py)
-        if self._pending is None:
-            weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes"))
+        weights = host = None  # still loading (weights/pending.py)
+        if self._pending is None:  # weights in host memory (runner/weight_offload.py) apart
+            host = host_bytes(self.params)
+            weights = sum(int(x.nbytes) for x in jax.tree_util.tree_leaves(self.params) if hasattr(x, "nbytes")) - host
         caches = jax.tree_util.tree_leaves(self.kv_cache)  # one array, or one per pool of a per-group cache
         devices = list(caches[0].sharding.device_set)
         out: dict[str, Any] = {"weights": weights, "kv_cache": sum(int(c.nbytes) for c in caches),
                                "platform": devices[0].platform, "device_kind": devices[0].device_kind,
                                "num_devices": len(devices), "limit": None, "in_use": None}
+        if host:
+            out["weights_host"] = host
         if self.kv_transfer is not None:  # the host tier: its pages' bytes, and the bytes copied each way so far
             t = self.kv_transfer
             out.update(kv_offload=int(t.storage.nbytes), kv_offload_to_host=t.bytes_to_host,

@@ -25,6 +25,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek import forward
+from deepinfer_jax.runner.weight_offload import to_device
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class PromptScorer:
             cfg, k, moe_impl = self.cfg, self.k, self.moe_impl
 
             def score(params, token_ids, length):  # token_ids [1, bucket] int32, length: int32 scalar
+                params = to_device(params)  # weights in host memory (--cpu-offload-gb)
                 valid = jnp.arange(bucket) < length
                 logits = forward(params, cfg, token_ids, moe_impl=moe_impl, attention_mask=valid[None])[0]
                 logp = jax.nn.log_softmax(logits[:-1], axis=-1)  # [bucket - 1, V]: position i predicts i + 1

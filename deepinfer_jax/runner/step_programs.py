@@ -28,6 +28,7 @@ from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import Resident, meta_struct, resolve_placeholders, split_inbox
+from deepinfer_jax.runner.weight_offload import to_device
 from deepinfer_jax.sampling import sample
 
 
@@ -172,6 +173,7 @@ class StepPrograms:
             cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
+                params = to_device(params)  # weights in host memory (--cpu-offload-gb) copied in; others as they are
                 meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])

@@ -151,6 +151,9 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--kv-offloading-size", type=nonnegative_float, default=0.0, metavar="GIB",
                    help="GiB of host memory for the KV cache's host tier: prefix-cache pages leaving device memory "
                         "are kept there and copied back on a hit (needs prefix caching; 0: off; docs/kv-tier.md)")
+    g.add_argument("--cpu-offload-gb", type=nonnegative_float, default=0.0, metavar="GIB",
+                   help="GiB of weights kept in host memory and copied to the device by each step (routed experts "
+                        "first, deepest layers first; one device; 0: off; docs/offload.md)")
     g.add_argument("--tensor-parallel-size", "-tp", type=positive_int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1)
     g.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="experts sharded over TP x DP")
@@ -338,7 +341,8 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         pc = (ns.tensor_parallel_size, ns.data_parallel_size, ns.enable_expert_parallel, ns.pipeline_parallel_size)
         try:
             problem = fit_problem(model_dir, pc, resolve_dtype(ns.dtype, model_dir), ns.quantization,
-                                  ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"))
+                                  ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"),
+                                  cpu_offload_gb=ns.cpu_offload_gb)
         except ValueError as e:
             problem = str(e)
         if problem:
@@ -386,7 +390,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
         gpu_memory=ns.gpu_memory,
         gpu_memory_utilization=ns.gpu_memory_utilization, enable_prefix_caching=ns.enable_prefix_caching,
-        kv_offloading_size=ns.kv_offloading_size,
+        kv_offloading_size=ns.kv_offloading_size, cpu_offload_gb=ns.cpu_offload_gb,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, pipeline_parallel_size=ns.pipeline_parallel_size,
         num_pages=ns.num_pages,

@@ -20,6 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
+--cpu-offload-gb
 --nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size
 """.split())
 
@@ -101,8 +102,9 @@ _R = {  # refused, by reason: {what to do: flags}
         "--dbo-prefill-token-threshold --ubatch-size --enable-eplb --eplb-config --enable-elastic-ep "
         "--expert-placement-strategy --enable-ep-weight-filter",
     "the KV cache is sized by --gpu-memory-utilization or --num-pages, with a host tier from "
-    "--kv-offloading-size (its own, native backend); weights stay on the devices, and there is no KV transfer "
-    "or sharing": "--kv-cache-memory-bytes --cpu-offload-gb --cpu-offload-params --offload-backend "
+    "--kv-offloading-size (its own, native backend); weights go to host memory by --cpu-offload-gb alone (routed "
+    "experts first, docs/offload.md), and there is no KV transfer or sharing":
+        "--kv-cache-memory-bytes --cpu-offload-params --offload-backend "
         "--offload-group-size --offload-num-in-group --offload-params --offload-prefetch-step --kv-offloading-backend "
         "--kv-transfer-config --kv-events-config --ec-transfer-config --kv-sharing-fast-prefill "
         "--calculate-kv-scales --enable-sleep-mode --enable-cumem-allocator --weight-transfer-config",

@@ -25,6 +25,8 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import is_spec, spec_dtype
 from deepinfer_jax.models.registry import param_specs
 
+HOST_MEMORY = ("pinned_host", "unpinned_host")  # memory kinds of a device's host memory
+
 
 def fits(abstract: jax.ShapeDtypeStruct, x: Any) -> bool:
     """Whether array `x` is what a program compiled for `abstract` takes: its shape, dtype and placement (an
@@ -42,9 +44,11 @@ class PendingParams:
         self._future: Future | None = None
 
     def bytes_on(self, device: Any) -> int:
-        """Bytes the arrays will take on `device` (its shards of them)."""
+        """Bytes the arrays will take on `device` (its shards of them; leaves placed in its host memory,
+        runner/weight_offload.py, take none)."""
         return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * jnp.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(self.abstract) if device in x.sharding.device_set)
+                   for x in jax.tree.leaves(self.abstract)
+                   if device in x.sharding.device_set and x.sharding.memory_kind not in HOST_MEMORY)
 
     def start(self) -> None:
         """Start loading on a thread of its own (a second call does nothing)."""

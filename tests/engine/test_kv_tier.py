@@ -81,29 +81,38 @@ def test_host_tier_needs_prefix_caching():
         CacheConfig(kv_offloading_size=-1.0)
 
 
-def test_kv_transfer_copies_pages_exactly():
-    """runner/kv_transfer.py on a small cache: saves land in the host storage a batch later, loads write the device
-    pages, and a device page saved and loaded over in the same batch is saved with its old contents."""
+@pytest.mark.parametrize("pool", ["pinned", "pageable"])
+def test_kv_transfer_copies_pages_exactly(pool, monkeypatch):
+    """runner/kv_transfer.py on a small cache, with the pool in pinned host memory and in a numpy array: loads write
+    the device pages; a device page saved and loaded over in the same batch is saved with its old contents, and a
+    host block loaded and saved over in the same batch is loaded with its old contents."""
     import jax.numpy as jnp
     import numpy as np
 
-    from deepinfer_jax.runner.kv_transfer import KVTransfer
+    from deepinfer_jax.runner import kv_transfer
     from deepinfer_jax.scheduler.host_tier import KVTransfers
 
+    if pool == "pageable":
+        monkeypatch.setattr(kv_transfer, "_pinned_programs", lambda kv, n: None)
     L, P, D = 2, 6, 3
     kv = jnp.arange(L * P * PAGE * D, dtype=jnp.float32).reshape(L, P, PAGE, D)
     ref = np.array(kv)
-    t = KVTransfer(kv, num_host_blocks=4)
+    t = kv_transfer.KVTransfer(kv, num_host_blocks=4)
+    assert t.pinned == (pool == "pinned")
+    if t.pinned:
+        assert t.storage.sharding.memory_kind == "pinned_host"
     kv = t.apply(kv, KVTransfers(saves=[(2, 3), (5, 0), (1, 1)]))
-    assert not t.storage.any()  # still in flight
-    kv = t.apply(kv, KVTransfers(saves=[(4, 2)], loads=[(3, 4), (0, 3)]))  # page 4 saved, then overwritten
-    for host, dev in [(3, 2), (0, 5), (1, 1)]:
-        np.testing.assert_array_equal(t.storage[host], ref[:, dev])
+    if not t.pinned:
+        assert not t.storage.any()  # still in flight
+    # page 4 saved to host block 3 and overwritten by it: each read before it is written
+    kv = t.apply(kv, KVTransfers(saves=[(4, 3)], loads=[(3, 4), (0, 3)]))
+    t.flush()
+    storage = np.asarray(t.storage)
+    for host, dev in [(3, 4), (0, 5), (1, 1)]:
+        np.testing.assert_array_equal(storage[host], ref[:, dev])
     out = np.array(kv)
     np.testing.assert_array_equal(out[:, 4], ref[:, 2])
     np.testing.assert_array_equal(out[:, 3], ref[:, 5])
     for p in (1, 2, 5):
         np.testing.assert_array_equal(out[:, p], ref[:, p])
-    t.flush()
-    np.testing.assert_array_equal(t.storage[2], ref[:, 4])
     assert t.bytes_to_host == 4 * t.page_bytes and t.bytes_to_device == 2 * t.page_bytes

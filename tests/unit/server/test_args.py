@@ -240,3 +240,15 @@ def test_pipeline_parallel_size_flag_and_yaml(model_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _kw(["--model", large, "--pipeline-parallel-size", "0"])
     assert "--pipeline-parallel-size" in capsys.readouterr().err
+
+
+def test_cpu_offload_gb(model_dirs, tmp_path, capsys):
+    _, large = model_dirs
+    assert _kw(["--model", large])[0]["cpu_offload_gb"] == 0.0
+    assert _kw(["--model", large, "--cpu-offload-gb", "1.5"])[0]["cpu_offload_gb"] == 1.5
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\ncpu_offload_gb: 3\n")
+    assert _kw(["--config", str(f)])[0]["cpu_offload_gb"] == 3.0
+    with pytest.raises(SystemExit):
+        _kw(["--model", large, "--cpu-offload-gb", "-1"])
+    assert "--cpu-offload-gb" in capsys.readouterr().err

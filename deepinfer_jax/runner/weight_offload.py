@@ -1,0 +1,175 @@
+"""Weights in host memory (vLLM's `--cpu-offload-gb`): chosen param leaves live in pinned host memory and every
+program that reads the params copies them to the device inside the program.
+
+Which leaves (`choose`): a leaf is one weight of the param specs (models/params.py), a quantized weight's arrays
+(q and scale) together. Routed experts first, then every other weight; within each group the least-touched
+layers first: the MTP layers (read only with speculative decoding), then the layer segments from the deepest one
+up, then the embedding, final norm and LM head; within a segment the largest leaf first. Without routing
+statistics, depth stands for how rarely a weight is needed. Leaves are stacked per segment, so a segment's
+routed experts (gate_up, down) are two leaves: the granularity is a whole segment's weight. Each leaf in this
+order is taken while it fits in what is left of the budget, so the offloaded bytes never exceed it.
+`choose` is plain Python over (path, bytes): `deepinfer plan` (engine/plan.py) runs it on the specs' bytes and
+the engine on the loaded arrays' bytes, so both pick the same leaves.
+
+Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
+still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
+programs for it, and the load moves the chosen leaves once loaded. Inside a program `to_device` copies every
+leaf whose memory space is the host's to the device (`jax.device_put(x, jax.memory.Space.Device)`); XLA
+schedules the copies (asynchronous host-to-device copies on a GPU). A leaf on the device passes through
+unchanged, so without offload the programs are the same HLO as before.
+
+What the device still holds: an offloaded leaf is on the device only while a program reads it (a transient of
+the step, from its copy to its last use); between steps the device holds only the other leaves, so the KV cache
+is sized with the offloaded bytes free (runner/device_memory.py counts what is in use). Loading places each
+leaf on the device before moving it (the whole model must fit the device while it loads).
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import wait
+from typing import Any, Iterable
+
+import jax
+import numpy as np
+
+from deepinfer_jax.weights.pending import PendingParams
+
+log = logging.getLogger(__name__)
+HOST_KIND = "pinned_host"
+
+
+def _unit(x: Any) -> bool:
+    """A param leaf: an array, an abstract one, or a quantized weight (a pytree of q and scale)."""
+    return not isinstance(x, (dict, list, tuple))
+
+
+def _order(path: tuple, nbytes: int, num_segments: int) -> tuple:
+    experts = "experts" in path and "shared" not in path
+    if path and path[0] == "mtp":
+        depth = num_segments + (path[1] if len(path) > 1 and isinstance(path[1], int) else 0)
+    elif path and path[0] == "segments" and len(path) > 1 and isinstance(path[1], int):
+        depth = path[1]
+    else:
+        depth = -1  # embed, final_norm, lm_head: read by every token
+    return (not experts, -depth, -nbytes, tuple(map(str, path)))
+
+
+def choose(leaves: Iterable[tuple[tuple, int]], budget: int) -> list[tuple]:
+    """The paths of the leaves to offload: (path, bytes) pairs in the module doc's order, each taken while it fits
+    in what is left of `budget` bytes. Paths are tuples of dict keys and list indices."""
+    leaves = list(leaves)
+    num_segments = 1 + max((p[1] for p, _ in leaves if p[:1] == ("segments",) and len(p) > 1
+                            and isinstance(p[1], int)), default=0)
+    chosen, left = [], budget
+    for path, n in sorted(leaves, key=lambda pn: _order(pn[0], pn[1], num_segments)):
+        if 0 < n <= left:
+            chosen.append(path)
+            left -= n
+    return chosen
+
+
+def check_budget(gib: float, total: int) -> int:
+    """`cpu_offload_gb` GiB -> bytes; a ValueError when it exceeds the model's weights (`total` bytes)."""
+    budget = int(gib * 2**30)
+    if budget > total:
+        raise ValueError(f"cpu_offload_gb {gib:g} GiB exceeds the model's weights ({total / 2**30:.3f} GiB)")
+    return budget
+
+
+# ---- on the arrays ----------------------------------------------------------------------------------------------
+def path_key(path) -> tuple:
+    """A jax key path -> a tuple of dict keys and list indices (engine/plan.py's paths)."""
+    out = []
+    for k in path:
+        if isinstance(k, jax.tree_util.DictKey):
+            out.append(k.key)
+        elif isinstance(k, jax.tree_util.SequenceKey):
+            out.append(k.idx)
+        else:
+            out.append(str(k))
+    return tuple(out)
+
+
+def _nbytes(unit: Any) -> int:
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(unit))
+
+
+def param_leaves(params: Any) -> list[tuple[tuple, int]]:
+    """(path, bytes) of every param leaf (`_unit`) of a params tree (arrays or abstract)."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(params, is_leaf=_unit)
+    return [(path_key(p), _nbytes(u)) for p, u in flat if u is not None]
+
+
+def host_sharding(sharding: Any) -> Any:
+    return sharding.with_memory_kind(HOST_KIND)
+
+
+def check_backend() -> None:
+    """A ValueError unless the first device has pinned host memory."""
+    kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
+    if HOST_KIND not in kinds:
+        raise ValueError(f"cpu_offload_gb needs pinned host memory, which this backend lacks (its memories: {kinds})")
+
+
+def _map_chosen(params: Any, chosen: set, fn) -> Any:
+    def visit(path, unit):
+        return jax.tree.map(fn, unit) if path_key(path) in chosen else unit
+
+    return jax.tree_util.tree_map_with_path(visit, params, is_leaf=_unit)
+
+
+def place(params: Any, chosen: set) -> Any:
+    """The params with the `chosen` leaves' arrays moved to pinned host memory (the device copies dropped)."""
+    return _map_chosen(params, chosen, lambda x: jax.device_put(x, host_sharding(x.sharding)))
+
+
+def offload(params: Any, gib: float, sharding: Any = None) -> tuple[Any, int]:
+    """Offload up to `gib` GiB of `params` (arrays, or a weights/pending.py PendingParams) -> (params with the chosen
+    leaves in pinned host memory, or a `LoadFirst` announcing and doing so; the bytes offloaded). `gib` 0: the
+    params as given. ValueErrors for a sharded model (`sharding` not None), a budget larger than the weights and a
+    backend without pinned host memory."""
+    if not gib:
+        return params, 0
+    if sharding is not None:
+        raise ValueError("cpu_offload_gb is not supported with tensor, data or expert parallelism yet "
+                         "(--tensor-parallel-size / --data-parallel-size above 1)")
+    check_backend()
+    tree = params.abstract if isinstance(params, PendingParams) else params
+    leaves = param_leaves(tree)
+    budget = check_budget(gib, sum(n for _, n in leaves))
+    chosen = set(choose(leaves, budget))
+    nbytes = sum(n for p, n in leaves if p in chosen)
+    log.info("cpu_offload_gb %g: %d weight leaves, %.3f GiB, in pinned host memory", gib, len(chosen), nbytes / 2**30)
+    if not isinstance(params, PendingParams):
+        return place(params, chosen), nbytes
+    abstract = _map_chosen(params.abstract, chosen, lambda a: jax.ShapeDtypeStruct(
+        a.shape, a.dtype, sharding=host_sharding(a.sharding)))
+    load = params.load
+    return LoadFirst(abstract, lambda: place(load(), chosen)), nbytes
+
+
+class LoadFirst(PendingParams):
+    """Params whose load `start()` waits for: the load holds every leaf on the device until it moves the chosen ones
+    to the host, and the engine sizes the KV cache before it starts the load and makes the cache after, so the two
+    never take the device at once."""
+
+    def start(self) -> None:
+        super().start()
+        wait([self._future])  # its error, if any, is raised by result()
+
+
+def on_host(x: Any) -> bool:
+    """Whether array `x` (or a tracer of one) lives in host memory."""
+    return getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host
+
+
+def to_device(params: Any) -> Any:
+    """Inside a jitted program: the params with every leaf in host memory copied to the device (a no-op for the
+    others)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
+
+
+def host_bytes(params: Any) -> int:
+    """Bytes of the params' arrays in host memory."""
+    return sum(_nbytes(x) for x in jax.tree.leaves(params) if on_host(x))

@@ -1,0 +1,149 @@
+"""Weights in host memory (`cpu_offload_gb`, runner/weight_offload.py): greedy tokens equal HF transformers' (float)
+and the all-on-device engine's (INT8) with the routed experts in pinned host memory; the chosen leaves really
+there; the KV cache sized with them free, as `deepinfer plan` says; the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from hf_models import random_prompts
+from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config import CacheConfig
+from deepinfer_jax.engine.plan import plan
+from deepinfer_jax.runner.weight_offload import choose
+
+GIB = 2**30
+# one token bucket, no greedy or context variants: three programs an engine
+SMALL = dict(skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4, max_num_batched_tokens=64, page_size=8,
+             progress=False, token_buckets=(64,), greedy_variant=False, prefill_context_variant=False)
+
+
+def _experts_bytes(path, dtype) -> int:
+    """Bytes of the routed experts' leaves of the checkpoint at `path` (its announced params)."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.runner.weight_offload import param_leaves
+    from deepinfer_jax.weights.loader import prepare_model
+
+    abstract = prepare_model(path, jnp.dtype(dtype), progress=False)[1].abstract
+    return sum(n for p, n in param_leaves(abstract) if "experts" in p)
+
+
+def _memory_kinds(tree) -> set:
+    import jax
+
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree)}
+
+
+def test_choose_order():
+    """Routed experts first, the deepest layers first (MTP deepest), the largest first; never over the budget."""
+    leaves = [(("embed",), 50), (("segments", 0, "mlp", "down"), 10), (("segments", 1, "moe", "experts", "down"), 30),
+              (("segments", 1, "moe", "experts", "gate_up"), 60), (("segments", 2, "moe", "experts", "down"), 30),
+              (("mtp", 0, "layer", "moe", "experts", "down"), 5), (("segments", 2, "attn", "o_proj"), 8),
+              (("segments", 1, "moe", "shared", "down"), 4)]
+    assert choose(leaves, 94) == [("mtp", 0, "layer", "moe", "experts", "down"),
+                                  ("segments", 2, "moe", "experts", "down"),
+                                  ("segments", 1, "moe", "experts", "down"),  # gate_up (60) does not fit in the 59 left
+                                  ("segments", 2, "attn", "o_proj"), ("segments", 1, "moe", "shared", "down"),
+                                  ("segments", 0, "mlp", "down")]
+    assert choose(leaves, 4) == [("segments", 1, "moe", "shared", "down")]
+    assert choose(leaves, 0) == []
+
+
+@pytest.fixture(scope="module")
+def offloaded(hf_case):
+    """A float32 engine of the V3 case with its routed experts' bytes offloaded, on a device of 0.05 GiB."""
+    model, path = hf_case("v3_grouped_noaux")
+    gib = _experts_bytes(path, "float32") / GIB
+    llm = LLM(path, dtype="float32", cpu_offload_gb=gib, gpu_memory=0.05, **SMALL)
+    return model, path, gib, llm
+
+
+def test_offloaded_greedy_equals_hf(offloaded, hf_greedy):
+    model, path, gib, llm = offloaded
+    params = llm.engine.runner.params
+    experts = [seg["moe"]["experts"] for seg in params["segments"] if "moe" in seg]
+    assert experts and all(_memory_kinds(e) == {"pinned_host"} for e in experts)
+    others = [seg if "moe" not in seg else {**seg, "moe": {k: v for k, v in seg["moe"].items() if k != "experts"}}
+              for seg in params["segments"]]
+    assert _memory_kinds([others, params["embed"], params["lm_head"]]) == {"device"}
+    assert llm.engine.offloaded_weight_bytes == int(gib * GIB)
+    prompts = random_prompts(7, [5, 19, 33], model.config.vocab_size)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, 6)
+    # prompt logprobs (runner/prompt_scoring.py) read the offloaded params too
+    lp = llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=1, prompt_logprobs=0))
+    assert lp[0].prompt_logprobs is not None and len(lp[0].prompt_logprobs) == len(prompts[0])
+    assert llm.engine.runner.compiles_after_warmup == 0
+    report = llm.engine.memory_report()
+    assert report["weights_host"] == llm.engine.offloaded_weight_bytes
+
+
+def test_plan_counts_what_the_engine_offloads(offloaded):
+    """The KV cache grows by the offloaded bytes, exactly as `deepinfer plan` says; the host tier is counted."""
+    from deepinfer_jax.models.cache import kv_cache_bytes_per_page
+
+    _, path, gib, llm = offloaded
+    whole = plan(path, dtype="float32", gpu_memory_gib=0.05, max_model_len=128)
+    p = plan(path, dtype="float32", gpu_memory_gib=0.05, max_model_len=128, cpu_offload_gb=gib, kv_offloading_size=0.01)
+    assert p.offloaded_weight_bytes == llm.engine.offloaded_weight_bytes > 0
+    assert p.weight_bytes_per_device + p.offloaded_weight_bytes == whole.weight_bytes_per_device
+    assert p.kv_cache_bytes_per_device == whole.kv_cache_bytes_per_device + p.offloaded_weight_bytes
+    per_page = kv_cache_bytes_per_page(llm.model_config, 8, "float32")
+    assert llm.engine.runner.num_pages == p.kv_cache_bytes_per_device // per_page
+    assert p.kv_host_tier_tokens == (int(0.01 * GIB) // (per_page * 8)) * 64 and p.kv_host_tier_bytes > 0
+    text = "\n".join(p.lines())
+    assert "in host memory (--cpu-offload-gb)" in text and "KV host tier" in text
+
+
+def _greedy_reference(params, cfg, prompt, n):
+    """Greedy tokens of the dense forward (runner/prompt_scoring.py's program) on `params`, all on the device."""
+    from deepinfer_jax.runner.prompt_scoring import PromptScorer
+
+    scorer, ids = PromptScorer(cfg, 1, "ragged"), list(prompt)
+    for _ in range(n):  # position len(ids) - 1 predicts the next token (the appended 0 is only its target)
+        ids.append(int(scorer.score(params, ids + [0])[2][len(ids) - 1, 0]))
+    return ids[len(prompt):]
+
+
+def test_int8_offloaded_equals_on_device(hf_case, tmp_path_factory):
+    """INT8 leaves (q and scale) offloaded, the steps as one program each (no shared forward): the greedy tokens of
+    the model with every weight on the device."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.weights.convert import convert
+    from deepinfer_jax.weights.loader import load_model
+
+    model, src = hf_case("v3_grouped_noaux")
+    dst = str(tmp_path_factory.mktemp("int8") / "ckpt")
+    convert(src, dst, "float32", "int8", progress=False)
+    prompts = random_prompts(3, [6, 9], model.config.vocab_size)  # with 5 more tokens: one scoring bucket
+    llm = LLM(dst, cpu_offload_gb=_experts_bytes(dst, "float32") / GIB, prefill_shared_forward=False, **SMALL)
+    gate_up = [seg["moe"]["experts"]["gate_up"] for seg in llm.engine.runner.params["segments"] if "moe" in seg]
+    assert all(_memory_kinds(g) == {"pinned_host"} and g.q.dtype == np.int8 for g in gate_up)
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+    cfg, params = load_model(dst, jnp.float32, progress=False)
+    assert _memory_kinds(params) == {"device"}
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == _greedy_reference(params, cfg, p, 5)
+    assert llm.engine.runner.compiles_after_warmup == 0
+
+
+def test_refusals(hf_case):
+    from deepinfer_jax.runner.weight_offload import offload
+
+    _, path = hf_case("v3_grouped_noaux")
+    with pytest.raises(ValueError, match="cpu_offload_gb 1 GiB exceeds the model's weights"):
+        plan(path, dtype="float32", cpu_offload_gb=1.0)
+    with pytest.raises(ValueError, match="cpu_offload_gb is not supported with tensor"):
+        plan(path, dtype="float32", cpu_offload_gb=0.001, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="cpu_offload_gb is not supported with tensor"):
+        offload({}, 1.0, sharding=object())
+    with pytest.raises(ValueError, match="cpu_offload_gb must be >= 0"):
+        CacheConfig(cpu_offload_gb=-1.0)
+    with pytest.raises(ValueError, match="exceeds the model's weights"):
+        LLM(path, dtype="float32", cpu_offload_gb=1.0, **SMALL)
