@@ -13,6 +13,7 @@ progress bars go to stderr, the model's text alone to stdout.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import sys
 
@@ -115,9 +116,20 @@ def stream_one(llm, ids: list[int], prompt_text: str, params, printer: _Printer 
 
 
 def chat(ns) -> int:
+    llm = _load(ns)
+    try:
+        return _chat(ns, llm)
+    finally:
+        # The engine goes while the interpreter still runs: left to the exit's last collection, a native thread
+        # of the runtime is torn down mid-GC and the process aborts ("terminate called without an active
+        # exception", exit code 134) after a clean Ctrl-D.
+        del llm
+        gc.collect()
+
+
+def _chat(ns, llm) -> int:
     from deepinfer_jax.types import SamplingParams
 
-    llm = _load(ns)
     tok, eng = llm.tokenizer, llm.engine
     color = sys.stdout.isatty() and not ns.no_color
     params = SamplingParams(max_tokens=ns.max_tokens, temperature=ns.temperature, top_p=ns.top_p)

@@ -1,6 +1,6 @@
 """The `deepinfer` command as a user runs it (subprocesses): `serve` with no --model serves the embedded
 default model, takes a YAML config that flags override, and on SIGTERM stops accepting, finishes the
-stream in flight and exits 0; `generate`; `bench serve` against the live test server."""
+stream in flight and exits 0; `generate`; `chat` to end of input; `bench serve` against the live test server."""
 
 from __future__ import annotations
 
@@ -99,6 +99,16 @@ def test_generate_command(xla_cache_dir):
                                     *ENGINE_FLAGS), capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip()
+
+
+def test_chat_command_answers_and_leaves_cleanly(xla_cache_dir):
+    """`deepinfer chat` on the default model: an answer to the first line, then a clean exit at end of input
+    (exit code 0, not the runtime's abort at interpreter exit)."""
+    out = subprocess.run(_deepinfer("chat", "--max-tokens", "24", *ENGINE_FLAGS), input="Hello!\n",
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "terminate called" not in out.stderr
+    assert out.stdout.split(">>>")[1].strip(), out.stdout
 
 
 def test_bench_serve_against_live_server(server):
