@@ -10,7 +10,7 @@ from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "deepseek_mtp", "draft_model")
 # The methods this engine runs; the others are refused at start, naming the method.
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram",)
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "deepseek_mtp")
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,11 @@ class SpecDecodeStats:
 
 
 def propose(engine) -> None:
-    """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
+    """Drafts for every running request that decodes next (one token to compute) and has no grammar: the MTP's
+    from the last step (engine/spec_mtp.py), or n-gram prompt lookup."""
     spec = engine.spec
+    if spec.method == "deepseek_mtp":
+        return engine.mtp_proposer.propose(engine)
     k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
     for req in engine.scheduler.running:
         if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
@@ -65,6 +68,8 @@ def speculative_step(engine) -> list[RequestOutput]:
             for i in range(len(tokens) - 1):
                 stats.num_accepted_tokens_per_pos[i] += 1
     updates = engine.scheduler.update_from_output(plan, result.spec_token_ids)
+    if engine.spec.method == "deepseek_mtp":
+        engine.mtp_proposer.record(engine, plan, result)
     fetched = []
     for req, tokens, _ in updates:
         pid = engine._child_parent.get(req.request_id)

@@ -57,6 +57,9 @@ class StepMetadata:
         has cached tokens before its first one here (a later chunk, a prefix-cache hit, a decode), as the
         host knows it; None: not given, and a prefill-bucket step decides on the device
         (models/deepseek.py attend_split). False is exact: no token of the step may see a cached key.
+    next_token_ids [S] or None: with MTP speculation only (models/mtp.py mtp_propose), per sequence row the token
+        after its last slot where the host knows it (a prefill chunk that does not sample), -1 where the row
+        samples it, -2 for a padding row.
     """
 
     token_ids: jax.Array
@@ -66,3 +69,4 @@ class StepMetadata:
     page_table: jax.Array
     logits_indices: jax.Array
     has_context: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
+    next_token_ids: jax.Array | None = None

@@ -77,6 +77,9 @@ class Shapes:
     # Speculative decoding: 1 + K, the positions each sequence row samples (its K drafts verified and a bonus);
     # 1 without speculation. Every step then has seq_rows * spec_width sampling rows (one layout a bucket).
     spec_width: int = 1
+    # `deepseek_mtp` speculation: K, the drafts the MTP layer proposes on the device each step (runner/spec_mtp.py);
+    # 0 otherwise.
+    mtp_drafts: int = 0
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:
