@@ -35,7 +35,8 @@ def mtp_forward(
     j: int = 0,
     moe_impl: str = "ragged",
     attention_mask: jax.Array | None = None,  # [B, S] bool, False for padding
-) -> jax.Array:  # [B, S, V] fp32: logits of the token at i+2
+    return_hidden: bool = False,
+):  # [B, S, V] fp32: logits of the token at i+2; with return_hidden also h'' [B, S, D] (the chained MTP's input)
     mp = params["mtp"][j]
     B, S = next_ids.shape
     eps = cfg.rms_norm_eps
@@ -45,7 +46,8 @@ def mtp_forward(
     cos, sin, mask = sequence_inputs(cfg, B, S, attention_mask)
     kind = "moe" if cfg.n_routed_experts else "dense"
     h = decoder_layer(mp["layer"], cfg, kind, h, cos, sin, mask, mla.attend_expanded, moe_impl)
-    return linear(rms_norm(h, mp["shared_head_norm"], eps), params["lm_head"]).astype(jnp.float32)
+    logits = linear(rms_norm(h, mp["shared_head_norm"], eps), params["lm_head"])[..., : cfg.vocab_size]
+    return (logits.astype(jnp.float32), h) if return_hidden else logits.astype(jnp.float32)
 
 
 # ---- the paged MTP of speculative decoding (docs/speculative.md, `deepseek_mtp`) -------------------------------
@@ -112,19 +114,25 @@ def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepM
     nxt = nxt.at[jnp.where(host_next >= -1, last_slot, T)].set(emitted, mode="drop")
     h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, meta, hidden, nxt, attn_impl=attn_impl, moe_impl=moe_impl)
     h = h[last_slot]  # [S, D]
-    drafts = [jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)]
+    first = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)  # [S]
+    if num_drafts == 1:
+        return first[:, None], kv_cache
     base = meta.positions[last_slot]  # [S] p_r
     live = host_next == -1  # rows that sample: the others' drafts are never used
-    for k in range(1, num_drafts):
+
+    def chained(carry, k):  # pass k + 1: position p_r + k (one compiled body for passes 2..K)
+        h, kv_cache, prev = carry
         pos = base + k
         ok = live & (pos < P * ps)
         pos = jnp.where(ok, pos, base)
         page = jnp.take_along_axis(meta.page_table, (pos // ps)[:, None], axis=1)[:, 0]
         slot = jnp.where(ok, page * ps + pos % ps, NULL_PAGE * ps + pos % ps)
-        step = StepMetadata(token_ids=drafts[-1], positions=pos, seq_ids=jnp.arange(S, dtype=jnp.int32),
+        step = StepMetadata(token_ids=prev, positions=pos, seq_ids=jnp.arange(S, dtype=jnp.int32),
                             slot_mapping=slot, page_table=meta.page_table,
                             logits_indices=jnp.arange(S, dtype=jnp.int32))
-        h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, step, h, drafts[-1], attn_impl=attn_impl,
-                                      moe_impl=moe_impl)
-        drafts.append(jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32))
-    return jnp.stack(drafts, axis=1), kv_cache
+        h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, step, h, prev, attn_impl=attn_impl, moe_impl=moe_impl)
+        d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+        return (h, kv_cache, d), d
+
+    (_, kv_cache, _), rest = jax.lax.scan(chained, (h, kv_cache, first), jnp.arange(1, num_drafts, dtype=jnp.int32))
+    return jnp.concatenate([first[:, None], rest.T], axis=1), kv_cache
