@@ -24,15 +24,15 @@ from deepinfer_jax.models.mtp import mtp_forward
 K = 3
 DEFAULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "deepinfer_jax",
                        "assets", "default-model")
-ARGS = dict(dtype="float32", max_model_len=512, max_num_seqs=8, max_num_batched_tokens=64, page_size=8,
-            progress=False, token_buckets=(16, 64))
+ARGS = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=32, page_size=8,
+            progress=False, token_buckets=(32,))
 L = 160  # the dense references' padded length
 
 
 @pytest.fixture(scope="module")
 def llm():
-    # 48 pages of 8 tokens: the prompts of the greedy test cannot all run at once, so requests get preempted
-    return LLM(DEFAULT, num_pages=48, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
+    # 40 pages of 8 tokens: the prompts of the greedy test cannot all run at once, so requests get preempted
+    return LLM(DEFAULT, num_pages=40, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
                **ARGS)
 
 
@@ -75,10 +75,10 @@ def _prompts():
 
 def test_greedy_output_is_that_without_speculation(llm):
     prompts = _prompts()
-    want = _greedy_reference(llm, prompts, 24)
+    want = _greedy_reference(llm, prompts, 16)
     eng = llm.engine
     before = eng.scheduler.num_preemptions, eng.scheduler.kv_cache_manager.prefix_cache_hits
-    got = _gen(llm, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = _gen(llm, prompts, temperature=0.0, max_tokens=16, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in got] == want
     assert eng.scheduler.num_preemptions > before[0] and eng.scheduler.kv_cache_manager.prefix_cache_hits > before[1]
     stats = eng.spec_stats
@@ -100,7 +100,7 @@ def _check_drafts(llm, ids, drafts):
     pad = np.zeros(L, np.int32)
     pad[: n - 1] = ids[:-1]
     _, hidden = target(p, jnp.asarray(pad[None]))
-    hidden = np.asarray(hidden[0])  # [L, D]
+    hidden = np.array(hidden[0])  # [L, D], writable
     nxt = np.zeros(L, np.int32)
     nxt[: n - 1] = ids[1:]
     for k, d in enumerate(drafts):
@@ -181,13 +181,15 @@ def test_hf_checkpoint_with_mtp_weights_and_refusal_without(tmp_path_factory, hf
     model = build_hf_model("v3_grouped_noaux", num_nextn_predict_layers=1)
     absent = save_hf_model(model, str(tmp_path_factory.mktemp("mtp_absent")))  # transformers drops MTP weights
     with pytest.raises(ValueError, match="'deepseek_mtp' needs a checkpoint with MTP weights"):
-        LLM(absent, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2}, skip_tokenizer_init=True,
+        LLM(absent, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, skip_tokenizer_init=True,
             **ARGS)
     present = _with_mtp_weights(absent, str(tmp_path_factory.mktemp("mtp_present")))
-    spec = LLM(present, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2},
-               skip_tokenizer_init=True, **{**ARGS, "max_num_seqs": 4})
+    # K = 1: the MTP's first pass alone (no chained passes); one bucket of 16 tokens
+    spec = LLM(present, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1},
+               skip_tokenizer_init=True, **{**ARGS, "max_num_seqs": 4, "max_num_batched_tokens": 16,
+                                            "token_buckets": (16,)})
     assert spec.engine.cfg.has_mtp and spec.engine.runner.kv_cache.shape[0] == spec.engine.cfg.num_hidden_layers + 1
-    prompts = random_prompts(12, [7, 70, 19], 320)
+    prompts = random_prompts(12, [7, 40, 19], 320)
     got = _gen(spec, prompts, temperature=0.0, max_tokens=10, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in got] == [hf_greedy(model, p, 10) for p in prompts]
     assert spec.engine.spec_stats.num_draft_tokens > 0 and spec.engine.runner.compiles_after_warmup == 0
