@@ -47,8 +47,7 @@ from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, Schedul
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
-from deepinfer_jax.engine.spec_mtp import MTPProposer, pages_with_mtp
-from deepinfer_jax.engine.speculative import SpecDecodeStats, speculative_step
+from deepinfer_jax.engine.speculative import spec_shapes, spec_state, speculative_step
 from deepinfer_jax.runner.model_runner import ModelRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.scheduler import Scheduler
@@ -116,9 +115,7 @@ class LLMEngine:
             self.spec.check_supported()
             if sharding is not None:
                 raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
-        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec is not None else None
-        mtp = self.spec is not None and self.spec.method == "deepseek_mtp"
-        self.mtp_proposer = MTPProposer() if mtp else None  # engine/spec_mtp.py
+        self.spec_stats, self.mtp_proposer = spec_state(self.spec)  # counters; `deepseek_mtp`'s drafts (or None)
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
         ps = cache_config.page_size
@@ -143,9 +140,8 @@ class LLMEngine:
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
                     num_pages, how = agreed, f"{agreed} pages (the fewest of the hosts; this one fits {num_pages})"
-            if mtp and num_pages != fallback:  # the MTP's latents: one more layer in the same bytes
-                num_pages = pages_with_mtp(cfg, num_pages)
-                how += f"; {num_pages} with the MTP layer's KV"
+            if self.mtp_proposer and num_pages != fallback:  # sized from memory: the MTP's KV is one more layer
+                num_pages, how = self.mtp_proposer.pages(cfg, num_pages, how)
         else:
             how = f"{num_pages} pages (set explicitly)"
         if pending is not None:
@@ -166,8 +162,7 @@ class LLMEngine:
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
                              mask_words=mask_words(cfg.vocab_size), max_logit_bias=MAX_LOGIT_BIAS,
-                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0),
-                             mtp_drafts=self.spec.num_speculative_tokens if mtp else 0)
+                             **spec_shapes(self.spec))
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 

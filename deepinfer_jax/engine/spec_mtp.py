@@ -34,8 +34,10 @@ class MTPProposer:
         if len(self._drafts) > 2 * len(requests) + 16:
             self._drafts = {rid: v for rid, v in self._drafts.items() if rid in requests}
 
+    @staticmethod
+    def pages(cfg, num_pages: int, how: str) -> tuple[int, str]:
+        """Pages of a cache sized from memory for the target's L layers -> those that fit the same bytes with the
+        MTP layer's latents as one more layer (L + 1), and the KV cache's log line `how` saying so."""
+        n = max(2, num_pages * cfg.num_hidden_layers // (cfg.num_hidden_layers + 1))
+        return n, f"{how}; {n} with the MTP layer's KV"
 
-def pages_with_mtp(cfg, num_pages: int) -> int:
-    """Pages of a cache sized for the target's L layers -> those that fit the same bytes with the MTP layer's
-    latents as one more layer (L + 1)."""
-    return max(2, num_pages * cfg.num_hidden_layers // (cfg.num_hidden_layers + 1))

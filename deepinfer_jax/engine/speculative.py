@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer_jax.engine.spec_mtp import MTPProposer
 from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.types import RequestOutput
 
@@ -29,6 +30,20 @@ class SpecDecodeStats:
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+def spec_shapes(spec) -> dict:
+    """runner.inputs.Shapes' speculation fields for `spec` (a SpeculativeConfig or None)."""
+    k = 0 if spec is None else spec.num_speculative_tokens
+    return dict(spec_width=1 + k, mtp_drafts=k if spec is not None and spec.method == "deepseek_mtp" else 0)
+
+
+def spec_state(spec) -> tuple[SpecDecodeStats | None, MTPProposer | None]:
+    """The engine's speculation state for `spec` (a SpeculativeConfig or None): its counters, and with
+    `deepseek_mtp` the MTPProposer that keeps the MTP's drafts (engine/spec_mtp.py)."""
+    if spec is None:
+        return None, None
+    return SpecDecodeStats(spec.num_speculative_tokens), MTPProposer() if spec.method == "deepseek_mtp" else None
 
 
 def propose(engine) -> None:
