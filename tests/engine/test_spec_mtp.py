@@ -31,8 +31,9 @@ L = 160  # the dense references' padded length
 
 @pytest.fixture(scope="module")
 def llm():
-    # 40 pages of 8 tokens: the prompts of the greedy test cannot all run at once, so requests get preempted
-    return LLM(DEFAULT, num_pages=40, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
+    # 33 pages of 8 tokens (the fewest max_model_len allows): the greedy test's prompts cannot all run at once, so
+    # requests get preempted
+    return LLM(DEFAULT, num_pages=33, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
                **ARGS)
 
 
