@@ -148,7 +148,8 @@ class StepPrograms:
         sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self.prev_tokens, *ints_floats)
         if self.shapes.mtp_drafts:  # the MTP's drafts a sequence row (`_core_fn`)
             K = self.shapes.mtp_drafts
-            sampled = dataclasses.replace(sampled, drafts=jax.ShapeDtypeStruct((out.shape[0] // (K + 1), K), jnp.int32))
+            drafts = jax.ShapeDtypeStruct((out.shape[0] // (K + 1), K), jnp.int32)
+            sampled = dataclasses.replace(sampled, drafts=drafts)
         layout = bits_layout(sampled)
         size = bits_size(layout) + (math.prod(routing) if routing else 0)
         return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing)
