@@ -1,6 +1,9 @@
-"""Speculative decoding: what a verify step costs, and what n-gram and draft-model speculation give end to end.
+"""Speculative decoding: what a verify step costs, and what n-gram, MTP and draft-model speculation give end to end.
 
     python benchmarks/spec.py                                          # GPU: the deepseek-v2-lite shape
+    python benchmarks/spec.py --method deepseek_mtp --ks 1,2,3         # the same with an MTP layer (random)
+    python benchmarks/spec.py --method deepseek_mtp --ks 1,2,3 --model deepinfer_jax/assets/default-model \\
+        --page-size 16                                                 # MTP end to end, real acceptance
     python benchmarks/spec.py --preset tiny-deepseek-v2 --batches 1,4 --ks 1,2 --prompt-len 32 --steps 4 \\
         --attn-impl reference --moe-impl ragged --dtype float32       # CPU smoke run
 
@@ -29,6 +32,12 @@ token (TPOT) against K = 0:
     outputs equal without speculation) runs first, as for the others.
 Greedy sampling, EOS ignored, `--output-len` tokens a sequence; timing covers `--steps` steady decode steps after
 the prefill.
+
+`--method deepseek_mtp`: the engines with K > 0 speculate with the checkpoint's MTP layer (with random weights of
+`--preset`, one random MTP layer is added), which drafts on the device in every step. `verify+draft (all
+rejected)` is then the cost side (the MTP drafts K tokens a sequence each step, host drafts the target rejects),
+`deepseek_mtp` the MTP's own drafts (acceptance ~1.0 on random weights, real with `--model`, e.g. the default
+model), and `forced acceptance` the ceiling with the MTP's drafting cost included.
 """
 
 from __future__ import annotations
@@ -63,7 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--draft", default="", help="draft_model mode: 'layers' (default with random weights), 'self' "
                     "(the --model checkpoint as its own draft), a checkpoint directory, or 'none'")
     ap.add_argument("--draft-layers", type=int, default=2, help="--draft layers: the draft's decoder layers")
+    ap.add_argument("--method", default="ngram", choices=["ngram", "deepseek_mtp"])
     args = ap.parse_args(argv)
+    mtp = args.method == "deepseek_mtp"
     draft = args.draft or ("self" if args.model else "layers")
     if draft == "self" and not args.model:
         ap.error("--draft self needs --model (random weights differ between the target and a draft)")
@@ -95,6 +106,10 @@ def main(argv=None) -> int:
 
         cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models",
                                                       f"{args.preset}.json"))
+        if mtp and not cfg.has_mtp:  # one random MTP layer
+            import dataclasses
+
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
         params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
           f"{args.model or args.preset + ' (random weights)'}", flush=True)
@@ -133,6 +148,7 @@ def main(argv=None) -> int:
     def engine(k: int, draft_model: str | None = None) -> LLMEngine:
         t = time.time()
         spec = ({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k} if draft_model else
+                {"method": "deepseek_mtp", "num_speculative_tokens": k} if mtp else
                 {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
         eng = LLMEngine(cfg, params, tokenizer,
                         scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_model_len=max_len,
@@ -147,7 +163,8 @@ def main(argv=None) -> int:
         return eng
 
     sp = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    ngram = speculative.propose
+    ngram = speculative.propose  # the engine's own proposer (n-gram, or the MTP's drafts)
+    own = args.method if mtp else "ngram"
 
     def run(eng, b: int, proposer=None, timed: bool = True):
         """Generate for the first b prompts; -> (outputs by id, ms a timed step (median), output tokens a timed step
@@ -206,7 +223,7 @@ def main(argv=None) -> int:
         eng = engine(k)
         b = min(batches)
         ref = base[b][0]
-        for name, prop in (("forced", forced(ref)), ("ngram", None)):
+        for name, prop in (("forced", forced(ref)), (own, None)):
             outs = run(eng, b, prop, timed=False)[0]
             same = sum(outs[i] == ref[i] for i in ref)
             # bf16 logits of a K + 1-position step may differ from a one-position step's in the last bit, which can
@@ -218,8 +235,9 @@ def main(argv=None) -> int:
         for b in batches:
             _, ms0, tok0, _ = base[b]
             _, ms_v, tok_v, acc_v = run(eng, b, rejected)
-            rows.append(("verify (all rejected)", k, b, ms0, tok0, ms_v, tok_v, acc_v))
-            for name, prop in (("ngram", None), ("forced acceptance", forced(base[b][0]))):
+            rows.append(("verify+draft (all rej.)" if mtp else "verify (all rejected)", k, b, ms0, tok0, ms_v, tok_v,
+                         acc_v))
+            for name, prop in ((own, None), ("forced acceptance", forced(base[b][0]))):
                 _, ms, tok, acc = run(eng, b, prop)
                 rows.append((name, k, b, ms0, tok0, ms, tok, acc))
         del eng
@@ -241,11 +259,11 @@ def main(argv=None) -> int:
         del eng
         gc.collect()
     print()
-    print(f"{'mode':<30} {'K':>2} {'batch':>5} {'accept len':>10} {'step ms K=0':>11} {'step ms':>8} "
+    print(f"{'mode':<23} {'K':>2} {'batch':>5} {'accept len':>10} {'step ms K=0':>11} {'step ms':>8} "
           f"{'ratio':>6} {'tok/s K=0':>10} {'tok/s':>9} {'TPOT x':>7}")
     for name, k, b, ms0, tok0, ms, tok, acc in rows:
         tps0, tps = tok0 / (ms0 / 1e3), tok / (ms / 1e3)
-        print(f"{name:<30} {k:>2} {b:>5} {acc:>10.2f} {ms0:>11.2f} {ms:>8.2f} {ms / ms0:>6.2f} {tps0:>10.1f} "
+        print(f"{name:<23} {k:>2} {b:>5} {acc:>10.2f} {ms0:>11.2f} {ms:>8.2f} {ms / ms0:>6.2f} {tps0:>10.1f} "
               f"{tps:>9.1f} {tps0 / tps if tps else float('nan'):>7.2f}")
     print("\nTPOT x: time per output token with speculation / without (below 1: faster). tok/s: output tokens a "
           "timed step (mean) over the median step time.")

@@ -11,7 +11,7 @@ from typing import Any
 
 SPECULATIVE_METHODS = ("ngram", "deepseek_mtp", "draft_model")
 # The methods this engine runs; the others are refused at start, naming the method.
-IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "draft_model")
+IMPLEMENTED_SPECULATIVE_METHODS = ("ngram", "deepseek_mtp", "draft_model")
 
 
 @dataclass(frozen=True)

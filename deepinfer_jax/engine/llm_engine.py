@@ -47,7 +47,7 @@ from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory, v
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
-from deepinfer_jax.engine.speculative import SpecDecodeStats, drafter_for, speculative_step
+from deepinfer_jax.engine.speculative import drafter_for, spec_shapes, spec_state, speculative_step
 from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.runner.weight_offload import offload as offload_weights
@@ -72,7 +72,7 @@ class LLMEngine:
             self.spec.check_supported()
             if sharding is not None:
                 raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
-        self.spec_stats = SpecDecodeStats(self.spec.num_speculative_tokens) if self.spec is not None else None
+        self.spec_stats, self.mtp_proposer = spec_state(self.spec)  # counters; `deepseek_mtp`'s drafts (or None)
         self.drafter = drafter_for(self.spec, cfg, tokenizer, runner_config, scheduler_config.max_model_len, load_format)
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -100,6 +100,8 @@ class LLMEngine:
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
                     num_pages, how = agreed, f"{agreed} pages (the fewest of the hosts; this one fits {num_pages})"
+            if self.mtp_proposer and num_pages != fallback:  # sized from memory: the MTP's KV is one more layer
+                num_pages, how = self.mtp_proposer.pages(cfg, num_pages, how)
         else:
             how = f"{num_pages} pages (set explicitly)"
         self.cache_pools, how = (v4_pools(cfg, num_pages, how, ps, scheduler_config, runner_config)  # a pool per group
@@ -122,9 +124,7 @@ class LLMEngine:
                              f"max_num_seqs) = {need}")
         self.shapes = Shapes(buckets, scheduler_config.max_num_seqs, max_pages, ps, self.max_model_len,
                              mask_words=mask_words(cfg.vocab_size) if tokenizer is not None else 0,
-                             max_logit_bias=MAX_LOGIT_BIAS,
-                             spec_width=1 + (self.spec.num_speculative_tokens if self.spec is not None else 0),
-                             kv_pools=self.cache_pools)
+                             max_logit_bias=MAX_LOGIT_BIAS, kv_pools=self.cache_pools, **spec_shapes(self.spec))
         if sharding is not None and sharding.num_ranks > 1:
             from deepinfer_jax.sharding.data_parallel import DPScheduler
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from deepinfer_jax.engine.spec_draft import drafter_for  # noqa: F401 - the draft_model method's (LLMEngine's)
+from deepinfer_jax.engine.spec_mtp import MTPProposer
 from deepinfer_jax.scheduler.ngram import propose_ngram
 from deepinfer_jax.types import RequestOutput
 
@@ -32,9 +33,26 @@ class SpecDecodeStats:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
 
 
+def spec_shapes(spec) -> dict:
+    """runner.inputs.Shapes' speculation fields for `spec` (a SpeculativeConfig or None)."""
+    k = 0 if spec is None else spec.num_speculative_tokens
+    return dict(spec_width=1 + k, mtp_drafts=k if spec is not None and spec.method == "deepseek_mtp" else 0)
+
+
+def spec_state(spec) -> tuple[SpecDecodeStats | None, MTPProposer | None]:
+    """The engine's speculation state for `spec` (a SpeculativeConfig or None): its counters, and with
+    `deepseek_mtp` the MTPProposer that keeps the MTP's drafts (engine/spec_mtp.py)."""
+    if spec is None:
+        return None, None
+    return SpecDecodeStats(spec.num_speculative_tokens), MTPProposer() if spec.method == "deepseek_mtp" else None
+
+
 def propose(engine) -> None:
-    """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
+    """Drafts for every running request that decodes next (one token to compute) and has no grammar: the MTP's
+    from the last step (engine/spec_mtp.py), the draft model's (engine/spec_draft.py), or n-gram prompt lookup."""
     spec = engine.spec
+    if spec.method == "deepseek_mtp":
+        return engine.mtp_proposer.propose(engine)
     if spec.method == "draft_model":  # engine/spec_draft.py
         return engine.drafter.propose(engine)
     k, lo, hi = spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max
@@ -68,6 +86,8 @@ def speculative_step(engine) -> list[RequestOutput]:
             for i in range(len(tokens) - 1):
                 stats.num_accepted_tokens_per_pos[i] += 1
     updates = engine.scheduler.update_from_output(plan, result.spec_token_ids)
+    if engine.spec.method == "deepseek_mtp":
+        engine.mtp_proposer.record(engine, plan, result)
     fetched = []
     for req, tokens, _ in updates:
         pid = engine._child_parent.get(req.request_id)

@@ -59,6 +59,9 @@ class StepMetadata:
         (models/deepseek.py attend_split). False is exact: no token of the step may see a cached key.
     groups: a per-group cache (DeepSeek-V4, models/v4_paged.py): per cache group (page_table [S, pages],
         slot_mapping [T]), the group's pages of each sequence and the row slot each token writes; None otherwise.
+    next_token_ids [S] or None: with MTP speculation only (models/mtp.py mtp_propose), per sequence row the token
+        after its last slot where the host knows it (a prefill chunk that does not sample), -1 where the row
+        samples it, -2 for a padding row.
     """
 
     token_ids: jax.Array
@@ -69,3 +72,4 @@ class StepMetadata:
     logits_indices: jax.Array
     has_context: bool | None = dataclasses.field(default=None, metadata=dict(static=True))
     groups: tuple | None = None
+    next_token_ids: jax.Array | None = None

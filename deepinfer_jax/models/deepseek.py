@@ -335,9 +335,11 @@ def forward_paged(
     moe_prefill_mosaic: bool = False,
     stage: PipelineStage | None = None,
     hidden: jax.Array | None = None,
+    return_hidden: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
-    every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic).
+    every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic), and last, with
+    return_hidden, the final-normed hidden states of every slot [T, D] (the MTP's input: models/mtp.py).
     `unroll`: lax.scan's unroll (True = straight-line layers, which lets XLA put a whole step in one
     command buffer on GPU at the cost of compile time), or "indexed" (`run_layers`: straight-line layers
     compiled once). `mesh_rules`: run sharded (module docstring).
@@ -470,8 +472,9 @@ def forward_paged(
             routing.append(ys)
     if stage is not None and not stage.last:  # the next stage's input (no routing: the runner does not collect it)
         return h, kv_cache
-    h = h[meta.logits_indices]  # [S, D]: each sequence's last token
-    logits = _logits(params, cfg, h, mesh_rules)
+    out = (_logits(params, cfg, h[meta.logits_indices], mesh_rules), kv_cache)  # [S, V]: each sequence's last token
     if return_routing:
-        return logits, kv_cache, jnp.concatenate(routing, axis=0)
-    return logits, kv_cache
+        out += (jnp.concatenate(routing, axis=0),)
+    if return_hidden:
+        out += (rms_norm(h, params["final_norm"], cfg.rms_norm_eps),)
+    return out

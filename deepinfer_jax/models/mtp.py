@@ -20,8 +20,10 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models import mla
-from deepinfer_jax.models.deepseek import decoder_layer, sequence_inputs
-from deepinfer_jax.models.layers import linear, rms_norm
+from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
+from deepinfer_jax.models.deepseek import attention_inputs, decoder_layer, sequence_inputs, write_and_attend
+from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
+from deepinfer_jax.models.moe import moe_block
 
 
 def mtp_forward(
@@ -33,7 +35,8 @@ def mtp_forward(
     j: int = 0,
     moe_impl: str = "ragged",
     attention_mask: jax.Array | None = None,  # [B, S] bool, False for padding
-) -> jax.Array:  # [B, S, V] fp32: logits of the token at i+2
+    return_hidden: bool = False,
+):  # [B, S, V] fp32: logits of the token at i+2; with return_hidden also h'' [B, S, D] (the chained MTP's input)
     mp = params["mtp"][j]
     B, S = next_ids.shape
     eps = cfg.rms_norm_eps
@@ -43,4 +46,93 @@ def mtp_forward(
     cos, sin, mask = sequence_inputs(cfg, B, S, attention_mask)
     kind = "moe" if cfg.n_routed_experts else "dense"
     h = decoder_layer(mp["layer"], cfg, kind, h, cos, sin, mask, mla.attend_expanded, moe_impl)
-    return linear(rms_norm(h, mp["shared_head_norm"], eps), params["lm_head"]).astype(jnp.float32)
+    logits = linear(rms_norm(h, mp["shared_head_norm"], eps), params["lm_head"])[..., : cfg.vocab_size]
+    return (logits.astype(jnp.float32), h) if return_hidden else logits.astype(jnp.float32)
+
+
+# ---- the paged MTP of speculative decoding (docs/speculative.md, `deepseek_mtp`) -------------------------------
+# Its attention KV is one more layer of the paged cache: layer num_hidden_layers + j of the same pages, at the
+# same slots as the target's (MTP position i: the target's hidden state at i and the token at i + 1).
+
+
+def mtp_layer_paged(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, hidden: jax.Array,
+                    next_ids: jax.Array, *, attn_impl: str = "reference", moe_impl: str = "ragged", j: int = 0):
+    """One MTP pass over a ragged step, as `mtp_forward` over a whole sequence: hidden [T, D] (the target's
+    final-normed hidden state, or the MTP's own output when chained) and next_ids [T] (the token after each
+    slot's) -> (the MTP layer's output h'' [T, D] before shared_head_norm, kv_cache with its latents written at
+    meta.slot_mapping of cache layer num_hidden_layers + j)."""
+    mp = params["mtp"][j]
+    lp, eps, li = mp["layer"], cfg.rms_norm_eps, cfg.num_hidden_layers + j
+    e = rms_norm(params["embed"][next_ids], mp["enorm"], eps)  # [T, D]
+    h = linear(jnp.concatenate([e, rms_norm(hidden.astype(e.dtype), mp["hnorm"], eps)], axis=-1), mp["eh_proj"])
+    cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
+    x = rms_norm(h, lp["input_layernorm"], eps)
+    _, q_lat, q_pe, latent, kv_cache = attention_inputs(lp["attn"], cfg, x, cos, sin, kv_cache, li, 0, meta, None,
+                                                        None, attn_impl)
+    o_lat, kv_cache = write_and_attend(q_lat, q_pe, latent, kv_cache, li, meta, cfg.softmax_scale, attn_impl)
+    h = h + mla.output_projection(lp["attn"], mla.absorbed_output(lp["attn"], cfg, o_lat))
+    x = rms_norm(h, lp["post_attention_layernorm"], eps)
+    mlp = moe_block(lp["moe"], cfg, x, moe_impl) if cfg.n_routed_experts else swiglu_mlp(x, lp["mlp"])
+    return h + mlp, kv_cache
+
+
+def mtp_logits(params: dict, cfg: ModelConfig, h: jax.Array, j: int = 0) -> jax.Array:
+    """The MTP's output h'' [..., D] -> fp32 logits [..., V] (shared_head_norm, the target's lm_head)."""
+    logits = linear(rms_norm(h, params["mtp"][j]["shared_head_norm"], cfg.rms_norm_eps), params["lm_head"])
+    return logits[..., : cfg.vocab_size].astype(jnp.float32)
+
+
+def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, hidden: jax.Array,
+                sampled: jax.Array, accepted: jax.Array, num_drafts: int, *, attn_impl: str = "reference",
+                moe_impl: str = "ragged"):
+    """After a verified step: the MTP consumes the step's positions and drafts `num_drafts` (K) tokens a sequence
+    row, greedily, chained as vLLM's deepseek_mtp (one MTP layer reused). -> (drafts [S, K] int32, kv_cache).
+
+    hidden [T, D]: the target's final-normed hidden states of the step's slots; sampled, accepted [S * W]: the
+    sampler's rows (W = K + 1, row r * W + j verifies sequence r's draft j + 1; runner/inputs.py);
+    meta.next_token_ids [S]: -1 where the row samples, the prompt's next token for a prefill chunk that does not
+    sample, -2 for a padding row. With n_r accepted drafts, sequence r's last accepted position p_r is the slot
+    logits_indices[r * W + n_r], and the token after it is the one the step emitted there.
+
+    Pass 1 runs over every slot of the step: at slot t the token after it is the step's next slot's (the slot's
+    own sequence's next input, for every slot up to p_r) or, at p_r, the emitted token (a chunk's last slot: the
+    host's next prompt token). So the MTP's KV at all confirmed positions is written with the right inputs; slots
+    past p_r (rejected drafts) get some token, and their KV is written again when those positions are confirmed.
+    Its output at p_r gives draft 1. Pass k (2..K) is one slot a row at position p_r + k - 1: the MTP's own output
+    of the previous pass as the hidden state, draft k - 1 as the token. Those positions' slots are in the
+    sequence's pages where allocated, else in the null page (a draft's quality only, never the output: the
+    target verifies every draft)."""
+    S, P = meta.page_table.shape
+    W, T, ps = num_drafts + 1, meta.token_ids.shape[0], kv_cache.shape[2]
+    host_next = meta.next_token_ids  # [S]
+    acc = accepted.reshape(S, W).astype(jnp.int32)
+    n_acc = jnp.sum(jnp.cumprod(acc, axis=1), axis=1)  # [S] leading accepted drafts
+    rows = jnp.arange(S, dtype=jnp.int32) * W + n_acc
+    last_slot = meta.logits_indices[rows]  # [S]
+    emitted = jnp.where(host_next == -1, sampled[rows], host_next)  # [S] the token after p_r
+    nxt = jnp.concatenate([meta.token_ids[1:], meta.token_ids[:1]])  # [T] the next slot's token
+    nxt = nxt.at[jnp.where(host_next >= -1, last_slot, T)].set(emitted, mode="drop")
+    h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, meta, hidden, nxt, attn_impl=attn_impl, moe_impl=moe_impl)
+    h = h[last_slot]  # [S, D]
+    first = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)  # [S]
+    if num_drafts == 1:
+        return first[:, None], kv_cache
+    base = meta.positions[last_slot]  # [S] p_r
+    live = host_next == -1  # rows that sample: the others' drafts are never used
+
+    def chained(carry, k):  # pass k + 1: position p_r + k (one compiled body for passes 2..K)
+        h, kv_cache, prev = carry
+        pos = base + k
+        ok = live & (pos < P * ps)
+        pos = jnp.where(ok, pos, base)
+        page = jnp.take_along_axis(meta.page_table, (pos // ps)[:, None], axis=1)[:, 0]
+        slot = jnp.where(ok, page * ps + pos % ps, NULL_PAGE * ps + pos % ps)
+        step = StepMetadata(token_ids=prev, positions=pos, seq_ids=jnp.arange(S, dtype=jnp.int32),
+                            slot_mapping=slot, page_table=meta.page_table,
+                            logits_indices=jnp.arange(S, dtype=jnp.int32))
+        h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, step, h, prev, attn_impl=attn_impl, moe_impl=moe_impl)
+        d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
+        return (h, kv_cache, d), d
+
+    (_, kv_cache, _), rest = jax.lax.scan(chained, (h, kv_cache, first), jnp.arange(1, num_drafts, dtype=jnp.int32))
+    return jnp.concatenate([first[:, None], rest.T], axis=1), kv_cache

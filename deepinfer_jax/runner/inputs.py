@@ -81,6 +81,9 @@ class Shapes:
     # A per-group cache (config_v4.CachePools, DeepSeek-V4): the pools, and each step carries every group's page
     # table and slot mapping (StepMetadata.groups). None: one page table.
     kv_pools: Any = None
+    # `deepseek_mtp` speculation: K, the drafts the MTP layer proposes on the device each step (runner/spec_mtp.py);
+    # 0 otherwise.
+    mtp_drafts: int = 0
 
     def bucket_for(self, num_tokens: int) -> int:
         for b in self.buckets:

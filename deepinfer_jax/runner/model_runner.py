@@ -32,6 +32,7 @@ shares out rank after rank (sharding/data_parallel.py); `execute` then needs eac
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.registry import family_of, init_kv_cache, kv_cache_shape
-from deepinfer_jax.runner import program_cache, warmup
+from deepinfer_jax.runner import program_cache, spec_mtp, warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
 from deepinfer_jax.runner.inputs import (HostStep, PageRows, Shapes, build_metadata, build_sampling, fill_masks,
@@ -81,6 +82,8 @@ class ModelRunner:
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
         if shapes.spec_width > 1 and sharding is not None:
             raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
+        if shapes.mtp_drafts:  # runner/spec_mtp.py: the MTP drafts on the device, its KV one more cache layer
+            spec_mtp.check_supported(cfg, family_of(cfg).name, runner_cfg.collect_routing)
         # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their
         # program takes the split attention, whose context part it names (one device, the Pallas path).
         self._mark_context = (runner_cfg.prefill_context_variant and sharding is None
@@ -91,6 +94,9 @@ class ModelRunner:
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
+        elif shapes.mtp_drafts:
+            self.kv_cache = jnp.zeros(spec_mtp.kv_cache_shape(kv_cache_shape(cfg, num_pages, shapes.page_size)),
+                                      self.kv_dtype)
         else:
             # a per-group cache (DeepSeek-V4): one array per pool of shapes.kv_pools
             self.kv_cache = init_kv_cache(cfg, shapes.kv_pools or num_pages, shapes.page_size, self.kv_dtype)
@@ -230,6 +236,9 @@ class ModelRunner:
             meta = build_metadata(seqs, self.shapes, bucket, self._mark_context, self.page_rows)
             st = build_sampling(seqs, requests, seeds, self.shapes, bucket, full, masks=masks, masked=masked)
             rows = [i for i, s in enumerate(seqs) if s.sample]
+            if self.shapes.mtp_drafts:
+                meta = dataclasses.replace(meta, next_token_ids=spec_mtp.next_token_ids(
+                    seqs, requests, self.shapes.seq_rows(bucket)))
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full,
                             spec_width=self.shapes.spec_width, masked=masked)
         metas = [build_metadata(g, self.shapes, bucket, page_rows=self.page_rows) for g in groups]

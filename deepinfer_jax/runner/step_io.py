@@ -110,6 +110,8 @@ class StepResult:
     # token of its first rejected or bonus position; token_ids holds the last), and their logprobs (full variant)
     spec_token_ids: dict[str, list[int]] = dataclasses.field(default_factory=dict)
     spec_logprobs: dict[str, list[tuple[float, list[int], list[float]]]] = dataclasses.field(default_factory=dict)
+    # `deepseek_mtp`: rid -> the K drafts the MTP proposed after the step's last accepted position
+    mtp_drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
 def step_result(host: HostStep, sampled) -> StepResult:
@@ -137,6 +139,8 @@ def step_result(host: HostStep, sampled) -> StepResult:
             if not sampled.accepted[row * W + j]:
                 break
         tokens = [int(sampled.token_ids[i]) for i in rows]
+        if sampled.drafts is not None:
+            result.mtp_drafts[rid] = sampled.drafts[row].tolist()
         result.spec_token_ids[rid] = tokens
         result.token_ids[rid] = tokens[-1]
         if full:

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
+from deepinfer_jax.models.mtp import mtp_propose
 from deepinfer_jax.models.registry import family_of
 from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
@@ -65,9 +66,11 @@ class StepPrograms:
     # ---- what a step runs ---------------------------------------------------------------------------
     def splits_full(self) -> bool:
         """Whether steps may run as two programs (`shares_forward`): RunnerConfig.prefill_shared_forward, on one
-        device, with no routing collected."""
+        device, with no routing collected, and no MTP drafting (which needs the forward's hidden states and the
+        sampler's tokens in one program)."""
         rc = self.runner_cfg
-        return rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
+        return (rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
+                and not self.shapes.mtp_drafts)
 
     def shares_forward(self, key) -> bool:
         """Whether `key`'s step runs as two programs (`splits_full`): its bucket's forward, shared by the bucket's
@@ -144,6 +147,10 @@ class StepPrograms:
         on the forward's output `out` (jax.eval_shape of the sampler) and the routed ids `routing` (or None)."""
         ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
         sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self.prev_tokens, *ints_floats)
+        if self.shapes.mtp_drafts:  # the MTP's drafts a sequence row (`_core_fn`)
+            K = self.shapes.mtp_drafts
+            drafts = jax.ShapeDtypeStruct((out.shape[0] // (K + 1), K), jnp.int32)
+            sampled = dataclasses.replace(sampled, drafts=drafts)
         layout = bits_layout(sampled)
         size = bits_size(layout) + (math.prod(routing) if routing else 0)
         return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing)
@@ -170,7 +177,7 @@ class StepPrograms:
         ((logits [S, V] fp32, routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
         cached, so a bucket's variants share one trace); not run on its own."""
         if layout not in self.forward_fns:
-            cfg, rc, sh = self.cfg, self.runner_cfg, self.sharding
+            cfg, rc, sh, mtp = self.cfg, self.runner_cfg, self.sharding, self.shapes.mtp_drafts
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
                 params = to_device(params)  # weights in host memory (--cpu-offload-gb) copied in; others as they are
@@ -180,6 +187,8 @@ class StepPrograms:
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
                 fam = family_of(cfg)
                 switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
+                if mtp:  # the MTP's input: every slot's final-normed hidden state
+                    switches["return_hidden"] = True
                 out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                         return_routing=rc.collect_routing, unroll=unroll,
                                         mesh_rules=None if sh is None else sh.mesh_rules, **switches)
@@ -187,7 +196,8 @@ class StepPrograms:
                 if sh is not None:
                     last = jax.lax.with_sharding_constraint(last, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
-                return (last, out[2] if rc.collect_routing else None), kv_cache
+                # the second output: the routing (collect_routing), or with MTP drafting (meta, hidden [T, D])
+                return (last, (meta, out[-1]) if mtp else out[2] if rc.collect_routing else None), kv_cache
 
             self.forward_fns[layout] = jax.jit(forward)  # the step program donates the cache
         return self.forward_fns[layout]
@@ -226,10 +236,16 @@ class StepPrograms:
         if key not in self._core_fns:
             meta_layout, variant, sampling_layout = key
             fwd, smp = self._forward_fn(meta_layout), self._sample_fn(variant, sampling_layout)
+            cfg, rc, K = self.cfg, self.runner_cfg, self.shapes.mtp_drafts
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
                 (out, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
                 sampled, nxt = smp(out, prev_tokens, si, sf)
+                if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
+                    (meta, hidden), routing = routing, None
+                    drafts, kv_cache = mtp_propose(params, cfg, kv_cache, meta, hidden, sampled.token_ids,
+                                                   sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
+                    sampled = dataclasses.replace(sampled, drafts=drafts)
                 return (sampled, routing), nxt, kv_cache
 
             self._core_fns[key] = jax.jit(core)

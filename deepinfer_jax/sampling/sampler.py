@@ -92,6 +92,7 @@ class SampleOutput:
     top_logprob_ids: jax.Array  # i32[B, K]  K = max_logprobs (may be 0)
     top_logprobs: jax.Array     # f32[B, K]  raw log-softmax top-K, sorted descending
     accepted: jax.Array | None = None  # i32[B] 1 where the row's draft was accepted (only with draft_token_ids)
+    drafts: jax.Array | None = None  # i32[S, K] the MTP's drafts a sequence row (`deepseek_mtp`: models/mtp.py)
 
 
 def _id_mask_scatter(ids: jax.Array, vocab: int, dtype) -> jax.Array:

@@ -60,7 +60,8 @@ def test_stop_strings_streaming_and_grammars_with_speculation():
 def test_bad_speculative_configs_fail_before_loading():
     import pytest
 
-    for cfg, message in (({"method": "deepseek_mtp", "num_speculative_tokens": 1}, "not supported yet"),
+    for cfg, message in (({"method": "draft_model", "num_speculative_tokens": 1, "model": "/nowhere/d"},
+                          r"model '/nowhere/d' \(the draft\) is not a directory"),
                          ({"method": "ngram", "num_speculative_tokens": 0}, ">= 1"),
                          ({"method": "ngram", "num_speculative_tokens": 2, "draft": "x"}, r"unknown keys \['draft'\]")):
         with pytest.raises(ValueError, match=message):

@@ -130,8 +130,7 @@ def test_speculative_config_defaults_and_unsupported_methods():
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (5, 5)  # vLLM's defaults
     assert SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": 3,
                                     "prompt_lookup_max": 4}).prompt_lookup_min == 4
-    with pytest.raises(ValueError, match="method 'deepseek_mtp' is not supported yet"):
-        SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}).check_supported()
+    SpeculativeConfig.parse({"method": "deepseek_mtp", "num_speculative_tokens": 1}).check_supported()
     with pytest.raises(ValueError, match="model '/nowhere/draft' \\(the draft\\) is not a directory"):
         SpeculativeConfig.parse({"method": "draft_model", "model": "/nowhere/draft",
                                  "num_speculative_tokens": 2}).check_supported()

@@ -155,7 +155,6 @@ def test_speculative_config_flag_and_yaml(tmp_path):
                                   "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
                                   "host: {a: 1}\n", "speculative_config: {method: ngram, num_speculative_tokens: 0}\n",
                                   "speculative_config: {method: ngram, num_speculative_tokens: 2, k: 1}\n",
-                                  "speculative_config: {method: deepseek_mtp, num_speculative_tokens: 1}\n",
                                   "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n"])
 def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
