@@ -152,7 +152,9 @@ class LLM:
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
-    and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank). Ours: num_pages (fix the
+    and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank), all2all_backend (how EP moves tokens:
+    "allgather_reducescatter", every device sees every token, or "all_to_all", each token sent only to its experts'
+    devices; docs/multi-gpu.md). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), gpu_memory (GiB per device: the memory the KV cache is sized from and the model checked against,
     for a device without memory figures or to leave room; None: the device's own), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
@@ -193,7 +195,8 @@ class LLM:
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
                  token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
-                 speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0):
+                 speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0,
+                 all2all_backend: str = "allgather_reducescatter"):
         # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
         from deepinfer_jax.runner.multihost import StepChannel
 
@@ -217,7 +220,10 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # a bad config fails here, before any loading
         if spec is not None:
             spec.check_supported()
-        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel)
+        parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel, all2all_backend)
+        if all2all_backend != "allgather_reducescatter" and not enable_expert_parallel:
+            raise ValueError(f"all2all_backend {all2all_backend!r} moves tokens between expert-parallel devices: "
+                             "set enable_expert_parallel (--enable-expert-parallel)")
         if nnodes > 1:
             import jax
 

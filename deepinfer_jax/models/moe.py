@@ -32,6 +32,8 @@ Without `mesh_rules` the single-device code runs unchanged.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -190,39 +192,51 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
         out_dtype = x.dtype
         if gather:
             x, w, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, idx))
-        E_local = jax.tree.leaves(ex_l["down"])[0].shape[len(lead)]
-        first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
-        if moe_impl in ("pallas", "pallas_interpret"):
-            from deepinfer_jax.kernels.moe_gmm import moe_experts
-
-            # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
-            loc = idx - first
-            ok = (loc >= 0) & (loc < E_local)
-            w_loc, idx_loc = jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1)
-            y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
-                is_quantized(ex_l["gate_up"])) else None
-            if y is None:  # float experts, or shapes the quantized kernels do not tile
-                y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
-                                layer=layer, interpret=moe_impl == "pallas_interpret")
-            y = y.astype(jnp.float32)
-        else:
-            if layer is not None:
-                ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
-            f = {"dense": _experts_dense_f32, "ragged": _experts_ragged_f32}[moe_impl]
-            y = f(ex_l, x, w, idx, first)
+        y = local_experts_f32(moe_impl, ex_l, x, w, idx, layer, exp_axes, lead)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if rest:
             y = jax.lax.psum(y, rest)
         return y.astype(out_dtype)
 
+    if mr.moe_dispatch == "all_to_all":  # token copies sent to their experts' devices and back (moe_a2a.py)
+        from deepinfer_jax.models.moe_a2a import all_to_all_local, check_all_to_all
+
+        check_all_to_all(mr)
+        local = functools.partial(all_to_all_local, mr, moe_impl, exp_axes=exp_axes, lead=lead)
     if moe_impl not in ("dense", "ragged", "pallas", "pallas_interpret"):
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     layer_arg = jnp.int32(0) if layer is None else layer
     fn = jax.shard_map(lambda e, x, w, i, l: local(e, x, w, i, None if layer is None else l), mesh=mr.mesh,
                        in_specs=(ex_specs, tspec, tspec, tspec, P()), out_specs=tspec,
-                       check_vma=not moe_impl.startswith("pallas"))
+                       check_vma=not moe_impl.startswith("pallas") and mr.moe_dispatch != "all_to_all")
     return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx, layer_arg)
+
+
+def local_experts_f32(moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                      layer: jax.Array | None, exp_axes: tuple, lead: tuple) -> jax.Array:
+    """Inside shard_map: this device's slice of the experts (`ex_l`, [(L,) E_local, ...]) applied to the token
+    copies of x [T, D] (w/idx [T, k], global expert ids) routed to it; copies routed elsewhere (or id -1)
+    contribute nothing. -> fp32 [T, D] partial sums."""
+    E_local = jax.tree.leaves(ex_l["down"])[0].shape[len(lead)]
+    first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
+    if moe_impl in ("pallas", "pallas_interpret"):
+        from deepinfer_jax.kernels.moe_gmm import moe_experts
+
+        # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
+        loc = idx - first
+        ok = (loc >= 0) & (loc < E_local)
+        w_loc, idx_loc = jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1)
+        y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
+            is_quantized(ex_l["gate_up"])) else None
+        if y is None:  # float experts, or shapes the quantized kernels do not tile
+            y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
+                            layer=layer, interpret=moe_impl == "pallas_interpret")
+        return y.astype(jnp.float32)
+    if layer is not None:
+        ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
+    f = {"dense": _experts_dense_f32, "ragged": _experts_ragged_f32}[moe_impl]
+    return f(ex_l, x, w, idx, first)
 
 
 def quantized_experts(ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array, layer: jax.Array | None,

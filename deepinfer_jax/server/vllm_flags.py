@@ -20,7 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
---nnodes --node-rank --master-addr --master-port --speculative-config
+--nnodes --node-rank --master-addr --master-port --speculative-config --all2all-backend
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -76,7 +76,7 @@ _R = {  # refused, by reason: {what to do: flags}
         "--optimization-level --performance-mode --cudagraph-metrics",
     "kernels are chosen with --attn-impl and --moe-impl":
         "--attention-backend --attention-config --moe-backend --linear-backend --kernel-config --ir-op-priority "
-        "--enable-flashinfer-autotune --enable-bf16x3-router-gemm --mm-encoder-attn-backend --all2all-backend "
+        "--enable-flashinfer-autotune --enable-bf16x3-router-gemm --mm-encoder-attn-backend "
         "--override-attention-dtype --enable-flash-late-interaction --use-fp64-gumbel",
     "a sliding window (Mistral) is applied as the model's config.json sets it": "--disable-sliding-window",
     "LoRA adapters are not supported": "--enable-lora --lora-modules --max-loras --max-lora-rank --max-cpu-loras "

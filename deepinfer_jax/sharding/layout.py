@@ -29,7 +29,7 @@ class ModelSharding:
 
     @property
     def mesh_rules(self) -> MeshRules:
-        return MeshRules(self.mesh, self.rules)
+        return MeshRules(self.mesh, self.rules, self.parallel.all2all_backend)
 
     @property
     def vocab_multiple(self) -> int:
