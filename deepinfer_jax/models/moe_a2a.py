@@ -14,11 +14,10 @@ vLLM's and SGLang's all-to-all backends (DeepEP, pplx) and DeepSeek's own infere
 3. Buffers. `jax.lax.all_to_all` moves fixed-size buffers [n, C, D] (n devices, C rows for each). Dropless:
    C must hold the largest count of tokens any source sends to any device. The counts are exchanged first
    (a pmax of one int32), then the step runs the branch of a static capacity ladder (`capacity_ladder`:
-   T_s, T_s / 2, T_s / 4, T_s / 8, rounded up to 8 rows) that first fits: a balanced step sends a fraction
+   1/8, 1/4, 1/2, 3/4 of T_s rounded up to 8 rows, and T_s) that first fits: a balanced step sends a fraction
    of T_s rows, a skewed one falls back to the worst case C = T_s, and no token is ever dropped. Ladder
-   branches (one compiled `lax.switch`) rather than a single worst-case buffer because at DeepSeek-V3's
-   k = 8 of 256 experts over 64 devices a token reaches ~12% of the devices: the worst case would move
-   everything the all-gather does.
+   branches (one compiled `lax.switch`) rather than a single worst-case buffer, which moves as many bytes as
+   the all-gather form: a token of DeepSeek-V3 (k = 8 of 256 experts) reaches 66% of 8 devices and 12% of 64.
 4. Combine. The expert outputs (fp32) go back by the inverse all-to-all into the same slots; each source
    sums its token's rows from every device, casts, and the slices of one data rank are all-gathered over
    the axes that split them (so every device of the rank again holds all of its T_r outputs).
@@ -37,15 +36,18 @@ import jax.numpy as jnp
 from deepinfer_jax.models.parallel import MeshRules
 
 ROW_MULTIPLE = 8  # buffer capacities are rounded up to this many rows
-LADDER_STEPS = 4  # capacities T_s, T_s / 2, ... T_s / 2**(LADDER_STEPS - 1)
+# The rungs of the capacity ladder, in eighths of T_s. 3/4: uniform routing of DeepSeek-V3 (k = 8 of 256) over
+# 8 devices reaches a given device with a token's probability 0.66, which 1/2 would not hold.
+LADDER_EIGHTHS = (1, 2, 4, 6, 8)
 
 
-def capacity_ladder(tokens: int, steps: int = LADDER_STEPS, multiple: int = ROW_MULTIPLE) -> tuple[int, ...]:
+def capacity_ladder(tokens: int, eighths: tuple[int, ...] = LADDER_EIGHTHS, multiple: int = ROW_MULTIPLE
+                    ) -> tuple[int, ...]:
     """The static buffer capacities (rows per destination device) for a source of `tokens` tokens, ascending;
     the last is `tokens` itself, the dropless worst case."""
     caps = {tokens}
-    for i in range(1, steps):
-        c = -(-tokens // 2**i)
+    for e in eighths:
+        c = -(-tokens * e // 8)
         c = -(-c // multiple) * multiple
         if c < tokens:
             caps.add(c)

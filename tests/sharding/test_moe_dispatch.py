@@ -1,0 +1,72 @@
+"""All-to-all expert dispatch (--all2all-backend all_to_all, models/moe_a2a.py) against the all-gather form and the
+single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x EP8 and EP4 over TP alone, with the
+model's routing (the whole MoE block), a balanced routing (the smallest buffer of the capacity ladder) and a skewed one (every token to
+one device: the dropless worst case); and greedy tokens through the engine equal HF transformers' greedy generate.
+fp32, 8 fake CPU devices, each script in its own process (run_moe_dispatch.py, run_case.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hf_models import hf_greedy
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.join(REPO, "tests", "sharding")
+ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
+LAYOUT = "2x4ep-a2a"  # DP4 x EP8 (TP2): tokens sliced over "tensor" before dispatch
+
+
+def _result(p: subprocess.Popen) -> dict:
+    stdout, stderr = p.communicate(timeout=900)
+    assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
+    return json.loads(stdout.split("RESULT ", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def runs(hf_case):
+    _, path = hf_case("v3_grouped_noaux")
+    layer = subprocess.Popen([sys.executable, os.path.join(HERE, "run_moe_dispatch.py")], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True, env=ENV)
+    greedy = subprocess.Popen([sys.executable, os.path.join(HERE, "run_case.py"), path, LAYOUT],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    return _result(layer), _result(greedy)
+
+
+def test_all_to_all_equals_all_gather_and_one_device(runs):
+    res = runs[0]
+    layouts = sorted({k.split("/")[0] for k in res})
+    assert len(layouts) == 4
+    for lay in layouts:
+        assert res[f"{lay}/a2a/hlo_all_to_all"] and not res[f"{lay}/gather/hlo_all_to_all"], lay
+        # the whole MoE block (routing, routed and shared experts): both forms equally close to one device
+        assert res[f"{lay}/a2a/block"] < 1e-5 and res[f"{lay}/gather/block"] < 1e-5, lay
+        for routing in ("balanced", "skewed"):
+            assert res[f"{lay}/a2a/{routing}"] < 1e-5, (lay, routing, res[f"{lay}/a2a/{routing}"])
+
+
+def test_all_to_all_greedy_equals_hf(runs, hf_case):
+    model, _ = hf_case("v3_grouped_noaux")
+    res = runs[1]
+    r = res["layouts"][LAYOUT]
+    assert r["tokens"] == [hf_greedy(model, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
+    assert r["compiles_after_warmup"] == 0
+    # the collectives are those sharding/comm.py predicts: its worst case, and one all-to-all a ladder rung
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.moe_a2a import capacity_ladder
+    from deepinfer_jax.sharding import ParallelConfig
+    from deepinfer_jax.sharding.comm import step_collectives
+
+    cfg = ModelConfig.from_hf_dict(model.config.to_dict())
+    pc = ParallelConfig(2, 4, True, "all_to_all")
+    got = {(k, tuple(d)) for k, d in r["collectives"]}
+    want = {(c.kind, c.shape) for c in step_collectives(cfg, pc, r["bucket"], r["seq_rows"], 4)
+            if c.what.startswith("routed experts")}
+    assert want <= got, f"predicted {sorted(want - got)} not compiled"
+    Ts, D, k = r["bucket"] // 2, cfg.hidden_size, cfg.num_experts_per_tok
+    assert {d for kind, d in got if kind == "all-to-all"} == {(1, c, n) for c in capacity_ladder(Ts) for n in (D, k)}
+    assert not any(kind == "reduce-scatter" for kind, _ in got)
