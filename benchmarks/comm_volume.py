@@ -3,8 +3,8 @@
     python benchmarks/comm_volume.py [--preset deepseek-v3] [--layouts 8x1 8x1ep 4x2ep 1x8ep ...]
         [--decode-seqs 64] [--prefill-tokens 2048] [--dtype-bytes 2]
 
-For each layout ("TPxDP[ep]" or "TPxDPep-a2a" for --all2all-backend all_to_all, as tests/sharding/run_case.py), prints the collectives of a decode step
-(--decode-seqs sequences a data rank, one token each) and of a prefill step (--prefill-tokens token slots and
+For each layout ("TPxDP[ep]", or "TPxDPep-a2a" for --all2all-backend all_to_all, as tests/sharding/run_case.py),
+prints the collectives of a decode step (--decode-seqs sequences a data rank, one token each) and of a prefill step (--prefill-tokens token slots and
 --decode-seqs sequence rows a data rank), the bytes each device sends or receives, and the time that
 takes at --link-gbps (per direction; NVLink 4 on H100/H200: about 450 GB/s, a 400 Gb/s NIC about 50 GB/s).
 An all-to-all layout gets two rows a step: its worst case (every buffer T_s rows, the dropless bound) and

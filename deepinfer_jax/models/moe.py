@@ -203,7 +203,8 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
         from deepinfer_jax.models.moe_a2a import all_to_all_local, check_all_to_all
 
         check_all_to_all(mr)
-        local = functools.partial(all_to_all_local, mr, moe_impl, exp_axes=exp_axes, lead=lead)
+        compute = functools.partial(local_experts_f32, moe_impl, exp_axes=exp_axes, lead=lead)
+        local = functools.partial(all_to_all_local, mr, compute, exp_axes=exp_axes, lead=lead)
     if moe_impl not in ("dense", "ragged", "pallas", "pallas_interpret"):
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     layer_arg = jnp.int32(0) if layer is None else layer
@@ -293,7 +294,9 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s
     outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
     in its kernel. `mosaic`: moe_impl
-    "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`)."""
+    "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`).
+    `p["eplb"]`: an expert placement (models/eplb_map.py): the expert weights are its physical slots, the router's
+    ids are mapped onto them, and the ids returned stay logical; the routing then runs in XLA, not in a kernel."""
     out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic)
     return (out, idx) if return_routing else out
 
@@ -301,7 +304,7 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
 def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic=False):
     """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
-    fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
+    fused = fuse_routing and "eplb" not in p and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
     if routed is not None and not fused:
         raise ValueError("moe_block takes precomputed routing only where it routes in its kernel")
     if fused:
@@ -320,6 +323,17 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
         w, idx = route_sharded(mesh_rules, p, cfg, x)
     else:
         w, idx = route(p, cfg, x)
+    if "eplb" in p:  # an expert placement: the experts are physical slots (models/eplb_map.py)
+        from deepinfer_jax.models.eplb_map import to_physical
+
+        logical, idx = idx, to_physical(idx, p["eplb"]["log_to_phys"], p["eplb"]["replicas"])
+        out, _ = _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+        return out, logical
+    return _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+
+
+def _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx):
+    """_moe's routed experts (plus the shared MLP) for routing w/idx [T, k]: (out [T, D], idx)."""
     if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
         out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
                                                  None if experts is None else layer))

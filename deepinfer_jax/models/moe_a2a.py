@@ -29,6 +29,7 @@ test_moe_dispatch.py) and the reference a ragged form (`jax.lax.ragged_all_to_al
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -67,12 +68,12 @@ def _prod(mr: MeshRules, axes: tuple) -> int:
     return math.prod(mr.mesh.shape[a] for a in axes)
 
 
-def all_to_all_local(mr: MeshRules, moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+def all_to_all_local(mr: MeshRules, compute: Callable, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
                      layer: jax.Array | None, *, exp_axes: tuple, lead: tuple) -> jax.Array:
     """Inside shard_map, one device: its experts `ex_l` [(L,) E_local, ...], its data rank's tokens x [T_r, D]
-    and routing w/idx [T_r, k] (global expert ids) -> the routed experts' output for those tokens [T_r, D]."""
-    from deepinfer_jax.models.moe import local_experts_f32
-
+    and routing w/idx [T_r, k] (global expert ids) -> the routed experts' output for those tokens [T_r, D].
+    `compute(ex_l, x, w, idx, layer)`: this device's experts on the token copies routed to them, fp32 (moe.py
+    local_experts_f32)."""
     T_r, D = x.shape
     out_dtype = x.dtype
     n = _prod(mr, exp_axes)  # devices of the EP group
@@ -105,8 +106,8 @@ def all_to_all_local(mr: MeshRules, moe_impl: str, ex_l: dict, x: jax.Array, w: 
             send_i = jnp.full((n, C, idx.shape[1]), -1, idx.dtype).at[dev, slot].set(
                 jnp.broadcast_to(idx[:, None, :], (Ts, n, idx.shape[1])), mode="drop")
             recv = [jax.lax.all_to_all(a, exp_axes, 0, 0) for a in (send_x, send_w, send_i)]  # [n, C, ...]
-            y = local_experts_f32(moe_impl, ex_l, recv[0].reshape(n * C, D), recv[1].reshape(n * C, -1),
-                                  recv[2].reshape(n * C, -1), layer, exp_axes, lead)  # [n C, D] fp32
+            y = compute(ex_l, recv[0].reshape(n * C, D), recv[1].reshape(n * C, -1), recv[2].reshape(n * C, -1),
+                        layer)  # [n C, D] fp32
             back = jax.lax.all_to_all(y.reshape(n, C, D), exp_axes, 0, 0)  # [n, C, D] rows of my tokens
             rows = back[dev, jnp.clip(pos, 0, C - 1)]  # [Ts, n, D]
             return jnp.sum(jnp.where(mask[:, :, None], rows, 0.0), axis=1)  # [Ts, D] fp32

@@ -4,10 +4,11 @@ all-gather and all-to-all dispatch against the single-device code, on 8 fake CPU
 
     python tests/sharding/run_moe_dispatch.py
 
-Cases "LAYOUT/DISPATCH/ROUTING": LAYOUT "TPxDPep" as run_case.py; DISPATCH "gather" or "a2a"; ROUTING "router"
-(the model's own routing of random tokens), "balanced" (each token's experts on one device, every device
-receiving an equal share: the all-to-all runs its smallest buffer) or "skewed" (every token to the experts of
-device 0: the dropless worst case).
+Cases "LAYOUT/DISPATCH/CASE": LAYOUT "TPxDPep" as run_case.py; DISPATCH "gather" or "a2a"; CASE "block" (the
+whole MoE block: the model's own routing of random tokens, routed and shared experts), "hlo_all_to_all" (whether
+the block's compiled program has an all-to-all), or the routed experts alone with a fixed routing: "balanced"
+(each token's experts on one device, every device receiving an equal share: the all-to-all runs its smallest
+buffer) or "skewed" (every token to the experts of device 0: the dropless worst case).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_p
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 LAYOUTS = ["2x2ep", "1x4ep", "1x8ep", "4x1ep"]  # DP2 x EP4 (TP2), DP4 x EP4, DP8 x EP8, EP4 over TP4 alone
+EPLB_LAYOUTS = ["2x2ep", "1x8ep"]
 TOKENS = 72  # 9 a data rank at DP 8; slices of 18 (2x2ep) and 18 (4x1ep: padded from 72 / 4)
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
@@ -35,7 +37,7 @@ def main() -> None:
     import numpy as np
 
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.models.moe import experts_ragged, experts_sharded, moe_block, route
+    from deepinfer_jax.models.moe import experts_ragged, experts_sharded, moe_block
     from deepinfer_jax.models.params import init_params
     from deepinfer_jax.sharding import ParallelConfig, build_sharding
 
@@ -44,7 +46,6 @@ def main() -> None:
     moe = jax.tree.map(lambda a: a * 10 if a.ndim > 1 else a, moe)  # a router far from flat
     x = jnp.asarray(np.random.default_rng(0).standard_normal((TOKENS, cfg.hidden_size)), jnp.float32)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    w_r, idx_r = route(moe, cfg, x)
     t = np.arange(TOKENS)
     w_fixed = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.0, (TOKENS, k)), jnp.float32)
     out = {}
@@ -56,7 +57,7 @@ def main() -> None:
         # device holds fewer than k experts: each copy is computed and weighted, as anywhere else)
         bal = (t % n)[:, None] * per + np.arange(k)[None, :] % per
         skew = np.broadcast_to(np.arange(k) % per, (TOKENS, k))
-        routings = {"router": (w_r, idx_r), "balanced": (w_fixed, jnp.asarray(bal, jnp.int32)),
+        routings = {"balanced": (w_fixed, jnp.asarray(bal, jnp.int32)),
                     "skewed": (w_fixed, jnp.asarray(skew, jnp.int32))}
         for dispatch in ("gather", "a2a"):
             backend = "all_to_all" if dispatch == "a2a" else "allgather_reducescatter"
@@ -74,6 +75,26 @@ def main() -> None:
                     moe["experts"], *(jax.device_put(a, tok) for a in (x, w, idx)))
                 out[f"{layout}/{dispatch}/{name}"] = float(jnp.max(jnp.abs(got - experts_ragged(moe["experts"], x, w,
                                                                                               idx))))
+    # EPLB: 8 redundant slots (24 physical experts), a flat placement and one rebalanced for skewed counts, each
+    # applied through the same compiled block: outputs as the logical experts' on one device
+    from deepinfer_jax.models.eplb_map import physical_experts
+    from deepinfer_jax.sharding.eplb import default_placement, rebalance
+
+    want = moe_block(moe, cfg, x, "ragged")
+    for layout in EPLB_LAYOUTS:
+        tp, dp = (int(v) for v in layout.removesuffix("ep").split("x"))
+        skew_load = np.random.default_rng(2).permutation(1000.0 / np.arange(1, E + 1) ** 1.5)[None]
+        placements = {"flat": default_placement(1, E, 8, tp * dp), "rebalanced": rebalance(skew_load, E + 8, tp * dp)}
+        for dispatch in ("none", "gather", "a2a"):
+            backend = "all_to_all" if dispatch == "a2a" else "allgather_reducescatter"
+            mr = None if dispatch == "none" else build_sharding(cfg, ParallelConfig(tp, dp, True, backend)).mesh_rules
+            f = jax.jit(lambda p, x: moe_block(p, cfg, x, "ragged", mesh_rules=mr))
+            xs = x if mr is None else jax.device_put(x, jax.sharding.NamedSharding(mr.mesh, mr.spec(("tokens", None))))
+            for name, pl in placements.items():
+                p = {**moe, "experts": physical_experts(moe["experts"], jnp.asarray(pl.phys_to_log[0])),
+                     "eplb": {"log_to_phys": jnp.asarray(pl.log_to_phys[0]), "replicas": jnp.asarray(pl.replicas[0])}}
+                out[f"{layout}/{dispatch}/eplb_{name}"] = float(jnp.max(jnp.abs(f(p, xs) - want)))
+            out[f"{layout}/{dispatch}/eplb_compiles"] = f._cache_size()
     print("RESULT " + json.dumps(out))
 
 

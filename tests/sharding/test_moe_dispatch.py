@@ -1,8 +1,9 @@
-"""All-to-all expert dispatch (--all2all-backend all_to_all, models/moe_a2a.py) against the all-gather form and the
-single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x EP8 and EP4 over TP alone, with the
-model's routing (the whole MoE block), a balanced routing (the smallest buffer of the capacity ladder) and a skewed one (every token to
-one device: the dropless worst case); and greedy tokens through the engine equal HF transformers' greedy generate.
-fp32, 8 fake CPU devices, each script in its own process (run_moe_dispatch.py, run_case.py)."""
+"""All-to-all expert dispatch (--all2all-backend all_to_all, models/moe_a2a.py) against the all-gather form and
+the single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x EP8 and EP4 over TP alone, with
+the model's routing (the whole MoE block), a balanced routing (the smallest buffer of the capacity ladder) and a
+skewed one (every token to one device: the dropless worst case); an EPLB placement with redundant experts changes
+no output; and greedy tokens through the engine equal HF transformers' greedy generate. fp32, 8 fake CPU devices,
+each script in its own process (run_moe_dispatch.py, run_case.py)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def runs(hf_case):
 
 def test_all_to_all_equals_all_gather_and_one_device(runs):
     res = runs[0]
-    layouts = sorted({k.split("/")[0] for k in res})
+    layouts = sorted({k.split("/")[0] for k in res if "/a2a/balanced" in k})
     assert len(layouts) == 4
     for lay in layouts:
         assert res[f"{lay}/a2a/hlo_all_to_all"] and not res[f"{lay}/gather/hlo_all_to_all"], lay
@@ -47,6 +48,18 @@ def test_all_to_all_equals_all_gather_and_one_device(runs):
         assert res[f"{lay}/a2a/block"] < 1e-5 and res[f"{lay}/gather/block"] < 1e-5, lay
         for routing in ("balanced", "skewed"):
             assert res[f"{lay}/a2a/{routing}"] < 1e-5, (lay, routing, res[f"{lay}/a2a/{routing}"])
+
+
+def test_eplb_placement_never_changes_the_output(runs):
+    """8 redundant slots (24 physical experts), placed flat and rebalanced for skewed counts (sharding/eplb.py):
+    on one device and under both dispatch forms, the MoE block's output is the logical experts' on one device,
+    and the two placements run in one compiled program."""
+    res = runs[0]
+    cases = [k for k in res if "/eplb_" in k and not k.endswith("compiles")]
+    assert len(cases) == 2 * 3 * 2
+    for key in cases:
+        assert res[key] < 1e-5, (key, res[key])
+    assert all(res[k] == 1 for k in res if k.endswith("eplb_compiles"))
 
 
 def test_all_to_all_greedy_equals_hf(runs, hf_case):
