@@ -27,7 +27,8 @@ parallel) and/or of their intermediate dim (tensor parallel). Tokens sharded ove
 (data-parallel attention) are all-gathered first; each device computes the token copies routed to its
 local experts, and the partial sums are reduce-scattered back to the token owners (psum over the
 other axes). A first version, "soft all-to-all" as in sglang-jax: every device sees every token.
-Without `mesh_rules` the single-device code runs unchanged.
+With `MeshRules.moe_dispatch` "all_to_all" each token goes only to its experts' devices instead
+(models/moe_a2a.py). Without `mesh_rules` the single-device code runs unchanged.
 """
 
 from __future__ import annotations

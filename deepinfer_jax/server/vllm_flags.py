@@ -20,7 +20,7 @@ SAME = set("""
 --enable-prefix-caching --tensor-parallel-size --data-parallel-size --enable-expert-parallel --block-size
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
---nnodes --node-rank --master-addr --master-port --speculative-config --all2all-backend
+--nnodes --node-rank --master-addr --master-port --speculative-config --all2all-backend --enable-eplb --eplb-config
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -96,10 +96,11 @@ _R = {  # refused, by reason: {what to do: flags}
         "--headless --api-server-count --grpc --worker-cls --worker-extension-cls --ray-workers-use-nsight "
         "--distributed-timeout-seconds --cpu-distributed-timeout-seconds --disable-nccl-for-dp-synchronization "
         "--max-parallel-loading-workers --device-ids --numa-bind --numa-bind-cpus --numa-bind-nodes",
-    "context parallelism, dual-batch overlap and expert load balancing are not implemented; see docs/multi-gpu.md":
+    "context parallelism, dual-batch overlap, elastic EP and other expert placements are not implemented; see "
+    "docs/multi-gpu.md":
         "--decode-context-parallel-size --prefill-context-parallel-size --dcp-kv-cache-interleave-size "
         "--cp-kv-cache-interleave-size --dcp-comm-backend --enable-dbo --dbo-decode-token-threshold "
-        "--dbo-prefill-token-threshold --ubatch-size --enable-eplb --eplb-config --enable-elastic-ep "
+        "--dbo-prefill-token-threshold --ubatch-size --enable-elastic-ep "
         "--expert-placement-strategy --enable-ep-weight-filter",
     "the KV cache is sized by --gpu-memory-utilization or --num-pages, with a host tier from "
     "--kv-offloading-size (its own, native backend); weights stay on the devices, and there is no KV transfer "

@@ -18,6 +18,7 @@ output, only which device computes it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -122,3 +123,59 @@ def balancedness(load: np.ndarray, placement: ExpertPlacement, num_ranks: int) -
     `log_balancedness` figure."""
     r = rank_loads(load, placement, num_ranks)
     return float(np.mean(r.mean(1) / np.maximum(r.max(1), 1e-12)))
+
+
+# vLLM's EPLBConfig keys that are not implemented here, each refused by name: the placement is computed once at
+# start (from `expert_load`, or flat), not from a window of recent steps.
+EPLB_REFUSED_KEYS = ("window_size", "step_interval", "log_balancedness", "use_async", "policy",
+                     "num_wait_worker_iterations", "communicator")
+
+
+@dataclass(frozen=True)
+class EPLBConfig:
+    """--eplb-config: num_redundant_experts (vLLM's key: extra physical slots, copies of the hot experts) and
+    expert_load (ours: a JSON file of observed routing counts, [E] for every MoE layer or [L][E] one row a MoE
+    layer, from which the start-up placement is computed; without it the placement is flat)."""
+
+    num_redundant_experts: int = 0
+    expert_load: str | None = None
+
+    @classmethod
+    def parse(cls, value: Any) -> "EPLBConfig":
+        import json
+
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--eplb-config is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--eplb-config must be a JSON object, got {value!r}")
+        for key in value:
+            if key in EPLB_REFUSED_KEYS:
+                raise ValueError(f"--eplb-config key {key!r} is not supported: the placement is computed once at "
+                                 "start, from \"expert_load\" counts or flat (docs/multi-gpu.md)")
+            if key not in ("num_redundant_experts", "expert_load"):
+                raise ValueError(f"--eplb-config key {key!r} is not one of num_redundant_experts, expert_load")
+        n = value.get("num_redundant_experts", 0)
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise ValueError(f"--eplb-config num_redundant_experts must be an integer >= 0, got {n!r}")
+        return cls(n, value.get("expert_load"))
+
+    def placement(self, num_layers: int, num_logical: int, num_ranks: int) -> ExpertPlacement:
+        """The start-up placement for `num_layers` MoE layers of `num_logical` experts over `num_ranks` EP ranks."""
+        import json
+
+        P = check_slots(num_logical, self.num_redundant_experts, num_ranks)
+        if self.expert_load is None:
+            return default_placement(num_layers, num_logical, self.num_redundant_experts, num_ranks)
+        with open(self.expert_load) as f:
+            load = np.asarray(json.load(f), np.float64)
+        if load.ndim == 1:
+            load = np.tile(load, (num_layers, 1))
+        if load.shape != (num_layers, num_logical) or (load < 0).any():
+            raise ValueError(f"--eplb-config expert_load {self.expert_load}: counts of shape {load.shape}, want "
+                             f"[{num_logical}] or [{num_layers}, {num_logical}] (MoE layers x experts), none negative")
+        return rebalance(load, P, num_ranks)

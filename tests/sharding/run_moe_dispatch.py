@@ -22,7 +22,7 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 LAYOUTS = ["2x2ep", "1x4ep", "1x8ep", "4x1ep"]  # DP2 x EP4 (TP2), DP4 x EP4, DP8 x EP8, EP4 over TP4 alone
 EPLB_LAYOUTS = ["2x2ep", "1x8ep"]
-TOKENS = 72  # 9 a data rank at DP 8; slices of 18 (2x2ep) and 18 (4x1ep: padded from 72 / 4)
+TOKENS = 72  # 9 a data rank at DP 8, slices of 18 a device at DP 2 x TP 2
 CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
               v_head_dim=8, first_k_dense_replace=1, max_position_embeddings=64, model_type="deepseek_v3",
@@ -44,19 +44,20 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(CONFIG)
     moe = jax.tree.map(lambda a: a[0], init_params(cfg, seed=3)["segments"][1]["moe"])  # the MoE layer
     moe = jax.tree.map(lambda a: a * 10 if a.ndim > 1 else a, moe)  # a router far from flat
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((TOKENS, cfg.hidden_size)), jnp.float32)
+    x_all = jnp.asarray(np.random.default_rng(0).standard_normal((TOKENS, cfg.hidden_size)), jnp.float32)
     E, k = cfg.n_routed_experts, cfg.num_experts_per_tok
-    t = np.arange(TOKENS)
-    w_fixed = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.0, (TOKENS, k)), jnp.float32)
+    w_all = jnp.asarray(np.random.default_rng(1).uniform(0.1, 1.0, (TOKENS, k)), jnp.float32)
     out = {}
     for layout in LAYOUTS:
         tp, dp = (int(v) for v in layout.removesuffix("ep").split("x"))
+        T = TOKENS if dp > 1 else TOKENS - 2  # one data rank: 70 tokens, which TP = 4 does not divide (padded)
+        x, w_fixed, t = x_all[:T], w_all[:T], np.arange(T)
         n = tp * dp
         per = E // n
         # balanced: token t's k copies on device t % n; skewed: every copy on device 0 (ids may repeat when a
         # device holds fewer than k experts: each copy is computed and weighted, as anywhere else)
         bal = (t % n)[:, None] * per + np.arange(k)[None, :] % per
-        skew = np.broadcast_to(np.arange(k) % per, (TOKENS, k))
+        skew = np.broadcast_to(np.arange(k) % per, (T, k))
         routings = {"balanced": (w_fixed, jnp.asarray(bal, jnp.int32)),
                     "skewed": (w_fixed, jnp.asarray(skew, jnp.int32))}
         for dispatch in ("gather", "a2a"):
@@ -80,6 +81,7 @@ def main() -> None:
     from deepinfer_jax.models.eplb_map import physical_experts
     from deepinfer_jax.sharding.eplb import default_placement, rebalance
 
+    x = x_all
     want = moe_block(moe, cfg, x, "ragged")
     for layout in EPLB_LAYOUTS:
         tp, dp = (int(v) for v in layout.removesuffix("ep").split("x"))

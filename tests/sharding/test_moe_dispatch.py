@@ -1,9 +1,9 @@
 """All-to-all expert dispatch (--all2all-backend all_to_all, models/moe_a2a.py) against the all-gather form and
-the single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x EP8 and EP4 over TP alone, with
-the model's routing (the whole MoE block), a balanced routing (the smallest buffer of the capacity ladder) and a
-skewed one (every token to one device: the dropless worst case); an EPLB placement with redundant experts changes
-no output; and greedy tokens through the engine equal HF transformers' greedy generate. fp32, 8 fake CPU devices,
-each script in its own process (run_moe_dispatch.py, run_case.py)."""
+the single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x EP8 and EP4 over TP4 alone (70
+tokens: padded), with the model's routing (the whole MoE block), a balanced routing (the smallest buffer of the
+capacity ladder) and a skewed one (every token to one device: the dropless worst case); an EPLB placement with
+redundant experts changes no output; and greedy tokens through the engine equal HF transformers' greedy generate.
+fp32, 8 fake CPU devices, each script in its own process (run_moe_dispatch.py, run_case.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +14,31 @@ import sys
 
 import pytest
 
-from hf_models import hf_greedy
+from hf_models import hf_greedy, random_prompts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(REPO, "tests", "sharding")
 ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
 LAYOUT = "2x4ep-a2a"  # DP4 x EP8 (TP2): tokens sliced over "tensor" before dispatch
+
+# LLM with EPLB (8 redundant experts, placed from skewed counts) and all-to-all dispatch, DP2 x EP4 (TP2); the
+# all-gather form with a placement: run_moe_dispatch.py
+EPLB_SCRIPT = r"""
+import json, sys
+from deepinfer_jax import LLM, SamplingParams
+prompts = [{"prompt_token_ids": p} for p in json.loads(sys.argv[2])]
+out = {}
+for backend in ("all_to_all",):
+    llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
+              max_num_batched_tokens=32, page_size=8, progress=False, compilation_cache_dir=None,
+              tensor_parallel_size=2, data_parallel_size=2, enable_expert_parallel=True, all2all_backend=backend,
+              enable_eplb=True, eplb_config={"num_redundant_experts": 8, "expert_load": sys.argv[3]})
+    res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    out[backend] = {"tokens": [o.outputs[0].token_ids for o in res], "replicas": llm.eplb_placement.replicas.tolist(),
+                    "late_compiles": llm.engine.runner.compiles_after_warmup}
+print("RESULT " + json.dumps(out))
+"""
+EPLB_LENGTHS = (3, 17, 40, 9)
 
 
 def _result(p: subprocess.Popen) -> dict:
@@ -29,13 +48,20 @@ def _result(p: subprocess.Popen) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs(hf_case):
-    _, path = hf_case("v3_grouped_noaux")
+def runs(hf_case, tmp_path_factory):
+    model, path = hf_case("v3_grouped_noaux")
+    load = tmp_path_factory.mktemp("eplb") / "load.json"
+    E = model.config.n_routed_experts
+    load.write_text(json.dumps([1000.0 / (1 + e) ** 1.5 for e in range(E)]))  # experts 0, 1, 2 hot
+    prompts = random_prompts(1, EPLB_LENGTHS, model.config.vocab_size)
+    eplb = subprocess.Popen([sys.executable, "-c", EPLB_SCRIPT, path, json.dumps(prompts), str(load)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**ENV, "XLA_FLAGS": "--xla_force_host_platform_device_count=4"})
     layer = subprocess.Popen([sys.executable, os.path.join(HERE, "run_moe_dispatch.py")], stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True, env=ENV)
     greedy = subprocess.Popen([sys.executable, os.path.join(HERE, "run_case.py"), path, LAYOUT],
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    return _result(layer), _result(greedy)
+    return _result(layer), _result(greedy), (prompts, _result(eplb))
 
 
 def test_all_to_all_equals_all_gather_and_one_device(runs):
@@ -83,3 +109,16 @@ def test_all_to_all_greedy_equals_hf(runs, hf_case):
     Ts, D, k = r["bucket"] // 2, cfg.hidden_size, cfg.num_experts_per_tok
     assert {d for kind, d in got if kind == "all-to-all"} == {(1, c, n) for c in capacity_ladder(Ts) for n in (D, k)}
     assert not any(kind == "reduce-scatter" for kind, _ in got)
+
+
+def test_eplb_greedy_equals_hf(runs, hf_case):
+    """LLM(enable_eplb=True, eplb_config={"num_redundant_experts": 8, "expert_load": skewed counts}): the hot
+    experts get the copies, and greedy tokens are HF's (with the all-to-all dispatch)."""
+    model, _ = hf_case("v3_grouped_noaux")
+    prompts, res = runs[2]
+    want = [hf_greedy(model, p, 6) for p in prompts]
+    for backend, r in res.items():
+        assert r["tokens"] == want, backend
+        assert r["late_compiles"] == 0, backend
+        per_layer = r["replicas"][0]
+        assert sum(per_layer) == model.config.n_routed_experts + 8 and per_layer[0] == max(per_layer) > 1

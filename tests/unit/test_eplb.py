@@ -63,3 +63,23 @@ def test_refusals_name_the_knob():
         check_slots(E, -1, N)
     with pytest.raises(ValueError, match="every logical expert"):
         placement_from(np.zeros((1, E), np.int32), E)
+
+
+def test_eplb_config_parse_and_placement(tmp_path):
+    import json
+
+    from deepinfer_jax.sharding.eplb import EPLBConfig
+
+    assert EPLBConfig.parse(None) == EPLBConfig()
+    counts = tmp_path / "load.json"
+    counts.write_text(json.dumps(skewed(2).tolist()))
+    c = EPLBConfig.parse(json.dumps({"num_redundant_experts": 4, "expert_load": str(counts)}))
+    pl = c.placement(2, E, N)
+    assert pl.num_physical == E + 4 and (rank_loads(skewed(2), pl, N).max(1)
+                                         < rank_loads(skewed(2), contiguous(2), N).max(1)).all()
+    for bad, match in [({"window_size": 10}, "'window_size' is not supported"), ({"foo": 1}, "'foo' is not one of"),
+                       ({"num_redundant_experts": -2}, "integer >= 0"), ("{", "not JSON")]:
+        with pytest.raises(ValueError, match=match):
+            EPLBConfig.parse(bad if isinstance(bad, str) else json.dumps(bad))
+    with pytest.raises(ValueError, match="expert_load"):
+        EPLBConfig(4, str(counts)).placement(3, E, N)  # counts for 2 MoE layers, the model has 3
