@@ -99,18 +99,16 @@ def all_to_all_local(mr: MeshRules, compute: Callable, ex_l: dict, x: jax.Array,
         def run(x, w, idx):
             slot = jnp.where(mask, pos, C)  # [Ts, n]; C: not sent (dropped by the scatter)
             dev = jnp.broadcast_to(jnp.arange(n)[None, :], slot.shape)
-            send_x = jnp.zeros((n, C, D), x.dtype).at[dev, slot].set(
-                jnp.broadcast_to(x[:, None, :], (Ts, n, D)), mode="drop")
-            send_w = jnp.zeros((n, C, w.shape[1]), w.dtype).at[dev, slot].set(
-                jnp.broadcast_to(w[:, None, :], (Ts, n, w.shape[1])), mode="drop")
-            send_i = jnp.full((n, C, idx.shape[1]), -1, idx.dtype).at[dev, slot].set(
-                jnp.broadcast_to(idx[:, None, :], (Ts, n, idx.shape[1])), mode="drop")
-            recv = [jax.lax.all_to_all(a, exp_axes, 0, 0) for a in (send_x, send_w, send_i)]  # [n, C, ...]
+            tok = jnp.broadcast_to(jnp.arange(Ts, dtype=jnp.int32)[:, None], slot.shape)
+            src = jnp.full((n, C), Ts, jnp.int32).at[dev, slot].set(tok, mode="drop")  # [n, C] token a row; Ts: none
+            xp, wp = (jnp.concatenate([a, jnp.zeros((1, a.shape[1]), a.dtype)]) for a in (x, w))
+            ip = jnp.concatenate([idx, jnp.full((1, idx.shape[1]), -1, idx.dtype)])
+            send = (xp[src], wp[src], ip[src])  # [n, C, D], [n, C, k] x2: the rows for each device
+            recv = [jax.lax.all_to_all(a, exp_axes, 0, 0) for a in send]  # [n, C, ...] the rows from each device
             y = compute(ex_l, recv[0].reshape(n * C, D), recv[1].reshape(n * C, -1), recv[2].reshape(n * C, -1),
                         layer)  # [n C, D] fp32
             back = jax.lax.all_to_all(y.reshape(n, C, D), exp_axes, 0, 0)  # [n, C, D] rows of my tokens
-            rows = back[dev, jnp.clip(pos, 0, C - 1)]  # [Ts, n, D]
-            return jnp.sum(jnp.where(mask[:, :, None], rows, 0.0), axis=1)  # [Ts, D] fp32
+            return jnp.zeros((Ts + 1, D), jnp.float32).at[src].add(back)[:Ts]  # [Ts, D] fp32, each token's sum
 
         return run
 
