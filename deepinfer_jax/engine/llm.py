@@ -154,7 +154,10 @@ class LLM:
     config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank), pipeline_parallel_size (the decoder
-    layers split into that many stages, each on its own TP x DP devices: sharding/pipeline.py). Ours: num_pages (fix the
+    layers split into that many stages, each on its own TP x DP devices: sharding/pipeline.py), all2all_backend (how EP moves tokens:
+    "allgather_reducescatter", every device sees every token, or "all_to_all", each token sent only to its experts'
+    devices; docs/multi-gpu.md), enable_eplb / eplb_config (expert load balancing: redundant copies of the hot
+    experts placed at start, {"num_redundant_experts": R, "expert_load": counts.json}; sharding/eplb.py). Ours: num_pages (fix the
     KV pool size), attn_impl / moe_impl ("auto": the Pallas kernels on a GPU, the XLA references
     elsewhere), gpu_memory (GiB per device: the memory the KV cache is sized from and the model checked against,
     for a device without memory figures or to leave room; None: the device's own), unroll_max_tokens (steps of at most this many token slots run the layers unrolled;
@@ -196,7 +199,8 @@ class LLM:
                  token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
                  speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0,
-                 cpu_offload_gb: float = 0.0):
+                 cpu_offload_gb: float = 0.0, all2all_backend: str = "allgather_reducescatter",
+                 enable_eplb: bool = False, eplb_config: dict | str | None = None):
         # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
         from deepinfer_jax.runner.multihost import StepChannel
 
@@ -224,7 +228,18 @@ class LLM:
         if spec is not None:
             spec.check_supported()
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
-                                  pipeline_parallel_size)
+                                  pipeline_parallel_size, all2all_backend=all2all_backend)
+        if all2all_backend != "allgather_reducescatter" and not enable_expert_parallel:
+            raise ValueError(f"all2all_backend {all2all_backend!r} moves tokens between expert-parallel devices: "
+                             "set enable_expert_parallel (--enable-expert-parallel)")
+        from deepinfer_jax.sharding.eplb import EPLBConfig
+
+        eplb = EPLBConfig.parse(eplb_config)
+        if eplb_config is not None and not enable_eplb:
+            raise ValueError("eplb_config (--eplb-config) needs enable_eplb (--enable-eplb)")
+        if enable_eplb and parallel.expert_parallel_size <= 1:
+            raise ValueError("enable_eplb (--enable-eplb) balances experts over expert-parallel devices: set "
+                             "enable_expert_parallel (--enable-expert-parallel) on more than one device")
         if nnodes > 1:
             import jax
 
@@ -240,6 +255,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, model)
         # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
         self.sharding, shardings = None, None
+        self.eplb_placement = None  # sharding/eplb.py ExpertPlacement with enable_eplb
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
@@ -278,6 +294,14 @@ class LLM:
                                                       vocab_multiple=vocab_multiple)
         else:
             raise ValueError(f"load_format {load_format!r} is not one of 'auto', 'dummy'")
+        if enable_eplb:  # the routed experts on the placement's physical slots (weights/eplb_load.py)
+            from deepinfer_jax.weights.eplb_load import moe_layer_count, with_placement
+
+            if self.model_config.family != "deepseek":
+                raise ValueError(f"enable_eplb is not supported for {self.model_config.model_type}")
+            E = self.model_config.n_routed_experts
+            self.eplb_placement = eplb.placement(moe_layer_count(params), E, parallel.expert_parallel_size)
+            params = with_placement(params, self.eplb_placement, self.sharding.mesh, E)
         cfg = self.model_config
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:

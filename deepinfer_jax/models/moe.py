@@ -27,10 +27,13 @@ parallel) and/or of their intermediate dim (tensor parallel). Tokens sharded ove
 (data-parallel attention) are all-gathered first; each device computes the token copies routed to its
 local experts, and the partial sums are reduce-scattered back to the token owners (psum over the
 other axes). A first version, "soft all-to-all" as in sglang-jax: every device sees every token.
-Without `mesh_rules` the single-device code runs unchanged.
+With `MeshRules.moe_dispatch` "all_to_all" each token goes only to its experts' devices instead
+(models/moe_a2a.py). Without `mesh_rules` the single-device code runs unchanged.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -190,39 +193,52 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
         out_dtype = x.dtype
         if gather:
             x, w, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, idx))
-        E_local = jax.tree.leaves(ex_l["down"])[0].shape[len(lead)]
-        first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
-        if moe_impl in ("pallas", "pallas_interpret"):
-            from deepinfer_jax.kernels.moe_gmm import moe_experts
-
-            # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
-            loc = idx - first
-            ok = (loc >= 0) & (loc < E_local)
-            w_loc, idx_loc = jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1)
-            y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
-                is_quantized(ex_l["gate_up"])) else None
-            if y is None:  # float experts, or shapes the quantized kernels do not tile
-                y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
-                                layer=layer, interpret=moe_impl == "pallas_interpret")
-            y = y.astype(jnp.float32)
-        else:
-            if layer is not None:
-                ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
-            f = {"dense": _experts_dense_f32, "ragged": _experts_ragged_f32}[moe_impl]
-            y = f(ex_l, x, w, idx, first)
+        y = local_experts_f32(moe_impl, ex_l, x, w, idx, layer, exp_axes, lead)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if rest:
             y = jax.lax.psum(y, rest)
         return y.astype(out_dtype)
 
+    if mr.moe_dispatch == "all_to_all":  # token copies sent to their experts' devices and back (moe_a2a.py)
+        from deepinfer_jax.models.moe_a2a import all_to_all_local, check_all_to_all
+
+        check_all_to_all(mr)
+        compute = functools.partial(local_experts_f32, moe_impl, exp_axes=exp_axes, lead=lead)
+        local = functools.partial(all_to_all_local, mr, compute, exp_axes=exp_axes, lead=lead)
     if moe_impl not in ("dense", "ragged", "pallas", "pallas_interpret"):
         raise ValueError(f"moe_impl {moe_impl!r} is not one of 'ragged', 'dense', 'pallas', 'pallas_interpret'")
     layer_arg = jnp.int32(0) if layer is None else layer
     fn = jax.shard_map(lambda e, x, w, i, l: local(e, x, w, i, None if layer is None else l), mesh=mr.mesh,
                        in_specs=(ex_specs, tspec, tspec, tspec, P()), out_specs=tspec,
-                       check_vma=not moe_impl.startswith("pallas"))
+                       check_vma=not moe_impl.startswith("pallas") and mr.moe_dispatch != "all_to_all")
     return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx, layer_arg)
+
+
+def local_experts_f32(moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
+                      layer: jax.Array | None, exp_axes: tuple, lead: tuple) -> jax.Array:
+    """Inside shard_map: this device's slice of the experts (`ex_l`, [(L,) E_local, ...]) applied to the token
+    copies of x [T, D] (w/idx [T, k], global expert ids) routed to it; copies routed elsewhere (or id -1)
+    contribute nothing. -> fp32 [T, D] partial sums."""
+    E_local = jax.tree.leaves(ex_l["down"])[0].shape[len(lead)]
+    first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
+    if moe_impl in ("pallas", "pallas_interpret"):
+        from deepinfer_jax.kernels.moe_gmm import moe_experts
+
+        # Copies routed to other devices' experts get id -1: the kernel gives them no rows.
+        loc = idx - first
+        ok = (loc >= 0) & (loc < E_local)
+        w_loc, idx_loc = jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1)
+        y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
+            is_quantized(ex_l["gate_up"])) else None
+        if y is None:  # float experts, or shapes the quantized kernels do not tile
+            y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
+                            layer=layer, interpret=moe_impl == "pallas_interpret")
+        return y.astype(jnp.float32)
+    if layer is not None:
+        ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
+    f = {"dense": _experts_dense_f32, "ragged": _experts_ragged_f32}[moe_impl]
+    return f(ex_l, x, w, idx, first)
 
 
 def quantized_experts(ex: dict, x: jax.Array, w: jax.Array, idx: jax.Array, layer: jax.Array | None,
@@ -279,7 +295,9 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
     there, both expert kernels run in one launch (kernels/moe_gmm.py). `routed`: `moe_route.route_align`'s
     outputs for x, from a launch that routed already (kernels/residual_route.py); only where the routing runs
     in its kernel. `mosaic`: moe_impl
-    "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`)."""
+    "pallas*" steps of prefill size run the expert GEMMs on Mosaic GPU (kernels/moe_gmm.py `mosaic_applies`).
+    `p["eplb"]`: an expert placement (models/eplb_map.py): the expert weights are its physical slots, the router's
+    ids are mapped onto them, and the ids returned stay logical; the routing then runs in XLA, not in a kernel."""
     out, idx = _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic)
     return (out, idx) if return_routing else out
 
@@ -287,7 +305,7 @@ def moe_block(p: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str = "ragged",
 def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_launch, routed, mosaic=False):
     """moe_block's work: (out [T, D], idx [T, k])."""
     ex = p["experts"] if experts is None else experts
-    fused = fuse_routing and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
+    fused = fuse_routing and "eplb" not in p and routing_into_kernels(cfg, moe_impl, mesh_rules, x.shape[0], ex)
     if routed is not None and not fused:
         raise ValueError("moe_block takes precomputed routing only where it routes in its kernel")
     if fused:
@@ -306,6 +324,17 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
         w, idx = route_sharded(mesh_rules, p, cfg, x)
     else:
         w, idx = route(p, cfg, x)
+    if "eplb" in p:  # an expert placement: the experts are physical slots (models/eplb_map.py)
+        from deepinfer_jax.models.eplb_map import to_physical
+
+        logical, idx = idx, to_physical(idx, p["eplb"]["log_to_phys"], p["eplb"]["replicas"])
+        out, _ = _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+        return out, logical
+    return _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+
+
+def _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx):
+    """_moe's routed experts (plus the shared MLP) for routing w/idx [T, k]: (out [T, D], idx)."""
     if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
         out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
                                                  None if experts is None else layer))

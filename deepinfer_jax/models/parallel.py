@@ -20,10 +20,13 @@ from jax.sharding import Mesh, PartitionSpec
 @dataclass(frozen=True)
 class MeshRules:
     """A mesh and `rules`: (logical axis, mesh axes) pairs; a logical axis not named is replicated.
-    Frozen and hashable, so jitted step functions may close over it."""
+    Frozen and hashable, so jitted step functions may close over it. `moe_dispatch`: how the routed experts
+    reach tokens of other devices under expert parallelism, "allgather_reducescatter" (every device sees every
+    token) or "all_to_all" (each token sent only to the devices of its experts; models/moe_a2a.py)."""
 
     mesh: Mesh
     rules: tuple[tuple[str, tuple[str, ...]], ...]
+    moe_dispatch: str = "allgather_reducescatter"
 
     def mesh_axes(self, logical: str | None) -> tuple[str, ...]:
         if logical is None:

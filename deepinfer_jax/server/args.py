@@ -159,6 +159,14 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--enable-expert-parallel", "-ep", action="store_true", help="experts sharded over TP x DP")
     g.add_argument("--pipeline-parallel-size", "-pp", type=positive_int, default=1,
                    help="decoder layers split into this many stages, each on its own TP x DP devices")
+    g.add_argument("--all2all-backend", default="allgather_reducescatter",
+                   choices=["allgather_reducescatter", "all_to_all"],  # sharding/mesh.py ALL2ALL_BACKENDS
+                   help="how expert parallelism moves tokens: every device sees every token (allgather_reducescatter) "
+                        "or each token goes only to its experts' devices (all_to_all; docs/multi-gpu.md)")
+    g.add_argument("--enable-eplb", action="store_true",
+                   help="expert load balancing: redundant copies of the hot experts, placed at start (needs -ep)")
+    g.add_argument("--eplb-config", default=None, metavar="JSON",
+                   help='{"num_redundant_experts": R, "expert_load": "counts.json"} (docs/multi-gpu.md)')
     g.add_argument("--page-size", "--block-size", dest="page_size", type=power_of_two, default=64,
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
@@ -393,7 +401,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         kv_offloading_size=ns.kv_offloading_size, cpu_offload_gb=ns.cpu_offload_gb,
         seed=ns.seed, tensor_parallel_size=ns.tensor_parallel_size, data_parallel_size=ns.data_parallel_size,
         enable_expert_parallel=ns.enable_expert_parallel, pipeline_parallel_size=ns.pipeline_parallel_size,
-        num_pages=ns.num_pages,
+        all2all_backend=ns.all2all_backend, num_pages=ns.num_pages, enable_eplb=ns.enable_eplb, eplb_config=ns.eplb_config,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir,
         speculative_config=ns.speculative_config)

@@ -21,7 +21,8 @@ SAME = set("""
 --num-gpu-blocks-override --seed --chat-template --host --port --served-model-name --api-key --reasoning-parser
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
 --cpu-offload-gb
---nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size
+--nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size --all2all-backend
+--enable-eplb --eplb-config
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -76,7 +77,7 @@ _R = {  # refused, by reason: {what to do: flags}
         "--optimization-level --performance-mode --cudagraph-metrics",
     "kernels are chosen with --attn-impl and --moe-impl":
         "--attention-backend --attention-config --moe-backend --linear-backend --kernel-config --ir-op-priority "
-        "--enable-flashinfer-autotune --enable-bf16x3-router-gemm --mm-encoder-attn-backend --all2all-backend "
+        "--enable-flashinfer-autotune --enable-bf16x3-router-gemm --mm-encoder-attn-backend "
         "--override-attention-dtype --enable-flash-late-interaction --use-fp64-gumbel",
     "a sliding window (Mistral) is applied as the model's config.json sets it": "--disable-sliding-window",
     "LoRA adapters are not supported": "--enable-lora --lora-modules --max-loras --max-lora-rank --max-cpu-loras "
@@ -96,10 +97,11 @@ _R = {  # refused, by reason: {what to do: flags}
         "--headless --api-server-count --grpc --worker-cls --worker-extension-cls --ray-workers-use-nsight "
         "--distributed-timeout-seconds --cpu-distributed-timeout-seconds --disable-nccl-for-dp-synchronization "
         "--max-parallel-loading-workers --device-ids --numa-bind --numa-bind-cpus --numa-bind-nodes",
-    "context parallelism, dual-batch overlap and expert load balancing are not implemented; see docs/multi-gpu.md":
+    "context parallelism, dual-batch overlap, elastic EP and other expert placements are not implemented; see "
+    "docs/multi-gpu.md":
         "--decode-context-parallel-size --prefill-context-parallel-size --dcp-kv-cache-interleave-size "
         "--cp-kv-cache-interleave-size --dcp-comm-backend --enable-dbo --dbo-decode-token-threshold "
-        "--dbo-prefill-token-threshold --ubatch-size --enable-eplb --eplb-config --enable-elastic-ep "
+        "--dbo-prefill-token-threshold --ubatch-size --enable-elastic-ep "
         "--expert-placement-strategy --enable-ep-weight-filter",
     "the KV cache is sized by --gpu-memory-utilization or --num-pages, with a host tier from "
     "--kv-offloading-size (its own, native backend); weights go to host memory by --cpu-offload-gb alone (routed "

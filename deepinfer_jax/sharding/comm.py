@@ -11,6 +11,12 @@ follows the layout of rules.py and the sharded code paths of the model:
 - routed experts (models/moe.py experts_sharded, experts or their width over "data" x "tensor"): x [T_r, D]
   and the routing (weights f32 and ids int32, [T_r, k]) all-gathered over "data", the fp32 partial outputs
   [T, D] reduce-scattered over "data" and [T_r, D] fp32 summed over "tensor";
+- or, with all2all_backend "all_to_all" (models/moe_a2a.py), over the EP group ("data" x "tensor", axis
+  "expert" below): the largest send count (an int32 pmax), then all-to-alls of C rows for each device: x
+  [C, D], the routing (weights f32, ids int32, [C, k]) and the fp32 outputs [C, D] back (XLA splits each into a
+  tuple of one [1, C, ...] piece a device), then the T_s-token slices of a data rank all-gathered over "tensor"
+  (T_s = ceil(T_r / TP)). C is a branch of the capacity ladder (moe_a2a.capacity_ladder): T_s in the worst
+  case, the default here; `a2a_capacity` predicts a balanced step's smaller branch;
 - the last token of each sequence: its hidden state [S_r, D] taken from the data-split tokens (an all-reduce
   over "data"; S_r: the sequence rows of one data rank);
 - logits: lm_head's vocab columns over "tensor", each device's [S_r, V / TP] slice gathered, [S_r, V] fp32
@@ -26,7 +32,8 @@ follows the layout of rules.py and the sharded code paths of the model:
 
 Bytes are per device and per occurrence, as a ring algorithm moves them: an all-reduce of B bytes over n
 devices sends 2 (n - 1) / n B, an all-gather of a result of B bytes receives (n - 1) / n B, a reduce-scatter
-of an input of B bytes (n times its result) sends (n - 1) / n B. XLA may fuse neighbouring all-reduces into
+of an input of B bytes (n times its result) sends (n - 1) / n B, an all-to-all of a buffer of B bytes (n pieces,
+one a device) sends the (n - 1) / n B of the other devices' pieces. XLA may fuse neighbouring all-reduces into
 one (the routed experts' sum over "tensor" with the shared experts'), which changes the count of collectives,
 not the bytes. Small metadata moves (collective-permutes of the step's int32 inputs) are left out.
 """
@@ -43,8 +50,8 @@ from deepinfer_jax.sharding.mesh import ParallelConfig
 @dataclass(frozen=True)
 class Collective:
     what: str  # "attention o_proj", "routed experts: gather x", ...
-    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "send" | "receive" (point to point)
-    axis: str  # "tensor" | "data" | "pipe" (between pipeline stages)
+    kind: str  # "all-reduce" | "all-gather" | "reduce-scatter" | "all-to-all" | "send" | "receive" (point to point)
+    axis: str  # "tensor" | "data" | "expert" (the EP group: "data" x "tensor") | "pipe" (between pipeline stages)
     shape: tuple[int, ...]  # the collective's result on one device, as the compiled HLO shows it
     dtype_bytes: int
     per_step: int  # occurrences per step (layers)
@@ -65,10 +72,11 @@ def _ring(kind: str, nbytes: int, n: int) -> int:
 
 
 def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
-                     stage: PipelineStage | None = None) -> list[Collective]:
+                     stage: PipelineStage | None = None, a2a_capacity: int | None = None) -> list[Collective]:
     """The collectives of one step of `tokens` token slots and `seqs` sequence rows per data-parallel rank
     (a padded bucket: token_buckets and seq_rows), in the engine dtype of `dtype_bytes` bytes. With pipeline
-    parallelism, those of a device of `stage` (models/pipeline.py; None: the first)."""
+    parallelism, those of a device of `stage` (models/pipeline.py; None: the first). `a2a_capacity`: the rows a
+    device for the all-to-all dispatch (None: the worst case, T_s)."""
     tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
     if stage is None:
@@ -80,8 +88,8 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
     out: list[Collective] = []
 
     def add(what, kind, axis, shape, nbytes_each, per_step):
-        n = {"tensor": tp, "data": dp, "pipe": pc.pipeline_parallel_size}[axis]
-        size = nbytes_each * (n if kind == "reduce-scatter" else 1)  # a reduce-scatter's input: n results
+        n = {"tensor": tp, "data": dp, "expert": tp * dp, "pipe": pc.pipeline_parallel_size}[axis]
+        size = nbytes_each * (n if kind in ("reduce-scatter", "all-to-all") else 1)  # n results, n pieces
         for s in shape:
             size *= s
         b = _ring(kind, size, n)
@@ -95,7 +103,16 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
     add("dense MLP down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_dense)
     if cfg.n_shared_experts:
         add("shared experts down", "all-reduce", "tensor", (tokens, D), dtype_bytes, n_moe)
-    if n_moe and (dp > 1 or tp > 1):
+    if n_moe and pc.all2all_backend == "all_to_all" and pc.expert_parallel_size > 1:
+        Ts = -(-tokens // tp)
+        C = Ts if a2a_capacity is None else a2a_capacity
+        add("routed experts: largest send count", "all-reduce", "expert", (), 4, n_moe)
+        add("routed experts: all-to-all x", "all-to-all", "expert", (1, C, D), dtype_bytes, n_moe)
+        add("routed experts: all-to-all routing weights", "all-to-all", "expert", (1, C, k), 4, n_moe)
+        add("routed experts: all-to-all routing ids", "all-to-all", "expert", (1, C, k), 4, n_moe)
+        add("routed experts: all-to-all y back (fp32)", "all-to-all", "expert", (1, C, D), 4, n_moe)
+        add("routed experts: gather y slices over tensor", "all-gather", "tensor", (Ts * tp, D), dtype_bytes, n_moe)
+    elif n_moe and (dp > 1 or tp > 1):
         add("routed experts: gather x", "all-gather", "data", (dp * tokens, D), dtype_bytes, n_moe)
         add("routed experts: gather routing", "all-gather", "data", (dp * tokens, k), 8, n_moe)  # f32 + int32
         add("routed experts: reduce-scatter y (fp32)", "reduce-scatter", "data", (tokens, D), 4, n_moe)
@@ -109,20 +126,24 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
     return out
 
 
-def step_bytes(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> int:
+def step_bytes(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
+               a2a_capacity: int | None = None) -> int:
     """Bytes one device sends or receives in collectives during one step (step_collectives summed); with
     pipeline parallelism, a device of the busiest stage."""
-    return max(sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st))
+    return max(sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st, a2a_capacity))
                for st in pipeline_stages(cfg, pc.pipeline_parallel_size))
 
 
-def format_table(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2) -> str:
+def format_table(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
+                 a2a_capacity: int | None = None) -> str:
     """step_collectives as a text table, with the total per device (a table a pipeline stage)."""
     pp = pc.pipeline_parallel_size
     lines = []
     for st in pipeline_stages(cfg, pp):
-        rows = step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st)
+        rows = step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st, a2a_capacity)
         head = (f"TP={pc.tensor_parallel_size} DP={pc.data_parallel_size} EP={pc.expert_parallel_size}"
+                f"{' all_to_all' if pc.all2all_backend == 'all_to_all' and pc.expert_parallel_size > 1 else ''}"
+                f"{'' if a2a_capacity is None else f' (C={a2a_capacity})'}"
                 + (f" PP={pp}, stage {st.rank} (layers {st.start}-{st.stop - 1})" if pp > 1 else "")
                 + f": {tokens} tokens, {seqs} rows a data rank")
         lines += [head, f"  {'collective':44s} {'kind':15s} {'axis':6s} {'per step':>8s} {'MiB/device':>11s}"]

@@ -29,7 +29,7 @@ class ModelSharding:
 
     @property
     def mesh_rules(self) -> MeshRules:
-        return MeshRules(self.mesh, self.rules)
+        return MeshRules(self.mesh, self.rules, self.parallel.all2all_backend)
 
     @property
     def vocab_multiple(self) -> int:
@@ -52,7 +52,8 @@ class ModelSharding:
 
     def fit_param_shardings(self, cfg: ModelConfig, params: Any) -> Any:
         """param_shardings with the exact structure of `params`: a quantized leaf gets its sharding for
-        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit."""
+        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit; an EPLB
+        placement's maps (a MoE segment's `eplb`) are replicated, its physical experts split as the logical ones."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
@@ -63,7 +64,15 @@ class ModelSharding:
 
             return jax.tree.map(one, sub)
 
-        return jax.tree.map(fit, self.param_shardings(cfg), params, is_leaf=lambda x: isinstance(x, NamedSharding))
+        shardings = self.param_shardings(cfg)
+        if isinstance(params, dict) and "segments" in params:  # an EPLB placement's maps (weights/eplb_load.py)
+            segs = list(shardings["segments"])
+            for i, seg in enumerate(params["segments"]):
+                if "eplb" in seg.get("moe", {}):
+                    eplb = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), seg["moe"]["eplb"])
+                    segs[i] = {**segs[i], "moe": {**segs[i]["moe"], "eplb": eplb}}
+            shardings = {**shardings, "segments": segs}
+        return jax.tree.map(fit, shardings, params, is_leaf=lambda x: isinstance(x, NamedSharding))
 
     @property
     def kv_cache(self) -> Any:

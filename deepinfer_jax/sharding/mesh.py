@@ -15,6 +15,9 @@ from dataclasses import dataclass
 DATA = "data"
 TENSOR = "tensor"
 AXES = (DATA, TENSOR)
+# Expert-parallel token movement: every device sees every token (all-gather, then reduce-scatter), or each
+# token goes only to its experts' devices and back (models/moe_a2a.py).
+ALL2ALL_BACKENDS = ("allgather_reducescatter", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -23,11 +26,14 @@ class ParallelConfig:
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     pipeline_parallel_size: int = 1
+    all2all_backend: str = "allgather_reducescatter"  # vLLM's --all2all-backend: how EP moves tokens (ALL2ALL_BACKENDS)
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "data_parallel_size", "pipeline_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.all2all_backend not in ALL2ALL_BACKENDS:
+            raise ValueError(f"--all2all-backend {self.all2all_backend!r} is not one of {', '.join(ALL2ALL_BACKENDS)}")
 
     @property
     def world_size(self) -> int:
