@@ -49,7 +49,7 @@ def test_host_keeps_tokens_up_to_the_first_rejected_row():
         token_ids=np.array([20, 21, 30, 40, 41, 42, 50, 51, 52]),
         accepted=np.array([1, 1, 0, 0, 1, 0, 1, 0, 0]),
         logprob=np.arange(9, dtype=np.float32), top_logprob_ids=np.zeros((9, 0), np.int32),
-        top_logprobs=np.zeros((9, 0), np.float32))
+        top_logprobs=np.zeros((9, 0), np.float32), drafts=None)  # no MTP drafts (SampleOutput.drafts)
     res = step_result(host, sampled)
     assert res.spec_token_ids == {"a": [20, 21, 30], "b": [40], "c": [50, 51]}
     assert res.token_ids == {"a": 30, "b": 40, "c": 51}
