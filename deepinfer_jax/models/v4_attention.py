@@ -215,7 +215,12 @@ def attend(cfg: V4Config, p: dict, q: jax.Array, keys: jax.Array, allowed: jax.A
     logits = jnp.where(jnp.broadcast_to(allowed, (S, keys.shape[1]))[None], logits, -jnp.inf)
     sinks = jnp.broadcast_to(p["sinks"].astype(jnp.float32)[:, None, None], (H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("hst,std->shd", probs, keys).astype(dtype)  # [S, H, hd]
+    return attend_output(cfg, p, jnp.einsum("hst,std->shd", probs, keys).astype(dtype), cos, sin, dtype)
+
+
+def attend_output(cfg: V4Config, p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+    """The attention's heads out [S, H, hd]: the rope slice rotated back, then the grouped low-rank projection."""
+    S = out.shape[0]
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
     g = cfg.o_groups

@@ -20,7 +20,8 @@ cached keys), with the sink, in one softmax (the concatenation is the log-sum-ex
 chunks may end anywhere inside a window: the open window's projections wait in the state pages. The queries attend
 a block of TOKEN_BLOCK at a time, each gathering only the rows it sees (window, top-k CSA rows, HCA rows), so a long
 context's temporaries grow with the block, not the step. `attn_impl` "pallas" scores the CSA index keys in V3.2's
-paged indexer kernel (kernels/dsa_indexer.py, through a layout shim); the rest, and "reference", is XLA.
+paged indexer kernel (kernels/dsa_indexer.py, through a layout shim) and attends over each token's window and
+chosen (CSA) or closed (HCA) rows, gathered by slot from the pages, with the sink, in kernels/v4_sparse_attention.py.
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ from deepinfer_jax.config_v4 import CSA, SLIDING, CachePools, V4Config, v4_cache
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
-from deepinfer_jax.models.v4_attention import (attend, attention_inputs, closed_rows, indexer_queries, indexer_scores,
-                                               rope_tail, v4_cos_sin)
+from deepinfer_jax.models.v4_attention import (attend, attend_output, attention_inputs, closed_rows, indexer_queries,
+                                               indexer_scores, rope_tail, v4_cos_sin)
 from deepinfer_jax.models.v4_params import v4_param_specs
 
 ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
@@ -103,6 +104,18 @@ class _Cache:
         return self.view(gi)[pages, layer, pos % self.ps, cols]
 
 
+    def flat(self, gi: int) -> jax.Array:
+        """Group gi's pool as rows [pages * layers * page_size, width] (a free reshape), for `slots`."""
+        v = self.view(gi)
+        return v.reshape(-1, v.shape[-1])
+
+    def slots(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> jax.Array:
+        """`rows_at`'s rows as indices [T, n] into `flat(gi)`."""
+        pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
+        pages = table[seq_ids[:, None], pos // self.ps]
+        return (pages * len(self.groups[gi].layers) + layer) * self.ps + pos % self.ps
+
+
 def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid: jax.Array, width: int,
                   rate: int, overlap: bool, start: jax.Array) -> jax.Array:
     """The compressed row each token would close: `pool_rows`' arithmetic over one window per token. kv, gate
@@ -160,7 +173,8 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     what it sees: its window's raw rows [W], CSA: the indexer's top-k compressed rows (scores over the
     sequence's index keys, [R]), HCA: its sequence's compressed rows [context / m']. Temporaries are
     O(block x (W + topk + context / m + context / m')) and never O(T x context) (the indexer's key rows are the
-    `context / m` term; "pallas" scores them from the pages in a kernel, [T, context / m] scores only)."""
+    `context / m` term). "pallas": the indexer's scores [T, context / m] from the pages in a kernel, then one
+    kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA."""
     lt, hd = cfg.layer_types[i], cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
@@ -196,6 +210,23 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
         if csa and attn_impl != "reference":
             pick = _csa_pallas_topk(cfg, p["indexer"], x, q_res, cache, ci, cl, c_table, meta,
                                     attn_impl == "pallas_interpret")
+
+    if attn_impl != "reference":
+        from deepinfer_jax.kernels.v4_sparse_attention import pad_slots, v4_sparse_attention
+
+        win = pos[:, None] - W + 1 + jnp.arange(W)[None, :]
+        a = pad_slots(cache.slots(gi, li, table, seq, win), win >= 0)
+        if lt == SLIDING:  # one block of no row
+            bi, b = gi, pad_slots(jnp.zeros((x.shape[0], 1), jnp.int32), jnp.zeros((x.shape[0], 1), bool))
+        elif csa:
+            bi, b = ci, pad_slots(cache.slots(ci, cl, c_table, seq, pick[0]), pick[1])
+        else:
+            every = jnp.broadcast_to(jnp.arange(R), (x.shape[0], R))
+            bi, b = ci, pad_slots(cache.slots(ci, cl, c_table, seq, every), closed_rows(pos, R, rate))
+        rows_a, rows_b = cache.flat(gi), cache.flat(bi)
+        out = v4_sparse_attention(q.astype(rows_a.dtype), rows_a, *a, rows_b, *b, p["sinks"], hd**-0.5,
+                                  interpret=attn_impl == "pallas_interpret")
+        return attend_output(cfg, p, out.astype(x.dtype), cos, sin, x.dtype)
 
     def block(args):
         xb, qb, rb, pb, sb, cb, nb = args[:7]
