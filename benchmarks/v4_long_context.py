@@ -12,14 +12,15 @@
    (registry.init_kv_cache) and their bytes read back from the arrays and, where the backend reports it, from the
    allocator; then tokens of context per GiB, set against the dense caches the same context would take: V3's MLA
    latent (61 layers of 576 values) and the token-granular V4 layout (every layer's raw row and projections per
-   token.
+   token).
 3. Attention, timed: one decode step (`--decode-batch` sequences, each at the context) of one layer of each kind
    (CSA, HCA, sliding) at the model's attention shape (V4-Flash by default: 64 heads of 512, indexer 64 x 128,
    top-512, window 128, m = 4, m' = 128), through models/v4_paged.py's `_layer_attention` on per-group pools
    filled with random rows, for attn_impl "reference" (XLA, query blocks) and "pallas" (the CSA indexer's scores
-   in V3.2's paged kernel, the attention in kernels/v4_sparse_attention.py). First the two must agree (fp32, the first context); then bf16 timings, and the attention share
-   of a whole decode step (each layer kind's time times its count in the model). `--tiny`: the test model's tiny
-   shapes and contexts, Pallas in interpret mode: a CPU smoke run of the same code.
+   in V3.2's paged kernel, the attention in kernels/v4_sparse_attention.py). First the two must agree (fp32, the
+   first context); then bf16 timings, and the attention share of a whole decode step (each layer kind's time
+   times its count in the model). `--tiny`: the test model's tiny shapes and contexts, Pallas in interpret mode:
+   a CPU smoke run of the same code.
 """
 
 from __future__ import annotations

@@ -160,7 +160,9 @@ def _blocks(fn, args: tuple, T: int, block: int):
     if T <= block:
         return fn(args)
     nb = -(-T // block)
-    split = lambda a: jnp.pad(a, [(0, nb * block - T)] + [(0, 0)] * (a.ndim - 1)).reshape(nb, block, *a.shape[1:])  # noqa: E731
+    def split(a):  # [T, ...] -> [nb, block, ...]
+        return jnp.pad(a, [(0, nb * block - T)] + [(0, 0)] * (a.ndim - 1)).reshape(nb, block, *a.shape[1:])
+
     out = jax.lax.map(fn, tuple(split(a) for a in args))
     return out.reshape(nb * block, *out.shape[2:])[:T]
 
