@@ -104,24 +104,35 @@ def closed_rows(positions: jax.Array, num_rows: int, rate: int) -> jax.Array:
     return jnp.arange(num_rows)[None, :] < ((positions + 1) // rate)[:, None]
 
 
+def indexer_queries(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array,
+                    positions: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The lightning indexer's roped queries [S, nI, di] and head weights [S, nI] (fp32, nI^-0.5 folded in)."""
+    q = jnp.einsum("sr,rhd->shd", q_res, weight(p["q_b_proj"], q_res.dtype))  # [S, nI, di]
+    cos, sin = v4_cos_sin(cfg, "compress", positions)
+    weights = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads**-0.5  # [S, nI]
+    return rope_tail(q, cos, sin), weights
+
+
+def indexer_scores(cfg: V4Config, p: dict, keys: jax.Array, x: jax.Array, q_res: jax.Array,
+                   positions: jax.Array) -> jax.Array:
+    """The lightning indexer's scores [S, T] fp32 of compressed CSA rows keys [T, di] for queries (x, q_res [S, .]):
+    sum_h w[t, h] * relu(q[t, h] . keys[s]) * di^-0.5, -inf at rows whose window is not closed."""
+    q, weights = indexer_queries(cfg, p, x, q_res, positions)
+    scores = jax.nn.relu(jnp.einsum("shd,td->sht", q.astype(jnp.float32), keys.astype(jnp.float32)))
+    scores = scores * cfg.index_head_dim**-0.5
+    index_scores = jnp.einsum("sht,sh->st", scores, weights)
+    ready = closed_rows(positions, keys.shape[0], cfg.compress_rate(CSA))
+    return jnp.where(ready, index_scores, -jnp.inf)
+
+
 def indexer_select(cfg: V4Config, p: dict, keys: jax.Array, x: jax.Array, q_res: jax.Array,
                    positions: jax.Array) -> jax.Array:
     """The lightning indexer's choice [S, T] (bool) of compressed CSA rows per query (x, q_res [S, .]):
-    the top `index_topk` of sum_h w[t, h] * relu(q[t, h] . keys[s]) among the rows whose window is closed."""
-    rate, di = cfg.compress_rate(CSA), cfg.index_head_dim
+    the top `index_topk` of `indexer_scores` among the rows whose window is closed."""
     T = keys.shape[0]
-    q = jnp.einsum("sr,rhd->shd", q_res, weight(p["q_b_proj"], q_res.dtype))  # [S, nI, di]
-    cos, sin = v4_cos_sin(cfg, "compress", positions)
-    q = rope_tail(q, cos, sin)
-    scores = jax.nn.relu(jnp.einsum("shd,td->sht", q.astype(jnp.float32), keys.astype(jnp.float32)))
-    scores = scores * di**-0.5
-    weights = linear(x, p["weights_proj"]).astype(jnp.float32) * cfg.index_n_heads**-0.5  # [S, nI]
-    index_scores = jnp.einsum("sht,sh->st", scores, weights)
-    ready = closed_rows(positions, T, rate)
-    index_scores = jnp.where(ready, index_scores, -jnp.inf)
-    _, top = jax.lax.top_k(index_scores, min(cfg.index_topk, T))  # [S, k]
+    _, top = jax.lax.top_k(indexer_scores(cfg, p, keys, x, q_res, positions), min(cfg.index_topk, T))  # [S, k]
     chosen = jnp.any(jax.nn.one_hot(top, T, dtype=jnp.bool_), axis=1)
-    return chosen & ready
+    return chosen & closed_rows(positions, T, cfg.compress_rate(CSA))
 
 
 # ---- the attention layer --------------------------------------------------------------------------
@@ -204,7 +215,12 @@ def attend(cfg: V4Config, p: dict, q: jax.Array, keys: jax.Array, allowed: jax.A
     logits = jnp.where(jnp.broadcast_to(allowed, (S, keys.shape[1]))[None], logits, -jnp.inf)
     sinks = jnp.broadcast_to(p["sinks"].astype(jnp.float32)[:, None, None], (H, S, 1))
     probs = jax.nn.softmax(jnp.concatenate([logits, sinks], axis=-1), axis=-1)[..., :-1]
-    out = jnp.einsum("hst,std->shd", probs, keys).astype(dtype)  # [S, H, hd]
+    return attend_output(cfg, p, jnp.einsum("hst,std->shd", probs, keys).astype(dtype), cos, sin, dtype)
+
+
+def attend_output(cfg: V4Config, p: dict, out: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+    """The attention's heads out [S, H, hd]: the rope slice rotated back, then the grouped low-rank projection."""
+    S = out.shape[0]
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
     g = cfg.o_groups

@@ -17,8 +17,11 @@ compression window (pos + 1 a multiple of the rate) pools the window's projectio
 series a of the previous window and series b of its own) and writes the row, once; each token then attends over
 the raw rows of its window and its sequence's closed compressed rows (CSA: the lightning indexer's top-k of the
 cached keys), with the sink, in one softmax (the concatenation is the log-sum-exp merge of the two parts). So
-chunks may end anywhere inside a window: the open window's projections wait in the state pages. Reference path:
-pure-JAX gathers; the kernels (paged indexer scores, top-k, sparse attention) are docs/v4.md's next step.
+chunks may end anywhere inside a window: the open window's projections wait in the state pages. The queries attend
+a block of TOKEN_BLOCK at a time, each gathering only the rows it sees (window, top-k CSA rows, HCA rows), so a long
+context's temporaries grow with the block, not the step. `attn_impl` "pallas" scores the CSA index keys in V3.2's
+paged indexer kernel (kernels/dsa_indexer.py, through a layout shim) and attends over each token's window and
+chosen (CSA) or closed (HCA) rows, gathered by slot from the pages, with the sink, in kernels/v4_sparse_attention.py.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ from deepinfer_jax.config_v4 import CSA, SLIDING, CachePools, V4Config, v4_cache
 from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
-from deepinfer_jax.models.v4_attention import (attend, attention_inputs, closed_rows, indexer_select, rope_tail,
-                                               v4_cos_sin)
+from deepinfer_jax.models.v4_attention import (attend, attend_output, attention_inputs, closed_rows, indexer_queries,
+                                               indexer_scores, rope_tail, v4_cos_sin)
 from deepinfer_jax.models.v4_params import v4_param_specs
 
-ATTN_IMPLS = ("reference",)
+ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
+TOKEN_BLOCK = 128  # queries attended a block at a time (`_layer_attention`)
 
 
 def kv_cache_shape(cfg: ModelConfig, num_pages: Any, page_size: int) -> tuple:
@@ -91,17 +95,25 @@ class _Cache:
         v = self.view(gi).at[slots // self.ps, layer, slots % self.ps].set(rows.astype(a.dtype))
         self.arrays[k] = v.reshape(a.shape)
 
-    def rows_at(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> jax.Array:
-        """The rows [T, n, width] at row indices pos [T, n] of each token's sequence (seq_ids [T]); an index out
-        of the table's range reads a clamped row (callers mask it)."""
+    def rows_at(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array,
+                cols: slice = slice(None)) -> jax.Array:
+        """The rows [T, n, width] (their columns `cols`) at row indices pos [T, n] of each token's sequence (seq_ids
+        [T]), gathered from the pages; an index out of the table's range reads a clamped row (callers mask it)."""
         pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
         pages = table[seq_ids[:, None], pos // self.ps]
-        return self.view(gi)[:, layer][pages, pos % self.ps]
+        return self.view(gi)[pages, layer, pos % self.ps, cols]
 
-    def history(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array) -> jax.Array:
-        """Every row [T, pages * page_size, width] of each token's sequence, row j at index j."""
-        S, P = table.shape
-        return self.view(gi)[:, layer][table].reshape(S, P * self.ps, -1)[seq_ids]
+
+    def flat(self, gi: int) -> jax.Array:
+        """Group gi's pool as rows [pages * layers * page_size, width] (a free reshape), for `slots`."""
+        v = self.view(gi)
+        return v.reshape(-1, v.shape[-1])
+
+    def slots(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> jax.Array:
+        """`rows_at`'s rows as indices [T, n] into `flat(gi)`."""
+        pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
+        pages = table[seq_ids[:, None], pos // self.ps]
+        return (pages * len(self.groups[gi].layers) + layer) * self.ps + pos % self.ps
 
 
 def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid: jax.Array, width: int,
@@ -124,9 +136,48 @@ def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid:
     return rope_tail(pooled, cos, sin)
 
 
-def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache, meta: StepMetadata) -> jax.Array:
-    """Layer i's attention for the step's tokens x [T, D] -> [T, D], its rows written into `cache`."""
-    lt, hd, di = cfg.layer_types[i], cfg.head_dim, cfg.index_head_dim
+def _csa_pallas_topk(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, cache: _Cache, ci: int, cl: int,
+                     table: jax.Array, meta: StepMetadata, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """The indexer's top-k of one CSA layer through V3.2's paged-scores kernel (kernels/dsa_indexer.py) -> (idx,
+    valid [T, k]) row indices. Layout shim: the csa group's view [pages, layers, ps, hd + di] is the kernel's
+    [1, pages * layers, ps, width] cache with page p of layer l at p * layers + l; a row is visible to a query once
+    its window closed, row <= (pos + 1) // m - 1, the kernel's "key position <= position"."""
+    from deepinfer_jax.kernels import dsa_indexer
+
+    view = cache.view(ci)  # [P, Lg, ps, W]
+    P, Lg, ps, W = view.shape
+    q, w = indexer_queries(cfg, p, x, q_res, meta.positions)
+    last = (meta.positions + 1) // cfg.compress_rate(CSA) - 1  # [T] the last closed row (-1: none)
+    scores = dsa_indexer.paged_index_scores(
+        q.astype(view.dtype), w * cfg.index_head_dim**-0.5, view.reshape(1, P * Lg, ps, W), 0, meta.seq_ids,
+        last, table * Lg + cl, key_start=cfg.head_dim, interpret=interpret)  # [T, R]
+    return dsa_indexer.select_topk(scores, last, cfg.index_topk)
+
+
+def _blocks(fn, args: tuple, T: int, block: int):
+    """fn over args (arrays [T, ...]) `block` tokens at a time (lax.map; the last block padded with zeros: token 0
+    of sequence 0, results dropped) -> fn's [T, ...] result. One call when T <= block."""
+    if T <= block:
+        return fn(args)
+    nb = -(-T // block)
+    def split(a):  # [T, ...] -> [nb, block, ...]
+        return jnp.pad(a, [(0, nb * block - T)] + [(0, 0)] * (a.ndim - 1)).reshape(nb, block, *a.shape[1:])
+
+    out = jax.lax.map(fn, tuple(split(a) for a in args))
+    return out.reshape(nb * block, *out.shape[2:])[:T]
+
+
+def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache, meta: StepMetadata,
+                     attn_impl: str = "reference", token_block: int = TOKEN_BLOCK) -> jax.Array:
+    """Layer i's attention for the step's tokens x [T, D] -> [T, D], its rows written into `cache`.
+
+    The step's rows are written first; then its queries attend `token_block` at a time, each gathering only
+    what it sees: its window's raw rows [W], CSA: the indexer's top-k compressed rows (scores over the
+    sequence's index keys, [R]), HCA: its sequence's compressed rows [context / m']. Temporaries are
+    O(block x (W + topk + context / m + context / m')) and never O(T x context) (the indexer's key rows are the
+    `context / m` term). "pallas": the indexer's scores [T, context / m] from the pages in a kernel, then one
+    kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA."""
+    lt, hd = cfg.layer_types[i], cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
 
@@ -134,10 +185,9 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     table, slots = meta.groups[gi]
     cache.write(gi, li, slots, new["raw"])
     W = cfg.sliding_window
-    win = pos[:, None] - W + 1 + jnp.arange(W)[None, :]  # [T, W] the window's positions
-    keys, allowed = cache.rows_at(gi, li, table, seq, win), win >= 0
+    csa, ci, c_table, pick = lt == CSA, None, None, ()
     if lt != SLIDING:
-        csa, rate = lt == CSA, cfg.compress_rate(lt)
+        rate = cfg.compress_rate(lt)
         name = "csa" if csa else "hca"
         si, sl = cache.layer(name + "_state", i)
         s_table, s_slots = meta.groups[si]
@@ -151,21 +201,59 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
         start = pos + 1 - rate
         row = _pool_closing(cfg, p["compressor"], kv, gate, at >= 0, hd, rate, csa, start)
         if csa:
+            di = cfg.index_head_dim
             ikv, igate = state[..., 4 * hd : 4 * hd + 2 * di], state[..., 4 * hd + 2 * di :]
             key = _pool_closing(cfg, p["indexer"], ikv, igate, at >= 0, di, rate, True, start)
             row = jnp.concatenate([row, key], axis=-1)
         ci, cl = cache.layer(name, i)
         c_table, c_slots = meta.groups[ci]
         cache.write(ci, cl, c_slots, row)  # only a token closing its window has a slot off the null page
-        hist = cache.history(ci, cl, c_table, seq)  # [T, R, hd (+ di)]
-        if csa:
-            see = jax.vmap(lambda k, xt, qt, pt: indexer_select(cfg, p["indexer"], k, xt[None], qt[None], pt[None])[0])(
-                hist[..., hd:], x, q_res, pos)
+        R = c_table.shape[1] * cache.ps  # row indices of a sequence's compressed history
+        if csa and attn_impl != "reference":
+            pick = _csa_pallas_topk(cfg, p["indexer"], x, q_res, cache, ci, cl, c_table, meta,
+                                    attn_impl == "pallas_interpret")
+
+    if attn_impl != "reference":
+        from deepinfer_jax.kernels.v4_sparse_attention import pad_slots, v4_sparse_attention
+
+        win = pos[:, None] - W + 1 + jnp.arange(W)[None, :]
+        a = pad_slots(cache.slots(gi, li, table, seq, win), win >= 0)
+        if lt == SLIDING:  # one block of no row
+            bi, b = gi, pad_slots(jnp.zeros((x.shape[0], 1), jnp.int32), jnp.zeros((x.shape[0], 1), bool))
+        elif csa:
+            bi, b = ci, pad_slots(cache.slots(ci, cl, c_table, seq, pick[0]), pick[1])
         else:
-            see = closed_rows(pos, hist.shape[1], rate)
-        keys = jnp.concatenate([keys, hist[..., :hd].astype(keys.dtype)], axis=1)
-        allowed = jnp.concatenate([allowed, see], axis=1)
-    return attend(cfg, p, q, keys, allowed, cos, sin, x.dtype)
+            every = jnp.broadcast_to(jnp.arange(R), (x.shape[0], R))
+            bi, b = ci, pad_slots(cache.slots(ci, cl, c_table, seq, every), closed_rows(pos, R, rate))
+        rows_a, rows_b = cache.flat(gi), cache.flat(bi)
+        out = v4_sparse_attention(q.astype(rows_a.dtype), rows_a, *a, rows_b, *b, p["sinks"], hd**-0.5,
+                                  interpret=attn_impl == "pallas_interpret")
+        return attend_output(cfg, p, out.astype(x.dtype), cos, sin, x.dtype)
+
+    def block(args):
+        xb, qb, rb, pb, sb, cb, nb = args[:7]
+        win = pb[:, None] - W + 1 + jnp.arange(W)[None, :]  # [B, W] the window's positions
+        keys, allowed = cache.rows_at(gi, li, table, sb, win), win >= 0
+        if lt != SLIDING:
+            if csa:
+                if pick:
+                    idx, valid = args[7:]
+                else:  # the indexer over the block's sequences' index keys [B, R, di]
+                    every = jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R))
+                    ik = cache.rows_at(ci, cl, c_table, sb, every, slice(hd, None))  # [B, R, di]
+                    scores = jax.vmap(lambda k, xt, qt, pt: indexer_scores(cfg, p["indexer"], k, xt[None], qt[None],
+                                                                           pt[None])[0])(ik, xb, rb, pb)
+                    _, idx = jax.lax.top_k(scores, min(cfg.index_topk, R))  # [B, k]
+                    valid = jnp.take_along_axis(closed_rows(pb, R, rate), idx, axis=1)
+                rows, see = cache.rows_at(ci, cl, c_table, sb, idx, slice(0, hd)), valid
+            else:
+                rows = cache.rows_at(ci, cl, c_table, sb, jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R)))
+                see = closed_rows(pb, R, rate)
+            keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
+            allowed = jnp.concatenate([allowed, see], axis=1)
+        return attend(cfg, p, qb, keys, allowed, cb, nb, x.dtype)
+
+    return _blocks(block, (x, q, q_res, pos, seq, cos, sin) + tuple(pick), x.shape[0], token_block)
 
 
 def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, *,
@@ -191,7 +279,7 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     for i, lp in enumerate(params["layers"]):
         post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
         a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
-                             meta)
+                             meta, attn_impl, TOKEN_BLOCK)
         streams = hc_merge(post, comb, a, streams)
         post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
         m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),

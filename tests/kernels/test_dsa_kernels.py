@@ -64,5 +64,8 @@ def test_kernels_lower_for_sm90(cuda_lowering):
     i32 = lambda *shape: s(shape, jnp.int32)  # noqa: E731
     cuda_lowering(lambda *a: paged_index_scores(*a, key_start=576), s((T, 64, 128), jnp.bfloat16),
                   s((T, 64), jnp.float32), cache, i32(), i32(T), i32(T), i32(T, 64))
+    # DeepSeek-V4's csa group through models/v4_paged.py's shim: rows [compressed 512 | index key 128]
+    cuda_lowering(lambda *a: paged_index_scores(*a, key_start=512), s((T, 64, 128), jnp.bfloat16),
+                  s((T, 64), jnp.float32), s((1, P, ps, 512 + 128), jnp.bfloat16), i32(), i32(T), i32(T), i32(T, 64))
     cuda_lowering(lambda *a: sparse_mla_attention(*a, 0.1), s((T, H, 512), jnp.bfloat16),
                   s((T, H, 64), jnp.bfloat16), cache, i32(), i32(T, topk), i32(T, topk))
