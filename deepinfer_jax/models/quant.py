@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.models.quant_fp4 import Fp4Weight, fp4_dequantize, is_fp4
+from deepinfer_jax.models.quant_fp4 import Fp4Weight, PackedShape, fp4_dequantize, is_fp4
 
 # leaf name -> (n_in, n_out): how many axes before the outputs are contracted, how many are outputs.
 QUANTIZED_LEAVES: dict[str, tuple[int, int]] = {
@@ -82,7 +82,7 @@ class QuantizedWeight:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Fp8Weight:
+class Fp8Weight(PackedShape):
     """A block-scaled FP8 weight exactly as the checkpoint stores it, for a float leaf of logical shape
     `[*lead, *in_shape, *out_shape]` (`lead`: stacked layers L and/or experts E).
 
@@ -103,19 +103,6 @@ class Fp8Weight:
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
     parts: int = dataclasses.field(metadata=dict(static=True), default=1)
-
-    @property
-    def lead(self) -> tuple[int, ...]:
-        return tuple(self.q.shape[: len(self.q.shape) - 2 - (self.parts > 1)])
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The float weight's logical shape [*lead, *in, *out]."""
-        return self.lead + tuple(self.in_shape) + tuple(self.out_shape)
-
-    @property
-    def ndim(self) -> int:
-        return len(self.shape)
 
 
 def fp8_layout(shape: tuple[int, ...], n_in: int, n_out: int, block: tuple[int, int], gate_up: bool

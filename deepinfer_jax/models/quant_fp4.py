@@ -30,18 +30,9 @@ from deepinfer_jax.kernels.fp4 import E2M1_VALUES, FP4_GROUP, fp4_rows
 FP4_MAX = 6.0  # the largest e2m1 magnitude
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Fp4Weight:
-    """Packed e2m1 pairs and e8m0 group scales, in HF's [out, in] orientation (module docstring).
-    `group`, `in_shape`, `out_shape`, `parts` are static: `jit` sees only `q` and `scale`."""
-
-    q: Any
-    scale: Any
-    group: int = dataclasses.field(metadata=dict(static=True), default=FP4_GROUP)
-    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
-    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
-    parts: int = dataclasses.field(metadata=dict(static=True), default=1)
+class PackedShape:
+    """The logical shape of a weight kept packed as its checkpoint stores it (Fp4Weight here, quant.Fp8Weight):
+    `q` is [*lead, (parts,) rows, packed columns] and `in_shape` / `out_shape` / `parts` are static fields."""
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -55,6 +46,20 @@ class Fp4Weight:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp4Weight(PackedShape):
+    """Packed e2m1 pairs and e8m0 group scales, in HF's [out, in] orientation (module docstring).
+    `group`, `in_shape`, `out_shape`, `parts` are static: `jit` sees only `q` and `scale`."""
+
+    q: Any
+    scale: Any
+    group: int = dataclasses.field(metadata=dict(static=True), default=FP4_GROUP)
+    in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
+    out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
+    parts: int = dataclasses.field(metadata=dict(static=True), default=1)
 
 
 def is_fp4(w) -> bool:
