@@ -112,6 +112,10 @@ class ModelRunner:
                               donate_argnums=0, out_shardings=resident)
         self._extract = jax.jit(extract_results, static_argnums=(1, 2))
         self._warm = False
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """The runner's state beside its programs and buffers: counters and what is made on first use."""
         # Several hosts (runner/multihost.py): on rank 0, the channel each step's inputs go to the other ranks by.
         self.channel = None
         self.last_routing = None

@@ -100,13 +100,7 @@ class PipelineRunner(ModelRunner):
         self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._replicated[-1])
         self._fns: dict[Any, Any] = {}  # (stage rank, meta layout) or ("sampler", a step's key) -> jitted program
         self._warm = False
-        self.channel = None
-        self.last_routing = None
-        self.last_num_tokens = 0
-        self.compiles_after_warmup = 0
-        self.programs_loaded = 0
-        self._scorer = None
-        self.kv_transfer = None
+        self._init_state()
 
     @property
     def kv_cache(self):
