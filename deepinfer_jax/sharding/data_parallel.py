@@ -125,8 +125,9 @@ def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket
     `seq_rows` rows each) -> (StepMetadata, SamplingTensors, request_ids, sample_rows) of the whole
     step: rank r's tokens at [r * bucket, (r + 1) * bucket), its rows at [r * seq_rows, ...).
     request_ids has one entry per row (None for padding rows)."""
-    meta = type(metas[0])(**{  # the array fields; static ones (StepMetadata.has_context) keep their defaults
-        f.name: np.concatenate([getattr(m, f.name) for m in metas], axis=0)
+    meta = type(metas[0])(**{  # the array fields; static ones (StepMetadata.has_context) keep their defaults,
+        # optional ones a step does not carry (None: MTP's next_token_ids without speculation) stay None
+        f.name: None if getattr(metas[0], f.name) is None else np.concatenate([getattr(m, f.name) for m in metas], 0)
         for f in dataclasses.fields(metas[0]) if not f.metadata.get("static")})
     offsets = np.repeat(np.arange(len(metas), dtype=np.int32) * bucket, seq_rows)
     meta = dataclasses.replace(meta, logits_indices=(meta.logits_indices + offsets).astype(np.int32))
