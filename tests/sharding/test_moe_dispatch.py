@@ -36,11 +36,14 @@ greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 res = llm.generate(prompts, greedy)
 eng = llm.engine
 replicas, load = llm.eplb_placement.replicas.tolist(), llm.expert_load()
+from deepinfer_jax.server.metrics import ServerMetrics  # /metrics's registry on the engine's report
+metrics = ServerMetrics("m").render(None, 0, None, llm.engine.expert_load_report()).decode()
 rebalanced = llm.rebalance_experts()  # a placement from the observed counts, then the same prompts again
 again = llm.generate(prompts, greedy)
 print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in res],
                               "replicas": replicas, "load": load["load"].tolist(),
                               "per_expert": load["per_expert"].tolist(), "rebalanced": rebalanced,
+                              "balancedness": load["balancedness"], "metrics": metrics,
                               "tokens_after": [o.outputs[0].token_ids for o in again],
                               "replicas_after": llm.eplb_placement.replicas.tolist(),
                               "late_compiles": eng.runner.compiles_after_warmup,
@@ -113,6 +116,11 @@ def test_eplb_counts_the_load_and_rebalances_without_changing_tokens(runs, hf_ca
     k, tokens = model.config.num_experts_per_tok, sum(LENGTHS) + (MAX_TOKENS - 1) * len(LENGTHS)
     assert [sum(row) for row in r["load"]] == [tokens * k] * len(r["load"])
     assert r["per_expert"] == [sum(col) for col in zip(*r["load"])]
+    lines = dict(line.rsplit(" ", 1) for line in r["metrics"].splitlines() if line.startswith("deepinfer:eplb"))
+    assert [float(lines[f'deepinfer:eplb_expert_load_total{{expert="{e}",model_name="m"}}'])
+            for e in range(len(r["per_expert"]))] == r["per_expert"]
+    assert float(lines['deepinfer:eplb_balancedness{model_name="m"}']) == pytest.approx(r["balancedness"])
+    assert 0 < r["balancedness"] <= 1
     rb = r["rebalanced"]
     assert rb["applied"] and rb["max_rank_load_after"] < rb["max_rank_load_before"], rb
     assert rb["balancedness_after"] > rb["balancedness_before"], rb
