@@ -77,8 +77,7 @@ class Resident:
     (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast; only the sampling ones where the
     step shares its bucket's forward: StepPrograms.shares_forward), rewritten in place by the runner's
     staging program (ModelRunner.run); `outbox` int32 holds its results (pack_bits of (SampleOutput, routing,
-    load)): the
-    sampled tokens first (`sampled_layout`), rewritten in place by the step."""
+    load)): the sampled tokens first (`sampled_layout`), rewritten in place by the step."""
     parts: tuple[int, int, int, int]
     inbox: Any
     outbox: Any

@@ -368,7 +368,7 @@ class StepPrograms:
 def expert_load(routing: jax.Array, slot_mapping: jax.Array, page_size: int, num_experts: int) -> jax.Array:
     """routing [num_moe_layers, T, k] logical expert ids -> int32 [num_moe_layers, E]: the step's token copies
     routed to each expert, padding tokens (they write into the null page, slots below page_size) left out."""
-    L, T, k = routing.shape
+    L = routing.shape[0]
     real = (slot_mapping >= page_size).astype(jnp.int32)  # [T]
     layer = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[:, None, None], routing.shape)
     ones = jnp.broadcast_to(real[None, :, None], routing.shape)
