@@ -172,6 +172,10 @@ class RunnerConfig:
     seed: int = 0
     # Return the routed expert ids of every step (benchmarks: distinct experts per layer per step).
     collect_routing: bool = False
+    # Count the routed token copies of every (MoE layer, logical expert) on the device (EPLB's observed load:
+    # ModelRunner.expert_load): each step adds its counts into a resident [num_moe_layers, E] int32 array; the host
+    # reads it only when asked. LLM turns it on with enable_eplb.
+    count_expert_load: bool = False
 
     def __post_init__(self) -> None:
         if self.prefill_layers not in (None, "scan", "indexed"):

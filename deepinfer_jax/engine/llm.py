@@ -333,10 +333,16 @@ class LLM:
                               greedy_variant=greedy_variant, prefill_shared_forward=prefill_shared_forward,
                               token_buckets=tuple(token_buckets),
                               **({} if warmup_runs is None else {"warmup_runs": warmup_runs}),
-                              program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"))
+                              program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"),
+                              count_expert_load=enable_eplb and pipeline_parallel_size == 1)
         self.engine = LLMEngine(cfg, params, self.tokenizer, scheduler_config=sched, cache_config=cache,
                                 runner_config=runner, num_pages=num_pages, progress=progress,
                                 sharding=self.sharding, speculative_config=spec, load_format=load_format)
+        if enable_eplb and pipeline_parallel_size == 1:  # the observed load, and a rebalance on command
+            from deepinfer_jax.engine.expert_balance import ExpertBalance
+
+            self.engine.expert_balance = ExpertBalance(self.engine.runner, self.eplb_placement,
+                                                       parallel.expert_parallel_size, self.sharding.mesh)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
         self._channel = channel
@@ -355,6 +361,27 @@ class LLM:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    # ---- expert load balancing (enable_eplb; engine/expert_balance.py) --------------------------------
+    def _expert_balance(self):
+        bal = self.engine.expert_balance
+        if bal is None:
+            raise ValueError("the expert load is counted with enable_eplb (--enable-eplb) only, and not under "
+                             "pipeline parallelism")
+        return bal
+
+    def expert_load(self) -> dict:
+        """The observed expert load since start: {"load": [MoE layers, E] routed token copies per logical expert,
+        "per_expert": [E], "balancedness": the placement's (mean over max rank load, 1.0 even), "max_rank_load"}."""
+        bal = self._expert_balance()
+        return {"load": bal.load(), **bal.report()}
+
+    def rebalance_experts(self) -> dict:
+        """Place the experts anew from the observed load (between steps; no recompile), where that lowers the
+        largest EP rank load on it: ExpertBalance.rebalance's figures."""
+        out = self._expert_balance().rebalance()
+        self.eplb_placement = self.engine.expert_balance.placement
+        return out
 
     # ---- generation ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:

@@ -137,6 +137,7 @@ class LLMEngine:
         if self.num_host_blocks:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
+        self.expert_balance = None  # engine/expert_balance.py: with enable_eplb, set by LLM
         self.num_warmup_compiles += self.drafter.start(self.shapes, num_pages, progress) if self.drafter else 0
         self._rng = np.random.default_rng(runner_config.seed)
         self._seeds: dict[str, int] = {}
@@ -461,3 +462,7 @@ class LLMEngine:
     def memory_report(self) -> dict:
         """Device memory and device facts (ModelRunner.memory_report)."""
         return self.runner.memory_report()
+
+    def expert_load_report(self) -> dict | None:
+        """With enable_eplb, the observed expert load (ExpertBalance.report); None otherwise."""
+        return None if self.expert_balance is None else self.expert_balance.report()

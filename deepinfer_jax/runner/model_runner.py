@@ -40,6 +40,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.registry import family_of, init_kv_cache, kv_cache_shape
@@ -110,7 +111,12 @@ class ModelRunner:
             self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])
         self._stage = jax.jit(lambda inbox, host: jax.lax.dynamic_update_slice(inbox, host, (0,)),
                               donate_argnums=0, out_shardings=resident)
-        self._extract = jax.jit(extract_results, static_argnums=(1, 2))
+        self._extract = jax.jit(extract_results, static_argnums=(1, 2, 3))
+        # RunnerConfig.count_expert_load: the token copies routed to each (MoE layer, logical expert) since warm-up,
+        # int32 [num_moe_layers, E] on the device; each step's `_extract` makes a new array (never donated, so a
+        # reader on another thread holds a valid one), read on the host only by `expert_load`.
+        self._expert_load = None
+        self.reset_expert_load()
         self._warm = False
         self._init_state()
 
@@ -166,6 +172,7 @@ class ModelRunner:
         number of programs compiled or loaded."""
         n = warmup.warm_up(self, progress)
         self._warm = True
+        self.reset_expert_load()  # warm-up's steps are padding, counted as none; start from zero all the same
         return n
 
     def padding_step(self, bucket: int, full: bool, masked: bool = False) -> HostStep:
@@ -289,10 +296,28 @@ class ModelRunner:
             res.inbox = self._stage(res.inbox, inputs)
             self.kv_cache, self._prev_tokens, res.outbox = step(
                 self.params, self.kv_cache, self._prev_tokens, res.inbox, res.outbox)
-        buf, routing = self._extract(res.outbox, res.n_sampled, res.routing_shape)
+        if res.load_shape is None:
+            buf, routing = self._extract(res.outbox, res.n_sampled, res.routing_shape)
+        else:
+            buf, routing, self._expert_load = self._extract(res.outbox, res.n_sampled, res.routing_shape,
+                                                            res.load_shape, self._expert_load)
         out = StepOut(buf, res.sampled_layout, routing)
         self.last_routing = routing  # [num_moe_layers, T, k] when RunnerConfig.collect_routing
         return out
+
+    # ---- expert load (RunnerConfig.count_expert_load) ------------------------------------------------
+    def expert_load(self) -> np.ndarray | None:
+        """The token copies routed to each logical expert of each MoE layer since warm-up (or the last
+        `reset_expert_load`), int64 [num_moe_layers, E] on the host, up to the last step queued; None unless
+        RunnerConfig.count_expert_load. Waits for that step; safe from another thread than the one stepping."""
+        load = self._expert_load
+        return None if load is None else np.asarray(load, np.int64)
+
+    def reset_expert_load(self) -> None:
+        """Zero the counts `expert_load` reads (RunnerConfig.count_expert_load; otherwise nothing to do)."""
+        shape = self.programs.load_shape
+        if shape is not None:
+            self._expert_load = jax.device_put(np.zeros(shape, np.int32), self.programs.resident_sharding)
 
     def follow(self, channel) -> int:
         """Another rank than 0 of several hosts (runner/multihost.py): run each step rank 0 sends, in order, until

@@ -9,6 +9,7 @@ floats bit-cast; runner/packing.py) into a program's resident inbox (`Resident`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,11 +57,18 @@ def split_inbox(inbox, parts):
     return out
 
 
-def extract_results(outbox, n_sampled: int, routing_shape: tuple[int, ...] | None):
+def extract_results(outbox, n_sampled: int, routing_shape: tuple[int, ...] | None,
+                    load_shape: tuple[int, ...] | None = None, load=None):
     """Copies of the packed sampled tokens (for the host) and of the routed expert ids (when collected:
-    int32 [num_moe_layers, T, k]), so that the next step can overwrite the outbox."""
-    routing = None if routing_shape is None else outbox[n_sampled:].reshape(routing_shape)
-    return jnp.array(outbox[:n_sampled], copy=True), routing
+    int32 [num_moe_layers, T, k]), so that the next step can overwrite the outbox; with `load_shape` (the step
+    counts the expert load: RunnerConfig.count_expert_load) also `load` [num_moe_layers, E] plus the step's
+    counts, which the outbox holds last."""
+    n_routing = 0 if routing_shape is None else math.prod(routing_shape)
+    routing = None if routing_shape is None else outbox[n_sampled:n_sampled + n_routing].reshape(routing_shape)
+    sampled = jnp.array(outbox[:n_sampled], copy=True)
+    if load_shape is None:
+        return sampled, routing
+    return sampled, routing, load + outbox[n_sampled + n_routing:].reshape(load_shape)
 
 
 @dataclass
@@ -68,13 +76,14 @@ class Resident:
     """One step program's resident buffers: `inbox` int32 [sum(parts)] holds the step's packed inputs
     (meta ints, meta floats, sampling ints, sampling floats; floats bit-cast; only the sampling ones where the
     step shares its bucket's forward: StepPrograms.shares_forward), rewritten in place by the runner's
-    staging program (ModelRunner.run); `outbox` int32 holds its results (pack_bits of (SampleOutput, routing)): the
-    sampled tokens first (`sampled_layout`), rewritten in place by the step."""
+    staging program (ModelRunner.run); `outbox` int32 holds its results (pack_bits of (SampleOutput, routing,
+    load)): the sampled tokens first (`sampled_layout`), rewritten in place by the step."""
     parts: tuple[int, int, int, int]
     inbox: Any
     outbox: Any
     sampled_layout: Layout
     routing_shape: tuple[int, ...] | None
+    load_shape: tuple[int, ...] | None = None  # the step's expert load counts [num_moe_layers, E], after routing
 
     @property
     def n_sampled(self) -> int:

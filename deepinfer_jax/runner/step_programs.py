@@ -66,11 +66,11 @@ class StepPrograms:
     # ---- what a step runs ---------------------------------------------------------------------------
     def splits_full(self) -> bool:
         """Whether steps may run as two programs (`shares_forward`): RunnerConfig.prefill_shared_forward, on one
-        device, with no routing collected, and no MTP drafting (which needs the forward's hidden states and the
-        sampler's tokens in one program)."""
+        device, with no routing collected or counted, and no MTP drafting (which needs the forward's hidden states
+        and the sampler's tokens in one program)."""
         rc = self.runner_cfg
         return (rc.prefill_shared_forward and self.sharding is None and not rc.collect_routing
-                and not self.shapes.mtp_drafts)
+                and not rc.count_expert_load and not self.shapes.mtp_drafts)
 
     def shares_forward(self, key) -> bool:
         """Whether `key`'s step runs as two programs (`splits_full`): its bucket's forward, shared by the bucket's
@@ -107,7 +107,8 @@ class StepPrograms:
     def resident(self, key) -> Resident:
         """The resident inbox and outbox of one step program (made on first use), sized from the key's
         layouts: the sampler's result shapes (jax.eval_shape of the sampler alone, on the forward's output)
-        and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k]. Where the step shares its
+        and, with RunnerConfig.collect_routing, the routed ids [num_moe_layers, T, k], then with
+        RunnerConfig.count_expert_load the step's expert load [num_moe_layers, E]. Where the step shares its
         bucket's forward, its sampler's (`_sampler_resident`, shared with the steps of the same `sampler_id`)."""
         if self.shares_forward(key):
             return self._sampler_resident(self.sampler_id(key))
@@ -117,11 +118,19 @@ class StepPrograms:
             meta = meta_struct(meta_layout)
             routing = None
             if self.runner_cfg.collect_routing:
-                n_moe = sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
-                routing = (n_moe, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
+                routing = (self.num_moe_layers, meta.token_ids.shape[0], self.cfg.num_experts_per_tok)
             self.residents[key] = self._new_resident(parts, self._forward_out(meta_layout), variant, sampling_layout,
-                                                     routing)
+                                                     routing, self.load_shape)
         return self.residents[key]
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(map(self.cfg.is_moe_layer, range(self.cfg.num_hidden_layers)))
+
+    @property
+    def load_shape(self) -> tuple[int, int] | None:
+        """The expert load counts' shape [num_moe_layers, E] (RunnerConfig.count_expert_load), else None."""
+        return (self.num_moe_layers, self.cfg.n_routed_experts) if self.runner_cfg.count_expert_load else None
 
     def forward_buffers(self, meta_layout: Layout) -> jax.ShapeDtypeStruct:
         """Makes the resident inbox and output of the shared forward of `meta_layout`'s bucket on first use;
@@ -142,9 +151,10 @@ class StepPrograms:
         return self.residents[pid]
 
     def _new_resident(self, parts, out: jax.ShapeDtypeStruct, variant: str, sampling_layout: Layout,
-                      routing) -> Resident:
+                      routing, load=None) -> Resident:
         """Zeroed resident buffers: an inbox int32 [sum(parts)] and an outbox for the sampled tokens of `variant`
-        on the forward's output `out` (jax.eval_shape of the sampler) and the routed ids `routing` (or None)."""
+        on the forward's output `out` (jax.eval_shape of the sampler), the routed ids `routing` (or None) and the
+        expert load counts of shape `load` (or None)."""
         ints_floats = (jax.ShapeDtypeStruct((n,), dt) for n, dt in zip(parts[2:], (jnp.int32, jnp.float32)))
         sampled, _ = jax.eval_shape(self._sample_fn(variant, sampling_layout), out, self.prev_tokens, *ints_floats)
         if self.shapes.mtp_drafts:  # the MTP's drafts a sequence row (`_core_fn`)
@@ -152,8 +162,9 @@ class StepPrograms:
             drafts = jax.ShapeDtypeStruct((out.shape[0] // (K + 1), K), jnp.int32)
             sampled = dataclasses.replace(sampled, drafts=drafts)
         layout = bits_layout(sampled)
-        size = bits_size(layout) + (math.prod(routing) if routing else 0)
-        return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing)
+        size = bits_size(layout) + (math.prod(routing) if routing else 0) + (math.prod(load) if load else 0)
+        return Resident(parts, self._zeros((sum(parts),), jnp.int32), self._zeros((size,), jnp.int32), layout, routing,
+                        load)
 
     def _zeros(self, shape, dtype):
         """A resident buffer of zeros (see _step_fn), copied from the host: jnp.zeros would compile a program a
@@ -174,10 +185,11 @@ class StepPrograms:
     # ---- the jitted functions -----------------------------------------------------------------------
     def _forward_fn(self, layout: Layout):
         """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
-        ((logits [S, V] fp32, routing), kv_cache). Traced inside `_step_fn`'s program (its jaxpr is
-        cached, so a bucket's variants share one trace); not run on its own."""
+        ((logits [S, V] fp32, routing, expert load [num_moe_layers, E] or None), kv_cache). Traced inside
+        `_step_fn`'s program (its jaxpr is cached, so a bucket's variants share one trace); not run on its own."""
         if layout not in self.forward_fns:
             cfg, rc, sh, mtp = self.cfg, self.runner_cfg, self.sharding, self.shapes.mtp_drafts
+            page_size, count = self.shapes.page_size, rc.count_expert_load
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
                 params = to_device(params)  # weights in host memory (--cpu-offload-gb) copied in; others as they are
@@ -190,14 +202,15 @@ class StepPrograms:
                 if mtp:  # the MTP's input: every slot's final-normed hidden state
                     switches["return_hidden"] = True
                 out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
-                                        return_routing=rc.collect_routing, unroll=unroll,
+                                        return_routing=rc.collect_routing or count, unroll=unroll,
                                         mesh_rules=None if sh is None else sh.mesh_rules, **switches)
                 last, kv_cache = out[0], out[1]  # the logits
                 if sh is not None:
                     last = jax.lax.with_sharding_constraint(last, sh.logits)
                     kv_cache = jax.lax.with_sharding_constraint(kv_cache, sh.kv_cache)
+                load = expert_load(out[2], meta.slot_mapping, page_size, cfg.n_routed_experts) if count else None
                 # the second output: the routing (collect_routing), or with MTP drafting (meta, hidden [T, D])
-                return (last, (meta, out[-1]) if mtp else out[2] if rc.collect_routing else None), kv_cache
+                return (last, (meta, out[-1]) if mtp else out[2] if rc.collect_routing else None, load), kv_cache
 
             self.forward_fns[layout] = jax.jit(forward)  # the step program donates the cache
         return self.forward_fns[layout]
@@ -230,7 +243,7 @@ class StepPrograms:
 
     def _core_fn(self, key):
         """The jitted step of one (bucket, variant) on unpacked inputs: (params, kv_cache, prev_tokens,
-        meta ints, meta floats, sampling ints, sampling floats) -> ((SampleOutput, routing), next
+        meta ints, meta floats, sampling ints, sampling floats) -> ((SampleOutput, routing, load), next
         prev_tokens, kv_cache). The forward's and the sampler's traces are cached per bucket and per
         variant, so tracing the variants of a bucket traces its forward once."""
         if key not in self._core_fns:
@@ -239,14 +252,14 @@ class StepPrograms:
             cfg, rc, K = self.cfg, self.runner_cfg, self.shapes.mtp_drafts
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
-                (out, routing), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
+                (out, routing, load), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
                 sampled, nxt = smp(out, prev_tokens, si, sf)
                 if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
                     (meta, hidden), routing = routing, None
                     drafts, kv_cache = mtp_propose(params, cfg, kv_cache, meta, hidden, sampled.token_ids,
                                                    sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
-                return (sampled, routing), nxt, kv_cache
+                return (sampled, routing, load), nxt, kv_cache
 
             self._core_fns[key] = jax.jit(core)
         return self._core_fns[key]
@@ -261,7 +274,7 @@ class StepPrograms:
 
             def forward_step(params, kv_cache, prev_tokens, inbox, out):
                 mi, mf = split_inbox(inbox, parts)
-                (last, _), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
+                (last, _, _), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
                 return kv_cache, jax.lax.dynamic_update_slice(out, last.astype(out.dtype), (0, 0))
 
             self.jitted[pid] = jax.jit(forward_step, donate_argnums=(1, 4))
@@ -308,9 +321,10 @@ class StepPrograms:
             def step(params, kv_cache, prev_tokens, inbox, outbox):
                 mi, mf, si, sf = split_inbox(inbox, res.parts)
                 results, nxt, kv_cache = core(params, kv_cache, prev_tokens, mi, mf, si, sf)
-                sampled, routing = results
+                sampled, routing, load = results
                 if (bits_layout(sampled) != res.sampled_layout or
-                        (None if routing is None else routing.shape) != res.routing_shape):
+                        (None if routing is None else routing.shape) != res.routing_shape or
+                        (None if load is None else load.shape) != res.load_shape):
                     raise AssertionError(f"step results {results} do not fit the outbox made for them")
                 outbox = jax.lax.dynamic_update_slice(outbox, pack_bits(results), (0,))  # in place
                 if resident_sharding is not None:
@@ -332,6 +346,8 @@ class StepPrograms:
         else:
             res = self._sampler_resident(key) if kind == "sampler" else self.resident(key)
             layouts = (key, res.parts, res.sampled_layout, res.routing_shape)
+            if res.load_shape is not None:
+                layouts += (res.load_shape,)
         return program_cache.program_key(kind, self.cfg, rc, self.shapes, self.num_pages, self.max_logprobs,
                                          *layouts, state_signature)
 
@@ -347,3 +363,13 @@ class StepPrograms:
             return self._sampler_step_fn(key).lower(out, prev_tokens, res.inbox, res.outbox)
         res = self.resident(key)
         return self._step_fn(key).lower(params, kv_cache, prev_tokens, res.inbox, res.outbox)
+
+
+def expert_load(routing: jax.Array, slot_mapping: jax.Array, page_size: int, num_experts: int) -> jax.Array:
+    """routing [num_moe_layers, T, k] logical expert ids -> int32 [num_moe_layers, E]: the step's token copies
+    routed to each expert, padding tokens (they write into the null page, slots below page_size) left out."""
+    L = routing.shape[0]
+    real = (slot_mapping >= page_size).astype(jnp.int32)  # [T]
+    layer = jnp.broadcast_to(jnp.arange(L, dtype=jnp.int32)[:, None, None], routing.shape)
+    ones = jnp.broadcast_to(real[None, :, None], routing.shape)
+    return jnp.zeros((L, num_experts), jnp.int32).at[layer, routing].add(ones)

@@ -187,7 +187,8 @@ def _handlers(s: Serving):
         return json_response(request, {"status": status}, status=503)
 
     async def metrics(request):
-        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight, s.memory_report())
+        body = s.metrics.render(s.engine.stats, s.engine.num_requests_in_flight, s.memory_report(),
+                                s.expert_load_report())
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def version(request):

@@ -11,6 +11,10 @@ plain numbers for /dashboard/data, so the dashboard and /metrics show the same f
 The KV cache's host tier (docs/kv-tier.md; all 0 without one): `kv_offload_usage_perc`, `kv_offload_queries` /
 `kv_offload_hits` (tokens looked up in / served from it) from the stats, and `kv_offload_bytes{direction}`
 (`to_host`, `to_device`) from the memory report.
+With --enable-eplb (docs/multi-gpu.md "EPLB"), read from the engine's expert load report at scrape time:
+`eplb_expert_load{expert}` (a counter: token copies routed to each logical expert since start, summed over the MoE
+layers: E series, not layers x E) and `eplb_balancedness` (the current placement's mean over max EP-rank load on
+those counts, averaged over the layers; 1.0 is even).
 """
 
 from __future__ import annotations
@@ -86,6 +90,12 @@ class ServerMetrics:
         self.spec_accepted_per_pos = Counter(P + "spec_decode_num_accepted_tokens_per_pos",
                                              "Draft tokens accepted, by position (0: the first draft).",
                                              L + ["position"], registry=r)
+        self.expert_load = Counter(P + "eplb_expert_load", "Token copies routed to each logical expert, summed "
+                                   "over the MoE layers (--enable-eplb).", L + ["expert"], registry=r)
+        self.balancedness = Gauge(P + "eplb_balancedness", "Mean over max EP-rank expert load of the current "
+                                  "placement on the observed counts, averaged over MoE layers (1.0: even).", L,
+                                  registry=r)
+        self._last_expert_load: list[int] = []
         self._last = (0, 0, 0, 0, 0)
         self._last_bytes = {"to_host": 0, "to_device": 0}
         self._last_spec: tuple = (0, 0, 0, ())
@@ -98,13 +108,14 @@ class ServerMetrics:
         return child
 
     # ---- scrape ----------------------------------------------------------------------------------
-    def render(self, stats, in_flight: int, memory: dict | None = None) -> bytes:
-        self.update(stats, in_flight, memory)
+    def render(self, stats, in_flight: int, memory: dict | None = None, expert_load: dict | None = None) -> bytes:
+        self.update(stats, in_flight, memory, expert_load)
         return generate_latest(self.registry)
 
-    def snapshot(self, stats, in_flight: int, memory: dict | None = None) -> dict[str, dict[tuple, float]]:
+    def snapshot(self, stats, in_flight: int, memory: dict | None = None,
+                 expert_load: dict | None = None) -> dict[str, dict[tuple, float]]:
         """{sample name: {((label, value), ...) without model_name: value}} of the same registry."""
-        self.update(stats, in_flight, memory)
+        self.update(stats, in_flight, memory, expert_load)
         out: dict[str, dict[tuple, float]] = {}
         for fam in self.registry.collect():
             for smp in fam.samples:
@@ -112,7 +123,9 @@ class ServerMetrics:
                 out.setdefault(smp.name, {})[labels] = smp.value
         return out
 
-    def update(self, stats, in_flight: int, memory: dict | None = None) -> None:
+    def update(self, stats, in_flight: int, memory: dict | None = None, expert_load: dict | None = None) -> None:
+        if expert_load is not None:  # LLMEngine.expert_load_report (engine/expert_balance.py)
+            self._expert_load(expert_load)
         if memory is not None:
             for kind in ("weights", "kv_cache", "limit", "in_use"):
                 if memory.get(kind) is not None:
@@ -138,6 +151,16 @@ class ServerMetrics:
             if getattr(stats, "spec_decode", None) is not None:
                 self._spec(stats.spec_decode)
         self._l(self.in_flight).set(in_flight)
+
+    def _expert_load(self, report: dict) -> None:
+        now = [int(v) for v in report["per_expert"]]
+        old = self._last_expert_load or [0] * len(now)
+        for e, (new, prev) in enumerate(zip(now, old)):
+            child = self.expert_load.labels(self.model_name, str(e))
+            if new > prev:
+                child.inc(new - prev)
+        self._last_expert_load = now
+        self._l(self.balancedness).set(report["balancedness"])
 
     def _spec(self, sd) -> None:
         now = (sd.num_drafts, sd.num_draft_tokens, sd.num_accepted_tokens, tuple(sd.num_accepted_tokens_per_pos))

@@ -96,6 +96,13 @@ class Serving:
             log.debug("memory report failed", exc_info=True)
             return None
 
+    def expert_load_report(self) -> dict | None:
+        """With --enable-eplb, the engine's observed expert load (LLMEngine.expert_load_report); else None."""
+        eng = self.engine.engine
+        if not self.engine.ready or eng is None or not hasattr(eng, "expert_load_report"):
+            return None
+        return eng.expert_load_report()
+
     @property
     def max_model_len(self) -> int | None:
         """The engine's context length once it is built (the --max-model-len flag before that)."""

@@ -99,6 +99,31 @@ def with_placement(params: Any, placement: ExpertPlacement, mesh: Any, num_logic
     return place_tree(params, placement, replicated, num_logical)
 
 
+def replace_placement(params: Any, old: ExpertPlacement, new: ExpertPlacement, mesh: Any) -> Any:
+    """Loaded physical-slot params on placement `old` -> the same on `new` (of the same slot count): each new slot
+    gathered from a slot of `old` that holds its expert, on the same shardings and shapes, so the compiled step
+    programs run them. A device holds both slot sets of one array while it is gathered."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    if new.phys_to_log.shape != old.phys_to_log.shape or new.log_to_phys.shape != old.log_to_phys.shape:
+        raise ValueError(f"a new expert placement must keep the slots {old.phys_to_log.shape}, got "
+                         f"{new.phys_to_log.shape}")
+    # [L, P]: for each new slot, the first old slot of its logical expert
+    source = np.take_along_axis(old.log_to_phys[:, :, 0], new.phys_to_log.astype(np.int64), axis=1)
+    replicated = NamedSharding(mesh, PartitionSpec())
+    P = new.num_physical
+    segs = list(params["segments"])
+    first = 0
+    for i in _moe_segments(params):
+        moe = segs[i]["moe"]
+        L = jax.tree.leaves(moe["experts"])[0].shape[0]
+        rows = slice(first, first + L)
+        first += L
+        segs[i] = {**segs[i], "moe": {**moe, "experts": _physical(moe["experts"], source[rows], P, False),
+                                      "eplb": _map_leaves(new, rows, replicated, False)}}
+    return {**params, "segments": segs}
+
+
 def moe_layer_count(params: Any) -> int:
     """The MoE layers of `params` (arrays, abstract tree or PendingParams), in segment order."""
     tree = getattr(params, "abstract", params)

@@ -1,8 +1,9 @@
 """A step's results reach the host through the step program's resident outbox (runner/model_runner.py):
 packed on the device, copied out, unpacked on the host. What arrives must be what the forward computed:
 the routed expert ids of every MoE layer (RunnerConfig.collect_routing, the benchmarks' experts-touched
-figure) and the greedy ids (the argmax of the logits), for a prefill step and the decode step after it,
-whose tokens are placeholders for ids the prefill sampled on the device."""
+figure), the greedy ids (the argmax of the logits), for a prefill step and the decode step after it,
+whose tokens are placeholders for ids the prefill sampled on the device, and the expert load counted on the
+device (RunnerConfig.count_expert_load: EPLB's observed load, padding tokens left out)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def test_outbox_carries_the_forwards_routing_and_ids(hf_case):
     cfg, params = load_model(path, jnp.float32, progress=False)
     shapes = Shapes((16, 64), 4, 8, PAGE, 64)
     rc = RunnerConfig(dtype="float32", attn_impl="reference", moe_impl="ragged", collect_routing=True,
-                      warmup_full_variant=False)
+                      count_expert_load=True, warmup_full_variant=False)
     runner = ModelRunner(cfg, params, rc, shapes, PAGES)
     prompts = random_prompts(5, [9, 14, 3], model.config.vocab_size)
     pages = [list(range(1 + 3 * i, 4 + 3 * i)) for i in range(len(prompts))]
@@ -58,6 +59,9 @@ def test_outbox_carries_the_forwards_routing_and_ids(hf_case):
     assert runner.last_routing.shape == want_routing.shape == (
         sum(map(cfg.is_moe_layer, range(cfg.num_hidden_layers))), 64, cfg.num_experts_per_tok)
     np.testing.assert_array_equal(np.sort(np.asarray(runner.last_routing), -1), np.sort(want_routing, -1))
+    E, n_real = cfg.n_routed_experts, sum(map(len, prompts))  # the bucket's real tokens first, then padding
+    want_load = np.stack([np.bincount(r[:n_real].ravel(), minlength=E) for r in want_routing])
+    np.testing.assert_array_equal(runner.expert_load(), want_load)
 
     prev = np.zeros(runner.max_rows, np.int32)
     prev[: len(want_ids)] = want_ids
@@ -68,3 +72,7 @@ def test_outbox_carries_the_forwards_routing_and_ids(hf_case):
     np.testing.assert_array_equal(out.to_host().token_ids[host.sample_rows], want_ids)
     assert runner.last_routing.shape == want_routing.shape and want_routing.shape[1] == 16
     np.testing.assert_array_equal(np.sort(np.asarray(runner.last_routing), -1), np.sort(want_routing, -1))
+    want_load += np.stack([np.bincount(r[:len(prompts)].ravel(), minlength=E) for r in want_routing])
+    np.testing.assert_array_equal(runner.expert_load(), want_load)  # the two steps' counts added on the device
+    runner.reset_expert_load()
+    assert not runner.expert_load().any()

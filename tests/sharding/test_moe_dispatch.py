@@ -3,7 +3,7 @@ the single-device code: one MoE layer's output under DP2 x EP4, DP4 x EP4, DP8 x
 tokens: padded), with the model's routing (the whole MoE block), a balanced routing (the smallest buffer of the
 capacity ladder) and a skewed one (every token to one device: the dropless worst case); an EPLB placement with
 redundant experts changes no output; and through the engine, all-to-all with EPLB gives HF transformers' greedy
-tokens. fp32, 8 fake CPU devices, each script in its own process (run_moe_dispatch.py, SCRIPT)."""
+tokens, counts the expert load on the device and rebalances from it with the same tokens. fp32, 8 fake CPU devices, each script in its own process (run_moe_dispatch.py, SCRIPT)."""
 
 from __future__ import annotations
 
@@ -32,10 +32,20 @@ llm = LLM(sys.argv[1], dtype="float32", skip_tokenizer_init=True, max_model_len=
           max_num_batched_tokens=32, token_buckets=(32,), page_size=8, progress=False, compilation_cache_dir=None,
           tensor_parallel_size=2, data_parallel_size=4, enable_expert_parallel=True, all2all_backend="all_to_all",
           enable_eplb=True, eplb_config={"num_redundant_experts": 8, "expert_load": sys.argv[3]})
-res = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+res = llm.generate(prompts, greedy)
 eng = llm.engine
+replicas, load = llm.eplb_placement.replicas.tolist(), llm.expert_load()
+from deepinfer_jax.server.metrics import ServerMetrics  # /metrics's registry on the engine's report
+metrics = ServerMetrics("m").render(None, 0, None, llm.engine.expert_load_report()).decode()
+rebalanced = llm.rebalance_experts()  # a placement from the observed counts, then the same prompts again
+again = llm.generate(prompts, greedy)
 print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in res],
-                              "replicas": llm.eplb_placement.replicas.tolist(),
+                              "replicas": replicas, "load": load["load"].tolist(),
+                              "per_expert": load["per_expert"].tolist(), "rebalanced": rebalanced,
+                              "balancedness": load["balancedness"], "metrics": metrics,
+                              "tokens_after": [o.outputs[0].token_ids for o in again],
+                              "replicas_after": llm.eplb_placement.replicas.tolist(),
                               "late_compiles": eng.runner.compiles_after_warmup,
                               "collectives": collectives(eng.runner.programs.executables.values()),
                               "bucket": 32, "seq_rows": eng.shapes.seq_rows(32)}))
@@ -95,6 +105,27 @@ def test_all_to_all_with_eplb_greedy_equals_hf(runs, hf_case):
     assert r["late_compiles"] == 0
     per_layer = r["replicas"][0]
     assert sum(per_layer) == model.config.n_routed_experts + 8 and per_layer[0] == max(per_layer) > 1
+
+
+def test_eplb_counts_the_load_and_rebalances_without_changing_tokens(runs, hf_case):
+    """The load counted on the device (every MoE layer, padding left out): each real token processed, the prompts'
+    and the 5 fed back of each request, routed to k experts; `rebalance_experts` places the experts for those
+    counts, with a lower largest rank load on them, in the compiled programs, and greedy tokens stay HF's."""
+    model, _ = hf_case("v3_grouped_noaux")
+    prompts, r = runs[1]
+    k, tokens = model.config.num_experts_per_tok, sum(LENGTHS) + (MAX_TOKENS - 1) * len(LENGTHS)
+    assert [sum(row) for row in r["load"]] == [tokens * k] * len(r["load"])
+    assert r["per_expert"] == [sum(col) for col in zip(*r["load"])]
+    lines = dict(line.rsplit(" ", 1) for line in r["metrics"].splitlines() if line.startswith("deepinfer:eplb"))
+    assert [float(lines[f'deepinfer:eplb_expert_load_total{{expert="{e}",model_name="m"}}'])
+            for e in range(len(r["per_expert"]))] == r["per_expert"]
+    assert float(lines['deepinfer:eplb_balancedness{model_name="m"}']) == pytest.approx(r["balancedness"])
+    assert 0 < r["balancedness"] <= 1
+    rb = r["rebalanced"]
+    assert rb["applied"] and rb["max_rank_load_after"] < rb["max_rank_load_before"], rb
+    assert rb["balancedness_after"] > rb["balancedness_before"], rb
+    assert r["replicas_after"] != r["replicas"]
+    assert r["tokens_after"] == r["tokens"] and r["late_compiles"] == 0
 
 
 def test_all_to_all_collectives_are_the_predicted_ones(runs, hf_case):
