@@ -3,13 +3,14 @@ over the same prefill and decode steps, the same logits and cache, and the full 
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.cache import StepMetadata, init_kv_cache
-from deepinfer_jax.models.deepseek import forward
+from deepinfer_jax.models.deepseek import forward, forward_paged
 from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
 from paged_steps import PAGE, step as _step
@@ -28,12 +29,14 @@ def _decode_kernel_on_and_off(hf_case, case, flag: str, seed: int, values=(False
     outs = []
     for enabled in values:
         kw = {"attn_impl": "pallas_interpret", "moe_impl": "pallas_interpret", **extra, flag: enabled}
+        # One program a step size, as the runner jits its steps: the two decode steps share one trace.
+        fwd = jax.jit(lambda p, c, m, kw=kw: forward_paged(p, cfg, c, m, **kw))
         cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
-        _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, **kw)
+        _, cache = _step(params, cfg, cache, ids, pages, [(0, 30), (0, 3), (0, 20)], pad_to=64, fwd=fwd)
         steps = []
         for t in range(2):
             logits, cache = _step(params, cfg, cache, ids, pages, [(30 + t, 1), (3 + t, 1), (20 + t, 1)],
-                                  pad_to=16, **kw)
+                                  pad_to=16, fwd=fwd)
             steps.append(np.asarray(logits)[:3])
             np.testing.assert_allclose(steps[-1], full[[0, 1, 2], [30 + t, 3 + t, 20 + t]], atol=5e-5)
         outs.append((np.stack(steps), np.asarray(cache)))
@@ -56,9 +59,9 @@ def test_decode_output_kernel_equals_merge_then_einsum(hf_case, case, monkeypatc
     monkeypatch.setattr(mla_output, "merge_value_projection",
                         lambda *a, **k: calls.append(a[3].shape) or real(*a, **k))
     cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_output_kernel", seed=11)
-    # Only the two decode steps; each traces one scanned layer body per segment, handed its segment's
-    # stacked kv_b_proj.
-    assert calls == 2 * [(seg.num_layers, *params["segments"][i]["attn"]["kv_b_proj"].shape[1:])
+    # Only the decode steps' program (traced once for both) takes it: one scanned layer body per segment, handed
+    # its segment's stacked kv_b_proj.
+    assert calls == [(seg.num_layers, *params["segments"][i]["attn"]["kv_b_proj"].shape[1:])
                          for i, seg in enumerate(layer_segments(cfg))]
 
 
@@ -74,9 +77,9 @@ def test_decode_absorb_kernel_equals_the_xla_absorption(hf_case, case, monkeypat
     real = mla_absorb.absorb_query
     monkeypatch.setattr(mla_absorb, "absorb_query", lambda *a, **k: calls.append(a[0].shape) or real(*a, **k))
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_absorb_kernel", seed=12)
-    # Only the two decode steps, one scanned layer body per segment, each on the whole q [16, H, dn + dr].
+    # Only the decode steps' program, one scanned layer body per segment, each on the whole q [16, H, dn + dr].
     H, width = cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-    assert calls == 2 * len(layer_segments(cfg)) * [(16, H, width)]
+    assert calls == len(layer_segments(cfg)) * [(16, H, width)]
 
 
 @pytest.mark.parametrize("case", ["v2_greedy_yarn", "v3_grouped_noaux"])
@@ -94,11 +97,11 @@ def test_decode_latent_kernel_equals_the_xla_norm_rope_and_write(hf_case, case, 
     monkeypatch.setattr(mla_absorb, "absorb_query_write_latents",
                         lambda *a, **k: calls.append((a[5].shape, a[6].shape, a[7].shape, k["eps"])) or real(*a, **k))
     cfg, params = _decode_kernel_on_and_off(hf_case, case, "decode_latent_kernel", seed=14, decode_absorb_kernel=True)
-    # Only the two decode steps, one scanned layer body per segment: the raw rows [16, R + dr], the
+    # Only the decode steps' program, one scanned layer body per segment: the raw rows [16, R + dr], the
     # segment's stacked kv_a_layernorm, the whole cache.
     R, dr = cfg.kv_lora_rank, cfg.qk_rope_head_dim
     cache = (cfg.num_hidden_layers, 24, PAGE, R + dr)
-    assert calls == 2 * [((16, R + dr), (seg.num_layers, R), cache, cfg.latent_norm_eps) for seg in layer_segments(cfg)]
+    assert calls == [((16, R + dr), (seg.num_layers, R), cache, cfg.latent_norm_eps) for seg in layer_segments(cfg)]
     sp = params["segments"][0]
     meta = StepMetadata(*(jnp.zeros(16, jnp.int32),) * 4, jnp.zeros((16, 2), jnp.int32), jnp.zeros(16, jnp.int32))
     kv_b = decode_absorb_weights(sp, cfg, meta, "pallas_interpret", None, None, True)
@@ -120,7 +123,7 @@ def test_moe_single_launch_equals_two_launches(hf_case, case, monkeypatch):
                         lambda *a, **k: calls.append(k["single_launch"]) or real(*a, **k))
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "moe_single_launch", seed=14, fuse_moe_routing=True,
                                        fuse_shared_experts=True)
-    n = 3 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # three steps, one traced body per segment
+    n = 2 * sum(seg.kind == "moe" for seg in layer_segments(cfg))  # two programs (64 and 16 slots), a body a segment
     assert calls == n * [False] + n * [True]
 
 
@@ -138,10 +141,10 @@ def test_decode_route_launch_equals_the_xla_path(hf_case, case, monkeypatch):
     cfg, _ = _decode_kernel_on_and_off(hf_case, case, "decode_route_launch", seed=17, decode_projection_kernel=True,
                                        fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
                                        decode_output_kernel=True)
-    # The MoE segment of the 64-slot prefill step and of the two 16-slot decode steps, each with o_proj's
+    # The MoE segment of the 64-slot prefill program and of the 16-slot decode one, each with o_proj's
     # partials [split_k, slots, D].
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
-    assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * 2 * moe
+    assert [p[1:] for p in calls] == [(64, cfg.hidden_size)] * moe + [(16, cfg.hidden_size)] * moe
 
 
 @pytest.mark.parametrize("case, tokens", [("v2_greedy_yarn", None), ("v3_flat_plain_rope", (16,))])
@@ -160,9 +163,9 @@ def test_decode_moe_launch_equals_two_launches(hf_case, case, tokens, monkeypatc
                                        fuse_moe_routing=True, fuse_shared_experts=True, moe_single_launch=True,
                                        decode_output_kernel=True, decode_route_launch=True,
                                        decode_moe_launch_tokens=tokens)
-    # The MoE segments of the 64-slot prefill step (unless `tokens` leaves it out) and of the two 16-slot decode steps.
+    # The MoE segments of the 64-slot prefill program (unless `tokens` leaves it out) and of the 16-slot decode one.
     moe = sum(seg.kind == "moe" for seg in layer_segments(cfg))
-    sizes = (64, 16, 16) if tokens is None else (16, 16)
+    sizes = (64, 16) if tokens is None else (16,)
     assert calls == [n for n in sizes for _ in range(moe)]
 
 
@@ -190,5 +193,5 @@ def test_decode_merged_qkv_equals_two_projections(hf_case, case, monkeypatch):
                                        decode_latent_kernel=True, decode_output_kernel=True)
     H, W, R, dr = (cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.qk_rope_head_dim, cfg.kv_lora_rank,
                    cfg.qk_rope_head_dim)
-    n = len(layer_segments(cfg))  # one traced layer body per segment and step; the prefill step takes neither
-    assert calls == 2 * n * [((16, H, W), False)] + 2 * n * [((16, H * W + R + dr), True)]
+    n = len(layer_segments(cfg))  # one traced layer body per segment in the decode program; the prefill takes neither
+    assert calls == n * [((16, H, W), False)] + n * [((16, H * W + R + dr), True)]

@@ -25,15 +25,17 @@ def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
     # Non-contiguous, interleaved pages; page 0 is never used by a sequence.
     pages = [[5, 2, 9, 14, 20], [3, 11, 7, 1, 18], [6, 4, 13, 17, 8]]
     cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
+    fwd = jax.jit(lambda p, c, m: forward_paged(p, cfg, c, m))  # a program a step size, as the runner's
     # Step 1: chunks of different lengths, one of them a single token; padded batch.
-    logits, cache = _step(params, cfg, cache, ids, pages, [(0, 17), (0, 1), (0, 9)], pad_to=32)
+    logits, cache = _step(params, cfg, cache, ids, pages, [(0, 17), (0, 1), (0, 9)], pad_to=32, fwd=fwd)
     np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [16, 0, 8]], atol=2e-5)
     # Step 2: second prefill chunks mixed with a decode.
-    logits, cache = _step(params, cfg, cache, ids, pages, [(17, 12), (1, 1), (9, 20)])
+    logits, cache = _step(params, cfg, cache, ids, pages, [(17, 12), (1, 1), (9, 20)], fwd=fwd)
     np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [28, 1, 28]], atol=2e-5)
-    # Decode steps.
+    # Decode steps (one program for the six).
     for t in range(6):
-        logits, cache = _step(params, cfg, cache, ids, pages, [(29 + t, 1), (2 + t, 1), (29 + t, 1)], pad_to=8)
+        logits, cache = _step(params, cfg, cache, ids, pages, [(29 + t, 1), (2 + t, 1), (29 + t, 1)], pad_to=8,
+                              fwd=fwd)
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [29 + t, 2 + t, 29 + t]], atol=2e-5)
 
 
