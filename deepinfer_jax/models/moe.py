@@ -328,12 +328,12 @@ def _moe(p, cfg, x, moe_impl, experts, layer, mesh_rules, fuse_routing, single_l
         from deepinfer_jax.models.eplb_map import to_physical
 
         logical, idx = idx, to_physical(idx, p["eplb"]["log_to_phys"], p["eplb"]["replicas"])
-        out, _ = _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+        out, _ = _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx, mosaic)
         return out, logical
-    return _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx)
+    return _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx, mosaic)
 
 
-def _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx):
+def _routed(p, cfg, x, moe_impl, ex, experts, layer, mesh_rules, w, idx, mosaic=False):
     """_moe's routed experts (plus the shared MLP) for routing w/idx [T, k]: (out [T, D], idx)."""
     if mesh_rules is not None and (mesh_rules.size("expert") > 1 or mesh_rules.size("moe_mlp") > 1):
         out = _plus_shared(p, x, experts_sharded(mesh_rules, moe_impl, ex, x, w, idx,
