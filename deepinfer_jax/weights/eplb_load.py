@@ -65,10 +65,9 @@ def _gather_slots(a: jax.Array, phys_to_log: jax.Array) -> jax.Array:
     return out
 
 
-def place_tree(params: Any, placement: ExpertPlacement, replicated: Any, num_logical: int,
-               abstract: bool = False) -> Any:
-    """params (arrays, or ShapeDtypeStructs with `abstract`) -> the physical-slot params. `replicated`: the
-    NamedSharding of the maps (P() on the mesh)."""
+def _map_moe_layers(params: Any, fn) -> tuple[Any, int]:
+    """params with each MoE segment's experts and `eplb` maps from fn(experts, rows) -> (experts, maps), `rows`
+    the segment's slice of the MoE layers counted over the model; -> (params, MoE layers seen)."""
     segs = list(params["segments"])
     first = 0
     for i in _moe_segments(params):
@@ -76,13 +75,21 @@ def place_tree(params: Any, placement: ExpertPlacement, replicated: Any, num_log
         L = jax.tree.leaves(moe["experts"])[0].shape[0]
         rows = slice(first, first + L)
         first += L
-        segs[i] = {**segs[i], "moe": {**moe,
-                                      "experts": _physical(moe["experts"], placement.phys_to_log[rows], num_logical,
-                                                           abstract),
-                                      "eplb": _map_leaves(placement, rows, replicated, abstract)}}
+        experts, maps = fn(moe["experts"], rows)
+        segs[i] = {**segs[i], "moe": {**moe, "experts": experts, "eplb": maps}}
+    return {**params, "segments": segs}, first
+
+
+def place_tree(params: Any, placement: ExpertPlacement, replicated: Any, num_logical: int,
+               abstract: bool = False) -> Any:
+    """params (arrays, or ShapeDtypeStructs with `abstract`) -> the physical-slot params. `replicated`: the
+    NamedSharding of the maps (P() on the mesh)."""
+    out, first = _map_moe_layers(params, lambda ex, rows: (
+        _physical(ex, placement.phys_to_log[rows], num_logical, abstract),
+        _map_leaves(placement, rows, replicated, abstract)))
     if first != placement.phys_to_log.shape[0]:
         raise ValueError(f"the expert placement has {placement.phys_to_log.shape[0]} MoE layers, the model {first}")
-    return {**params, "segments": segs}
+    return out
 
 
 def with_placement(params: Any, placement: ExpertPlacement, mesh: Any, num_logical: int) -> Any:
@@ -112,16 +119,8 @@ def replace_placement(params: Any, old: ExpertPlacement, new: ExpertPlacement, m
     source = np.take_along_axis(old.log_to_phys[:, :, 0], new.phys_to_log.astype(np.int64), axis=1)
     replicated = NamedSharding(mesh, PartitionSpec())
     P = new.num_physical
-    segs = list(params["segments"])
-    first = 0
-    for i in _moe_segments(params):
-        moe = segs[i]["moe"]
-        L = jax.tree.leaves(moe["experts"])[0].shape[0]
-        rows = slice(first, first + L)
-        first += L
-        segs[i] = {**segs[i], "moe": {**moe, "experts": _physical(moe["experts"], source[rows], P, False),
-                                      "eplb": _map_leaves(new, rows, replicated, False)}}
-    return {**params, "segments": segs}
+    return _map_moe_layers(params, lambda ex, rows: (
+        _physical(ex, source[rows], P, False), _map_leaves(new, rows, replicated, False)))[0]
 
 
 def moe_layer_count(params: Any) -> int:
