@@ -13,15 +13,19 @@ the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and the load moves the chosen leaves once loaded. Inside a program `to_device` copies every
-leaf whose memory space is the host's to the device (`jax.device_put(x, jax.memory.Space.Device)`); XLA
+programs for it, and the load moves the chosen leaves once loaded. Inside a program, `stream` copies the leaves
+outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
+whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
+(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
+step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
+both figures off a traced program; `step_window` computes the second from the choice, for `deepinfer plan`). XLA
 schedules the copies (asynchronous host-to-device copies on a GPU). A leaf on the device passes through
 unchanged, so without offload the programs are the same HLO as before.
 
-What the device still holds: an offloaded leaf is on the device only while a program reads it (a transient of
-the step, from its copy to its last use); between steps the device holds only the other leaves, so the KV cache
-is sized with the offloaded bytes free (runner/device_memory.py counts what is in use). Loading places each
-leaf on the device before moving it (the whole model must fit the device while it loads).
+What the device still holds: an offloaded slice is on the device only while its layer runs; between steps the
+device holds only the other leaves, so the KV cache is sized with the offloaded bytes free
+(runner/device_memory.py counts what is in use). Loading places each leaf on the device before moving it (the
+whole model must fit the device while it loads).
 """
 
 from __future__ import annotations
