@@ -224,12 +224,13 @@ def copy_in_bytes(jaxpr: Any) -> tuple[int, int]:
     that copies whole stacked leaves holds them all; one whose layer loop copies its layer's slices holds one
     layer's. XLA's schedule decides the device's real peak (it may start a copy before the last use of the one
     before); `benchmarks/offload.py` prints the compiled program's memory figures beside this."""
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
     here, below_total, below_peak = 0, 0, 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "device_put":
             for a, b in zip(eqn.invars, eqn.outvars):
-                if (getattr(a.aval, "memory_space", None) == jax.memory.Space.Host
-                        and getattr(b.aval, "memory_space", None) != jax.memory.Space.Host):
+                if (getattr(a.aval, "memory_space", None) == jax.memory.Space.Host and id(b) in used  # (jit drops
+                        and getattr(b.aval, "memory_space", None) != jax.memory.Space.Host):  # an unused copy)
                     here += int(np.prod(b.aval.shape)) * np.dtype(b.aval.dtype).itemsize
         subs = [(copy_in_bytes(sub), times) for sub, times in _subjaxprs(eqn)]
         totals = [times * total for (total, _), times in subs]

@@ -126,6 +126,33 @@ def test_steps_stream_one_layer_at_a_time(offloaded):
     assert len(re.findall(r'_xla_buffer_placement = "device"', body)) == len(slices)
 
 
+def test_copy_in_bytes():
+    """The measure on small programs: a whole stacked copy holds all of it, a scan copying its layer's slice holds
+    one slice and moves all; a copy nothing reads (jit drops it) counts for nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    w = jax.device_put(jnp.ones((3, 8, 8), jnp.float32), host)
+    x = jnp.ones((2, 8), jnp.float32)
+    on_device = lambda a: jax.device_put(a, jax.memory.Space.Device)  # noqa: E731
+
+    def whole(w, x):
+        return jax.lax.scan(lambda h, lw: (jnp.tanh(h @ lw), None), x, on_device(w))[0]
+
+    def streamed(w, x):
+        return jax.lax.scan(lambda h, lw: (jnp.tanh(h @ on_device(lw)), None), x, w)[0]
+
+    def unused(w, x):
+        on_device(w)
+        return x
+
+    layer = 8 * 8 * 4  # one [8, 8] float32 slice
+    assert copy_in_bytes(jax.jit(whole).trace(w, x).jaxpr) == (3 * layer, 3 * layer)
+    assert copy_in_bytes(jax.jit(streamed).trace(w, x).jaxpr) == (3 * layer, layer)
+    assert copy_in_bytes(jax.jit(unused).trace(w, x).jaxpr) == (0, 0)
+
+
 def test_step_window():
     """`deepinfer plan`'s figure: one layer's share of each chosen segment leaf, the largest segment's, plus the
     chosen leaves outside the segments whole; every chosen byte for a family that does not stream."""
