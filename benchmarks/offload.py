@@ -185,6 +185,9 @@ def main(argv=None) -> int:
     for name, _, on_dev, _, kv, mem in rows:
         print(f"{name:16}{on_dev / mib:9.1f}{kv / mib:10.1f}{mem['temp'] / mib:9.1f}{mem['peak'] / mib:10.1f}"
               f"{mem['host_args'] / mib:11.1f}{mem['copied'] / mib:11.1f}{mem['held'] / mib:14.1f}")
+    (_, _, _, _, _, base), (_, _, _, _, _, off) = rows
+    print(f"temporaries with offload less without: {(off['temp'] - base['temp']) / mib:.1f} MiB (one layer's slices: "
+          f"{off['held'] / mib:.1f} MiB; every offloaded byte: {off['copied'] / mib:.1f} MiB)")
     return 0
 
 
