@@ -8,12 +8,18 @@ First the host link: copies of a pinned host array of --link-mib MiB (1 GiB) to 
 Then correctness: the same prompts greedy with and without offload must give the same tokens (the programs differ
 only by the copies). Then the timed runs: --batch requests of --prompt-len tokens, --output-len tokens each, after a
 warm round; output tokens/s, the mean step time, the bytes copied in per step (every step program copies every
-offloaded leaf) and the link bandwidth those copies take at that step time.
+offloaded byte) and the link bandwidth those copies take at that step time. Then the device memory of the smallest
+step program (the decode step) as XLA compiled it, with and without offload: the weights resident on the device,
+the KV cache, the program's temporaries (`memory_analysis().temp_size_in_bytes`, which hold the offloaded weights'
+copies while the step runs) and its device peak (arguments + outputs - aliased + temporaries), beside the most of
+the offloaded bytes the program's jaxpr holds at once (weight_offload.copy_in_bytes: one layer's slices where the
+layer loop streams them). With offload the KV cache takes the bytes the weights free, so the peaks are alike: the
+temporaries tell what the copies cost the step.
 
 What is offloaded: --offload-gib GiB (runner/weight_offload.py picks the leaves: routed experts first); by default
 the routed experts' bytes times --expert-fraction (0.5), which on V2-Lite's one MoE segment takes its experts'
 `down` leaf (a third of the experts' bytes; the leaf is the unit) and fills the rest of the budget with the next
-leaves in the order.
+leaves in the order. The step copies each layer's slice of them in its layer loop (docs/offload.md).
 """
 
 from __future__ import annotations
@@ -53,6 +59,27 @@ def pinned_link_bandwidth(mib: int, runs: int = 5) -> tuple[float, float]:
         d2h.append(time.perf_counter() - t)
         del x, back
     return host.nbytes / min(h2d) / 1e9, host.nbytes / min(d2h) / 1e9
+
+
+def step_memory(eng) -> dict:
+    """The decode step program's device memory as XLA compiled it (the program of fewest token slots that reads the
+    params), and copy_in_bytes of its jaxpr."""
+    from deepinfer_jax.runner.step_io import meta_struct
+    from deepinfer_jax.runner.step_programs import program_kind
+    from deepinfer_jax.runner.weight_offload import copy_in_bytes
+
+    def slots(pid):
+        kind, key = program_kind(pid)
+        return meta_struct(key[0] if kind == "step" else key).token_ids.shape[0]
+
+    runner = eng.runner
+    pid = min((p for p in runner.programs.executables if program_kind(p)[0] != "sampler"), key=slots)
+    traced = runner.trace(pid)
+    m = traced.lower().compile().memory_analysis()
+    peak = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+    per_step, held = copy_in_bytes(traced.jaxpr)
+    return {"slots": slots(pid), "temp": m.temp_size_in_bytes, "peak": peak,
+            "host_args": getattr(m, "host_argument_size_in_bytes", 0), "copied": per_step, "held": held}
 
 
 def run(eng, prompts, output_len: int) -> dict:
@@ -141,15 +168,26 @@ def main(argv=None) -> int:
                   f"{len(first)} requests", flush=True)
         run(eng, prompts(args.batch, 2), args.output_len)  # warm
         res = run(eng, prompts(args.batch, 3), args.output_len)
-        rows.append((name, moved, eng.memory_report()["weights"], res))
+        report = eng.memory_report()
+        rows.append((name, moved, report["weights"], res, report["kv_cache"], step_memory(eng)))
         del eng
     print(f"\n{'':16}{'host GiB':>10}{'device GiB':>12}{'out tok/s':>11}{'step ms':>9}{'MB/step':>9}{'link GB/s':>11}"
           f"{'of h2d':>8}")
-    for name, moved, on_dev, res in rows:
+    for name, moved, on_dev, res, _, _ in rows:
         step = res["wall"] / res["steps"]
         rate = moved / step / 1e9
         print(f"{name:16}{moved / 2**30:10.3f}{on_dev / 2**30:12.3f}{args.batch * args.output_len / res['wall']:11.1f}"
               f"{step * 1e3:9.2f}{moved / 1e6:9.1f}{rate:11.1f}{rate / h2d:8.0%}")
+    mib = 2**20
+    print(f"\ndecode step program ({rows[0][5]['slots']} token slots), device memory as compiled (MiB):")
+    print(f"{'':16}{'weights':>9}{'KV cache':>10}{'temp':>9}{'peak':>10}{'host args':>11}{'copied in':>11}"
+          f"{'held at once':>14}")
+    for name, _, on_dev, _, kv, mem in rows:
+        print(f"{name:16}{on_dev / mib:9.1f}{kv / mib:10.1f}{mem['temp'] / mib:9.1f}{mem['peak'] / mib:10.1f}"
+              f"{mem['host_args'] / mib:11.1f}{mem['copied'] / mib:11.1f}{mem['held'] / mib:14.1f}")
+    (_, _, _, _, _, base), (_, _, _, _, _, off) = rows
+    print(f"temporaries with offload less without: {(off['temp'] - base['temp']) / mib:.1f} MiB (one layer's slices: "
+          f"{off['held'] / mib:.1f} MiB; every offloaded byte: {off['copied'] / mib:.1f} MiB)")
     return 0
 
 

@@ -115,6 +115,7 @@ class MemoryPlan:
     pipeline_parallel_size: int = 1
     stage_weight_bytes: tuple[int, ...] = ()  # per device of each pipeline stage (PP > 1)
     offloaded_weight_bytes: int = 0  # weights in host memory (--cpu-offload-gb)
+    offload_window_bytes: int = 0  # the most of them a step holds on the device at once (weight_offload.step_window)
     kv_host_tier_bytes: int = 0  # the KV cache's host tier (--kv-offloading-size), whole pages
     kv_host_tier_tokens: int = 0
 
@@ -127,7 +128,8 @@ class MemoryPlan:
                f"weights per device: {gib(self.weight_bytes_per_device)}"
                + (" (the largest stage; per stage: " + ", ".join(gib(b) for b in self.stage_weight_bytes) + ")"
                   if self.stage_weight_bytes else "")
-               + (f" on the device, {gib(self.offloaded_weight_bytes)} in host memory (--cpu-offload-gb)"
+               + (f" on the device, {gib(self.offloaded_weight_bytes)} in host memory (--cpu-offload-gb), of which "
+                  f"a step holds at most {gib(self.offload_window_bytes)} on the device at once"
                   if self.offloaded_weight_bytes else ""),
                f"KV cache per token: {self.kv_bytes_per_token} bytes"
                + (" (the compressed cache groups; the windowed ones cost a fixed share per sequence)"
@@ -342,14 +344,18 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
 
         nbytes = weigh(by_leaf=by_leaf)
         weights = ("fp8 (online)" if online else "fp8 (kept)") if paths else "float"
-    offloaded = 0
+    offloaded = window = 0
     if cpu_offload_gb:  # the engine's own choice (runner/weight_offload.py) on the same per-leaf bytes
-        from deepinfer_jax.runner.weight_offload import check_budget, choose
+        from deepinfer_jax.models.params import layer_segments
+        from deepinfer_jax.runner.weight_offload import STREAMING_FAMILIES, check_budget, choose, step_window
 
         if not parallel.is_single_device:
             raise ValueError("cpu_offload_gb is not supported with tensor, data or expert parallelism yet "
                              "(--tensor-parallel-size / --data-parallel-size above 1)")
-        offloaded = sum(by_leaf[p] for p in choose(by_leaf.items(), check_budget(cpu_offload_gb, nbytes)))
+        chosen = [(p, by_leaf[p]) for p in choose(by_leaf.items(), check_budget(cpu_offload_gb, nbytes))]
+        offloaded = sum(n for _, n in chosen)
+        layers = [s.num_layers for s in layer_segments(cfg)] if cfg.family in STREAMING_FAMILIES else []
+        window = step_window(chosen, layers, cfg.family)
     nbytes -= offloaded
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
     per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
@@ -390,7 +396,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     return MemoryPlan(model_dir, dtype, weights, kv_dtype, tensor_parallel_size, data_parallel_size,
                       enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
                       kv_groups=groups, pipeline_parallel_size=pipeline_parallel_size,
-                      stage_weight_bytes=stage_bytes, offloaded_weight_bytes=offloaded,
+                      stage_weight_bytes=stage_bytes, offloaded_weight_bytes=offloaded, offload_window_bytes=window,
                       kv_host_tier_bytes=host_tier_tokens * per_token, kv_host_tier_tokens=host_tier_tokens)
 
 

@@ -23,6 +23,7 @@ kernels serve a step, and the calls that hand them the stacked weights: models/d
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,17 @@ from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
 from deepinfer_jax.models.pipeline import PipelineStage, stage_segments
+
+
+def holds_host(tree) -> bool:
+    """Whether any array of `tree` (or a tracer of one) lives in host memory (runner/weight_offload.py)."""
+    return any(getattr(jax.typeof(x), "memory_space", None) == jax.memory.Space.Host for x in jax.tree.leaves(tree))
+
+
+def _on_device(x):
+    """`x` (a stacked weight, a tuple or dict of them, or None) unless part of it lives in host memory: None then.
+    A weight in host memory is not read in place from its stack: the layer loop copies in its layer's slice."""
+    return None if x is None or holds_host(x) else x
 
 
 def _mlp(lp: dict, cfg: ModelConfig, kind: str, x: jax.Array, moe_impl: str) -> jax.Array:
@@ -99,6 +111,7 @@ def forward(
     mla_form: str = "expanded",
     attention_mask: jax.Array | None = None,  # [B, S] bool, False for padding (right padding)
     return_hidden: bool = False,
+    layer_fetch: Callable | None = None,  # forward_paged's: each layer's weights in host memory copied in
 ):  # [B, S, V] fp32 logits, and with return_hidden the final-normed hidden states [B, S, D] (MTP's input)
     B, S = token_ids.shape
     cos, sin, mask = sequence_inputs(cfg, B, S, attention_mask)
@@ -108,6 +121,7 @@ def forward(
     for seg, seg_params in zip(layer_segments(cfg), params["segments"]):
 
         def body(h, lp, kind=seg.kind):
+            lp = lp if layer_fetch is None else layer_fetch(lp)
             return decoder_layer(lp, cfg, kind, h, cos, sin, mask, attend, moe_impl), None
 
         h, _ = jax.lax.scan(body, h, seg_params)
@@ -282,9 +296,16 @@ def attention_inputs(p: dict, cfg: ModelConfig, x, cos, sin, kv_cache, li, j, me
     return q_nope[..., :dn], q_lat, q_pe, latent, kv_cache
 
 
-def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.ndarray, unroll: int | bool | str):
+def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.ndarray, unroll: int | bool | str,
+               layer_fetch: Callable | None = None):
     """The segment's layers: `body(carry, (layer params, layer index, index in the segment)) -> (carry, y)`
     over the stacked `scanned` params -> (carry, ys stacked over the layers, or None).
+
+    `layer_fetch`: where `scanned` holds arrays in host memory (--cpu-offload-gb), the function that copies a
+    layer's slice of them to the device (runner/weight_offload.py `to_device`). Its layers then run under
+    `lax.scan` whatever `unroll` says, each iteration copying its own slice in: a loop over host arrays whose body
+    moves its slice to the device is the parameter-streaming form XLA's host offloading schedules as one
+    layer's copy at a time (a step then holds one layer's offloaded bytes, not the segment's).
 
     unroll an int or True: `lax.scan` with that unroll (True: straight-line layers whose weight slices and
     indices are constants, so each layer's fusions are distinct HLO that XLA compiles and autotunes on
@@ -295,6 +316,12 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     and lowered to one function that each layer calls: XLA inlines the calls, so the program is the
     straight-line one, but tracing and lowering no longer grow with the depth (8 such forwards of V2-Lite's
     26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md)."""
+    if layer_fetch is not None and holds_host(scanned):
+        def streamed(carry, xs, body=body):
+            lp, li, j = xs
+            return body(carry, (layer_fetch(lp), li, j))
+
+        return jax.lax.scan(streamed, carry, (scanned, layer_ids, local_ids))
     if unroll != "indexed":
         return jax.lax.scan(body, carry, (scanned, layer_ids, local_ids), unroll=unroll)
     ids = jax.lax.optimization_barrier(tuple(jnp.asarray(i) for i in (*layer_ids, *local_ids)))
@@ -336,6 +363,7 @@ def forward_paged(
     stage: PipelineStage | None = None,
     hidden: jax.Array | None = None,
     return_hidden: bool = False,
+    layer_fetch: Callable | None = None,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus, with return_routing, the routed expert ids of
     every MoE layer [num_moe_layers, T, k] (benchmarks use them to prove routing is realistic), and last, with
@@ -372,7 +400,10 @@ def forward_paged(
     moe.moe_block `mosaic`).
     `stage`: one pipeline stage (models/pipeline.py): `params` and `kv_cache` are the stage's, the first stage
     embeds the token ids, the others start from `hidden` [T, D] (the stage before's output), and a stage other
-    than the last returns (hidden [T, D] after its layers, kv_cache) instead of the logits."""
+    than the last returns (hidden [T, D] after its layers, kv_cache) instead of the logits.
+    `layer_fetch`: where layer weights live in host memory (--cpu-offload-gb, runner/weight_offload.py), the function
+    that copies one layer's slice of them to the device inside the layer loop (`run_layers`); such a weight is
+    never read in place from its stack by a kernel (`_on_device`)."""
     if cfg.has_indexer:
         dsa.check_paged_support(attn_impl, mesh_rules)
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, dr/2]
@@ -383,26 +414,28 @@ def forward_paged(
 
     for seg, seg_params in zip(segments, params["segments"]):
         # Expert weights stay stacked outside the scan and go to the MoE with the layer's index:
-        # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel.
-        experts = seg_params["moe"]["experts"] if seg.kind == "moe" else None
+        # slicing them per iteration would copy ~1 GB per layer into a buffer for the kernel. In host memory
+        # (`layer_fetch`) they are sliced and copied in per layer like the scanned params (`_on_device`).
+        experts = _on_device(seg_params["moe"]["experts"]) if seg.kind == "moe" else None
         scanned = seg_params
         if experts is not None:
             stacked = ("experts",)
-            if fuse_shared_experts and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules,
-                                                             meta.token_ids.shape[0]):
+            if (fuse_shared_experts and _on_device(seg_params["moe"].get("shared")) is not None
+                    and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules, meta.token_ids.shape[0])):
                 experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
-        projections = decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
-                                     decode_projection_kernel)
+        projections = {k: w for k, w in decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
+                                                       decode_projection_kernel).items() if _on_device(w) is not None}
         # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
-        value_kv_b = decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                          decode_output_kernel)
-        absorb_kv_b = decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
-                                            decode_absorb_kernel)
-        latent_norm = decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel)
+        value_kv_b = _on_device(decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                                     decode_output_kernel))
+        absorb_kv_b = _on_device(decode_absorb_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
+                                                       decode_absorb_kernel))
+        latent_norm = _on_device(decode_latent_weights(seg_params, cfg, meta, absorb_kv_b, decode_latent_kernel))
         merged_qkv = merged_qkv_applies(seg_params, cfg, latent_norm, decode_merged_qkv)
-        route_w = decode_route_weights(seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0],
-                                       moe_impl, mesh_rules, fuse_moe_routing, decode_route_launch)
+        route_w = None if seg.kind == "moe" and experts is None else _on_device(decode_route_weights(
+            seg, seg_params, cfg, projections, experts, meta.token_ids.shape[0], moe_impl, mesh_rules,
+            fuse_moe_routing, decode_route_launch))
         moe_launch = decode_moe_launch_applies(route_w, seg_params, experts, moe_single_launch, decode_moe_launch,
                                                meta.token_ids.shape[0], decode_moe_launch_tokens)
         for group, name in projections:  # read in place from the stacked weights, not sliced by the scan
@@ -457,7 +490,8 @@ def forward_paged(
             if kind == "dense":
                 return (h + swiglu_mlp(x, lp["mlp"]), cache), None
             if m is None:
-                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts, layer=j,
+                m, idx = moe_block(lp["moe"], cfg, x, moe_impl, return_routing=True, experts=experts,
+                                   layer=None if experts is None else j,
                                    mesh_rules=mesh_rules, fuse_routing=fuse_moe_routing,
                                    single_launch=moe_single_launch, routed=routed, mosaic=moe_prefill_mosaic)
             return (h + m, cache), (idx if return_routing else None)
@@ -467,7 +501,7 @@ def forward_paged(
         # ~0.9 us each on an H200).
         layer_ids = np.arange(seg.start, seg.stop, dtype=np.int32)
         local_ids = np.arange(seg.num_layers, dtype=np.int32)
-        (h, kv_cache), ys = run_layers(body, (h, kv_cache), scanned, layer_ids, local_ids, unroll)
+        (h, kv_cache), ys = run_layers(body, (h, kv_cache), scanned, layer_ids, local_ids, unroll, layer_fetch)
         if ys is not None:
             routing.append(ys)
     if stage is not None and not stage.last:  # the next stage's input (no routing: the runner does not collect it)

@@ -198,6 +198,10 @@ class ModelRunner:
         """Trace and lower program `pid` (step_programs.program_kind) on this runner's state."""
         return self.programs.lower(pid, self.params, self.kv_cache, self._prev_tokens)
 
+    def trace(self, pid):
+        """Trace program `pid` on this runner's state (jax's Traced: `.jaxpr`, `.lower()`)."""
+        return self.programs.trace(pid, self.params, self.kv_cache, self._prev_tokens)
+
     def await_params(self) -> None:
         """Take the params once loaded (weights/pending.py; a no-op when they were given loaded)."""
         if self._pending is not None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.deepseek import forward
-from deepinfer_jax.runner.weight_offload import to_device
+from deepinfer_jax.runner.weight_offload import stream
 
 log = logging.getLogger(__name__)
 
@@ -49,9 +49,10 @@ class PromptScorer:
             cfg, k, moe_impl = self.cfg, self.k, self.moe_impl
 
             def score(params, token_ids, length):  # token_ids [1, bucket] int32, length: int32 scalar
-                params = to_device(params)  # weights in host memory (--cpu-offload-gb)
+                params, fetch = stream(params, "deepseek")  # weights in host memory (--cpu-offload-gb)
                 valid = jnp.arange(bucket) < length
-                logits = forward(params, cfg, token_ids, moe_impl=moe_impl, attention_mask=valid[None])[0]
+                logits = forward(params, cfg, token_ids, moe_impl=moe_impl, attention_mask=valid[None],
+                                 layer_fetch=fetch)[0]
                 logp = jax.nn.log_softmax(logits[:-1], axis=-1)  # [bucket - 1, V]: position i predicts i + 1
                 nxt = token_ids[0, 1:]
                 lp = jnp.take_along_axis(logp, nxt[:, None], axis=-1)[:, 0]

@@ -29,7 +29,7 @@ from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import Resident, meta_struct, resolve_placeholders, split_inbox
-from deepinfer_jax.runner.weight_offload import to_device
+from deepinfer_jax.runner.weight_offload import stream, to_device
 from deepinfer_jax.sampling import sample
 
 
@@ -192,13 +192,17 @@ class StepPrograms:
             page_size, count = self.shapes.page_size, rc.count_expert_load
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
-                params = to_device(params)  # weights in host memory (--cpu-offload-gb) copied in; others as they are
+                fam = family_of(cfg)
+                # weights in host memory (--cpu-offload-gb): the layers' copied in by the layer loop, one layer at a
+                # time, where the family streams them (`fetch`); the others here. Weights on the device as they are.
+                params, fetch = stream(params, fam.name)
                 meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
-                fam = family_of(cfg)
                 switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
+                if fetch is not None:
+                    switches["layer_fetch"] = fetch
                 if mtp:  # the MTP's input: every slot's final-normed hidden state
                     switches["return_hidden"] = True
                 out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
@@ -256,7 +260,8 @@ class StepPrograms:
                 sampled, nxt = smp(out, prev_tokens, si, sf)
                 if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
                     (meta, hidden), routing = routing, None
-                    drafts, kv_cache = mtp_propose(params, cfg, kv_cache, meta, hidden, sampled.token_ids,
+                    mtp_params = to_device({k: v for k, v in params.items() if k != "segments"})  # (--cpu-offload-gb)
+                    drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
                                                    sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
                 return (sampled, routing, load), nxt, kv_cache
@@ -353,16 +358,20 @@ class StepPrograms:
 
     def lower(self, pid, params, kv_cache, prev_tokens):
         """Trace and lower program `pid` on the runner's state and its resident buffers."""
+        return self.trace(pid, params, kv_cache, prev_tokens).lower()
+
+    def trace(self, pid, params, kv_cache, prev_tokens):
+        """Trace program `pid` on the runner's state and its resident buffers (jax's Traced: its `.jaxpr`)."""
         kind, key = program_kind(pid)
         if kind == "forward":
             out = self.forward_buffers(key)
-            return self._forward_step_fn(key).lower(params, kv_cache, prev_tokens, self.forward_inboxes[key],
+            return self._forward_step_fn(key).trace(params, kv_cache, prev_tokens, self.forward_inboxes[key],
                                                     self.forward_outputs[out])
         if kind == "sampler":
             res, out = self._sampler_resident(key), self.forward_outputs[self._forward_output(key[0])]
-            return self._sampler_step_fn(key).lower(out, prev_tokens, res.inbox, res.outbox)
+            return self._sampler_step_fn(key).trace(out, prev_tokens, res.inbox, res.outbox)
         res = self.resident(key)
-        return self._step_fn(key).lower(params, kv_cache, prev_tokens, res.inbox, res.outbox)
+        return self._step_fn(key).trace(params, kv_cache, prev_tokens, res.inbox, res.outbox)
 
 
 def expert_load(routing: jax.Array, slot_mapping: jax.Array, page_size: int, num_experts: int) -> jax.Array:

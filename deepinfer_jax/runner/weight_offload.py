@@ -13,15 +13,19 @@ the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and the load moves the chosen leaves once loaded. Inside a program `to_device` copies every
-leaf whose memory space is the host's to the device (`jax.device_put(x, jax.memory.Space.Device)`); XLA
+programs for it, and the load moves the chosen leaves once loaded. Inside a program, `stream` copies the leaves
+outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
+whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
+(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
+step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
+both figures off a traced program; `step_window` computes the second from the choice, for `deepinfer plan`). XLA
 schedules the copies (asynchronous host-to-device copies on a GPU). A leaf on the device passes through
 unchanged, so without offload the programs are the same HLO as before.
 
-What the device still holds: an offloaded leaf is on the device only while a program reads it (a transient of
-the step, from its copy to its last use); between steps the device holds only the other leaves, so the KV cache
-is sized with the offloaded bytes free (runner/device_memory.py counts what is in use). Loading places each
-leaf on the device before moving it (the whole model must fit the device while it loads).
+What the device still holds: an offloaded slice is on the device only while its layer runs; between steps the
+device holds only the other leaves, so the KV cache is sized with the offloaded bytes free
+(runner/device_memory.py counts what is in use). Loading places each leaf on the device before moving it (the
+whole model must fit the device while it loads).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from concurrent.futures import wait
 from typing import Any, Iterable
 
 import jax
+import jax.extend
 import numpy as np
 
 from deepinfer_jax.weights.pending import PendingParams
@@ -75,6 +80,23 @@ def check_budget(gib: float, total: int) -> int:
     if budget > total:
         raise ValueError(f"cpu_offload_gb {gib:g} GiB exceeds the model's weights ({total / 2**30:.3f} GiB)")
     return budget
+
+
+def step_window(chosen: Iterable[tuple[tuple, int]], segment_layers: list[int], family: str) -> int:
+    """The most of the offloaded bytes a step holds on the device at once, from the chosen leaves' (path, bytes) and
+    each layer segment's layer count: where the family streams them (STREAMING_FAMILIES), one layer's share of each
+    chosen leaf of a segment, the largest segment's, plus the chosen leaves outside the segments (the MTP layers,
+    the embedding, the LM head), copied in whole; in any other family every chosen byte."""
+    chosen = list(chosen)
+    if family not in STREAMING_FAMILIES:
+        return sum(n for _, n in chosen)
+    outside, per_segment = 0, {}
+    for path, n in chosen:
+        if path[:1] == ("segments",) and len(path) > 1 and isinstance(path[1], int):
+            per_segment[path[1]] = per_segment.get(path[1], 0) + n // segment_layers[path[1]]
+        else:
+            outside += n
+    return outside + max(per_segment.values(), default=0)
 
 
 # ---- on the arrays ----------------------------------------------------------------------------------------------
@@ -168,6 +190,54 @@ def to_device(params: Any) -> Any:
     """Inside a jitted program: the params with every leaf in host memory copied to the device (a no-op for the
     others)."""
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
+
+
+# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards).
+STREAMING_FAMILIES = ("deepseek",)
+
+
+def stream(params: Any, family: str) -> tuple[Any, Any]:
+    """Inside a jitted program, before the forward: (the params with every leaf in host memory outside the layer
+    segments copied to the device, the forward's `layer_fetch`: `to_device`, which its layer loop applies to each
+    layer's slice of the segments' leaves), or for a family outside STREAMING_FAMILIES or params with no segment
+    leaf in host memory (`to_device(params)`, None)."""
+    segments = params.get("segments") if isinstance(params, dict) else None
+    if family not in STREAMING_FAMILIES or not any(on_host(x) for x in jax.tree.leaves(segments)):
+        return to_device(params), None
+    return {k: v if k == "segments" else to_device(v) for k, v in params.items()}, to_device
+
+
+def _subjaxprs(eqn) -> Iterable[tuple[Any, int]]:
+    """(jaxpr, times it runs per run of `eqn`) of the jaxprs in `eqn`'s params: a scan's body `length` times,
+    anything else (a call, a cond's branch, a loop of unknown trip count) once."""
+    times = eqn.params.get("length", 1) if eqn.primitive.name == "scan" else 1
+    for v in eqn.params.values():
+        for x in v if isinstance(v, (tuple, list)) else (v,):
+            if isinstance(x, jax.extend.core.Jaxpr):
+                yield x, times
+
+
+def copy_in_bytes(jaxpr: Any) -> tuple[int, int]:
+    """(bytes one run of `jaxpr` copies from host memory to the device, the most of them it holds at once) as the
+    jaxpr asks (a traced step program's `.jaxpr`). The most at once: this level's copies together, plus the most
+    that one of the loop bodies or calls below holds, each of those held one iteration or call at a time. A program
+    that copies whole stacked leaves holds them all; one whose layer loop copies its layer's slices holds one
+    layer's. XLA's schedule decides the device's real peak (it may start a copy before the last use of the one
+    before); `benchmarks/offload.py` prints the compiled program's memory figures beside this."""
+    used = {id(v) for e in jaxpr.eqns for v in e.invars} | {id(v) for v in jaxpr.outvars}
+    here, below_total, below_peak = 0, 0, 0
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "device_put":
+            for a, b in zip(eqn.invars, eqn.outvars):
+                if (getattr(a.aval, "memory_space", None) == jax.memory.Space.Host and id(b) in used  # (jit drops
+                        and getattr(b.aval, "memory_space", None) != jax.memory.Space.Host):  # an unused copy)
+                    here += int(np.prod(b.aval.shape)) * np.dtype(b.aval.dtype).itemsize
+        subs = [(copy_in_bytes(sub), times) for sub, times in _subjaxprs(eqn)]
+        totals = [times * total for (total, _), times in subs]
+        # a cond runs one of its branches; anything else runs each of its jaxprs
+        below_total += (max(totals, default=0) if eqn.primitive.name == "cond" else sum(totals))
+        below_peak = max([below_peak] + [peak for (_, peak), _ in subs])
+    return here + below_total, here + below_peak
 
 
 def host_bytes(params: Any) -> int:

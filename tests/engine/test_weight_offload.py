@@ -1,8 +1,11 @@
 """Weights in host memory (`cpu_offload_gb`, runner/weight_offload.py): greedy tokens equal HF transformers' (float)
 and the all-on-device engine's (INT8) with the routed experts in pinned host memory; the chosen leaves really
-there; the KV cache sized with them free, as `deepinfer plan` says; the refusals."""
+there; the step programs copy them in one layer at a time; the KV cache sized with them free, as `deepinfer plan`
+says; the refusals."""
 
 from __future__ import annotations
+
+import re
 
 import numpy as np
 import pytest
@@ -11,7 +14,7 @@ from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.engine.plan import plan
-from deepinfer_jax.runner.weight_offload import choose
+from deepinfer_jax.runner.weight_offload import choose, copy_in_bytes, host_bytes, step_window
 
 GIB = 2**30
 # one token bucket, no greedy or context variants: three programs an engine
@@ -82,6 +85,84 @@ def test_offloaded_greedy_equals_hf(offloaded, hf_greedy):
     assert report["weights_host"] == llm.engine.offloaded_weight_bytes
 
 
+def _layer_share(experts) -> int:
+    """Bytes of one layer's slices of the stacked routed experts `experts` (each leaf [L, ...])."""
+    import jax
+
+    layers = {a.shape[0] for a in jax.tree.leaves(experts)}
+    assert len(layers) == 1 and layers.pop() > 1  # several layers a leaf: a whole leaf is more than one layer
+    return host_bytes(experts) // jax.tree.leaves(experts)[0].shape[0]
+
+
+def _step_copies(runner) -> set:
+    """copy_in_bytes of every program of `runner` that reads the params (not the samplers)."""
+    from deepinfer_jax.runner.step_programs import program_kind
+
+    return {copy_in_bytes(runner.trace(pid).jaxpr) for pid in runner.programs.executables
+            if program_kind(pid)[0] != "sampler"}
+
+
+def test_steps_stream_one_layer_at_a_time(offloaded):
+    """A step holds one MoE layer's slice of the offloaded experts on the device at once, not the segment's (the
+    whole-leaf copy held all of them), and still moves every offloaded byte. Lowered for a GPU, each copy to the
+    device (XLA's annotation) is of one layer's [E, ...] slice, inside the layer loop."""
+    _, _, _, llm = offloaded
+    runner = llm.engine.runner
+    experts = [seg["moe"]["experts"] for seg in runner.params["segments"] if "moe" in seg]
+    moved = host_bytes(runner.params)
+    assert moved == llm.engine.offloaded_weight_bytes
+    window = max(map(_layer_share, experts))
+    assert window < moved
+    assert _step_copies(runner) == {(moved, window)}
+    pid = next(p for p in runner.programs.executables if p[0] == "forward")
+    hlo = runner.trace(pid).lower(lowering_platforms=("cuda",)).as_text()
+    copied = re.findall(r'annotate_device_placement.*_xla_buffer_placement = "device".*: \(tensor<([0-9x]+)x\w+>\)',
+                        hlo)
+    import jax
+
+    slices = sorted("x".join(map(str, a.shape[1:])) for e in experts for a in jax.tree.leaves(e))
+    assert sorted(copied) == slices
+    body = hlo[hlo.index("stablehlo.while"):]  # the layer loop's copies are in its body
+    assert len(re.findall(r'_xla_buffer_placement = "device"', body)) == len(slices)
+
+
+def test_copy_in_bytes():
+    """The measure on small programs: a whole stacked copy holds all of it, a scan copying its layer's slice holds
+    one slice and moves all; a copy nothing reads (jit drops it) counts for nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    host = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    w = jax.device_put(jnp.ones((3, 8, 8), jnp.float32), host)
+    x = jnp.ones((2, 8), jnp.float32)
+    on_device = lambda a: jax.device_put(a, jax.memory.Space.Device)  # noqa: E731
+
+    def whole(w, x):
+        return jax.lax.scan(lambda h, lw: (jnp.tanh(h @ lw), None), x, on_device(w))[0]
+
+    def streamed(w, x):
+        return jax.lax.scan(lambda h, lw: (jnp.tanh(h @ on_device(lw)), None), x, w)[0]
+
+    def unused(w, x):
+        on_device(w)
+        return x
+
+    layer = 8 * 8 * 4  # one [8, 8] float32 slice
+    assert copy_in_bytes(jax.jit(whole).trace(w, x).jaxpr) == (3 * layer, 3 * layer)
+    assert copy_in_bytes(jax.jit(streamed).trace(w, x).jaxpr) == (3 * layer, layer)
+    assert copy_in_bytes(jax.jit(unused).trace(w, x).jaxpr) == (0, 0)
+
+
+def test_step_window():
+    """`deepinfer plan`'s figure: one layer's share of each chosen segment leaf, the largest segment's, plus the
+    chosen leaves outside the segments whole; every chosen byte for a family that does not stream."""
+    chosen = [(("segments", 1, "moe", "experts", "down"), 30), (("segments", 1, "moe", "experts", "gate_up"), 60),
+              (("segments", 2, "moe", "experts", "down"), 40), (("mtp", 0, "layer", "moe", "experts", "down"), 5)]
+    assert step_window(chosen, [1, 3, 2], "deepseek") == 5 + max(30 // 3 + 60 // 3, 40 // 2)
+    assert step_window(chosen, [1, 3, 2], "deepseek_v4") == 135
+    assert step_window([], [1, 3], "deepseek") == 0
+
+
 def test_plan_counts_what_the_engine_offloads(offloaded):
     """The KV cache grows by the offloaded bytes, exactly as `deepinfer plan` says; the host tier is counted."""
     from deepinfer_jax.models.cache import kv_cache_bytes_per_page
@@ -90,13 +171,15 @@ def test_plan_counts_what_the_engine_offloads(offloaded):
     whole = plan(path, dtype="float32", gpu_memory_gib=0.05, max_model_len=128)
     p = plan(path, dtype="float32", gpu_memory_gib=0.05, max_model_len=128, cpu_offload_gb=gib, kv_offloading_size=0.01)
     assert p.offloaded_weight_bytes == llm.engine.offloaded_weight_bytes > 0
+    experts = [seg["moe"]["experts"] for seg in llm.engine.runner.params["segments"] if "moe" in seg]
+    assert p.offload_window_bytes == max(map(_layer_share, experts)) < p.offloaded_weight_bytes
     assert p.weight_bytes_per_device + p.offloaded_weight_bytes == whole.weight_bytes_per_device
     assert p.kv_cache_bytes_per_device == whole.kv_cache_bytes_per_device + p.offloaded_weight_bytes
     per_page = kv_cache_bytes_per_page(llm.model_config, 8, "float32")
     assert llm.engine.runner.num_pages == p.kv_cache_bytes_per_device // per_page
     assert p.kv_host_tier_tokens == (int(0.01 * GIB) // (per_page * 8)) * 64 and p.kv_host_tier_bytes > 0
     text = "\n".join(p.lines())
-    assert "in host memory (--cpu-offload-gb)" in text and "KV host tier" in text
+    assert "in host memory (--cpu-offload-gb), of which a step holds at most" in text and "KV host tier" in text
 
 
 def _greedy_reference(params, cfg, prompt, n):
@@ -122,8 +205,10 @@ def test_int8_offloaded_equals_on_device(hf_case, tmp_path_factory):
     convert(src, dst, "float32", "int8", progress=False)
     prompts = random_prompts(3, [6, 9], model.config.vocab_size)  # with 5 more tokens: one scoring bucket
     llm = LLM(dst, cpu_offload_gb=_experts_bytes(dst, "float32") / GIB, prefill_shared_forward=False, **SMALL)
-    gate_up = [seg["moe"]["experts"]["gate_up"] for seg in llm.engine.runner.params["segments"] if "moe" in seg]
-    assert all(_memory_kinds(g) == {"pinned_host"} and g.q.dtype == np.int8 for g in gate_up)
+    experts = [seg["moe"]["experts"] for seg in llm.engine.runner.params["segments"] if "moe" in seg]
+    assert all(_memory_kinds(e["gate_up"]) == {"pinned_host"} and e["gate_up"].q.dtype == np.int8 for e in experts)
+    # q and scale stream together, one layer's slices at a time
+    assert _step_copies(llm.engine.runner) == {(host_bytes(llm.engine.runner.params), max(map(_layer_share, experts)))}
     sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
     cfg, params = load_model(dst, jnp.float32, progress=False)
