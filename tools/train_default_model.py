@@ -12,12 +12,12 @@ learnt digit by digit) and the space before a capital letter its own token (a na
 after a space in prose as after a quote in JSON, so copying it is copying tokens); DeepSeek's special
 tokens at ids 0.. (BOS 0, EOS 1), <think>/</think> as added tokens.
 Model: DeepSeek-V3 architecture (MLA with q-LoRA, 1 dense + 3 MoE layers of 8 routed experts top-2 plus a
-shared one, noaux_tc sigmoid router, one MTP layer), about 5.4M parameters, 10-11 MB in bf16 at the
+shared one, noaux_tc sigmoid router, one MTP layer), about 5.0M parameters, about 10 MB in bf16 at the
 default --hidden-size 256 (a smaller width, e.g. 128, for a quick CPU run).
 Training: `jax.grad` of next-token cross-entropy over deepinfer_jax.models.deepseek.forward plus 0.3 x the
 MTP module's cross-entropy of the token after next (models/mtp.py), AdamW written here (betas 0.9/0.95,
 weight decay 0.1 on matrices), warm-up then cosine decay, clipping at 1; the whole step is one jit.
-Batches come from three length buckets with the same token count. bf16 weights in the forward on a GPU
+Batches come from length buckets (--buckets) with the same token count. bf16 weights in the forward on a GPU
 (params and AdamW state fp32), fp32 on a CPU. `--train-seconds` ends training after that many seconds of
 steps (compilation excluded), the schedule following whichever of steps or time runs out first.
 Router correction biases stay 0 (no load-balancing update).
@@ -49,7 +49,8 @@ import default_model_data as data  # noqa: E402
 from default_eval import evaluate, write_card  # noqa: E402
 from make_default_model import NOT_SPECIAL, SPECIAL, tokenizer_config, write_safetensors  # noqa: E402
 
-BUCKETS = (128, 256, 512)
+BUCKETS = (64, 128, 256, 320, 384)  # 85% of the padded tokens are real (the longest conversation ~350)
+ROW = 256  # --device-batch counts rows of this many tokens
 MTP_WEIGHT = 0.3
 
 
@@ -108,10 +109,11 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def tokenize(tok, corpus) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Bucket length -> (ids [N, S] int32 (EOS-padded), loss mask [N, S] bool: token is in an assistant span)."""
+def tokenize(tok, corpus, sizes=BUCKETS) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Bucket length -> (ids [N, S] int32 (EOS-padded), loss mask [N, S] bool: token is in an assistant span).
+    Conversations longer than the largest bucket are left out."""
     encs = tok.encode_batch([t for t, _ in corpus], add_special_tokens=False)
-    rows: dict[int, list] = {b: [] for b in BUCKETS}
+    rows: dict[int, list] = {b: [] for b in sizes}
     for enc, (_, spans) in zip(encs, corpus):
         ids = enc.ids  # the template renders BOS as text; it is special token id 0
         starts = np.array([s for s, _ in enc.offsets])
@@ -119,7 +121,7 @@ def tokenize(tok, corpus) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         for a, b in spans:
             m |= (starts >= a) & (starts < b)
         m = m.tolist()
-        b = next((b for b in BUCKETS if len(ids) <= b), None)
+        b = next((b for b in sizes if len(ids) <= b), None)
         if b is not None:
             rows[b].append((ids + [1] * (b - len(ids)), m + [False] * (b - len(ids))))
     return {b: (np.array([r[0] for r in v], np.int32), np.array([r[1] for r in v], bool))
@@ -262,12 +264,14 @@ def train(a) -> str:
 
     t0 = time.time()
     gpu = jax.default_backend() != "cpu"
-    tokens_per_step = a.device_batch * BUCKETS[1]
+    tokens_per_step = a.device_batch * ROW
     n_conv = a.conversations or int(min(300_000, max(4000, a.steps * tokens_per_step / 150)))
     corpus = make_corpus(n_conv, a.seed, tuple(a.skills.split(",")) if a.skills else ())
     tok = train_tokenizer([t for t, _ in corpus[:20000]], a.vocab_size)
-    buckets = tokenize(tok, corpus)
-    print(f"data: {len(corpus)} conversations, buckets {({b: len(v[0]) for b, v in buckets.items()})}, "
+    buckets = tokenize(tok, corpus, a.buckets)
+    left_out = len(corpus) - sum(len(v[0]) for v in buckets.values())
+    print(f"data: {len(corpus)} conversations ({left_out} longer than {a.buckets[-1]} left out), "
+          f"buckets {({b: len(v[0]) for b, v in buckets.items()})}, "
           f"vocab {tok.get_vocab_size()} ({time.time() - t0:.0f} s)", flush=True)
     hf_cfg = model_config(tok.get_vocab_size(), a.hidden_size)
     cfg = ModelConfig.from_hf_dict(hf_cfg)
@@ -279,7 +283,8 @@ def train(a) -> str:
     warm = min(200, a.steps // 10 + 1)
     step = make_step(cfg, jnp.dtype(dtype))
     state = {"m": jax.tree.map(jnp.zeros_like, params), "v": jax.tree.map(jnp.zeros_like, params)}
-    weights = np.array([len(buckets.get(b, ((),))[0]) * b for b in BUCKETS], float)
+    sizes = sorted(buckets)
+    weights = np.array([len(buckets[b][0]) * b for b in sizes], float)
     rng = np.random.default_rng(a.seed)
     t_compile = time.time()
     compiled = {b: step.lower(params, state, jnp.asarray(v[0][:max(1, tokens_per_step // b)]),
@@ -292,7 +297,7 @@ def train(a) -> str:
         progress = max(t / a.steps, (time.time() - t_train) / a.train_seconds if a.train_seconds else 0.0)
         last = progress >= 1.0 or t == a.steps - 1
         lr = a.lr * min(1.0, (t + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-        b = BUCKETS[int(rng.choice(len(BUCKETS), p=weights / weights.sum()))]
+        b = sizes[int(rng.choice(len(sizes), p=weights / weights.sum()))]
         ids, mask = buckets[b]
         rows = rng.integers(0, len(ids), max(1, tokens_per_step // b))
         params, state, st = compiled[b](params, state, jnp.asarray(ids[rows]), jnp.asarray(mask[rows]),
@@ -325,14 +330,17 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out", default=os.path.join(ROOT, "default-model-out"))
     p.add_argument("--device-batch", type=int, default=None,
-                   help="rows of 256 tokens per step (shorter buckets get more rows); default 128 on a GPU, 8 on a CPU")
+                   help=f"rows of {ROW} tokens per step (shorter buckets get more rows); default 128 on a GPU, 8 on a CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-seconds", type=float, default=None,
                    help="also end training (and its learning-rate schedule) after this many seconds of steps")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype of the forward's weights (params and AdamW stay fp32); auto: bfloat16 on a GPU")
-    p.add_argument("--vocab-size", type=int, default=3072)
+    p.add_argument("--vocab-size", type=int, default=2048,
+                   help="BPE vocabulary (digits are single tokens: 2048 gives as short sequences as 3072)")
+    p.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                   help="sequence-length buckets, one step program each (one bucket, e.g. 384: fastest to compile)")
     p.add_argument("--hidden-size", type=int, default=256,
                    help="model width (a multiple of 64; the other widths follow it); 256 ships")
     p.add_argument("--skills", default=None, help="train only these skills, comma-separated (of "
@@ -349,6 +357,12 @@ def main(argv=None) -> int:
         p.error("--steps and --eval-n must be >= 1")
     if a.hidden_size < 64 or a.hidden_size % 64:
         p.error("--hidden-size must be a positive multiple of 64")
+    try:
+        a.buckets = sorted({int(x) for x in a.buckets.split(",")})
+    except ValueError:
+        p.error(f"--buckets must be comma-separated integers, got {a.buckets!r}")
+    if a.buckets[0] < 8:
+        p.error("--buckets must be >= 8")
     if a.skills and not set(a.skills.split(",")) <= set(data.SKILLS):
         p.error(f"--skills must be a comma-separated subset of {','.join(data.SKILLS)}")
     if a.conversations is not None and a.conversations < 100:
