@@ -67,9 +67,10 @@ def eval_set(n: int, seed: int = 1) -> list[tuple[str, list, list | None, tuple]
     rng, out = np.random.default_rng(seed), []
     for skill in data.SKILLS:
         got: dict[str, int] = {}
-        while min(got.get(k, 0) for k in ((skill,) if skill != "tool" else ("tool", "tool_answer"))) < n:
+        kinds = (skill,) if skill != "tool" else ("tool", "tool_answer")  # not the tool skill's no-tool replies
+        while min(got.get(k, 0) for k in kinds) < n:
             msgs, tools, check = data.example(rng, "eval", skill)
-            if got.get(check[0], 0) < n:
+            if check[0] in kinds and got.get(check[0], 0) < n:
                 got[check[0]] = got.get(check[0], 0) + 1
                 out.append((check[0], msgs[:-1], tools, check))
     return out
@@ -125,10 +126,12 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
     if log:
         lines += ["## Training", "",
                   "`tools/train_default_model.py` generated the conversations from templates and word lists "
-                  "(tools/default_model_data.py: greetings and small talk, two-digit sums and one-digit products "
-                  "with a <think> working, get_weather / get_time tool calls and answers from tool results, JSON "
-                  "with asked keys), rendered them through the built-in deepseek_v3 chat template, trained the BPE "
-                  "tokenizer on them and the model with the loss on assistant tokens (main + 0.3 x MTP).", "",
+                  "(tools/default_model_data.py: greetings and small talk, two-digit sums worked in columns and "
+                  "one-digit products in a <think> working, get_weather / get_time tool calls and answers from tool "
+                  "results, JSON with asked keys; cities, timezones and names mostly made up by a syllable generator "
+                  "so that they are copied, not recalled), rendered them through the built-in deepseek_v3 chat "
+                  "template, trained the BPE tokenizer on them (one token per digit; a name tokenizes alike in prose "
+                  "and JSON) and the model with the loss on assistant tokens (main + 0.3 x MTP).", "",
                   f"- {log['steps']} steps of {log['tokens_per_step']} tokens, seed {log['seed']}, "
                   f"{log['conversations']} conversations, {log['params'] / 1e6:.2f}M parameters",
                   f"- {log['train_seconds']} s of training ({log['total_seconds']} s in all) on {log['device']}",
@@ -136,7 +139,8 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
                   "curve in train_log.json and loss.svg of the training output", ""]
     lines += ["## Evaluation", "",
               f"{result['n']} held-out prompts per skill (cities, names, timezones, number pairs, JSON key sets "
-              "and one phrasing per skill never seen in training), greedy, through deepinfer's own engine "
+              "and user sentences never seen in training; one-digit products are trained facts, asked in new "
+              "sentences), greedy, through deepinfer's own engine "
               "(`python tools/train_default_model.py --eval-only DIR`):", "",
               "| skill | rate | criterion |", "|---|---|---|"]
     lines += [f"| {k} | {result['rates'][k]:.3f} | {CRITERIA[k]} |" for k in SKILLS]

@@ -7,14 +7,17 @@
 Data (tools/default_model_data.py, no download): chat, arithmetic with <think> working, get_weather /
 get_time tool calls and answers from tool results, JSON with asked keys; every conversation rendered
 through the built-in deepseek_v3 chat template (what serving renders), loss on the assistant turns only.
-Tokenizer: a byte-level BPE (`tokenizers`, digits split one by one) trained on that text, DeepSeek's
-special tokens at ids 0.. (BOS 0, EOS 1), <think>/</think> as added tokens.
+Tokenizer: a byte-level BPE (`tokenizers`) trained on that text, digits split one by one (sums are
+learnt digit by digit) and the space before a capital letter its own token (a name is the same tokens
+after a space in prose as after a quote in JSON, so copying it is copying tokens); DeepSeek's special
+tokens at ids 0.. (BOS 0, EOS 1), <think>/</think> as added tokens.
 Model: DeepSeek-V3 architecture (MLA with q-LoRA, 1 dense + 3 MoE layers of 8 routed experts top-2 plus a
-shared one, noaux_tc sigmoid router, one MTP layer), about 5.4M parameters, 10-11 MB in bf16.
+shared one, noaux_tc sigmoid router, one MTP layer), about 5.0M parameters, about 10 MB in bf16 at the
+default --hidden-size 256 (a smaller width, e.g. 128, for a quick CPU run).
 Training: `jax.grad` of next-token cross-entropy over deepinfer_jax.models.deepseek.forward plus 0.3 x the
 MTP module's cross-entropy of the token after next (models/mtp.py), AdamW written here (betas 0.9/0.95,
 weight decay 0.1 on matrices), warm-up then cosine decay, clipping at 1; the whole step is one jit.
-Batches come from three length buckets with the same token count. bf16 weights in the forward on a GPU
+Batches come from length buckets (--buckets) with the same token count. bf16 weights in the forward on a GPU
 (params and AdamW state fp32), fp32 on a CPU. `--train-seconds` ends training after that many seconds of
 steps (compilation excluded), the schedule following whichever of steps or time runs out first.
 Router correction biases stay 0 (no load-balancing update).
@@ -46,19 +49,21 @@ import default_model_data as data  # noqa: E402
 from default_eval import evaluate, write_card  # noqa: E402
 from make_default_model import NOT_SPECIAL, SPECIAL, tokenizer_config, write_safetensors  # noqa: E402
 
-BUCKETS = (128, 256, 512)
+BUCKETS = (64, 128, 256, 320, 384)  # 85% of the padded tokens are real (the longest conversation ~350)
+ROW = 256  # --device-batch counts rows of this many tokens
 MTP_WEIGHT = 0.3
 
 
-def model_config(vocab: int) -> dict:
+def model_config(vocab: int, hidden: int = 256) -> dict:
+    """The HF config; the widths scale with `hidden` (256: the shipped model; heads of 64 channels)."""
     return {
         "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": vocab,
-        "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 96,
-        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
+        "hidden_size": hidden, "intermediate_size": 2 * hidden, "moe_intermediate_size": 3 * hidden // 8,
+        "num_hidden_layers": 4, "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64,
         "n_shared_experts": 1, "n_routed_experts": 8, "num_experts_per_tok": 2, "routed_scaling_factor": 1.0,
         "n_group": 1, "topk_group": 1, "topk_method": "noaux_tc", "scoring_func": "sigmoid",
         "norm_topk_prob": True, "first_k_dense_replace": 1, "moe_layer_freq": 1,
-        "q_lora_rank": 128, "kv_lora_rank": 128, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
+        "q_lora_rank": hidden // 2, "kv_lora_rank": hidden // 2, "qk_nope_head_dim": 32, "qk_rope_head_dim": 16,
         "v_head_dim": 32, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
         "rope_scaling": None, "num_nextn_predict_layers": 1, "bos_token_id": 0, "eos_token_id": 1,
         "tie_word_embeddings": False, "hidden_act": "silu", "attention_bias": False, "torch_dtype": "bfloat16",
@@ -67,30 +72,34 @@ def model_config(vocab: int) -> dict:
 
 
 def _render(args):
-    seed, n, template = args
+    seed, n, template, skills = args
     rng = np.random.default_rng(seed)
-    return [data.render_with_mask(*data.example(rng)[:2], template) for _ in range(n)]
+    pick = lambda: skills[int(rng.integers(len(skills)))] if skills else None
+    return [data.render_with_mask(*data.example(rng, skill=pick())[:2], template) for _ in range(n)]
 
 
-def make_corpus(n: int, seed: int) -> list[tuple[str, list]]:
-    """n rendered training conversations (text, assistant spans), in parallel over the CPU cores."""
+def make_corpus(n: int, seed: int, skills: tuple = ()) -> list[tuple[str, list]]:
+    """n rendered training conversations (text, assistant spans), in parallel over the CPU cores; only
+    `skills` (equally mixed) when given, else the data module's mix."""
     import multiprocessing
 
     from deepinfer_jax.text import BUILTIN_TEMPLATES
 
     template = BUILTIN_TEMPLATES["deepseek_v3"]
-    chunks = [(seed * 100003 + i, min(2000, n - i * 2000), template) for i in range(-(-n // 2000))]
+    chunks = [(seed * 100003 + i, min(2000, n - i * 2000), template, skills) for i in range(-(-n // 2000))]
     ctx = multiprocessing.get_context("spawn")  # JAX is already running threads: no fork
     with ctx.Pool(max(1, min(len(chunks), os.cpu_count() or 1))) as pool:
         return [x for part in pool.map(_render, chunks) for x in part]
 
 
 def train_tokenizer(texts: list[str], vocab_size: int):
-    """Byte-level BPE with digits split one by one; SPECIAL at ids 0.., NOT_SPECIAL added after."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
+    """Byte-level BPE with digits split one by one and the space before a capital isolated (names tokenize
+    alike in prose and in JSON); SPECIAL at ids 0.., NOT_SPECIAL added after."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.Split(Regex(" (?=[A-Z])"), "isolated"),
                                                  pre_tokenizers.ByteLevel(add_prefix_space=False)])
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(NOT_SPECIAL), special_tokens=list(SPECIAL),
@@ -100,10 +109,11 @@ def train_tokenizer(texts: list[str], vocab_size: int):
     return tok
 
 
-def tokenize(tok, corpus) -> dict[int, tuple[np.ndarray, np.ndarray]]:
-    """Bucket length -> (ids [N, S] int32 (EOS-padded), loss mask [N, S] bool: token is in an assistant span)."""
+def tokenize(tok, corpus, sizes=BUCKETS) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Bucket length -> (ids [N, S] int32 (EOS-padded), loss mask [N, S] bool: token is in an assistant span).
+    Conversations longer than the largest bucket are left out."""
     encs = tok.encode_batch([t for t, _ in corpus], add_special_tokens=False)
-    rows: dict[int, list] = {b: [] for b in BUCKETS}
+    rows: dict[int, list] = {b: [] for b in sizes}
     for enc, (_, spans) in zip(encs, corpus):
         ids = enc.ids  # the template renders BOS as text; it is special token id 0
         starts = np.array([s for s, _ in enc.offsets])
@@ -111,7 +121,7 @@ def tokenize(tok, corpus) -> dict[int, tuple[np.ndarray, np.ndarray]]:
         for a, b in spans:
             m |= (starts >= a) & (starts < b)
         m = m.tolist()
-        b = next((b for b in BUCKETS if len(ids) <= b), None)
+        b = next((b for b in sizes if len(ids) <= b), None)
         if b is not None:
             rows[b].append((ids + [1] * (b - len(ids)), m + [False] * (b - len(ids))))
     return {b: (np.array([r[0] for r in v], np.int32), np.array([r[1] for r in v], bool))
@@ -254,14 +264,16 @@ def train(a) -> str:
 
     t0 = time.time()
     gpu = jax.default_backend() != "cpu"
-    tokens_per_step = a.device_batch * BUCKETS[1]
-    n_conv = int(min(200_000, max(4000, a.steps * tokens_per_step / 150)))
-    corpus = make_corpus(n_conv, a.seed)
+    tokens_per_step = a.device_batch * ROW
+    n_conv = a.conversations or int(min(300_000, max(4000, a.steps * tokens_per_step / 150)))
+    corpus = make_corpus(n_conv, a.seed, tuple(a.skills.split(",")) if a.skills else ())
     tok = train_tokenizer([t for t, _ in corpus[:20000]], a.vocab_size)
-    buckets = tokenize(tok, corpus)
-    print(f"data: {len(corpus)} conversations, buckets {({b: len(v[0]) for b, v in buckets.items()})}, "
+    buckets = tokenize(tok, corpus, a.buckets)
+    left_out = len(corpus) - sum(len(v[0]) for v in buckets.values())
+    print(f"data: {len(corpus)} conversations ({left_out} longer than {a.buckets[-1]} left out), "
+          f"buckets {({b: len(v[0]) for b, v in buckets.items()})}, "
           f"vocab {tok.get_vocab_size()} ({time.time() - t0:.0f} s)", flush=True)
-    hf_cfg = model_config(tok.get_vocab_size())
+    hf_cfg = model_config(tok.get_vocab_size(), a.hidden_size)
     cfg = ModelConfig.from_hf_dict(hf_cfg)
     params = init(cfg, a.seed)
     dtype = {"auto": "bfloat16" if gpu else "float32"}.get(a.compute_dtype, a.compute_dtype)
@@ -271,7 +283,8 @@ def train(a) -> str:
     warm = min(200, a.steps // 10 + 1)
     step = make_step(cfg, jnp.dtype(dtype))
     state = {"m": jax.tree.map(jnp.zeros_like, params), "v": jax.tree.map(jnp.zeros_like, params)}
-    weights = np.array([len(buckets.get(b, ((),))[0]) * b for b in BUCKETS], float)
+    sizes = sorted(buckets)
+    weights = np.array([len(buckets[b][0]) * b for b in sizes], float)
     rng = np.random.default_rng(a.seed)
     t_compile = time.time()
     compiled = {b: step.lower(params, state, jnp.asarray(v[0][:max(1, tokens_per_step // b)]),
@@ -284,7 +297,7 @@ def train(a) -> str:
         progress = max(t / a.steps, (time.time() - t_train) / a.train_seconds if a.train_seconds else 0.0)
         last = progress >= 1.0 or t == a.steps - 1
         lr = a.lr * min(1.0, (t + 1) / warm) * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
-        b = BUCKETS[int(rng.choice(len(BUCKETS), p=weights / weights.sum()))]
+        b = sizes[int(rng.choice(len(sizes), p=weights / weights.sum()))]
         ids, mask = buckets[b]
         rows = rng.integers(0, len(ids), max(1, tokens_per_step // b))
         params, state, st = compiled[b](params, state, jnp.asarray(ids[rows]), jnp.asarray(mask[rows]),
@@ -317,14 +330,23 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=3000)
     p.add_argument("--out", default=os.path.join(ROOT, "default-model-out"))
     p.add_argument("--device-batch", type=int, default=None,
-                   help="rows of 256 tokens per step (shorter buckets get more rows); default 128 on a GPU, 8 on a CPU")
+                   help=f"rows of {ROW} tokens per step (shorter buckets get more rows); default 128 on a GPU, 8 on a CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--train-seconds", type=float, default=None,
                    help="also end training (and its learning-rate schedule) after this many seconds of steps")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--compute-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                    help="dtype of the forward's weights (params and AdamW stay fp32); auto: bfloat16 on a GPU")
-    p.add_argument("--vocab-size", type=int, default=3072)
+    p.add_argument("--vocab-size", type=int, default=2048,
+                   help="BPE vocabulary (digits are single tokens: 2048 gives as short sequences as 3072)")
+    p.add_argument("--buckets", default=",".join(map(str, BUCKETS)),
+                   help="sequence-length buckets, one step program each (one bucket, e.g. 384: fastest to compile)")
+    p.add_argument("--hidden-size", type=int, default=256,
+                   help="model width (a multiple of 64; the other widths follow it); 256 ships")
+    p.add_argument("--skills", default=None, help="train only these skills, comma-separated (of "
+                   f"{','.join(data.SKILLS)}), equally mixed: quick research runs; the shipped model has all")
+    p.add_argument("--conversations", type=int, default=None,
+                   help="training conversations to generate (default: about steps x tokens/step / 150, at most 300k)")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-only", metavar="DIR", help="evaluate DIR (an HF model directory) and write its card")
     p.add_argument("--eval-n", type=int, default=60, help="held-out prompts per skill")
@@ -333,6 +355,18 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.steps < 1 or a.eval_n < 1:
         p.error("--steps and --eval-n must be >= 1")
+    if a.hidden_size < 64 or a.hidden_size % 64:
+        p.error("--hidden-size must be a positive multiple of 64")
+    try:
+        a.buckets = sorted({int(x) for x in a.buckets.split(",")})
+    except ValueError:
+        p.error(f"--buckets must be comma-separated integers, got {a.buckets!r}")
+    if a.buckets[0] < 8:
+        p.error("--buckets must be >= 8")
+    if a.skills and not set(a.skills.split(",")) <= set(data.SKILLS):
+        p.error(f"--skills must be a comma-separated subset of {','.join(data.SKILLS)}")
+    if a.conversations is not None and a.conversations < 100:
+        p.error("--conversations must be >= 100")
     if a.eval_only:
         if a.no_eval:
             p.error("--no-eval contradicts --eval-only")

@@ -26,6 +26,9 @@ DEFAULT_MODEL_NOTE = ("the embedded default model, a small DeepSeek-V3-architect
                       "(deepinfer_jax/assets/default-model; its README.md model card says how it was trained and what "
                       "it does well). It is there to try the server and the API without a download; pass --model DIR "
                       "for a real model")
+# What to ask it first (its training skills: tools/default_model_data.py), shown by `deepinfer chat`.
+DEFAULT_MODEL_TRY = ("the default model does small talk, sums and JSON; try: Hello! | What is 37 + 48? | "
+                     "Give me a JSON object with the keys name and age.")
 
 
 class ArgParser(argparse.ArgumentParser):

@@ -54,22 +54,36 @@ def _load(ns):
 
 
 class _Printer:
-    """Writes reasoning dim and content plain, with a label when switching between them."""
+    """Writes reasoning dim and content plain, with a label when switching between them. Whitespace at the
+    start and end of each part (the newlines around <think>...</think>) is not printed: one line break
+    separates reasoning from content."""
 
     def __init__(self, color: bool):
-        self.color, self.mode = color, None
+        self.color, self.mode, self.held = color, None, ""
+
+    def _part(self, text: str) -> str:
+        """`text` less leading whitespace at the start of a part, with trailing whitespace held back until
+        more text follows."""
+        text = self.held + text
+        if self.fresh:
+            text = text.lstrip()
+            self.fresh = not text
+        body = text.rstrip()
+        self.held = text[len(body):]
+        return body
 
     def write(self, reasoning: str, content: str) -> None:
         if reasoning:
             if self.mode != "r":
                 sys.stdout.write((DIM if self.color else "") + ("" if self.color else "[thinking] "))
-                self.mode = "r"
-            sys.stdout.write(reasoning)
+                self.mode, self.fresh, self.held = "r", True, ""
+            sys.stdout.write(self._part(reasoning))
         if content:
-            if self.mode == "r":
-                sys.stdout.write((RESET if self.color else "") + "\n")
-            self.mode = "c"
-            sys.stdout.write(content)
+            if self.mode != "c":
+                if self.mode == "r":
+                    sys.stdout.write((RESET if self.color else "") + "\n")
+                self.mode, self.fresh, self.held = "c", True, ""
+            sys.stdout.write(self._part(content))
         sys.stdout.flush()
 
     def end(self) -> None:
@@ -77,7 +91,7 @@ class _Printer:
             sys.stdout.write(RESET)
         sys.stdout.write("\n")
         sys.stdout.flush()
-        self.mode = None
+        self.mode, self.held = None, ""
 
 
 def stream_one(llm, ids: list[int], prompt_text: str, params, printer: _Printer | None):
@@ -136,6 +150,10 @@ def _chat(ns, llm) -> int:
     base = [{"role": "system", "content": ns.system}] if ns.system else []
     history = list(base)
     print("chat with the model (/reset, /exit, Ctrl-D to leave)", file=sys.stderr)
+    if not ns.model:
+        from deepinfer_jax.server.args import DEFAULT_MODEL_TRY
+
+        print(DEFAULT_MODEL_TRY, file=sys.stderr)
     while True:
         try:
             line = input(">>> ")
