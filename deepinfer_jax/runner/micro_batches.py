@@ -83,14 +83,14 @@ def choose(groups: list[list[Any]], shapes: Shapes, bucket: int, stages: int) ->
 
 
 def gather_index(split: MicroBatches, num_ranks: int, step_rows: int, micro_rows: int) -> np.ndarray:
-    """int32 [num_ranks x step_rows]: for each row of the step (rank r's sequence i at r x step_rows + i), its row
-    in the micro-batches' logits concatenated (micro-batch k's rank r's j-th sequence at (k x num_ranks + r) x
-    micro_rows + j); padding rows read row 0."""
-    out = np.zeros(num_ranks * step_rows, np.int32)
+    """int32 [num_ranks, step_rows]: for rank r's row i of the step, its row among rank r's rows of the micro-batches'
+    logits (micro-batch k's j-th sequence of rank r at k x micro_rows + j), so that each data rank gathers from its
+    own rows (no logits cross ranks); padding rows read row 0."""
+    out = np.zeros((num_ranks, step_rows), np.int32)
     for k, ranks in enumerate(split.parts):
         for r, idx in enumerate(ranks):
             for j, i in enumerate(idx):
-                out[r * step_rows + i] = (k * num_ranks + r) * micro_rows + j
+                out[r, i] = k * micro_rows + j
     return out
 
 

@@ -109,6 +109,8 @@ class PipelineRunner(ModelRunner):
         self._hidden = [jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("tokens", None)))
                         for sh in self.stage_shardings]  # [T, D]: tokens over the data axis, as the step's
         self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._replicated[-1])
+        last = self.stage_shardings[-1]  # a split step's gather index [R, S / R]: each data rank's rows on its devices
+        self._by_rank = jax.sharding.NamedSharding(last.mesh, last.mesh_rules.spec(("seqs", None)))
         self._fns: dict[Any, Any] = {}  # (stage rank, meta layout), ("sampler", a step's key) or ("gather", M) -> jit
         self._warm = False
         self._init_state()
@@ -168,7 +170,7 @@ class PipelineRunner(ModelRunner):
                 packed_meta = (ml, np.concatenate([mi, mf.view(np.int32)]))
                 rows = self.num_ranks * self.shapes.seq_rows(bucket)
                 out.append(PipelineStep.of(self.padding_step(bucket, False), [packed_meta] * m, b,
-                                           np.zeros(rows, np.int32)))
+                                           np.zeros((self.num_ranks, rows // self.num_ranks), np.int32)))
         return out
 
     # ---- micro-batches (runner/micro_batches.py) ---------------------------------------------------
@@ -215,17 +217,27 @@ class PipelineRunner(ModelRunner):
             logits.append(out)
         self.micro_batch_counts[len(logits)] += 1
         if len(logits) > 1:  # the micro-batches' rows back in the step's order
-            out = self._gather_fn(len(logits))(jax.device_put(host.gather, self._replicated[-1]), *logits)
+            out = self._gather_fn(len(logits))(jax.device_put(host.gather, self._by_rank), *logits)
         self._prev_tokens, outbox = self._sampler_fn(key)(out, self._prev_tokens,
                                                           jax.device_put(inputs[n_meta:], self._replicated[-1]))
         return StepOut(outbox, res.sampled_layout, None)
 
     def _gather_fn(self, m: int):
-        """(index [S], M micro-batches' logits [S_b, V] each) -> the step's logits [S, V] (micro_batches.gather_index),
-        on the last stage's devices, laid out as its stage program lays logits out."""
+        """(index [R, S / R], M micro-batches' logits [S_b, V] each) -> the step's logits [S, V] (R data ranks, each
+        row block a rank's: micro_batches.gather_index), on the last stage's devices, laid out as its stage program
+        lays logits out. Each rank gathers from its own rows: the batched gather over the rank axis stays on the
+        devices that hold it, no logits move between ranks."""
         if ("gather", m) not in self._fns:
-            self._fns[("gather", m)] = jax.jit(lambda index, *parts: jnp.concatenate(parts, axis=0)[index],
-                                               out_shardings=self.stage_shardings[-1].logits)
+            sh, R = self.stage_shardings[-1], self.num_ranks
+            by_rank = jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("seqs", None, None)))
+
+            def gather(index, *parts):
+                x = jnp.stack([p.reshape(R, -1, p.shape[-1]) for p in parts], axis=1)  # [R, M, S_b / R, V]
+                x = jax.lax.with_sharding_constraint(x.reshape(R, -1, x.shape[-1]), by_rank)  # [R, M x S_b / R, V]
+                out = jnp.take_along_axis(x, index[:, :, None], axis=1)  # [R, S / R, V]
+                return out.reshape(-1, out.shape[-1])
+
+            self._fns[("gather", m)] = jax.jit(gather, out_shardings=sh.logits)
         return self._fns[("gather", m)]
 
     def _forward(self, rank: int):

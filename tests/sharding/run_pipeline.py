@@ -88,11 +88,27 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
     out = {"steps": sum(runner.steps_by_variant.values())}
     if hasattr(runner, "stage_dispatches"):
         out.update(stage_dispatches=runner.stage_dispatches, micro_batch_counts=dict(runner.micro_batch_counts),
-                   stage_boundary_bytes=runner.stage_boundary_bytes)
+                   stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner))
     return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1), "compiles_after_warmup": runner.compiles_after_warmup,
             "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers,
             "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
             "memory_devices": runner.memory_report()["num_devices"]}
+
+
+def gather_collectives(runner) -> list:
+    """The collectives (run_case.collectives) of the compiled logits gathers of split steps (runner/pipeline.py
+    _gather_fn), for 16-token steps split into 8-token micro-batches."""
+    import jax
+    import jax.numpy as jnp
+
+    from run_case import collectives
+
+    last, R, V = runner.stage_shardings[-1], runner.num_ranks, runner.cfg.vocab_size
+    S, S_b = runner.shapes.seq_rows(16), runner.shapes.seq_rows(8)
+    index = jax.ShapeDtypeStruct((R, S), jnp.int32, sharding=runner._by_rank)
+    part = jax.ShapeDtypeStruct((R * S_b, V), jnp.float32, sharding=last.logits)
+    return collectives([fn.lower(index, *[part] * key[1]).compile() for key, fn in runner._fns.items()
+                        if key[0] == "gather"])
 
 
 def main() -> None:

@@ -108,15 +108,15 @@ def test_micro_batch_split_places_every_row_once_and_restores_the_order():
     assert (split.count, split.bucket) == (3, 8)  # 6 x 8 token slots in the pipe, against 3 x 32 unsplit
     step_rows, micro_rows = shapes.seq_rows(32), shapes.seq_rows(8)
     index = gather_index(split, 2, step_rows, micro_rows)
-    # the micro-batches' logits rows, concatenated: each row tagged with (rank, its row in the step)
-    concat = np.full((split.count * 2 * micro_rows, 2), -1)
+    assert index.shape == (2, step_rows)
+    # each rank's rows of the micro-batches' logits, one micro-batch after another, tagged (rank, its row in the step)
+    rows = np.full((2, split.count * micro_rows, 2), -1)
     for k, per_rank in enumerate(split.parts):
         for r, idx in enumerate(per_rank):
             for j, i in enumerate(idx):
-                concat[(k * 2 + r) * micro_rows + j] = (r, i)
-    got = concat[index]
-    for r, group in enumerate(ranks):
-        assert got[r * step_rows: r * step_rows + len(group)].tolist() == [[r, i] for i in range(len(group))]
+                rows[r, k * micro_rows + j] = (r, i)
+    for r, group in enumerate(ranks):  # the step's rows back in order, each from its own rank
+        assert rows[r][index[r, :len(group)]].tolist() == [[r, i] for i in range(len(group))]
 
 
 def test_micro_batches_only_where_they_shorten_the_pipe():
