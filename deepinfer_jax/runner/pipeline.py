@@ -21,7 +21,8 @@ computes micro-batch k while stage s + 1 computes micro-batch k - 1 (a stage's c
 micro-batch to the next, so a later one sees the pages an earlier one wrote). The last stage's logits of all of
 them are gathered back into the step's rows (a small program per (M, micro bucket, step bucket), compiled at
 warm-up) and sampled once, as the step unsplit would be. Counters: `stage_dispatches` (stage programs queued, per
-stage), `micro_batch_counts` (steps by their number of micro-batches), and `stage_boundary_bytes` (the hidden states moved between stages, all steps).
+stage), `micro_batch_counts` (steps by their number of micro-batches), and `stage_boundary_bytes` (the hidden
+states moved between stages, all steps).
 Across steps, the engine's overlapped loop keeps one step in flight ahead of the host.
 
 Not with pipeline parallelism (refused, naming the option): speculative decoding, prompt logprobs, the host tier of

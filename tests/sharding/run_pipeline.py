@@ -89,10 +89,11 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
     if hasattr(runner, "stage_dispatches"):
         out.update(stage_dispatches=runner.stage_dispatches, micro_batch_counts=dict(runner.micro_batch_counts),
                    stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner))
-    return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1), "compiles_after_warmup": runner.compiles_after_warmup,
-            "preemptions": st.num_preemptions, "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers,
-            "stage_devices": stage_devices, "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
-            "memory_devices": runner.memory_report()["num_devices"]}
+    return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1),
+                  "compiles_after_warmup": runner.compiles_after_warmup, "preemptions": st.num_preemptions,
+                  "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers, "stage_devices": stage_devices,
+                  "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
+                  "memory_devices": runner.memory_report()["num_devices"]}
 
 
 def gather_collectives(runner) -> list:
