@@ -137,3 +137,22 @@ def test_micro_batches_only_where_they_shorten_the_pipe():
     assert candidates(shapes, 8, 2) == []  # the smallest bucket
     decode = Shapes(buckets=(16, 32), max_num_seqs=32, max_pages=4, page_size=8, max_model_len=32)
     assert choose([[SimpleNamespace(token_ids=[0])] * 20], decode, 32, stages=2) is None  # a decode bucket
+
+
+def test_micro_batched_step_communication():
+    """A step run as M micro-batches (sharding/comm.py `micro`): each stage program's collectives M times at the
+    micro-batch's size, among them the hidden states between stages (M x b token rows in all); the sampled ids
+    once, at the step's size."""
+    cfg = _cfg("deepseek-v3")
+    pc = ParallelConfig(4, 2, True, 2)
+    for st in pipeline_stages(cfg, 2):
+        whole = {c.what: c for c in step_collectives(cfg, pc, 256, 64, stage=st)}
+        small = {c.what: c for c in step_collectives(cfg, pc, 128, 64, stage=st)}
+        split = {c.what: c for c in step_collectives(cfg, pc, 256, 64, stage=st, micro=(2, 128, 64))}
+        assert set(split) == set(whole)
+        for what, c in split.items():
+            want = whole[what] if "sampled ids" in what else dataclasses.replace(small[what],
+                                                                                 per_step=2 * small[what].per_step)
+            assert c == want, what
+        hidden = [c for c in split.values() if c.axis == "pipe" and "hidden" in c.what]
+        assert [c.step_bytes for c in hidden] == [2 * 128 * cfg.hidden_size * 2]
