@@ -11,6 +11,8 @@ takes at --link-gbps (per direction; NVLink 4 on H100/H200: about 450 GB/s, a 40
 An all-to-all layout gets two rows a step: its worst case (every buffer T_s rows, the dropless bound) and
 "uniform", the capacity-ladder rung a step with uniformly random routing lands on (the expected count of tokens
 a device receives from one source, rounded up the ladder; fluctuations may take the next rung).
+A pipeline layout also gets "prefill /N": the prefill step run as N micro-batches of --prefill-tokens / N token
+slots each (runner/micro_batches.py's split of a batch of many prompts on N stages).
 No JAX, no device: the model's config.json (configs/models/<preset>.json) and the layout alone.
 """
 
@@ -72,12 +74,17 @@ def main(argv=None) -> int:
         tp = pc.tensor_parallel_size
         c = cfg if cfg.vocab_size % tp == 0 else cfg.with_vocab_multiple(VOCAB_PADDING * tp)
         a2a = pc.all2all_backend == "all_to_all" and pc.expert_parallel_size > 1
-        for step, (tokens, seqs) in steps.items():
+        pp = pc.pipeline_parallel_size
+        rows = [(step, tokens, seqs, None) for step, (tokens, seqs) in steps.items()]
+        if pp > 1:
+            mb = a.prefill_tokens // pp
+            rows.append((f"prefill /{pp}", a.prefill_tokens, a.decode_seqs, (pp, mb, min(mb, a.decode_seqs))))
+        for step, tokens, seqs, micro in rows:
             for label, cap in ([(step + " worst", None), (step + " uniform", uniform_capacity(c, pc, tokens))]
                                if a2a else [(step, None)]):
-                b = step_bytes(c, pc, tokens, seqs, a.dtype_bytes, cap)
+                b = step_bytes(c, pc, tokens, seqs, a.dtype_bytes, cap, micro)
                 print(f"{name:10s} {label:16s} {tokens:11d} {b / 2**20:11.2f} {b / (a.link_gbps * 1e9) * 1e3:10.3f}")
-                if a.verbose:
+                if a.verbose and micro is None:
                     print(format_table(c, pc, tokens, seqs, a.dtype_bytes, cap))
     return 0
 

@@ -6,7 +6,8 @@ The same random weights (drawn once on device 0) and the same mixed greedy batch
 on one GPU and on each layout (pp2: 2 stages of one GPU; pp2tp2: 2 stages of TP = 2; pp4: 4 stages). Prints, per
 layout: requests whose greedy tokens equal one GPU's, the mean common prefix and the largest |logprob difference|
 over it (sharded_check.py's measures), then the seconds of the whole batch and the mean time of a decode step of
-16 sequences and of a 4096-token prefill step. Stages run one after another (docs/multi-gpu.md), so expect one
+16 sequences and of a 4096-token prefill step. These padding steps run whole, one stage after another (a real
+prefill step of several sequences may run as micro-batches: benchmarks/pipeline_micro_batches.py), so expect one
 GPU's step time plus the transfers, not a speed-up: the figure to watch is the transfer's share.
 """
 

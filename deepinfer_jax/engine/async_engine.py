@@ -180,6 +180,7 @@ class AsyncEngine:
         self._cond = threading.Condition()
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
+        self._calls: list[tuple] = []  # (fn, asyncio future, its loop): `call`, run on the loop thread between steps
         self._stopping = False
         self._streams: dict[str, RequestStream] = {}
         self._seqs_in_flight = 0
@@ -260,6 +261,18 @@ class AsyncEngine:
             self._aborts.append(request_id)
             self._cond.notify()
 
+    async def call(self, fn: Callable[[Any], Any]) -> Any:
+        """`fn(engine)` on the loop thread between two steps (an admin command that changes engine state, such as a
+        rebalance of the experts); its result, or its exception raised here. The event loop does not wait on it."""
+        if self._stopping or not self.ready or not self._thread.is_alive():
+            raise EngineNotReadyError("the engine is not running")
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._cond:
+            self._calls.append((fn, fut, loop))
+            self._cond.notify()
+        return await fut
+
     def _forget(self, stream: RequestStream) -> None:
         with self._cond:
             if self._streams.get(stream.request_id) is stream:
@@ -293,11 +306,15 @@ class AsyncEngine:
         eng = self.engine
         while True:
             with self._cond:
-                while not (self._adds or self._aborts or self._stopping or eng.has_unfinished_requests()):
+                while not (self._adds or self._aborts or self._calls or self._stopping
+                           or eng.has_unfinished_requests()):
                     self._cond.wait()
                 adds, self._adds = self._adds, []
                 aborts, self._aborts = self._aborts, []
+                calls, self._calls = self._calls, []
                 stopping = self._stopping
+            for fn, fut, loop in calls:
+                self._answer(eng, fn, fut, loop)
             pushes: dict[asyncio.AbstractEventLoop, list] = {}
             try:
                 if not self._iteration(eng, adds, aborts, stopping, pushes):
@@ -311,6 +328,20 @@ class AsyncEngine:
                     self._log_stats()
                 except Exception:  # noqa: BLE001
                     log.exception("engine stats failed")
+
+    @staticmethod
+    def _answer(eng, fn, fut, loop) -> None:
+        """Run a `call` and hand its result or exception to the awaiting event loop."""
+        try:
+            result, error = fn(eng), None
+        except Exception as e:  # noqa: BLE001 - the caller's to report
+            result, error = None, e
+
+        def deliver():
+            if not fut.done():
+                fut.set_exception(error) if error is not None else fut.set_result(result)
+
+        loop.call_soon_threadsafe(deliver)
 
     def _log_stats(self) -> None:
         """The periodic stats line (`stats_line`), every STATS_LOG_INTERVAL_S while requests run."""

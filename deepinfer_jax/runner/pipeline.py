@@ -1,4 +1,4 @@
-"""Pipeline parallelism on the device: one program a stage, each on its own devices, run one after another.
+"""Pipeline parallelism on the device: one program a stage, each on its own devices; micro-batches in flight.
 
 `PipelineRunner` is a ModelRunner (same host side: `prepare`, `dispatch`, `fetch`, placeholders, data-parallel
 ranks) whose step is a chain of programs instead of one (sharding/pipeline.py lays the stages out):
@@ -13,9 +13,17 @@ ranks) whose step is a chain of programs instead of one (sharding/pipeline.py la
 Each stage holds its own layers' params and its own KV cache [its layers, pages, ...] with the same page ids (every
 stage sees the same step metadata), so the scheduler, prefix caching and preemption are those of one model.
 
-Stages run one after another within a step, and the engine's overlapped loop keeps one step in flight ahead of
-the host, not one a stage: pipeline parallelism here splits a model's weights and cache over more devices (to
-fit), it does not yet overlap the stages of different micro-batches (vLLM's virtual engines).
+Micro-batches: `prepare` may split a prefill-bucket step into M micro-batches of whole sequences, each padded to a
+smaller bucket of the same ladder (runner/micro_batches.py: which steps, how many, and why decode steps are not).
+`run` then queues them GPipe's way, micro-batch after micro-batch through the stages, with no host sync between:
+JAX's dispatch is asynchronous and each stage's programs run on its own devices in the order queued, so stage s
+computes micro-batch k while stage s + 1 computes micro-batch k - 1 (a stage's cache is threaded from one
+micro-batch to the next, so a later one sees the pages an earlier one wrote). The last stage's logits of all of
+them are gathered back into the step's rows (a small program per (M, micro bucket, step bucket), compiled at
+warm-up) and sampled once, as the step unsplit would be. Counters: `stage_dispatches` (stage programs queued, per
+stage), `micro_batch_counts` (steps by their number of micro-batches), and `stage_boundary_bytes` (the hidden
+states moved between stages, all steps).
+Across steps, the engine's overlapped loop keeps one step in flight ahead of the host.
 
 Not with pipeline parallelism (refused, naming the option): speculative decoding, prompt logprobs, the host tier of
 the KV cache, routing collection, several hosts.
@@ -24,22 +32,26 @@ the KV cache, routing collection, several hosts.
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.pipeline import stage_tree
 from deepinfer_jax.models.registry import family_of, kv_cache_shape
-from deepinfer_jax.runner import warmup
+from deepinfer_jax.runner import micro_batches, warmup
 from deepinfer_jax.runner.compile_cache import CompileCounter
 from deepinfer_jax.runner.device_memory import device_memory
-from deepinfer_jax.runner.inputs import HostStep, PageRows, Shapes, next_pow2
+from deepinfer_jax.runner.inputs import HostStep, PageRows, Shapes, build_metadata, next_pow2
+from deepinfer_jax.runner.micro_batches import PipelineStep
 from deepinfer_jax.runner.model_runner import ModelRunner
-from deepinfer_jax.runner.packing import pack_bits, sizes, unpack
+from deepinfer_jax.runner.packing import pack, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import StepOut, packed, resolve_placeholders, split_inbox
 from deepinfer_jax.runner.step_programs import StepPrograms
+from deepinfer_jax.sharding.data_parallel import merge_rank_metas
 from deepinfer_jax.weights.pending import PendingParams
 
 
@@ -98,9 +110,15 @@ class PipelineRunner(ModelRunner):
         self._hidden = [jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("tokens", None)))
                         for sh in self.stage_shardings]  # [T, D]: tokens over the data axis, as the step's
         self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), self._replicated[-1])
-        self._fns: dict[Any, Any] = {}  # (stage rank, meta layout) or ("sampler", a step's key) -> jitted program
+        last = self.stage_shardings[-1]  # a split step's gather index [R, S / R]: each data rank's rows on its devices
+        self._by_rank = jax.sharding.NamedSharding(last.mesh, last.mesh_rules.spec(("seqs", None)))
+        self._fns: dict[Any, Any] = {}  # (stage rank, meta layout), ("sampler", a step's key) or ("gather", M) -> jit
         self._warm = False
         self._init_state()
+        self.stage_dispatches = [0] * len(self.stages)  # stage programs queued, per stage (a micro-batch each)
+        self.micro_batch_counts: Counter[int] = Counter()  # steps run, by their number of micro-batches
+        self.stage_boundary_bytes = 0  # hidden states [T, D] moved from a stage to the next, all steps together
+        self._hidden_row_bytes = cfg.hidden_size * jnp.dtype(runner_cfg.dtype).itemsize
 
     @property
     def kv_cache(self):
@@ -133,31 +151,95 @@ class PipelineRunner(ModelRunner):
         """Run each warm-up step (runner/warmup.py `plan`: a padding step a bucket and sampling variant) once,
         which compiles its stages' programs; returns the number of programs compiled."""
         hosts, _ = warmup.plan(self)
+        hosts += self._micro_warmup_steps()
         for host in hosts:
             for _ in range(max(1, self.runner_cfg.warmup_runs)):
                 jax.block_until_ready(self.run(host).buf)
         self._warm = True
+        self.stage_dispatches = [0] * len(self.stages)
+        self.micro_batch_counts.clear()
+        self.stage_boundary_bytes = 0
         return len(self._fns)
+
+    def _micro_warmup_steps(self) -> list[PipelineStep]:
+        """A padding step for each (bucket, M, micro bucket) a real step may be split into (micro_batches.candidates),
+        in the base variant: their stages' programs are the buckets' own, the logits gather is new."""
+        out = []
+        for bucket in self.shapes.buckets:
+            for m, b in micro_batches.candidates(self.shapes, bucket, len(self.stages)):
+                mi, mf, ml = pack(self.padding_step(b, False).meta)
+                packed_meta = (ml, np.concatenate([mi, mf.view(np.int32)]))
+                rows = self.num_ranks * self.shapes.seq_rows(bucket)
+                out.append(PipelineStep.of(self.padding_step(bucket, False), [packed_meta] * m, b,
+                                           np.zeros((self.num_ranks, rows // self.num_ranks), np.int32)))
+        return out
+
+    # ---- micro-batches (runner/micro_batches.py) ---------------------------------------------------
+    def prepare(self, plan_seqs, requests, seeds, ranks=None, masks: bool = True) -> HostStep:
+        """ModelRunner.prepare's step, with its micro-batches (a PipelineStep) where micro_batches.choose splits it."""
+        host = super().prepare(plan_seqs, requests, seeds, ranks, masks)
+        groups = ([list(plan_seqs)] if self.num_ranks == 1 else
+                  [[s for s, r in zip(plan_seqs, ranks) if r == k] for k in range(self.num_ranks)])
+        split = micro_batches.choose(groups, self.shapes, host.bucket, len(self.stages))
+        if split is None:
+            return host
+        b, rows = split.bucket, self.shapes.seq_rows(split.bucket)
+        micro = []
+        for ranks_idx in split.parts:
+            metas = [build_metadata([g[i] for i in idx], self.shapes, b, page_rows=self.page_rows)
+                     for g, idx in zip(groups, ranks_idx)]
+            mi, mf, ml = pack(metas[0] if self.num_ranks == 1 else merge_rank_metas(metas, b, rows))
+            micro.append((ml, np.concatenate([mi, mf.view(np.int32)])))
+        index = micro_batches.gather_index(split, self.num_ranks, self.shapes.seq_rows(host.bucket), rows)
+        return PipelineStep.of(host, micro, b, index)
 
     # ---- the step ----------------------------------------------------------------------------------
     def run(self, host: HostStep, before_sampling=None) -> StepOut:
-        """Queue the step's programs stage after stage (module docstring), then the sampler on the last stage's
-        devices; returns its results."""
+        """Queue each micro-batch's programs stage after stage (module docstring; a step not split is one
+        micro-batch), the logits gather of a split step, then the sampler on the last stage's devices; returns its
+        results."""
         key, inputs = packed(host)
         res = self.programs.resident(key)  # the layout of the results
         n_meta = sum(sizes(key[0]))
-        out = None  # stage r's output: hidden states [T, D], on the last stage the logits [S, V]
-        for st in self.stages:
-            rep = self._replicated[st.rank]
-            if not st.first:
-                out = jax.device_put(out, self._hidden[st.rank])  # from the stage before's devices
-            prev = jax.device_put(self._prev_tokens, rep) if st.first else None
-            out, self.stage_caches[st.rank] = self._stage_fn(st.rank, key[0])(
-                self.stage_params[st.rank], self.stage_caches[st.rank], prev, jax.device_put(inputs[:n_meta], rep),
-                out)
+        micro = getattr(host, "micro", ()) or ((key[0], inputs[:n_meta]),)
+        prev = jax.device_put(self._prev_tokens, self._replicated[0])  # the placeholders' ids, for stage 0
+        logits = []
+        for layout, meta_inputs in micro:  # GPipe's order: stage s of micro-batch k runs beside s + 1 of k - 1
+            out = None  # stage r's output: hidden states [T, D], on the last stage the logits [S, V]
+            for st in self.stages:
+                rep = self._replicated[st.rank]
+                if not st.first:
+                    out = jax.device_put(out, self._hidden[st.rank])  # from the stage before's devices
+                    self.stage_boundary_bytes += out.shape[0] * self._hidden_row_bytes
+                out, self.stage_caches[st.rank] = self._stage_fn(st.rank, layout)(
+                    self.stage_params[st.rank], self.stage_caches[st.rank], prev if st.first else None,
+                    jax.device_put(meta_inputs, rep), out)
+                self.stage_dispatches[st.rank] += 1
+            logits.append(out)
+        self.micro_batch_counts[len(logits)] += 1
+        if len(logits) > 1:  # the micro-batches' rows back in the step's order
+            out = self._gather_fn(len(logits))(jax.device_put(host.gather, self._by_rank), *logits)
         self._prev_tokens, outbox = self._sampler_fn(key)(out, self._prev_tokens,
                                                           jax.device_put(inputs[n_meta:], self._replicated[-1]))
         return StepOut(outbox, res.sampled_layout, None)
+
+    def _gather_fn(self, m: int):
+        """(index [R, S / R], M micro-batches' logits [S_b, V] each) -> the step's logits [S, V] (R data ranks, each
+        row block a rank's: micro_batches.gather_index), on the last stage's devices, laid out as its stage program
+        lays logits out. Each rank gathers from its own rows: the batched gather over the rank axis stays on the
+        devices that hold it, no logits move between ranks."""
+        if ("gather", m) not in self._fns:
+            sh, R = self.stage_shardings[-1], self.num_ranks
+            by_rank = jax.sharding.NamedSharding(sh.mesh, sh.mesh_rules.spec(("seqs", None, None)))
+
+            def gather(index, *parts):
+                x = jnp.stack([p.reshape(R, -1, p.shape[-1]) for p in parts], axis=1)  # [R, M, S_b / R, V]
+                x = jax.lax.with_sharding_constraint(x.reshape(R, -1, x.shape[-1]), by_rank)  # [R, M x S_b / R, V]
+                out = jnp.take_along_axis(x, index[:, :, None], axis=1)  # [R, S / R, V]
+                return out.reshape(-1, out.shape[-1])
+
+            self._fns[("gather", m)] = jax.jit(gather, out_shardings=sh.logits)
+        return self._fns[("gather", m)]
 
     def _forward(self, rank: int):
         """Stage `rank`'s forward, to trace inside its program: (params, cache, prev_tokens, meta ints, meta floats,

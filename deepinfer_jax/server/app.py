@@ -73,7 +73,7 @@ def _middleware(api_key: str | None):
                 raise APIError(f"request body too large: Content-Length {size} exceeds the {request.client_max_size} "
                                "bytes allowed (--max-payload-size)", 413, code="request_too_large",
                                headers={"Connection": "close"})
-            if expected is not None and request.path.startswith("/v1/"):
+            if expected is not None and request.path.startswith(("/v1/", "/admin/")):
                 got = request.headers.get("Authorization", "").encode()
                 if not hmac.compare_digest(got, expected):
                     raise APIError("Invalid or missing API key (send 'Authorization: Bearer KEY').", 401,
@@ -245,10 +245,24 @@ def _handlers(s: Serving):
             raise APIError(f"token id {bad} is out of vocabulary", param="tokens")
         return json_response(request, {"prompt": await s.offload(s.tokenizer.decode, ids)})
 
+    async def rebalance_experts(request):
+        """EPLB on command (engine/expert_balance.py): a placement from the expert load observed so far, applied
+        between two steps where it lowers the largest EP rank load; answers its figures."""
+        s.check_available()
+        if getattr(s.engine.engine, "expert_balance", None) is None:
+            raise APIError("expert load balancing is off: start the server with --enable-eplb (with "
+                           "--enable-expert-parallel, and without --pipeline-parallel-size > 1)", 400,
+                           code="eplb_disabled")
+        try:
+            out = await s.engine.call(lambda eng: eng.expert_balance.rebalance())
+        except ValueError as e:  # no load observed yet
+            raise APIError(str(e), 400, code="no_expert_load") from None
+        return json_response(request, {k: (bool(v) if k == "applied" else float(v)) for k, v in out.items()})
+
     return [web.post("/v1/chat/completions", chat_completions), web.post("/v1/completions", completions),
             web.get("/v1/models", models), web.get("/health", health), web.get("/ping", health),
             web.get("/metrics", metrics), web.get("/version", version), web.post("/tokenize", tokenize),
-            web.post("/detokenize", detokenize)]
+            web.post("/detokenize", detokenize), web.post("/admin/rebalance_experts", rebalance_experts)]
 
 
 def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size: int = 16 * 2**20,

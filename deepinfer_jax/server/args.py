@@ -215,7 +215,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
     g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $DEEPINFER_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY)")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3"],
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
                         "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")

@@ -28,7 +28,9 @@ follows the layout of rules.py and the sharded code paths of the model:
   of a stage to the devices of the next holding the same data rank (one "send" on the stage before, one "receive"
   on the stage after), and the sampled ids [dp x S] (int32) go from the last stage back to the first, whose
   embedding reads them as the next step's tokens. `step_collectives(..., stage=)` gives one stage's list;
-  `step_bytes` the busiest stage's total.
+  `step_bytes` the busiest stage's total. A step run as M micro-batches (runner/micro_batches.py; `micro=`) runs
+  every stage program once a micro-batch, at the micro-batch's size, so their collectives and the hidden states
+  between stages come M times at that size; the sampled ids' once a step, at the step's.
 
 Bytes are per device and per occurrence, as a ring algorithm moves them: an all-reduce of B bytes over n
 devices sends 2 (n - 1) / n B, an all-gather of a result of B bytes receives (n - 1) / n B, a reduce-scatter
@@ -40,7 +42,7 @@ not the bytes. Small metadata moves (collective-permutes of the step's int32 inp
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.pipeline import PipelineStage, pipeline_stages
@@ -72,11 +74,19 @@ def _ring(kind: str, nbytes: int, n: int) -> int:
 
 
 def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
-                     stage: PipelineStage | None = None, a2a_capacity: int | None = None) -> list[Collective]:
+                     stage: PipelineStage | None = None, a2a_capacity: int | None = None,
+                     micro: tuple[int, int, int] | None = None) -> list[Collective]:
     """The collectives of one step of `tokens` token slots and `seqs` sequence rows per data-parallel rank
     (a padded bucket: token_buckets and seq_rows), in the engine dtype of `dtype_bytes` bytes. With pipeline
     parallelism, those of a device of `stage` (models/pipeline.py; None: the first). `a2a_capacity`: the rows a
-    device for the all-to-all dispatch (None: the worst case, T_s)."""
+    device for the all-to-all dispatch (None: the worst case, T_s). `micro`: (M, b, S_b), the step run as M
+    micro-batches of b token slots and S_b sequence rows a data rank (module docstring)."""
+    if micro is not None:
+        m, b, sb = micro
+        whole = {c.what: c for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, stage, a2a_capacity)
+                 if "sampled ids" in c.what}  # the sampler's, once a step
+        return [whole[c.what] if c.what in whole else replace(c, per_step=c.per_step * m)
+                for c in step_collectives(cfg, pc, b, sb, dtype_bytes, stage, a2a_capacity)]
     tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
     if stage is None:
@@ -127,10 +137,11 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
 
 
 def step_bytes(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: int, dtype_bytes: int = 2,
-               a2a_capacity: int | None = None) -> int:
+               a2a_capacity: int | None = None, micro: tuple[int, int, int] | None = None) -> int:
     """Bytes one device sends or receives in collectives during one step (step_collectives summed); with
     pipeline parallelism, a device of the busiest stage."""
-    return max(sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st, a2a_capacity))
+    return max(sum(c.step_bytes for c in step_collectives(cfg, pc, tokens, seqs, dtype_bytes, st, a2a_capacity,
+                                                          micro))
                for st in pipeline_stages(cfg, pc.pipeline_parallel_size))
 
 

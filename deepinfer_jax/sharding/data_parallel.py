@@ -120,18 +120,24 @@ class DPScheduler:
         return results
 
 
-def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket: int, seq_rows: int):
-    """Per-rank padded host inputs (StepMetadata, SamplingTensors built for `bucket` tokens and
-    `seq_rows` rows each) -> (StepMetadata, SamplingTensors, request_ids, sample_rows) of the whole
-    step: rank r's tokens at [r * bucket, (r + 1) * bucket), its rows at [r * seq_rows, ...).
-    request_ids has one entry per row (None for padding rows)."""
+def merge_rank_metas(metas: list, bucket: int, seq_rows: int):
+    """Per-rank StepMetadata (each of `bucket` tokens and `seq_rows` rows) -> the whole step's, laid out rank after
+    rank (merge_rank_steps); `logits_indices` made global."""
     meta = type(metas[0])(**{  # the array fields; static ones (StepMetadata.has_context) keep their defaults,
         # optional ones a step does not carry (None) stay None
         f.name: None if getattr(metas[0], f.name) is None else
         np.concatenate([getattr(m, f.name) for m in metas], axis=0)
         for f in dataclasses.fields(metas[0]) if not f.metadata.get("static")})
     offsets = np.repeat(np.arange(len(metas), dtype=np.int32) * bucket, seq_rows)
-    meta = dataclasses.replace(meta, logits_indices=(meta.logits_indices + offsets).astype(np.int32))
+    return dataclasses.replace(meta, logits_indices=(meta.logits_indices + offsets).astype(np.int32))
+
+
+def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket: int, seq_rows: int):
+    """Per-rank padded host inputs (StepMetadata, SamplingTensors built for `bucket` tokens and
+    `seq_rows` rows each) -> (StepMetadata, SamplingTensors, request_ids, sample_rows) of the whole
+    step: rank r's tokens at [r * bucket, (r + 1) * bucket), its rows at [r * seq_rows, ...).
+    request_ids has one entry per row (None for padding rows)."""
+    meta = merge_rank_metas(metas, bucket, seq_rows)
     st = type(samplings[0])(**{  # optional fields a step does not carry (None) stay None
         f.name: None if getattr(samplings[0], f.name) is None else
         np.concatenate([getattr(s, f.name) for s in samplings], axis=0)

@@ -40,13 +40,27 @@ from deepinfer_jax.server.metrics import ServerMetrics  # /metrics's registry on
 metrics = ServerMetrics("m").render(None, 0, None, llm.engine.expert_load_report()).decode()
 rebalanced = llm.rebalance_experts()  # a placement from the observed counts, then the same prompts again
 again = llm.generate(prompts, greedy)
+import asyncio, types, aiohttp  # POST /admin/rebalance_experts on a real server over this engine, on 127.0.0.1
+from deepinfer_jax.cli import _serve_parser
+from deepinfer_jax.server.app import start_server
+async def admin():
+    ns = _serve_parser().parse_args(["--model", sys.argv[1], "--host", "127.0.0.1", "--port", "0"])
+    srv = await start_server(ns, build=lambda: eng, tokenizer=types.SimpleNamespace())
+    await asyncio.get_running_loop().run_in_executor(None, srv.engine.wait_ready, 60)
+    async with aiohttp.ClientSession(srv.url) as c:
+        async with c.post("/admin/rebalance_experts") as r:
+            out = {"status": r.status, "body": await r.json()}
+    await srv.shutdown()
+    return out
+served = asyncio.run(admin())
+served["balancedness_now"] = eng.expert_load_report()["balancedness"]
 print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in res],
                               "replicas": replicas, "load": load["load"].tolist(),
                               "per_expert": load["per_expert"].tolist(), "rebalanced": rebalanced,
                               "balancedness": load["balancedness"], "metrics": metrics,
                               "tokens_after": [o.outputs[0].token_ids for o in again],
                               "replicas_after": llm.eplb_placement.replicas.tolist(),
-                              "late_compiles": eng.runner.compiles_after_warmup,
+                              "late_compiles": eng.runner.compiles_after_warmup, "served": served,
                               "collectives": collectives(eng.runner.programs.executables.values()),
                               "bucket": 32, "seq_rows": eng.shapes.seq_rows(32)}))
 """
@@ -126,6 +140,21 @@ def test_eplb_counts_the_load_and_rebalances_without_changing_tokens(runs, hf_ca
     assert rb["balancedness_after"] > rb["balancedness_before"], rb
     assert r["replicas_after"] != r["replicas"]
     assert r["tokens_after"] == r["tokens"] and r["late_compiles"] == 0
+
+
+def test_rebalance_experts_over_http(runs):
+    """POST /admin/rebalance_experts on a real server (127.0.0.1) over the EPLB engine: runs the rebalance between
+    steps and answers its figures as JSON; the engine's placement is then the one they describe (the new one where
+    applied, else the old)."""
+    r = runs[1][1]["served"]
+    assert r["status"] == 200, r
+    body = r["body"]
+    assert set(body) == {"applied", "max_rank_load_before", "max_rank_load_after", "balancedness_before",
+                         "balancedness_after"}, body
+    assert 0 < body["balancedness_after"] <= 1
+    assert body["applied"] == (body["max_rank_load_after"] < body["max_rank_load_before"])
+    want = body["balancedness_after"] if body["applied"] else body["balancedness_before"]
+    assert r["balancedness_now"] == pytest.approx(want)
 
 
 def test_all_to_all_collectives_are_the_predicted_ones(runs, hf_case):

@@ -2,8 +2,10 @@
 PP2 x TP2, PP2 x TP4 and PP2 x DP2 x EP4 on a 5-layer DeepSeek-V3 checkpoint (stages of uneven layers, split as
 vLLM splits them: 3 + 2 and 1 + 1 + 2 + 1; the dense layer and the MoE layers in different stages), and PP2 x TP2
 on a dense Llama checkpoint through the model registry. The workload (tests/sharding/run_pipeline.py) batches more
-requests than max_num_seqs, chunks long prompts, preempts for want of pages and hits the prefix cache. One
-subprocess a model (the fake devices must be set before JAX starts), both at once.
+requests than max_num_seqs, chunks long prompts, preempts for want of pages and hits the prefix cache. Micro-batches
+(runner/micro_batches.py): short prompts on a ladder of buckets under PP2 and PP2 x DP2, whose prefill steps and
+steps of prefill and decode rows run split. One subprocess a model or workload (the fake devices must be set before
+JAX starts), all at once.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ RUN = os.path.join(REPO, "tests", "sharding", "run_pipeline.py")
 
 V3_LAYOUTS = ["1x1-pp4", "2x1-pp2", "4x1-pp2", "2x2ep-pp2"]  # PP2 alone: the PP2 x TP layouts' stage split
 DENSE_LAYOUTS = ["2x1-pp2"]
+MICRO_LAYOUTS = ["--micro", "1x1-pp2", "1x2-pp2"]
 V3_STAGE_LAYERS = {2: [3, 2], 4: [1, 1, 2, 1]}  # vLLM's get_pp_indices for 5 layers
 
 
@@ -33,16 +36,18 @@ def runs(tmp_path_factory, hf_case):
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     procs = {name: subprocess.Popen([sys.executable, RUN, path, *layouts], stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, env=env)
-             for name, path, layouts in (("v3", v3_dir, V3_LAYOUTS), ("dense", dense_dir, DENSE_LAYOUTS))}
+             for name, path, layouts in (("v3", v3_dir, V3_LAYOUTS), ("dense", dense_dir, DENSE_LAYOUTS),
+                                         ("micro", v3_dir, MICRO_LAYOUTS))}
     out = {}
     for name, p in procs.items():
         stdout, stderr = p.communicate(timeout=900)
         assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
         out[name] = json.loads(stdout.split("RESULT ", 1)[1])
-    return {"v3": (v3, out["v3"], v3_dir), "dense": (dense, out["dense"], dense_dir)}
+    return {"v3": (v3, out["v3"], v3_dir), "dense": (dense, out["dense"], dense_dir),
+            "micro": (v3, out["micro"], v3_dir)}
 
 
-@pytest.mark.parametrize("model", ["v3", "dense"])
+@pytest.mark.parametrize("model", ["v3", "dense", "micro"])
 def test_pipeline_greedy_equals_hf(runs, model):
     hf, res, _ = runs[model]
     want = [hf_greedy(hf, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
@@ -73,3 +78,17 @@ def test_pipeline_stages_hold_their_layers_on_their_own_devices(runs):
             p = plan(path, dtype="float32", tensor_parallel_size=tp, data_parallel_size=dp,
                      enable_expert_parallel=base.endswith("ep"), pipeline_parallel_size=pp)
             assert list(p.stage_weight_bytes) == r["stage_weight_bytes"], layout
+
+
+def test_pipeline_steps_run_as_micro_batches(runs):
+    """Every stage queues one program a micro-batch of every step (the stage_dispatches counter against the steps'
+    micro-batch counts), and the workload did split steps, under DP too: the tokens of those runs are HF's
+    (test_pipeline_greedy_equals_hf["micro"]). The logits gather of a split step moves nothing between devices."""
+    _, res, _ = runs["micro"]
+    for layout, r in res["layouts"].items():
+        counts = {int(m): n for m, n in r["micro_batch_counts"].items()}
+        assert sum(counts.values()) == r["steps"], layout
+        assert r["stage_dispatches"] == [sum(m * n for m, n in counts.items())] * 2, layout
+        assert any(m > 1 for m in counts), layout
+        assert r["stage_boundary_bytes"] > 0, layout
+        assert r["gather_collectives"] == [], layout  # each data rank gathers its own logits rows

@@ -85,3 +85,74 @@ def test_too_few_devices_is_refused():
     with pytest.raises(ValueError, match=r"--pipeline-parallel-size 2 x --tensor-parallel-size 1 x "
                                          r"--data-parallel-size 1 needs 2 devices; 1 available"):
         build_pipeline_sharding(cfg, ParallelConfig(1, 1, False, 2), jax.devices()[:1])
+
+
+# ---- micro-batches (runner/micro_batches.py) ----------------------------------------------------------------------
+def test_micro_batch_split_places_every_row_once_and_restores_the_order():
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from deepinfer_jax.runner.inputs import Shapes
+    from deepinfer_jax.runner.micro_batches import choose, gather_index, split_balanced
+
+    counts = [5, 1, 1, 6, 1, 3]
+    parts = split_balanced(counts, 3)
+    assert sorted(i for p in parts for i in p) == list(range(6))  # every row exactly once
+    assert all(p == sorted(p) for p in parts)  # plan order kept inside a part
+    assert sorted(sum(counts[i] for i in p) for p in parts) == [5, 6, 6]
+
+    shapes = Shapes(buckets=(8, 16, 32), max_num_seqs=8, max_pages=4, page_size=8, max_model_len=32)
+    ranks = [[SimpleNamespace(token_ids=[0] * n) for n in c] for c in (counts, [4, 4, 2])]  # DP 2
+    split = choose(ranks, shapes, 32, stages=3)
+    assert (split.count, split.bucket) == (3, 8)  # 6 x 8 token slots in the pipe, against 3 x 32 unsplit
+    step_rows, micro_rows = shapes.seq_rows(32), shapes.seq_rows(8)
+    index = gather_index(split, 2, step_rows, micro_rows)
+    assert index.shape == (2, step_rows)
+    # each rank's rows of the micro-batches' logits, one micro-batch after another, tagged (rank, its row in the step)
+    rows = np.full((2, split.count * micro_rows, 2), -1)
+    for k, per_rank in enumerate(split.parts):
+        for r, idx in enumerate(per_rank):
+            for j, i in enumerate(idx):
+                rows[r, k * micro_rows + j] = (r, i)
+    for r, group in enumerate(ranks):  # the step's rows back in order, each from its own rank
+        assert rows[r][index[r, :len(group)]].tolist() == [[r, i] for i in range(len(group))]
+
+
+def test_micro_batches_only_where_they_shorten_the_pipe():
+    from types import SimpleNamespace
+
+    from deepinfer_jax.runner.inputs import Shapes
+    from deepinfer_jax.runner.micro_batches import candidates, choose
+
+    shapes = Shapes(buckets=(8, 16, 32), max_num_seqs=4, max_pages=4, page_size=8, max_model_len=32)
+
+    def seqs(*lens):
+        return [[SimpleNamespace(token_ids=[0] * n) for n in lens]]
+
+    assert choose(seqs(8, 8, 8, 8), shapes, 32, stages=2).bucket == 16  # 3 x 16 against 2 x 32
+    assert choose(seqs(24, 4), shapes, 32, stages=2) is None  # a 24-token chunk needs the 32 bucket anyway
+    assert choose(seqs(30), shapes, 32, stages=4) is None  # one sequence: nothing to split
+    assert choose(seqs(8, 8, 8, 8), shapes, 32, stages=1) is None  # no pipeline
+    assert candidates(shapes, 8, 2) == []  # the smallest bucket
+    decode = Shapes(buckets=(16, 32), max_num_seqs=32, max_pages=4, page_size=8, max_model_len=32)
+    assert choose([[SimpleNamespace(token_ids=[0])] * 20], decode, 32, stages=2) is None  # a decode bucket
+
+
+def test_micro_batched_step_communication():
+    """A step run as M micro-batches (sharding/comm.py `micro`): each stage program's collectives M times at the
+    micro-batch's size, among them the hidden states between stages (M x b token rows in all); the sampled ids
+    once, at the step's size."""
+    cfg = _cfg("deepseek-v3")
+    pc = ParallelConfig(4, 2, True, 2)
+    for st in pipeline_stages(cfg, 2):
+        whole = {c.what: c for c in step_collectives(cfg, pc, 256, 64, stage=st)}
+        small = {c.what: c for c in step_collectives(cfg, pc, 128, 64, stage=st)}
+        split = {c.what: c for c in step_collectives(cfg, pc, 256, 64, stage=st, micro=(2, 128, 64))}
+        assert set(split) == set(whole)
+        for what, c in split.items():
+            want = whole[what] if "sampled ids" in what else dataclasses.replace(small[what],
+                                                                                 per_step=2 * small[what].per_step)
+            assert c == want, what
+        hidden = [c for c in split.values() if c.axis == "pipe" and "hidden" in c.what]
+        assert [c.step_bytes for c in hidden] == [2 * 128 * cfg.hidden_size * 2]

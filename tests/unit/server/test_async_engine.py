@@ -221,3 +221,30 @@ def test_a_slow_consumer_gets_merged_deltas():
     assert c.text == "t6 t7 t8 t9 t10 t11 " and c.token_ids == [6, 7, 8, 9, 10, 11] and len(c.logprobs) == 6
     assert c.finish_reason == "length"
     eng.shutdown()
+
+
+def test_call_runs_on_the_loop_thread_between_steps():
+    """`call` (an admin command such as POST /admin/rebalance_experts): fn(engine) on the loop thread, while requests
+    are running, its result or its exception back to the awaiting coroutine; refused once shut down."""
+    import threading
+
+    eng, fake = _engine(step_delay=0.005)
+
+    async def go():
+        stream = eng.submit("a", [5], SamplingParams(max_tokens=20))
+        first = await stream.__anext__()
+        got = await eng.call(lambda e: (e is fake, threading.current_thread().name))
+
+        def fails(e):
+            raise ValueError("no expert load observed yet")
+
+        with pytest.raises(ValueError, match="no expert load"):
+            await eng.call(fails)
+        rest = [o async for o in stream]
+        return first, got, rest
+
+    first, got, rest = asyncio.run(go())
+    assert got == (True, "deepinfer-engine") and not first.finished and rest[-1].finished
+    eng.shutdown()
+    with pytest.raises(EngineNotReadyError):
+        asyncio.run(eng.call(lambda e: None))
