@@ -199,6 +199,11 @@ def is_fp8(w) -> bool:
     return isinstance(w, Fp8Weight)
 
 
+def is_packed(w) -> bool:
+    """An Fp8Weight or an Fp4Weight: a weight kept as its checkpoint stores it (HF's [out, in] blocks)."""
+    return isinstance(w, PackedShape)
+
+
 def is_quantized(w) -> bool:
     """A QuantizedWeight (INT8 / INT4), an Fp8Weight or an Fp4Weight: any leaf that is not a plain float array."""
     return isinstance(w, (QuantizedWeight, Fp8Weight, Fp4Weight))

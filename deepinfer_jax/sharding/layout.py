@@ -52,12 +52,18 @@ class ModelSharding:
 
     def fit_param_shardings(self, cfg: ModelConfig, params: Any) -> Any:
         """param_shardings with the exact structure of `params`: a quantized leaf gets its sharding for
-        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit; an EPLB
+        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit, an FP8 / FP4
+        leaf kept as its checkpoint stores it the partition of its layout (sharding/packed.py); an EPLB
         placement's maps (a MoE segment's `eplb`) are replicated, its physical experts split as the logical ones."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
+        from deepinfer_jax.models.quant_fp4 import PackedShape
+        from deepinfer_jax.sharding.packed import packed_sharding
+
         def fit(s: NamedSharding, sub: Any) -> Any:
+            if isinstance(sub, PackedShape):
+                return packed_sharding(sub, s)
             def one(a):
                 spec = tuple(s.spec) + (None,) * (a.ndim - len(s.spec))
                 return NamedSharding(s.mesh, PartitionSpec(*[None if n == 1 else x for x, n in zip(spec, a.shape)]))
