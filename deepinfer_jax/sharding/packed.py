@@ -49,12 +49,11 @@ def check_blocks(w: PackedShape, spec: tuple, mesh_shape: Mapping[str, int], axe
             continue
         logical = axes[ax] if axes is not None and ax < len(axes) else None
         dim = _dimension_name(logical, name) if logical else "its dimension"
-        extra = "" if len(dims) == 1 else f" (x {' x '.join(str(d) for d in dims[1:])})"
         flags = _flags(logical, mesh) if logical in DIMENSION_NAMES else " or ".join(mesh)
         raise ValueError(
-            f"{kind} weight {name or ''}: {dim} = {dims[0]}{extra} split over {n} devices gives each device {size // n} "
-            f"of the {size} {label}, not a multiple of the {what}, so a scale block would straddle two devices; "
-            f"change {flags}, or load the weights dequantized (--quantization none)")
+            f"{kind} weight {name}: splitting {dim} = {dims[0]} over {n} devices gives each device {size // n} of "
+            f"its {size} {label}, not a multiple of the {what} (a scale block would straddle two devices); "
+            f"change {flags}, or load the weights in float (--quantization none)")
 
 
 def packed_sharding(w: PackedShape, sharding: Any, axes: tuple | None = None, name: str = "") -> PackedShape:

@@ -299,7 +299,7 @@ def prepare_hf_checkpoint(
         log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
     abstract = abstract_from_specs(cfg, dtype, shardings)
-    for path in fp8_paths:
+    for path in (p for p in _spec_paths(specs) if p in fp8_paths):  # in tree order: the first bad split is refused
         _set(abstract, path, fp8_abstract(path, _get(specs, path), block, _get(abstract, path).sharding))
     on_host = host_assembly(abstract, shardings)
 
@@ -344,6 +344,11 @@ def prepare_hf_checkpoint(
         return params
 
     return cfg, PendingParams(abstract, load)
+
+
+def _spec_paths(specs: Any) -> list[tuple]:
+    """The paths of the param specs' leaves, in tree order."""
+    return [tuple(_key(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
 
 
 def _key(k) -> Any:
