@@ -195,11 +195,11 @@ def fp8_bytes_per_device(spec, path: tuple, lay: tuple[int, int], block: tuple[i
     import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.models.quant import Fp8Weight, fp8_layout
+    from deepinfer_jax.models.quant import FP8_PARTS_LEAVES, Fp8Weight, fp8_layout
     from deepinfer_jax.models.quant_fp4 import packed_spec
     from deepinfer_jax.sharding.packed import check_blocks
 
-    q, s, ins, outs, parts = fp8_layout(spec.shape, lay[0], lay[1], block, path[-1] == "gate_up")
+    q, s, ins, outs, parts = fp8_layout(spec.shape, lay[0], lay[1], block, path[-1] in FP8_PARTS_LEAVES)
     w = Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s, jnp.float32), tuple(block),
                   ins, outs, parts)
     entries = tuple(tuple(table.get(ax, ())) if ax else None for ax in spec.axes)
@@ -213,7 +213,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
                             group_size: int = 128, stage=None, by_leaf: dict | None = None) -> int:
     """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
-    leaves at `fp8_paths` as Fp8Weight (a layout that would cut a scale block refused as the loader refuses it), quantizable leaves as INT8 / INT4 with `int_method`.
+    leaves at `fp8_paths` as Fp8Weight (a layout that would cut a scale block refused as the loader refuses it),
+    quantizable leaves as INT8 / INT4 with `int_method`.
     `stage` (a models/pipeline.py PipelineStage): a device of that pipeline stage, which holds its layers' share
     of each stacked segment (bytes linear in the layers: the layer axis is never split) and the embedding or the
     final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there).

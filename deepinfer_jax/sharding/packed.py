@@ -19,7 +19,7 @@ from typing import Any, Mapping
 
 from deepinfer_jax.models.quant import is_fp8
 from deepinfer_jax.models.quant_fp4 import PackedShape, packed_spec
-from deepinfer_jax.sharding.rules import DIMENSION_NAMES, _dimension_name, _flags
+from deepinfer_jax.sharding.rules import AXIS_FLAGS, DIMENSION_NAMES, dimension_name, split_flags
 
 
 def block_of(w: PackedShape) -> tuple[int, int]:
@@ -48,8 +48,8 @@ def check_blocks(w: PackedShape, spec: tuple, mesh_shape: Mapping[str, int], axe
         if n <= 1 or (size % n == 0 and (size // n) % blk == 0):
             continue
         logical = axes[ax] if axes is not None and ax < len(axes) else None
-        dim = _dimension_name(logical, name) if logical else "its dimension"
-        flags = _flags(logical, mesh) if logical in DIMENSION_NAMES else " or ".join(mesh)
+        dim = dimension_name(logical, name) if logical else "its dimension"
+        flags = split_flags(logical, mesh) if logical in DIMENSION_NAMES else " or ".join(mesh)
         raise ValueError(
             f"{kind} weight {name}: splitting {dim} = {dims[0]} over {n} devices gives each device {size // n} of "
             f"its {size} {label}, not a multiple of the {what} (a scale block would straddle two devices); "
@@ -66,8 +66,11 @@ def packed_sharding(w: PackedShape, sharding: Any, axes: tuple | None = None, na
         return dataclasses.replace(w, q=sharding, scale=sharding)
     try:
         spec = packed_spec(w, tuple(sharding.spec))
-    except ValueError as e:
-        raise ValueError(f"{name}: {e}") from None
+    except ValueError as e:  # the dense family's kv_proj [D, 2, KVH, hd] with its KV heads split, e.g.
+        mesh = sorted({a for x in sharding.spec if x for a in ((x,) if isinstance(x, str) else x)})
+        flags = " or ".join(AXIS_FLAGS.get(a, a) for a in mesh)
+        raise ValueError(f"{'FP8' if is_fp8(w) else 'FP4'} weight {name}: {e}; change {flags}, or load the weights "
+                         "in float (--quantization none)") from None
     check_blocks(w, spec, dict(sharding.mesh.shape), axes, name)
     ns = NamedSharding(sharding.mesh, PartitionSpec(*spec))
     return dataclasses.replace(w, q=ns, scale=ns)

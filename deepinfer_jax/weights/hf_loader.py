@@ -31,7 +31,8 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import ParamSpec, is_spec, spec_dtype
-from deepinfer_jax.models.quant import FP8_BLOCK, Fp8Weight, fp8_layout, fp8_quantize_blocks, quant_layout
+from deepinfer_jax.models.quant import (FP8_BLOCK, FP8_PARTS_LEAVES, Fp8Weight, fp8_layout, fp8_quantize_blocks,
+                                       quant_layout)
 from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
 from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
@@ -158,7 +159,7 @@ def fp8_abstract(path: tuple, spec: ParamSpec, block: tuple[int, int], sharding:
     from deepinfer_jax.sharding.packed import packed_sharding
 
     n_in, n_out = quant_layout(path)
-    q, s, ins, outs, parts = fp8_layout(spec.shape, n_in, n_out, block, path[-1] == "gate_up")
+    q, s, ins, outs, parts = fp8_layout(spec.shape, n_in, n_out, block, path[-1] in FP8_PARTS_LEAVES)
     w = Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s, jnp.float32), tuple(block),
                   ins, outs, parts)
     sh = packed_sharding(w, sharding, spec.axes, ".".join(str(k) for k in path))
