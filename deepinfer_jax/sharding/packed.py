@@ -49,7 +49,8 @@ def check_blocks(w: PackedShape, spec: tuple, mesh_shape: Mapping[str, int], axe
             continue
         logical = axes[ax] if axes is not None and ax < len(axes) else None
         dim = dimension_name(logical, name) if logical else "its dimension"
-        flags = split_flags(logical, mesh) if logical in DIMENSION_NAMES else " or ".join(mesh)
+        flags = (split_flags(logical, mesh) if logical in DIMENSION_NAMES
+                 else " or ".join(AXIS_FLAGS.get(a, a) for a in mesh))
         raise ValueError(
             f"{kind} weight {name}: splitting {dim} = {dims[0]} over {n} devices gives each device {size // n} of "
             f"its {size} {label}, not a multiple of the {what} (a scale block would straddle two devices); "
