@@ -1,6 +1,7 @@
 """bf16 equality of sharded layouts against one device, on the GPU machine (the sharding issue).
 
     python benchmarks/sharded_check.py [--layouts tp2,dp2ep2,tp2ep2,single_xla] [--preset deepseek-v2-lite]
+    python benchmarks/sharded_check.py --fp8 [--preset moonlight-16b-a3b] [--layouts dp2ep2,tp2ep2,single_xla]
 
 The same random weights (drawn once on device 0, then placed on each layout's shardings) and the same
 mixed batch (prompts of 1 to 511 random ids, greedy, 24 output tokens, with the sampled token's
@@ -9,6 +10,13 @@ identical, the mean common prefix, the first-token agreement, and the largest |l
 over the common prefix (the bf16 tolerance figure). With random weights the logits have tiny margins,
 so a bf16 reduction-order difference can flip a near-tie and the continuations then diverge: the
 logprob difference over the common prefix is the measure of numerical agreement.
+
+`--fp8`: the random weights quantized on the device to FP8 with 128 x 128 blocks (what an FP8 checkpoint of them
+loads as) and kept FP8 on every layout (sharding/packed.py). One device takes the FP8 kernels where
+`quant.fp8_kernel_act` routes them (W8A8 at decode sizes); a sharded layout runs the reference projections
+(dequantize + dot) and the expert kernels, so "single_xla" (the reference on one device) is the closer baseline for
+the projections' numerics. A layout whose split would cut a 128 x 128 block is refused (printed as such): on
+V2-Lite (I = 10944, 1408) only dp2ep2 keeps whole blocks; on Moonlight (I = 11264) tp2ep2 and dp2ep2 do.
 """
 
 from __future__ import annotations
@@ -42,8 +50,8 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16", runner_
     gpu = jax.default_backend() == "gpu" and kernels
     parallel = ParallelConfig(tp, dp, ep)
     sharding = None if parallel.is_single_device else build_sharding(cfg, parallel)
-    if sharding is not None:
-        params = jax.device_put(params, sharding.param_shardings(cfg))
+    if sharding is not None:  # FP8 leaves: q and scale split alike, whole blocks a device (else a ValueError)
+        params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
     eng = LLMEngine(
         cfg, params, None, sharding=sharding,
         scheduler_config=SchedulerConfig(max_num_seqs=16 // dp, max_num_batched_tokens=4096 // dp, max_model_len=1024),
@@ -69,6 +77,46 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16", runner_
     return res
 
 
+def quantize_fp8_on_device(params, block=(128, 128)):
+    """Every quantizable leaf of a float params tree as the Fp8Weight its FP8 checkpoint would load as
+    (models/quant.py quantize_fp8's arithmetic: HF's [out, in] per tensor, scale = amax / 448 a block), computed on
+    the device one leaf at a time."""
+    import functools
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.models.quant import E4M3_MAX, FP8_PARTS_LEAVES, Fp8Weight, fp8_layout, quant_layout
+
+    @functools.partial(jax.jit, static_argnums=(1, 2, 3))
+    def blocks(w, nl, q_shape, s_shape):
+        bn, bk = block
+        *lead, N, K = q_shape
+        sn, sk = s_shape[-2:]
+        hf = jnp.moveaxis(w, nl, -1).reshape(q_shape).astype(jnp.float32)  # [*lead, (2,) N, K]
+        pad = jnp.pad(hf, [(0, 0)] * len(lead) + [(0, sn * bn - N), (0, sk * bk - K)])
+        x = pad.reshape(*lead, sn, bn, sk, bk)
+        scale = jnp.max(jnp.abs(x), axis=(-3, -1)) / E4M3_MAX
+        scale = jnp.where(scale > 0, scale, 1.0)
+        q = jnp.clip(x / scale[..., :, None, :, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+        return q.reshape(*lead, sn * bn, sk * bk)[..., :N, :K], scale
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        lay = quant_layout(keys)
+        if lay is None:
+            return leaf
+        parts_apart = keys[-1] in FP8_PARTS_LEAVES
+        q_shape, s_shape, ins, outs, parts = fp8_layout(leaf.shape, lay[0], lay[1], block, parts_apart)
+        nl = leaf.ndim - lay[0] - lay[1]
+        flat = leaf.reshape(leaf.shape[:nl] + (math.prod(ins),) + tuple(outs))  # [*lead, K, *out]
+        q, scale = blocks(flat, nl, tuple(q_shape), tuple(s_shape))
+        return Fp8Weight(q, scale, tuple(block), tuple(ins), tuple(outs), parts)
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def compare(base, got) -> tuple[int, float, int, float]:
     """Two runs' [(token ids, sampled logprobs)] per request -> (requests with identical tokens, mean
     common prefix, requests whose first token agrees, largest |logprob difference| over the common prefixes)."""
@@ -88,6 +136,7 @@ def main(argv=None) -> int:
     ap.add_argument("--preset", default="deepseek-v2-lite")
     ap.add_argument("--layouts", default="tp2,dp2ep2")
     ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--fp8", action="store_true", help="FP8 128 x 128 block-scaled weights, kept FP8 on every layout")
     args = ap.parse_args(argv)
 
     import jax
@@ -101,6 +150,8 @@ def main(argv=None) -> int:
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
     params = random_params(cfg, jnp.bfloat16, seed=0)
+    if args.fp8:
+        params = quantize_fp8_on_device(params)
     rng = np.random.default_rng(1)
     lens = [1, 7, 33, 64, 130, 257, 400, 511]
     prompts = [rng.integers(100, min(cfg.vocab_size, 100000), n).tolist() for n in lens]
@@ -109,7 +160,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     rows = []
     for name in [n for n in args.layouts.split(",") if n]:
-        same, prefix, first, diff = compare(base, run_layout(cfg, params, name, prompts, args.max_tokens))
+        try:
+            got = run_layout(cfg, params, name, prompts, args.max_tokens)
+        except ValueError as e:  # an FP8 split that would cut a scale block
+            rows.append(f"| {name} | refused: {e} | | | |")
+            print(rows[-1], flush=True)
+            continue
+        same, prefix, first, diff = compare(base, got)
         rows.append(f"| {name} | {same}/{len(prompts)} | {prefix:.1f} of {args.max_tokens} | "
                     f"{first}/{len(prompts)} | {diff:.4f} |")
         print(rows[-1], flush=True)

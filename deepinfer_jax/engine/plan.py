@@ -190,11 +190,33 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
     return sum(sizes.values()), " + ".join(f"{k} (kept)" for k in kinds) or "float"
 
 
+def fp8_bytes_per_device(spec, path: tuple, lay: tuple[int, int], block: tuple[int, int], table: dict,
+                         mesh: dict) -> int:
+    """Bytes on one device of the Fp8Weight that the leaf `spec` at `path` loads as: q (1 byte an element) and its
+    fp32 scales, both divided by the devices that split the float leaf; a ValueError where that cuts a block."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.models.quant import FP8_PARTS_LEAVES, Fp8Weight, fp8_layout
+    from deepinfer_jax.models.quant_fp4 import packed_spec
+    from deepinfer_jax.sharding.packed import check_blocks
+
+    q, s, ins, outs, parts = fp8_layout(spec.shape, lay[0], lay[1], block, path[-1] in FP8_PARTS_LEAVES)
+    w = Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s, jnp.float32), tuple(block),
+                  ins, outs, parts)
+    entries = tuple(tuple(table.get(ax, ())) if ax else None for ax in spec.axes)
+    pspec = packed_spec(w, tuple(e or None for e in entries))
+    check_blocks(w, pspec, mesh, spec.axes, ".".join(str(k) for k in path))
+    devices = math.prod(mesh[a] for e in pspec if e for a in ((e,) if isinstance(e, str) else e))
+    return (math.prod(q) + 4 * math.prod(s)) // devices
+
+
 def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = frozenset(),
                             fp8_block: tuple[int, int] = (128, 128), int_method: str = "none",
                             group_size: int = 128, stage=None, by_leaf: dict | None = None) -> int:
     """Bytes of the params on one device: each leaf's shard under the default rules on a (data, tensor) mesh;
-    leaves at `fp8_paths` as Fp8Weight (one device only), quantizable leaves as INT8 / INT4 with `int_method`.
+    leaves at `fp8_paths` as Fp8Weight (a layout that would cut a scale block refused as the loader refuses it),
+    quantizable leaves as INT8 / INT4 with `int_method`.
     `stage` (a models/pipeline.py PipelineStage): a device of that pipeline stage, which holds its layers' share
     of each stacked segment (bytes linear in the layers: the layer axis is never split) and the embedding or the
     final norm and lm_head as its place in the pipeline says (no MTP head: speculative decoding is refused there).
@@ -204,7 +226,7 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     from deepinfer_jax.models.params import is_spec, spec_dtype
     from deepinfer_jax.models.pipeline import param_segments
     from deepinfer_jax.models.registry import param_specs  # the model family's (the dense family's own)
-    from deepinfer_jax.models.quant import METHODS, fp8_layout, quant_layout, quantized_shapes
+    from deepinfer_jax.models.quant import METHODS, quant_layout, quantized_shapes
     from deepinfer_jax.sharding.rules import check_rules, default_rules
 
     mesh = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
@@ -233,9 +255,8 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
             before = total
             splits = tuple(math.prod(mesh[a] for a in table.get(ax, ())) if ax else 1 for ax in tree.axes)
             lay = quant_layout(path)
-            if path in fp8_paths:
-                q, s, *_ = fp8_layout(tree.shape, lay[0], lay[1], fp8_block, path[-1] == "gate_up")
-                total += math.prod(q) + 4 * math.prod(s)
+            if path in fp8_paths:  # q and its scales split as the float leaf is (sharding/packed.py)
+                total += fp8_bytes_per_device(tree, path, lay, fp8_block, table, mesh)
             elif bits and lay is not None:
                 q, s, _ = quantized_shapes(tree.shape, bits, lay[0], lay[1], group_size)
                 total += leaf_bytes(q, 1, splits) + leaf_bytes(s, 4, splits)
@@ -337,7 +358,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         tensors = index_checkpoint(model_dir)  # headers only
         cfg = effective_config(cfg, tensors)
         rules = expected_tensors(cfg, fused_moe_layers(tensors))
-        paths, online = fp8_leaf_paths(rules, tensors, quantization, not parallel.is_single_device)
+        paths, online = fp8_leaf_paths(rules, tensors, quantization)
         block = FP8_BLOCK if online else fp8_block_shape(hf_config)
         def weigh(stage=None, by_leaf=None):
             return weight_bytes_per_device(cfg, dtype, parallel, paths, block, stage=stage, by_leaf=by_leaf)

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.config import ModelConfig, yarn_get_mscale
-from deepinfer_jax.models.quant import (dequantize, flatten_out_dims, fp8_kernel_act, is_fp8, is_quantized,
-                                       quantized_matmul)
+from deepinfer_jax.models.quant import (dequantize, flatten_out_dims, fp8_kernel_act, is_fp8, is_packed,
+                                       is_quantized, quantized_matmul)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -89,13 +89,14 @@ def swiglu_mlp(x: jax.Array, p: dict) -> jax.Array:
     if isinstance(w, StackedWeight):
         gu = stacked_matmul(x, w)  # [T, 2, I]
         return linear(silu_mul(gu[..., 0, :], gu[..., 1, :]), p["down"])
-    if is_quantized(w):
+    if is_quantized(w) and not is_packed(w):
         gu = linear(x, _flatten_gate_up(w))  # [T, 2I]
         inter = gu.shape[-1] // 2
         return linear(silu_mul(gu[..., :inter], gu[..., inter:]), p["down"])
     # No [D, 2, I] -> [D, 2I] reshape: with I split over devices (tensor parallel) the merged axis
     # could not keep the split, and XLA would reshuffle the weight every step. Same GEMM otherwise.
-    gu = jnp.einsum("...d,dgi->...gi", x, w.astype(x.dtype))  # [T, 2, I]
+    # An FP8 / FP4 weight kept as stored dequantizes to [D, 2, I] the same way (gate and up blocked apart).
+    gu = jnp.einsum("...d,dgi->...gi", x, weight(w, x.dtype))  # [T, 2, I]
     return linear(silu_mul(gu[..., 0, :], gu[..., 1, :]), p["down"])
 
 

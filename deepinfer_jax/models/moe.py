@@ -33,6 +33,7 @@ With `MeshRules.moe_dispatch` "all_to_all" each token goes only to its experts' 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -43,6 +44,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.layers import silu_mul, swiglu_mlp, weight
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.quant import QuantizedWeight, fp8_kernel_act, is_fp8, is_quantized
+from deepinfer_jax.models.quant_fp4 import PackedShape, packed_spec
 
 
 def router_logits(p: dict, x: jax.Array) -> jax.Array:
@@ -155,6 +157,16 @@ def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:
     return P(*[None if n == 1 else a for a, n in zip(spec, leaf.shape)])
 
 
+def _weight_specs(mr: MeshRules, axes: tuple, w):
+    """The in_specs of an expert weight: an FP8 / FP4 weight kept as stored (q [.., E, (2,) N, K]) gets its float
+    leaf's partition mapped onto that layout for q and scale alike (quant_fp4.packed_spec); other leaves
+    `_leaf_spec` each."""
+    if isinstance(w, PackedShape):
+        spec = P(*packed_spec(w, tuple(mr.spec(axes))))
+        return dataclasses.replace(w, q=spec, scale=spec)
+    return jax.tree.map(lambda leaf: _leaf_spec(mr, axes, leaf), w)
+
+
 def _check_int4_groups(mr: MeshRules, name: str, leaf, specs) -> None:
     """An INT4 weight split along a grouped (contracted) axis needs whole groups on every device."""
     if not isinstance(leaf, QuantizedWeight) or leaf.bits != 4:
@@ -183,8 +195,7 @@ def experts_sharded(mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax
     # Token shards that devices holding other experts need (a size-1 axis needs no gather).
     gather = tuple(a for a in tok if a in reduce_axes and mr.mesh.shape[a] > 1)
     rest = tuple(a for a in reduce_axes if a not in gather)
-    ex_specs = {k: jax.tree.map(lambda leaf, k=k: _leaf_spec(mr, lead + EXPERT_AXES[k], leaf), ex[k])
-                for k in ("gate_up", "down")}
+    ex_specs = {k: _weight_specs(mr, lead + EXPERT_AXES[k], ex[k]) for k in ("gate_up", "down")}
     for k in ("gate_up", "down"):
         _check_int4_groups(mr, k, ex[k], ex_specs[k])
     tspec = mr.spec(("tokens", None))

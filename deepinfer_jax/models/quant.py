@@ -89,8 +89,9 @@ class Fp8Weight(PackedShape):
     Invariant: each HF tensor keeps its own blocks, in HF's `[out, in]` orientation.
     - `q` float8_e4m3fn `[*lead, N, K]`: the HF weight [out, in] with N = prod(out_shape) rows and
       K = prod(in_shape) columns, flattened row-major as HF flattens them (q_b_proj's rows run over H * dqk,
-      o_proj's columns over H * dv). With `parts` = 2 (gate_up: gate and up are separate HF tensors,
-      each blocked on its own) `q` is `[*lead, 2, I, D]` and out_shape is (2, I).
+      o_proj's columns over H * dv). With `parts` = 2 (FP8_PARTS_LEAVES: gate and up, or k and v, are separate
+      HF tensors, each blocked on its own) `q` is `[*lead, 2, I, D]` and out_shape is (2, I) (kv_proj:
+      `[*lead, 2, KVH * hd, D]`, out_shape (2, KVH, hd)).
     - `scale` fp32 `[*lead, (2,) cdiv(N, bn), cdiv(K, bk)]`: HF's `weight_scale_inv`, so
       w[n, k] = float(q[n, k]) * scale[n // bn, k // bk]; edge blocks may be partial (any block size).
     - `block` = (bn, bk), HF's `weight_block_size` (rows, columns); `in_shape`, `out_shape`, `parts`
@@ -103,6 +104,11 @@ class Fp8Weight(PackedShape):
     in_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
     out_shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True), default=())
     parts: int = dataclasses.field(metadata=dict(static=True), default=1)
+
+
+# Leaves whose first output axis gathers separate HF tensors, each blocked on its own: an Fp8Weight of `parts` = 2
+# (gate_up: gate_proj and up_proj; the dense family's kv_proj [D, 2, KVH, hd]: k_proj and v_proj).
+FP8_PARTS_LEAVES = ("gate_up", "kv_proj")
 
 
 def fp8_layout(shape: tuple[int, ...], n_in: int, n_out: int, block: tuple[int, int], gate_up: bool
@@ -169,7 +175,8 @@ def quantize_params_fp8(params: Any, block: tuple[int, int] = FP8_BLOCK) -> Any:
         lay = quant_layout(keys)
         if lay is None:
             return leaf
-        fw = quantize_fp8(np.asarray(jnp.asarray(leaf, jnp.float32)), lay[0], lay[1], keys[-1] == "gate_up", block)
+        fw = quantize_fp8(np.asarray(jnp.asarray(leaf, jnp.float32)), lay[0], lay[1], keys[-1] in FP8_PARTS_LEAVES,
+                          block)
         return dataclasses.replace(fw, q=jnp.asarray(fw.q), scale=jnp.asarray(fw.scale))
 
     return jax.tree_util.tree_map_with_path(one, params)
@@ -197,6 +204,11 @@ def fp8_kernel_act(num_tokens: int, K: int = 0, N: int = 0, experts: bool = Fals
 
 def is_fp8(w) -> bool:
     return isinstance(w, Fp8Weight)
+
+
+def is_packed(w) -> bool:
+    """An Fp8Weight or an Fp4Weight: a weight kept as its checkpoint stores it (HF's [out, in] blocks)."""
+    return isinstance(w, PackedShape)
 
 
 def is_quantized(w) -> bool:

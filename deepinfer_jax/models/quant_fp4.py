@@ -32,7 +32,15 @@ FP4_MAX = 6.0  # the largest e2m1 magnitude
 
 class PackedShape:
     """The logical shape of a weight kept packed as its checkpoint stores it (Fp4Weight here, quant.Fp8Weight):
-    `q` is [*lead, (parts,) rows, packed columns] and `in_shape` / `out_shape` / `parts` are static fields."""
+    `q` is [*lead, (parts,) rows, packed columns] and `in_shape` / `out_shape` / `parts` are static fields.
+
+    Rows N are the output axes (after `parts`) flattened row-major, columns K the input axes, so a split of the
+    first output (input) axis over devices is a split of N (K) into the same contiguous runs (`packed_spec`).
+    Inside `shard_map` a device holds such a slice of `q` while the static fields keep the whole weight's axes:
+    `shape` reads N and K from `q` and scales the first output / input axis to them, so the local view is the
+    logical slice of the float weight."""
+
+    Q_COLUMNS = 1  # input columns a column of q holds (Fp4Weight: 2, a byte packs two codes)
 
     @property
     def lead(self) -> tuple[int, ...]:
@@ -40,8 +48,17 @@ class PackedShape:
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The float weight's logical shape [*lead, *in, *out]."""
-        return self.lead + tuple(self.in_shape) + tuple(self.out_shape)
+        """The float weight's logical shape [*lead, *in, *out] (of this device's slice inside shard_map)."""
+        ins, outs = list(self.in_shape), list(self.out_shape)
+        merged = self.parts > 1 and len(outs) == 1  # quant.flatten_out_dims's [.., 2I] view of gate and up
+        first = 1 if self.parts > 1 and not merged else 0
+        n, k = int(self.q.shape[-2]), int(self.q.shape[-1]) * self.Q_COLUMNS
+        n_all, k_all = int(np.prod(outs[first:])) // (self.parts if merged else 1), int(np.prod(ins))
+        if n != n_all:
+            outs[first] = outs[first] * n // n_all
+        if k != k_all:
+            ins[0] = ins[0] * k // k_all
+        return self.lead + tuple(ins) + tuple(outs)
 
     @property
     def ndim(self) -> int:
@@ -54,6 +71,8 @@ class Fp4Weight(PackedShape):
     """Packed e2m1 pairs and e8m0 group scales, in HF's [out, in] orientation (module docstring).
     `group`, `in_shape`, `out_shape`, `parts` are static: `jit` sees only `q` and `scale`."""
 
+    Q_COLUMNS = 2
+
     q: Any
     scale: Any
     group: int = dataclasses.field(metadata=dict(static=True), default=FP4_GROUP)
@@ -64,6 +83,26 @@ class Fp4Weight(PackedShape):
 
 def is_fp4(w) -> bool:
     return isinstance(w, Fp4Weight)
+
+
+def packed_spec(w: PackedShape, spec: tuple) -> tuple:
+    """The partition of `q` and `scale` ([*lead, (parts,) N, K], the same for both) for the partition `spec` of
+    w's float leaf [*lead, *in, *out] (one entry an axis, as a PartitionSpec lists them; missing ones unsplit).
+    A split of the first output / input axis is a split of N / K (PackedShape); a split of a later one, or of
+    gate and up apart, has no contiguous run of q's rows or columns: a ValueError."""
+    nl, ni, no = len(w.lead), len(w.in_shape), len(w.out_shape)
+    spec = tuple(spec) + (None,) * (nl + ni + no - len(spec))
+    lead, ins, outs = spec[:nl], spec[nl:nl + ni], spec[nl + ni:]
+    parts = ()
+    if w.parts > 1:
+        parts, outs = (None,), outs[1:]
+        if spec[nl + ni] is not None:
+            raise ValueError(f"a packed weight's gate and up parts cannot be split over devices (partition {spec})")
+    for kind, axes in (("output", outs), ("input", ins)):
+        if any(a is not None for a in axes[1:]):
+            raise ValueError(f"a packed weight of logical shape {w.shape} can only be split along its first {kind} "
+                             f"axis, not by the partition {spec}")
+    return lead + parts + (outs[0] if outs else None, ins[0] if ins else None)
 
 
 def fp4_layout(shape: tuple[int, ...], n_out: int, group: int = FP4_GROUP, gate_up: bool = False

@@ -52,12 +52,24 @@ class ModelSharding:
 
     def fit_param_shardings(self, cfg: ModelConfig, params: Any) -> Any:
         """param_shardings with the exact structure of `params`: a quantized leaf gets its sharding for
-        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit; an EPLB
+        `q` and for `scale`, with length-1 axes (an int8 scale shared along a contracted axis) unsplit, an FP8 / FP4
+        leaf kept as its checkpoint stores it the partition of its layout (sharding/packed.py); an EPLB
         placement's maps (a MoE segment's `eplb`) are replicated, its physical experts split as the logical ones."""
         import jax
         from jax.sharding import NamedSharding, PartitionSpec
 
-        def fit(s: NamedSharding, sub: Any) -> Any:
+        from deepinfer_jax.models.quant_fp4 import PackedShape
+        from deepinfer_jax.models.registry import param_specs
+        from deepinfer_jax.sharding.packed import packed_sharding
+
+        specs = param_specs(self.fit_config(cfg))
+
+        def fit(path, s: NamedSharding, sub: Any) -> Any:
+            if isinstance(sub, PackedShape):
+                keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+                spec = _spec_at(specs, keys)
+                return packed_sharding(sub, s, spec.axes if spec is not None else None, ".".join(map(str, keys)))
+
             def one(a):
                 spec = tuple(s.spec) + (None,) * (a.ndim - len(s.spec))
                 return NamedSharding(s.mesh, PartitionSpec(*[None if n == 1 else x for x, n in zip(spec, a.shape)]))
@@ -72,7 +84,7 @@ class ModelSharding:
                     eplb = jax.tree.map(lambda _: NamedSharding(self.mesh, PartitionSpec()), seg["moe"]["eplb"])
                     segs[i] = {**segs[i], "moe": {**segs[i]["moe"], "eplb": eplb}}
             shardings = {**shardings, "segments": segs}
-        return jax.tree.map(fit, shardings, params, is_leaf=lambda x: isinstance(x, NamedSharding))
+        return jax.tree_util.tree_map_with_path(fit, shardings, params, is_leaf=lambda x: isinstance(x, NamedSharding))
 
     @property
     def kv_cache(self) -> Any:
@@ -101,6 +113,18 @@ class ModelSharding:
     def logits(self) -> Any:
         """[S, V] logits go to sampling with the vocab gathered, so sampling is the single-device code."""
         return self._named("seqs", None)
+
+
+def _spec_at(specs: Any, keys: tuple) -> Any:
+    """The ParamSpec at `keys` in a param specs tree, or None where there is none (an EPLB placement's maps)."""
+    from deepinfer_jax.models.params import is_spec
+
+    try:
+        for k in keys:
+            specs = specs[k]
+    except (KeyError, IndexError, TypeError):
+        return None
+    return specs if is_spec(specs) else None
 
 
 def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rules: Rules | None = None

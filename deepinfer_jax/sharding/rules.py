@@ -67,7 +67,7 @@ def _size(axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:
     return n
 
 
-def _dimension_name(logical: str, path: str) -> str:
+def dimension_name(logical: str, path: str) -> str:
     if logical == "mlp" and "shared" in path:
         return "moe_intermediate_size x n_shared_experts"
     return DIMENSION_NAMES.get(logical, logical)
@@ -77,7 +77,7 @@ def _dimension_name(logical: str, path: str) -> str:
 AXIS_FLAGS = {DATA: "--data-parallel-size", TENSOR: "--tensor-parallel-size"}
 
 
-def _flags(logical: str, axes: tuple[str, ...]) -> str:
+def split_flags(logical: str, axes: tuple[str, ...]) -> str:
     flags = " or ".join(AXIS_FLAGS.get(a, f"the {a!r} mesh axis") for a in axes)
     if logical == "expert":
         return flags + " (expert parallelism spans them), or drop --enable-expert-parallel"
@@ -117,8 +117,8 @@ def check_rules(cfg: ModelConfig, mesh_shape: Mapping[str, int], rules: Rules) -
             used.extend(axes)
             if n > 1 and dim % n:
                 raise ValueError(
-                    f"{_dimension_name(logical, name)} = {dim} is not divisible by {n} (logical axis "
-                    f"{logical!r} split over mesh axes {axes}, param {name}); change {_flags(logical, axes)}")
+                    f"{dimension_name(logical, name)} = {dim} is not divisible by {n} (logical axis "
+                    f"{logical!r} split over mesh axes {axes}, param {name}); change {split_flags(logical, axes)}")
 
     jax.tree_util.tree_map_with_path(check, param_specs(cfg), is_leaf=is_spec)
 

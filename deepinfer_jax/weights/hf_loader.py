@@ -9,8 +9,8 @@ HF v5 fused expert layouts, and DeepSeek-V3 FP8 e4m3 weights with `weight_scale_
 `quantization` follows vLLM's `--quantization`: None ("auto") keeps an FP8 checkpoint's weights as FP8 plus
 their scales on the device (`Fp8Weight`, models/quant.py: each HF tensor's own blocks), "none" dequantizes
 them to the engine dtype at load, "fp8" keeps them, or quantizes a float checkpoint's linear weights online
-to 128 x 128 blocks. Kept FP8 weights need one device for now: on a mesh "auto" dequantizes (logged) and
-"fp8" is refused.
+to 128 x 128 blocks. On a mesh the kept weights load split as their float leaves are (sharding/packed.py: `q` and
+its block scales on the same devices); a layout whose split would cut a scale block is refused before any load.
 
 Every expected tensor must be present with its exact shape and a float dtype; otherwise a
 CheckpointError names it. Nothing is ever left randomly initialised.
@@ -31,7 +31,8 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import ParamSpec, is_spec, spec_dtype
-from deepinfer_jax.models.quant import FP8_BLOCK, Fp8Weight, fp8_layout, fp8_quantize_blocks, quant_layout
+from deepinfer_jax.models.quant import (FP8_BLOCK, FP8_PARTS_LEAVES, Fp8Weight, fp8_layout, fp8_quantize_blocks,
+                                       quant_layout)
 from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
 from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
@@ -128,8 +129,8 @@ def check_tensors(rules: list[TensorRule], tensors: dict[str, TensorInfo],
 QUANTIZATION_MODES = ("auto", "none", "fp8")
 
 
-def fp8_leaf_paths(rules: list[TensorRule], tensors: dict[str, TensorInfo], quantization: str | None,
-                   on_mesh: bool) -> tuple[frozenset, bool]:
+def fp8_leaf_paths(rules: list[TensorRule], tensors: dict[str, TensorInfo], quantization: str | None
+                   ) -> tuple[frozenset, bool]:
     """(paths of the param leaves loaded as Fp8Weight, whether they are quantized online from float tensors).
     An FP8 checkpoint keeps every leaf whose tensors are all FP8 (a leaf mixing FP8 and float tensors is
     dequantized); `quantization="fp8"` on a float checkpoint quantizes every quantizable leaf."""
@@ -142,13 +143,6 @@ def fp8_leaf_paths(rules: list[TensorRule], tensors: dict[str, TensorInfo], quan
     fp8_ckpt = any(tensors[r.hf_name].dtype in FP8_DTYPES for r in rules)
     if mode == "none" or (mode == "auto" and not fp8_ckpt):
         return frozenset(), False
-    if on_mesh:
-        if mode == "fp8":
-            raise ValueError("quantization 'fp8' keeps the weights as FP8 on one device only for now; on several "
-                             "devices use quantization 'none' (the FP8 weights dequantized at load)")
-        log.warning("FP8 checkpoint on several devices: its weights are dequantized at load (FP8 weights are kept "
-                    "on one device only for now)")
-        return frozenset(), False
     out = set()
     for path, rs in by_path.items():
         if quant_layout(path) is None or not all(r.quantizable for r in rs):
@@ -160,11 +154,17 @@ def fp8_leaf_paths(rules: list[TensorRule], tensors: dict[str, TensorInfo], quan
 
 
 def fp8_abstract(path: tuple, spec: ParamSpec, block: tuple[int, int], sharding: Any) -> Fp8Weight:
-    """The Fp8Weight of jax.ShapeDtypeStruct that the leaf at `path` loads as."""
+    """The Fp8Weight of jax.ShapeDtypeStruct that the leaf at `path` loads as, its q and scale split as the float
+    leaf's `sharding` splits it (sharding/packed.py; a ValueError where a split would cut a scale block)."""
+    from deepinfer_jax.sharding.packed import packed_sharding
+
     n_in, n_out = quant_layout(path)
-    q, s, ins, outs, parts = fp8_layout(spec.shape, n_in, n_out, block, path[-1] == "gate_up")
-    return Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn, sharding=sharding),
-                     jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding), tuple(block), ins, outs, parts)
+    q, s, ins, outs, parts = fp8_layout(spec.shape, n_in, n_out, block, path[-1] in FP8_PARTS_LEAVES)
+    w = Fp8Weight(jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s, jnp.float32), tuple(block),
+                  ins, outs, parts)
+    sh = packed_sharding(w, sharding, spec.axes, ".".join(str(k) for k in path))
+    return dataclasses.replace(w, q=jax.ShapeDtypeStruct(q, jnp.float8_e4m3fn, sharding=sh.q),
+                               scale=jax.ShapeDtypeStruct(s, jnp.float32, sharding=sh.scale))
 
 
 def read_fp8_rule(rule: TensorRule, tensors: dict[str, TensorInfo], block: tuple[int, int]
@@ -292,7 +292,7 @@ def prepare_hf_checkpoint(
     fp8_block = fp8_block_shape(hf_config)
 
     check_tensors(rules, tensors, fp8_block)  # fail fast, naming the first bad tensor, before any device work
-    fp8_paths, online = fp8_leaf_paths(rules, tensors, quantization, shardings is not None)
+    fp8_paths, online = fp8_leaf_paths(rules, tensors, quantization)
     block = FP8_BLOCK if online else fp8_block
     known = {r.hf_name for r in rules} | {r.hf_name + "_scale_inv" for r in rules}
     unused = [n for n in tensors if n not in known and not is_ignored(cfg, n)]
@@ -300,7 +300,7 @@ def prepare_hf_checkpoint(
         log.warning("ignoring %d checkpoint tensors the model does not use, e.g. %s", len(unused), unused[:3])
 
     abstract = abstract_from_specs(cfg, dtype, shardings)
-    for path in fp8_paths:
+    for path in (p for p in _spec_paths(specs) if p in fp8_paths):  # in tree order: the first bad split is refused
         _set(abstract, path, fp8_abstract(path, _get(specs, path), block, _get(abstract, path).sharding))
     on_host = host_assembly(abstract, shardings)
 
@@ -345,6 +345,11 @@ def prepare_hf_checkpoint(
         return params
 
     return cfg, PendingParams(abstract, load)
+
+
+def _spec_paths(specs: Any) -> list[tuple]:
+    """The paths of the param specs' leaves, in tree order."""
+    return [tuple(_key(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
 
 
 def _key(k) -> Any:

@@ -172,3 +172,25 @@ def test_llm_greedy_on_fp8_checkpoint_equals_hf(fp8_dirs):
             ref = model.generate(torch.tensor([p]), max_new_tokens=6, min_new_tokens=6, do_sample=False,
                                  eos_token_id=None, pad_token_id=0, use_cache=True)[0, len(p):].tolist()
         assert o.outputs[0].token_ids == ref
+
+
+def test_dense_family_fp8_keeps_k_and_v_blocked_apart(hf_case, tmp_path):
+    """A dense-family (Llama) FP8 checkpoint: k_proj and v_proj, each with its own blocks, land in kv_proj's two
+    parts [L, 2, KVH * hd, D] (as gate and up do in gate_up); dequantized, every leaf equals the "none" load."""
+    _, path = hf_case("llama_tp")
+    fp8 = {}
+    for name, w in _tensors(path).items():
+        if name.endswith("proj.weight") and w.ndim == 2:
+            fp8[name], fp8[name + "_scale_inv"] = fp8_quantize_blocks(w, (12, 8))
+        else:
+            fp8[name] = w
+    d = _rewrite(path, str(tmp_path / "llama_fp8"), fp8,
+                 {"quantization_config": {"quant_method": "fp8", "weight_block_size": [12, 8]}})
+    _, params = load_model(d, jnp.float32, progress=False)
+    _, deq = load_model(d, jnp.float32, progress=False, quantization="none")
+    kv = params["segments"][0]["attn"]["kv_proj"]
+    assert is_fp8(kv) and kv.parts == 2 and kv.q.shape[1:3] == (2, 2 * 12)  # [L, 2, KVH * hd, D]
+    np.testing.assert_array_equal(np.asarray(kv.q[0, 1]), fp8["model.layers.0.self_attn.v_proj.weight"])
+    for (path_, a), b in zip(jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)[0], jax.tree.leaves(deq)):
+        a = dequantize(a, jnp.float32) if is_fp8(a) else a
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=jax.tree_util.keystr(path_))

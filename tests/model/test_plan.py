@@ -64,10 +64,10 @@ print(json.dumps([max(per_dev.values()), p.weight_bytes_per_device]))
 
 
 def test_plan_equals_allocated_bytes_on_a_mesh(dirs):
-    """On 4 fake CPU devices (TP 2 x DP 2 with expert parallelism: heads, MLP, vocab and experts split) the largest
-    per-device sum of the loaded params' shards is the plan's figure (an FP8 checkpoint on a mesh loads
-    dequantized, as the loader does)."""
-    tp, dp, ep = 2, 2, True
+    """On 4 fake CPU devices (DP 4 with expert parallelism: the FP8 experts' q and scales split over the expert axis)
+    the largest per-device sum of the loaded params' shards is the plan's figure. (Its 16 x 24 blocks do not survive
+    TP = 2, whose refusal and whose bytes with blocks that do are in tests/sharding/test_fp8_sharded.py.)"""
+    tp, dp, ep = 1, 4, True
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", SHARDED, dirs[1], str(tp), str(dp), str(int(ep))], env=env,
