@@ -6,6 +6,8 @@
         --page-size 16                                                 # MTP end to end, real acceptance
     python benchmarks/spec.py --preset tiny-deepseek-v2 --batches 1,4 --ks 1,2 --prompt-len 32 --steps 4 \\
         --attn-impl reference --moe-impl ragged --dtype float32       # CPU smoke run
+    python benchmarks/spec.py --method deepseek_mtp --ks 1,2,3 --tp 2  # the same under a mesh layout:
+    python benchmarks/spec.py --method deepseek_mtp --ks 1,2,3 --dp 2 --ep  # --tp, --dp (batch per rank), --ep
 
 Random weights (the preset's shape). One engine a K (0: no speculation) with `max_num_seqs` = the largest batch.
 First, for each K, a correctness check: greedy outputs with drafts equal to the target's own continuation
@@ -73,6 +75,9 @@ def main(argv=None) -> int:
                     "(the --model checkpoint as its own draft), a checkpoint directory, or 'none'")
     ap.add_argument("--draft-layers", type=int, default=2, help="--draft layers: the draft's decoder layers")
     ap.add_argument("--method", default="ngram", choices=["ngram", "deepseek_mtp"])
+    ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
+    ap.add_argument("--dp", type=int, default=1, help="data_parallel_size (the batch spread over the ranks)")
+    ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
     args = ap.parse_args(argv)
     mtp = args.method == "deepseek_mtp"
     draft = args.draft or ("self" if args.model else "layers")
@@ -111,8 +116,18 @@ def main(argv=None) -> int:
 
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
         params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
+    sharding = None
+    if args.tp * args.dp > 1 or args.ep:  # every engine on the same layout (the draft model: on the first device)
+        from deepinfer_jax.sharding import ParallelConfig, build_sharding
+
+        sharding = build_sharding(cfg, ParallelConfig(args.tp, args.dp, args.ep))
+        if sharding.vocab_multiple != 1:
+            ap.error(f"--tp {args.tp} does not divide vocab_size {cfg.vocab_size}")
+        params = params.result() if hasattr(params, "result") else params
+        params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()}), "
-          f"{args.model or args.preset + ' (random weights)'}", flush=True)
+          f"{args.model or args.preset + ' (random weights)'}, TP={args.tp} DP={args.dp}{' EP' if args.ep else ''}",
+          flush=True)
     rng = np.random.default_rng(0)
     vocab = cfg.vocab_size
     max_b = max(batches)
@@ -150,9 +165,10 @@ def main(argv=None) -> int:
         spec = ({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k} if draft_model else
                 {"method": "deepseek_mtp", "num_speculative_tokens": k} if mtp else
                 {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 4, "prompt_lookup_min": 1})
-        eng = LLMEngine(cfg, params, tokenizer,
-                        scheduler_config=SchedulerConfig(max_num_seqs=max_b, max_model_len=max_len,
-                                                         max_num_batched_tokens=max(2048, max_b * (k + 1))),
+        per_rank = -(-max_b // args.dp)  # max_num_seqs holds per data-parallel rank
+        eng = LLMEngine(cfg, params, tokenizer, sharding=sharding,
+                        scheduler_config=SchedulerConfig(max_num_seqs=per_rank, max_model_len=max_len,
+                                                         max_num_batched_tokens=max(2048, per_rank * (k + 1))),
                         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False,
                                                  gpu_memory_utilization=0.85),
                         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl),

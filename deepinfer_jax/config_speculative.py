@@ -84,3 +84,11 @@ class SpeculativeConfig:
                              f"{', '.join(IMPLEMENTED_SPECULATIVE_METHODS)})")
         if self.method == "draft_model" and not os.path.isdir(self.model):
             raise ValueError(f"speculative_config model {self.model!r} (the draft) is not a directory")
+
+    @staticmethod
+    def check_parallel(pipeline_parallel_size: int) -> None:
+        """Refuse pipeline parallelism in one line naming both flags: the MTP layer, the draft's steps and the
+        verify rows run with tensor and data parallelism (docs/speculative.md), not across pipeline stages."""
+        if pipeline_parallel_size > 1:
+            raise ValueError("--speculative-config is not supported with --pipeline-parallel-size > 1 "
+                             "(speculative decoding runs with tensor and data parallelism, not pipeline stages)")

@@ -209,3 +209,21 @@ def build_dense_hf_model(case: str, seed: int = 0, **overrides):
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     model.config._attn_implementation = "eager"
     return model
+
+
+def with_mtp_weights(src: str, dst: str) -> str:
+    """`src` plus random weights for its declared MTP layer (at index num_hidden_layers), named as DeepSeek's
+    checkpoints name them (transformers saves none)."""
+    import numpy as np
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.weights.name_table import expected_tensors
+
+    cfg = ModelConfig.from_model_dir(src)
+    tensors = read_tensors(src)
+    rng = np.random.default_rng(3)
+    for rule in expected_tensors(cfg):
+        if rule.path[0] == "mtp" and rule.hf_name not in tensors:
+            base = 1.0 if len(rule.hf_shape) == 1 else 0.0  # norms around 1, matrices around 0
+            tensors[rule.hf_name] = (base + 0.1 * rng.standard_normal(rule.hf_shape)).astype(np.float32)
+    return rewrite_checkpoint(src, dst, tensors)

@@ -227,6 +227,7 @@ class LLM:
         spec = SpeculativeConfig.parse(speculative_config)  # a bad config fails here, before any loading
         if spec is not None:
             spec.check_supported()
+            spec.check_parallel(pipeline_parallel_size)
         parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
                                   pipeline_parallel_size, all2all_backend=all2all_backend)
         if all2all_backend != "allgather_reducescatter" and not enable_expert_parallel:

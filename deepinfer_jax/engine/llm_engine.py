@@ -70,8 +70,7 @@ class LLMEngine:
         self.spec = SpeculativeConfig.parse(speculative_config)
         if self.spec is not None:
             self.spec.check_supported()
-            if sharding is not None:
-                raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
+            self.spec.check_parallel(getattr(sharding, "pipeline_parallel_size", 1))
         self.spec_stats, self.mtp_proposer = spec_state(self.spec)  # counters; `deepseek_mtp`'s drafts (or None)
         self.drafter = drafter_for(self.spec, cfg, tokenizer, runner_config, scheduler_config.max_model_len, load_format)
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
@@ -95,7 +94,7 @@ class LLMEngine:
             num_pages, how = pages_for_memory(
                 kv_sizing_config(cfg, sharding), ps, runner_config.kv_dtype, cache_config.gpu_memory_utilization,
                 fallback, loading=pending, memory=memory,
-                extra_bytes_per_page=self.drafter.bytes_per_page(ps) if self.drafter else 0)
+                extra_bytes_per_page=self.drafter.bytes_per_page(ps, sharding) if self.drafter else 0)
             if sharding is not None:  # several hosts: one cache shape everywhere, the fewest pages any host fits
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
@@ -138,7 +137,7 @@ class LLMEngine:
             self.runner.enable_host_tier(self.num_host_blocks)
         self.num_warmup_compiles = self.runner.warmup(progress=progress)
         self.expert_balance = None  # engine/expert_balance.py: with enable_eplb, set by LLM
-        self.num_warmup_compiles += self.drafter.start(self.shapes, num_pages, progress) if self.drafter else 0
+        self.num_warmup_compiles += self.drafter.start(self.shapes, num_pages, progress, sharding) if self.drafter else 0
         self._rng = np.random.default_rng(runner_config.seed)
         self._seeds: dict[str, int] = {}
         self._parents: dict[str, _Parent] = {}

@@ -6,6 +6,10 @@ serve (a missing directory, another vocabulary size or tokenizer, a shorter cont
 the target's runner is built holds the draft's own runner and paged cache (runner/draft_runner.py), whose pages
 mirror the target's page ids.
 
+Under tensor or data parallelism the draft runs unsharded on the first device (the simplest exact choice: the
+drafts are host-side token ids, and the target verifies every one): with data-parallel ranks its pool holds every
+rank's pages (rank r's page p at r * num_pages + p) and each rank's sequences propose in a call of their own.
+
 Before each plan `propose` gives every decoding request (one token to compute, no grammar) up to K greedy drafts.
 The draft first catches up on the tokens it has not computed: from the first position its cache does not hold for
 this request's page list, through the request's newest token. Its cache holds a request's positions below
@@ -54,6 +58,10 @@ def vocabulary_problem(cfg: ModelConfig, draft_cfg: ModelConfig, tokenizer, draf
     return None
 
 
+def _num_ranks(sharding) -> int:
+    return 1 if sharding is None else sharding.num_ranks
+
+
 def drafter_for(spec: SpeculativeConfig | None, cfg: ModelConfig, tokenizer, runner_config: RunnerConfig,
                 max_model_len: int, load_format: str = "auto") -> "Drafter | None":
     """The engine's Drafter where `spec` asks for the draft_model method, else None."""
@@ -96,22 +104,28 @@ class Drafter:
         self.k = spec.num_speculative_tokens
         self.runner_config = runner_config
         self.runner = None  # runner/draft_runner.py DraftRunner, made by `start`
+        self.num_pages = 0  # the target's pages a data-parallel rank (`start`)
         self._state: dict[str, tuple[int, int]] = {}  # request id -> (its block list's generation, positions held)
         log.info("draft model %s (%s, %d layers) proposes %d tokens a step", path, self.cfg.family,
                  self.cfg.num_hidden_layers, self.k)
 
-    def bytes_per_page(self, page_size: int) -> int:
-        """The draft cache's bytes for one page of the target's (device memory sizing; in the compute dtype)."""
+    def bytes_per_page(self, page_size: int, sharding=None) -> int:
+        """The draft cache's bytes on the first device for one page of the target's per rank (device memory sizing,
+        which counts that device's bytes; in the compute dtype): with data-parallel ranks its pool holds every
+        rank's pages."""
         from deepinfer_jax.runner.draft_runner import DraftRunner
 
-        return DraftRunner.bytes_per_page(self.cfg, page_size, self.runner_config.dtype)
+        return DraftRunner.bytes_per_page(self.cfg, page_size, self.runner_config.dtype) * _num_ranks(sharding)
 
-    def start(self, shapes, num_pages: int, progress: bool = True) -> int:
-        """Make the draft's runner over `num_pages` pages (the target's) and compile its step programs; returns the
-        number of programs compiled or loaded."""
+    def start(self, shapes, num_pages: int, progress: bool = True, sharding=None) -> int:
+        """Make the draft's runner over the target's pages (`num_pages` a data-parallel rank of `sharding`, rank r's
+        page p at r * num_pages + p of the draft's pool) and compile its step programs; returns the number of
+        programs compiled or loaded."""
         from deepinfer_jax.runner.draft_runner import DraftRunner
 
-        self.runner = DraftRunner(self.cfg, self.params, self.runner_config, shapes, num_pages, self.k)
+        self.num_pages = num_pages
+        self.runner = DraftRunner(self.cfg, self.params, self.runner_config, shapes, num_pages * _num_ranks(sharding),
+                                  self.k)
         return self.runner.warmup(progress=progress)
 
     def propose(self, engine) -> None:
@@ -119,30 +133,32 @@ class Drafter:
         K and within max_model_len and max_tokens (the scheduler verifies no more)."""
         from deepinfer_jax.runner.draft_runner import DraftItem
 
-        sched = engine.scheduler
-        kv = sched.kv_cache_manager
         ps = self.runner.page_size
-        items, held = [], {}
-        for req in sched.running:
-            if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
-                continue
-            rid, sp, c = req.request_id, req.sampling_params, req.num_computed_tokens
-            n = min(self.k, engine.max_model_len - req.num_tokens - 1)
-            if sp.max_tokens is not None:
-                n = min(n, sp.max_tokens - req.num_output_tokens - 1)
-            req.spec_token_ids = []
-            if n < 1:
-                continue
-            gen = kv.block_list_generation(rid)
-            old = self._state.get(rid)
-            start = min(old[1], c) if gen and old is not None and old[0] == gen else 0
-            pages = list(kv.get_block_ids(rid))
-            items.append(DraftItem(rid, req.token_ids_slice(start, c + 1), start, pages, n))
-            # kept: what this proposal writes within the request's own pages (positions c .. c + n - 1)
-            held[rid] = (gen, min(c + n, len(pages) * ps))
-        drafts = self.runner.propose(items)
-        for req in sched.running:
-            if req.request_id in drafts:
-                req.spec_token_ids = drafts[req.request_id]
-        running = {r.request_id for r in sched.running}
+        held = {}
+        # one proposal a data-parallel rank (its own scheduler and page pool), one after another: each rank's
+        # sequences fit the draft's step shapes (max_num_seqs and the token buckets hold per rank)
+        for rank, sched in enumerate(getattr(engine.scheduler, "ranks", [engine.scheduler])):
+            kv, offset, items = sched.kv_cache_manager, rank * self.num_pages, []
+            for req in sched.running:
+                if req.grammar is not None or req.num_tokens - req.num_computed_tokens != 1:
+                    continue
+                rid, sp, c = req.request_id, req.sampling_params, req.num_computed_tokens
+                n = min(self.k, engine.max_model_len - req.num_tokens - 1)
+                if sp.max_tokens is not None:
+                    n = min(n, sp.max_tokens - req.num_output_tokens - 1)
+                req.spec_token_ids = []
+                if n < 1:
+                    continue
+                gen = kv.block_list_generation(rid)
+                old = self._state.get(rid)
+                start = min(old[1], c) if gen and old is not None and old[0] == gen else 0
+                pages = [offset + p for p in kv.get_block_ids(rid)]
+                items.append(DraftItem(rid, req.token_ids_slice(start, c + 1), start, pages, n))
+                # kept: what this proposal writes within the request's own pages (positions c .. c + n - 1)
+                held[rid] = (gen, min(c + n, len(pages) * ps))
+            drafts = self.runner.propose(items)
+            for req in sched.running:
+                if req.request_id in drafts:
+                    req.spec_token_ids = drafts[req.request_id]
+        running = {r.request_id for r in engine.scheduler.running}
         self._state = {rid: s for rid, s in {**self._state, **held}.items() if rid in running}

@@ -71,7 +71,7 @@ def speculative_step(engine) -> list[RequestOutput]:
         return []
     requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in plan.seqs}
     try:
-        inflight = engine.runner.dispatch(plan.seqs, requests, engine._seeds)
+        inflight = engine.runner.dispatch(plan.seqs, requests, engine._seeds, getattr(plan, "ranks", None))
     except Exception:
         engine._fail_plan(plan)
         raise

@@ -21,9 +21,11 @@ import jax.numpy as jnp
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models import mla
 from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
-from deepinfer_jax.models.deepseek import attention_inputs, decoder_layer, sequence_inputs, write_and_attend
+from deepinfer_jax.models.deepseek import (attention_inputs, decoder_layer, sequence_inputs, write_and_attend,
+                                            write_and_attend_sharded)
 from deepinfer_jax.models.layers import linear, rms_norm, rope_cos_sin, swiglu_mlp
 from deepinfer_jax.models.moe import moe_block
+from deepinfer_jax.models.parallel import MeshRules
 
 
 def mtp_forward(
@@ -53,10 +55,14 @@ def mtp_forward(
 # ---- the paged MTP of speculative decoding (docs/speculative.md, `deepseek_mtp`) -------------------------------
 # Its attention KV is one more layer of the paged cache: layer num_hidden_layers + j of the same pages, at the
 # same slots as the target's (MTP position i: the target's hidden state at i and the token at i + 1).
+# Sharded (`mesh_rules`), it runs as the target's layers do (models/deepseek.py): the cache write and attention
+# under shard_map (rank-local metadata with data-parallel attention, heads over the tensor axes), the experts
+# through the mesh's dispatch; the MTP's params carry the layout of a target layer (models/params.py).
 
 
 def mtp_layer_paged(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, hidden: jax.Array,
-                    next_ids: jax.Array, *, attn_impl: str = "reference", moe_impl: str = "ragged", j: int = 0):
+                    next_ids: jax.Array, *, attn_impl: str = "reference", moe_impl: str = "ragged", j: int = 0,
+                    mesh_rules: MeshRules | None = None):
     """One MTP pass over a ragged step, as `mtp_forward` over a whole sequence: hidden [T, D] (the target's
     final-normed hidden state, or the MTP's own output when chained) and next_ids [T] (the token after each
     slot's) -> (the MTP layer's output h'' [T, D] before shared_head_norm, kv_cache with its latents written at
@@ -69,10 +75,15 @@ def mtp_layer_paged(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: S
     x = rms_norm(h, lp["input_layernorm"], eps)
     _, q_lat, q_pe, latent, kv_cache = attention_inputs(lp["attn"], cfg, x, cos, sin, kv_cache, li, 0, meta, None,
                                                         None, attn_impl)
-    o_lat, kv_cache = write_and_attend(q_lat, q_pe, latent, kv_cache, li, meta, cfg.softmax_scale, attn_impl)
+    if mesh_rules is None:
+        o_lat, kv_cache = write_and_attend(q_lat, q_pe, latent, kv_cache, li, meta, cfg.softmax_scale, attn_impl)
+    else:
+        o_lat, kv_cache = write_and_attend_sharded(mesh_rules, q_lat, q_pe, latent, kv_cache, li, meta,
+                                                   cfg.softmax_scale, attn_impl)
     h = h + mla.output_projection(lp["attn"], mla.absorbed_output(lp["attn"], cfg, o_lat))
     x = rms_norm(h, lp["post_attention_layernorm"], eps)
-    mlp = moe_block(lp["moe"], cfg, x, moe_impl) if cfg.n_routed_experts else swiglu_mlp(x, lp["mlp"])
+    mlp = (moe_block(lp["moe"], cfg, x, moe_impl, mesh_rules=mesh_rules) if cfg.n_routed_experts
+           else swiglu_mlp(x, lp["mlp"]))
     return h + mlp, kv_cache
 
 
@@ -84,7 +95,7 @@ def mtp_logits(params: dict, cfg: ModelConfig, h: jax.Array, j: int = 0) -> jax.
 
 def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, hidden: jax.Array,
                 sampled: jax.Array, accepted: jax.Array, num_drafts: int, *, attn_impl: str = "reference",
-                moe_impl: str = "ragged"):
+                moe_impl: str = "ragged", mesh_rules: MeshRules | None = None):
     """After a verified step: the MTP consumes the step's positions and drafts `num_drafts` (K) tokens a sequence
     row, greedily, chained as vLLM's deepseek_mtp (one MTP layer reused). -> (drafts [S, K] int32, kv_cache).
 
@@ -101,7 +112,11 @@ def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepM
     Its output at p_r gives draft 1. Pass k (2..K) is one slot a row at position p_r + k - 1: the MTP's own output
     of the previous pass as the hidden state, draft k - 1 as the token. Those positions' slots are in the
     sequence's pages where allocated, else in the null page (a draft's quality only, never the output: the
-    target verifies every draft)."""
+    target verifies every draft).
+
+    With data-parallel attention (`mesh_rules` splitting "seqs" over R ranks) the step's rows and slots are laid
+    out rank after rank (sharding/data_parallel.py) and the metadata are rank-local but for logits_indices: the
+    gathers here index the whole step, and a chained pass's token r (one a row) is row r % (S / R) of its rank."""
     S, P = meta.page_table.shape
     W, T, ps = num_drafts + 1, meta.token_ids.shape[0], kv_cache.shape[2]
     host_next = meta.next_token_ids  # [S]
@@ -112,13 +127,16 @@ def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepM
     emitted = jnp.where(host_next == -1, sampled[rows], host_next)  # [S] the token after p_r
     nxt = jnp.concatenate([meta.token_ids[1:], meta.token_ids[:1]])  # [T] the next slot's token
     nxt = nxt.at[jnp.where(host_next >= -1, last_slot, T)].set(emitted, mode="drop")
-    h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, meta, hidden, nxt, attn_impl=attn_impl, moe_impl=moe_impl)
+    kw = dict(attn_impl=attn_impl, moe_impl=moe_impl, mesh_rules=mesh_rules)
+    h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, meta, hidden, nxt, **kw)
     h = h[last_slot]  # [S, D]
     first = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)  # [S]
     if num_drafts == 1:
         return first[:, None], kv_cache
     base = meta.positions[last_slot]  # [S] p_r
     live = host_next == -1  # rows that sample: the others' drafts are never used
+    ranks = 1 if mesh_rules is None else mesh_rules.size("seqs")
+    local_rows = jnp.arange(S, dtype=jnp.int32) % (S // ranks)  # each row's index within its rank's rows
 
     def chained(carry, k):  # pass k + 1: position p_r + k (one compiled body for passes 2..K)
         h, kv_cache, prev = carry
@@ -127,10 +145,10 @@ def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepM
         pos = jnp.where(ok, pos, base)
         page = jnp.take_along_axis(meta.page_table, (pos // ps)[:, None], axis=1)[:, 0]
         slot = jnp.where(ok, page * ps + pos % ps, NULL_PAGE * ps + pos % ps)
-        step = StepMetadata(token_ids=prev, positions=pos, seq_ids=jnp.arange(S, dtype=jnp.int32),
+        step = StepMetadata(token_ids=prev, positions=pos, seq_ids=local_rows,
                             slot_mapping=slot, page_table=meta.page_table,
                             logits_indices=jnp.arange(S, dtype=jnp.int32))
-        h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, step, h, prev, attn_impl=attn_impl, moe_impl=moe_impl)
+        h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, step, h, prev, **kw)
         d = jnp.argmax(mtp_logits(params, cfg, h), axis=-1).astype(jnp.int32)
         return (h, kv_cache, d), d
 

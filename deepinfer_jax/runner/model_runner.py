@@ -81,8 +81,6 @@ class ModelRunner:
         self.kv_dtype = jnp.dtype(runner_cfg.kv_dtype)
         self.sharding = sharding
         self.num_ranks = 1 if sharding is None else sharding.num_ranks
-        if shapes.spec_width > 1 and sharding is not None:
-            raise ValueError("speculative_config is not supported with tensor or data parallelism yet")
         if shapes.mtp_drafts:  # runner/spec_mtp.py: the MTP drafts on the device, its KV one more cache layer
             spec_mtp.check_supported(cfg, family_of(cfg).name, runner_cfg.collect_routing)
         # Prefill-bucket steps carry StepMetadata.has_context from the host (inputs.build_metadata) where their
@@ -94,6 +92,8 @@ class ModelRunner:
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
             shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
+            if shapes.mtp_drafts:  # the MTP layer's latents as one more layer (runner/spec_mtp.py)
+                shape = spec_mtp.kv_cache_shape(shape)
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         elif shapes.mtp_drafts:
             self.kv_cache = jnp.zeros(spec_mtp.kv_cache_shape(kv_cache_shape(cfg, num_pages, shapes.page_size)),
@@ -257,9 +257,12 @@ class ModelRunner:
             return HostStep(meta, st, [s.request_id for s in seqs], rows, bucket, full,
                             spec_width=self.shapes.spec_width, masked=masked)
         metas = [build_metadata(g, self.shapes, bucket, page_rows=self.page_rows) for g in groups]
+        if self.shapes.mtp_drafts:
+            metas = [dataclasses.replace(m, next_token_ids=spec_mtp.next_token_ids(g, requests, self.shapes.seq_rows(
+                bucket))) for m, g in zip(metas, groups)]
         sts = [build_sampling(g, requests, seeds, self.shapes, bucket, full) for g in groups]
         meta, st, rids, rows = merge_rank_steps(metas, sts, groups, bucket, self.shapes.seq_rows(bucket))
-        return HostStep(meta, st, rids, rows, bucket, full)
+        return HostStep(meta, st, rids, rows, bucket, full, spec_width=self.shapes.spec_width)
 
     def run(self, host: HostStep, before_sampling=None) -> StepOut:
         """Queue the step: one host->device copy of its packed inputs, the small program that puts them

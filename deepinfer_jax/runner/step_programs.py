@@ -254,6 +254,7 @@ class StepPrograms:
             meta_layout, variant, sampling_layout = key
             fwd, smp = self._forward_fn(meta_layout), self._sample_fn(variant, sampling_layout)
             cfg, rc, K = self.cfg, self.runner_cfg, self.shapes.mtp_drafts
+            mesh_rules = None if self.sharding is None else self.sharding.mesh_rules
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
                 (out, routing, load), kv_cache = fwd(params, kv_cache, prev_tokens, mi, mf)
@@ -262,7 +263,8 @@ class StepPrograms:
                     (meta, hidden), routing = routing, None
                     mtp_params = to_device({k: v for k, v in params.items() if k != "segments"})  # (--cpu-offload-gb)
                     drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
-                                                   sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
+                                                   sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl,
+                                                   mesh_rules=mesh_rules)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
                 return (sampled, routing, load), nxt, kv_cache
 

@@ -82,6 +82,11 @@ class DPScheduler:
         return any(s.has_unfinished_requests() for s in self.ranks)
 
     @property
+    def running(self) -> list:
+        """Every rank's running requests, rank after rank (speculative decoding's proposers read them)."""
+        return [req for s in self.ranks for req in s.running]
+
+    @property
     def num_running(self) -> int:
         return sum(s.num_running for s in self.ranks)
 
@@ -122,13 +127,14 @@ class DPScheduler:
 
 def merge_rank_metas(metas: list, bucket: int, seq_rows: int):
     """Per-rank StepMetadata (each of `bucket` tokens and `seq_rows` rows) -> the whole step's, laid out rank after
-    rank (merge_rank_steps); `logits_indices` made global."""
+    rank (merge_rank_steps); `logits_indices` made global: rank r's sampling rows (seq_rows x Shapes.spec_width in
+    a speculating step: its verify rows) read its tokens."""
     meta = type(metas[0])(**{  # the array fields; static ones (StepMetadata.has_context) keep their defaults,
         # optional ones a step does not carry (None) stay None
         f.name: None if getattr(metas[0], f.name) is None else
         np.concatenate([getattr(m, f.name) for m in metas], axis=0)
         for f in dataclasses.fields(metas[0]) if not f.metadata.get("static")})
-    offsets = np.repeat(np.arange(len(metas), dtype=np.int32) * bucket, seq_rows)
+    offsets = np.repeat(np.arange(len(metas), dtype=np.int32) * bucket, len(metas[0].logits_indices))
     return dataclasses.replace(meta, logits_indices=(meta.logits_indices + offsets).astype(np.int32))
 
 
@@ -136,7 +142,9 @@ def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket
     """Per-rank padded host inputs (StepMetadata, SamplingTensors built for `bucket` tokens and
     `seq_rows` rows each) -> (StepMetadata, SamplingTensors, request_ids, sample_rows) of the whole
     step: rank r's tokens at [r * bucket, (r + 1) * bucket), its rows at [r * seq_rows, ...).
-    request_ids has one entry per row (None for padding rows)."""
+    request_ids has one entry per row (None for padding rows). With speculation each sequence row has
+    Shapes.spec_width sampling rows (and logits_indices entries), so rank r's sampling rows start at
+    r * seq_rows * spec_width; the MTP's next_token_ids (one a sequence row) are concatenated as the other fields."""
     meta = merge_rank_metas(metas, bucket, seq_rows)
     st = type(samplings[0])(**{  # optional fields a step does not carry (None) stay None
         f.name: None if getattr(samplings[0], f.name) is None else

@@ -96,8 +96,8 @@ class ModelSharding:
         return NamedSharding(self.mesh, self.mesh_rules.spec(axes))
 
     def step_shardings(self, meta: Any, sampling: Any) -> tuple[Any, Any]:
-        """Shardings of the step's StepMetadata (token arrays over "tokens", page_table and
-        logits_indices over "seqs") and SamplingTensors (rows over "seqs"); either may be None."""
+        """Shardings of the step's StepMetadata (token arrays over "tokens", page_table, logits_indices and the
+        MTP's next_token_ids over "seqs") and SamplingTensors (rows over "seqs"); either may be None."""
         import dataclasses
 
         import jax
@@ -105,7 +105,8 @@ class ModelSharding:
         tok = self._named("tokens")
         meta_sh = None if meta is None else dataclasses.replace(
             meta, token_ids=tok, positions=tok, seq_ids=tok, slot_mapping=tok,
-            page_table=self._named("seqs", None), logits_indices=self._named("seqs"))
+            page_table=self._named("seqs", None), logits_indices=self._named("seqs"),
+            next_token_ids=None if meta.next_token_ids is None else self._named("seqs"))
         st_sh = jax.tree.map(lambda a: self._named("seqs", *([None] * (a.ndim - 1))), sampling)
         return meta_sh, st_sh
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_models import build_hf_model, random_prompts, read_tensors, rewrite_checkpoint, save_hf_model
+from hf_models import build_hf_model, random_prompts, save_hf_model, with_mtp_weights
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.models.deepseek import forward
 from deepinfer_jax.models.mtp import mtp_forward
@@ -162,29 +162,13 @@ def test_default_model_accepts_its_mtp_drafts_on_chat(llm):
     assert mean > 1.5
 
 
-def _with_mtp_weights(src: str, dst: str) -> str:
-    """`src` plus random weights for its declared MTP layer (at index num_hidden_layers), named as DeepSeek's
-    checkpoints name them."""
-    from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.weights.name_table import expected_tensors
-
-    cfg = ModelConfig.from_model_dir(src)
-    tensors = read_tensors(src)
-    rng = np.random.default_rng(3)
-    for rule in expected_tensors(cfg):
-        if rule.path[0] == "mtp" and rule.hf_name not in tensors:
-            base = 1.0 if len(rule.hf_shape) == 1 else 0.0  # norms around 1, matrices around 0
-            tensors[rule.hf_name] = (base + 0.1 * rng.standard_normal(rule.hf_shape)).astype(np.float32)
-    return rewrite_checkpoint(src, dst, tensors)
-
-
 def test_hf_checkpoint_with_mtp_weights_and_refusal_without(tmp_path_factory, hf_greedy):
     model = build_hf_model("v3_grouped_noaux", num_nextn_predict_layers=1)
     absent = save_hf_model(model, str(tmp_path_factory.mktemp("mtp_absent")))  # transformers drops MTP weights
     with pytest.raises(ValueError, match="'deepseek_mtp' needs a checkpoint with MTP weights"):
         LLM(absent, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1}, skip_tokenizer_init=True,
             **ARGS)
-    present = _with_mtp_weights(absent, str(tmp_path_factory.mktemp("mtp_present")))
+    present = with_mtp_weights(absent, str(tmp_path_factory.mktemp("mtp_present")))
     # K = 1: the MTP's first pass alone (no chained passes); one bucket of 16 tokens
     spec = LLM(present, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1},
                skip_tokenizer_init=True, **{**ARGS, "max_num_seqs": 4, "max_num_batched_tokens": 16,

@@ -54,3 +54,32 @@ def test_host_keeps_tokens_up_to_the_first_rejected_row():
     assert res.spec_token_ids == {"a": [20, 21, 30], "b": [40], "c": [50, 51]}
     assert res.token_ids == {"a": 30, "b": 40, "c": 51}
     assert [lp[0] for lp in res.spec_logprobs["a"]] == [0.0, 1.0, 2.0]
+
+
+def test_data_parallel_ranks_lay_out_their_verify_rows_rank_after_rank():
+    """Two data-parallel ranks (sharding/data_parallel.py merge_rank_steps): rank r's sampling rows start at
+    r x seq_rows x W and read its own tokens (r x bucket on); its draft ids, keys and the MTP's next_token_ids stay
+    with its rows; step_result then gives each rank's sequence its own accepted tokens."""
+    import dataclasses
+
+    from deepinfer_jax.runner.spec_mtp import next_token_ids
+    from deepinfer_jax.sharding.data_parallel import merge_rank_steps
+
+    shapes = Shapes(buckets=(8,), max_num_seqs=2, max_pages=4, page_size=4, max_model_len=16, spec_width=W)
+    reqs = {"a": Request("a", [5, 6, 7], SamplingParams()), "b": Request("b", [4, 4, 4, 4], SamplingParams())}
+    groups = [[_seq("a", [9, 20, 21], 4, 2, [1, 2], 1)],  # rank 0: last token 9 at position 4, drafts 20 and 21
+              [_seq("b", [3, 30], 5, 1, [1, 2], 2)]]  # rank 1: last token 3 at position 5, draft 30
+    metas = [dataclasses.replace(build_metadata(g, shapes, 8), next_token_ids=next_token_ids(g, reqs, 2))
+             for g in groups]
+    sts = [build_sampling(g, reqs, {"a": 7, "b": 8}, shapes, 8, penalties=False) for g in groups]
+    meta, st, rids, rows = merge_rank_steps(metas, sts, groups, 8, shapes.seq_rows(8))
+    S = shapes.seq_rows(8)  # 2 sequence rows a rank, 2 x W sampling rows
+    assert meta.logits_indices.tolist() == [0, 1, 2, 0, 0, 0] + [8, 9, 8, 8, 8, 8]
+    assert st.draft_token_ids.tolist() == [20, 21, -1, -1, -1, -1] + [30, -1, -1, -1, -1, -1]
+    assert (st.rng_key_data[S * W: S * W + 2] == make_key_data_batch([8, 8], [2, 3])).all()
+    assert meta.next_token_ids.tolist() == [-1, -2, -1, -2]
+    assert rids == ["a", None, "b", None] and rows == [0, 2]
+    host = HostStep(meta, st, rids, rows, 8, False, spec_width=W)
+    sampled = types.SimpleNamespace(token_ids=np.arange(4 * W) + 100, accepted=np.array([1, 0, 0] * 2 + [1, 0, 0] * 2),
+                                    drafts=None)
+    assert step_result(host, sampled).spec_token_ids == {"a": [100, 101], "b": [106, 107]}
