@@ -74,10 +74,6 @@ def nonnegative_float(text: str) -> float:
     return _number(float, text, "a number >= 0", lambda v: v >= 0)
 
 
-def nonnegative_float(text: str) -> float:
-    return _number(float, text, "a number >= 0", lambda v: v >= 0)
-
-
 def fraction(text: str) -> float:
     return _number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
