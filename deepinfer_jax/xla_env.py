@@ -21,7 +21,10 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   from the driver's free-memory figure (`runner/device_memory.py: pages_for_memory`). CPU ignores it. Applied only
   where at most one CUDA device is visible: with several GPUs the collectives would run from
   VMM-allocated buffers inside the graphs, which has not been measured yet (set the flag by hand to
-  try it).
+  try it). Under the VMM allocator a copy into pinned host memory crashes the process (a segfault in
+  `jax.device_put(x, pinned_host)`, jax 0.11.2 on an H100), so an engine that keeps weights or KV in
+  host memory (--cpu-offload-gb, --kv-offloading-size) takes the mode out again before the backend starts
+  (`use_host_memory`), and its steps pay the graph re-recording above.
 - `xla_disable_hlo_passes=rematerialization`: XLA's GPU compiler budgets a program's memory as the
   device memory less its parameters and outputs, and counts the donated KV cache twice (argument and
   aliased output). With an engine-sized cache (75 GiB on an H200) the budget is exceeded before any
@@ -71,3 +74,47 @@ def apply_default_xla_flags(environ: MutableMapping[str, str] = os.environ, num_
     if (visible_cuda_devices() if num_gpus is None else num_gpus) <= 1:
         flags.update(SINGLE_GPU_FLAGS)
     environ["XLA_FLAGS"] = with_default_flags(environ.get("XLA_FLAGS", ""), flags)
+
+
+MODE = "xla_gpu_command_buffer_update_mode"
+
+
+def _vmm_flags(xla_flags: str) -> list[str]:
+    """The tokens of `xla_flags` that set a command-buffer update mode other than ALWAYS_UPDATE (each puts the GPU
+    client on XLA's VMM allocator)."""
+    return [t for t in xla_flags.split() if t.lstrip("-").split("=", 1)[0] == MODE
+            and t.split("=", 1)[-1] != "ALWAYS_UPDATE"]
+
+
+def _backend_state() -> tuple[bool, str | None]:
+    """(whether JAX has started its backends, the default platform if it has); starts nothing."""
+    from jax._src import xla_bridge
+
+    if not xla_bridge.backends_are_initialized():
+        return False, None
+    import jax
+
+    return True, jax.default_backend()
+
+
+def use_host_memory(cpu_offload_gb: float | None, kv_offloading_size: float | None,
+                    environ: MutableMapping[str, str] = os.environ, started: bool | None = None,
+                    platform: str | None = None) -> None:
+    """Before an engine that keeps arrays in pinned host memory (weights: --cpu-offload-gb, the KV host tier:
+    --kv-offloading-size, either > 0) starts: take a VMM-allocator command-buffer mode out of environ["XLA_FLAGS"]
+    while JAX has not started its backends; a ValueError naming the flag if a GPU backend already started with it
+    (copies to pinned host memory would crash). `started` and `platform` default to JAX's own state."""
+    asked = [f for f, gib in (("--cpu-offload-gb", cpu_offload_gb), ("--kv-offloading-size", kv_offloading_size))
+             if gib and gib > 0]
+    vmm = _vmm_flags(environ.get("XLA_FLAGS", ""))
+    if not asked or not vmm:
+        return
+    if started is None:
+        started, platform = _backend_state()
+    if not started:
+        environ["XLA_FLAGS"] = " ".join(t for t in environ["XLA_FLAGS"].split() if t not in vmm)
+        return
+    if platform == "gpu":
+        raise ValueError(f"{asked[0]} keeps arrays in pinned host memory, which crashes under XLA's VMM allocator, and "
+                         f"this process's GPU backend started with {' '.join(vmm)} (deepinfer's default on one GPU): "
+                         f"create the engine before anything else uses JAX, or set DEEPINFER_XLA_DEFAULTS=0")

@@ -13,6 +13,7 @@ from deepinfer_jax.engine.llm_engine import LLMEngine
 from deepinfer_jax.engine.plan import DTYPES, fit_problem, resolve_dtype  # noqa: F401 - resolve_dtype: LLM's API
 from deepinfer_jax.runner.multihost import check_launch, init_distributed  # noqa: F401 (the server's way to them)
 from deepinfer_jax.types import RequestOutput, RequestOutputKind, SamplingParams
+from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 
@@ -205,6 +206,7 @@ class LLM:
         from deepinfer_jax.runner.multihost import StepChannel
 
         check_launch(nnodes, node_rank, master_addr, master_port)
+        use_host_memory(cpu_offload_gb, kv_offloading_size)  # no VMM allocator before the backend starts (xla_env)
         if nnodes > 1 and pipeline_parallel_size > 1:
             raise ValueError("--pipeline-parallel-size > 1 with --nnodes > 1 is not supported yet; the stages run "
                              "on the devices of one host")

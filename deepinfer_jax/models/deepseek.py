@@ -316,6 +316,10 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     and lowered to one function that each layer calls: XLA inlines the calls, so the program is the
     straight-line one, but tracing and lowering no longer grow with the depth (8 such forwards of V2-Lite's
     26 layers were most of `serve`'s warm-up tracing, benchmarks/RESULTS.md)."""
+    if layer_fetch is not None and holds_host(scanned) and len(layer_ids) == 1:
+        # A one-layer segment copies its (one-layer) stack in whole: XLA drops a one-trip loop, and the slice of a
+        # host array it leaves becomes a bitcast across memory spaces that GPU compilation rejects.
+        scanned, layer_fetch = layer_fetch(scanned), None
     if layer_fetch is not None and holds_host(scanned):
         def streamed(carry, xs, body=body):
             lp, li, j = xs

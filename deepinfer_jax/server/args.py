@@ -389,6 +389,9 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     if platform is None:
         import jax
 
+        from deepinfer_jax.xla_env import use_host_memory
+
+        use_host_memory(ns.cpu_offload_gb, ns.kv_offloading_size)  # before the backend starts (xla_env.py)
         platform = jax.default_backend()
     model_dir, _ = resolve_model(ns)
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}

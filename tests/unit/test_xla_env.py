@@ -4,7 +4,10 @@ import os
 import subprocess
 import sys
 
-from deepinfer_jax.xla_env import DEFAULT_FLAGS, SINGLE_GPU_FLAGS, apply_default_xla_flags, with_default_flags
+import pytest
+
+from deepinfer_jax.xla_env import (DEFAULT_FLAGS, SINGLE_GPU_FLAGS, apply_default_xla_flags, use_host_memory,
+                                 with_default_flags)
 
 MODE = "xla_gpu_command_buffer_update_mode"
 REMAT = "--xla_disable_hlo_passes=rematerialization"
@@ -46,3 +49,28 @@ def test_importing_the_package_sets_the_flags_before_jax_starts():
     # XLA parses the flags when the backend starts: an unknown or malformed flag would abort here.
     assert _flags_after_import(None) == ALL
     assert _flags_after_import(f"--{MODE}=ALWAYS_UPDATE") == f"--{MODE}=ALWAYS_UPDATE {REMAT}"
+
+
+def test_host_memory_takes_the_vmm_mode_out_before_the_backend_starts():
+    env = {"XLA_FLAGS": ALL}
+    use_host_memory(0.0, 0.0, env, started=False)  # nothing in host memory: the graph mode stays
+    assert env["XLA_FLAGS"] == ALL
+    use_host_memory(2.0, 0.0, env, started=False)
+    assert env["XLA_FLAGS"] == REMAT
+    env = {"XLA_FLAGS": f"--{MODE}=ALWAYS_UPDATE"}  # the default mode needs no VMM allocator
+    use_host_memory(0.0, 4.0, env, started=True, platform="gpu")
+    assert env["XLA_FLAGS"] == f"--{MODE}=ALWAYS_UPDATE"
+    env = {"XLA_FLAGS": ALL}
+    use_host_memory(0.0, 4.0, env, started=True, platform="cpu")  # CPU ignores the mode
+    assert env["XLA_FLAGS"] == ALL
+    with pytest.raises(ValueError, match=r"--kv-offloading-size keeps arrays in pinned host memory.*SKIP_TEMP"):
+        use_host_memory(0.0, 4.0, env, started=True, platform="gpu")
+
+
+def test_host_memory_reads_jax_own_state_in_a_fresh_process():
+    code = ("import os, deepinfer_jax; from deepinfer_jax.xla_env import use_host_memory; "
+            "use_host_memory(1.0, 0.0); print(os.environ['XLA_FLAGS'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "DEEPINFER_XLA_DEFAULTS")}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert MODE not in out.stdout and REMAT in out.stdout
