@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from deepinfer_jax.config_common import ConfigError, RopeScaling
@@ -67,6 +67,10 @@ class V4Config:
     num_nextn_predict_layers: int
     rms_norm_eps: float
     tie_word_embeddings: bool = False
+    # the MTP layers' attention kinds: DeepSeek's `compress_ratios` lists them after the main layers (the
+    # reference builds MTP layer j as layer num_hidden_layers + j); sliding where the config does not say
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_in_cache: int = 0  # MTP layers whose rows the paged cache holds (deepseek_mtp speculation)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str = "deepseek_v4"
@@ -75,6 +79,21 @@ class V4Config:
     def compress_rate(self, layer_type: str) -> int:
         """Source tokens per compressed row of `layer_type`; 0 for sliding layers."""
         return dict(self.compress_rates).get(layer_type, 0)
+
+    def attn_type(self, i: int) -> str:
+        """The attention kind of layer i: a main layer's `layer_types`, or MTP layer i - num_hidden_layers'."""
+        n = self.num_hidden_layers
+        return self.layer_types[i] if i < n else (self.mtp_layer_types[i - n:i - n + 1] or (SLIDING,))[0]
+
+    def mlp_type(self, i: int) -> str:
+        """The MLP kind of layer i; an MTP layer's is scored "moe" (the reference hashes only layers below
+        n_hash_layers, and the MTP layer's index is num_hidden_layers + j)."""
+        return self.mlp_layer_types[i] if i < self.num_hidden_layers else "moe"
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers whose rows the paged cache holds: the main ones and, with MTP speculation, the MTP layers."""
+        return self.num_hidden_layers + self.mtp_in_cache
 
     @property
     def partial_rotary_factor(self) -> float:
@@ -118,6 +137,8 @@ class V4Config:
         if mlp_types is None:
             n_hash = int(get("num_hash_layers", 3))
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        n_mtp = int(get("num_nextn_predict_layers", 1))
+        mtp_types = tuple((list(layer_types[n:]) + [SLIDING] * n_mtp)[:n_mtp])  # compress_ratios' entries past n
         layer_types, mlp_types = tuple(layer_types[:n]), tuple(mlp_types[:n])
         for name, types, allowed in (("layer_types", layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", mlp_types, MLP_LAYER_TYPES)):
@@ -180,7 +201,8 @@ class V4Config:
             index_n_heads=int(get("index_n_heads", 64)),
             index_head_dim=index_head_dim,
             index_topk=int(get("index_topk", 512)),
-            num_nextn_predict_layers=int(get("num_nextn_predict_layers", 1)),
+            num_nextn_predict_layers=n_mtp,
+            mtp_layer_types=mtp_types,
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id", 0),
@@ -304,10 +326,10 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
     needs from tokens computed before it. A chunk that ends mid-window leaves them here.
     """
     hd, di = cfg.head_dim, cfg.index_head_dim
-    csa = tuple(i for i, t in enumerate(cfg.layer_types) if t == CSA)
-    hca = tuple(i for i, t in enumerate(cfg.layer_types) if t == HCA)
+    csa = tuple(i for i in range(cfg.cache_layers) if cfg.attn_type(i) == CSA)
+    hca = tuple(i for i in range(cfg.cache_layers) if cfg.attn_type(i) == HCA)
     m, mh = cfg.compress_rate(CSA), cfg.compress_rate(HCA)
-    groups = [CacheGroup("sliding", tuple(range(cfg.num_hidden_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
+    groups = [CacheGroup("sliding", tuple(range(cfg.cache_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
     if csa:
         groups += [CacheGroup("csa", csa, (hd + di) * dtype_bytes, m),
                    CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m)]
@@ -315,6 +337,13 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
         groups += [CacheGroup("hca", hca, hd * dtype_bytes, mh),
                    CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh)]
     return tuple(groups)
+
+
+def with_mtp_cache(cfg: Any) -> Any:
+    """A deepseek_v4 ModelConfig whose cache holds its MTP layers' rows too (`deepseek_mtp` speculation): layer
+    num_hidden_layers + j of every group its kind uses."""
+    v4 = replace(cfg.v4, mtp_in_cache=cfg.num_nextn_predict_layers)
+    return replace(cfg, v4=v4)
 
 
 def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:

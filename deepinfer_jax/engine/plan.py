@@ -170,6 +170,10 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
     from deepinfer_jax.runner.weight_offload import path_key
     from deepinfer_jax.weights.pending import abstract_from_specs
 
+    if model_dir is not None:  # the MTP layers the files hold
+        from deepinfer_jax.weights.name_table_v4 import v4_checkpoint_config
+
+        cfg = v4_checkpoint_config(cfg, model_dir)
     abstract = abstract_from_specs(cfg, jax.numpy.dtype(dtype))
     if model_dir is not None:
         from deepinfer_jax.weights.name_table_v4 import v4_abstract

@@ -26,6 +26,7 @@ chosen (CSA) or closed (HCA) rows, gathered by slot from the pages, with the sin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -59,7 +60,8 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: Any, page_size: int) -> tuple:
 
 
 def param_specs(cfg: ModelConfig) -> Any:
-    return v4_param_specs(cfg.v4)
+    """The params' specs; MTP layers as ModelConfig.num_nextn_predict_layers says (those the checkpoint holds)."""
+    return v4_param_specs(dataclasses.replace(cfg.v4, num_nextn_predict_layers=cfg.num_nextn_predict_layers))
 
 
 def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *,
@@ -177,7 +179,7 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     O(block x (W + topk + context / m + context / m')) and never O(T x context) (the indexer's key rows are the
     `context / m` term). "pallas": the indexer's scores [T, context / m] from the pages in a kernel, then one
     kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA."""
-    lt, hd = cfg.layer_types[i], cfg.head_dim
+    lt, hd = cfg.attn_type(i), cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
 
@@ -256,11 +258,35 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     return _blocks(block, (x, q, q_res, pos, seq, cos, sin) + tuple(pick), x.shape[0], token_block)
 
 
+def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: _Cache, meta: StepMetadata,
+                attn_impl: str, moe_impl: str) -> jax.Array:
+    """Layer i (a main layer, or an MTP layer's block at i = num_hidden_layers + j) over the step's streams
+    [T, n, D] -> [T, n, D], its rows written into `cache`."""
+    post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
+    a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
+                         meta, attn_impl, TOKEN_BLOCK)
+    streams = hc_merge(post, comb, a, streams)
+    post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
+    m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
+               meta.token_ids, impl=moe_impl)
+    return hc_merge(post, comb, m, streams)
+
+
+def step_cache(cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata) -> _Cache:
+    """The step's view of the pools (page size from the sliding pool: [cache layers, page_size, head_dim] a page)."""
+    v4 = cfg.v4
+    if meta.groups is None:
+        raise ValueError("deepseek_v4's paged forward needs the step's per-group page tables (StepMetadata.groups)")
+    page_size = kv_cache[0].shape[1] // (v4.cache_layers * v4.head_dim)
+    return _Cache(v4, tuple(kv_cache), page_size)
+
+
 def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, *,
                   moe_impl: str = "ragged", attn_impl: str = "reference", return_routing: bool = False,
-                  unroll: Any = 1, mesh_rules: Any = None):
+                  unroll: Any = 1, mesh_rules: Any = None, return_hidden: bool = False):
     """-> (logits [S, V] fp32, updated kv_cache: one array per pool) for one ragged step; prefill, chunked prefill
-    and decode alike.
+    and decode alike. `return_hidden`: also every slot's last streams [T, n, D] before the hyper head (the MTP
+    layer's input, models/v4_mtp.py), as the last output.
     `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
     float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
     apply (V4's layers differ in kind and run as a Python loop)."""
@@ -270,24 +296,14 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     if mesh_rules is not None:
         raise ValueError("deepseek_v4 runs on one device (no tensor / data / expert parallel layout yet)")
     v4 = cfg.v4
-    if meta.groups is None:
-        raise ValueError("deepseek_v4's paged forward needs the step's per-group page tables (StepMetadata.groups)")
-    page_size = kv_cache[0].shape[1] // (v4.num_hidden_layers * v4.head_dim)  # pool 0 holds `sliding`: [L, ps, hd]
-    cache = _Cache(v4, tuple(kv_cache), page_size)
+    cache = step_cache(cfg, kv_cache, meta)
     x = params["embed"][meta.token_ids]  # [T, D]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
-        post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
-        a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
-                             meta, attn_impl, TOKEN_BLOCK)
-        streams = hc_merge(post, comb, a, streams)
-        post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
-        m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
-                   meta.token_ids, impl=moe_impl)
-        streams = hc_merge(post, comb, m, streams)
+        streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
-    kv_cache = tuple(cache.arrays)
+    out = (logits, tuple(cache.arrays))
     if return_routing:
-        return logits, kv_cache, jnp.zeros((0, x.shape[0], 0), jnp.int32)
-    return logits, kv_cache
+        out += (jnp.zeros((0, x.shape[0], 0), jnp.int32),)
+    return out + (streams,) if return_hidden else out

@@ -24,6 +24,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.mtp import mtp_propose
+from deepinfer_jax.models.v4_mtp import v4_mtp_propose
 from deepinfer_jax.models.registry import family_of
 from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
@@ -199,7 +200,7 @@ class StepPrograms:
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
                 fam = family_of(cfg)
                 switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
-                if mtp:  # the MTP's input: every slot's final-normed hidden state
+                if mtp:  # the MTP's input: every slot's final-normed hidden state (V4: its last streams)
                     switches["return_hidden"] = True
                 out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                         return_routing=rc.collect_routing or count, unroll=unroll,
@@ -256,7 +257,8 @@ class StepPrograms:
                 sampled, nxt = smp(out, prev_tokens, si, sf)
                 if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
                     (meta, hidden), routing = routing, None
-                    drafts, kv_cache = mtp_propose(params, cfg, kv_cache, meta, hidden, sampled.token_ids,
+                    propose = v4_mtp_propose if cfg.family == "deepseek_v4" else mtp_propose
+                    drafts, kv_cache = propose(params, cfg, kv_cache, meta, hidden, sampled.token_ids,
                                                    sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
                 return (sampled, routing, load), nxt, kv_cache
