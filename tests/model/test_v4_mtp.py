@@ -6,8 +6,6 @@ MTPBlock.forward; a checkpoint that declares MTP without its tensors loads witho
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,16 +24,9 @@ PS, MAX_LEN = 4, 40
 
 
 @pytest.fixture(scope="module")
-def dirs(tmp_path_factory):
+def dirs(v4_mtp_dirs):
     """(float dir with MTP, its FP8 / FP4 release, the HF save that declares MTP without it)."""
-    from hf_models_v4 import add_mtp_block, build_hf_v4, write_v4_release
-
-    tmp = str(tmp_path_factory.mktemp("v4mtp"))
-    bare = os.path.join(tmp, "bare")
-    build_hf_v4(seed=0, num_nextn_predict_layers=1).save_pretrained(bare, safe_serialization=True)
-    mtp = add_mtp_block(bare, os.path.join(tmp, "mtp"))
-    release, _ = write_v4_release(mtp, os.path.join(tmp, "release"))
-    return mtp, release, bare
+    return v4_mtp_dirs[1:]
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +77,9 @@ def _meta(cfg, ids, pos, last, next_ids):
 
 def test_paged_mtp_drafts_are_the_reference_blocks(model):
     """One prefill step of a prompt past the window, then the MTP's K = 2 drafts: draft 1 is the argmax of the
-    whole-sequence MTP reference at the last position with the sampled token next; draft 2 that of the MTP block
-    over the same inputs plus one position (its own output and draft 1), as the reference chains it."""
+    whole-sequence MTP reference (`v4_mtp_forward`) at the last position with the sampled token next; draft 2
+    that of the block over the same inputs plus one position (its own output and draft 1), as the reference chains
+    it."""
     cfg, params = model
     cfg = with_mtp_cache(cfg)
     v4, L = cfg.v4, cfg.v4.num_hidden_layers
@@ -107,16 +99,18 @@ def test_paged_mtp_drafts_are_the_reference_blocks(model):
         return sampled, drafts
 
     sampled, drafts = jax.device_get(step(params, cache, meta))
-    tokens = jnp.asarray(np.append(prompt, sampled[0]), jnp.int32)
-    ref1 = np.asarray(v4_mtp_forward(v4, params, tokens))[n - 1]
-    assert drafts[0, 0] == np.argmax(ref1)
-    # the chained pass: the block over positions 0..n (position n: its own output at n - 1 and draft 1)
     mp = params["mtp"][0]
-    streams, _ = v4_streams(v4, params, tokens[:n])
-    x1 = v4_mtp_input(v4, mp, params["embed"], streams, tokens[1:])
-    out1, _ = v4_block(v4, L, mp["layer"], x1, tokens[1:], jnp.arange(n))
-    d1 = jnp.asarray([drafts[0, 0]], jnp.int32)
-    x2 = jnp.concatenate([x1, v4_mtp_input(v4, mp, params["embed"], out1[n - 1:n], d1)])
-    out2, _ = v4_block(v4, L, mp["layer"], x2, jnp.concatenate([tokens[1:], d1]), jnp.arange(n + 1))
-    ref2 = np.asarray(v4_mtp_logits(v4, params, out2[n:]))[0]
-    assert drafts[0, 1] == np.argmax(ref2)
+
+    @jax.jit
+    def reference(params, tokens, d1):
+        streams, _ = v4_streams(v4, params, tokens[:n])
+        x1 = v4_mtp_input(v4, mp, params["embed"], streams, tokens[1:])
+        out1, _ = v4_block(v4, L, mp["layer"], x1, tokens[1:], jnp.arange(n))
+        # the chained pass: the block over positions 0..n (position n: its own output at n - 1 and draft 1)
+        x2 = jnp.concatenate([x1, v4_mtp_input(v4, mp, params["embed"], out1[n - 1:n], d1)])
+        out2, _ = v4_block(v4, L, mp["layer"], x2, jnp.concatenate([tokens[1:], d1]), jnp.arange(n + 1))
+        return v4_mtp_forward(v4, params, tokens)[n - 1], v4_mtp_logits(v4, params, out2[n:])[0]
+
+    tokens = jnp.asarray(np.append(prompt, sampled[0]), jnp.int32)
+    ref1, ref2 = jax.device_get(reference(params, tokens, jnp.asarray(drafts[0, :1], jnp.int32)))
+    assert drafts[0, 0] == np.argmax(ref1) and drafts[0, 1] == np.argmax(ref2)
