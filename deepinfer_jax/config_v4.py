@@ -286,13 +286,21 @@ class CacheGroup:
 
     A row is written per `tokens_per_row` tokens (1: per token; m: when a compression window closes).
     `window_tokens` (None: keep everything) bounds what a next query can need: only rows of the last
-    `window_tokens` tokens, so pages wholly before them may go back to the pool."""
+    `window_tokens` tokens, so pages wholly before them may go back to the pool. `page_rows` (0: the cache's
+    page_size): the rows a page of this group holds, a page size of its own for a group whose window is far below
+    a page (the compressors' state, `page_rows_of`)."""
 
     name: str
     layers: tuple[int, ...]
     row_bytes: int  # one row of one layer
     tokens_per_row: int = 1
     window_tokens: int | None = None
+    page_rows: int = 0
+
+    def rows_per_page(self, page_size: int) -> int:
+        """Rows of one page of this group in a cache of `page_size`: page_rows where it divides page_size (so a
+        prefix hit, a multiple of page_size tokens, ends on this group's page boundary), else page_size."""
+        return self.page_rows if self.page_rows and page_size % self.page_rows == 0 else page_size
 
     def rows(self, num_tokens: int) -> int:
         """Rows written once `num_tokens` tokens have been computed (compressed: closed windows only)."""
@@ -301,13 +309,13 @@ class CacheGroup:
     def pages(self, num_tokens: int, page_size: int) -> int:
         """Page slots (per layer) covering every row of `num_tokens` tokens: a compressed group
         needs one page per page_size * tokens_per_row tokens."""
-        return -(-self.rows(num_tokens) // page_size)
+        return -(-self.rows(num_tokens) // self.rows_per_page(page_size))
 
     def first_live_page(self, num_computed: int, page_size: int) -> int:
         """The first page the next token still reads; pages before it can be freed (0: none)."""
         if self.window_tokens is None:
             return 0
-        return max(0, num_computed - self.window_tokens + 1) // page_size
+        return max(0, num_computed - self.window_tokens + 1) // self.rows_per_page(page_size)
 
     def live_pages(self, num_tokens: int, page_size: int) -> int:
         """Pages that must stay allocated after `num_tokens` tokens (what the scheduler holds)."""
@@ -332,11 +340,19 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
     groups = [CacheGroup("sliding", tuple(range(cfg.cache_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
     if csa:
         groups += [CacheGroup("csa", csa, (hd + di) * dtype_bytes, m),
-                   CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m)]
+                   CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m, page_rows_of(2 * m))]
     if hca:
         groups += [CacheGroup("hca", hca, hd * dtype_bytes, mh),
-                   CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh)]
+                   CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh, page_rows_of(mh))]
     return tuple(groups)
+
+
+def page_rows_of(window: int) -> int:
+    """A state group's own page size: the largest power of two below its window of `window` tokens, so a sequence
+    holds at most cdiv(window - 1, rows) + 2 pages of it, 2 to 3 windows of rows (at V4's CSA window of 8 tokens: 4
+    pages of 4 rows, where pages of 64 tokens held 192 rows). Used where it divides the cache's page_size
+    (`CacheGroup.rows_per_page`)."""
+    return 1 << max(0, (window - 1).bit_length() - 1)
 
 
 def with_mtp_cache(cfg: Any) -> Any:
@@ -352,8 +368,8 @@ def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:
 
 
 def v4_group_page_bytes(group: CacheGroup, page_size: int) -> int:
-    """Bytes of one page of `group`: page_size rows of each of its layers."""
-    return len(group.layers) * page_size * group.row_bytes
+    """Bytes of one page of `group`: its rows a page (`rows_per_page`) of each of its layers."""
+    return len(group.layers) * group.rows_per_page(page_size) * group.row_bytes
 
 
 def v4_max_live_pages(group: CacheGroup, page_size: int, max_model_len: int, max_chunk: int) -> int:
@@ -363,7 +379,19 @@ def v4_max_live_pages(group: CacheGroup, page_size: int, max_model_len: int, max
     full = group.pages(max_model_len, page_size)
     if group.window_tokens is None:
         return full
-    return min(full, -(-(group.window_tokens - 1 + max_chunk) // page_size) + 1)
+    return min(full, -(-(group.window_tokens - 1 + max_chunk) // group.rows_per_page(page_size)) + 1)
+
+
+def v4_table_pages(group: CacheGroup, page_size: int, max_model_len: int, max_step_tokens: int) -> int:
+    """Columns of a step's page table of `group` (runner/inputs.py group_tables): a compressed group's pages of
+    max_model_len; a windowed group's ring, which holds every page a step reads or writes (its window and a step of
+    up to `max_step_tokens` tokens, drafts included) at column page % columns, so the table does not grow with
+    max_model_len (a 1M-token sliding table was 16,384 columns a sequence at 64 rows a page)."""
+    rows = group.rows_per_page(page_size)
+    full = max(1, -(-(max_model_len // group.tokens_per_row) // rows))
+    if group.window_tokens is None:
+        return full
+    return min(full, -(-(group.window_tokens - 1 + max_step_tokens) // rows) + 2)
 
 
 @dataclass(frozen=True)
@@ -393,7 +421,8 @@ def v4_cache_pools(cfg: V4Config, page_size: int, context_pages: int, max_num_se
         if g.window_tokens is None:
             n = g.pages(tokens, page_size) + max_num_seqs
         else:
-            n = max_num_seqs * (-(-(g.window_tokens - 1) // page_size) + 2) + -(-max_chunk // page_size)
+            rows = g.rows_per_page(page_size)
+            n = max_num_seqs * (-(-(g.window_tokens - 1) // rows) + 2) + -(-max_chunk // rows)
         pages.append(max(n, v4_max_live_pages(g, page_size, max_model_len, max_chunk)))
     if len({v4_group_page_bytes(g, page_size) for g in groups}) == 1:
         return CachePools(groups, (0,) * len(groups), (sum(pages) + 1,), page_size, tokens)

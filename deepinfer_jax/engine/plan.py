@@ -417,9 +417,9 @@ def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tu
     out = []
     for gi, g in enumerate(v4_cache_groups(cfg.v4, item)):
         d = dict(name=g.name, layers=len(g.layers), row_bytes=g.row_bytes, tokens_per_row=g.tokens_per_row,
-                 window=g.window_tokens, page_size=page_size)
+                 window=g.window_tokens, page_size=g.rows_per_page(page_size))  # the state groups' own page size
         if g.window_tokens is None:
-            d["bytes_per_token"] = v4_group_page_bytes(g, page_size) / page_size / g.tokens_per_row
+            d["bytes_per_token"] = v4_group_page_bytes(g, page_size) / d["page_size"] / g.tokens_per_row
         else:
             d["bytes_per_sequence"] = g.window_tokens * g.row_bytes * len(g.layers)
         if pools is not None:

@@ -23,10 +23,10 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
 from deepinfer_jax.models.deepseek_v4 import v4_mtp_input, v4_mtp_logits
 from deepinfer_jax.models.mtp import first_pass_inputs
-from deepinfer_jax.models.v4_paged import _Cache, paged_block, step_cache
+from deepinfer_jax.models.v4_paged import GroupCache, paged_block, step_cache
 
 
-def v4_mtp_layer_paged(params: dict, cfg: ModelConfig, cache: _Cache, meta: StepMetadata, streams: jax.Array,
+def v4_mtp_layer_paged(params: dict, cfg: ModelConfig, cache: GroupCache, meta: StepMetadata, streams: jax.Array,
                        next_ids: jax.Array, attn_impl: str, moe_impl: str, j: int = 0) -> jax.Array:
     """One MTP pass over a ragged step: streams [T, n, D] (the target's last streams, or the MTP's own output when
     chained) and next_ids [T] (the token after each slot) -> the block's output streams [T, n, D], its rows
@@ -37,16 +37,18 @@ def v4_mtp_layer_paged(params: dict, cfg: ModelConfig, cache: _Cache, meta: Step
                        dataclasses.replace(meta, token_ids=next_ids), attn_impl, moe_impl)
 
 
-def _one_token_groups(cache: _Cache, meta: StepMetadata, pos: jax.Array, ok: jax.Array) -> tuple:
+def _one_token_groups(cache: GroupCache, meta: StepMetadata, pos: jax.Array, ok: jax.Array) -> tuple:
     """Per group, (page table, slot [S]) of one token a sequence row at positions pos [S]: the row's slot where it
-    writes one (ok, a compressed group's window closes, the page is in the table), else the null page."""
-    out, ps = [], cache.ps
-    rows = jnp.arange(pos.shape[0])
-    for g, (table, _) in zip(cache.groups, meta.groups):
-        w = pos // g.tokens_per_row
-        inside = ok & (w // ps < table.shape[1]) & ((pos + 1) % g.tokens_per_row == 0)
-        page = table[rows, jnp.minimum(w // ps, table.shape[1] - 1)]
-        out.append((table, jnp.where(inside, page * ps + w % ps, NULL_PAGE * ps).astype(jnp.int32)))
+    writes one (ok, a compressed group's window closes, the page is in the table; a windowed group's ring column),
+    else the null page."""
+    out, seq = [], jnp.arange(pos.shape[0])
+    for gi, (g, (table, _)) in enumerate(zip(cache.groups, meta.groups)):
+        w, r = pos // g.tokens_per_row, cache.rows[gi]
+        inside = ok & ((pos + 1) % g.tokens_per_row == 0)
+        if g.window_tokens is None:
+            inside &= w // r < table.shape[1]
+        page = cache.pages(gi, table, seq, w[:, None])[0][:, 0]
+        out.append((table, jnp.where(inside, page * r + w % r, NULL_PAGE * r).astype(jnp.int32)))
     return tuple(out)
 
 
@@ -71,7 +73,7 @@ def v4_mtp_propose(params: dict, cfg: ModelConfig, kv_cache: tuple, meta: StepMe
     def chained(carry, k):  # pass k + 1: position p_r + k (one compiled body for passes 2..K)
         h, arrays, prev = carry
         pos = base + k
-        c = _Cache(v4, arrays, cache.ps)
+        c = GroupCache(v4, arrays, cache.ps)
         step = StepMetadata(token_ids=prev, positions=pos, seq_ids=jnp.arange(S, dtype=jnp.int32),
                             slot_mapping=jnp.zeros_like(pos), page_table=meta.page_table,
                             logits_indices=jnp.arange(S, dtype=jnp.int32),

@@ -2,7 +2,7 @@
 DeepSeek's released names (tests/hf_models_v4.py add_mtp_block) gives HF transformers' greedy tokens with K = 2 drafts
 a step (the MTP's weights are random, so few drafts are accepted: the verify path is what must be
 exact), over chunked prefill past the sliding window and compression windows; the MTP layer's rows are one more
-layer of the cache's sliding group. A checkpoint that declares MTP without its tensors is refused in one line."""
+layer of the cache's sliding group, and the compressors' state groups have pages of their own. A checkpoint that declares MTP without its tensors is refused in one line."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import pytest
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 
-SIZES = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=13, page_size=4, num_pages=40)
+# pages of 8 rows: the compressors' state groups take their own pages of 4 rows (config_v4.page_rows_of)
+SIZES = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=13, page_size=8, num_pages=20)
 
 
 def _llm(path, k):
@@ -27,7 +28,9 @@ def test_greedy_tokens_are_hfs_with_mtp_drafts(v4_mtp_dirs, hf_greedy):
     llm = _llm(path, 2)
     eng = llm.engine
     assert eng.cfg.has_mtp and eng.cfg.v4.mtp_in_cache == 1
-    assert eng.cache_pools.groups[0].layers == tuple(range(eng.cfg.num_hidden_layers + 1))
+    groups = eng.cache_pools.groups
+    assert groups[0].layers == tuple(range(eng.cfg.num_hidden_layers + 1))  # the MTP layer's rows: sliding
+    assert [g.rows_per_page(8) for g in groups if g.name.endswith("_state")] == [4, 4]
     prompts = random_prompts(41, [5, 29, 17], model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
