@@ -356,9 +356,9 @@ def page_rows_of(window: int) -> int:
 
 
 def with_mtp_cache(cfg: Any) -> Any:
-    """A deepseek_v4 ModelConfig whose cache holds its MTP layers' rows too (`deepseek_mtp` speculation): layer
-    num_hidden_layers + j of every group its kind uses."""
-    v4 = replace(cfg.v4, mtp_in_cache=cfg.num_nextn_predict_layers)
+    """A deepseek_v4 ModelConfig whose cache holds its first MTP layer's rows too (`deepseek_mtp` speculation, which
+    drafts with MTP layer 0 alone): layer num_hidden_layers of every group its kind uses."""
+    v4 = replace(cfg.v4, mtp_in_cache=min(1, cfg.num_nextn_predict_layers))
     return replace(cfg, v4=v4)
 
 

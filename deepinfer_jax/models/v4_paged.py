@@ -2,7 +2,8 @@
 
 The cache holds what each group of `v4_cache_groups` (config_v4.py) needs, paged per group as the scheduler
 accounts it (scheduler/hybrid_cache_manager.py), one array per pool of the engine's CachePools: [pool pages,
-page elements], group g's page p that pool's row p seen as [layers of g, page_size, row width of g]:
+page elements], group g's page p that pool's row p seen as [layers of g, rows a page of g, row width of g] (rows:
+page_size, or the state groups' own smaller page, CacheGroup.rows_per_page):
   sliding    every layer    `raw`, the roped K = V row [hd] of each token (window sliding_window);
   csa_state  CSA layers     the compressor's `kv`, `gate` [2hd] and the indexer's `idx_kv`, `idx_gate` [2di] of
                             each token (window 2m: a CSA row pools two windows);

@@ -17,7 +17,7 @@ def check_supported(cfg: ModelConfig, family: str, collect_routing: bool) -> Non
         raise ValueError("speculative_config method 'deepseek_mtp' needs a checkpoint with MTP weights "
                          "(num_nextn_predict_layers > 0 and the layer's tensors present); this one has none")
     if family == "deepseek_v4":
-        if cfg.v4.mtp_in_cache < cfg.num_nextn_predict_layers:
+        if cfg.v4.mtp_in_cache < 1:
             raise ValueError("deepseek_v4's cache has no rows for the MTP layer (config_v4.v4_with_mtp_cache)")
     elif family != "deepseek" or cfg.has_indexer:
         raise ValueError(f"speculative_config method 'deepseek_mtp' runs on DeepSeek-V2/V3/V4 models, not "

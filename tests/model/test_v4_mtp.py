@@ -62,6 +62,19 @@ def test_released_mtp_loads_fp8_and_dequantizes_to_the_float_block(dirs, model):
     np.testing.assert_array_equal(np.asarray(mr["hc_head"]["fn"]), np.asarray(mp["hc_head"]["fn"]))
 
 
+def test_convert_writes_the_mtp_block(dirs, model, tmp_path):
+    from deepinfer_jax.weights.convert import convert
+    from deepinfer_jax.weights.loader import load_model
+
+    _, params = model
+    dst = str(tmp_path / "conv")
+    meta = convert(dirs[0], dst, "float32", "none", progress=False)
+    assert meta["num_nextn_predict_layers"] == 1
+    cfg_c, p_c = load_model(dst, jnp.float32, progress=False)
+    assert cfg_c.has_mtp
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p_c["mtp"], params["mtp"])
+
+
 def _meta(cfg, ids, pos, last, next_ids):
     groups = []
     for g in v4_cache_groups(cfg.v4, 1):
