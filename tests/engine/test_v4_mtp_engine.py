@@ -10,6 +10,7 @@ import pytest
 
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
+from deepinfer_jax.config_v4 import v4_pool_bytes
 
 # pages of 8 rows: the compressors' state groups take their own pages of 4 rows (config_v4.page_rows_of)
 SIZES = dict(max_model_len=64, max_num_seqs=4, max_num_batched_tokens=13, page_size=8, num_pages=20)
@@ -31,6 +32,8 @@ def test_greedy_tokens_are_hfs_with_mtp_drafts(v4_mtp_dirs, hf_greedy):
     groups = eng.cache_pools.groups
     assert groups[0].layers == tuple(range(eng.cfg.num_hidden_layers + 1))  # the MTP layer's rows: sliding
     assert [g.rows_per_page(8) for g in groups if g.name.endswith("_state")] == [4, 4]
+    # the arrays the runner allocated are the pools' bytes as plan / v4_pools count them
+    assert [a.nbytes for a in eng.runner.kv_cache] == list(v4_pool_bytes(eng.cache_pools))
     prompts = random_prompts(41, [5, 29, 17], model.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
