@@ -315,6 +315,10 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         from deepinfer_jax.weights.loader import check_v4_quantization
 
         check_v4_quantization(quantization)
+        if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
+            with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
+                n_mtp = int(json.load(f)["num_nextn_predict_layers"])
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
                                           by_leaf)
     elif is_converted(model_dir):

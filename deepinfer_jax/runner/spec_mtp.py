@@ -18,7 +18,7 @@ def check_supported(cfg: ModelConfig, family: str, collect_routing: bool) -> Non
                          "(num_nextn_predict_layers > 0 and the layer's tensors present); this one has none")
     if family == "deepseek_v4":
         if cfg.v4.mtp_in_cache < 1:
-            raise ValueError("deepseek_v4's cache has no rows for the MTP layer (config_v4.v4_with_mtp_cache)")
+            raise ValueError("deepseek_v4's cache has no rows for the MTP layer (config_v4.with_mtp_cache, which LLMEngine applies)")
     elif family != "deepseek" or cfg.has_indexer:
         raise ValueError(f"speculative_config method 'deepseek_mtp' runs on DeepSeek-V2/V3/V4 models, not "
                          f"{cfg.model_type!r}{' with sparse attention' if cfg.has_indexer else ''}")

@@ -73,6 +73,11 @@ def test_convert_writes_the_mtp_block(dirs, model, tmp_path):
     cfg_c, p_c = load_model(dst, jnp.float32, progress=False)
     assert cfg_c.has_mtp
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)), p_c["mtp"], params["mtp"])
+    # `deepinfer plan` counts the MTP block where the files hold it, HF directory or converted alike
+    from deepinfer_jax.engine.plan import plan
+
+    hf, conv, bare = (plan(d, dtype="float32").weight_bytes_per_device for d in (dirs[0], dst, dirs[2]))
+    assert hf == conv > bare
 
 
 def _meta(cfg, ids, pos, last, next_ids):
