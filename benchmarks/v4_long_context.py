@@ -79,21 +79,22 @@ def _attention_setup(cfg, ctx: int, batch: int, ps: int, dtype, seed: int = 0):
     v4, pools, tables, nxt = cfg.v4, [], [], 1
     pos = np.full(batch, ctx - 1, np.int32)
     groups = v4_cache_groups(v4, 1)
-    for g in groups:
-        width = -(-(ctx // g.tokens_per_row) // ps)
+    for g in groups:  # full-width tables (a windowed group's ring of the engine is the identity below its width)
+        rows = g.rows_per_page(ps)
+        width = -(-(ctx // g.tokens_per_row) // rows)
         table = np.zeros((batch, width), np.int32)
-        live = range(width) if not g.window_tokens else range(max(0, (ctx - g.window_tokens) // ps - 1), width)
+        live = range(width) if not g.window_tokens else range(max(0, (ctx - g.window_tokens) // rows - 1), width)
         for b in range(batch):
             table[b, list(live)] = np.arange(1 + b * len(live), 1 + (b + 1) * len(live))
         tables.append(table)
         pools.append(1 + batch * len(live))
     key = jax.random.key(seed)
-    cache = tuple(jax.random.normal(jax.random.fold_in(key, k), (n, len(g.layers) * ps * g.row_bytes), dtype)
-                  for k, (g, n) in enumerate(zip(groups, pools)))
+    cache = tuple(jax.random.normal(jax.random.fold_in(key, k), (n, len(g.layers) * g.rows_per_page(ps) * g.row_bytes),
+                                    dtype) for k, (g, n) in enumerate(zip(groups, pools)))
     metas = []
     for g, table in zip(groups, tables):
-        w = pos // g.tokens_per_row
-        real = table[np.arange(batch), w // ps] * ps + w % ps
+        w, rows = pos // g.tokens_per_row, g.rows_per_page(ps)
+        real = table[np.arange(batch), w // rows] * rows + w % rows
         metas.append((jnp.asarray(table), jnp.asarray(np.where((pos + 1) % g.tokens_per_row == 0, real, 0))))
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     meta = StepMetadata(i32(np.ones(batch)), i32(pos), i32(np.arange(batch)), i32(np.zeros(batch)),
@@ -126,7 +127,7 @@ def time_attention(d: dict, contexts: list[int], batch: int, ps: int, interpret:
         p = drawn[dtype]["layers"][layer]["attn"]
 
         def run(cache, x, meta):
-            c = v4_paged._Cache(cfg.v4, cache, ps)
+            c = v4_paged.GroupCache(cfg.v4, cache, ps)
             out = v4_paged._layer_attention(cfg.v4, layer, p, x, c, meta, impl)
             return out, tuple(c.arrays)
 

@@ -325,8 +325,8 @@ def _dense_config(cls, d: dict[str, Any]) -> "ModelConfig":
 
 def _v4_config(cls, d: dict[str, Any]) -> "ModelConfig":
     """A deepseek_v4 config.json -> ModelConfig of the deepseek_v4 family: the engine-facing fields (vocab,
-    layers, positions, special tokens) here, every V4 field in `v4` (V4Config). The MTP block is not loaded
-    (num_nextn_predict_layers 0), so speculative decoding with MTP is refused by has_mtp."""
+    layers, positions, special tokens) here, every V4 field in `v4` (V4Config). num_nextn_predict_layers is the
+    declared count; loading sets it to what the files hold (weights/name_table_v4.py `v4_checkpoint_config`)."""
     from deepinfer_jax.config_v4 import V4Config
 
     v4 = V4Config.from_hf_dict(d)
@@ -340,7 +340,8 @@ def _v4_config(cls, d: dict[str, Any]) -> "ModelConfig":
         topk_method="noaux_tc", scoring_func=v4.scoring_func, norm_topk_prob=True,
         routed_scaling_factor=v4.routed_scaling_factor, first_k_dense_replace=0, moe_layer_freq=1,
         rms_norm_eps=v4.rms_norm_eps, rope_theta=v4.rope_theta, rope_scaling=None,
-        max_position_embeddings=v4.max_position_embeddings, num_nextn_predict_layers=0,
+        max_position_embeddings=v4.max_position_embeddings,
+        num_nextn_predict_layers=v4.num_nextn_predict_layers,
         tie_word_embeddings=v4.tie_word_embeddings, bos_token_id=v4.bos_token_id, eos_token_id=v4.eos_token_id,
         num_key_value_heads=1, head_dim=v4.head_dim, sliding_window=v4.sliding_window, v4=v4)
 

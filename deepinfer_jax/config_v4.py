@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from deepinfer_jax.config_common import ConfigError, RopeScaling
@@ -67,6 +67,10 @@ class V4Config:
     num_nextn_predict_layers: int
     rms_norm_eps: float
     tie_word_embeddings: bool = False
+    # the MTP layers' attention kinds: DeepSeek's `compress_ratios` lists them after the main layers (the
+    # reference builds MTP layer j as layer num_hidden_layers + j); sliding where the config does not say
+    mtp_layer_types: tuple[str, ...] = ()
+    mtp_in_cache: int = 0  # MTP layers whose rows the paged cache holds (deepseek_mtp speculation)
     bos_token_id: int | None = None
     eos_token_id: int | tuple[int, ...] | None = None
     model_type: str = "deepseek_v4"
@@ -75,6 +79,21 @@ class V4Config:
     def compress_rate(self, layer_type: str) -> int:
         """Source tokens per compressed row of `layer_type`; 0 for sliding layers."""
         return dict(self.compress_rates).get(layer_type, 0)
+
+    def attn_type(self, i: int) -> str:
+        """The attention kind of layer i: a main layer's `layer_types`, or MTP layer i - num_hidden_layers'."""
+        n = self.num_hidden_layers
+        return self.layer_types[i] if i < n else (self.mtp_layer_types[i - n:i - n + 1] or (SLIDING,))[0]
+
+    def mlp_type(self, i: int) -> str:
+        """The MLP kind of layer i; an MTP layer's is scored "moe" (the reference hashes only layers below
+        n_hash_layers, and the MTP layer's index is num_hidden_layers + j)."""
+        return self.mlp_layer_types[i] if i < self.num_hidden_layers else "moe"
+
+    @property
+    def cache_layers(self) -> int:
+        """Layers whose rows the paged cache holds: the main ones and, with MTP speculation, the MTP layers."""
+        return self.num_hidden_layers + self.mtp_in_cache
 
     @property
     def partial_rotary_factor(self) -> float:
@@ -118,6 +137,8 @@ class V4Config:
         if mlp_types is None:
             n_hash = int(get("num_hash_layers", 3))
             mlp_types = ["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash)
+        n_mtp = int(get("num_nextn_predict_layers", 1))
+        mtp_types = tuple((list(layer_types[n:]) + [SLIDING] * n_mtp)[:n_mtp])  # compress_ratios' entries past n
         layer_types, mlp_types = tuple(layer_types[:n]), tuple(mlp_types[:n])
         for name, types, allowed in (("layer_types", layer_types, LAYER_TYPES),
                                      ("mlp_layer_types", mlp_types, MLP_LAYER_TYPES)):
@@ -180,7 +201,8 @@ class V4Config:
             index_n_heads=int(get("index_n_heads", 64)),
             index_head_dim=index_head_dim,
             index_topk=int(get("index_topk", 512)),
-            num_nextn_predict_layers=int(get("num_nextn_predict_layers", 1)),
+            num_nextn_predict_layers=n_mtp,
+            mtp_layer_types=mtp_types,
             rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(get("tie_word_embeddings", False)),
             bos_token_id=d.get("bos_token_id", 0),
@@ -264,13 +286,21 @@ class CacheGroup:
 
     A row is written per `tokens_per_row` tokens (1: per token; m: when a compression window closes).
     `window_tokens` (None: keep everything) bounds what a next query can need: only rows of the last
-    `window_tokens` tokens, so pages wholly before them may go back to the pool."""
+    `window_tokens` tokens, so pages wholly before them may go back to the pool. `page_rows` (0: the cache's
+    page_size): the rows a page of this group holds, a page size of its own for a group whose window is far below
+    a page (the compressors' state, `page_rows_of`)."""
 
     name: str
     layers: tuple[int, ...]
     row_bytes: int  # one row of one layer
     tokens_per_row: int = 1
     window_tokens: int | None = None
+    page_rows: int = 0
+
+    def rows_per_page(self, page_size: int) -> int:
+        """Rows of one page of this group in a cache of `page_size`: page_rows where it divides page_size (so a
+        prefix hit, a multiple of page_size tokens, ends on this group's page boundary), else page_size."""
+        return self.page_rows if self.page_rows and page_size % self.page_rows == 0 else page_size
 
     def rows(self, num_tokens: int) -> int:
         """Rows written once `num_tokens` tokens have been computed (compressed: closed windows only)."""
@@ -279,13 +309,13 @@ class CacheGroup:
     def pages(self, num_tokens: int, page_size: int) -> int:
         """Page slots (per layer) covering every row of `num_tokens` tokens: a compressed group
         needs one page per page_size * tokens_per_row tokens."""
-        return -(-self.rows(num_tokens) // page_size)
+        return -(-self.rows(num_tokens) // self.rows_per_page(page_size))
 
     def first_live_page(self, num_computed: int, page_size: int) -> int:
         """The first page the next token still reads; pages before it can be freed (0: none)."""
         if self.window_tokens is None:
             return 0
-        return max(0, num_computed - self.window_tokens + 1) // page_size
+        return max(0, num_computed - self.window_tokens + 1) // self.rows_per_page(page_size)
 
     def live_pages(self, num_tokens: int, page_size: int) -> int:
         """Pages that must stay allocated after `num_tokens` tokens (what the scheduler holds)."""
@@ -304,17 +334,32 @@ def v4_cache_groups(cfg: V4Config, dtype_bytes: int = 2) -> tuple[CacheGroup, ..
     needs from tokens computed before it. A chunk that ends mid-window leaves them here.
     """
     hd, di = cfg.head_dim, cfg.index_head_dim
-    csa = tuple(i for i, t in enumerate(cfg.layer_types) if t == CSA)
-    hca = tuple(i for i, t in enumerate(cfg.layer_types) if t == HCA)
+    csa = tuple(i for i in range(cfg.cache_layers) if cfg.attn_type(i) == CSA)
+    hca = tuple(i for i in range(cfg.cache_layers) if cfg.attn_type(i) == HCA)
     m, mh = cfg.compress_rate(CSA), cfg.compress_rate(HCA)
-    groups = [CacheGroup("sliding", tuple(range(cfg.num_hidden_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
+    groups = [CacheGroup("sliding", tuple(range(cfg.cache_layers)), hd * dtype_bytes, 1, cfg.sliding_window)]
     if csa:
         groups += [CacheGroup("csa", csa, (hd + di) * dtype_bytes, m),
-                   CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m)]
+                   CacheGroup("csa_state", csa, 2 * 2 * (hd + di) * dtype_bytes, 1, 2 * m, page_rows_of(2 * m))]
     if hca:
         groups += [CacheGroup("hca", hca, hd * dtype_bytes, mh),
-                   CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh)]
+                   CacheGroup("hca_state", hca, 2 * hd * dtype_bytes, 1, mh, page_rows_of(mh))]
     return tuple(groups)
+
+
+def page_rows_of(window: int) -> int:
+    """A state group's own page size: the largest power of two below its window of `window` tokens, so a sequence
+    holds at most cdiv(window - 1, rows) + 2 pages of it, 2 to 3 windows of rows (at V4's CSA window of 8 tokens: 4
+    pages of 4 rows, where pages of 64 tokens held 192 rows). Used where it divides the cache's page_size
+    (`CacheGroup.rows_per_page`)."""
+    return 1 << max(0, (window - 1).bit_length() - 1)
+
+
+def with_mtp_cache(cfg: Any) -> Any:
+    """A deepseek_v4 ModelConfig whose cache holds its first MTP layer's rows too (`deepseek_mtp` speculation, which
+    drafts with MTP layer 0 alone): layer num_hidden_layers of every group its kind uses."""
+    v4 = replace(cfg.v4, mtp_in_cache=min(1, cfg.num_nextn_predict_layers))
+    return replace(cfg, v4=v4)
 
 
 def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:
@@ -323,8 +368,8 @@ def mla_cache_bytes_per_token(cfg: Any, dtype_bytes: int = 2) -> int:
 
 
 def v4_group_page_bytes(group: CacheGroup, page_size: int) -> int:
-    """Bytes of one page of `group`: page_size rows of each of its layers."""
-    return len(group.layers) * page_size * group.row_bytes
+    """Bytes of one page of `group`: its rows a page (`rows_per_page`) of each of its layers."""
+    return len(group.layers) * group.rows_per_page(page_size) * group.row_bytes
 
 
 def v4_max_live_pages(group: CacheGroup, page_size: int, max_model_len: int, max_chunk: int) -> int:
@@ -334,7 +379,19 @@ def v4_max_live_pages(group: CacheGroup, page_size: int, max_model_len: int, max
     full = group.pages(max_model_len, page_size)
     if group.window_tokens is None:
         return full
-    return min(full, -(-(group.window_tokens - 1 + max_chunk) // page_size) + 1)
+    return min(full, -(-(group.window_tokens - 1 + max_chunk) // group.rows_per_page(page_size)) + 1)
+
+
+def v4_table_pages(group: CacheGroup, page_size: int, max_model_len: int, max_step_tokens: int) -> int:
+    """Columns of a step's page table of `group` (runner/inputs.py group_tables): a compressed group's pages of
+    max_model_len; a windowed group's ring, which holds every page a step reads or writes (its window and a step of
+    up to `max_step_tokens` tokens, drafts included) at column page % columns, so the table does not grow with
+    max_model_len (a 1M-token sliding table was 16,384 columns a sequence at 64 rows a page)."""
+    rows = group.rows_per_page(page_size)
+    full = max(1, -(-(max_model_len // group.tokens_per_row) // rows))
+    if group.window_tokens is None:
+        return full
+    return min(full, -(-(group.window_tokens - 1 + max_step_tokens) // rows) + 2)
 
 
 @dataclass(frozen=True)
@@ -364,7 +421,8 @@ def v4_cache_pools(cfg: V4Config, page_size: int, context_pages: int, max_num_se
         if g.window_tokens is None:
             n = g.pages(tokens, page_size) + max_num_seqs
         else:
-            n = max_num_seqs * (-(-(g.window_tokens - 1) // page_size) + 2) + -(-max_chunk // page_size)
+            rows = g.rows_per_page(page_size)
+            n = max_num_seqs * (-(-(g.window_tokens - 1) // rows) + 2) + -(-max_chunk // rows)
         pages.append(max(n, v4_max_live_pages(g, page_size, max_model_len, max_chunk)))
     if len({v4_group_page_bytes(g, page_size) for g in groups}) == 1:
         return CachePools(groups, (0,) * len(groups), (sum(pages) + 1,), page_size, tokens)

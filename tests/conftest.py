@@ -38,6 +38,21 @@ def v4_release(tmp_path_factory):
     return v4_release_dirs(str(tmp_path_factory.mktemp("v4release")))
 
 
+@pytest.fixture(scope="session")
+def v4_mtp_dirs(tmp_path_factory):
+    """(HF's model, the tiny V4 float dir with an MTP block in DeepSeek's names, its FP8 / FP4 release, HF's own
+    save that declares the MTP layer without its tensors), once a session (tests/hf_models_v4.py add_mtp_block)."""
+    from hf_models_v4 import add_mtp_block, build_hf_v4, write_v4_release
+
+    tmp = str(tmp_path_factory.mktemp("v4mtp"))
+    model = build_hf_v4(seed=0, num_nextn_predict_layers=1)
+    bare = os.path.join(tmp, "bare")
+    model.save_pretrained(bare, safe_serialization=True)
+    mtp = add_mtp_block(bare, os.path.join(tmp, "mtp"))
+    release, _ = write_v4_release(mtp, os.path.join(tmp, "release"))
+    return model, mtp, release, bare
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_cache_dir(tmp_path_factory):
     """Every engine of the session (LLM's compilation_cache_dir "default", `serve` and `generate` subprocesses)

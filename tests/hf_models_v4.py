@@ -58,7 +58,41 @@ def build_hf_v4(seed: int = 0, **overrides):
 
 FP8_LINEARS = (".attn.wq_a.weight", ".attn.wq_b.weight", ".attn.wkv.weight", ".attn.wo_a.weight", ".attn.wo_b.weight",
                ".attn.indexer.wq_b.weight", ".shared_experts.w1.weight", ".shared_experts.w2.weight",
-               ".shared_experts.w3.weight")
+               ".shared_experts.w3.weight", ".e_proj.weight", ".h_proj.weight")  # the last two: the MTP block's
+
+
+def add_mtp_block(src: str, dst: str, seed: int = 3, like: int = 2) -> str:
+    """`src` (a tiny V4 float checkpoint saved by HF, which drops MTP) with an MTP block in DeepSeek's released
+    names (`mtp.0.*`): a block shaped as layer `like` (sliding, scored moe: the released MTP layer's kinds), fresh
+    random values, and the MTPBlock's own e_proj, h_proj, enorm, hnorm, norm and hc_head_*; config.json declares
+    num_nextn_predict_layers 1. Returns dst."""
+    import numpy as np
+
+    from hf_models import read_tensors, rewrite_checkpoint
+
+    rng = np.random.default_rng(seed)
+    tensors = read_tensors(src)
+    D = tensors["model.norm.weight"].shape[0]
+    n = tensors["model.hc_head.hc_base"].shape[0]
+
+    def like_values(name, w):
+        if "norm" in name or name.endswith("scale"):
+            return (1.0 + 0.3 * rng.standard_normal(w.shape)).astype(w.dtype)
+        if w.dtype.kind == "f":
+            return (max(float(w.std()), 0.05) * rng.standard_normal(w.shape)).astype(w.dtype)
+        return w
+
+    pre = f"model.layers.{like}."
+    out = dict(tensors)
+    out.update({"mtp.0." + k[len(pre):]: like_values(k, w) for k, w in tensors.items() if k.startswith(pre)})
+    for k in ("enorm", "hnorm", "norm"):
+        out[f"mtp.0.{k}.weight"] = (1.0 + 0.3 * rng.standard_normal(D)).astype(np.float32)
+    for k in ("e_proj", "h_proj"):
+        out[f"mtp.0.{k}.weight"] = (0.2 * rng.standard_normal((D, D))).astype(np.float32)
+    out["mtp.0.hc_head_fn"] = (0.1 * rng.standard_normal((n, n * D))).astype(np.float32)
+    out["mtp.0.hc_head_base"] = (0.5 * rng.standard_normal(n)).astype(np.float32)
+    out["mtp.0.hc_head_scale"] = (1.0 + 0.3 * rng.standard_normal(1)).astype(np.float32)
+    return rewrite_checkpoint(src, dst, out, {"num_nextn_predict_layers": 1})
 
 
 def fp8_ue8m0_blocks(w, block):

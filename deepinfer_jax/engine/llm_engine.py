@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig, SpeculativeConfig
+from deepinfer_jax.config_v4 import with_mtp_cache
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory, v4_pools
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
@@ -72,6 +73,8 @@ class LLMEngine:
             self.spec.check_supported()
             self.spec.check_parallel(getattr(sharding, "pipeline_parallel_size", 1))
         self.spec_stats, self.mtp_proposer = spec_state(self.spec)  # counters; `deepseek_mtp`'s drafts (or None)
+        if self.mtp_proposer and cfg.family == "deepseek_v4" and cfg.has_mtp:  # the pools hold the MTP layer's rows
+            self.cfg = cfg = with_mtp_cache(cfg)
         self.drafter = drafter_for(self.spec, cfg, tokenizer, runner_config, scheduler_config.max_model_len, load_format)
         self.scheduler_config, self.cache_config = scheduler_config, cache_config
         self.max_model_len = scheduler_config.max_model_len
@@ -99,7 +102,7 @@ class LLMEngine:
                 agreed = agree_min(num_pages)
                 if agreed != num_pages:
                     num_pages, how = agreed, f"{agreed} pages (the fewest of the hosts; this one fits {num_pages})"
-            if self.mtp_proposer and num_pages != fallback:  # sized from memory: the MTP's KV is one more layer
+            if self.mtp_proposer and num_pages != fallback and cfg.family != "deepseek_v4":  # MTP KV: one more layer
                 num_pages, how = self.mtp_proposer.pages(cfg, num_pages, how)
         else:
             how = f"{num_pages} pages (set explicitly)"

@@ -172,6 +172,10 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
     from deepinfer_jax.runner.weight_offload import path_key
     from deepinfer_jax.weights.pending import abstract_from_specs
 
+    if model_dir is not None:  # the MTP layers the files hold
+        from deepinfer_jax.weights.name_table_v4 import v4_checkpoint_config
+
+        cfg = v4_checkpoint_config(cfg, model_dir)
     abstract = abstract_from_specs(cfg, jax.numpy.dtype(dtype))
     if model_dir is not None:
         from deepinfer_jax.weights.name_table_v4 import v4_abstract
@@ -334,6 +338,10 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         from deepinfer_jax.weights.loader import check_v4_quantization
 
         check_v4_quantization(quantization)
+        if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
+            with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
+                n_mtp = int(json.load(f)["num_nextn_predict_layers"])
+            cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
                                           by_leaf)
     elif is_converted(model_dir):
@@ -440,9 +448,9 @@ def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tu
     out = []
     for gi, g in enumerate(v4_cache_groups(cfg.v4, item)):
         d = dict(name=g.name, layers=len(g.layers), row_bytes=g.row_bytes, tokens_per_row=g.tokens_per_row,
-                 window=g.window_tokens, page_size=page_size)
+                 window=g.window_tokens, page_size=g.rows_per_page(page_size))  # the state groups' own page size
         if g.window_tokens is None:
-            d["bytes_per_token"] = v4_group_page_bytes(g, page_size) / page_size / g.tokens_per_row
+            d["bytes_per_token"] = v4_group_page_bytes(g, page_size) / d["page_size"] / g.tokens_per_row
         else:
             d["bytes_per_sequence"] = g.window_tokens * g.row_bytes * len(g.layers)
         if pools is not None:

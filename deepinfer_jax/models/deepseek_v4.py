@@ -121,7 +121,7 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
     x [S, D], token_ids [S] -> [S, D]."""
     E, lim = cfg.n_routed_experts, cfg.swiglu_limit
     scores = router_scores(cfg, linear(x, p["gate"]).astype(jnp.float32))  # [S, E]
-    if cfg.mlp_layer_types[layer] == "hash_moe":
+    if cfg.mlp_type(layer) == "hash_moe":
         idx = p["tid2eid"][token_ids]  # [S, k]
     else:
         _, idx = jax.lax.top_k(scores + p["e_score_correction_bias"], cfg.num_experts_per_tok)
@@ -144,10 +144,24 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
 # ---- the model ------------------------------------------------------------------------------------
 
 
-def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None,
-              caches: list | None = None, start: jax.Array | None = None) -> tuple[jax.Array, list | None]:
-    """The final hidden states [S, D] of token_ids [S]: the whole sequence (no caches; positions default to
-    0..S-1), or a chunk at `start` over per-layer caches (`v4_init_caches`), returned updated."""
+def v4_block(cfg: V4Config, i: int, lp: dict, streams: jax.Array, token_ids: jax.Array, positions: jax.Array,
+             cache: dict | None = None, start: jax.Array | None = None) -> tuple[jax.Array, dict | None]:
+    """Layer i (a main layer, or an MTP block at i = num_hidden_layers + j) over streams [S, n, D] -> (streams,
+    its cache updated)."""
+    post, comb, collapsed = hc_mix(cfg, lp["attn_hc"], streams)
+    a, c = v4_attention(cfg, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], cfg.rms_norm_eps),
+                        positions, cache, start)
+    streams = hc_merge(post, comb, a, streams)
+    post, comb, collapsed = hc_mix(cfg, lp["ffn_hc"], streams)
+    m = v4_moe(cfg, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], cfg.rms_norm_eps), token_ids)
+    return hc_merge(post, comb, m, streams), c
+
+
+def v4_streams(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None,
+               caches: list | None = None, start: jax.Array | None = None) -> tuple[jax.Array, list | None]:
+    """The last layer's residual streams [S, n, D] of token_ids [S] (before the hyper head): the whole sequence
+    (no caches; positions default to 0..S-1), or a chunk at `start` over per-layer caches (`v4_init_caches`),
+    returned updated."""
     S = token_ids.shape[0]
     if positions is None:
         positions = jnp.arange(S) if start is None else start + jnp.arange(S)
@@ -155,16 +169,45 @@ def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.A
     streams = jnp.broadcast_to(x[:, None, :], (S, cfg.hc_mult, x.shape[-1]))
     new_caches = []
     for i, lp in enumerate(params["layers"]):
-        post, comb, collapsed = hc_mix(cfg, lp["attn_hc"], streams)
-        a, c = v4_attention(cfg, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], cfg.rms_norm_eps),
-                            positions, None if caches is None else caches[i], start)
+        streams, c = v4_block(cfg, i, lp, streams, token_ids, positions, None if caches is None else caches[i], start)
         new_caches.append(c)
-        streams = hc_merge(post, comb, a, streams)
-        post, comb, collapsed = hc_mix(cfg, lp["ffn_hc"], streams)
-        m = v4_moe(cfg, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], cfg.rms_norm_eps), token_ids)
-        streams = hc_merge(post, comb, m, streams)
-    h = rms_norm(hyper_head(cfg, params["hc_head"], streams), params["final_norm"], cfg.rms_norm_eps)
-    return h, (None if caches is None else new_caches)
+    return streams, (None if caches is None else new_caches)
+
+
+def v4_hidden(cfg: V4Config, params: Any, token_ids: jax.Array, positions: jax.Array | None = None,
+              caches: list | None = None, start: jax.Array | None = None) -> tuple[jax.Array, list | None]:
+    """The final hidden states [S, D] of token_ids [S] (`v4_streams`, then the hyper head and the final norm)."""
+    streams, caches = v4_streams(cfg, params, token_ids, positions, caches, start)
+    return rms_norm(hyper_head(cfg, params["hc_head"], streams), params["final_norm"], cfg.rms_norm_eps), caches
+
+
+# ---- the MTP layer (DeepSeek's MTPBlock) ------------------------------------------------------------
+
+
+def v4_mtp_input(cfg: V4Config, mp: dict, embed: jax.Array, streams: jax.Array, next_ids: jax.Array) -> jax.Array:
+    """The MTP block's input streams [S, n, D]: e_proj(enorm(embed(t_{i+1}))) added to each of h_proj(hnorm(.)) of
+    the main model's last streams [S, n, D] (or the previous MTP pass's output) at position i."""
+    e = linear(rms_norm(embed[next_ids], mp["enorm"], cfg.rms_norm_eps), mp["e_proj"])  # [S, D]
+    h = linear(rms_norm(streams.astype(e.dtype), mp["hnorm"], cfg.rms_norm_eps), mp["h_proj"])  # [S, n, D]
+    return e[:, None, :] + h
+
+
+def v4_mtp_logits(cfg: V4Config, params: Any, streams: jax.Array, j: int = 0) -> jax.Array:
+    """The MTP block's output streams [S, n, D] -> logits [S, V] fp32: its own hyper head and norm, the shared head."""
+    mp = params["mtp"][j]
+    h = rms_norm(hyper_head(cfg, mp["hc_head"], streams), mp["norm"], cfg.rms_norm_eps)
+    return linear(h, params["lm_head"]).astype(jnp.float32)
+
+
+def v4_mtp_forward(cfg: V4Config, params: Any, token_ids: jax.Array, j: int = 0) -> jax.Array:
+    """The reference of MTP layer j (first layer only: j = 0, its input the main model's streams) on one whole
+    sequence token_ids [S]: logits [S, V] of the token at i + 2 from the streams at i and the token at i + 1 (the
+    last position's next token is taken as token 0; its logits mean nothing)."""
+    streams, _ = v4_streams(cfg, params, token_ids)
+    nxt = jnp.concatenate([token_ids[1:], token_ids[:1] * 0])
+    x = v4_mtp_input(cfg, params["mtp"][j], params["embed"], streams, nxt)
+    x, _ = v4_block(cfg, cfg.num_hidden_layers + j, params["mtp"][j]["layer"], x, nxt, jnp.arange(token_ids.shape[0]))
+    return v4_mtp_logits(cfg, params, x, j)
 
 
 def v4_forward(cfg: V4Config, params: Any, token_ids: jax.Array) -> jax.Array:

@@ -93,6 +93,21 @@ def mtp_logits(params: dict, cfg: ModelConfig, h: jax.Array, j: int = 0) -> jax.
     return logits[..., : cfg.vocab_size].astype(jnp.float32)
 
 
+def first_pass_inputs(meta: StepMetadata, sampled: jax.Array, accepted: jax.Array,
+                      num_drafts: int) -> tuple[jax.Array, jax.Array]:
+    """`mtp_propose`'s pass 1 (any family): (last_slot [S], the slot of each sequence row's last accepted position
+    p_r; nxt [T], the token after each slot: the next slot's, the emitted one at p_r)."""
+    S = meta.next_token_ids.shape[0]
+    W, T, host_next = num_drafts + 1, meta.token_ids.shape[0], meta.next_token_ids
+    acc = accepted.reshape(S, W).astype(jnp.int32)
+    n_acc = jnp.sum(jnp.cumprod(acc, axis=1), axis=1)  # [S] leading accepted drafts
+    rows = jnp.arange(S, dtype=jnp.int32) * W + n_acc
+    last_slot = meta.logits_indices[rows]  # [S]
+    emitted = jnp.where(host_next == -1, sampled[rows], host_next)  # [S] the token after p_r
+    nxt = jnp.concatenate([meta.token_ids[1:], meta.token_ids[:1]])  # [T] the next slot's token
+    return last_slot, nxt.at[jnp.where(host_next >= -1, last_slot, T)].set(emitted, mode="drop")
+
+
 def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepMetadata, hidden: jax.Array,
                 sampled: jax.Array, accepted: jax.Array, num_drafts: int, *, attn_impl: str = "reference",
                 moe_impl: str = "ragged", mesh_rules: MeshRules | None = None):
@@ -118,15 +133,8 @@ def mtp_propose(params: dict, cfg: ModelConfig, kv_cache: jax.Array, meta: StepM
     out rank after rank (sharding/data_parallel.py) and the metadata are rank-local but for logits_indices: the
     gathers here index the whole step, and a chained pass's token r (one a row) is row r % (S / R) of its rank."""
     S, P = meta.page_table.shape
-    W, T, ps = num_drafts + 1, meta.token_ids.shape[0], kv_cache.shape[2]
-    host_next = meta.next_token_ids  # [S]
-    acc = accepted.reshape(S, W).astype(jnp.int32)
-    n_acc = jnp.sum(jnp.cumprod(acc, axis=1), axis=1)  # [S] leading accepted drafts
-    rows = jnp.arange(S, dtype=jnp.int32) * W + n_acc
-    last_slot = meta.logits_indices[rows]  # [S]
-    emitted = jnp.where(host_next == -1, sampled[rows], host_next)  # [S] the token after p_r
-    nxt = jnp.concatenate([meta.token_ids[1:], meta.token_ids[:1]])  # [T] the next slot's token
-    nxt = nxt.at[jnp.where(host_next >= -1, last_slot, T)].set(emitted, mode="drop")
+    ps, host_next = kv_cache.shape[2], meta.next_token_ids  # [S]
+    last_slot, nxt = first_pass_inputs(meta, sampled, accepted, num_drafts)
     kw = dict(attn_impl=attn_impl, moe_impl=moe_impl, mesh_rules=mesh_rules)
     h, kv_cache = mtp_layer_paged(params, cfg, kv_cache, meta, hidden, nxt, **kw)
     h = h[last_slot]  # [S, D]

@@ -142,7 +142,7 @@ def v4_layer_cache(cfg: V4Config, layer: int, capacity: int, dtype=jnp.float32) 
     """An empty contiguous cache of one layer for `capacity` tokens: the raw K = V rows and, for CSA /
     HCA layers, the compressors' per-token projections (the `*_state` groups of `v4_cache_groups`,
     unwindowed here), from which the compressed rows are pooled."""
-    lt, hd, di = cfg.layer_types[layer], cfg.head_dim, cfg.index_head_dim
+    lt, hd, di = cfg.attn_type(layer), cfg.head_dim, cfg.index_head_dim
     c = {"raw": jnp.zeros((capacity, hd), dtype)}
     if lt != SLIDING:
         w = (2 if lt == CSA else 1) * hd
@@ -160,7 +160,7 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
     at positions start..start+S-1: its rows and projections are written at `start` and the chunk
     attends over everything written so far, so a chunk that ends mid-window leaves the open window's
     projections for the chunk that closes it."""
-    lt = cfg.layer_types[layer]
+    lt = cfg.attn_type(layer)
     hd = cfg.head_dim
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, positions)
     if cache is None:

@@ -2,7 +2,8 @@
 
 The cache holds what each group of `v4_cache_groups` (config_v4.py) needs, paged per group as the scheduler
 accounts it (scheduler/hybrid_cache_manager.py), one array per pool of the engine's CachePools: [pool pages,
-page elements], group g's page p that pool's row p seen as [layers of g, page_size, row width of g]:
+page elements], group g's page p that pool's row p seen as [layers of g, rows a page of g, row width of g] (rows:
+page_size, or the state groups' own smaller page, CacheGroup.rows_per_page):
   sliding    every layer    `raw`, the roped K = V row [hd] of each token (window sliding_window);
   csa_state  CSA layers     the compressor's `kv`, `gate` [2hd] and the indexer's `idx_kv`, `idx_gate` [2di] of
                             each token (window 2m: a CSA row pools two windows);
@@ -26,6 +27,7 @@ chosen (CSA) or closed (HCA) rows, gathered by slot from the pages, with the sin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 
@@ -52,14 +54,15 @@ def kv_cache_shape(cfg: ModelConfig, num_pages: Any, page_size: int) -> tuple:
     if isinstance(num_pages, CachePools):
         elems = [0] * len(num_pages.pool_pages)
         for g, k in zip(groups, num_pages.pool_of):
-            elems[k] = max(elems[k], len(g.layers) * page_size * g.row_bytes)
+            elems[k] = max(elems[k], len(g.layers) * g.rows_per_page(page_size) * g.row_bytes)
         return tuple((n, e) for n, e in zip(num_pages.pool_pages, elems))
     per_page = sum(len(g.layers) * page_size * g.row_bytes / g.tokens_per_row for g in groups if not g.window_tokens)
     return (num_pages, max(1, math.ceil(per_page)))  # a model of sliding layers only grows nothing: one element
 
 
 def param_specs(cfg: ModelConfig) -> Any:
-    return v4_param_specs(cfg.v4)
+    """The params' specs; MTP layers as ModelConfig.num_nextn_predict_layers says (those the checkpoint holds)."""
+    return v4_param_specs(dataclasses.replace(cfg.v4, num_nextn_predict_layers=cfg.num_nextn_predict_layers))
 
 
 def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *,
@@ -70,13 +73,17 @@ def forward(params: Any, cfg: ModelConfig, token_ids: jax.Array, *,
     return jax.vmap(lambda t: v4_forward(cfg.v4, params, t))(token_ids)
 
 
-class _Cache:
-    """The step's view of the per-pool arrays: read and write one group's rows of one layer."""
+class GroupCache:
+    """The step's view of the per-pool arrays: read and write one group's rows of one layer. Group g's page holds
+    `rows[g]` rows (`CacheGroup.rows_per_page`: the state groups' own page size). A windowed group's page table is
+    a ring (runner/inputs.py group_tables): page i of a sequence at column i % its width, which holds every page a
+    step can read (a window and a chunk); a compressed group's holds page i at column i."""
 
     def __init__(self, cfg: V4Config, arrays: tuple, page_size: int):
         self.groups = v4_cache_groups(cfg, 1)
         self.index = {g.name: gi for gi, g in enumerate(self.groups)}
         self.arrays, self.ps = list(arrays), page_size
+        self.rows = tuple(g.rows_per_page(page_size) for g in self.groups)
         self.pool_of = (0,) * len(self.groups) if len(arrays) == 1 else tuple(range(len(self.groups)))
 
     def layer(self, name: str, i: int) -> tuple[int, int]:
@@ -85,24 +92,32 @@ class _Cache:
         return gi, self.groups[gi].layers.index(i)
 
     def view(self, gi: int) -> jax.Array:
-        """[pages, layers, page_size, width] of group gi."""
+        """[pages, layers, rows a page, width] of group gi."""
         g, a = self.groups[gi], self.arrays[self.pool_of[gi]]
-        return a.reshape(a.shape[0], len(g.layers), self.ps, g.row_bytes)
+        return a.reshape(a.shape[0], len(g.layers), self.rows[gi], g.row_bytes)
 
     def write(self, gi: int, layer: int, slots: jax.Array, rows: jax.Array) -> None:
-        """Rows [T, width] at flat slots [T] (page * page_size + offset) of one layer of group gi."""
-        k, a = self.pool_of[gi], self.arrays[self.pool_of[gi]]
-        v = self.view(gi).at[slots // self.ps, layer, slots % self.ps].set(rows.astype(a.dtype))
+        """Rows [T, width] at flat slots [T] (page * rows a page + offset) of one layer of group gi."""
+        k, a, r = self.pool_of[gi], self.arrays[self.pool_of[gi]], self.rows[gi]
+        v = self.view(gi).at[slots // r, layer, slots % r].set(rows.astype(a.dtype))
         self.arrays[k] = v.reshape(a.shape)
+
+    def pages(self, gi: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """(page ids, offsets in them) [T, n] of row indices pos [T, n]: a windowed group's ring column (pos // rows)
+        % width; a compressed group's column pos // rows, an index past the table clamped (callers mask it)."""
+        r = self.rows[gi]
+        if self.groups[gi].window_tokens is not None:
+            pos = jnp.maximum(pos, 0)
+            return table[seq_ids[:, None], (pos // r) % table.shape[1]], pos % r
+        pos = jnp.clip(pos, 0, table.shape[1] * r - 1)
+        return table[seq_ids[:, None], pos // r], pos % r
 
     def rows_at(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array,
                 cols: slice = slice(None)) -> jax.Array:
         """The rows [T, n, width] (their columns `cols`) at row indices pos [T, n] of each token's sequence (seq_ids
-        [T]), gathered from the pages; an index out of the table's range reads a clamped row (callers mask it)."""
-        pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
-        pages = table[seq_ids[:, None], pos // self.ps]
-        return self.view(gi)[pages, layer, pos % self.ps, cols]
-
+        [T]), gathered from the pages (`pages`: a position outside what the table holds reads some row, masked)."""
+        pages, off = self.pages(gi, table, seq_ids, pos)
+        return self.view(gi)[pages, layer, off, cols]
 
     def flat(self, gi: int) -> jax.Array:
         """Group gi's pool as rows [pages * layers * page_size, width] (a free reshape), for `slots`."""
@@ -111,9 +126,8 @@ class _Cache:
 
     def slots(self, gi: int, layer: int, table: jax.Array, seq_ids: jax.Array, pos: jax.Array) -> jax.Array:
         """`rows_at`'s rows as indices [T, n] into `flat(gi)`."""
-        pos = jnp.clip(pos, 0, table.shape[1] * self.ps - 1)
-        pages = table[seq_ids[:, None], pos // self.ps]
-        return (pages * len(self.groups[gi].layers) + layer) * self.ps + pos % self.ps
+        pages, off = self.pages(gi, table, seq_ids, pos)
+        return (pages * len(self.groups[gi].layers) + layer) * self.rows[gi] + off
 
 
 def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid: jax.Array, width: int,
@@ -136,7 +150,7 @@ def _pool_closing(cfg: V4Config, p: dict, kv: jax.Array, gate: jax.Array, valid:
     return rope_tail(pooled, cos, sin)
 
 
-def _csa_pallas_topk(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, cache: _Cache, ci: int, cl: int,
+def _csa_pallas_topk(cfg: V4Config, p: dict, x: jax.Array, q_res: jax.Array, cache: GroupCache, ci: int, cl: int,
                      table: jax.Array, meta: StepMetadata, interpret: bool) -> tuple[jax.Array, jax.Array]:
     """The indexer's top-k of one CSA layer through V3.2's paged-scores kernel (kernels/dsa_indexer.py) -> (idx,
     valid [T, k]) row indices. Layout shim: the csa group's view [pages, layers, ps, hd + di] is the kernel's
@@ -167,7 +181,7 @@ def _blocks(fn, args: tuple, T: int, block: int):
     return out.reshape(nb * block, *out.shape[2:])[:T]
 
 
-def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache, meta: StepMetadata,
+def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupCache, meta: StepMetadata,
                      attn_impl: str = "reference", token_block: int = TOKEN_BLOCK) -> jax.Array:
     """Layer i's attention for the step's tokens x [T, D] -> [T, D], its rows written into `cache`.
 
@@ -177,7 +191,7 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     O(block x (W + topk + context / m + context / m')) and never O(T x context) (the indexer's key rows are the
     `context / m` term). "pallas": the indexer's scores [T, context / m] from the pages in a kernel, then one
     kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA."""
-    lt, hd = cfg.layer_types[i], cfg.head_dim
+    lt, hd = cfg.attn_type(i), cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
     q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
 
@@ -208,7 +222,7 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
         ci, cl = cache.layer(name, i)
         c_table, c_slots = meta.groups[ci]
         cache.write(ci, cl, c_slots, row)  # only a token closing its window has a slot off the null page
-        R = c_table.shape[1] * cache.ps  # row indices of a sequence's compressed history
+        R = c_table.shape[1] * cache.rows[ci]  # row indices of a sequence's compressed history
         if csa and attn_impl != "reference":
             pick = _csa_pallas_topk(cfg, p["indexer"], x, q_res, cache, ci, cl, c_table, meta,
                                     attn_impl == "pallas_interpret")
@@ -256,11 +270,35 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: _Cache
     return _blocks(block, (x, q, q_res, pos, seq, cos, sin) + tuple(pick), x.shape[0], token_block)
 
 
+def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: GroupCache, meta: StepMetadata,
+                attn_impl: str, moe_impl: str) -> jax.Array:
+    """Layer i (a main layer, or an MTP layer's block at i = num_hidden_layers + j) over the step's streams
+    [T, n, D] -> [T, n, D], its rows written into `cache`."""
+    post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
+    a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
+                         meta, attn_impl, TOKEN_BLOCK)
+    streams = hc_merge(post, comb, a, streams)
+    post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
+    m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
+               meta.token_ids, impl=moe_impl)
+    return hc_merge(post, comb, m, streams)
+
+
+def step_cache(cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata) -> GroupCache:
+    """The step's view of the pools (page size from the sliding pool: [cache layers, page_size, head_dim] a page)."""
+    v4 = cfg.v4
+    if meta.groups is None:
+        raise ValueError("deepseek_v4's paged forward needs the step's per-group page tables (StepMetadata.groups)")
+    page_size = kv_cache[0].shape[1] // (v4.cache_layers * v4.head_dim)
+    return GroupCache(v4, tuple(kv_cache), page_size)
+
+
 def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, *,
                   moe_impl: str = "ragged", attn_impl: str = "reference", return_routing: bool = False,
-                  unroll: Any = 1, mesh_rules: Any = None):
+                  unroll: Any = 1, mesh_rules: Any = None, return_hidden: bool = False):
     """-> (logits [S, V] fp32, updated kv_cache: one array per pool) for one ragged step; prefill, chunked prefill
-    and decode alike.
+    and decode alike. `return_hidden`: also every slot's last streams [T, n, D] before the hyper head (the MTP
+    layer's input, models/v4_mtp.py), as the last output.
     `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
     float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
     apply (V4's layers differ in kind and run as a Python loop)."""
@@ -270,24 +308,14 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     if mesh_rules is not None:
         raise ValueError("deepseek_v4 runs on one device (no tensor / data / expert parallel layout yet)")
     v4 = cfg.v4
-    if meta.groups is None:
-        raise ValueError("deepseek_v4's paged forward needs the step's per-group page tables (StepMetadata.groups)")
-    page_size = kv_cache[0].shape[1] // (v4.num_hidden_layers * v4.head_dim)  # pool 0 holds `sliding`: [L, ps, hd]
-    cache = _Cache(v4, tuple(kv_cache), page_size)
+    cache = step_cache(cfg, kv_cache, meta)
     x = params["embed"][meta.token_ids]  # [T, D]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
-        post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
-        a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
-                             meta, attn_impl, TOKEN_BLOCK)
-        streams = hc_merge(post, comb, a, streams)
-        post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
-        m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
-                   meta.token_ids, impl=moe_impl)
-        streams = hc_merge(post, comb, m, streams)
+        streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
-    kv_cache = tuple(cache.arrays)
+    out = (logits, tuple(cache.arrays))
     if return_routing:
-        return logits, kv_cache, jnp.zeros((0, x.shape[0], 0), jnp.int32)
-    return logits, kv_cache
+        out += (jnp.zeros((0, x.shape[0], 0), jnp.int32),)
+    return out + (streams,) if return_hidden else out

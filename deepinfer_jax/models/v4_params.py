@@ -19,6 +19,9 @@ and 1 for HCA, nI / di index heads / index head dim):
                                      kv_norm [di], q_b_proj [Rq, nI, di], weights_proj [D, nI]}},
               moe: {gate [D, E], e_score_correction_bias [E] (moe) | tid2eid [V, k] int32 (hash_moe),
                     experts: {gate_up [E, D, 2, I], down [E, I, D]}, shared: {gate_up [D, 2, I], down [I, D]}}}
+  mtp[j] (num_nextn_predict_layers): {enorm [D], hnorm [D], e_proj [D, D], h_proj [D, D], norm [D],
+              hc_head: {fn [n*D, n], base [n], scale [1]}, layer: a layers[i] dict of layer num_hidden_layers + j
+              (its attention kind `V4Config.attn_type`, a scored "moe")}
 """
 
 from __future__ import annotations
@@ -56,7 +59,7 @@ def v4_layer_specs(cfg: V4Config, i: int) -> dict[str, Any]:
     D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     Rq, g, r = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank
     E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
-    lt = cfg.layer_types[i]
+    lt = cfg.attn_type(i)
     attn: dict[str, Any] = {
         "q_a_proj": ParamSpec((D, Rq), ("embed", "q_lora")),
         "q_a_norm": ParamSpec((Rq,), ("q_lora",)),
@@ -87,7 +90,7 @@ def v4_layer_specs(cfg: V4Config, i: int) -> dict[str, Any]:
             "down": ParamSpec((I, D), ("mlp", "embed")),
         },
     }
-    if cfg.mlp_layer_types[i] == "hash_moe":
+    if cfg.mlp_type(i) == "hash_moe":
         moe["tid2eid"] = ParamSpec((cfg.vocab_size, cfg.num_experts_per_tok), ("vocab", None), "int32")
     else:
         moe["e_score_correction_bias"] = ParamSpec((E,), (None,), "float32")
@@ -102,15 +105,33 @@ def v4_layer_specs(cfg: V4Config, i: int) -> dict[str, Any]:
     }
 
 
+def v4_mtp_specs(cfg: V4Config, j: int) -> dict[str, Any]:
+    """MTP layer j (DeepSeek's MTPBlock): the block of layer num_hidden_layers + j, the projections of the token's
+    embedding and of the main model's streams into it, and its own hyper head and final norm."""
+    D = cfg.hidden_size
+    return {
+        "enorm": ParamSpec((D,), ("embed",)),
+        "hnorm": ParamSpec((D,), ("embed",)),
+        "e_proj": ParamSpec((D, D), ("embed", None)),
+        "h_proj": ParamSpec((D, D), ("embed", None)),
+        "norm": ParamSpec((D,), ("embed",)),
+        "hc_head": _hc_specs(cfg, cfg.hc_mult, 1),
+        "layer": v4_layer_specs(cfg, cfg.num_hidden_layers + j),
+    }
+
+
 def v4_param_specs(cfg: V4Config) -> dict[str, Any]:
     D, V = cfg.hidden_size, cfg.vocab_size
-    return {
+    specs = {
         "embed": ParamSpec((V, D), ("vocab", "embed")),
         "final_norm": ParamSpec((D,), ("embed",)),
         "lm_head": ParamSpec((D, V), ("embed", "vocab")),
         "hc_head": _hc_specs(cfg, cfg.hc_mult, 1),
         "layers": [v4_layer_specs(cfg, i) for i in range(cfg.num_hidden_layers)],
     }
+    if cfg.num_nextn_predict_layers:
+        specs["mtp"] = [v4_mtp_specs(cfg, j) for j in range(cfg.num_nextn_predict_layers)]
+    return specs
 
 
 def v4_logical_axes(cfg: V4Config) -> Any:

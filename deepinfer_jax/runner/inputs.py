@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from deepinfer_jax.config_v4 import v4_table_pages
 from deepinfer_jax.models.cache import NULL_PAGE, StepMetadata
 from deepinfer_jax.models.decode_kernels import decode_kernel_step
 from deepinfer_jax.sampling import SamplingTensors, make_key_data_batch
@@ -211,22 +212,33 @@ def build_metadata(plan_seqs, shapes: Shapes, bucket: int, mark_context: bool = 
 
 
 def group_tables(plan_seqs, shapes: Shapes, S: int, bucket: int, seq_of: np.ndarray, pos: np.ndarray) -> tuple:
-    """Per cache group of `shapes.kv_pools`: (page_table [S, pages of max_model_len], slot_mapping [bucket]). A token
-    writes a row of a compressed group (a row per `tokens_per_row` tokens) only when it closes the row's window
-    (pos + 1 a multiple of the rate); other tokens, and padding, write into the null page."""
+    """Per cache group of `shapes.kv_pools`: (page_table [S, columns], slot_mapping [bucket]), slots in the group's
+    own rows a page (`CacheGroup.rows_per_page`). A compressed group's table holds a sequence's page i at column i
+    (pages of max_model_len); a windowed group's is a ring (config_v4.py `v4_table_pages`): its live pages at column
+    i % columns, the freed ones (null) left out. A token writes a row of a compressed group (a row per
+    `tokens_per_row` tokens) only when it closes the row's window (pos + 1 a multiple of the rate); other tokens,
+    and padding, write into the null page."""
     ps, T = shapes.page_size, len(pos)
+    step = shapes.buckets[-1] + 2 * shapes.spec_width  # a chunk, its drafts and the MTP's chained positions
     out = []
     for gi, g in enumerate(shapes.kv_pools.groups):
-        r = g.tokens_per_row
-        width = max(1, -(-(shapes.max_model_len // r) // ps))
+        r, rows, ring = g.tokens_per_row, g.rows_per_page(ps), g.window_tokens is not None
+        width = v4_table_pages(g, ps, shapes.max_model_len, step)
         table = np.full((S, width), NULL_PAGE, np.int32)
         for row, seq in enumerate(plan_seqs):
-            ids = seq.group_page_ids[gi]
-            table[row, : len(ids)] = ids
-        slots = (NULL_PAGE * ps + np.arange(bucket) % ps).astype(np.int32)
+            ids = np.asarray(seq.group_page_ids[gi], np.int32)
+            if ring:
+                live = np.flatnonzero(ids != NULL_PAGE)
+                if len(live) and live[-1] - live[0] >= width:
+                    raise ValueError(f"cache group {g.name}: {live[-1] - live[0] + 1} live pages exceed its ring "
+                                     f"of {width}")
+                table[row, live % width] = ids[live]
+            else:
+                table[row, : len(ids)] = ids
+        slots = (NULL_PAGE * rows + np.arange(bucket) % rows).astype(np.int32)
         w = pos // r
-        real = table[seq_of, np.minimum(w // ps, width - 1)] * ps + w % ps
-        slots[:T] = np.where((pos + 1) % r == 0, real, NULL_PAGE * ps)
+        col = (w // rows) % width if ring else np.minimum(w // rows, width - 1)
+        slots[:T] = np.where((pos + 1) % r == 0, table[seq_of, col] * rows + w % rows, NULL_PAGE * rows)
         out.append((table, slots))
     return tuple(out)
 

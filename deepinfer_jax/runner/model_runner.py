@@ -95,7 +95,7 @@ class ModelRunner:
             if shapes.mtp_drafts:  # the MTP layer's latents as one more layer (runner/spec_mtp.py)
                 shape = spec_mtp.kv_cache_shape(shape)
             self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
-        elif shapes.mtp_drafts:
+        elif shapes.mtp_drafts and shapes.kv_pools is None:  # V4's pools hold the MTP layer already (mtp_in_cache)
             self.kv_cache = jnp.zeros(spec_mtp.kv_cache_shape(kv_cache_shape(cfg, num_pages, shapes.page_size)),
                                       self.kv_dtype)
         else:

@@ -16,8 +16,11 @@ def check_supported(cfg: ModelConfig, family: str, collect_routing: bool) -> Non
     if not cfg.has_mtp:
         raise ValueError("speculative_config method 'deepseek_mtp' needs a checkpoint with MTP weights "
                          "(num_nextn_predict_layers > 0 and the layer's tensors present); this one has none")
-    if family != "deepseek" or cfg.has_indexer:
-        raise ValueError(f"speculative_config method 'deepseek_mtp' runs on DeepSeek-V2/V3 models, not "
+    if family == "deepseek_v4":
+        if cfg.v4.mtp_in_cache < 1:
+            raise ValueError("deepseek_v4's cache has no rows for the MTP layer (config_v4.with_mtp_cache, which LLMEngine applies)")
+    elif family != "deepseek" or cfg.has_indexer:
+        raise ValueError(f"speculative_config method 'deepseek_mtp' runs on DeepSeek-V2/V3/V4 models, not "
                          f"{cfg.model_type!r}{' with sparse attention' if cfg.has_indexer else ''}")
     if collect_routing:
         raise ValueError("speculative_config method 'deepseek_mtp' is not supported with collect_routing")

@@ -24,6 +24,7 @@ import numpy as np
 
 from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.mtp import mtp_propose
+from deepinfer_jax.models.v4_mtp import v4_mtp_propose
 from deepinfer_jax.models.registry import family_of
 from deepinfer_jax.runner import program_cache
 from deepinfer_jax.runner.inputs import Shapes
@@ -203,7 +204,7 @@ class StepPrograms:
                 switches = {k: v for k, v in rc.forward_switches().items() if k in fam.forward_switches}
                 if fetch is not None:
                     switches["layer_fetch"] = fetch
-                if mtp:  # the MTP's input: every slot's final-normed hidden state
+                if mtp:  # the MTP's input: every slot's final-normed hidden state (V4: its last streams)
                     switches["return_hidden"] = True
                 out = fam.forward_paged(params, cfg, kv_cache, meta, moe_impl=rc.moe_impl, attn_impl=rc.attn_impl,
                                         return_routing=rc.collect_routing or count, unroll=unroll,
@@ -262,9 +263,13 @@ class StepPrograms:
                 if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
                     (meta, hidden), routing = routing, None
                     mtp_params = to_device({k: v for k, v in params.items() if k != "segments"})  # (--cpu-offload-gb)
-                    drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
-                                                   sampled.accepted, K, attn_impl=rc.attn_impl, moe_impl=rc.moe_impl,
-                                                   mesh_rules=mesh_rules)
+                    kw = dict(attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
+                    if cfg.family == "deepseek_v4":
+                        drafts, kv_cache = v4_mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
+                                                          sampled.accepted, K, **kw)
+                    else:
+                        drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
+                                                       sampled.accepted, K, mesh_rules=mesh_rules, **kw)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
                 return (sampled, routing, load), nxt, kv_cache
 

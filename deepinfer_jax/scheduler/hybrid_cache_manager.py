@@ -1,7 +1,8 @@
 """Hybrid KV cache manager: a page table per cache group per request (DeepSeek-V4's `v4_cache_groups`), the
 accounting of vLLM's hybrid KV cache manager, behind KVCacheManager's protocol (kv_cache_manager.py).
 
-A group's page holds `page_size` rows of each of its layers; a row stands for `tokens_per_row` tokens (1 for the
+A group's page holds `rows_per_page(page_size)` rows of each of its layers (page_size, or the compressors' state
+groups' own smaller page: config_v4.py `page_rows_of`); a row stands for `tokens_per_row` tokens (1 for the
 windowed groups, the compression rate for `csa` / `hca`). After `n` computed tokens a request's table of a group
 covers `group.pages(n)` pages, page i at index i. Pools: `CachePools` (config_v4.py) gives each group its pool,
 one shared pool when the groups' pages have equal bytes, else one per group.
@@ -12,9 +13,9 @@ one shared pool when the groups' pages have equal bytes, else one per group.
   back even when the allocation then fails: no later token reads them.)
 - `allocate_slots(req, k)` needs `pages(n + k) - pages(n)` new pages in each group, all or nothing over the
   groups and pools; `free` returns every group's pages, tail first.
-- Prefix caching: page i of a group is cached under the hash of the token blocks up to its last token (block
-  `(i + 1) * tokens_per_row - 1` of the request's page_size-token chain), keyed by group, so it names exactly
-  the rows it holds. A hit of h tokens needs every compressed group's pages of those h tokens and each windowed
+- Prefix caching: page i of a group is cached under the hash of the token blocks up to the one holding its last
+  token (of the request's page_size-token chain), keyed by group and page index, so it names exactly the rows it
+  holds (a smaller page is cached once the block holding its last token is full). A hit of h tokens needs every compressed group's pages of those h tokens and each windowed
   group's pages from `first_live_page(h)` on (null before); h is a multiple of every compressed group's page
   span (page_size * rate), the longest such h whose pages are all cached. The hit (`GroupHit`) is what
   `allocate_slots` takes.
@@ -67,7 +68,7 @@ class HybridKVCacheManager:
                     names = [g.name for g, j in zip(self.groups, pools.pool_of) if j == k]
                     raise ValueError(f"the pool of cache groups {names} has {pool.num_usable_blocks} usable pages, "
                                      f"fewer than the {n} one sequence of max_model_len {max_model_len} needs")
-        spans = [ps * g.tokens_per_row for g in self.groups if g.window_tokens is None]
+        spans = [g.rows_per_page(ps) * g.tokens_per_row for g in self.groups if g.window_tokens is None]
         self.hit_granularity = math.lcm(ps, *spans)  # tokens a prefix hit is a multiple of
         self._blocks: dict[str, list[list[int]]] = {}
         self._skipped: dict[str, list[int]] = {}  # per group: pages before this index are null (windowed)
@@ -101,8 +102,13 @@ class HybridKVCacheManager:
     def _key(self, gi: int, token_hash: BlockHash) -> BlockHash:
         return bytes([gi]) + token_hash
 
+    def _page_block(self, gi: int, page: int) -> int:
+        """The index of the page_size-token block holding the last token of group gi's page `page`."""
+        g = self.groups[gi]
+        return ((page + 1) * g.rows_per_page(self.page_size) * g.tokens_per_row - 1) // self.page_size
+
     def _page_key(self, gi: int, page: int, hashes: list[BlockHash]) -> BlockHash:
-        return self._key(gi, hashes[(page + 1) * self.groups[gi].tokens_per_row - 1])
+        return self._key(gi, hashes[self._page_block(gi, page)]) + page.to_bytes(8, "little")
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])
@@ -124,7 +130,7 @@ class HybridKVCacheManager:
                 pc, n = self.prefix_caches[self.pools_spec.pool_of[gi]], 0
                 while n < g.pages(limit, ps) and pc.get(self._page_key(gi, n, hashes)) is not None:
                     n += 1
-                limit = min(limit, n * ps * g.tokens_per_row) // G * G
+                limit = min(limit, n * g.rows_per_page(ps) * g.tokens_per_row) // G * G
         for h in range(limit, 0, -G):
             hit = self._hit_at(h, hashes)
             if hit is not None:
@@ -213,11 +219,13 @@ class HybridKVCacheManager:
             return
         hashes = None
         for gi, g in enumerate(self.groups):
-            full = min(g.rows(request.num_computed_tokens) // self.page_size, len(blocks[gi]))
+            full = min(g.rows(request.num_computed_tokens) // g.rows_per_page(self.page_size), len(blocks[gi]))
             start = self._num_cached[rid][gi]
             if full <= start:
                 continue
             hashes = hashes or self._block_hashes(request)
+            while full > start and self._page_block(gi, full - 1) >= len(hashes):  # its last block not full yet
+                full -= 1
             for i in range(start, full):
                 if blocks[gi][i] != NULL_BLOCK_ID:
                     self._pool(gi).cache_block(blocks[gi][i], self._page_key(gi, i, hashes))

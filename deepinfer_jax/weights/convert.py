@@ -193,8 +193,9 @@ def _convert_v4(src: str, dst: str, cfg: ModelConfig, hf_config: dict, dtype: st
     """DeepSeek-V4: the checkpoint read and checked by its name table (weights/name_table_v4.py), on the host, in
     `dtype`, then written unit by unit (orbax_io: "top" and one unit per layer). Float weights only: a released
     FP8 / FP4 checkpoint is dequantized (served in its own formats from the HF directory instead)."""
-    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint
+    from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint, v4_checkpoint_config
 
+    cfg = v4_checkpoint_config(cfg, src)  # its MTP layers where the files have them (unit "mtp_J")
     if quantize != "none":
         raise ValueError(f"--quantize {quantize} is not supported for deepseek_v4 (float conversions only; serve "
                          f"the HF directory {src} to keep a released checkpoint's FP8 / FP4 weights)")

@@ -11,8 +11,11 @@ the index inside it, the transform from HF's `[out, in]` layout to ours), as `na
 V2 / V3. `load_v4_checkpoint` checks all of them (a missing or misshapen tensor is named) and
 assembles the params on the host, then on the device.
 
-Tensors HF itself does not load are skipped by name: the MTP block (`mtp.*`: HF's
-`_keys_to_ignore_on_load_unexpected`) and rotary buffers. FP8 / FP4 weights as DeepSeek releases them
+The MTP block as DeepSeek releases it (`mtp.{j}.*`, which HF skips by its `_keys_to_ignore_on_load_unexpected`)
+loads as params["mtp"][j] where the checkpoint has it: its own `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm`,
+`hc_head_*` and a block named as a layer's (`mtp.{j}.attn.wq_a`, `mtp.{j}.ffn.experts.3.w1`, ...; canonical
+`mtp.{j}.self_attn.q_a_proj`, ...). A config that declares MTP layers the files do not have loads without them
+(`v4_checkpoint_config`); rotary buffers are skipped by name. FP8 / FP4 weights as DeepSeek releases them
 (`X.scale` beside `X.weight`) are read by weights/v4_native.py: kept as Fp8Weight / Fp4Weight leaves, or
 dequantized with quantization "none".
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import re
 from typing import Any
@@ -36,6 +40,8 @@ from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, in
 from deepinfer_jax.weights.v4_native import (V4Quant, check_quantized, dequantized, leaf_kinds, leaf_shapes,
                                              quant_index, read_quantized, scale_aliases, stored_kind,
                                              v4_quant_config)
+
+log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 INT_DTYPES = ("I64", "I32")
@@ -64,8 +70,19 @@ _RENAMES = [(re.compile(a), b) for a, b in (
 )]
 
 
+_MTP = re.compile(r"^(?:model\.)?mtp\.(\d+)\.(.*)$")
+_MTP_OWN = ("e_proj.", "h_proj.", "enorm.", "hnorm.", "norm.", "hc_head_")  # MTPBlock's own, beside its block
+
+
 def canonical_v4_name(name: str) -> str:
-    """HF's module name of a V4 tensor named either way (see the module docstring)."""
+    """HF's module name of a V4 tensor named either way (see the module docstring); an MTP block's tensors as
+    `mtp.{j}.` and its own name or a layer's canonical name inside the layer."""
+    m = _MTP.match(name)
+    if m:
+        j, rest = m.groups()
+        if rest.startswith(_MTP_OWN):
+            return f"mtp.{j}.{rest}"
+        return f"mtp.{j}." + canonical_v4_name(f"layers.0.{rest}")[len("model.layers.0."):]
     bare = name[len("model."):] if name.startswith("model.") else name
     for pat, rep in _RENAMES:
         bare = pat.sub(rep, bare)
@@ -111,13 +128,14 @@ def _pool_rules(pre: str, path: tuple, width: int, series: int, rate: int, D: in
     ]
 
 
-def v4_layer_rules(cfg: V4Config, i: int, fused: bool = True) -> list[TensorRule]:
+def v4_layer_rules(cfg: V4Config, i: int, fused: bool = True, pre: str | None = None,
+                   lp: tuple | None = None) -> list[TensorRule]:
     """Rules of layer `i`; `fused`: its routed experts are stored as HF v5's fused 3-D tensors, else
-    one gate / up / down matrix per expert."""
+    one gate / up / down matrix per expert. `pre` / `lp`: another name prefix and param path (an MTP block)."""
     D, H, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
     Rq, g, r, n = cfg.q_lora_rank, cfg.o_groups, cfg.o_lora_rank, cfg.hc_mult
     E, I, V, k = cfg.n_routed_experts, cfg.moe_intermediate_size, cfg.vocab_size, cfg.num_experts_per_tok
-    pre, lp = f"model.layers.{i}", ("layers", i)
+    pre, lp = pre or f"model.layers.{i}", lp or ("layers", i)
     a, sa = lp + ("attn",), f"{pre}.self_attn"
     rules = [
         TensorRule(f"{pre}.input_layernorm.weight", (D,), lp + ("input_layernorm",), (), _identity, False),
@@ -139,7 +157,7 @@ def v4_layer_rules(cfg: V4Config, i: int, fused: bool = True) -> list[TensorRule
         TensorRule(f"{sa}.o_a_proj.weight", (g * r, H * hd // g), a + ("o_a_proj",), (), _grouped_out(g, r)),
         TensorRule(f"{sa}.o_b_proj.weight", (D, g * r), a + ("o_b_proj",), (), _t),
     ]
-    lt = cfg.layer_types[i]
+    lt = cfg.attn_type(i)
     if lt != SLIDING:
         rules += _pool_rules(f"{sa}.compressor", a + ("compressor",), hd, 2 if lt == CSA else 1, cfg.compress_rate(lt), D)
     if lt == CSA:
@@ -151,7 +169,7 @@ def v4_layer_rules(cfg: V4Config, i: int, fused: bool = True) -> list[TensorRule
         ]
     m = lp + ("moe",)
     rules.append(TensorRule(f"{pre}.mlp.gate.weight", (E, D), m + ("gate",), (), _t, False))
-    if cfg.mlp_layer_types[i] == "hash_moe":
+    if cfg.mlp_type(i) == "hash_moe":
         rules.append(TensorRule(f"{pre}.mlp.gate.tid2eid", (V, k), m + ("tid2eid",), (), _identity, False))
     else:
         rules.append(TensorRule(f"{pre}.mlp.gate.e_score_correction_bias", (E,), m + ("e_score_correction_bias",), (), _identity, False))
@@ -190,7 +208,47 @@ def v4_expected_tensors(cfg: V4Config, fused_layers: frozenset[int] = frozenset(
     rules.append(TensorRule(lm_src, (V, D), ("lm_head",), (), _t, False))
     for i in range(cfg.num_hidden_layers):
         rules += v4_layer_rules(cfg, i, i in fused_layers)
+    for j in range(cfg.num_nextn_predict_layers):
+        rules += v4_mtp_rules(cfg, j, cfg.num_hidden_layers + j in fused_layers)
     return rules
+
+
+def v4_mtp_rules(cfg: V4Config, j: int, fused: bool) -> list[TensorRule]:
+    """MTP layer j: its own tensors (e_proj / h_proj may be FP8 as released) and its block, layer L + j's rules."""
+    D, n, pre, mp = cfg.hidden_size, cfg.hc_mult, f"mtp.{j}", ("mtp", j)
+    rules = [TensorRule(f"{pre}.{k}.weight", (D,), mp + (k,), (), _identity, False) for k in ("enorm", "hnorm", "norm")]
+    rules += [TensorRule(f"{pre}.{k}.weight", (D, D), mp + (k,), (), _t) for k in ("e_proj", "h_proj")]
+    rules += [
+        TensorRule(f"{pre}.hc_head_fn", (n, n * D), mp + ("hc_head", "fn"), (), _t, False),
+        TensorRule(f"{pre}.hc_head_base", (n,), mp + ("hc_head", "base"), (), _identity, False),
+        TensorRule(f"{pre}.hc_head_scale", (1,), mp + ("hc_head", "scale"), (), _identity, False),
+    ]
+    return rules + v4_layer_rules(cfg, cfg.num_hidden_layers + j, fused, pre, mp + ("layer",))
+
+
+def mtp_layers_on_disk(names) -> int:
+    """MTP blocks (`mtp.{j}.*`) the tensor names hold: the count of leading j with a tensor."""
+    present = {int(m.group(1)) for n in names if (m := _MTP.match(n))}
+    j = 0
+    while j in present:
+        j += 1
+    return j
+
+
+def v4_checkpoint_config(cfg: Any, model_dir: str) -> Any:
+    """`cfg` (a ModelConfig of deepseek_v4, or its V4Config) with num_nextn_predict_layers what the files hold: a
+    config that declares MTP layers whose tensors are absent (HF's save_pretrained drops them) loads without
+    them, and speculative decoding with MTP is then refused."""
+    v4 = getattr(cfg, "v4", None) or cfg
+    if not v4.num_nextn_predict_layers:
+        return cfg
+    n = min(v4.num_nextn_predict_layers, mtp_layers_on_disk(index_checkpoint(model_dir)))
+    if n == v4.num_nextn_predict_layers:
+        return cfg
+    log.info("config names %d MTP layer(s) but the checkpoint has %d; loading without them",
+             v4.num_nextn_predict_layers, n)
+    v4 = dataclasses.replace(v4, num_nextn_predict_layers=n)
+    return v4 if cfg is v4 or not hasattr(cfg, "v4") else dataclasses.replace(cfg, v4=v4, num_nextn_predict_layers=n)
 
 
 def v4_is_ignored(name: str) -> bool:
@@ -244,7 +302,7 @@ def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config |
     an unexpected one (a name this table does not know) is an error, so a renamed layout fails loudly.
     `quantization` None / "auto": FP8 / FP4 tensors kept (weights/v4_native.py); "none": dequantized to `dtype`.
     `on_host`: the params as numpy arrays (the converter's), else on the default device."""
-    cfg = cfg or V4Config.from_model_dir(model_dir)
+    cfg = v4_checkpoint_config(cfg or V4Config.from_model_dir(model_dir), model_dir)
     tensors, rules, kinds, leaves, quant = check_v4_checkpoint(model_dir, cfg)
     keep = quantization in (None, "auto")
     specs = v4_param_specs(cfg)
@@ -284,7 +342,7 @@ def v4_abstract(model_dir: str, cfg: V4Config, abstract: Any, quantization: str 
 
     if quantization not in (None, "auto"):
         return abstract
-    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, cfg)
+    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, v4_checkpoint_config(cfg, model_dir))
     for path, kind in leaves.items():
         leaf = _leaf(abstract, path)
         _leaf(abstract, path[:-1])[path[-1]] = abstract_leaf(kind, path, leaf.shape, quant, leaf.sharding)

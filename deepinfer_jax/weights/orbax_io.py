@@ -68,8 +68,9 @@ def checkpoint_units(cfg: ModelConfig) -> list[Unit]:
     specs = param_specs(cfg)
     if cfg.family == "deepseek_v4":  # one dict per layer (models/v4_params.py): nothing stacked
         top = {k: specs[k] for k in ("embed", "final_norm", "lm_head", "hc_head")}
-        return [Unit("top", (), None, top)] + [Unit(f"layer_{i:03d}", ("layers", i), None, lp)
-                                                for i, lp in enumerate(specs["layers"])]
+        return ([Unit("top", (), None, top)] + [Unit(f"layer_{i:03d}", ("layers", i), None, lp)
+                                                 for i, lp in enumerate(specs["layers"])]
+                + [Unit(f"mtp_{j}", ("mtp", j), None, mp) for j, mp in enumerate(specs.get("mtp", []))])
     units = [Unit("top", (), None, {k: specs[k] for k in ("embed", "final_norm", "lm_head")})]
     for si, seg in enumerate(layer_segments(cfg)):
         # one layer's specs: the segment's stacked specs without their leading "layers" axis (any family)

@@ -15,7 +15,8 @@ from deepinfer_jax.config_v4 import v4_cache_groups
 from deepinfer_jax.models import v4_paged
 from deepinfer_jax.models.cache import StepMetadata
 
-PS, LENS, MAX_LEN = 4, (37, 22), 48  # contexts past the window (8) and several CSA (4) / HCA (8) windows
+# contexts past the window (8) and several CSA (4) / HCA (8) windows; pages of 8 rows, the state groups' own of 4
+PS, LENS, MAX_LEN = 8, (37, 22), 48
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +52,7 @@ def _tables(cfg):
     """Per group (a pool each), distinct pages for each sequence: [S, pages of MAX_LEN] tables, page 0 null."""
     tables = []
     for g in v4_cache_groups(cfg.v4, 1):
-        width = -(-(MAX_LEN // g.tokens_per_row) // PS)
+        width = -(-(MAX_LEN // g.tokens_per_row) // g.rows_per_page(PS))
         tables.append(np.arange(1, 1 + len(LENS) * width, dtype=np.int32).reshape(len(LENS), width))
     return tables
 
@@ -59,8 +60,8 @@ def _tables(cfg):
 def _meta(cfg, tables, ids, pos, seq, last):
     groups = []
     for g, table in zip(v4_cache_groups(cfg.v4, 1), tables):
-        r, w = g.tokens_per_row, pos // g.tokens_per_row
-        real = table[seq, w // PS] * PS + w % PS
+        r, w, rows = g.tokens_per_row, pos // g.tokens_per_row, g.rows_per_page(PS)
+        real = table[seq, w // rows] * rows + w % rows
         groups.append((jnp.asarray(table), jnp.asarray(np.where((pos + 1) % r == 0, real, 0), jnp.int32)))
     i32 = lambda a: jnp.asarray(a, jnp.int32)  # noqa: E731
     return StepMetadata(i32(ids), i32(pos), i32(seq), i32(np.zeros_like(pos)), jnp.asarray(tables[0]), i32(last),
@@ -70,7 +71,7 @@ def _meta(cfg, tables, ids, pos, seq, last):
 def _run(v4, attn_impl):
     cfg, params, seqs, _, _ = v4
     tables = _tables(cfg)
-    cache = tuple(jnp.zeros((t.size + 1, len(g.layers) * PS * g.row_bytes), jnp.float32)
+    cache = tuple(jnp.zeros((t.size + 1, len(g.layers) * g.rows_per_page(PS) * g.row_bytes), jnp.float32)
                   for g, t in zip(v4_cache_groups(cfg.v4, 1), tables))
     # a fresh function per run: its trace reads v4_paged.TOKEN_BLOCK as the test set it
     fn = jax.jit(lambda p, c, m: v4_paged.forward_paged(p, cfg, c, m, attn_impl=attn_impl))

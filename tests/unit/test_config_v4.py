@@ -129,8 +129,14 @@ def test_pools_of_a_context_and_of_a_budget():
     pages = dict(zip(names, pools.pool_pages))
     assert pools.pool_of == (0, 1, 2, 3, 4) and pools.context_tokens == 4096
     assert pages["csa"] == 4096 // (16 * 4) + 8 + 1 and pages["hca"] == 4096 // (16 * 128) + 8 + 1
-    # a window of 128 holds cdiv(127, 16) + 2 = 10 pages a sequence, plus a 512-token step: 32 pages
-    assert pages["sliding"] == pages["hca_state"] == 8 * 10 + 32 + 1 and pages["csa_state"] == 8 * 3 + 32 + 1
+    # a window of 128 holds cdiv(127, 16) + 2 = 10 pages a sequence, plus a 512-token step: 32 pages; csa_state's
+    # own pages of 4 rows (page_rows_of(8)): its window of 8 holds cdiv(7, 4) + 2 = 4 a sequence, the step 128
+    assert pages["sliding"] == pages["hca_state"] == 8 * 10 + 32 + 1 and pages["csa_state"] == 8 * 4 + 128 + 1
+    state = pools.groups[names.index("csa_state")]
+    assert state.rows_per_page(16) == 4 and v4_pool_bytes(pools)[2] == pages["csa_state"] * 2 * 4 * 4 * 640 * 2
+    # at page size 64, 256 sequences and a step of 2,048 tokens: 16 rows a sequence where pages of 64 held 192
+    big = v4_cache_pools(cfg, 64, 2, 256, 2048, 2048)
+    assert big.pool_pages[2] * state.rows_per_page(64) == 256 * 16 + 2048 + 4
     assert v4_pool_bytes(pools)[1] == pages["csa"] * 2 * 16 * (512 + 128) * 2
     assert v4_cache_pools(cfg, 16, 1, 8, 512, 2048).context_tokens == 2048  # at least max_model_len
     budget = sum(v4_pool_bytes(pools))

@@ -111,6 +111,36 @@ def test_prefix_hit_ends_on_every_compressed_page_boundary():
     assert kv.get_computed_blocks(c) == (type(hit)(), 0)
 
 
+def test_a_state_group_has_a_page_size_of_its_own():
+    """csa_state's pages of 2 rows (page_size 4): its own page counts, window release and prefix keys; a hit takes
+    its pages of the window before the hit's last token, cached once the block holding their last token is full."""
+    groups = GROUPS[:2] + (CacheGroup("csa_state", (1,), 16, 1, 8, page_rows=2),) + GROUPS[3:]
+    kv = HybridKVCacheManager(CachePools(groups, (0, 1, 2, 3), (40, 10, 80, 10), PS))
+    assert kv.hit_granularity == 32
+    a = req("a", 70)
+    assert kv.allocate_slots(a, 15)
+    assert [len(b) for b in ids(kv, "a")] == [4, 1, 8, 1]  # 15 rows of csa_state: 8 pages of 2
+    a.num_computed_tokens = 15
+    before = free_counts(kv)
+    assert kv.allocate_slots(a, 1)  # token 15 reads 8..15: state pages 0..3 go back (its rows 0..7)
+    assert ids(kv, "a")[2][:4] == [N] * 4 and N not in ids(kv, "a")[2][4:]
+    assert free_counts(kv)[2] == before[2] + 4
+    a.num_computed_tokens = 16
+    assert kv.allocate_slots(a, 54)
+    a.num_computed_tokens = 69  # the last block (tokens 68..69) is not full: its state page is not cached yet
+    kv.cache_blocks(a)
+    assert kv._num_cached["a"][2] == 34
+    a.num_computed_tokens = 70
+    a_tables = ids(kv, "a")
+    a.status = RequestStatus.FINISHED_STOPPED
+    kv.free(a)
+    b = Request("b", a.prompt_token_ids[:67] + [5, 5], SamplingParams())
+    hit, n = kv.get_computed_blocks(b)
+    assert n == 64 and list(hit.blocks[2]) == [N] * 28 + a_tables[2][28:32]  # token 64 reads 57..64: rows 56..63
+    assert kv.allocate_slots(b, 5, hit)
+    assert len(ids(kv, "b")[2]) == 35
+
+
 def test_one_pool_when_page_bytes_match():
     g = (CacheGroup("sliding", (0, 1), 8, 1, 8), CacheGroup("hca", (0, 1), 8, 8))
     cfg = V4Config.from_hf_dict(dict(model_type="deepseek_v4", num_hidden_layers=2, head_dim=8, index_head_dim=8,
@@ -170,7 +200,10 @@ def test_step_metadata_carries_each_groups_table_and_slots():
     meta = build_metadata(plan.seqs, shapes, 8)
     sliding, csa, state, hca = (seq.group_page_ids[i] for i in range(4))
     (t_sl, s_sl), (t_csa, s_csa), (_, s_st), (t_hca, s_hca) = meta.groups
-    assert t_sl.shape == (4, 10) and t_csa.shape == (4, 3) and t_hca.shape == (4, 2)  # 40 tokens: 10 rows of csa
+    # compressed tables cover max_model_len (40 tokens: 10 rows of csa); the windowed one is a ring of its window
+    # and a step (bucket 8 + 2 rows of drafts): cdiv(7 + 10, 4) + 2 = 7 columns, page i at column i % 7
+    assert t_sl.shape == (4, 7) and t_csa.shape == (4, 3) and t_hca.shape == (4, 2)
+    assert [t_sl[0, i % 7] for i, b in enumerate(sliding) if b != N] == [b for b in sliding if b != N]
     pos = list(range(7, 14))
     assert s_sl[:7].tolist() == [sliding[p // PS] * PS + p % PS for p in pos] and s_sl[7] == 7 % PS  # padding: null
     assert s_st[:7].tolist() == [state[p // PS] * PS + p % PS for p in pos]
