@@ -69,17 +69,17 @@ def _prompts():
     """Random prompts, one longer than the step's token budget (chunked prefill), two sharing a 44-token prefix
     (prefix-cache hits on its 5 full pages)."""
     rng = np.random.default_rng(5)
-    shared = rng.integers(2, 3000, 44).tolist()
-    return [shared + [9, 9, 9], shared + rng.integers(2, 3000, 6).tolist(), rng.integers(2, 3000, 90).tolist()] + \
-        random_prompts(31, [5, 17, 40, 23], 3000)
+    shared = rng.integers(2, 2000, 44).tolist()
+    return [shared + [9, 9, 9], shared + rng.integers(2, 2000, 6).tolist(), rng.integers(2, 2000, 90).tolist()] + \
+        random_prompts(31, [5, 17, 40, 23], 2000)
 
 
 def test_greedy_output_is_that_without_speculation(llm):
     prompts = _prompts()
-    want = _greedy_reference(llm, prompts, 16)
+    want = _greedy_reference(llm, prompts, 24)
     eng = llm.engine
     before = eng.scheduler.num_preemptions, eng.scheduler.kv_cache_manager.prefix_cache_hits
-    got = _gen(llm, prompts, temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = _gen(llm, prompts, temperature=0.0, max_tokens=24, ignore_eos=True)
     assert [o.outputs[0].token_ids for o in got] == want
     assert eng.scheduler.num_preemptions > before[0] and eng.scheduler.kv_cache_manager.prefix_cache_hits > before[1]
     stats = eng.spec_stats
@@ -117,8 +117,8 @@ def test_drafts_are_the_dense_mtp_chain(llm):
     pages) and is prefilled in chunks; after every step each request's drafts equal the dense chain's."""
     eng = llm.engine
     rng = np.random.default_rng(8)
-    shared = rng.integers(2, 3000, 44).tolist()
-    for i, prompt in enumerate([shared + [5, 6], shared + rng.integers(2, 3000, 40).tolist()]):
+    shared = rng.integers(2, 2000, 44).tolist()
+    for i, prompt in enumerate([shared + [5, 6], shared + rng.integers(2, 2000, 40).tolist()]):
         hits = eng.scheduler.kv_cache_manager.prefix_cache_hits
         rid = f"chain-{i}"
         eng.add_request(rid, prompt, SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True))
