@@ -8,10 +8,11 @@
     deepinfer convert ...                           deepinfer_jax.weights.convert
     deepinfer plan --model DIR [--gpu-memory GIB]   weights / KV bytes per device, whether it fits (no weights read)
 
-Without --model, the embedded demo model is used, so every command works on a fresh machine without
-downloads: a 2-layer DeepSeek-V3-architecture model of 2.1M parameters whose embeddings hold a bigram table of
-English prose and whose other weights are random. It answers with English-looking word salad: it shows the
-serving stack, it is not a language model. Heavy imports (JAX) happen only inside the subcommands that need them.
+Without --model, the embedded default model is used, so every command works on a fresh machine without
+downloads: a 5M-parameter DeepSeek-V3-architecture model (MLA, routed experts, an MTP layer) trained by
+tools/train_default_model.py for greetings and small talk, sums and products with a <think> working, get_weather /
+get_time tool calls and JSON with asked keys; its card (deepinfer_jax/assets/default-model/README.md) gives its
+rates. It knows nothing else. Heavy imports (JAX) happen only inside the subcommands that need them.
 Usage errors are one line on stderr, exit status 2.
 """
 

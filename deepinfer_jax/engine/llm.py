@@ -17,7 +17,7 @@ from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 
-# Models of at most this many parameters (the embedded demo model has 2.1M, the test models under 1M; no released
+# Models of at most this many parameters (the embedded default model has 5.0M, the test models under 1M; no released
 # DeepSeek model comes near) count as small for `serving_defaults`: a step of a few hundred token slots costs them
 # a few milliseconds, so fewer, larger step shapes cost nothing that shows.
 SMALL_MODEL_PARAMS = 20_000_000
