@@ -197,8 +197,9 @@ def to_device(params: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
 
 
-# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards).
-STREAMING_FAMILIES = ("deepseek",)
+# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards, both
+# handed to models/deepseek.py `run_layers`).
+STREAMING_FAMILIES = ("deepseek", "dense")
 
 
 def stream(params: Any, family: str) -> tuple[Any, Any]:

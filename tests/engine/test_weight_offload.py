@@ -226,6 +226,32 @@ def test_int8_offloaded_equals_on_device(int8_case):
     assert llm.engine.runner.compiles_after_warmup == 0
 
 
+def test_dense_family_streams_one_layer_at_a_time(hf_case, hf_greedy):
+    """A Llama model with its MLP weights in host memory: each step copies one layer's slices of them in inside the
+    layer loop (the dense forward's `layer_fetch`, models/deepseek.py `run_layers`), and the greedy tokens are HF
+    transformers'."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.runner.weight_offload import param_leaves
+    from deepinfer_jax.weights.loader import prepare_model
+
+    model, path = hf_case("llama_llama3")
+    abstract = prepare_model(path, jnp.float32, progress=False)[1].abstract
+    llm = LLM(path, dtype="float32", cpu_offload_gb=sum(n for p, n in param_leaves(abstract) if "mlp" in p) / GIB,
+              **SMALL)
+    runner = llm.engine.runner
+    assert _memory_kinds(runner.params["segments"][0]["mlp"]) == {"pinned_host"}
+    moved = host_bytes(runner.params)
+    assert moved == llm.engine.offloaded_weight_bytes == host_bytes(runner.params["segments"])
+    assert _step_copies(runner) == {(moved, moved // model.config.num_hidden_layers)}
+    prompts = random_prompts(8, [4, 21], model.config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, 5)
+    assert runner.compiles_after_warmup == 0
+
+
 def _load_peak(monkeypatch, pending):
     """(pending's params, the most bytes of device-memory arrays the load made that were alive at once), probed
     (jax.live_arrays) around every tensor read, orbax restore and device_put of the load, and after it."""
