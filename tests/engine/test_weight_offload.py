@@ -294,7 +294,7 @@ def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_cas
     import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.runner.weight_offload import LoadFirst, offload, param_leaves
+    from deepinfer_jax.runner.weight_offload import LoadFirst, offload, param_leaves, place
     from deepinfer_jax.weights import hf_loader
     from deepinfer_jax.weights.loader import prepare_model
 
@@ -320,21 +320,9 @@ def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_cas
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     if kind == "float":  # the check fails for the old way: the whole model on the device, then the move
-        old = offload(pending(), offloaded / GIB)[0]
-        old = LoadFirst(old.abstract, lambda p=pending(), o=old: _moved_after(p, o))
+        chosen = set(choose(param_leaves(announced.abstract), offloaded))  # offload's choice
+        old = LoadFirst(direct.abstract, lambda p=pending(): place(p.load(), chosen))
         assert _load_peak(monkeypatch, old)[1] >= whole
-
-
-def _moved_after(pending, relocated):
-    """The params loaded all on the device, then the leaves `relocated` puts in host memory moved there."""
-    import jax
-
-    from deepinfer_jax.runner.weight_offload import place, param_leaves
-
-    host = {p for p, _ in param_leaves(relocated.abstract)} - {
-        p for p, _ in param_leaves(jax.tree.map(lambda a: a if a.sharding.memory_kind == "device" else None,
-                                                relocated.abstract))}
-    return place(pending.load(), host)
 
 
 def test_refusals(hf_case):
