@@ -13,9 +13,10 @@ the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and a loader offering `load_to` (Hugging Face and converted checkpoints) puts the chosen leaves
-there straight from the checkpoint, never on the device; any other load (`LoadFirst`) moves them once loaded. Inside a program, `stream` copies the leaves
-outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
+programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face and
+converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time by
+programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
+`stream` copies the leaves outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
 whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
 (models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
 step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
@@ -177,7 +178,7 @@ def offload(params: Any, gib: float, sharding: Any = None) -> tuple[Any, int]:
 
 class LoadFirst(PendingParams):
     """Params whose load `start()` waits for, for a loader that cannot place a leaf in host memory itself (no
-    `load_to`: random weights, DeepSeek-V4's checkpoints): the load holds every leaf on the device until it moves
+    `load_to`: DeepSeek-V4's checkpoints): the load holds every leaf on the device until it moves
     the chosen ones to the host, and the engine sizes the KV cache before it starts the load and makes the cache
     after, so the two never take the device at once."""
 

@@ -325,6 +325,29 @@ def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_cas
         assert _load_peak(monkeypatch, old)[1] >= whole
 
 
+def test_random_weights_offloaded_equal_on_device(hf_case):
+    """Random weights (load_format "dummy") with an MLP weight in host memory: drawn there one leaf at a time
+    (programs whose output is in host memory), the same values as every weight drawn on the device. (A Llama
+    model: few leaves, so the draws compile fast.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.runner.weight_offload import LoadFirst, offload, param_leaves
+    from deepinfer_jax.weights.random_init import pending_random_params
+
+    cfg = ModelConfig.from_model_dir(hf_case("llama_llama3")[1])
+    reference = pending_random_params(cfg, jnp.float32, seed=3).result()
+    announced = pending_random_params(cfg, jnp.float32, seed=3)
+    gate_up = dict(param_leaves(announced.abstract))[("segments", 0, "mlp", "gate_up")]  # the largest leaf
+    direct, offloaded = offload(announced, gate_up / GIB)
+    assert not isinstance(direct, LoadFirst) and offloaded == gate_up
+    params = direct.result()
+    assert host_bytes(params) == offloaded
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_refusals(hf_case):
     from deepinfer_jax.runner.weight_offload import offload
 
