@@ -110,7 +110,9 @@ def main(argv=None) -> int:
         write_checkpoint(a.dir, cfg)
         print(f"wrote the FP8 checkpoint ({cfg['num_hidden_layers']} layers) to {a.dir} in {time.time() - t:.0f}s",
               flush=True)
-    env = dict(os.environ)
+    # No deepinfer XLA defaults in the loads: their VMM-allocator command-buffer mode crashes copies to pinned host
+    # memory on a GPU (the engine takes it out itself for --cpu-offload-gb), and a load runs no step programs.
+    env = {**os.environ, "DEEPINFER_XLA_DEFAULTS": "0"}
     if a.smoke:
         env["JAX_PLATFORMS"] = "cpu"
     # the weights' and the routed experts' bytes, from the checkpoint's headers (no device)
