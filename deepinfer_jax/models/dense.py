@@ -258,6 +258,7 @@ def forward_paged(
     mesh_rules: Any = None,
     stage: Any = None,
     hidden: jax.Array | None = None,
+    layer_fetch: Any = None,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing the routed expert ids [L, T, k] of a
     Qwen3-MoE model (an empty [0, T, 0] for a dense one). `moe_impl`: its experts' implementation (models/moe.py).
@@ -267,7 +268,8 @@ def forward_paged(
     With `mesh_rules` (tensor parallel, sharding/layout.py) the same code runs with the reference attention,
     partitioned by XLA from the params' and the cache's shardings: query heads, KV heads (or replicated) and the
     MLP's intermediate dim over the tensor axis. `stage`, `hidden`: one pipeline stage, as models/deepseek.py
-    forward_paged takes them."""
+    forward_paged takes them. `layer_fetch`: layer weights in host memory (--cpu-offload-gb) copied in one layer at a
+    time by the layer loop, as models/deepseek.py `run_layers` does."""
     from deepinfer_jax.models.deepseek import run_layers
 
     if attn_impl not in ATTN_IMPLS:
@@ -290,7 +292,7 @@ def forward_paged(
 
     L = cfg.num_hidden_layers if stage is None else stage.num_layers
     ids = np.arange(L, dtype=np.int32)
-    (h, kv_cache), routing = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll)
+    (h, kv_cache), routing = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll, layer_fetch)
     if stage is not None and not stage.last:  # the next stage's input
         return h, kv_cache
     logits = _logits(params, cfg, h[meta.logits_indices])

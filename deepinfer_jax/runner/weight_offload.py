@@ -13,8 +13,10 @@ the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and the load moves the chosen leaves once loaded. Inside a program, `stream` copies the leaves
-outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
+programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face and
+converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time by
+programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
+`stream` copies the leaves outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
 whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
 (models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
 step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
@@ -24,8 +26,8 @@ unchanged, so without offload the programs are the same HLO as before.
 
 What the device still holds: an offloaded slice is on the device only while its layer runs; between steps the
 device holds only the other leaves, so the KV cache is sized with the offloaded bytes free
-(runner/device_memory.py counts what is in use). Loading places each leaf on the device before moving it (the
-whole model must fit the device while it loads).
+(runner/device_memory.py counts what is in use). A `LoadFirst` load places each leaf on the device before moving
+it (the whole model must fit the device while it loads).
 """
 
 from __future__ import annotations
@@ -167,14 +169,18 @@ def offload(params: Any, gib: float, sharding: Any = None) -> tuple[Any, int]:
         return place(params, chosen), nbytes
     abstract = _map_chosen(params.abstract, chosen, lambda a: jax.ShapeDtypeStruct(
         a.shape, a.dtype, sharding=host_sharding(a.sharding)))
+    direct = params.relocated(abstract)  # the chosen leaves loaded straight into host memory
+    if direct is not None:
+        return direct, nbytes
     load = params.load
     return LoadFirst(abstract, lambda: place(load(), chosen)), nbytes
 
 
 class LoadFirst(PendingParams):
-    """Params whose load `start()` waits for: the load holds every leaf on the device until it moves the chosen ones
-    to the host, and the engine sizes the KV cache before it starts the load and makes the cache after, so the two
-    never take the device at once."""
+    """Params whose load `start()` waits for, for a loader that cannot place a leaf in host memory itself (no
+    `load_to`: DeepSeek-V4's checkpoints): the load holds every leaf on the device until it moves
+    the chosen ones to the host, and the engine sizes the KV cache before it starts the load and makes the cache
+    after, so the two never take the device at once."""
 
     def start(self) -> None:
         super().start()
@@ -192,8 +198,9 @@ def to_device(params: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
 
 
-# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards).
-STREAMING_FAMILIES = ("deepseek",)
+# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards, both
+# handed to models/deepseek.py `run_layers`).
+STREAMING_FAMILIES = ("deepseek", "dense")
 
 
 def stream(params: Any, family: str) -> tuple[Any, Any]:

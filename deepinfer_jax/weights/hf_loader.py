@@ -35,7 +35,7 @@ from deepinfer_jax.models.quant import (FP8_BLOCK, FP8_PARTS_LEAVES, Fp8Weight, 
                                        quant_layout)
 from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.weights.name_table import TensorRule, expected_tensors, is_ignored
-from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs
+from deepinfer_jax.weights.pending import PendingParams, abstract_from_specs, in_host_memory
 from deepinfer_jax.weights.safetensors_io import CheckpointError, TensorInfo, index_checkpoint, load_tensor
 
 log = logging.getLogger(__name__)
@@ -304,20 +304,26 @@ def prepare_hf_checkpoint(
         _set(abstract, path, fp8_abstract(path, _get(specs, path), block, _get(abstract, path).sharding))
     on_host = host_assembly(abstract, shardings)
 
-    def alloc(path, spec: ParamSpec):
-        keys = tuple(_key(k) for k in path)
-        if keys in fp8_paths:
-            a = _get(abstract, keys)
-            if on_host:
-                return dataclasses.replace(a, q=np.zeros(a.q.shape, a.q.dtype), scale=np.zeros(a.scale.shape, np.float32))
-            return dataclasses.replace(a, q=jnp.zeros(a.q.shape, a.q.dtype, device=a.q.sharding),
-                                       scale=jnp.zeros(a.scale.shape, jnp.float32, device=a.scale.sharding))
-        if on_host:
-            return np.zeros(spec.shape, spec_dtype(spec, dtype))
-        sh = None if shardings is None else _get(shardings, tuple(_key(k) for k in path))
-        return jnp.zeros(spec.shape, spec_dtype(spec, dtype), device=sh)
+    def load_to(target: Any) -> dict:
+        """The params placed as `target` says (`abstract`, or it with leaves in host memory: those are assembled in
+        numpy and put there once, never on the device; PendingParams.load_to)."""
+        host = {keys for keys in fp8_paths | set(_leaf_keys(specs))
+                if on_host or in_host_memory(_get(target, keys))}
 
-    def load() -> dict:
+        def alloc(path, spec: ParamSpec):
+            keys = tuple(_key(k) for k in path)
+            if keys in fp8_paths:
+                a = _get(target, keys)
+                if keys in host:
+                    return dataclasses.replace(a, q=np.zeros(a.q.shape, a.q.dtype),
+                                               scale=np.zeros(a.scale.shape, np.float32))
+                return dataclasses.replace(a, q=jnp.zeros(a.q.shape, a.q.dtype, device=a.q.sharding),
+                                           scale=jnp.zeros(a.scale.shape, jnp.float32, device=a.scale.sharding))
+            if keys in host:
+                return np.zeros(spec.shape, spec_dtype(spec, dtype))
+            sh = None if shardings is None else _get(shardings, keys)
+            return jnp.zeros(spec.shape, spec_dtype(spec, dtype), device=sh)
+
         params = jax.tree_util.tree_map_with_path(alloc, specs, is_leaf=is_spec)
         it = rules
         if progress:
@@ -328,7 +334,7 @@ def prepare_hf_checkpoint(
             if rule.path in fp8_paths:
                 q, scale, index = read_fp8_rule(rule, tensors, block)
                 leaf = _get(params, rule.path)
-                if on_host:
+                if rule.path in host:
                     _write_host(leaf.q, index, q)
                     _write_host(leaf.scale, index, scale)
                 else:
@@ -336,15 +342,20 @@ def prepare_hf_checkpoint(
                                                                 scale=_write(leaf.scale, index, scale)))
                 continue
             value = read_rule_tensor(rule, tensors, fp8_block)
-            if on_host:
+            if rule.path in host:
                 _write_host(_get(params, rule.path), rule.index, value)
             else:
                 _set(params, rule.path, _write(_get(params, rule.path), rule.index, value))
-        if on_host:
-            params = jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), params, abstract)
+        for keys in host:  # one leaf at a time: its numpy copy goes as it is placed
+            _set(params, keys, jax.tree.map(lambda x, a: jax.device_put(x, a.sharding), _get(params, keys),
+                                            _get(target, keys)))
         return params
 
-    return cfg, PendingParams(abstract, load)
+    return cfg, PendingParams(abstract, load_to=load_to)
+
+
+def _leaf_keys(specs: Any) -> list[tuple]:
+    return [tuple(_key(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
 
 
 def _spec_paths(specs: Any) -> list[tuple]:

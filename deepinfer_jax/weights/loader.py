@@ -90,15 +90,14 @@ def prepare_model(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = No
         cfg, pending = prepare_hf_checkpoint(model_dir, cfg, dtype, shardings=shardings, progress=progress,
                                              hf_config=hf_config, quantization=quantization)
         kind = "HF"
-    load = pending.load
+    load, load_to = pending.load, pending.load_to
 
-    def logged_load() -> Any:
-        params = load()
-        log.info("loaded %s checkpoint %s: weights take %.3f GiB on device", kind, model_dir,
-                 weights_nbytes(params) / 2**30)
+    def logged(params: Any) -> Any:
+        log.info("loaded %s checkpoint %s: weights take %.3f GiB", kind, model_dir, weights_nbytes(params) / 2**30)
         return params
 
-    return cfg, PendingParams(pending.abstract, logged_load)
+    return cfg, PendingParams(pending.abstract, lambda: logged(load()),
+                              None if load_to is None else (lambda abstract: logged(load_to(abstract))))
 
 
 def check_v4_quantization(quantization: str | None) -> None:

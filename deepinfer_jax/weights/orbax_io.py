@@ -38,7 +38,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.params import ParamSpec, is_spec, layer_segments, spec_dtype
 from deepinfer_jax.models.registry import param_specs
 from deepinfer_jax.models.quant import METHODS, QuantizedWeight, is_quantized, quant_layout, quantized_shapes
-from deepinfer_jax.weights.pending import PendingParams
+from deepinfer_jax.weights.pending import PendingParams, in_host_memory
 from deepinfer_jax.weights.safetensors_io import CheckpointError
 
 log = logging.getLogger(__name__)
@@ -199,6 +199,27 @@ def _place(seg_tree: Any, unit_tree: Any, i: jax.Array) -> Any:
 _place_donated = jax.jit(_place, donate_argnums=0)
 
 
+def _place_layer(seg_tree: Any, unit_tree: Any, index: int) -> Any:
+    """`_place_donated` at layer `index`, leaves in host memory (numpy arrays, `load_to`) written in numpy."""
+    leaves, treedef = jax.tree.flatten(seg_tree)
+    if not any(isinstance(x, np.ndarray) for x in leaves):
+        return _place_donated(seg_tree, unit_tree, np.int32(index))
+    values = jax.tree.leaves(unit_tree)
+    dev = [j for j, x in enumerate(leaves) if not isinstance(x, np.ndarray)]
+    for j, x in zip(dev, _place_donated([leaves[j] for j in dev], [values[j] for j in dev], np.int32(index))
+                    if dev else []):
+        leaves[j] = x
+    for x, v in zip(leaves, values):
+        if isinstance(x, np.ndarray):
+            x[index] = np.asarray(v).astype(x.dtype)
+    return treedef.unflatten(leaves)
+
+
+def _put_host(x: Any, abstract: jax.ShapeDtypeStruct) -> Any:
+    """A leaf assembled in numpy (one `load_to` places in host memory) onto its placement; any other as it is."""
+    return jax.device_put(x, abstract.sharding) if isinstance(x, np.ndarray) else x
+
+
 def get_path(tree: Any, path: tuple) -> Any:
     for k in path:
         tree = tree[k]
@@ -313,9 +334,15 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
                 params.update(tree)
         return params
 
-    def load() -> dict:
-        # Stacked leaves are allocated once, on their full shardings, and filled layer by layer.
-        params = params_tree(lambda shape, dt, sh: jnp.zeros(shape, dt, device=sh), stacked_only=True)
+    def load_to(target: Any) -> dict:
+        """The params placed as `target` says (`abstract`, or it with leaves in host memory: those are restored as
+        numpy arrays, stacked in numpy and put there once, never on the device; PendingParams.load_to)."""
+        def zeros(a: Any) -> Any:
+            return np.zeros(a.shape, a.dtype) if in_host_memory(a) else jnp.zeros(a.shape, a.dtype, device=a.sharding)
+
+        # Stacked leaves are allocated once, on their full placements, and filled layer by layer.
+        params = {k: [jax.tree.map(zeros, seg) for seg in v] if k == "segments" else [None] * len(v)
+                  for k, v in target.items() if k in ("segments", "layers", "mtp")}
         it = units
         if progress:
             from tqdm import tqdm
@@ -327,10 +354,13 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
             def restore_arg(path, sds, u=u, stacked=stacked):
                 s = leaf_sharding(u, path_keys(path))
                 m = get_path(stored_meta[u.name], path_keys(path))
+                host = in_host_memory(get_path(target, u.path + path_keys(path)))
 
                 def arg(sh, x, m):
                     # A cast only where the stored dtype differs (tensorstore's cast driver costs time).
                     cast = None if jnp.dtype(m.dtype) == jnp.dtype(x.dtype) else x.dtype
+                    if host:
+                        return ocp.RestoreArgs(restore_type=np.ndarray, dtype=cast)
                     return ocp.ArrayRestoreArgs(sharding=_fit_sharding(sh, x.shape, stacked), dtype=cast,
                                                 global_shape=x.shape)
 
@@ -348,13 +378,18 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
             got = jax.tree.map(lambda sds, x: QuantizedWeight(x["q"], x["scale"], sds.bits, sds.group_size, sds.n_out)
                                if is_quantized(sds) else x, expected[u.name], got, is_leaf=is_quantized)
             if not stacked:
+                want = get_path(target, u.path) if u.path else {k: target[k] for k in got}
+                got = jax.tree.map(_put_host, got, want)
                 if u.path:
                     params[u.path[0]][u.path[1]] = got
                 else:
                     params.update(got)
                 continue
-            params["segments"][u.path[1]] = _place_donated(params["segments"][u.path[1]], got, np.int32(u.index))
+            params["segments"][u.path[1]] = _place_layer(params["segments"][u.path[1]], got, u.index)
+        if "segments" in params:  # the stacked leaves assembled in numpy, one at a time
+            for i, want in enumerate(target["segments"]):
+                params["segments"][i] = jax.tree.map(_put_host, params["segments"][i], want)
         return params
 
     abstract = params_tree(lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh))
-    return cfg, PendingParams(abstract, load)
+    return cfg, PendingParams(abstract, load_to=load_to)

@@ -9,6 +9,11 @@ so a program compiled for the abstract tree takes them as they are; a mismatch i
 
 Invariant: `abstract` is exactly what `load()` returns, with every leaf a jax.ShapeDtypeStruct carrying the
 sharding its array will have.
+
+A loader that can place each leaf where it is told gives `load_to` (a tree like `abstract` whose leaves may name
+another memory kind -> the params placed as it says, each leaf put there directly): `relocated` makes the params
+pending for such a tree, so weights chosen for host memory (runner/weight_offload.py) go there straight from the
+checkpoint and never take device memory.
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from deepinfer_jax.models.registry import param_specs
 HOST_MEMORY = ("pinned_host", "unpinned_host")  # memory kinds of a device's host memory
 
 
+def in_host_memory(abstract: Any) -> bool:
+    """Whether the abstract leaf (or quantized weight's arrays) `abstract` is placed in a device's host memory."""
+    return any(x.sharding.memory_kind in HOST_MEMORY for x in jax.tree.leaves(abstract))
+
+
 def fits(abstract: jax.ShapeDtypeStruct, x: Any) -> bool:
     """Whether array `x` is what a program compiled for `abstract` takes: its shape, dtype and placement (an
     equivalent sharding: P() and P(None, None) place alike)."""
@@ -38,10 +48,20 @@ def fits(abstract: jax.ShapeDtypeStruct, x: Any) -> bool:
 class PendingParams:
     """The params' abstract tree now; the arrays from `load()` (on its own thread once started) later."""
 
-    def __init__(self, abstract: Any, load: Callable[[], Any]):
+    def __init__(self, abstract: Any, load: Callable[[], Any] | None = None,
+                 load_to: Callable[[Any], Any] | None = None):
         self.abstract = abstract
-        self.load = load  # () -> the params; run by start() on its own thread
+        # () -> the params; run by start() on its own thread
+        self.load = load if load is not None else (lambda: load_to(abstract))
+        self.load_to = load_to  # (a placement tree like `abstract`) -> the params placed so; None: not offered
         self._future: Future | None = None
+
+    def relocated(self, abstract: Any) -> "PendingParams | None":
+        """The params pending for `abstract` (the same shapes and dtypes, leaves perhaps in another memory kind),
+        each leaf loaded straight onto its placement there; None where the loader does not offer `load_to`."""
+        if self.load_to is None:
+            return None
+        return PendingParams(abstract, load_to=self.load_to)
 
     def bytes_on(self, device: Any) -> int:
         """Bytes the arrays will take on `device` (its shards of them; leaves placed in its host memory,

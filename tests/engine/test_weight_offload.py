@@ -192,17 +192,25 @@ def _greedy_reference(params, cfg, prompt, n):
     return ids[len(prompt):]
 
 
-def test_int8_offloaded_equals_on_device(hf_case, tmp_path_factory):
-    """INT8 leaves (q and scale) offloaded, the steps as one program each (no shared forward): the greedy tokens of
-    the model with every weight on the device."""
-    import jax.numpy as jnp
-
+@pytest.fixture(scope="module")
+def int8_case(hf_case, tmp_path_factory):
+    """(HF model, the V3 case converted to INT8)."""
     from deepinfer_jax.weights.convert import convert
-    from deepinfer_jax.weights.loader import load_model
 
     model, src = hf_case("v3_grouped_noaux")
     dst = str(tmp_path_factory.mktemp("int8") / "ckpt")
     convert(src, dst, "float32", "int8", progress=False)
+    return model, dst
+
+
+def test_int8_offloaded_equals_on_device(int8_case):
+    """INT8 leaves (q and scale) offloaded, the steps as one program each (no shared forward): the greedy tokens of
+    the model with every weight on the device."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.weights.loader import load_model
+
+    model, dst = int8_case
     prompts = random_prompts(3, [6, 9], model.config.vocab_size)  # with 5 more tokens: one scoring bucket
     llm = LLM(dst, cpu_offload_gb=_experts_bytes(dst, "float32") / GIB, prefill_shared_forward=False, **SMALL)
     experts = [seg["moe"]["experts"] for seg in llm.engine.runner.params["segments"] if "moe" in seg]
@@ -216,6 +224,128 @@ def test_int8_offloaded_equals_on_device(hf_case, tmp_path_factory):
     for p, o in zip(prompts, outs):
         assert o.outputs[0].token_ids == _greedy_reference(params, cfg, p, 5)
     assert llm.engine.runner.compiles_after_warmup == 0
+
+
+def test_dense_family_streams_one_layer_at_a_time(hf_case, hf_greedy):
+    """A Llama model with its MLP weights in host memory: each step copies one layer's slices of them in inside the
+    layer loop (the dense forward's `layer_fetch`, models/deepseek.py `run_layers`), and the greedy tokens are HF
+    transformers'."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.runner.weight_offload import param_leaves
+    from deepinfer_jax.weights.loader import prepare_model
+
+    model, path = hf_case("llama_llama3")
+    abstract = prepare_model(path, jnp.float32, progress=False)[1].abstract
+    llm = LLM(path, dtype="float32", cpu_offload_gb=sum(n for p, n in param_leaves(abstract) if "mlp" in p) / GIB,
+              **SMALL)
+    runner = llm.engine.runner
+    assert _memory_kinds(runner.params["segments"][0]["mlp"]) == {"pinned_host"}
+    moved = host_bytes(runner.params)
+    assert moved == llm.engine.offloaded_weight_bytes == host_bytes(runner.params["segments"])
+    assert _step_copies(runner) == {(moved, moved // model.config.num_hidden_layers)}
+    prompts = random_prompts(8, [4, 21], model.config.vocab_size)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert o.outputs[0].token_ids == hf_greedy(model, p, 5)
+    assert runner.compiles_after_warmup == 0
+
+
+def _load_peak(monkeypatch, pending):
+    """(pending's params, the most bytes of device-memory arrays the load made that were alive at once), probed
+    (jax.live_arrays) around every tensor read, orbax restore and device_put of the load, and after it."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    from deepinfer_jax.weights import hf_loader
+
+    before = jax.live_arrays()  # held, so no array made by the load reuses one's id
+    old = {id(x) for x in before}
+    peak = [0]
+
+    def probe():
+        peak[0] = max(peak[0], sum(x.nbytes for x in jax.live_arrays()
+                                   if id(x) not in old and x.sharding.memory_kind == "device"))
+
+    def spied(fn):
+        def run(*args, **kwargs):
+            probe()
+            out = fn(*args, **kwargs)
+            probe()
+            return out
+        return run
+
+    for owner, name in ((hf_loader, "read_rule_tensor"), (hf_loader, "read_fp8_rule"), (jax, "device_put"),
+                        (ocp.PyTreeCheckpointer, "restore")):
+        monkeypatch.setattr(owner, name, spied(getattr(owner, name)))
+    params = pending.result()
+    probe()
+    monkeypatch.undo()
+    return params, peak[0]
+
+
+@pytest.mark.parametrize("kind", ["float", "fp8", "int8"])
+def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_case, monkeypatch):
+    """The load places the chosen leaves in pinned host memory straight from the checkpoint: the most the device
+    holds while it loads is the all-on-device load's less the offloaded bytes (moving them after the load held all
+    of them), and every array equals the all-on-device load's. HF float32 and online FP8 (Fp8Weight q and scale) loaded in
+    place on the device (as on a GPU, not assembled in numpy), and a converted INT8 checkpoint (orbax)."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.runner.weight_offload import LoadFirst, offload, param_leaves, place
+    from deepinfer_jax.weights import hf_loader
+    from deepinfer_jax.weights.loader import prepare_model
+
+    monkeypatch.setattr(hf_loader, "HOST_ASSEMBLY_BYTES", 0)
+    path = int8_case[1] if kind == "int8" else hf_case("v3_grouped_noaux")[1]
+    quant = "fp8" if kind == "fp8" else None
+
+    def pending():
+        return prepare_model(path, jnp.float32, progress=False, quantization=quant)[1]
+
+    reference, whole = _load_peak(monkeypatch, pending())
+    total = sum(n for _, n in param_leaves(reference))
+    assert whole >= total
+    announced = pending()
+    experts = sum(n for p, n in param_leaves(announced.abstract) if "experts" in p)
+    direct, offloaded = offload(announced, experts / GIB)
+    assert not isinstance(direct, LoadFirst) and 0 < offloaded < total
+    params, peak = _load_peak(monkeypatch, direct)
+    assert 0 < peak <= whole - offloaded  # (a converted unit's resident slices are restored, then stacked)
+    assert host_bytes(params) == offloaded
+    fp8 = [x for x in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "block")) if hasattr(x, "block")]
+    assert (kind == "fp8") == bool(fp8)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
+    if kind == "float":  # the check fails for the old way: the whole model on the device, then the move
+        chosen = set(choose(param_leaves(announced.abstract), offloaded))  # offload's choice
+        old = LoadFirst(direct.abstract, lambda p=pending(): place(p.load(), chosen))
+        assert _load_peak(monkeypatch, old)[1] >= whole
+
+
+def test_random_weights_offloaded_equal_on_device(hf_case):
+    """Random weights (load_format "dummy") with an MLP weight in host memory: drawn there one leaf at a time
+    (programs whose output is in host memory), the same values as every weight drawn on the device. (A Llama
+    model: few leaves, so the draws compile fast.)"""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.runner.weight_offload import LoadFirst, offload, param_leaves
+    from deepinfer_jax.weights.random_init import pending_random_params
+
+    cfg = ModelConfig.from_model_dir(hf_case("llama_llama3")[1])
+    reference = pending_random_params(cfg, jnp.float32, seed=3).result()
+    announced = pending_random_params(cfg, jnp.float32, seed=3)
+    gate_up = dict(param_leaves(announced.abstract))[("segments", 0, "mlp", "gate_up")]  # the largest leaf
+    direct, offloaded = offload(announced, gate_up / GIB)
+    assert not isinstance(direct, LoadFirst) and offloaded == gate_up
+    params = direct.result()
+    assert host_bytes(params) == offloaded
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(reference)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_refusals(hf_case):
