@@ -93,6 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     args = ap.parse_args(argv)
 
+    from deepinfer_jax.xla_env import use_host_memory
+
+    use_host_memory(None, 1.0)  # pinned host memory: no VMM allocator, set before JAX starts (xla_env.py)
     import jax
     import jax.numpy as jnp
 

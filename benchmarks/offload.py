@@ -118,6 +118,9 @@ def main(argv=None) -> int:
         args.preset, args.dtype, args.attn_impl, args.moe_impl = "tiny-deepseek-v2", "float32", "reference", "dense"
         args.batch, args.prompt_len, args.output_len, args.link_mib = 4, 24, 6, 16
 
+    from deepinfer_jax.xla_env import use_host_memory
+
+    use_host_memory(1.0, None)  # pinned host memory: no VMM allocator, set before JAX starts (xla_env.py)
     import jax
     import jax.numpy as jnp
 

@@ -38,6 +38,7 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import MutableMapping
 
 DEFAULT_FLAGS: dict[str, str] = {"xla_disable_hlo_passes": "rematerialization"}
@@ -87,14 +88,12 @@ def _vmm_flags(xla_flags: str) -> list[str]:
 
 
 def _backend_state() -> tuple[bool, str | None]:
-    """(whether JAX has started its backends, the default platform if it has); starts nothing."""
-    from jax._src import xla_bridge
-
-    if not xla_bridge.backends_are_initialized():
+    """(whether JAX has started its backends, the default platform if it has); imports and starts nothing (a
+    backend can only have started where JAX's modules are loaded)."""
+    bridge = sys.modules.get("jax._src.xla_bridge")
+    if bridge is None or not bridge.backends_are_initialized():
         return False, None
-    import jax
-
-    return True, jax.default_backend()
+    return True, sys.modules["jax"].default_backend()
 
 
 def use_host_memory(cpu_offload_gb: float | None, kv_offloading_size: float | None,

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from deepinfer_jax.models.cache import NULL_PAGE, kv_cache_bytes_per_page
+from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
@@ -71,6 +72,7 @@ def _pinned_programs(kv_cache: Any, num_host_blocks: int):
     devices = list(kv_cache.sharding.device_set)
     if len(devices) != 1 or HOST_KIND not in [m.kind for m in devices[0].addressable_memories()]:
         return None
+    use_host_memory(None, 1.0)  # a clear error, not a crash, under the VMM allocator (xla_env.py)
     host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind=HOST_KIND)
     L, _, ps, D = kv_cache.shape
     fetch = jax.jit(_fetch)

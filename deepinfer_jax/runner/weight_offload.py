@@ -41,6 +41,7 @@ import jax.extend
 import numpy as np
 
 from deepinfer_jax.weights.pending import PendingParams
+from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
@@ -130,7 +131,8 @@ def host_sharding(sharding: Any) -> Any:
 
 
 def check_backend() -> None:
-    """A ValueError unless the first device has pinned host memory."""
+    """A ValueError unless the first device has pinned host memory, usable (no VMM allocator on a GPU: xla_env)."""
+    use_host_memory(1.0, None)
     kinds = [m.kind for m in jax.devices()[0].addressable_memories()]
     if HOST_KIND not in kinds:
         raise ValueError(f"cpu_offload_gb needs pinned host memory, which this backend lacks (its memories: {kinds})")

@@ -30,10 +30,10 @@ ALLOWED = {
     "models": {"config", "config_v4", "kernels"},
     "sharding": {"config", "models"},
     "weights": {"config", "config_v4", "models", "sharding"},
-    "runner": {"config", "config_v4", "types", "models", "kernels", "sampling", "weights", "sharding"},
+    "runner": {"config", "config_v4", "types", "models", "kernels", "sampling", "weights", "sharding", "xla_env"},
     "engine": {"config", "config_v4", "types", "text", "scheduler", "runner", "models", "kernels", "sampling", "weights",
-               "sharding"},
-    "server": {"config", "types", "text", "engine"},
+               "sharding", "xla_env"},
+    "server": {"config", "types", "text", "engine", "xla_env"},
     "cli": {"config", "types", "text", "engine", "server", "weights"},
     "__init__": {"engine", "types", "xla_env"},
 }
