@@ -27,11 +27,11 @@ def test_stop_strings_streaming_and_grammars_with_speculation():
     # The answer after </think> copies the reasoning line, so its tokens come several a step (accepted drafts). A stop
     # string that starts at the answer and ends inside such a step: the tokens after it are dropped, as if the
     # tokens had come one a step.
-    ref = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))[0].outputs[0]
+    ref = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=28, ignore_eos=True))[0].outputs[0]
     tok = llm.tokenizer
     j = ref.text.index("</think>") + len("</think>")
     stop = ref.text[j: j + 9]  # "\n\n" and the answer's first 7 characters: nowhere earlier in the text
-    n = next(m for m in range(1, 17) if stop in tok.decode(ref.token_ids[:m]))
+    n = next(m for m in range(1, 29) if stop in tok.decode(ref.token_ids[:m]))
     accepted = eng.spec_stats.num_accepted_tokens
     out = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True,
                                                 stop=[stop]))[0].outputs[0]
