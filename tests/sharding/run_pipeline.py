@@ -10,7 +10,8 @@ requests want (preemption); the second repeats the first wave's last prompt with
 steps of prefill and decode rows run as micro-batches (runner/micro_batches.py); the pipeline runner's counters too.
 Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
 "preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
-"memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes"}}}.
+"memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes",
+"group_steps", "max_steps_in_flight"}}}.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
     out = {"steps": sum(runner.steps_by_variant.values())}
     if hasattr(runner, "stage_dispatches"):
         out.update(stage_dispatches=runner.stage_dispatches, micro_batch_counts=dict(runner.micro_batch_counts),
-                   stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner))
+                   stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner),
+                   group_steps=runner.group_steps, max_steps_in_flight=eng.max_steps_in_flight)
     return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1),
                   "compiles_after_warmup": runner.compiles_after_warmup, "preemptions": st.num_preemptions,
                   "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers, "stage_devices": stage_devices,

@@ -92,3 +92,15 @@ def test_pipeline_steps_run_as_micro_batches(runs):
         assert any(m > 1 for m in counts), layout
         assert r["stage_boundary_bytes"] > 0, layout
         assert r["gather_collectives"] == [], layout  # each data rank gathers its own logits rows
+
+
+def test_pipeline_keeps_a_step_of_each_group_in_flight(runs):
+    """Decode overlap (engine/llm_engine.py, runner/pipeline.py): one group of requests a stage, each group's step
+    queued while the others' are in flight (their HF tokens: test_pipeline_greedy_equals_hf), every group ran steps."""
+    for model in ("v3", "dense", "micro"):
+        _, res, _ = runs[model]
+        for layout, r in res["layouts"].items():
+            pp = int(layout.split("-pp")[1])
+            assert r["max_steps_in_flight"] == pp, layout
+            assert len(r["group_steps"]) == pp and min(r["group_steps"]) > 0, layout
+            assert sum(r["group_steps"]) == r["steps"], layout
