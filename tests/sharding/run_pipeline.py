@@ -11,7 +11,8 @@ steps of prefill and decode rows run as micro-batches (runner/micro_batches.py);
 Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
 "preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
 "memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes",
-"group_steps", "max_steps_in_flight"}}}.
+"group_steps", "max_steps_in_flight"}, "one_group": {"tokens" of the first wave run again with one decode group,
+"refused": the error for a group more than the stages} (pipeline stages, not --micro)}}.
 """
 
 from __future__ import annotations
@@ -72,6 +73,17 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
         tokens += [o.outputs[0].token_ids for o in outs]
     eng = llm.engine
     st = eng.scheduler.stats()
+    one_group = {}
+    if hasattr(eng.runner, "stage_dispatches") and not micro:  # the first wave again, one step at a time
+        try:
+            eng.set_decode_groups(eng.groups + 1)
+        except ValueError as e:
+            one_group["refused"] = str(e)
+        eng.set_decode_groups(1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in waves[0]],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in MAX_TOKENS[:len(waves[0])]])
+        one_group["tokens"] = [o.outputs[0].token_ids for o in outs]
     runner = eng.runner
     stage_layers = [int(c.shape[0]) for c in getattr(runner, "stage_caches", [runner.kv_cache])]
     stage_devices = []
@@ -91,7 +103,7 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
         out.update(stage_dispatches=runner.stage_dispatches, micro_batch_counts=dict(runner.micro_batch_counts),
                    stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner),
                    group_steps=runner.group_steps, max_steps_in_flight=eng.max_steps_in_flight)
-    return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1),
+    return out | {"tokens": tokens, "one_group": one_group, "seconds": round(time.time() - t0, 1),
                   "compiles_after_warmup": runner.compiles_after_warmup, "preemptions": st.num_preemptions,
                   "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers, "stage_devices": stage_devices,
                   "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,
