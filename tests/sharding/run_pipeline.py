@@ -11,7 +11,8 @@ steps of prefill and decode rows run as micro-batches (runner/micro_batches.py);
 Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
 "preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
 "memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes",
-"group_steps", "max_steps_in_flight"}, "one_group": {"tokens" of the first wave run again with one decode group,
+"group_steps", "max_steps_in_flight"}, "one_group": {"stopped": [tokens, finish reason] of the first wave run again
+with a stop token id each (the middle token of its output), "tokens" of it run again with one decode group,
 "refused": the error for a group more than the stages} (pipeline stages, not --micro)}}.
 """
 
@@ -74,7 +75,14 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
     eng = llm.engine
     st = eng.scheduler.stats()
     one_group = {}
-    if hasattr(eng.runner, "stage_dispatches") and not micro:  # the first wave again, one step at a time
+    if hasattr(eng.runner, "stage_dispatches") and not micro:
+        # the first wave again, each request stopping at a token of its own output (its middle one), then again
+        # one step at a time
+        stops = [t[len(t) // 2] for t in tokens[:len(waves[0])]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in waves[0]],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop_token_ids=[s])
+                             for m, s in zip(MAX_TOKENS, stops)])
+        one_group["stopped"] = [[o.outputs[0].token_ids, o.outputs[0].finish_reason] for o in outs]
         try:
             eng.set_decode_groups(eng.groups + 1)
         except ValueError as e:
