@@ -28,6 +28,8 @@
 #                    tuned-only compilation cache (writes OUTDIR/serve_start/autotune.tgz)
 #   sharded          sharded_check.py on two GPUs: TP=2 and DP=2 x EP=2 against one GPU, bf16
 #   pipeline         pipeline_check.py on four GPUs: PP=2 and PP=2 x TP=2 against one GPU, bf16, then step times
+#   pipeline_groups  pipeline_decode_groups.py on four GPUs: PP=2 and PP=4 against one GPU, bf16, then decode
+#                    throughput with one decode group a stage against one step at a time
 #
 # Knobs: PRESET (model shape, default deepseek-v2-lite: configs/models/PRESET.json), KERNELS_ARGS (default
 # --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py), SERVE_ARGS (more flags for
@@ -66,6 +68,8 @@ run_part() {
     serve_start) bash benchmarks/serve_start.sh "$out/serve_start" "$preset" > "$out/serve_start.log" 2>&1 ;;
     sharded) python3 benchmarks/sharded_check.py --layouts tp2,dp2ep2 --preset "$preset" > "$out/sharded.log" 2>&1 ;;
     pipeline) python3 benchmarks/pipeline_check.py --layouts pp2,pp2tp2 --preset "$preset" > "$out/pipeline.log" 2>&1 ;;
+    pipeline_groups) python3 benchmarks/pipeline_decode_groups.py --layouts pp2,pp4 --preset "$preset" \
+      > "$out/pipeline_groups.log" 2>&1 ;;
     *) echo "unknown part $1" ;;
   esac
 }
@@ -161,6 +165,7 @@ has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
 has sharded && grep -h -E "^\|" "$out/sharded.log"
 has pipeline && grep -h -E "^\|" "$out/pipeline.log"
+has pipeline_groups && grep -h -E "^\|" "$out/pipeline_groups.log"
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
 for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c protocol_b_high vllm_serve_high \
     protocol_b_long_4096 protocol_b_long_16384 vllm_serve_long_4096 vllm_serve_long_16384; do

@@ -72,6 +72,7 @@ def time_prefill(eng, prompts):
     from deepinfer_jax.runner.model_runner import ModelRunner
     from deepinfer_jax.types import SamplingParams
 
+    eng.set_decode_groups(1)  # one plan of every prompt (decode groups would admit 1/N of them each)
     for i, p in enumerate(prompts):
         eng.add_request(f"t{i}", p, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
     plan = eng.scheduler.schedule()

@@ -28,6 +28,9 @@ accepted drafts and one token of the target's. Since the next plan needs how man
 fetched before the next is planned (no placeholders), as a structured-output step is. Requests with a grammar do
 not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
 
+Pipeline parallelism: one group of requests a stage, taken in turn by `step()`, each with its own step in flight
+(engine/decode_groups.py; `max_steps_in_flight`: the most left in flight between two steps).
+
 `params`: the loaded params, or a weights.pending.PendingParams (what `LLM` passes): the engine sizes the KV
 cache counting their bytes, then starts their load, which runs while the runner compiles its step programs.
 """
@@ -47,6 +50,7 @@ from deepinfer_jax.config_v4 import with_mtp_cache
 from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory, v4_pools
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
+from deepinfer_jax.engine.decode_groups import grouped_step, set_decode_groups
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
 from deepinfer_jax.engine.speculative import drafter_for, spec_shapes, spec_state, speculative_step
 from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
@@ -147,6 +151,9 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._counter = itertools.count()
         self._pending = None  # (in-flight step, [(request, placeholder index)]) not yet fetched
+        self.max_steps_in_flight = 0
+        # one decode group a pipeline stage: the next group to step, and each group's `_pending`
+        self.set_decode_groups(getattr(self.runner, "decode_groups", 1) if self.spec is None else 1)
         self.eos_token_ids = tuple(cfg.eos_token_ids) or tuple(getattr(tokenizer, "eos_token_ids", ()) or ())
         if tokenizer is not None and getattr(tokenizer, "eos_token_ids", None):
             self.eos_token_ids = tuple(dict.fromkeys(self.eos_token_ids + tuple(tokenizer.eos_token_ids)))
@@ -276,7 +283,16 @@ class LLMEngine:
         With speculative decoding each step is planned, run and fetched in turn (engine/speculative.py)."""
         if self.spec is not None:
             return speculative_step(self)
-        plan = self.scheduler.schedule()
+        return self._step() if self.groups == 1 else grouped_step(self)
+
+    def set_decode_groups(self, n: int) -> None:
+        """Steps in flight with pipeline parallelism: `n` groups, 1 (one step at a time) up to the stages (the
+        default); engine/decode_groups.py. Only while idle."""
+        set_decode_groups(self, n)
+
+    def _step(self, group: int = 0) -> list[RequestOutput]:
+        """`step` for one group's requests (all of them with one group)."""
+        plan = self.scheduler.schedule(group)
         self.runner.apply_kv_transfers(getattr(plan, "kv_transfers", None))  # host tier: before the step
         inflight = None
         fetched = None

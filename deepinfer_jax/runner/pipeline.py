@@ -23,7 +23,11 @@ them are gathered back into the step's rows (a small program per (M, micro bucke
 warm-up) and sampled once, as the step unsplit would be. Counters: `stage_dispatches` (stage programs queued, per
 stage), `micro_batch_counts` (steps by their number of micro-batches), and `stage_boundary_bytes` (the hidden
 states moved between stages, all steps).
-Across steps, the engine's overlapped loop keeps one step in flight ahead of the host.
+Decode groups (`decode_groups` = the number of stages): the engine keeps a step of each of that many disjoint groups
+of requests in flight (engine/llm_engine.py), and a group's step reads its placeholders from that group's own last
+sampled ids: `select_group(g)` swaps in group g's buffer (same shape and sharding, so nothing recompiles). Group
+g + 1's stage 0 then depends on nothing of group g's step but stage 0's cache, and runs while group g's step is in
+the later stages. `group_steps` counts the steps run, per group.
 
 Not with pipeline parallelism (refused, naming the option): speculative decoding, prompt logprobs, the host tier of
 the KV cache, routing collection, several hosts.
@@ -119,6 +123,9 @@ class PipelineRunner(ModelRunner):
         self.micro_batch_counts: Counter[int] = Counter()  # steps run, by their number of micro-batches
         self.stage_boundary_bytes = 0  # hidden states [T, D] moved from a stage to the next, all steps together
         self._hidden_row_bytes = cfg.hidden_size * jnp.dtype(runner_cfg.dtype).itemsize
+        self.decode_groups = len(self.stages)
+        self._group, self._group_prev = 0, [self._prev_tokens]  # the selected group; each group's sampled ids
+        self.group_steps = [0] * self.decode_groups
 
     @property
     def kv_cache(self):
@@ -159,7 +166,18 @@ class PipelineRunner(ModelRunner):
         self.stage_dispatches = [0] * len(self.stages)
         self.micro_batch_counts.clear()
         self.stage_boundary_bytes = 0
+        # Every group's ids in the layout the sampler returns, which the programs compiled for.
+        self._group, self.group_steps = 0, [0] * self.decode_groups
+        self._group_prev = [self._prev_tokens] + [jax.device_put(np.zeros(self.max_rows, np.int32),
+                                                                 self._prev_tokens.sharding)
+                                                  for _ in range(self.decode_groups - 1)]
         return len(self._fns)
+
+    def select_group(self, group: int) -> None:
+        """Run the next steps for decode group `group` (module docstring): their placeholders read the ids that
+        group's last step sampled, and their samples go to that group's buffer."""
+        self._group_prev[self._group] = self._prev_tokens
+        self._prev_tokens, self._group = self._group_prev[group], group
 
     def _micro_warmup_steps(self) -> list[PipelineStep]:
         """A padding step for each (bucket, M, micro bucket) a real step may be split into (micro_batches.candidates),
@@ -217,6 +235,7 @@ class PipelineRunner(ModelRunner):
                 self.stage_dispatches[st.rank] += 1
             logits.append(out)
         self.micro_batch_counts[len(logits)] += 1
+        self.group_steps[self._group] += 1
         if len(logits) > 1:  # the micro-batches' rows back in the step's order
             out = self._gather_fn(len(logits))(jax.device_put(host.gather, self._by_rank), *logits)
         self._prev_tokens, outbox = self._sampler_fn(key)(out, self._prev_tokens,

@@ -36,6 +36,13 @@ scheduler/hybrid_cache_manager.py (windowed groups give pages behind their windo
 page per page_size x rate tokens, prefix hits end on every compressed group's page boundary); each ScheduledSeq
 then carries every group's page table (`group_page_ids`).
 
+Groups (`num_groups` > 1: pipeline parallelism's decode overlap, engine/llm_engine.py): the running requests form
+disjoint groups, and `schedule(group)` plans only that group's: its running requests, and waiting ones that are new
+or were preempted from it (a request joins the group that admits it and stays in it). A group admits while it runs
+fewer than max_num_seqs and fewer than its share, ceil((running + waiting) / num_groups), so the groups stay about
+even. Preemption picks the newest unscheduled running request of any group (the oldest keeps its guarantee); a
+request preempted from group h waits for h, whose next steps resolve its placeholders (runner: a group's own ids).
+
 Guarantee: `Scheduler.__init__` checks the pool holds cdiv(max_model_len, page_size) pages, and a
 request never computes more than max_model_len tokens, so the oldest running request (or, if none,
 the waiting head) can always be scheduled: every step with unfinished requests makes progress.
@@ -173,6 +180,8 @@ class Scheduler:
         self.num_preemptions = 0
         self._finished_ids: list[str] = []
         self._inflight: StepPlan | None = None
+        self.num_groups = 1  # the engine sets more (module docstring: Groups)
+        self.group_of: dict[str, int] = {}  # request id -> its group, from its admission until it leaves
 
     # ---- requests in and out -------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -220,6 +229,7 @@ class Scheduler:
         """A finished request leaves: pages freed, forgotten, reported in the next plan."""
         self.kv_cache_manager.free(request)
         del self.requests[request.request_id]
+        self.group_of.pop(request.request_id, None)
         self._finished_ids.append(request.request_id)
 
     # ---- counts --------------------------------------------------------------------------------
@@ -304,9 +314,22 @@ class Scheduler:
                 return False
         return True
 
-    def schedule(self) -> StepPlan:
+    def _admissible(self, group: int) -> tuple[list[Request], int]:
+        """The waiting requests `group` may admit (FCFS) and how many running requests it may hold."""
+        if self.num_groups == 1:
+            return list(self.waiting), self.config.max_num_seqs
+        if not 0 <= group < self.num_groups:
+            raise ValueError(f"group must be in [0, {self.num_groups}), got {group}")
+        share = -(-(len(self.running) + len(self.waiting)) // self.num_groups)
+        return ([r for r in self.waiting if self.group_of.get(r.request_id, group) == group],
+                min(self.config.max_num_seqs, share))
+
+    def schedule(self, group: int = 0) -> StepPlan:
+        """The next step of `group`'s requests (module docstring: Groups; with one group, of every request)."""
         if self._inflight is not None:
             raise RuntimeError("schedule() called again before update_from_output() of its plan")
+        admissible, cap = self._admissible(group)
+        mine = (lambda r: True) if self.num_groups == 1 else (lambda r: self.group_of[r.request_id] == group)
         budget = self.config.max_num_batched_tokens
         decodes: list[ScheduledSeq] = []
         prefills: list[ScheduledSeq] = []
@@ -317,8 +340,8 @@ class Scheduler:
             for request in list(self.running):
                 if budget == 0:
                     break
-                if request.status != RequestStatus.RUNNING or request.request_id in scheduled:
-                    continue  # preempted earlier in this loop, or already planned
+                if request.status != RequestStatus.RUNNING or request.request_id in scheduled or not mine(request):
+                    continue  # preempted earlier in this loop, already planned, or another group's
                 remaining = request.num_tokens - request.num_computed_tokens
                 if (remaining == 1) != want_decode:
                     continue
@@ -333,18 +356,20 @@ class Scheduler:
                     scheduled.add(request.request_id)
                     budget -= n + k
 
-        while (
-            not preempted
-            and self.waiting
-            and budget > 0
-            and len(self.running) < self.config.max_num_seqs
-        ):
-            request = self.waiting[0]
+        held = sum(1 for r in self.running if mine(r))
+        for request in admissible:
+            if preempted or budget == 0 or held >= cap:
+                break
             hit_blocks, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             n = self._chunk(request.num_tokens - num_hit, budget)
             if not self.kv_cache_manager.allocate_slots(request, n, hit_blocks):
                 break
-            self.waiting.popleft()
+            if request is self.waiting[0]:
+                self.waiting.popleft()
+            else:
+                self.waiting.remove(request)
+            held += 1
+            self.group_of[request.request_id] = group
             if request.status == RequestStatus.WAITING:
                 request.num_cached_tokens = num_hit
             request.num_computed_tokens = num_hit

@@ -104,8 +104,8 @@ class DPScheduler:
             num_preemptions=sum(s.num_preemptions for s in st))
 
     # ---- the step --------------------------------------------------------------------------------
-    def schedule(self) -> DPStepPlan:
-        plans = [s.schedule() for s in self.ranks]
+    def schedule(self, group: int = 0) -> DPStepPlan:
+        plans = [s.schedule(group) for s in self.ranks]  # each rank's requests of `group` (Scheduler.num_groups)
         plan = DPStepPlan(rank_plans=plans)
         for r, p in enumerate(plans):
             plan.seqs.extend(p.seqs)

@@ -10,7 +10,10 @@ requests want (preemption); the second repeats the first wave's last prompt with
 steps of prefill and decode rows run as micro-batches (runner/micro_batches.py); the pipeline runner's counters too.
 Prints one line "RESULT " + JSON {"prompts", "max_tokens", "layouts": {LAYOUT: {"tokens", "seconds", "compiles_after_warmup",
 "preemptions", "prefix_hits", "stage_layers", "stage_devices", "stage_weight_bytes", "kv_usage_after",
-"memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes"}}}.
+"memory_devices", "steps", and with pipeline stages "stage_dispatches", "micro_batch_counts", "stage_boundary_bytes",
+"group_steps", "max_steps_in_flight"}, "one_group": {"stopped": [tokens, finish reason] of the first wave run again
+with a stop token id each (the middle token of its output), "tokens" of it run again with one decode group,
+"refused": the error for a group more than the stages} (RERUN_LAYOUTS, not --micro)}}.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ SECOND_WAVE_TAILS = [5, 12]  # new tokens after the first wave's last prompt
 MAX_TOKENS = [8, 6, 10, 5, 9, 7, 6, 8, 6, 7]
 NUM_PAGES, PAGE, BUDGET, MAX_SEQS, MODEL_LEN = 14, 8, 32, 4, 88
 MICRO_PAGES, MICRO_MODEL_LEN = 7, 32
+RERUN_LAYOUTS = ("1x1-pp4", "2x2ep-pp2")  # stop token ids and one decode group: the most groups, groups under DP
 
 
 def workload(vocab: int, micro: bool = False) -> tuple[list[list[int]], list[list[int]]]:
@@ -71,6 +75,24 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
         tokens += [o.outputs[0].token_ids for o in outs]
     eng = llm.engine
     st = eng.scheduler.stats()
+    one_group = {}
+    if layout in RERUN_LAYOUTS and not micro:
+        # the first wave again, each request stopping at a token of its own output (its middle one), then again
+        # one step at a time
+        stops = [t[len(t) // 2] for t in tokens[:len(waves[0])]]
+        outs = llm.generate([{"prompt_token_ids": p} for p in waves[0]],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, stop_token_ids=[s])
+                             for m, s in zip(MAX_TOKENS, stops)])
+        one_group["stopped"] = [[o.outputs[0].token_ids, o.outputs[0].finish_reason] for o in outs]
+        try:
+            eng.set_decode_groups(eng.groups + 1)
+        except ValueError as e:
+            one_group["refused"] = str(e)
+        eng.set_decode_groups(1)
+        outs = llm.generate([{"prompt_token_ids": p} for p in waves[0]],
+                            [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+                             for m in MAX_TOKENS[:len(waves[0])]])
+        one_group["tokens"] = [o.outputs[0].token_ids for o in outs]
     runner = eng.runner
     stage_layers = [int(c.shape[0]) for c in getattr(runner, "stage_caches", [runner.kv_cache])]
     stage_devices = []
@@ -88,8 +110,9 @@ def run(model_dir: str, layout: str, waves, micro: bool = False) -> dict:
     out = {"steps": sum(runner.steps_by_variant.values())}
     if hasattr(runner, "stage_dispatches"):
         out.update(stage_dispatches=runner.stage_dispatches, micro_batch_counts=dict(runner.micro_batch_counts),
-                   stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner))
-    return out | {"tokens": tokens, "seconds": round(time.time() - t0, 1),
+                   stage_boundary_bytes=runner.stage_boundary_bytes, gather_collectives=gather_collectives(runner),
+                   group_steps=runner.group_steps, max_steps_in_flight=eng.max_steps_in_flight)
+    return out | {"tokens": tokens, "one_group": one_group, "seconds": round(time.time() - t0, 1),
                   "compiles_after_warmup": runner.compiles_after_warmup, "preemptions": st.num_preemptions,
                   "prefix_hits": st.prefix_cache_hits, "stage_layers": stage_layers, "stage_devices": stage_devices,
                   "stage_weight_bytes": stage_bytes, "kv_usage_after": pools,

@@ -92,3 +92,27 @@ def test_pipeline_steps_run_as_micro_batches(runs):
         assert any(m > 1 for m in counts), layout
         assert r["stage_boundary_bytes"] > 0, layout
         assert r["gather_collectives"] == [], layout  # each data rank gathers its own logits rows
+
+
+def test_pipeline_keeps_a_step_of_each_group_in_flight(runs):
+    """Decode overlap (engine/decode_groups.py, runner/pipeline.py): one group of requests a stage, each group's step
+    queued while the others' are in flight (their HF tokens: test_pipeline_greedy_equals_hf), every group ran steps;
+    stop token ids end requests as they should; one group gives the same tokens; more groups than stages refused."""
+    for model in ("v3", "dense", "micro"):
+        _, res, _ = runs[model]
+        for layout, r in res["layouts"].items():
+            pp = int(layout.split("-pp")[1])
+            assert r["max_steps_in_flight"] == pp, layout
+            assert len(r["group_steps"]) == pp and min(r["group_steps"]) > 0, layout
+            assert sum(r["group_steps"]) == r["steps"], layout
+            assert bool(r["one_group"]) == (model == "v3" and layout in ("1x1-pp4", "2x2ep-pp2")), layout
+            if r["one_group"]:  # the first wave again: with stop token ids, then with one group
+                hf, _, _ = runs[model]
+                want = [hf_greedy(hf, p, n) for p, n in zip(res["prompts"], res["max_tokens"])]
+                # one step at a time: the same tokens (and nothing compiled: test_pipeline_greedy_equals_hf)
+                assert r["one_group"]["tokens"] == want[:len(r["one_group"]["tokens"])] == r["tokens"][:8], layout
+                # a stop token id ends each request at its first occurrence, found a step after it was sampled
+                stopped = [[w[:w.index(w[len(w) // 2]) + 1], "stop"] for w in want[:8]]
+                assert r["one_group"]["stopped"] == stopped, layout
+                assert r["one_group"]["refused"] == (f"decode groups must be in [1, {pp}] (the pipeline stages; 1 "
+                                                     f"with speculative decoding), got {pp + 1}"), layout
