@@ -212,10 +212,17 @@ class PipelineRunner(ModelRunner):
         return PipelineStep.of(host, micro, b, index)
 
     # ---- the step ----------------------------------------------------------------------------------
+    def defers_masks(self, plan_seqs, requests) -> bool:
+        """Never: a pipelined step's structured-output masks are filled before it is queued (`run` takes no
+        before_sampling)."""
+        return False
+
     def run(self, host: HostStep, before_sampling=None) -> StepOut:
         """Queue each micro-batch's programs stage after stage (module docstring; a step not split is one
         micro-batch), the logits gather of a split step, then the sampler on the last stage's devices; returns its
         results."""
+        if before_sampling is not None:
+            raise ValueError("a pipelined step fills its structured-output masks before it is queued")
         key, inputs = packed(host)
         res = self.programs.resident(key)  # the layout of the results
         n_meta = sum(sizes(key[0]))
