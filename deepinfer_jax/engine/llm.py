@@ -262,9 +262,11 @@ class LLM:
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
-            if cfg0.family == "deepseek_v4":
-                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
-                                 "--pipeline-parallel-size above 1 are not supported for it yet")
+            if cfg0.family == "deepseek_v4":  # its routed experts over the mesh, the rest replicated (docs/v4.md)
+                from deepinfer_jax.sharding.rules import v4_layout_problem
+
+                if v4_layout_problem(parallel):
+                    raise ValueError(v4_layout_problem(parallel))
             if pipeline_parallel_size > 1:  # one layout a stage; leaves load onto the stage that holds them
                 from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
 

@@ -60,6 +60,32 @@ def default_rules(pc: ParallelConfig) -> Rules:
     )
 
 
+# DeepSeek-V4's per-group pools: one array [pool pages, page elements] per pool (models/v4_paged.py).
+V4_KV_CACHE_AXES = ("pages", None)
+
+
+def v4_rules(pc: ParallelConfig) -> Rules:
+    """DeepSeek-V4's layout: the routed experts over ("data", "tensor") with enable_expert_parallel, else their
+    intermediate dim; everything else replicated (its attention, shared expert, embedding and head run whole on
+    every device, and every device keeps the whole per-group cache: V4's attention has no split over heads or
+    ranks yet, models/v4_paged.py check_layout)."""
+    moe = (DATA, TENSOR)
+    split = {"expert": moe if pc.enable_expert_parallel else (), "moe_mlp": () if pc.enable_expert_parallel else moe}
+    return tuple((name, split.get(name, ())) for name, _ in default_rules(pc))
+
+
+def v4_layout_problem(pc: ParallelConfig) -> str | None:
+    """Why DeepSeek-V4 cannot run under `pc` (one line naming the flag), or None."""
+    if pc.pipeline_parallel_size > 1:
+        return ("--pipeline-parallel-size above 1 is not supported for deepseek_v4: its layers differ in kind and run "
+                "as a Python loop, not the stacked segments pipeline stages cut")
+    if pc.data_parallel_size > 1:
+        return ("--data-parallel-size above 1 is not supported for deepseek_v4: data-parallel attention needs its "
+                "per-group KV pools per rank, not built; --tensor-parallel-size (with --enable-expert-parallel) "
+                "splits its routed experts")
+    return None
+
+
 def _size(axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:
     n = 1
     for a in axes:
