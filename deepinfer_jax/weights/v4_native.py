@@ -218,11 +218,11 @@ def abstract_leaf(kind: str, path: tuple, spec_shape: tuple, quant: V4Quant, sha
     from jax.sharding import NamedSharding
 
     qs, qd, ss, sd, make = leaf_shapes(kind, path, spec_shape, quant)
-    w = make(jax.ShapeDtypeStruct(qs, qd, sharding=sharding), jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
     if not isinstance(sharding, NamedSharding):
-        return w
+        return make(jax.ShapeDtypeStruct(qs, qd, sharding=sharding), jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
     from deepinfer_jax.sharding.packed import packed_sharding
 
+    w = make(jax.ShapeDtypeStruct(qs, qd), jax.ShapeDtypeStruct(ss, sd))
     sh = packed_sharding(w, sharding, axes, ".".join(map(str, path)))
     return dataclasses.replace(w, q=jax.ShapeDtypeStruct(qs, qd, sharding=sh.q),
                                scale=jax.ShapeDtypeStruct(ss, sd, sharding=sh.scale))
