@@ -263,10 +263,9 @@ class LLM:
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
             if cfg0.family == "deepseek_v4":  # its routed experts over the mesh, the rest replicated (docs/v4.md)
-                from deepinfer_jax.sharding.rules import v4_layout_problem
+                from deepinfer_jax.sharding.rules import check_v4_layout
 
-                if v4_layout_problem(parallel):
-                    raise ValueError(v4_layout_problem(parallel))
+                check_v4_layout(parallel)
             if pipeline_parallel_size > 1:  # one layout a stage; leaves load onto the stage that holds them
                 from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
 

@@ -194,21 +194,6 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
     return sum(sizes.values()), " + ".join(f"{k} (kept)" for k in kinds) or "float"
 
 
-def v4_bytes_per_device(cfg, parallel, by_leaf: dict) -> int:
-    """DeepSeek-V4's weight bytes on each device under `parallel` (sharding/rules.py v4_rules): every routed expert
-    leaf (float, or FP4 / FP8 kept: q and scales alike) divided over the devices that split it, the rest whole;
-    `by_leaf` (v4_weight_bytes's) updated to the per-device bytes. A split the layout refuses is refused here."""
-    from deepinfer_jax.sharding.rules import check_rules, v4_rules
-
-    check_rules(cfg, {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size},
-                v4_rules(parallel))
-    n = parallel.data_parallel_size * parallel.tensor_parallel_size
-    for path, b in by_leaf.items():
-        if "experts" in path:  # ("layers", i, "moe", "experts", "gate_up" | "down"): E or I over every device
-            by_leaf[path] = b // n
-    return sum(by_leaf.values())
-
-
 def fp8_bytes_per_device(spec, path: tuple, lay: tuple[int, int], block: tuple[int, int], table: dict,
                          mesh: dict) -> int:
     """Bytes on one device of the Fp8Weight that the leaf `spec` at `path` loads as: q (1 byte an element) and its
@@ -347,12 +332,10 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     cfg = ModelConfig.from_model_dir(model_dir)
     by_leaf: dict = {}  # each leaf's bytes on a device, for --cpu-offload-gb's choice
     if cfg.family == "deepseek_v4":  # float, or FP8 / FP4 as released (docs/v4.md); its routed experts split
-        from deepinfer_jax.sharding.rules import v4_layout_problem
+        from deepinfer_jax.sharding.rules import check_v4_layout, v4_bytes_per_device
         from deepinfer_jax.weights.loader import check_v4_quantization
 
-        if v4_layout_problem(parallel):
-            raise ValueError(v4_layout_problem(parallel))
-
+        check_v4_layout(parallel)
         check_v4_quantization(quantization)
         if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
             with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
@@ -360,8 +343,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
                                           by_leaf)
-        if not parallel.is_single_device:
-            nbytes = v4_bytes_per_device(cfg, parallel, by_leaf)
+        nbytes = v4_bytes_per_device(cfg, parallel, by_leaf)  # the routed experts split over the devices
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)

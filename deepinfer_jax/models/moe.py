@@ -151,6 +151,21 @@ def _experts_dense_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
 EXPERT_AXES = {"gate_up": ("expert", "embed", None, "moe_mlp"), "down": ("expert", "moe_mlp", "embed")}
 
 
+def local_experts_xla(moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array, first: jax.Array,
+                      act=silu_mul) -> jax.Array:
+    """Inside shard_map: the experts first .. first + E_local - 1 (`ex_l`) on the token copies routed to them, in
+    XLA ("dense": every local expert; otherwise the ragged grouped GEMM) with the gated activation `act(gate, up)`
+    -> fp32 [T, D] partial sums (DeepSeek-V4's experts, models/v4_parallel.py)."""
+    f = _experts_dense_f32 if moe_impl == "dense" else _experts_ragged_f32
+    return f(ex_l, x, w, idx, first, act=act)
+
+
+def expert_weight_specs(mr: MeshRules, ex: dict) -> dict:
+    """The shard_map in_specs of routed experts {gate_up, down} (float, INT8 / INT4, or FP8 / FP4 kept as stored)
+    under `mr`."""
+    return {k: _weight_specs(mr, EXPERT_AXES[k], ex[k]) for k in ("gate_up", "down")}
+
+
 def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:
     """The PartitionSpec of an expert weight leaf; a quantized leaf's int8 scale keeps length-1 axes
     (one scale shared along a contracted axis) unsplit."""

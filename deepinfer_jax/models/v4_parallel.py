@@ -17,13 +17,11 @@ Tokens split over the mesh (data-parallel attention) are gathered first and the 
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config_v4 import V4Config
-from deepinfer_jax.models.moe import EXPERT_AXES, _experts_dense_f32, _experts_ragged_f32, _weight_specs
+from deepinfer_jax.models.moe import expert_weight_specs, local_experts_xla
 from deepinfer_jax.models.parallel import MeshRules
 
 
@@ -32,17 +30,13 @@ def splits_experts(mr: MeshRules | None) -> bool:
     return mr is not None and (mr.size("expert") > 1 or mr.size("moe_mlp") > 1)
 
 
-def _local_experts(cfg: V4Config, moe_impl: str, exp_axes: tuple, ex_l: dict, x: jax.Array, w: jax.Array,
-                   idx: jax.Array) -> jax.Array:
+def _local_experts(cfg: V4Config, moe_impl: str, exp_axes: tuple, fmts: tuple | None, act, ex_l: dict, x: jax.Array,
+                   w: jax.Array, idx: jax.Array) -> jax.Array:
     """Inside shard_map: this device's experts ex_l [E_local, ...] on the copies of x [T, D] routed to them (w / idx
-    [T, k], global ids) -> fp32 [T, D] partial sums."""
-    from deepinfer_jax.models.deepseek_v4 import clamped_swiglu, expert_formats
-
+    [T, k], global ids) -> fp32 [T, D] partial sums. `fmts`: the kept experts' kernel formats (or None)."""
     E_local = ex_l["down"].shape[0]
     first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
-    act = functools.partial(clamped_swiglu, limit=cfg.swiglu_limit)
-    fmts = expert_formats(ex_l) if moe_impl in ("pallas", "pallas_interpret") else None
-    if fmts is not None:
+    if fmts is not None and moe_impl in ("pallas", "pallas_interpret"):
         from deepinfer_jax.kernels.moe_gmm_quant import moe_experts_quant, supported
 
         D, I = ex_l["down"].shape[-1], ex_l["down"].shape[-2]
@@ -54,27 +48,27 @@ def _local_experts(cfg: V4Config, moe_impl: str, exp_axes: tuple, ex_l: dict, x:
                                   fmt_gu=fmts[0], fmt_down=fmts[1], swiglu_limit=cfg.swiglu_limit,
                                   interpret=moe_impl == "pallas_interpret")
             return y.astype(jnp.float32)
-    f = _experts_dense_f32 if moe_impl == "dense" else _experts_ragged_f32
-    return f(ex_l, x, w, idx, first, act=act)
+    return local_experts_xla(moe_impl, ex_l, x, w, idx, first, act=act)
 
 
 def v4_experts_sharded(cfg: V4Config, mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax.Array,
-                       idx: jax.Array) -> jax.Array:
+                       idx: jax.Array, act, fmts: tuple | None) -> jax.Array:
     """V4's routed experts split over the mesh as `mr` lays them out: x [T, D], w / idx [T, k] -> [T, D] in x's
-    dtype (the module docstring)."""
+    dtype (the module docstring). `act(gate, up)`: the clamped SwiGLU; `fmts`: the kernel formats of experts kept
+    as released (deepseek_v4.expert_formats), or None."""
     tok = mr.mesh_axes("tokens")
     exp_axes, mlp_axes = mr.mesh_axes("expert"), mr.mesh_axes("moe_mlp")
     reduce_axes = tuple(a for a in mr.mesh.axis_names if a in exp_axes or a in mlp_axes)
     gather = tuple(a for a in tok if a in reduce_axes and mr.mesh.shape[a] > 1)
     rest = tuple(a for a in reduce_axes if a not in gather)
-    specs = {k: _weight_specs(mr, EXPERT_AXES[k], ex[k]) for k in ("gate_up", "down")}
+    specs = expert_weight_specs(mr, ex)
     tspec = mr.spec(("tokens", None))
 
     def local(ex_l, x, w, idx):
         dt = x.dtype
         if gather:
             x, w, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, idx))
-        y = _local_experts(cfg, moe_impl, exp_axes, ex_l, x, w, idx)
+        y = _local_experts(cfg, moe_impl, exp_axes, fmts, act, ex_l, x, w, idx)
         if gather:
             y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
         if rest:

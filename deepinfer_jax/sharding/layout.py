@@ -14,7 +14,7 @@ from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
 from deepinfer_jax.sharding.rules import (DENSE_KV_CACHE_AXES, KV_CACHE_AXES, V4_KV_CACHE_AXES, Rules, check_rules,
-                                          default_rules, kv_cache_sharding, param_shardings, v4_layout_problem, v4_rules)
+                                          check_v4_layout, default_rules, kv_cache_sharding, param_shardings, v4_rules)
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: a padded vocab is a multiple of 64 x its devices
 
@@ -145,9 +145,7 @@ def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rul
         if rules is None and cfg.num_key_value_heads % parallel.tensor_parallel_size:
             rules = tuple((k, ()) if k == "kv_heads" else (k, v) for k, v in default_rules(parallel))
     if cfg.family == "deepseek_v4":
-        problem = v4_layout_problem(parallel)
-        if problem:
-            raise ValueError(problem)
+        check_v4_layout(parallel)
         rules = v4_rules(parallel) if rules is None else rules
     rules = default_rules(parallel) if rules is None else rules
     shape = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}

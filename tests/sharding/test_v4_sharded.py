@@ -75,3 +75,5 @@ def test_layouts_v4_does_not_have_are_refused_by_flag(v4_release):
         plan(floats, pipeline_parallel_size=2)
     with pytest.raises(ValueError, match="n_routed_experts = 6 is not divisible by 4"):
         plan(floats, tensor_parallel_size=4, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="--all2all-backend all_to_all is not supported for deepseek_v4"):
+        build_sharding(cfg, ParallelConfig(2, 1, True, all2all_backend="all_to_all"))
