@@ -334,7 +334,6 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     if cfg.family == "deepseek_v4":  # float, or FP8 / FP4 as released (docs/v4.md); its routed experts split
         from deepinfer_jax.sharding.rules import check_v4_layout, v4_bytes_per_device
         from deepinfer_jax.weights.loader import check_v4_quantization
-
         check_v4_layout(parallel)
         check_v4_quantization(quantization)
         if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
