@@ -262,9 +262,10 @@ class LLM:
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
-            if cfg0.family == "deepseek_v4":
-                raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
-                                 "--pipeline-parallel-size above 1 are not supported for it yet")
+            if cfg0.family == "deepseek_v4":  # its routed experts over the mesh, the rest replicated (docs/v4.md)
+                from deepinfer_jax.sharding.rules import check_v4_layout
+
+                check_v4_layout(parallel)
             if pipeline_parallel_size > 1:  # one layout a stage; leaves load onto the stage that holds them
                 from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
 

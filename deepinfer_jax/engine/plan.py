@@ -297,12 +297,10 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     dtype = resolve_dtype(dtype, model_dir)
     cfg = ModelConfig.from_model_dir(model_dir)
     by_leaf: dict = {}  # each leaf's bytes on a device, for --cpu-offload-gb's choice
-    if cfg.family == "deepseek_v4":  # one device; float, or FP8 / FP4 as released (docs/v4.md)
-        if not parallel.is_single_device:
-            raise ValueError("deepseek_v4 runs on one device: --tensor-parallel-size / --data-parallel-size / "
-                             "--pipeline-parallel-size above 1 are not supported for it yet")
+    if cfg.family == "deepseek_v4":  # float, or FP8 / FP4 as released (docs/v4.md); its routed experts split
+        from deepinfer_jax.sharding.rules import check_v4_layout, v4_bytes_per_device
         from deepinfer_jax.weights.loader import check_v4_quantization
-
+        check_v4_layout(parallel)
         check_v4_quantization(quantization)
         if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
             with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
@@ -310,6 +308,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
                                           by_leaf)
+        nbytes = v4_bytes_per_device(cfg, parallel, by_leaf)  # the routed experts split over the devices
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)

@@ -21,6 +21,7 @@ them through kernels/moe_gmm_quant.py instead, reading the stored bytes (`v4_qua
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -31,6 +32,7 @@ from deepinfer_jax.models.layers import linear, rms_norm, weight
 from deepinfer_jax.models.quant import is_fp8
 from deepinfer_jax.models.quant_fp4 import is_fp4
 from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
+from deepinfer_jax.models.v4_parallel import splits_experts, v4_experts_sharded
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------
@@ -115,10 +117,11 @@ def v4_quant_experts(cfg: V4Config, ex: dict, x: jax.Array, w: jax.Array, idx: j
 
 
 def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array,
-           impl: str = "reference") -> jax.Array:
+           impl: str = "reference", mesh_rules: Any = None) -> jax.Array:
     """Routed experts (every expert computed densely: this is the reference; with `impl` "pallas" /
     "pallas_interpret" quantized experts go through the kernels where they take them) plus the shared expert.
-    x [S, D], token_ids [S] -> [S, D]."""
+    x [S, D], token_ids [S] -> [S, D]. `mesh_rules` splitting the experts or their intermediate dim: the routed
+    experts run on each device's slice (models/v4_parallel.py; `impl` "ragged", "dense" or a Pallas one there)."""
     E, lim = cfg.n_routed_experts, cfg.swiglu_limit
     scores = router_scores(cfg, linear(x, p["gate"]).astype(jnp.float32))  # [S, E]
     if cfg.mlp_type(layer) == "hash_moe":
@@ -129,6 +132,10 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     sgu = jnp.einsum("sd,dgi->sgi", x, weight(p["shared"]["gate_up"], x.dtype))
     shared = linear(clamped_swiglu(sgu[:, 0], sgu[:, 1], lim), p["shared"]["down"])
+    if splits_experts(mesh_rules):
+        act = functools.partial(clamped_swiglu, limit=lim)
+        routed = v4_experts_sharded(cfg, mesh_rules, impl, p["experts"], x, w, idx, act, expert_formats(p["experts"]))
+        return routed + shared
     if impl in ("pallas", "pallas_interpret"):
         routed = v4_quant_experts(cfg, p["experts"], x, w, idx, impl == "pallas_interpret")
         if routed is not None:

@@ -100,10 +100,11 @@ def experts_ragged(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.A
 
 
 def _experts_ragged_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
-                        first_expert: jax.Array | None = None) -> jax.Array:
+                        first_expert: jax.Array | None = None, act=silu_mul) -> jax.Array:
     """experts_ragged before the final cast (fp32 [T, D]). With `first_expert`, `p` holds only the
     experts first_expert .. first_expert + E_local - 1 (this device's slice): copies routed elsewhere
-    sort after every local group, fall outside the ragged groups and contribute nothing."""
+    sort after every local group, fall outside the ragged groups and contribute nothing. `act(gate, up)`: the
+    gated activation (DeepSeek-V4's clamped SwiGLU; silu(gate) * up by default)."""
     T, D = x.shape
     k = idx.shape[-1]
     E = p["gate_up"].shape[0]
@@ -120,7 +121,7 @@ def _experts_ragged_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
     gate_up = weight(p["gate_up"], x.dtype).reshape(E, D, -1)  # [E, D, 2I]
     h = jax.lax.ragged_dot(xs, gate_up, group_sizes)  # [T*k, 2I]
     inter = h.shape[-1] // 2
-    a = silu_mul(h[:, :inter], h[:, inter:])
+    a = act(h[:, :inter], h[:, inter:])
     y = jax.lax.ragged_dot(a, weight(p["down"], x.dtype), group_sizes)  # [T*k, D]
     y = y.astype(jnp.float32) * w.reshape(-1)[order][:, None]
     if valid is not None:
@@ -134,20 +135,35 @@ def experts_dense(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array) -> jax.Ar
 
 
 def _experts_dense_f32(p: dict, x: jax.Array, w: jax.Array, idx: jax.Array,
-                       first_expert: jax.Array | None = None) -> jax.Array:
-    """experts_dense before the final cast; `first_expert` as in _experts_ragged_f32."""
+                       first_expert: jax.Array | None = None, act=silu_mul) -> jax.Array:
+    """experts_dense before the final cast; `first_expert` and `act` as in _experts_ragged_f32."""
     E = p["gate_up"].shape[0]
     if first_expert is not None:
         local = idx - first_expert
         idx = jnp.where((local >= 0) & (local < E), local, E)  # E: out of range, dropped below
     combine = jnp.zeros((x.shape[0], E), jnp.float32).at[jnp.arange(x.shape[0])[:, None], idx].add(w, mode="drop")
     gu = jnp.einsum("td,edgi->tegi", x, weight(p["gate_up"], x.dtype))  # [T, E, 2, I]
-    a = silu_mul(gu[:, :, 0], gu[:, :, 1])  # [T, E, I]
+    a = act(gu[:, :, 0], gu[:, :, 1])  # [T, E, I]
     y = jnp.einsum("tei,eid->ted", a, weight(p["down"], x.dtype))  # [T, E, D]
     return jnp.einsum("ted,te->td", y.astype(jnp.float32), combine)
 
 
 EXPERT_AXES = {"gate_up": ("expert", "embed", None, "moe_mlp"), "down": ("expert", "moe_mlp", "embed")}
+
+
+def local_experts_xla(moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx: jax.Array, first: jax.Array,
+                      act=silu_mul) -> jax.Array:
+    """Inside shard_map: the experts first .. first + E_local - 1 (`ex_l`) on the token copies routed to them, in
+    XLA ("dense": every local expert; otherwise the ragged grouped GEMM) with the gated activation `act(gate, up)`
+    -> fp32 [T, D] partial sums (DeepSeek-V4's experts, models/v4_parallel.py)."""
+    f = _experts_dense_f32 if moe_impl == "dense" else _experts_ragged_f32
+    return f(ex_l, x, w, idx, first, act=act)
+
+
+def expert_weight_specs(mr: MeshRules, ex: dict) -> dict:
+    """The shard_map in_specs of routed experts {gate_up, down} (float, INT8 / INT4, or FP8 / FP4 kept as stored)
+    under `mr`."""
+    return {k: _weight_specs(mr, EXPERT_AXES[k], ex[k]) for k in ("gate_up", "down")}
 
 
 def _leaf_spec(mr: MeshRules, axes: tuple, leaf) -> P:

@@ -15,6 +15,7 @@ Its rows live in the per-group cache as layer num_hidden_layers + j of every gro
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -27,14 +28,16 @@ from deepinfer_jax.models.v4_paged import GroupCache, paged_block, step_cache
 
 
 def v4_mtp_layer_paged(params: dict, cfg: ModelConfig, cache: GroupCache, meta: StepMetadata, streams: jax.Array,
-                       next_ids: jax.Array, attn_impl: str, moe_impl: str, j: int = 0) -> jax.Array:
+                       next_ids: jax.Array, attn_impl: str, moe_impl: str, j: int = 0,
+                       mesh_rules: Any = None) -> jax.Array:
     """One MTP pass over a ragged step: streams [T, n, D] (the target's last streams, or the MTP's own output when
     chained) and next_ids [T] (the token after each slot) -> the block's output streams [T, n, D], its rows
-    written into `cache` as layer num_hidden_layers + j."""
+    written into `cache` as layer num_hidden_layers + j. `mesh_rules`: the routed experts over the mesh, as the main
+    layers' (v4_paged.check_layout)."""
     v4, mp = cfg.v4, params["mtp"][j]
     x = v4_mtp_input(v4, mp, params["embed"], streams, next_ids)
     return paged_block(v4, v4.num_hidden_layers + j, mp["layer"], x, cache,
-                       dataclasses.replace(meta, token_ids=next_ids), attn_impl, moe_impl)
+                       dataclasses.replace(meta, token_ids=next_ids), attn_impl, moe_impl, mesh_rules)
 
 
 def _one_token_groups(cache: GroupCache, meta: StepMetadata, pos: jax.Array, ok: jax.Array) -> tuple:
@@ -54,16 +57,17 @@ def _one_token_groups(cache: GroupCache, meta: StepMetadata, pos: jax.Array, ok:
 
 def v4_mtp_propose(params: dict, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, streams: jax.Array,
                    sampled: jax.Array, accepted: jax.Array, num_drafts: int, *, attn_impl: str = "reference",
-                   moe_impl: str = "ragged"):
+                   moe_impl: str = "ragged", mesh_rules: Any = None):
     """models/mtp.py `mtp_propose` for V4: pass 1 over every slot of the verified step (the token after each slot
     the next slot's, or the emitted one at the last accepted position p_r), draft 1 from its output at p_r; passes
     2..K one slot a row at p_r + k - 1 on the previous pass's output streams and draft. -> (drafts [S, K] int32,
     the pools). A chained position's slots are its pages' where allocated, else the null page's (a draft's quality
-    only: the target verifies every draft)."""
+    only: the target verifies every draft). `mesh_rules`: the routed experts over the mesh (v4_paged.check_layout)."""
     v4 = cfg.v4
     cache = step_cache(cfg, kv_cache, meta)
     last_slot, nxt = first_pass_inputs(meta, sampled, accepted, num_drafts)
-    h = v4_mtp_layer_paged(params, cfg, cache, meta, streams, nxt, attn_impl, moe_impl)[last_slot]  # [S, n, D]
+    h = v4_mtp_layer_paged(params, cfg, cache, meta, streams, nxt, attn_impl, moe_impl,
+                           mesh_rules=mesh_rules)[last_slot]  # [S, n, D]
     first = jnp.argmax(v4_mtp_logits(v4, params, h), axis=-1).astype(jnp.int32)  # [S]
     if num_drafts == 1:
         return first[:, None], tuple(cache.arrays)
@@ -78,7 +82,7 @@ def v4_mtp_propose(params: dict, cfg: ModelConfig, kv_cache: tuple, meta: StepMe
                             slot_mapping=jnp.zeros_like(pos), page_table=meta.page_table,
                             logits_indices=jnp.arange(S, dtype=jnp.int32),
                             groups=_one_token_groups(c, meta, pos, live))
-        h = v4_mtp_layer_paged(params, cfg, c, step, h, prev, attn_impl, moe_impl)
+        h = v4_mtp_layer_paged(params, cfg, c, step, h, prev, attn_impl, moe_impl, mesh_rules=mesh_rules)
         d = jnp.argmax(v4_mtp_logits(v4, params, h), axis=-1).astype(jnp.int32)
         return (h, tuple(c.arrays), d), d
 

@@ -271,17 +271,30 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
 
 
 def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: GroupCache, meta: StepMetadata,
-                attn_impl: str, moe_impl: str) -> jax.Array:
+                attn_impl: str, moe_impl: str, mesh_rules: Any = None) -> jax.Array:
     """Layer i (a main layer, or an MTP layer's block at i = num_hidden_layers + j) over the step's streams
-    [T, n, D] -> [T, n, D], its rows written into `cache`."""
+    [T, n, D] -> [T, n, D], its rows written into `cache`. `mesh_rules`: the routed experts split over the mesh
+    (`check_layout`)."""
     post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
     a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
                          meta, attn_impl, TOKEN_BLOCK)
     streams = hc_merge(post, comb, a, streams)
     post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
     m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
-               meta.token_ids, impl=moe_impl)
+               meta.token_ids, impl=moe_impl, mesh_rules=mesh_rules)
     return hc_merge(post, comb, m, streams)
+
+
+def check_layout(mesh_rules: Any) -> None:
+    """V4's parallel layout: the routed experts (or their intermediate dim) over the mesh, everything else
+    replicated, every device running the whole step's attention on its own copy of the per-group pools. A rule
+    splitting anything else is refused (attention over the tensor axis and per-rank pools are not built)."""
+    if mesh_rules is None:
+        return
+    split = [a for a in ("tokens", "seqs", "pages", "heads", "vocab", "mlp", "embed") if mesh_rules.size(a) > 1]
+    if split:
+        raise ValueError(f"deepseek_v4 splits only its routed experts over the mesh; these rules also split {split} "
+                         "(sharding/rules.py v4_rules is its layout)")
 
 
 def step_cache(cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata) -> GroupCache:
@@ -301,18 +314,18 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     layer's input, models/v4_mtp.py), as the last output.
     `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
     float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
-    apply (V4's layers differ in kind and run as a Python loop)."""
+    apply (V4's layers differ in kind and run as a Python loop). `mesh_rules`: the routed experts over the mesh
+    (`check_layout`; models/v4_parallel.py)."""
     del unroll
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {attn_impl!r} is not available for deepseek_v4; expected one of {ATTN_IMPLS}")
-    if mesh_rules is not None:
-        raise ValueError("deepseek_v4 runs on one device (no tensor / data / expert parallel layout yet)")
+    check_layout(mesh_rules)
     v4 = cfg.v4
     cache = step_cache(cfg, kv_cache, meta)
     x = params["embed"][meta.token_ids]  # [T, D]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
-        streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl)
+        streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
     out = (logits, tuple(cache.arrays))

@@ -91,10 +91,14 @@ class ModelRunner:
         self.page_rows = PageRows()  # the running requests' page ids, converted once (`forget` drops one)
         if sharding is not None:  # a no-op for params already loaded onto their shardings
             self.params = jax.device_put(params, sharding.fit_param_shardings(cfg, params))
-            shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
-            if shapes.mtp_drafts:  # the MTP layer's latents as one more layer (runner/spec_mtp.py)
-                shape = spec_mtp.kv_cache_shape(shape)
-            self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
+            if shapes.kv_pools is not None:  # a per-group cache (DeepSeek-V4): each pool on the layout's sharding
+                self.kv_cache = tuple(jnp.zeros(s, self.kv_dtype, device=sharding.kv_cache)
+                                      for s in kv_cache_shape(cfg, shapes.kv_pools, shapes.page_size))
+            else:
+                shape = kv_cache_shape(cfg, num_pages * self.num_ranks, shapes.page_size)
+                if shapes.mtp_drafts:  # the MTP layer's latents as one more layer (runner/spec_mtp.py)
+                    shape = spec_mtp.kv_cache_shape(shape)
+                self.kv_cache = jnp.zeros(shape, self.kv_dtype, device=sharding.kv_cache)
         elif shapes.mtp_drafts and shapes.kv_pools is None:  # V4's pools hold the MTP layer already (mtp_in_cache)
             self.kv_cache = jnp.zeros(spec_mtp.kv_cache_shape(kv_cache_shape(cfg, num_pages, shapes.page_size)),
                                       self.kv_dtype)

@@ -266,7 +266,7 @@ class StepPrograms:
                     kw = dict(attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
                     if cfg.family == "deepseek_v4":
                         drafts, kv_cache = v4_mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
-                                                          sampled.accepted, K, **kw)
+                                                          sampled.accepted, K, mesh_rules=mesh_rules, **kw)
                     else:
                         drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
                                                        sampled.accepted, K, mesh_rules=mesh_rules, **kw)

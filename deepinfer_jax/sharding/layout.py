@@ -13,8 +13,8 @@ from typing import Any
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.sharding.mesh import ParallelConfig, make_mesh
-from deepinfer_jax.sharding.rules import (DENSE_KV_CACHE_AXES, KV_CACHE_AXES, Rules, check_rules, default_rules,
-                                          kv_cache_sharding, param_shardings)
+from deepinfer_jax.sharding.rules import (DENSE_KV_CACHE_AXES, KV_CACHE_AXES, V4_KV_CACHE_AXES, Rules, check_rules,
+                                          check_v4_layout, default_rules, kv_cache_sharding, param_shardings, v4_rules)
 
 VOCAB_PADDING = 64  # vLLM's DEFAULT_VOCAB_PADDING_SIZE: a padded vocab is a multiple of 64 x its devices
 
@@ -97,7 +97,8 @@ class ModelSharding:
 
     def step_shardings(self, meta: Any, sampling: Any) -> tuple[Any, Any]:
         """Shardings of the step's StepMetadata (token arrays over "tokens", page_table, logits_indices and the
-        MTP's next_token_ids over "seqs") and SamplingTensors (rows over "seqs"); either may be None."""
+        MTP's next_token_ids over "seqs", a per-group cache's tables and slots replicated) and SamplingTensors (rows
+        over "seqs"); either may be None."""
         import dataclasses
 
         import jax
@@ -106,7 +107,8 @@ class ModelSharding:
         meta_sh = None if meta is None else dataclasses.replace(
             meta, token_ids=tok, positions=tok, seq_ids=tok, slot_mapping=tok,
             page_table=self._named("seqs", None), logits_indices=self._named("seqs"),
-            next_token_ids=None if meta.next_token_ids is None else self._named("seqs"))
+            next_token_ids=None if meta.next_token_ids is None else self._named("seqs"),
+            groups=None if meta.groups is None else jax.tree.map(lambda _: self._named(), meta.groups))
         st_sh = jax.tree.map(lambda a: self._named("seqs", *([None] * (a.ndim - 1))), sampling)
         return meta_sh, st_sh
 
@@ -142,6 +144,9 @@ def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rul
                              f"family ({cfg.model_type}); use tensor_parallel_size")
         if rules is None and cfg.num_key_value_heads % parallel.tensor_parallel_size:
             rules = tuple((k, ()) if k == "kv_heads" else (k, v) for k, v in default_rules(parallel))
+    if cfg.family == "deepseek_v4":
+        check_v4_layout(parallel)
+        rules = v4_rules(parallel) if rules is None else rules
     rules = default_rules(parallel) if rules is None else rules
     shape = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
     vocab_devices = 1
@@ -149,5 +154,5 @@ def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rul
         vocab_devices *= shape.get(a, 1)
     multiple = 1 if cfg.vocab_size % vocab_devices == 0 else VOCAB_PADDING * vocab_devices
     check_rules(cfg.with_vocab_multiple(multiple), shape, rules)
-    axes = DENSE_KV_CACHE_AXES if cfg.family == "dense" else KV_CACHE_AXES
+    axes = {"dense": DENSE_KV_CACHE_AXES, "deepseek_v4": V4_KV_CACHE_AXES}.get(cfg.family, KV_CACHE_AXES)
     return ModelSharding(parallel, make_mesh(parallel, devices), rules, multiple, axes)

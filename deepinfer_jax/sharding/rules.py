@@ -12,6 +12,9 @@ an axis not named, or named with (), is replicated. `default_rules` is vLLM's la
   otherwise their intermediate dim ("moe_mlp") over ("data", "tensor");
 - vocab (embedding rows, lm_head columns) over "tensor"; everything else replicated.
 
+DeepSeek-V4 has its own table (`v4_rules`: the routed experts split as above, everything else replicated) and
+its own refusals (`check_v4_layout`).
+
 `check_rules` refuses, with a ValueError naming the model dimension, any mesh that does not divide a
 split dimension (no padding: 5 heads on TP = 2 is refused, not padded).
 """
@@ -58,6 +61,54 @@ def default_rules(pc: ParallelConfig) -> Rules:
         ("layers", ()),
         ("tokens", (DATA,)), ("seqs", (DATA,)), ("pages", (DATA,)),
     )
+
+
+# DeepSeek-V4's per-group pools: one array [pool pages, page elements] per pool (models/v4_paged.py).
+V4_KV_CACHE_AXES = ("pages", None)
+
+
+def v4_rules(pc: ParallelConfig) -> Rules:
+    """DeepSeek-V4's layout: the routed experts over ("data", "tensor") with enable_expert_parallel, else their
+    intermediate dim; everything else replicated (its attention, shared expert, embedding and head run whole on
+    every device, and every device keeps the whole per-group cache: V4's attention has no split over heads or
+    ranks yet, models/v4_paged.py check_layout)."""
+    moe = (DATA, TENSOR)
+    split = {"expert": moe if pc.enable_expert_parallel else (), "moe_mlp": () if pc.enable_expert_parallel else moe}
+    return tuple((name, split.get(name, ())) for name, _ in default_rules(pc))
+
+
+def check_v4_layout(pc: ParallelConfig) -> None:
+    """A ValueError (one line naming the flag) where DeepSeek-V4 cannot run under `pc`."""
+    problem = _v4_layout_problem(pc)
+    if problem:
+        raise ValueError(problem)
+
+
+def _v4_layout_problem(pc: ParallelConfig) -> str | None:
+    if pc.pipeline_parallel_size > 1:
+        return ("--pipeline-parallel-size above 1 is not supported for deepseek_v4: its layers differ in kind and run "
+                "as a Python loop, not the stacked segments pipeline stages cut")
+    if pc.data_parallel_size > 1:
+        return ("--data-parallel-size above 1 is not supported for deepseek_v4: data-parallel attention needs its "
+                "per-group KV pools per rank, not built; --tensor-parallel-size (with --enable-expert-parallel) "
+                "splits its routed experts")
+    if pc.all2all_backend != "allgather_reducescatter":
+        return (f"--all2all-backend {pc.all2all_backend} is not supported for deepseek_v4: every device runs the "
+                "whole step's attention, so each already holds every token its experts need")
+    return None
+
+
+def v4_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, by_leaf: dict) -> int:
+    """DeepSeek-V4's weight bytes on each device under `pc` (`v4_rules`), from each leaf's whole bytes by path
+    (engine/plan.py v4_weight_bytes, updated in place to the per-device bytes): a routed expert leaf (float, or FP4 /
+    FP8 kept: q and scales alike) divided over the devices that split it, the rest whole. A split the layout
+    refuses is refused here (`check_rules`)."""
+    check_rules(cfg, {DATA: pc.data_parallel_size, TENSOR: pc.tensor_parallel_size}, v4_rules(pc))
+    n = pc.data_parallel_size * pc.tensor_parallel_size
+    for path, b in by_leaf.items():
+        if "experts" in path:  # (..., "moe", "experts", "gate_up" | "down"): E or I over every device
+            by_leaf[path] = b // n
+    return sum(by_leaf.values())
 
 
 def _size(axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:

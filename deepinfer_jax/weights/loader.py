@@ -110,17 +110,25 @@ def check_v4_quantization(quantization: str | None) -> None:
 
 def _prepare_v4(model_dir: str, dtype: Any, shardings: Any, quantization: str | None,
                 vocab_multiple: int) -> tuple[ModelConfig, PendingParams]:
-    """A DeepSeek-V4 HF directory (weights/name_table_v4.py): one device; bf16 / fp32 weights, or the released FP8 /
+    """A DeepSeek-V4 HF directory (weights/name_table_v4.py): bf16 / fp32 weights, or the released FP8 /
     FP4 ones kept in their formats ("auto") or dequantized ("none"). The names, shapes and dtypes of every tensor
     are checked now, from the headers."""
     from deepinfer_jax.weights.name_table_v4 import load_v4_checkpoint, v4_abstract, v4_checkpoint_config
     from deepinfer_jax.weights.pending import abstract_from_specs
 
-    if shardings is not None or vocab_multiple != 1:
-        raise ValueError("deepseek_v4 loads on one device only: a parallel layout (tensor / data / expert "
-                         "parallel) is not supported for it yet")
+    if vocab_multiple != 1:
+        raise ValueError("deepseek_v4's layout keeps the vocab whole (sharding/rules.py v4_rules): no vocab padding")
     check_v4_quantization(quantization)
     cfg = v4_checkpoint_config(ModelConfig.from_model_dir(model_dir), model_dir)  # MTP only where the files have it
-    abstract = v4_abstract(model_dir, cfg.v4, abstract_from_specs(cfg, dtype), quantization)
-    return cfg, PendingParams(abstract, lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4,
-                                                                   quantization=quantization)[1])
+    abstract = v4_abstract(model_dir, cfg.v4, abstract_from_specs(cfg, dtype, shardings), quantization)
+    if shardings is None:
+        return cfg, PendingParams(abstract, lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4,
+                                                                       quantization=quantization)[1])
+
+    def load_sharded():  # read into host memory, each device then given its slice (a kept FP4 / FP8 leaf's q and
+        host = load_v4_checkpoint(model_dir, dtype, cfg.v4, on_host=True, quantization=quantization)[1]  # scale
+        import jax
+
+        return jax.device_put(host, jax.tree.map(lambda a: a.sharding, abstract))  # as sharding/packed.py splits)
+
+    return cfg, PendingParams(abstract, load_sharded)

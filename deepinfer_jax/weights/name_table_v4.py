@@ -337,15 +337,19 @@ def load_v4_checkpoint(model_dir: str, dtype: Any = jnp.float32, cfg: V4Config |
 
 def v4_abstract(model_dir: str, cfg: V4Config, abstract: Any, quantization: str | None = None) -> Any:
     """The float params' abstract tree (`abstract`, from the specs) with the leaves `load_v4_checkpoint` keeps
-    quantized as Fp8Weight / Fp4Weight of ShapeDtypeStructs (their shardings the float leaf's)."""
+    quantized as Fp8Weight / Fp4Weight of ShapeDtypeStructs (their shardings the float leaf's, a mesh layout's
+    mapped onto their packed arrays: sharding/packed.py)."""
     from deepinfer_jax.weights.v4_native import abstract_leaf
 
     if quantization not in (None, "auto"):
         return abstract
-    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, v4_checkpoint_config(cfg, model_dir))
+    cfg = v4_checkpoint_config(cfg, model_dir)
+    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, cfg)
+    specs = v4_param_specs(cfg)
     for path, kind in leaves.items():
         leaf = _leaf(abstract, path)
-        _leaf(abstract, path[:-1])[path[-1]] = abstract_leaf(kind, path, leaf.shape, quant, leaf.sharding)
+        _leaf(abstract, path[:-1])[path[-1]] = abstract_leaf(kind, path, leaf.shape, quant, leaf.sharding,
+                                                             _leaf(specs, path).axes)
     return abstract
 
 

@@ -210,6 +210,19 @@ def leaf_kinds(rules: list[TensorRule], kinds: dict[str, str]) -> dict[tuple, st
     return out
 
 
-def abstract_leaf(kind: str, path: tuple, spec_shape: tuple, quant: V4Quant, sharding: Any) -> Any:
+def abstract_leaf(kind: str, path: tuple, spec_shape: tuple, quant: V4Quant, sharding: Any,
+                  axes: tuple | None = None) -> Any:
+    """The Fp8Weight / Fp4Weight of ShapeDtypeStructs a kept leaf loads as; its float leaf's `sharding` (a mesh
+    layout: split as sharding/packed.py lays out q and scale; `axes` the float leaf's logical axes, for its
+    refusal)."""
+    from jax.sharding import NamedSharding
+
     qs, qd, ss, sd, make = leaf_shapes(kind, path, spec_shape, quant)
-    return make(jax.ShapeDtypeStruct(qs, qd, sharding=sharding), jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
+    if not isinstance(sharding, NamedSharding):
+        return make(jax.ShapeDtypeStruct(qs, qd, sharding=sharding), jax.ShapeDtypeStruct(ss, sd, sharding=sharding))
+    from deepinfer_jax.sharding.packed import packed_sharding
+
+    w = make(jax.ShapeDtypeStruct(qs, qd), jax.ShapeDtypeStruct(ss, sd))
+    sh = packed_sharding(w, sharding, axes, ".".join(map(str, path)))
+    return dataclasses.replace(w, q=jax.ShapeDtypeStruct(qs, qd, sharding=sh.q),
+                               scale=jax.ShapeDtypeStruct(ss, sd, sharding=sh.scale))

@@ -118,7 +118,7 @@ def test_async_engine_streams_hf_greedy_tokens(engine, hf_greedy):
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(tensor_parallel_size=2), "deepseek_v4 runs on one device"),
+    (dict(pipeline_parallel_size=2), "--pipeline-parallel-size above 1 is not supported for deepseek_v4"),
     (dict(quantization="fp8"), "quantization 'fp8' is not supported for deepseek_v4"),
 ])
 def test_unsupported_options_are_refused_by_name(v4_dir, kwargs, message):

@@ -202,5 +202,5 @@ def test_plan_counts_the_family_params_and_cache(v4):
     p = plan(path, dtype="float32", gpu_memory_gib=1.0)
     assert p.weight_bytes_per_device == sum(x.nbytes for x in jax.tree.leaves(params))
     assert p.kv_bytes_per_token == (2 * (24 + 12) // 4 + 24 // 8) * 4 and p.fits
-    with pytest.raises(ValueError, match="deepseek_v4 runs on one device"):
-        plan(path, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--data-parallel-size above 1 is not supported for deepseek_v4"):
+        plan(path, data_parallel_size=2)

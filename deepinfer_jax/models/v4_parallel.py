@@ -1,0 +1,80 @@
+"""DeepSeek-V4's routed experts over a device mesh (expert parallelism, or their intermediate dim split).
+
+`v4_experts_sharded(cfg, mr, moe_impl, ex, x, w, idx)` is V4's form of `moe.experts_sharded`: the routing (hash
+table or scored top-k, `deepseek_v4.v4_moe`) is computed before, on every device alike; inside one `shard_map`
+each device applies its slice of the experts (`ex`, {gate_up [E, D, 2, I], down [E, I, D]}: float, or FP4 / FP8
+as released, split by sharding/packed.py) to the token copies routed to it, with V4's clamped SwiGLU
+(`swiglu_limit`), and the partial sums are added over the devices. A device holding experts e0 .. e0 + E_local - 1
+sees global ids and keeps only its own copies; with the intermediate dim split ("moe_mlp"), the clamp is
+elementwise per column, so each device's slice of I gives its part of the down projection's sum exactly.
+
+Implementations per device: "pallas" / "pallas_interpret" with FP4 / FP8 experts: the quantized grouped GEMMs of
+kernels/moe_gmm_quant.py on the stored bytes (copies of other devices' experts get id -1, no rows); otherwise the
+ragged grouped GEMM ("ragged", the default) or every local expert densely ("dense"), dequantizing a kept slice.
+Tokens split over the mesh (data-parallel attention) are gathered first and the sums reduce-scattered back, as
+`moe.experts_sharded` does.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from deepinfer_jax.config_v4 import V4Config
+from deepinfer_jax.models.moe import expert_weight_specs, local_experts_xla
+from deepinfer_jax.models.parallel import MeshRules
+
+
+def splits_experts(mr: MeshRules | None) -> bool:
+    """Whether `mr` splits the routed experts or their intermediate dim over more than one device."""
+    return mr is not None and (mr.size("expert") > 1 or mr.size("moe_mlp") > 1)
+
+
+def _local_experts(cfg: V4Config, moe_impl: str, exp_axes: tuple, fmts: tuple | None, act, ex_l: dict, x: jax.Array,
+                   w: jax.Array, idx: jax.Array) -> jax.Array:
+    """Inside shard_map: this device's experts ex_l [E_local, ...] on the copies of x [T, D] routed to them (w / idx
+    [T, k], global ids) -> fp32 [T, D] partial sums. `fmts`: the kept experts' kernel formats (or None)."""
+    E_local = ex_l["down"].shape[0]
+    first = jax.lax.axis_index(exp_axes) * E_local if exp_axes else jnp.int32(0)
+    if fmts is not None and moe_impl in ("pallas", "pallas_interpret"):
+        from deepinfer_jax.kernels.moe_gmm_quant import moe_experts_quant, supported
+
+        D, I = ex_l["down"].shape[-1], ex_l["down"].shape[-2]
+        if supported(*fmts, D, I, idx.size):
+            loc = idx.astype(jnp.int32) - first
+            ok = (loc >= 0) & (loc < E_local)
+            gu, dn = ex_l["gate_up"], ex_l["down"]
+            y = moe_experts_quant(x, gu.q, gu.scale, dn.q, dn.scale, jnp.where(ok, w, 0.0), jnp.where(ok, loc, -1),
+                                  fmt_gu=fmts[0], fmt_down=fmts[1], swiglu_limit=cfg.swiglu_limit,
+                                  interpret=moe_impl == "pallas_interpret")
+            return y.astype(jnp.float32)
+    return local_experts_xla(moe_impl, ex_l, x, w, idx, first, act=act)
+
+
+def v4_experts_sharded(cfg: V4Config, mr: MeshRules, moe_impl: str, ex: dict, x: jax.Array, w: jax.Array,
+                       idx: jax.Array, act, fmts: tuple | None) -> jax.Array:
+    """V4's routed experts split over the mesh as `mr` lays them out: x [T, D], w / idx [T, k] -> [T, D] in x's
+    dtype (the module docstring). `act(gate, up)`: the clamped SwiGLU; `fmts`: the kernel formats of experts kept
+    as released (deepseek_v4.expert_formats), or None."""
+    tok = mr.mesh_axes("tokens")
+    exp_axes, mlp_axes = mr.mesh_axes("expert"), mr.mesh_axes("moe_mlp")
+    reduce_axes = tuple(a for a in mr.mesh.axis_names if a in exp_axes or a in mlp_axes)
+    gather = tuple(a for a in tok if a in reduce_axes and mr.mesh.shape[a] > 1)
+    rest = tuple(a for a in reduce_axes if a not in gather)
+    specs = expert_weight_specs(mr, ex)
+    tspec = mr.spec(("tokens", None))
+
+    def local(ex_l, x, w, idx):
+        dt = x.dtype
+        if gather:
+            x, w, idx = (jax.lax.all_gather(a, gather, axis=0, tiled=True) for a in (x, w, idx))
+        y = _local_experts(cfg, moe_impl, exp_axes, fmts, act, ex_l, x, w, idx)
+        if gather:
+            y = jax.lax.psum_scatter(y, gather, scatter_dimension=0, tiled=True)
+        if rest:
+            y = jax.lax.psum(y, rest)
+        return y.astype(dt)
+
+    fn = jax.shard_map(local, mesh=mr.mesh, in_specs=(specs, tspec, tspec, tspec), out_specs=tspec,
+                       check_vma=not moe_impl.startswith("pallas"))
+    return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx)
