@@ -1,6 +1,7 @@
 """Evaluation and model card of the default model (used by tools/train_default_model.py and by tests).
 
 `judge(skill, check, text)` decides one reply; `evaluate(model_dir, n)` runs n held-out prompts per skill
+(single-turn, plus "multi": conversations with earlier exchanges whose last turn is judged by its skill)
 through our LLM engine (greedy) and returns the rates; `write_card` writes the model card with the rates
 between EVAL markers, which `read_rates` reads back (tests hold them as lower bounds).
 """
@@ -16,7 +17,8 @@ import numpy as np
 import default_model_data as data
 
 THINK_START, THINK_END, EOS = "<think>", "</think>", "<｜end▁of▁sentence｜>"
-SKILLS = ("chat", "arith", "tool", "tool_answer", "json")
+SKILLS = ("chat", "arith", "tool", "tool_answer", "json", "multi")
+MULTI_EARLIER = (1, 2, 3)  # earlier exchanges of a "multi" conversation, equally often
 CRITERIA = {
     "chat": "every sentence of the reply is one of the model's known reply sentences (greetings, what it is, "
             "small talk; a held-out name filled in where the reply greets by name)",
@@ -24,6 +26,8 @@ CRITERIA = {
     "tool": "the deepseek_v3 tool parser finds exactly one call, of the right function, with the right arguments",
     "tool_answer": "after the tool result message the reply is the expected sentence built from the result",
     "json": "the reply parses as a JSON object whose keys are exactly the asked ones",
+    "multi": "1-3 earlier exchanges of any skills (their reference replies in the history) before a last turn "
+             "of any skill; the reply to it meets that skill's criterion",
 }
 _MARK = re.compile(r"<!-- EVAL-RATES (\{.*?\}) -->")
 
@@ -63,16 +67,21 @@ def judge(kind: str, want, reasoning: str, content: str, tool_calls: list[tuple[
 
 
 def eval_set(n: int, seed: int = 1) -> list[tuple[str, list, list | None, tuple]]:
-    """n held-out prompts per skill: (skill, messages without the reply, tools, check)."""
+    """n held-out prompts per skill: (skill, messages without the reply, tools, check). The single-turn
+    skills have no earlier exchange; "multi" has 1-3 (`MULTI_EARLIER`) and a last turn of the training mix
+    of skills (after earlier exchanges: thanks or goodbye in half of the small talk, follow-up questions)."""
     rng, out = np.random.default_rng(seed), []
     for skill in data.SKILLS:
         got: dict[str, int] = {}
         kinds = (skill,) if skill != "tool" else ("tool", "tool_answer")  # not the tool skill's no-tool replies
         while min(got.get(k, 0) for k in kinds) < n:
-            msgs, tools, check = data.example(rng, "eval", skill)
+            msgs, tools, check = data.example(rng, "eval", skill, earlier=0)
             if check[0] in kinds and got.get(check[0], 0) < n:
                 got[check[0]] = got.get(check[0], 0) + 1
                 out.append((check[0], msgs[:-1], tools, check))
+    for i in range(n):
+        msgs, tools, check = data.example(rng, "eval", earlier=MULTI_EARLIER[i % len(MULTI_EARLIER)])
+        out.append(("multi", msgs[:-1], tools, check))
     return out
 
 
@@ -95,13 +104,15 @@ def evaluate(model_dir: str, n: int, seed: int = 1, llm=None) -> dict:
             text = o.outputs[0].text
             content, calls = DeepSeekV3ToolParser().extract(text.replace(EOS, ""))
             reasoning, content = split_reasoning(content)
-            good = judge(kind, check[1], reasoning, content, [(c.name, c.arguments) for c in calls])
+            good = judge(check[0], check[1], reasoning, content, [(c.name, c.arguments) for c in calls])
             ok[kind] += good
-            if len(samples[kind]) < 3:
+            if len(samples[kind]) < 3 or (kind == "multi" and not good and len(samples[kind]) < 8):
                 samples[kind].append((msgs[-1]["content"], text.replace(EOS, ""), good))
     rates = {k: round(ok[k] / n, 3) for k in SKILLS}
     for k in SKILLS:
         print(f"{k:12s} {rates[k]:.3f}   e.g. {samples[k][0][0]!r} -> {samples[k][0][1][:120]!r}")
+        for msg, text, good in samples[k] if k == "multi" else ():
+            print(f"{'':12s} {'ok ' if good else 'BAD'}   {msg!r} -> {text[:100]!r}")
     return {"n": n, "rates": rates, "samples": samples}
 
 
@@ -140,7 +151,8 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
     lines += ["## Evaluation", "",
               f"{result['n']} held-out prompts per skill (cities, names, timezones, number pairs, JSON key sets "
               "and user sentences never seen in training; one-digit products are trained facts, asked in new "
-              "sentences), greedy, through deepinfer's own engine "
+              "sentences; single-turn but for multi, whose last turn counts, after earlier exchanges given "
+              "with their reference replies), greedy, through deepinfer's own engine "
               "(`python tools/train_default_model.py --eval-only DIR`):", "",
               "| skill | rate | criterion |", "|---|---|---|"]
     lines += [f"| {k} | {result['rates'][k]:.3f} | {CRITERIA[k]} |" for k in SKILLS]

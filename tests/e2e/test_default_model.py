@@ -2,7 +2,8 @@
 
 The card (deepinfer_jax/assets/default-model/README.md, written by tools/train_default_model.py) records
 each skill's rate on held-out prompts; here K fresh held-out prompts per skill go through `deepinfer serve`
-(no --model, deepseek_r1 reasoning parser, deepseek_v3 tool parser) and each skill must reach the card's
+(no --model, deepseek_r1 reasoning parser, deepseek_v3 tool parser; "multi" conversations carry earlier
+exchanges of mixed skills and are judged on their last turn) and each skill must reach the card's
 rate less two binomial standard deviations. Shipping a better model only changes the card. The replies are
 judged from what the API returns: reasoning_content, parsed tool_calls, content.
 """
@@ -57,7 +58,7 @@ def replies(default_server):
                                             max_tokens=96).choices[0].message
             calls = [(t.function.name, t.function.arguments) for t in (msg.tool_calls or [])]
             reasoning = (getattr(msg, "reasoning_content", None) or "").strip()
-            return kind, default_eval.judge(kind, check[1], reasoning, (msg.content or "").strip(), calls)
+            return kind, default_eval.judge(*check, reasoning, (msg.content or "").strip(), calls)
 
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(ask, items))
