@@ -139,8 +139,9 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
                   "`tools/train_default_model.py` generated the conversations from templates and word lists "
                   "(tools/default_model_data.py: greetings and small talk, two-digit sums worked in columns and "
                   "one-digit products in a <think> working, get_weather / get_time tool calls and answers from tool "
-                  "results, JSON with asked keys; cities, timezones and names mostly made up by a syllable generator "
-                  "so that they are copied, not recalled), rendered them through the built-in deepseek_v3 chat "
+                  "results, JSON with asked keys, after 0-3 earlier exchanges of any skills; cities, timezones "
+                  "and names mostly made up by a syllable generator so that they are copied, not recalled), "
+                  "rendered them through the built-in deepseek_v3 chat "
                   "template, trained the BPE tokenizer on them (one token per digit; a name tokenizes alike in prose "
                   "and JSON) and the model with the loss on assistant tokens (main + 0.3 x MTP).", "",
                   f"- {log['steps']} steps of {log['tokens_per_step']} tokens, seed {log['seed']}, "
