@@ -116,12 +116,17 @@ def evaluate(model_dir: str, n: int, seed: int = 1, llm=None) -> dict:
     return {"n": n, "rates": rates, "samples": samples}
 
 
-def read_rates(card: str) -> dict[str, float]:
-    """The rates written by `write_card` ({} when the card has none)."""
+def read_eval(card: str) -> dict:
+    """{"n": prompts per skill, "rates": {skill: rate}} as written by `write_card` ({} when the card has none)."""
     if not os.path.exists(card):
         return {}
     m = _MARK.search(open(card, encoding="utf-8").read())
-    return json.loads(m.group(1))["rates"] if m else {}
+    return json.loads(m.group(1)) if m else {}
+
+
+def read_rates(card: str) -> dict[str, float]:
+    """The rates written by `write_card` ({} when the card has none)."""
+    return read_eval(card).get("rates", {})
 
 
 def write_card(card: str, model_dir: str, result: dict) -> None:
