@@ -26,8 +26,9 @@ CRITERIA = {
     "tool": "the deepseek_v3 tool parser finds exactly one call, of the right function, with the right arguments",
     "tool_answer": "after the tool result message the reply is the expected sentence built from the result",
     "json": "the reply parses as a JSON object whose keys are exactly the asked ones",
-    "multi": "1-3 earlier exchanges of any skills (their reference replies in the history) before a last turn "
-             "of any skill; the reply to it meets that skill's criterion",
+    "multi": "1-3 earlier exchanges of any skills (their reference replies in the history, an arithmetic one "
+             "without its reasoning, as clients send it back) before a last turn of any skill; the reply to it "
+             "meets that skill's criterion",
 }
 _MARK = re.compile(r"<!-- EVAL-RATES (\{.*?\}) -->")
 
@@ -79,9 +80,11 @@ def eval_set(n: int, seed: int = 1) -> list[tuple[str, list, list | None, tuple]
             if check[0] in kinds and got.get(check[0], 0) < n:
                 got[check[0]] = got.get(check[0], 0) + 1
                 out.append((check[0], msgs[:-1], tools, check))
-    for i in range(n):
-        msgs, tools, check = data.example(rng, "eval", earlier=MULTI_EARLIER[i % len(MULTI_EARLIER)])
-        out.append(("multi", msgs[:-1], tools, check))
+    for i in range(n):  # earlier replies as clients send them back: no reasoning, no NO_LOSS key
+        msgs, tools, check = data.example(rng, "eval", earlier=MULTI_EARLIER[i % len(MULTI_EARLIER)],
+                                          keep_reasoning=0.0)
+        msgs = [{k: v for k, v in m.items() if k != data.NO_LOSS} for m in msgs[:-1]]
+        out.append(("multi", msgs, tools, check))
     return out
 
 

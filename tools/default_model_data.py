@@ -13,8 +13,10 @@ Conversations have 0-3 earlier exchanges before the turn to learn (`example`), e
 of any skill (a sum with its working, a JSON object, a tool call with its result and answer, or the
 "no tool offered" reply when none is), so that the reply follows the last user message and not the form
 of the previous reply; after earlier exchanges, small talk is half of the time thanks or goodbye, and
-the other skills' questions are sometimes follow-ups ("And ...", "Now ..."). Every assistant turn is a
-reference reply, so the trainer may learn from all of them.
+the other skills' questions are sometimes follow-ups ("And ...", "Now ..."). An earlier arithmetic reply
+is mostly without its <think> working, as `deepinfer chat` and API clients send a reply back (content
+only, the reasoning separated by the server's parser); such a reply is marked NO_LOSS (it must not teach
+answering without working), and every other assistant turn is a reference reply the trainer learns.
 
 The values a reply must copy (cities, timezones, people's names) are mostly made up by a syllable
 generator (millions of pronounceable names), so the model learns to copy them from the prompt or the tool
@@ -198,6 +200,8 @@ CHAT_OPENINGS = ["Well, ", "Oh, ", "Ok. ", "So, "]
 FOLLOW_OPENINGS = ["And ", "Now, ", "Next: ", "One more: ", "Also, "]  # a question after earlier exchanges
 EARLIER = (0.4, 0.3, 0.2, 0.1)  # probabilities of 0, 1, 2, 3 earlier exchanges in a training conversation
 AFTER = ("thanks", "bye")  # small talk after earlier exchanges is one of these half of the time
+KEEP_REASONING = 0.2  # earlier arithmetic replies with their <think> working (else the content only)
+NO_LOSS = "no_loss"  # key of an assistant message the trainer does not learn (`render_with_mask` skips it)
 CHAT_CLOSINGS = [" :)", "!!"]
 VARIANTS = ["", "lower", "bare"]  # as written, all lower case, no final punctuation
 
@@ -341,20 +345,26 @@ def _pick_skill(rng) -> str:
     return names[int(rng.choice(len(names), p=[SKILLS[n][1] for n in names]))]
 
 
-def earlier_exchange(rng, split: str, tools_offered: bool, follow: bool) -> list[dict]:
+def earlier_exchange(rng, split: str, tools_offered: bool, follow: bool, keep_reasoning: float) -> list[dict]:
     """A complete exchange of a skill drawn from the mix, ending with the assistant's final reply: a tool
-    question gets its call, result and answer when the tools are offered, else the "no tool" reply."""
+    question gets its call, result and answer when the tools are offered, else the "no tool" reply; an
+    arithmetic reply keeps its <think> working with probability `keep_reasoning`, else it is the content
+    only and marked NO_LOSS."""
     skill = _pick_skill(rng)
     if skill == "tool":
         msgs, reply, _ = conv_tool(rng, split, follow, stage="answer" if tools_offered else "none")
     else:
         msgs, reply, _ = SKILLS[skill][0](rng, split, follow)
+    if skill == "arith" and rng.random() >= keep_reasoning:
+        return msgs + [{"role": "assistant", "content": reply.split("</think>")[-1].strip(), NO_LOSS: True}]
     return msgs + [{"role": "assistant", "content": reply}]
 
 
-def example(rng, split: str = "train", skill: str | None = None, earlier: int | None = None):
+def example(rng, split: str = "train", skill: str | None = None, earlier: int | None = None,
+            keep_reasoning: float = KEEP_REASONING):
     """(messages ending with the assistant turn to learn, tools or None, check of that last turn).
-    `earlier` complete exchanges of any skills come first (default: 0-3 drawn with EARLIER). Tools are
+    `earlier` complete exchanges of any skills come first (default: 0-3 drawn with EARLIER; see
+    `earlier_exchange` for `keep_reasoning`). Tools are
     offered for the tool calls and answers and in a third of the other conversations (never with a "no
     tool" reply); a system message comes first in a quarter."""
     skill = skill or _pick_skill(rng)
@@ -363,7 +373,8 @@ def example(rng, split: str = "train", skill: str | None = None, earlier: int | 
     msgs, reply, check = SKILLS[skill][0](rng, split, earlier > 0)
     no_tool_reply = skill == "tool" and check[0] == "chat"
     tools_offered = check[0] in ("tool", "tool_answer") or (not no_tool_reply and rng.random() < 0.33)
-    history = [m for k in range(earlier) for m in earlier_exchange(rng, split, tools_offered, k > 0)]
+    history = [m for k in range(earlier)
+               for m in earlier_exchange(rng, split, tools_offered, k > 0, keep_reasoning)]
     msgs = history + msgs
     if rng.random() < 0.25:
         msgs = [{"role": "system", "content": SYSTEMS[int(rng.integers(0, len(SYSTEMS)))]}] + msgs
@@ -375,7 +386,8 @@ SPECIAL_TOKENS = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<�
 
 
 def render_with_mask(messages, tools, template: str) -> tuple[str, list[tuple[int, int]]]:
-    """(full text, [start, end) character spans of the assistant turns) as the chat template renders them."""
+    """(full text, [start, end) character spans of the assistant turns to learn, those not marked NO_LOSS)
+    as the chat template renders them (the template ignores the NO_LOSS key)."""
     from functools import partial
 
     from deepinfer_jax.text.chat_template import render_chat_template
@@ -384,7 +396,7 @@ def render_with_mask(messages, tools, template: str) -> tuple[str, list[tuple[in
     full = render_chat_template(template, messages, tools=tools, add_generation_prompt=False)
     spans = []
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or m.get(NO_LOSS):
             continue
         pre = render_chat_template(template, messages[:k], tools=tools, add_generation_prompt=True)
         upto = render_chat_template(template, messages[:k + 1], tools=tools, add_generation_prompt=False)

@@ -7,7 +7,8 @@
 Data (tools/default_model_data.py, no download): chat, arithmetic with <think> working, get_weather /
 get_time tool calls and answers from tool results, JSON with asked keys; every conversation rendered
 through the built-in deepseek_v3 chat template (what serving renders), 0-3 earlier exchanges of any skills
-before the last turn, loss on every assistant turn (each is a reference reply) and on nothing else.
+before the last turn, loss on the assistant turns but earlier arithmetic replies sent back without their
+working (default_model_data.NO_LOSS), and on nothing else.
 Tokenizer: a byte-level BPE (`tokenizers`) trained on that text, digits split one by one (sums are
 learnt digit by digit) and the space before a capital letter its own token (a name is the same tokens
 after a space in prose as after a quote in JSON, so copying it is copying tokens); DeepSeek's special

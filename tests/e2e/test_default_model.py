@@ -101,5 +101,5 @@ def test_judges_accept_the_training_replies_and_reject_others():
             reasoning, content = default_eval.split_reasoning(last["content"])
             assert default_eval.judge(kind, want, reasoning, content, calls), (skill, last)
             assert not default_eval.judge(kind, want, "", "Purple monkey dishwasher", []), (skill, last)
-    assert lower_bound(1.0, 60) == K - 1 and lower_bound(0.9, 60) == 5 and lower_bound(0.583, 60) == 1
+    assert lower_bound(1.0, 60) == K - 1 and lower_bound(0.9, 60) == 5 and lower_bound(0.533, 60) == 1
     assert lower_bound(0.0, 60) == 0
