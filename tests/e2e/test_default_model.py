@@ -4,8 +4,9 @@ The card (deepinfer_jax/assets/default-model/README.md, written by tools/train_d
 each skill's rate on held-out prompts; here K fresh held-out prompts per skill go through `deepinfer serve`
 (no --model, deepseek_r1 reasoning parser, deepseek_v3 tool parser; "multi" conversations carry earlier
 exchanges of mixed skills and are judged on their last turn) and each skill must reach the card's
-rate (its n passes and fails, by Laplace's rule) less two binomial standard deviations. Shipping a better model only changes the card. The replies are
-judged from what the API returns: reasoning_content, parsed tool_calls, content.
+rate (its n passes and fails, by Laplace's rule) less two binomial standard deviations. Shipping a better
+model only changes the card. The replies are judged from what the API returns: reasoning_content, parsed
+tool_calls, content.
 """
 
 from __future__ import annotations
