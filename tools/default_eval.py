@@ -1,6 +1,7 @@
 """Evaluation and model card of the default model (used by tools/train_default_model.py and by tests).
 
 `judge(skill, check, text)` decides one reply; `evaluate(model_dir, n)` runs n held-out prompts per skill
+(single-turn, plus "multi": conversations with earlier exchanges whose last turn is judged by its skill)
 through our LLM engine (greedy) and returns the rates; `write_card` writes the model card with the rates
 between EVAL markers, which `read_rates` reads back (tests hold them as lower bounds).
 """
@@ -16,7 +17,8 @@ import numpy as np
 import default_model_data as data
 
 THINK_START, THINK_END, EOS = "<think>", "</think>", "<｜end▁of▁sentence｜>"
-SKILLS = ("chat", "arith", "tool", "tool_answer", "json")
+SKILLS = ("chat", "arith", "tool", "tool_answer", "json", "multi")
+MULTI_EARLIER = (1, 2, 3)  # earlier exchanges of a "multi" conversation, equally often
 CRITERIA = {
     "chat": "every sentence of the reply is one of the model's known reply sentences (greetings, what it is, "
             "small talk; a held-out name filled in where the reply greets by name)",
@@ -24,6 +26,9 @@ CRITERIA = {
     "tool": "the deepseek_v3 tool parser finds exactly one call, of the right function, with the right arguments",
     "tool_answer": "after the tool result message the reply is the expected sentence built from the result",
     "json": "the reply parses as a JSON object whose keys are exactly the asked ones",
+    "multi": "1-3 earlier exchanges of any skills (their reference replies in the history, an arithmetic one "
+             "without its reasoning, as clients send it back) before a last turn of any skill; the reply to it "
+             "meets that skill's criterion",
 }
 _MARK = re.compile(r"<!-- EVAL-RATES (\{.*?\}) -->")
 
@@ -63,16 +68,23 @@ def judge(kind: str, want, reasoning: str, content: str, tool_calls: list[tuple[
 
 
 def eval_set(n: int, seed: int = 1) -> list[tuple[str, list, list | None, tuple]]:
-    """n held-out prompts per skill: (skill, messages without the reply, tools, check)."""
+    """n held-out prompts per skill: (skill, messages without the reply, tools, check). The single-turn
+    skills have no earlier exchange; "multi" has 1-3 (`MULTI_EARLIER`) and a last turn of the training mix
+    of skills (after earlier exchanges: thanks or goodbye in half of the small talk, follow-up questions)."""
     rng, out = np.random.default_rng(seed), []
     for skill in data.SKILLS:
         got: dict[str, int] = {}
         kinds = (skill,) if skill != "tool" else ("tool", "tool_answer")  # not the tool skill's no-tool replies
         while min(got.get(k, 0) for k in kinds) < n:
-            msgs, tools, check = data.example(rng, "eval", skill)
+            msgs, tools, check = data.example(rng, "eval", skill, earlier=0)
             if check[0] in kinds and got.get(check[0], 0) < n:
                 got[check[0]] = got.get(check[0], 0) + 1
                 out.append((check[0], msgs[:-1], tools, check))
+    for i in range(n):  # earlier replies as clients send them back: no reasoning, no NO_LOSS key
+        msgs, tools, check = data.example(rng, "eval", earlier=MULTI_EARLIER[i % len(MULTI_EARLIER)],
+                                          keep_reasoning=0.0)
+        msgs = [{k: v for k, v in m.items() if k != data.NO_LOSS} for m in msgs[:-1]]
+        out.append(("multi", msgs, tools, check))
     return out
 
 
@@ -95,22 +107,29 @@ def evaluate(model_dir: str, n: int, seed: int = 1, llm=None) -> dict:
             text = o.outputs[0].text
             content, calls = DeepSeekV3ToolParser().extract(text.replace(EOS, ""))
             reasoning, content = split_reasoning(content)
-            good = judge(kind, check[1], reasoning, content, [(c.name, c.arguments) for c in calls])
+            good = judge(check[0], check[1], reasoning, content, [(c.name, c.arguments) for c in calls])
             ok[kind] += good
-            if len(samples[kind]) < 3:
+            if len(samples[kind]) < 3 or (kind == "multi" and not good and len(samples[kind]) < 8):
                 samples[kind].append((msgs[-1]["content"], text.replace(EOS, ""), good))
     rates = {k: round(ok[k] / n, 3) for k in SKILLS}
     for k in SKILLS:
         print(f"{k:12s} {rates[k]:.3f}   e.g. {samples[k][0][0]!r} -> {samples[k][0][1][:120]!r}")
+        for msg, text, good in samples[k] if k == "multi" else ():
+            print(f"{'':12s} {'ok ' if good else 'BAD'}   {msg!r} -> {text[:100]!r}")
     return {"n": n, "rates": rates, "samples": samples}
+
+
+def read_eval(card: str) -> dict:
+    """{"n": prompts per skill, "rates": {skill: rate}} as written by `write_card` ({} when the card has none)."""
+    if not os.path.exists(card):
+        return {}
+    m = _MARK.search(open(card, encoding="utf-8").read())
+    return json.loads(m.group(1)) if m else {}
 
 
 def read_rates(card: str) -> dict[str, float]:
     """The rates written by `write_card` ({} when the card has none)."""
-    if not os.path.exists(card):
-        return {}
-    m = _MARK.search(open(card, encoding="utf-8").read())
-    return json.loads(m.group(1))["rates"] if m else {}
+    return read_eval(card).get("rates", {})
 
 
 def write_card(card: str, model_dir: str, result: dict) -> None:
@@ -128,8 +147,9 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
                   "`tools/train_default_model.py` generated the conversations from templates and word lists "
                   "(tools/default_model_data.py: greetings and small talk, two-digit sums worked in columns and "
                   "one-digit products in a <think> working, get_weather / get_time tool calls and answers from tool "
-                  "results, JSON with asked keys; cities, timezones and names mostly made up by a syllable generator "
-                  "so that they are copied, not recalled), rendered them through the built-in deepseek_v3 chat "
+                  "results, JSON with asked keys, after 0-3 earlier exchanges of any skills; cities, timezones "
+                  "and names mostly made up by a syllable generator so that they are copied, not recalled), "
+                  "rendered them through the built-in deepseek_v3 chat "
                   "template, trained the BPE tokenizer on them (one token per digit; a name tokenizes alike in prose "
                   "and JSON) and the model with the loss on assistant tokens (main + 0.3 x MTP).", "",
                   f"- {log['steps']} steps of {log['tokens_per_step']} tokens, seed {log['seed']}, "
@@ -140,7 +160,8 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
     lines += ["## Evaluation", "",
               f"{result['n']} held-out prompts per skill (cities, names, timezones, number pairs, JSON key sets "
               "and user sentences never seen in training; one-digit products are trained facts, asked in new "
-              "sentences), greedy, through deepinfer's own engine "
+              "sentences; single-turn but for multi, whose last turn counts, after earlier exchanges given "
+              "with their reference replies), greedy, through deepinfer's own engine "
               "(`python tools/train_default_model.py --eval-only DIR`):", "",
               "| skill | rate | criterion |", "|---|---|---|"]
     lines += [f"| {k} | {result['rates'][k]:.3f} | {CRITERIA[k]} |" for k in SKILLS]

@@ -9,6 +9,15 @@ Four skills, each a generator `rng, split -> (messages, reply, check)`:
   offered and asked for, and an answer from the tool result message;
 - json: an object with the asked keys.
 
+Conversations have 0-3 earlier exchanges before the turn to learn (`example`), each a complete exchange
+of any skill (a sum with its working, a JSON object, a tool call with its result and answer, or the
+"no tool offered" reply when none is), so that the reply follows the last user message and not the form
+of the previous reply; after earlier exchanges, small talk is half of the time thanks or goodbye, and
+the other skills' questions are sometimes follow-ups ("And ...", "Now ..."). An earlier arithmetic reply
+is mostly without its <think> working, as `deepinfer chat` and API clients send a reply back (content
+only, the reasoning separated by the server's parser); such a reply is marked NO_LOSS (it must not teach
+answering without working), and every other assistant turn is a reference reply the trainer learns.
+
 The values a reply must copy (cities, timezones, people's names) are mostly made up by a syllable
 generator (millions of pronounceable names), so the model learns to copy them from the prompt or the tool
 result rather than recall a list. User phrasings are composed: a core sentence per skill, an optional
@@ -146,9 +155,10 @@ CHAT = {
             ["I can chat with you, add and multiply small numbers, check the weather and the time with "
              "tools, and write JSON."]),
     "thanks": (["Thank you!", "Thanks.", "Thanks a lot!", "Thank you very much.", "Thanks for your help.",
-                "Great, thanks!"],
+                "Great, thanks!", "Perfect, thank you.", "Ok, thanks."],
                ["You are welcome!", "You are welcome. Is there anything else I can do?"]),
-    "bye": (["Goodbye!", "Bye.", "See you later!", "Good night.", "Bye bye!", "See you soon."],
+    "bye": (["Goodbye!", "Bye.", "See you later!", "Good night.", "Bye bye!", "See you soon.", "Thanks, bye.",
+             "Ok, goodbye!"],
             ["Goodbye! Have a nice day."]),
     "fine": (["I am fine, thanks.", "I am good.", "Not bad, thank you.", "I am doing well.", "I am great!",
               "All good here."],
@@ -187,6 +197,11 @@ JSON_Q = ["Give me a JSON object with the keys {keys}.", "Write JSON with the ke
 OPENINGS = ["Please, ", "Hey, ", "Quick question: ", "Hi! ", "Excuse me, ", "Hello. "]
 CLOSINGS = [" Thanks!", " Please.", " Thank you.", " Thanks."]
 CHAT_OPENINGS = ["Well, ", "Oh, ", "Ok. ", "So, "]
+FOLLOW_OPENINGS = ["And ", "Now, ", "Next: ", "One more: ", "Also, "]  # a question after earlier exchanges
+EARLIER = (0.4, 0.3, 0.2, 0.1)  # probabilities of 0, 1, 2, 3 earlier exchanges in a training conversation
+AFTER = ("thanks", "bye")  # small talk after earlier exchanges is one of these half of the time
+KEEP_REASONING = 0.2  # earlier arithmetic replies with their <think> working (else the content only)
+NO_LOSS = "no_loss"  # key of an assistant message the trainer does not learn (`render_with_mask` skips it)
 CHAT_CLOSINGS = [" :)", "!!"]
 VARIANTS = ["", "lower", "bare"]  # as written, all lower case, no final punctuation
 
@@ -233,7 +248,13 @@ def chat_ok(text: str, name: str | None = None) -> bool:
     return bool(sents) and all(s in ok for s in sents)
 
 
-def conv_chat(rng, split):
+def conv_chat(rng, split, follow=False):
+    """(messages, reply, check); `follow`: after earlier exchanges (thanks or goodbye half of the time)."""
+    if follow and rng.random() < 0.5:
+        intent = AFTER[int(rng.integers(0, len(AFTER)))]
+        users, replies = CHAT[intent]
+        user = phrasing(rng, split, users, CHAT_OPENINGS, CHAT_CLOSINGS)
+        return [{"role": "user", "content": user}], replies[int(rng.integers(0, len(replies)))], ("chat", None)
     if rng.random() < 0.2:
         n = person(rng, split)
         user = phrasing(rng, split, NAME_PROMPTS, CHAT_OPENINGS[:2], CHAT_CLOSINGS).format(n=n)
@@ -254,45 +275,56 @@ def sum_working(a: int, b: int) -> str:
     return f"{a} + {b}. {ones} {tens} So {a} + {b} = {a + b}."
 
 
-def conv_arith(rng, split):
+def _openings(rng, follow: bool):
+    """The openings of a question: follow-up ones ("And ", "Now, ") in 30% of those after earlier exchanges."""
+    return FOLLOW_OPENINGS if follow and rng.random() < 0.3 else OPENINGS
+
+
+def conv_arith(rng, split, follow=False):
+    ops = _openings(rng, follow)
     if rng.random() < 0.6:
         a, b = _draw(rng, split, lambda r: tuple(int(x) for x in r.integers(10, 100, 2)))
-        q = phrasing(rng, split, SUM_Q).format(a=a, b=b)
+        q = phrasing(rng, split, SUM_Q, ops).format(a=a, b=b)
         think, ans, answer = sum_working(a, b), f"{a} + {b} = {a + b}.", a + b
     else:
         a, b = (int(x) for x in rng.integers(1, 10, 2))
-        q = phrasing(rng, split, MUL_Q).format(a=a, b=b)
+        q = phrasing(rng, split, MUL_Q, ops).format(a=a, b=b)
         think, ans, answer = f"{a} x {b}: {a} times {b} is {a * b}.", f"{a} times {b} is {a * b}.", a * b
     return [{"role": "user", "content": q}], f"<think>\n{think}\n</think>\n\n{ans}", ("arith", answer)
 
 
-def conv_tool(rng, split):
+def conv_tool(rng, split, follow=False, stage=None):
     """(messages, reply, check); messages may already hold the call and its result (then reply answers).
-    A tenth are asked without the tools offered (as in `deepinfer chat`): the reply says it cannot."""
+    `stage`: "none" (asked without the tools offered, as in `deepinfer chat`: the reply says it cannot),
+    "call" or "answer"; by default a tenth "none", the rest half "call", half "answer"."""
+    if stage is None:
+        u = rng.random()
+        stage = "none" if u < 0.1 else "call" if u < 0.55 else "answer"
+    ops = _openings(rng, follow)
     if rng.random() < 0.6:
         c = city(rng, split)
-        q, name, args = phrasing(rng, split, WEATHER_Q).format(c=c), "get_weather", {"city": c}
+        q, name, args = phrasing(rng, split, WEATHER_Q, ops).format(c=c), "get_weather", {"city": c}
         t, cond = int(rng.integers(-10, 36)), CONDITIONS[int(rng.integers(0, len(CONDITIONS)))]
         result = {"city": c, "temperature": t, "condition": cond}
         answer = f"It is {t} degrees and {cond} in {c}."
     else:
         z = timezone(rng, split)
-        q, name, args = phrasing(rng, split, TIME_Q).format(z=z), "get_time", {"timezone": z}
+        q, name, args = phrasing(rng, split, TIME_Q, ops).format(z=z), "get_time", {"timezone": z}
         hh, mm = int(rng.integers(0, 24)), int(rng.integers(0, 60))
         result = {"timezone": z, "time": f"{hh:02d}:{mm:02d}"}
         answer = f"It is {hh:02d}:{mm:02d} in {z}."
     msgs = [{"role": "user", "content": q}]
-    if rng.random() < 0.1:
+    if stage == "none":
         return msgs, NO_TOOL[name], ("chat", None)
     call = {"role": "assistant", "content": "", "tool_calls": [
         {"type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
-    if rng.random() < 0.5:
+    if stage == "call":
         return msgs, call, ("tool", (name, args))
     msgs += [call, {"role": "tool", "content": json.dumps(result)}]
     return msgs, answer, ("tool_answer", answer)
 
 
-def conv_json(rng, split):
+def conv_json(rng, split, follow=False):
     keys = list(JSON_KEYS)
     while True:  # the key set (in any order) belongs to the split
         k = [keys[i] for i in rng.choice(len(keys), int(rng.integers(2, 4)), replace=False)]
@@ -300,36 +332,62 @@ def conv_json(rng, split):
             break
     spoken = ", ".join(k[:-1]) + " and " + k[-1]
     obj = {key: JSON_KEYS[key](rng, split) for key in k}
-    return ([{"role": "user", "content": phrasing(rng, split, JSON_Q).format(keys=spoken)}], json.dumps(obj),
+    q = phrasing(rng, split, JSON_Q, _openings(rng, follow)).format(keys=spoken)
+    return ([{"role": "user", "content": q}], json.dumps(obj),
             ("json", k))
 
 
 SKILLS = {"chat": (conv_chat, 0.25), "arith": (conv_arith, 0.3), "tool": (conv_tool, 0.3), "json": (conv_json, 0.15)}
 
 
-def example(rng, split: str = "train", skill: str | None = None):
-    """(messages ending with the assistant turn to learn, tools or None, check). Tools are offered for the tool
-    calls and answers and in a third of the other skills' conversations; a fifth start with a small-talk exchange, and a system
-    message comes first in a quarter."""
-    if skill is None:
-        names = list(SKILLS)
-        skill = names[int(rng.choice(len(names), p=[SKILLS[n][1] for n in names]))]
-    msgs, reply, check = SKILLS[skill][0](rng, split)
-    if rng.random() < 0.2:  # an earlier small-talk exchange: multi-turn conversations, as `deepinfer chat` has
-        before, before_reply, _ = conv_chat(rng, split)
-        msgs = before + [{"role": "assistant", "content": before_reply}] + msgs
-    tools = TOOLS if check[0] in ("tool", "tool_answer") or (skill != "tool" and rng.random() < 0.33) else None
+def _pick_skill(rng) -> str:
+    names = list(SKILLS)
+    return names[int(rng.choice(len(names), p=[SKILLS[n][1] for n in names]))]
+
+
+def earlier_exchange(rng, split: str, tools_offered: bool, follow: bool, keep_reasoning: float) -> list[dict]:
+    """A complete exchange of a skill drawn from the mix, ending with the assistant's final reply: a tool
+    question gets its call, result and answer when the tools are offered, else the "no tool" reply; an
+    arithmetic reply keeps its <think> working with probability `keep_reasoning`, else it is the content
+    only and marked NO_LOSS."""
+    skill = _pick_skill(rng)
+    if skill == "tool":
+        msgs, reply, _ = conv_tool(rng, split, follow, stage="answer" if tools_offered else "none")
+    else:
+        msgs, reply, _ = SKILLS[skill][0](rng, split, follow)
+    if skill == "arith" and rng.random() >= keep_reasoning:
+        return msgs + [{"role": "assistant", "content": reply.split("</think>")[-1].strip(), NO_LOSS: True}]
+    return msgs + [{"role": "assistant", "content": reply}]
+
+
+def example(rng, split: str = "train", skill: str | None = None, earlier: int | None = None,
+            keep_reasoning: float = KEEP_REASONING):
+    """(messages ending with the assistant turn to learn, tools or None, check of that last turn).
+    `earlier` complete exchanges of any skills come first (default: 0-3 drawn with EARLIER; see
+    `earlier_exchange` for `keep_reasoning`). Tools are
+    offered for the tool calls and answers and in a third of the other conversations (never with a "no
+    tool" reply); a system message comes first in a quarter."""
+    skill = skill or _pick_skill(rng)
+    if earlier is None:
+        earlier = int(rng.choice(len(EARLIER), p=EARLIER))
+    msgs, reply, check = SKILLS[skill][0](rng, split, earlier > 0)
+    no_tool_reply = skill == "tool" and check[0] == "chat"
+    tools_offered = check[0] in ("tool", "tool_answer") or (not no_tool_reply and rng.random() < 0.33)
+    history = [m for k in range(earlier)
+               for m in earlier_exchange(rng, split, tools_offered, k > 0, keep_reasoning)]
+    msgs = history + msgs
     if rng.random() < 0.25:
         msgs = [{"role": "system", "content": SYSTEMS[int(rng.integers(0, len(SYSTEMS)))]}] + msgs
     last = reply if isinstance(reply, dict) else {"role": "assistant", "content": reply}
-    return msgs + [last], tools, check
+    return msgs + [last], TOOLS if tools_offered else None, check
 
 
 SPECIAL_TOKENS = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 
 
 def render_with_mask(messages, tools, template: str) -> tuple[str, list[tuple[int, int]]]:
-    """(full text, [start, end) character spans of the assistant turns) as the chat template renders them."""
+    """(full text, [start, end) character spans of the assistant turns to learn, those not marked NO_LOSS)
+    as the chat template renders them (the template ignores the NO_LOSS key)."""
     from functools import partial
 
     from deepinfer_jax.text.chat_template import render_chat_template
@@ -338,7 +396,7 @@ def render_with_mask(messages, tools, template: str) -> tuple[str, list[tuple[in
     full = render_chat_template(template, messages, tools=tools, add_generation_prompt=False)
     spans = []
     for k, m in enumerate(messages):
-        if m["role"] != "assistant":
+        if m["role"] != "assistant" or m.get(NO_LOSS):
             continue
         pre = render_chat_template(template, messages[:k], tools=tools, add_generation_prompt=True)
         upto = render_chat_template(template, messages[:k + 1], tools=tools, add_generation_prompt=False)

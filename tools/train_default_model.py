@@ -6,7 +6,9 @@
 
 Data (tools/default_model_data.py, no download): chat, arithmetic with <think> working, get_weather /
 get_time tool calls and answers from tool results, JSON with asked keys; every conversation rendered
-through the built-in deepseek_v3 chat template (what serving renders), loss on the assistant turns only.
+through the built-in deepseek_v3 chat template (what serving renders), 0-3 earlier exchanges of any skills
+before the last turn, loss on the assistant turns but earlier arithmetic replies sent back without their
+working (default_model_data.NO_LOSS), and on nothing else.
 Tokenizer: a byte-level BPE (`tokenizers`) trained on that text, digits split one by one (sums are
 learnt digit by digit) and the space before a capital letter its own token (a name is the same tokens
 after a space in prose as after a quote in JSON, so copying it is copying tokens); DeepSeek's special
@@ -49,7 +51,7 @@ import default_model_data as data  # noqa: E402
 from default_eval import evaluate, write_card  # noqa: E402
 from make_default_model import NOT_SPECIAL, SPECIAL, tokenizer_config, write_safetensors  # noqa: E402
 
-BUCKETS = (64, 128, 256, 320, 384)  # 85% of the padded tokens are real (the longest conversation ~350)
+BUCKETS = (64, 128, 256, 320, 384, 512)  # a conversation of 3 earlier exchanges and the tools: up to ~550
 ROW = 256  # --device-batch counts rows of this many tokens
 MTP_WEIGHT = 0.3
 

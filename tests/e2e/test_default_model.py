@@ -2,9 +2,11 @@
 
 The card (deepinfer_jax/assets/default-model/README.md, written by tools/train_default_model.py) records
 each skill's rate on held-out prompts; here K fresh held-out prompts per skill go through `deepinfer serve`
-(no --model, deepseek_r1 reasoning parser, deepseek_v3 tool parser) and each skill must reach the card's
-rate less two binomial standard deviations. Shipping a better model only changes the card. The replies are
-judged from what the API returns: reasoning_content, parsed tool_calls, content.
+(no --model, deepseek_r1 reasoning parser, deepseek_v3 tool parser; "multi" conversations carry earlier
+exchanges of mixed skills and are judged on their last turn) and each skill must reach the card's
+rate (its n passes and fails, by Laplace's rule) less two binomial standard deviations. Shipping a better
+model only changes the card. The replies are judged from what the API returns: reasoning_content, parsed
+tool_calls, content.
 """
 
 from __future__ import annotations
@@ -30,9 +32,12 @@ FLAGS = [f for f in SERVER_FLAGS if f not in ("scripted", "other-name", "--serve
 FLAGS[FLAGS.index("512")] = "1024"  # --max-model-len: the tool block is long
 
 
-def lower_bound(rate: float, k: int = K) -> int:
-    """Replies out of k that must pass: the card's rate less two binomial standard deviations."""
-    return max(0, math.floor(k * rate - 2 * math.sqrt(k * rate * (1 - rate)) + 1e-9))
+def lower_bound(rate: float, n: int, k: int = K) -> int:
+    """Replies out of k that must pass: k times the card's rate less two binomial standard deviations, the
+    rate measured on n prompts taken as (passed + 1) / (n + 2) (Laplace's rule: n passes out of n do not
+    make a rate of exactly 1, which would ask every one of k fresh prompts to pass)."""
+    p = (rate * n + 1) / (n + 2)
+    return max(0, math.floor(k * p - 2 * math.sqrt(k * p * (1 - p)) + 1e-9))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +62,7 @@ def replies(default_server):
                                             max_tokens=96).choices[0].message
             calls = [(t.function.name, t.function.arguments) for t in (msg.tool_calls or [])]
             reasoning = (getattr(msg, "reasoning_content", None) or "").strip()
-            return kind, default_eval.judge(kind, check[1], reasoning, (msg.content or "").strip(), calls)
+            return kind, default_eval.judge(*check, reasoning, (msg.content or "").strip(), calls)
 
         with ThreadPoolExecutor(16) as pool:
             results = list(pool.map(ask, items))
@@ -74,8 +79,9 @@ def test_card_has_every_rate():
 
 @pytest.mark.parametrize("skill", default_eval.SKILLS)
 def test_default_model_holds_its_card_rate(replies, skill):
-    rate = default_eval.read_rates(CARD)[skill]
-    need = lower_bound(rate)
+    card = default_eval.read_eval(CARD)
+    rate = card["rates"][skill]
+    need = lower_bound(rate, card["n"])
     if need == 0:  # a bound of 0 would pass whatever the model does: say so rather than pass
         pytest.skip(f"{skill}: the card's rate {rate} is too low for {K} prompts to bound from below")
     got = sum(replies[skill])
@@ -96,4 +102,5 @@ def test_judges_accept_the_training_replies_and_reject_others():
             reasoning, content = default_eval.split_reasoning(last["content"])
             assert default_eval.judge(kind, want, reasoning, content, calls), (skill, last)
             assert not default_eval.judge(kind, want, "", "Purple monkey dishwasher", []), (skill, last)
-    assert lower_bound(1.0) == K and lower_bound(0.0) == 0 and lower_bound(0.9) == 5
+    assert lower_bound(1.0, 60) == K - 1 and lower_bound(0.9, 60) == 5 and lower_bound(0.533, 60) == 1
+    assert lower_bound(0.0, 60) == 0
