@@ -27,9 +27,9 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
+from benchmarks.pipeline_micro_batches import LAYOUTS, pipeline_setup  # noqa: E402
 from benchmarks.sharded_check import compare  # noqa: E402
 
-LAYOUTS = {"single": 1, "pp2": 2, "pp4": 4}  # name -> pipeline stages (one GPU a stage)
 CHECK_TOKENS = 16
 
 
@@ -91,21 +91,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-step-tokens", type=int, default=2048, help="the top of the bucket ladder (a power of two)")
     args = ap.parse_args(argv)
 
-    import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
     from deepinfer_jax.weights.random_init import random_params
 
-    enable_compilation_cache("default")
-    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
-    layouts = [n for n in args.layouts.split(",") if n]
-    need = max(LAYOUTS[n] for n in layouts)
-    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
-    if len(jax.devices()) < need:
-        print(f"needs {need} devices", file=sys.stderr)
+    setup = pipeline_setup(args.preset, args.layouts)
+    if setup is None:
         return 2
+    cfg, layouts = setup
     if args.prompt_len + args.max_tokens > 1024:
         print("--prompt-len + --max-tokens must fit max_model_len 1024", file=sys.stderr)
         return 2

@@ -86,15 +86,34 @@ def time_prefill(eng, prompts):
             out[name] = None
             continue
         jax.block_until_ready(runner.run(host).buf)
-        before = runner.stage_boundary_bytes
+        before = getattr(runner, "stage_boundary_bytes", 0)  # a single-device runner has no stages
         t = time.perf_counter()
         for _ in range(10):
             res = runner.run(host)
         jax.block_until_ready(res.buf)
         ms = (time.perf_counter() - t) / 10 * 1e3
-        out[f"{name}_bytes"] = (runner.stage_boundary_bytes - before) // 10
+        out[f"{name}_bytes"] = (getattr(runner, "stage_boundary_bytes", 0) - before) // 10
         out[name] = (len(host.micro), host.micro_bucket, ms) if name == "split" else ms
     return out
+
+
+def pipeline_setup(preset: str, layouts_arg: str):
+    """(the preset's ModelConfig, the --layouts names) with the compilation cache on and the devices printed, or
+    None (after a line on stderr) where the machine has fewer devices than the largest layout's stages."""
+    import jax
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+
+    enable_compilation_cache("default")
+    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{preset}.json"))
+    layouts = [n for n in layouts_arg.split(",") if n]
+    need = max(LAYOUTS[n] for n in layouts)
+    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
+    if len(jax.devices()) < need:
+        print(f"needs {need} devices", file=sys.stderr)
+        return None
+    return cfg, layouts
 
 
 def main(argv=None) -> int:
@@ -106,21 +125,14 @@ def main(argv=None) -> int:
     ap.add_argument("--max-step-tokens", type=int, default=4096, help="the top of the bucket ladder (a power of two)")
     args = ap.parse_args(argv)
 
-    import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
     from deepinfer_jax.weights.random_init import random_params
 
-    enable_compilation_cache("default")
-    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
-    layouts = [n for n in args.layouts.split(",") if n]
-    need = max(LAYOUTS[n] for n in layouts)
-    print(f"devices: {len(jax.devices())} x {jax.devices()[0].device_kind}", flush=True)
-    if len(jax.devices()) < need:
-        print(f"needs {need} devices", file=sys.stderr)
+    setup = pipeline_setup(args.preset, args.layouts)
+    if setup is None:
         return 2
+    cfg, layouts = setup
     if args.prompts * args.prompt_len > args.max_step_tokens:
         print("--prompts x --prompt-len must fit one step of --max-step-tokens", file=sys.stderr)
         return 2
