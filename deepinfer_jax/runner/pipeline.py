@@ -206,7 +206,7 @@ class PipelineRunner(ModelRunner):
         for ranks_idx in split.parts:
             metas = [build_metadata([g[i] for i in idx], self.shapes, b, page_rows=self.page_rows)
                      for g, idx in zip(groups, ranks_idx)]
-            mi, mf, ml = pack(metas[0] if self.num_ranks == 1 else merge_rank_metas(metas, b, rows))
+            mi, mf, ml = pack(metas[0] if self.num_ranks == 1 else merge_rank_metas(metas, b))
             micro.append((ml, np.concatenate([mi, mf.view(np.int32)])))
         index = micro_batches.gather_index(split, self.num_ranks, self.shapes.seq_rows(host.bucket), rows)
         return PipelineStep.of(host, micro, b, index)

@@ -125,10 +125,10 @@ class DPScheduler:
         return results
 
 
-def merge_rank_metas(metas: list, bucket: int, seq_rows: int):
-    """Per-rank StepMetadata (each of `bucket` tokens and `seq_rows` rows) -> the whole step's, laid out rank after
-    rank (merge_rank_steps); `logits_indices` made global: rank r's sampling rows (seq_rows x Shapes.spec_width in
-    a speculating step: its verify rows) read its tokens."""
+def merge_rank_metas(metas: list, bucket: int):
+    """Per-rank StepMetadata (each of `bucket` tokens and the same sequence rows) -> the whole step's, laid out rank
+    after rank (merge_rank_steps); `logits_indices` made global: rank r's sampling rows (its sequence rows x
+    Shapes.spec_width in a speculating step: its verify rows) read its tokens."""
     meta = type(metas[0])(**{  # the array fields; static ones (StepMetadata.has_context) keep their defaults,
         # optional ones a step does not carry (None) stay None
         f.name: None if getattr(metas[0], f.name) is None else
@@ -145,7 +145,7 @@ def merge_rank_steps(metas: list, samplings: list, rank_seqs: list[list], bucket
     request_ids has one entry per row (None for padding rows). With speculation each sequence row has
     Shapes.spec_width sampling rows (and logits_indices entries), so rank r's sampling rows start at
     r * seq_rows * spec_width; the MTP's next_token_ids (one a sequence row) are concatenated as the other fields."""
-    meta = merge_rank_metas(metas, bucket, seq_rows)
+    meta = merge_rank_metas(metas, bucket)
     st = type(samplings[0])(**{  # optional fields a step does not carry (None) stay None
         f.name: None if getattr(samplings[0], f.name) is None else
         np.concatenate([getattr(s, f.name) for s in samplings], axis=0)
