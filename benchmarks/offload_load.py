@@ -15,7 +15,7 @@ nvidia-smi's total), three ways:
 - `direct`: the chosen weights put in pinned host memory straight from the checkpoint (`PendingParams.load_to`).
 Each prints its outcome, the load's seconds, the device's peak bytes in use (the allocator's `peak_bytes_in_use`,
 which counts every buffer the load made), the weights' bytes on the device and in host memory after it, and an
-fp32 sum of every weight, which must be the same wherever a load succeeds (the same arrays, wherever they live).
+fp64 sum of every weight, which must be the same wherever a load succeeds (the same arrays, wherever they live).
 Pass for the `direct` row: it loads, its peak is at most the weights less the offloaded bytes plus one stacked
 leaf's worth of load temporaries, and its sums equal the other successful rows' (run with a --device-gib the whole
 model fits to compare them).
