@@ -68,7 +68,7 @@ def packed_sharding(w: PackedShape, sharding: Any, axes: tuple | None = None, na
     try:
         spec = packed_spec(w, tuple(sharding.spec))
     except ValueError as e:  # the dense family's kv_proj [D, 2, KVH, hd] with its KV heads split, e.g.
-        mesh = sorted({a for x in sharding.spec if x for a in ((x,) if isinstance(x, str) else x)})
+        mesh = sorted({a for x in sharding.spec for a in _mesh_axes(x)})
         flags = " or ".join(AXIS_FLAGS.get(a, a) for a in mesh)
         raise ValueError(f"{'FP8' if is_fp8(w) else 'FP4'} weight {name}: {e}; change {flags}, or load the weights "
                          "in float (--quantization none)") from None
