@@ -307,7 +307,7 @@ def prepare_hf_checkpoint(
     def load_to(target: Any) -> dict:
         """The params placed as `target` says (`abstract`, or it with leaves in host memory: those are assembled in
         numpy and put there once, never on the device; PendingParams.load_to)."""
-        host = {keys for keys in fp8_paths | set(_leaf_keys(specs))
+        host = {keys for keys in fp8_paths | set(_spec_paths(specs))
                 if on_host or in_host_memory(_get(target, keys))}
 
         def alloc(path, spec: ParamSpec):
@@ -352,10 +352,6 @@ def prepare_hf_checkpoint(
         return params
 
     return cfg, PendingParams(abstract, load_to=load_to)
-
-
-def _leaf_keys(specs: Any) -> list[tuple]:
-    return [tuple(_key(k) for k in path) for path, _ in jax.tree_util.tree_flatten_with_path(specs, is_leaf=is_spec)[0]]
 
 
 def _spec_paths(specs: Any) -> list[tuple]:
