@@ -258,7 +258,7 @@ class LLM:
         self.dtype = resolve_dtype(dtype, model)
         # One device: no mesh, the single-device code. Otherwise the weights load onto their shardings.
         self.sharding, shardings = None, None
-        self.eplb_placement = None  # sharding/eplb.py ExpertPlacement with enable_eplb
+        self._eplb_start = None  # sharding/eplb.py ExpertPlacement the weights loaded on, with enable_eplb
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
@@ -304,8 +304,8 @@ class LLM:
             if self.model_config.family != "deepseek":
                 raise ValueError(f"enable_eplb is not supported for {self.model_config.model_type}")
             E = self.model_config.n_routed_experts
-            self.eplb_placement = eplb.placement(moe_layer_count(params), E, parallel.expert_parallel_size)
-            params = with_placement(params, self.eplb_placement, self.sharding.mesh, E)
+            self._eplb_start = eplb.placement(moe_layer_count(params), E, parallel.expert_parallel_size)
+            params = with_placement(params, self._eplb_start, self.sharding.mesh, E)
         cfg = self.model_config
         max_model_len = max_model_len or min(cfg.max_position_embeddings, 4096)
         if max_model_len > cfg.max_position_embeddings:
@@ -345,7 +345,7 @@ class LLM:
         if enable_eplb and pipeline_parallel_size == 1:  # the observed load, and a rebalance on command
             from deepinfer_jax.engine.expert_balance import ExpertBalance
 
-            self.engine.expert_balance = ExpertBalance(self.engine.runner, self.eplb_placement,
+            self.engine.expert_balance = ExpertBalance(self.engine.runner, self._eplb_start,
                                                        parallel.expert_parallel_size, self.sharding.mesh)
         self.startup_seconds = time.time() - t0
         log.info("ready in %.1f s (%d step shapes compiled)", self.startup_seconds, self.engine.num_warmup_compiles)
@@ -362,6 +362,13 @@ class LLM:
         checkpoint that declares num_nextn_predict_layers without MTP weights; speculative decoding with MTP
         checks it."""
         return self.model_config.has_mtp
+
+    @property
+    def eplb_placement(self):
+        """The expert placement in force with enable_eplb (sharding/eplb.py ExpertPlacement; a rebalance replaces
+        it), else None."""
+        bal = self.engine.expert_balance
+        return self._eplb_start if bal is None else bal.placement
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -383,9 +390,7 @@ class LLM:
     def rebalance_experts(self) -> dict:
         """Place the experts anew from the observed load (between steps; no recompile), where that lowers the
         largest EP rank load on it: ExpertBalance.rebalance's figures."""
-        out = self._expert_balance().rebalance()
-        self.eplb_placement = self.engine.expert_balance.placement
-        return out
+        return self._expert_balance().rebalance()
 
     # ---- generation ------------------------------------------------------------------------------
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
