@@ -132,6 +132,15 @@ def read_rates(card: str) -> dict[str, float]:
     return read_eval(card).get("rates", {})
 
 
+def _base_lines(base: dict | None) -> list[str]:
+    """The card's lines for the training a fine-tune (train_default_model.py --init) started from, oldest first."""
+    if not base:
+        return []
+    return [*_base_lines(base.get("base")),
+            f"- from {base['steps']} steps of {base['tokens_per_step']} tokens ({base['conversations']} "
+            f"conversations, seed {base['seed']}, {base['train_seconds']} s on {base['device']}), then fine-tuned:"]
+
+
 def write_card(card: str, model_dir: str, result: dict) -> None:
     log_path = os.path.join(model_dir, "train_log.json")
     log = json.load(open(log_path)) if os.path.exists(log_path) else None
@@ -152,6 +161,7 @@ def write_card(card: str, model_dir: str, result: dict) -> None:
                   "rendered them through the built-in deepseek_v3 chat "
                   "template, trained the BPE tokenizer on them (one token per digit; a name tokenizes alike in prose "
                   "and JSON) and the model with the loss on assistant tokens (main + 0.3 x MTP).", "",
+                  *_base_lines(log.get("base")),
                   f"- {log['steps']} steps of {log['tokens_per_step']} tokens, seed {log['seed']}, "
                   f"{log['conversations']} conversations, {log['params'] / 1e6:.2f}M parameters",
                   f"- {log['train_seconds']} s of training ({log['total_seconds']} s in all) on {log['device']}",

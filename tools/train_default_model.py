@@ -2,6 +2,7 @@
 
     python tools/train_default_model.py [--steps N] [--train-seconds T] [--out DIR] [--device-batch B]
                                         [--seed S] [--compute-dtype auto|bfloat16|float32] [--no-eval]
+    python tools/train_default_model.py --init DIR [...]  (fine-tune DIR's model, its tokenizer kept)
     python tools/train_default_model.py --eval-only DIR [--eval-n N] [--card README.md]
 
 Data (tools/default_model_data.py, no download): chat, arithmetic with <think> working, get_weather /
@@ -269,15 +270,28 @@ def train(a) -> str:
     tokens_per_step = a.device_batch * ROW
     n_conv = a.conversations or int(min(300_000, max(4000, a.steps * tokens_per_step / 150)))
     corpus = make_corpus(n_conv, a.seed, tuple(a.skills.split(",")) if a.skills else ())
-    tok = train_tokenizer([t for t, _ in corpus[:20000]], a.vocab_size)
+    if a.init:  # fine-tune: its tokenizer and config as they are
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(os.path.join(a.init, "tokenizer.json"))
+    else:
+        tok = train_tokenizer([t for t, _ in corpus[:20000]], a.vocab_size)
     buckets = tokenize(tok, corpus, a.buckets)
     left_out = len(corpus) - sum(len(v[0]) for v in buckets.values())
     print(f"data: {len(corpus)} conversations ({left_out} longer than {a.buckets[-1]} left out), "
           f"buckets {({b: len(v[0]) for b, v in buckets.items()})}, "
           f"vocab {tok.get_vocab_size()} ({time.time() - t0:.0f} s)", flush=True)
-    hf_cfg = model_config(tok.get_vocab_size(), a.hidden_size)
-    cfg = ModelConfig.from_hf_dict(hf_cfg)
-    params = init(cfg, a.seed)
+    if a.init:
+        from deepinfer_jax.weights.hf_loader import load_hf_checkpoint
+
+        with open(os.path.join(a.init, "config.json")) as f:
+            hf_cfg = json.load(f)
+        cfg, params = load_hf_checkpoint(a.init, ModelConfig.from_hf_dict(hf_cfg), jnp.float32, progress=False)
+        params = jax.tree.map(jnp.asarray, params)
+    else:
+        hf_cfg = model_config(tok.get_vocab_size(), a.hidden_size)
+        cfg = ModelConfig.from_hf_dict(hf_cfg)
+        params = init(cfg, a.seed)
     dtype = {"auto": "bfloat16" if gpu else "float32"}.get(a.compute_dtype, a.compute_dtype)
     n_params = sum(x.size for x in jax.tree.leaves(params))
     print(f"model: {n_params / 1e6:.2f}M parameters ({2 * n_params / 2**20:.1f} MiB in bf16), "
@@ -317,7 +331,9 @@ def train(a) -> str:
     svg_plot(os.path.join(a.out, "loss.svg"), {"main": [(c["step"], c["main"]) for c in curve],
                                                "mtp": [(c["step"], c["mtp"]) for c in curve]})
     diff = check_with_hf(a.out, params, cfg)
-    log = dict(steps=t, seed=a.seed, device_batch=a.device_batch, tokens_per_step=tokens_per_step,
+    base = os.path.join(a.init, "train_log.json") if a.init else None
+    base = {k: v for k, v in json.load(open(base)).items() if k != "curve"} if base and os.path.exists(base) else None
+    log = dict(base=base, steps=t, seed=a.seed, device_batch=a.device_batch, tokens_per_step=tokens_per_step,
                lr=a.lr, conversations=len(corpus), params=n_params, device=str(jax.devices()[0].device_kind),
                train_seconds=round(train_s), total_seconds=round(time.time() - t0), hf_max_logit_diff=diff,
                curve=curve)
@@ -349,6 +365,9 @@ def main(argv=None) -> int:
                    f"{','.join(data.SKILLS)}), equally mixed: quick research runs; the shipped model has all")
     p.add_argument("--conversations", type=int, default=None,
                    help="training conversations to generate (default: about steps x tokens/step / 150, at most 300k)")
+    p.add_argument("--init", metavar="DIR", default=None,
+                   help="fine-tune the model of DIR (an HF directory this script wrote; its tokenizer and widths "
+                        "are kept) instead of training from scratch")
     p.add_argument("--log-every", type=int, default=50)
     p.add_argument("--eval-only", metavar="DIR", help="evaluate DIR (an HF model directory) and write its card")
     p.add_argument("--eval-n", type=int, default=60, help="held-out prompts per skill")
