@@ -45,6 +45,11 @@ from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
+# Families whose layer loop copies each layer's offloaded weights in itself (`layer_fetch` of their forwards), and
+# the params key of their layers: DeepSeek and dense stack them per segment (models/deepseek.py `run_layers` streams
+# a segment's slices), DeepSeek-V4 keeps one dict a layer (models/v4_paged.py streams each layer's own).
+STREAMING_FAMILIES = {"deepseek": "segments", "dense": "segments", "deepseek_v4": "layers"}
+LAYER_KEYS = ("segments", "layers")
 
 
 def _unit(x: Any) -> bool:
@@ -52,11 +57,17 @@ def _unit(x: Any) -> bool:
     return not isinstance(x, (dict, list, tuple))
 
 
+def _in_layers(path: tuple) -> bool:
+    """Whether `path` is inside a layer segment (`segments`, stacked layers) or a DeepSeek-V4 layer (`layers`, one
+    layer each): path[1] is then its index."""
+    return len(path) > 1 and path[0] in LAYER_KEYS and isinstance(path[1], int)
+
+
 def _order(path: tuple, nbytes: int, num_segments: int) -> tuple:
     experts = "experts" in path and "shared" not in path
     if path and path[0] == "mtp":
         depth = num_segments + (path[1] if len(path) > 1 and isinstance(path[1], int) else 0)
-    elif path and path[0] == "segments" and len(path) > 1 and isinstance(path[1], int):
+    elif _in_layers(path):
         depth = path[1]
     else:
         depth = -1  # embed, final_norm, lm_head: read by every token
@@ -67,8 +78,7 @@ def choose(leaves: Iterable[tuple[tuple, int]], budget: int) -> list[tuple]:
     """The paths of the leaves to offload: (path, bytes) pairs in the module doc's order, each taken while it fits
     in what is left of `budget` bytes. Paths are tuples of dict keys and list indices."""
     leaves = list(leaves)
-    num_segments = 1 + max((p[1] for p, _ in leaves if p[:1] == ("segments",) and len(p) > 1
-                            and isinstance(p[1], int)), default=0)
+    num_segments = 1 + max((p[1] for p, _ in leaves if _in_layers(p)), default=0)
     chosen, left = [], budget
     for path, n in sorted(leaves, key=lambda pn: _order(pn[0], pn[1], num_segments)):
         if 0 < n <= left:
@@ -88,15 +98,17 @@ def check_budget(gib: float, total: int) -> int:
 def step_window(chosen: Iterable[tuple[tuple, int]], segment_layers: list[int], family: str) -> int:
     """The most of the offloaded bytes a step holds on the device at once, from the chosen leaves' (path, bytes) and
     each layer segment's layer count: where the family streams them (STREAMING_FAMILIES), one layer's share of each
-    chosen leaf of a segment, the largest segment's, plus the chosen leaves outside the segments (the MTP layers,
-    the embedding, the LM head), copied in whole; in any other family every chosen byte."""
+    chosen leaf of a segment, the largest segment's (DeepSeek-V4: each of its `layers` a one-layer segment of its
+    own, `segment_layers` unused), plus the chosen leaves outside the layers (the MTP layers, the embedding, the LM
+    head), copied in whole; in any other family every chosen byte."""
     chosen = list(chosen)
     if family not in STREAMING_FAMILIES:
         return sum(n for _, n in chosen)
     outside, per_segment = 0, {}
     for path, n in chosen:
-        if path[:1] == ("segments",) and len(path) > 1 and isinstance(path[1], int):
-            per_segment[path[1]] = per_segment.get(path[1], 0) + n // segment_layers[path[1]]
+        if _in_layers(path):
+            share = n // segment_layers[path[1]] if path[0] == "segments" else n
+            per_segment[path[:2]] = per_segment.get(path[:2], 0) + share
         else:
             outside += n
     return outside + max(per_segment.values(), default=0)
@@ -200,20 +212,16 @@ def to_device(params: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
 
 
-# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards, both
-# handed to models/deepseek.py `run_layers`).
-STREAMING_FAMILIES = ("deepseek", "dense")
-
-
 def stream(params: Any, family: str) -> tuple[Any, Any]:
-    """Inside a jitted program, before the forward: (the params with every leaf in host memory outside the layer
-    segments copied to the device, the forward's `layer_fetch`: `to_device`, which its layer loop applies to each
-    layer's slice of the segments' leaves), or for a family outside STREAMING_FAMILIES or params with no segment
-    leaf in host memory (`to_device(params)`, None)."""
-    segments = params.get("segments") if isinstance(params, dict) else None
-    if family not in STREAMING_FAMILIES or not any(on_host(x) for x in jax.tree.leaves(segments)):
+    """Inside a jitted program, before the forward: (the params with every leaf in host memory outside the layers
+    (`LAYER_KEYS`) copied to the device, the forward's `layer_fetch`: `to_device`, which its layer loop applies to
+    each layer's weights: a segment's slice of the stacked leaves, or a DeepSeek-V4 layer's own), or for a family
+    outside STREAMING_FAMILIES or params with no layer leaf in host memory (`to_device(params)`, None)."""
+    key = STREAMING_FAMILIES.get(family)
+    layers = params.get(key) if key is not None and isinstance(params, dict) else None
+    if not any(on_host(x) for x in jax.tree.leaves(layers)):
         return to_device(params), None
-    return {k: v if k == "segments" else to_device(v) for k, v in params.items()}, to_device
+    return {k: v if k == key else to_device(v) for k, v in params.items()}, to_device
 
 
 def _subjaxprs(eqn) -> Iterable[tuple[Any, int]]:
