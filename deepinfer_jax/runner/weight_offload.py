@@ -6,20 +6,22 @@ Which leaves (`choose`): a leaf is one weight of the param specs (models/params.
 layers first: the MTP layers (read only with speculative decoding), then the layer segments from the deepest one
 up, then the embedding, final norm and LM head; within a segment the largest leaf first. Without routing
 statistics, depth stands for how rarely a weight is needed. Leaves are stacked per segment, so a segment's
-routed experts (gate_up, down) are two leaves: the granularity is a whole segment's weight. Each leaf in this
+routed experts (gate_up, down) are two leaves: the granularity is a whole segment's weight. DeepSeek-V4 keeps one
+dict a layer (`layers`, its layers differ in kind): each V4 layer is a segment of one layer here. Each leaf in this
 order is taken while it fits in what is left of the budget, so the offloaded bytes never exceed it.
 `choose` is plain Python over (path, bytes): `deepinfer plan` (engine/plan.py) runs it on the specs' bytes and
 the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face and
-converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time by
-programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
+programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face (DeepSeek-V4's
+too) and converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time
+by programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
 `stream` copies the leaves outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
 whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
-(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
-step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
+(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in;
+DeepSeek-V4's (models/v4_paged.py `forward_paged`) copies a layer's own host leaves in inside a call of that layer.
+So a step holds one layer's share of the offloaded layer weights at a time, not all of them (`copy_in_bytes` reads
 both figures off a traced program; `step_window` computes the second from the choice, for `deepinfer plan`). XLA
 schedules the copies (asynchronous host-to-device copies on a GPU). A leaf on the device passes through
 unchanged, so without offload the programs are the same HLO as before.
@@ -192,7 +194,7 @@ def offload(params: Any, gib: float, sharding: Any = None) -> tuple[Any, int]:
 
 class LoadFirst(PendingParams):
     """Params whose load `start()` waits for, for a loader that cannot place a leaf in host memory itself (no
-    `load_to`: DeepSeek-V4's checkpoints): the load holds every leaf on the device until it moves
+    `load_to`; every loader of this package offers it): the load holds every leaf on the device until it moves
     the chosen ones to the host, and the engine sizes the KV cache before it starts the load and makes the cache
     after, so the two never take the device at once."""
 
