@@ -2,8 +2,7 @@
 checkpoint (FP8 linears, FP4 routed experts; tests/hf_models_v4.py): the chosen leaves (every routed expert and the
 two deepest layers' other weights, FP8 ones among them) load straight into pinned host memory, the device holding
 the rest only, during the load and after it; each step copies one layer's weights in at a time (inside that layer's
-call); greedy tokens equal HF transformers' on the dequantized weights, the FP4 experts' copies read by the quantized
-grouped GEMMs (`moe_impl` pallas_interpret, as "pallas" on a GPU); `deepinfer plan` counts what the engine
+call); greedy tokens equal HF transformers' on the dequantized weights; `deepinfer plan` counts what the engine
 offloads."""
 
 from __future__ import annotations
@@ -51,8 +50,7 @@ def _kinds(tree) -> set:
 def offloaded(v4_release):
     model, rel, _ = v4_release
     nbytes, per_layer = _budget(rel)
-    llm = LLM(rel, dtype="float32", cpu_offload_gb=nbytes / GIB, gpu_memory=0.05, moe_impl="pallas_interpret",
-              **SMALL)
+    llm = LLM(rel, dtype="float32", cpu_offload_gb=nbytes / GIB, gpu_memory=0.05, **SMALL)
     return model, rel, nbytes, per_layer, llm
 
 
