@@ -143,12 +143,16 @@ def test_offloaded_leaves_load_straight_into_host_memory(v4_release, monkeypatch
 
 def test_plan_counts_what_the_engine_offloads(offloaded):
     """`deepinfer plan --cpu-offload-gb` for V4: the engine's offloaded bytes, the most of them a step holds (the
-    largest layer's), the weights on the device less them and the KV cache more by them."""
+    largest layer's), the weights on the device less them, the KV cache more by them, and the engine's pools."""
     _, rel, nbytes, per_layer, llm = offloaded
-    whole = plan(rel, dtype="float32", gpu_memory_gib=0.05, max_model_len=64)
-    p = plan(rel, dtype="float32", gpu_memory_gib=0.05, max_model_len=64, cpu_offload_gb=nbytes / GIB)
+    sizes = dict(dtype="float32", gpu_memory_gib=0.05, max_model_len=64, page_size=4, max_num_seqs=4,
+                 max_num_batched_tokens=13)
+    whole = plan(rel, **sizes)
+    p = plan(rel, cpu_offload_gb=nbytes / GIB, **sizes)
     assert p.offloaded_weight_bytes == llm.engine.offloaded_weight_bytes == nbytes
     assert p.offload_window_bytes == max(per_layer) < nbytes
     assert p.weight_bytes_per_device + nbytes == whole.weight_bytes_per_device
     assert p.kv_cache_bytes_per_device == whole.kv_cache_bytes_per_device + nbytes
     assert "in host memory (--cpu-offload-gb), of which a step holds at most" in "\n".join(p.lines())
+    # the engine's per-group pools are those the plan makes of the cache the offloaded bytes leave
+    assert llm.engine.runner.memory_report()["kv_cache"] == sum(g["pool_bytes"] for g in p.kv_groups)
