@@ -2,7 +2,8 @@
 in pinned host memory against every weight on the device, and the bytes each step copies in.
 
     python benchmarks/offload.py              # GPU: deepseek-v2-lite shape, random bf16 weights
-    python benchmarks/offload.py --smoke      # CPU: tiny model, small sizes (checks the script, not the speed)
+    python benchmarks/offload.py --v4 [CONFIG_JSON] [--v4-layers 2]   # GPU: a DeepSeek-V4 shape instead
+    python benchmarks/offload.py --smoke [--v4]   # CPU: tiny model, small sizes (checks the script, not the speed)
 
 First the host link: copies of a pinned host array of --link-mib MiB (1 GiB) to the device and back, best of 5.
 Then correctness: the same prompts greedy with and without offload must give the same tokens (the programs differ
@@ -20,6 +21,14 @@ What is offloaded: --offload-gib GiB (runner/weight_offload.py picks the leaves:
 the routed experts' bytes times --expert-fraction (0.5), which on V2-Lite's one MoE segment takes its experts'
 `down` leaf (a third of the experts' bytes; the leaf is the unit) and fills the rest of the budget with the next
 leaves in the order. The step copies each layer's slice of them in its layer loop (docs/offload.md).
+
+`--v4`: a DeepSeek-V4 shape (a deepseek_v4 config.json, or HF's DeepseekV4Config, V4-Flash's width, without one),
+its first --v4-layers layers, random float weights; V4 keeps one set of weights a layer, so each layer's routed
+experts are their own two leaves, and each layer holding offloaded weights copies them in inside its own call
+(models/v4_paged.py). XLA may start those copies early on straight-line layers: the compiled decode program's
+temporaries against one layer's share tell whether it did. Random float experts run densely (every expert, V4's
+reference MoE; the kernels take FP4 / FP8 ones), so its tokens/s is not V4's serving speed: compare the two rows.
+HF's config at two layers is 26.5 GiB of bf16 weights, 24 of them routed experts.
 """
 
 from __future__ import annotations
@@ -82,6 +91,30 @@ def step_memory(eng) -> dict:
             "host_args": getattr(m, "host_argument_size_in_bytes", 0), "copied": per_step, "held": held}
 
 
+def v4_config(path: str, layers: int, tiny: bool) -> ModelConfig:
+    """A DeepSeek-V4 ModelConfig: the tests' tiny one (`tiny`), else `path`'s config.json or HF's DeepseekV4Config
+    ("default"), cut to its first `layers` layers, without MTP."""
+    import json
+
+    if tiny:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        from hf_models_v4 import V4_TINY
+
+        return ModelConfig.from_hf_dict(dict(V4_TINY, model_type="deepseek_v4"))
+    if path == "default":
+        from transformers import DeepseekV4Config
+
+        d = DeepseekV4Config().to_dict()
+    else:
+        with open(path) as f:
+            d = json.load(f)
+    d.update(num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0)
+    for k in ("layer_types", "mlp_layer_types"):
+        if d.get(k):
+            d[k] = d[k][:layers]
+    return ModelConfig.from_hf_dict(d)
+
+
 def run(eng, prompts, output_len: int) -> dict:
     """All `prompts` at once to the end: output tokens, wall time, engine steps."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
@@ -112,6 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--expert-fraction", type=float, default=0.5,
                     help="without --offload-gib: this share of the routed experts' bytes")
     ap.add_argument("--link-mib", type=positive_int, default=1024)
+    ap.add_argument("--v4", nargs="?", const="default", default=None, metavar="CONFIG_JSON",
+                    help="a DeepSeek-V4 shape instead of --preset (a deepseek_v4 config.json; without one HF's "
+                         "DeepseekV4Config)")
+    ap.add_argument("--v4-layers", type=positive_int, default=2, help="with --v4: its first this many layers")
     ap.add_argument("--smoke", action="store_true", help="CPU: tiny model and sizes")
     args = ap.parse_args(argv)
     if args.smoke:
@@ -136,7 +173,12 @@ def main(argv=None) -> int:
     print(f"host link (pinned, {args.link_mib} MiB): host-to-device {h2d:.1f} GB/s, device-to-host {d2h:.1f} GB/s",
           flush=True)
 
-    cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
+    if args.v4:
+        cfg = v4_config(args.v4, args.v4_layers, args.smoke)
+        args.preset = f"deepseek-v4 ({cfg.num_hidden_layers} layers)"
+    else:
+        cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models",
+                                                      f"{args.preset}.json"))
     params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
     leaves = param_leaves(params)
     total = sum(n for _, n in leaves)

@@ -3,9 +3,13 @@ the offloaded weights put straight into pinned host memory against loading every
 
     python benchmarks/offload_load.py [--dir /tmp/offload-load-v3-fp8] [--moe-layers 2] [--device-gib G]
     python benchmarks/offload_load.py --smoke      # CPU: a narrow model (checks the script, not the memory)
+    python benchmarks/offload_load.py --v4 [CONFIG_JSON] [--v4-layers 2] [--smoke]   # a DeepSeek-V4 shape instead
 
 The model: benchmarks/protocol_f.py's FP8 checkpoint of DeepSeek-V3 at full width (1 dense + --moe-layers MoE
-layers, random weights; written to --dir unless its config.json is there). --offload-gib (default: every routed
+layers, random weights; written to --dir unless its config.json is there), or with --v4 a DeepSeek-V4 bf16
+checkpoint (`write_v4_checkpoint`: a deepseek_v4 config.json's shape, HF's DeepseekV4Config, V4-Flash's width,
+without one, its first --v4-layers layers; random weights in HF's names, routed experts fused; --smoke: the tests'
+tiny V4). --offload-gib (default: every routed
 expert's bytes) goes to host memory. Each load runs in a process of its own, its device limited to --device-gib
 (default: three quarters of the weights, so the whole model does not fit; XLA_PYTHON_CLIENT_MEM_FRACTION from
 nvidia-smi's total), three ways:
@@ -83,6 +87,76 @@ def child(d: str, mode: str, offload_gib: float) -> dict:
     return row
 
 
+def write_v4_checkpoint(d: str, cfg: dict, seed: int = 0) -> None:
+    """A DeepSeek-V4 bf16 checkpoint of `cfg` in HF's names (weights/name_table_v4.py's tensors, routed experts
+    fused), one file a layer. Values: windows of a shared pool of normal draws (seconds a layer, not minutes), norms
+    and hyper-connection scales around 1, correction biases in [0, 0.1), hash tables of valid expert ids."""
+    import ml_dtypes
+    import numpy as np
+
+    from protocol_f import STD, _Writer
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.weights.name_table_v4 import v4_expected_tensors
+
+    class Writer(_Writer):
+        DT = {**_Writer.DT, "I32": 4}
+
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=1)
+    v4 = ModelConfig.from_model_dir(d).v4
+    rng = np.random.default_rng(seed)
+    pool = (rng.standard_normal(1 << 26, np.float32) * STD).astype(ml_dtypes.bfloat16)
+    files: dict[str, list] = {}
+    for r in v4_expected_tensors(v4, frozenset(range(v4.num_hidden_layers))):
+        parts = r.hf_name.split(".")
+        fname = f"model.layer{int(parts[2]):02d}.safetensors" if parts[1] == "layers" else "model.rest.safetensors"
+        if all(r.hf_name != n for n, _ in files.get(fname, [])):  # (a tied LM head names the embedding again)
+            files.setdefault(fname, []).append((r.hf_name, r.hf_shape))
+    weight_map = {}
+    for fname, tensors in files.items():
+        w = Writer(os.path.join(d, fname), [(n, "I32" if n.endswith("tid2eid") else "BF16", s) for n, s in tensors])
+        for name, shape in tensors:
+            n = int(np.prod(shape))
+            if name.endswith("tid2eid"):
+                a = rng.integers(0, v4.n_routed_experts, shape, np.int32)
+            elif name.endswith(("norm.weight", "layernorm.weight", "scale")):
+                a = (1 + 0.1 * rng.standard_normal(shape)).astype(ml_dtypes.bfloat16)
+            elif name.endswith("e_score_correction_bias"):
+                a = rng.uniform(0, 0.1, shape).astype(ml_dtypes.bfloat16)
+            else:
+                start = int(rng.integers(0, pool.size))
+                a = (np.resize(pool[start:], n) if n > pool.size - start else pool[start:start + n]).reshape(shape)
+            w.write(name, a)
+            weight_map[name] = fname
+        w.close()
+    with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+def v4_dict(path: str, layers: int, tiny: bool) -> dict:
+    """The deepseek_v4 config of --v4: the tests' tiny one, `path`'s, or HF's DeepseekV4Config ("default"), cut to
+    its first `layers` layers, without MTP."""
+    if tiny:
+        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
+        from hf_models_v4 import V4_TINY
+
+        return dict(V4_TINY, model_type="deepseek_v4")
+    if path == "default":
+        from transformers import DeepseekV4Config
+
+        d = DeepseekV4Config().to_dict()
+    else:
+        with open(path) as f:
+            d = json.load(f)
+    d.update(num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0)
+    for k in ("layer_types", "mlp_layer_types"):
+        if d.get(k):
+            d[k] = d[k][:layers]
+    return d
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", default="/tmp/offload-load-v3-fp8")
@@ -91,6 +165,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device-gib", type=float, default=None, help="default: 3/4 of the weights")
     ap.add_argument("--modes", default="all,moved,direct")
     ap.add_argument("--smoke", action="store_true", help="a narrow V3 on the CPU: checks that the script runs")
+    ap.add_argument("--v4", nargs="?", const="default", default=None, metavar="CONFIG_JSON",
+                    help="a DeepSeek-V4 bf16 checkpoint instead (a deepseek_v4 config.json's shape; without one HF's "
+                         "DeepseekV4Config)")
+    ap.add_argument("--v4-layers", type=int, default=2, help="with --v4: its first this many layers")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -99,8 +177,13 @@ def main(argv=None) -> int:
 
     from protocol_f import v3_config, write_checkpoint
 
-    cfg = v3_config(a.moe_layers)
-    if a.smoke:
+    if a.v4:
+        cfg, write_checkpoint = v4_dict(a.v4, a.v4_layers, a.smoke), write_v4_checkpoint  # noqa: F811
+        if a.dir == ap.get_default("dir"):
+            a.dir = "/tmp/offload-load-v4" + ("-smoke" if a.smoke else f"-{cfg['num_hidden_layers']}")
+    else:
+        cfg = v3_config(a.moe_layers)
+    if a.smoke and not a.v4:
         cfg.update(hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_attention_heads=2,
                    num_key_value_heads=2, n_routed_experts=16, n_group=4, topk_group=2, num_experts_per_tok=4,
                    q_lora_rank=128, kv_lora_rank=128, vocab_size=1024)
@@ -108,7 +191,8 @@ def main(argv=None) -> int:
     if not os.path.exists(os.path.join(a.dir, "config.json")):
         t = time.time()
         write_checkpoint(a.dir, cfg)
-        print(f"wrote the FP8 checkpoint ({cfg['num_hidden_layers']} layers) to {a.dir} in {time.time() - t:.0f}s",
+        print(f"wrote the {'V4 bf16' if a.v4 else 'FP8'} checkpoint ({cfg['num_hidden_layers']} layers) to {a.dir} "
+              f"in {time.time() - t:.0f}s",
               flush=True)
     # No deepinfer XLA defaults in the loads: their VMM-allocator command-buffer mode crashes copies to pinned host
     # memory on a GPU (the engine takes it out itself for --cpu-offload-gb), and a load runs no step programs.

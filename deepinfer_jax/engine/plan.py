@@ -348,7 +348,8 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                              "(--tensor-parallel-size / --data-parallel-size above 1)")
         chosen = [(p, by_leaf[p]) for p in choose(by_leaf.items(), check_budget(cpu_offload_gb, nbytes))]
         offloaded = sum(n for _, n in chosen)
-        layers = [s.num_layers for s in layer_segments(cfg)] if cfg.family in STREAMING_FAMILIES else []
+        stacked = STREAMING_FAMILIES.get(cfg.family) == "segments"  # (V4's layers are one a dict: none stacked)
+        layers = [s.num_layers for s in layer_segments(cfg)] if stacked else []
         window = step_window(chosen, layers, cfg.family)
     nbytes -= offloaded
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.config_v4 import CSA, SLIDING, CachePools, V4Config, v4_cache_groups
 from deepinfer_jax.models.cache import StepMetadata
+from deepinfer_jax.models.deepseek import holds_host
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
 from deepinfer_jax.models.v4_attention import (attend, attend_output, attention_inputs, closed_rows, indexer_queries,
@@ -306,16 +307,35 @@ def step_cache(cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata) -> GroupCa
     return GroupCache(v4, tuple(kv_cache), page_size)
 
 
+def _streamed_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: GroupCache, meta: StepMetadata,
+                    attn_impl: str, moe_impl: str, mesh_rules: Any, layer_fetch: Callable) -> jax.Array:
+    """`paged_block` of a layer with weights in host memory (--cpu-offload-gb): its weights copied in by
+    `layer_fetch` inside a call of their own, so the copies belong to the layer (weight_offload.copy_in_bytes counts
+    one layer's at a time) and each is read only by it; `cache`'s arrays go through the call and come back."""
+
+    def block(lp, streams, arrays, meta):
+        c = GroupCache(v4, arrays, cache.ps)
+        out = paged_block(v4, i, layer_fetch(lp), streams, c, meta, attn_impl, moe_impl, mesh_rules)
+        return out, tuple(c.arrays)
+
+    streams, arrays = jax.jit(block)(lp, streams, tuple(cache.arrays), meta)
+    cache.arrays = list(arrays)
+    return streams
+
+
 def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata, *,
                   moe_impl: str = "ragged", attn_impl: str = "reference", return_routing: bool = False,
-                  unroll: Any = 1, mesh_rules: Any = None, return_hidden: bool = False):
+                  unroll: Any = 1, mesh_rules: Any = None, return_hidden: bool = False,
+                  layer_fetch: Callable | None = None):
     """-> (logits [S, V] fp32, updated kv_cache: one array per pool) for one ragged step; prefill, chunked prefill
     and decode alike. `return_hidden`: also every slot's last streams [T, n, D] before the hyper head (the MTP
     layer's input, models/v4_mtp.py), as the last output.
     `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
     float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
     apply (V4's layers differ in kind and run as a Python loop). `mesh_rules`: the routed experts over the mesh
-    (`check_layout`; models/v4_parallel.py)."""
+    (`check_layout`; models/v4_parallel.py). `layer_fetch`: where a layer's weights live in host memory
+    (--cpu-offload-gb, runner/weight_offload.py `stream`), the function that copies them to the device, applied to
+    one layer at a time (`_streamed_block`); the other params arrive on the device."""
     del unroll
     if attn_impl not in ATTN_IMPLS:
         raise ValueError(f"attn_impl {attn_impl!r} is not available for deepseek_v4; expected one of {ATTN_IMPLS}")
@@ -325,7 +345,10 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     x = params["embed"][meta.token_ids]  # [T, D]
     streams = jnp.broadcast_to(x[:, None, :], (x.shape[0], v4.hc_mult, x.shape[-1]))
     for i, lp in enumerate(params["layers"]):
-        streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules)
+        if layer_fetch is not None and holds_host(lp):
+            streams = _streamed_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules, layer_fetch)
+        else:
+            streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)
     out = (logits, tuple(cache.arrays))

@@ -262,7 +262,8 @@ class StepPrograms:
                 sampled, nxt = smp(out, prev_tokens, si, sf)
                 if K:  # `deepseek_mtp`: the MTP consumes the verified positions and drafts the next K
                     (meta, hidden), routing = routing, None
-                    mtp_params = to_device({k: v for k, v in params.items() if k != "segments"})  # (--cpu-offload-gb)
+                    mtp_params = to_device({k: v for k, v in params.items()  # (--cpu-offload-gb)
+                                            if k not in ("segments", "layers")})
                     kw = dict(attn_impl=rc.attn_impl, moe_impl=rc.moe_impl)
                     if cfg.family == "deepseek_v4":
                         drafts, kv_cache = v4_mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,

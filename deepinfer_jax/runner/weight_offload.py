@@ -6,20 +6,22 @@ Which leaves (`choose`): a leaf is one weight of the param specs (models/params.
 layers first: the MTP layers (read only with speculative decoding), then the layer segments from the deepest one
 up, then the embedding, final norm and LM head; within a segment the largest leaf first. Without routing
 statistics, depth stands for how rarely a weight is needed. Leaves are stacked per segment, so a segment's
-routed experts (gate_up, down) are two leaves: the granularity is a whole segment's weight. Each leaf in this
+routed experts (gate_up, down) are two leaves: the granularity is a whole segment's weight. DeepSeek-V4 keeps one
+dict a layer (`layers`, its layers differ in kind): each V4 layer is a segment of one layer here. Each leaf in this
 order is taken while it fits in what is left of the budget, so the offloaded bytes never exceed it.
 `choose` is plain Python over (path, bytes): `deepinfer plan` (engine/plan.py) runs it on the specs' bytes and
 the engine on the loaded arrays' bytes, so both pick the same leaves.
 
 Placement (`offload`): the leaves go to the device's "pinned_host" memory (jax.sharding memory_kind); for params
 still loading (weights/pending.py) the abstract tree announces that placement, so warm-up compiles the step
-programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face and
-converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time by
-programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
+programs for it, and a loader offering `load_to` puts the chosen leaves there directly: Hugging Face (DeepSeek-V4's
+too) and converted checkpoints straight from the files, never on the device; random weights drawn a leaf at a time
+by programs whose output is in host memory. Any other load (`LoadFirst`) moves them once loaded. Inside a program,
 `stream` copies the leaves outside the layer segments to the device (`to_device`: `jax.device_put(x, jax.memory.Space.Device)` on every leaf
 whose memory space is the host's) and hands the forward `to_device` as its `layer_fetch`: the layer loop
-(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in, so a
-step holds one layer's share of the segments' offloaded bytes at a time, not all of them (`copy_in_bytes` reads
+(models/deepseek.py `run_layers`) slices each layer out of the stacked host leaves and copies that slice in;
+DeepSeek-V4's (models/v4_paged.py `forward_paged`) copies a layer's own host leaves in inside a call of that layer.
+So a step holds one layer's share of the offloaded layer weights at a time, not all of them (`copy_in_bytes` reads
 both figures off a traced program; `step_window` computes the second from the choice, for `deepinfer plan`). XLA
 schedules the copies (asynchronous host-to-device copies on a GPU). A leaf on the device passes through
 unchanged, so without offload the programs are the same HLO as before.
@@ -45,6 +47,11 @@ from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
+# Families whose layer loop copies each layer's offloaded weights in itself (`layer_fetch` of their forwards), and
+# the params key of their layers: DeepSeek and dense stack them per segment (models/deepseek.py `run_layers` streams
+# a segment's slices), DeepSeek-V4 keeps one dict a layer (models/v4_paged.py streams each layer's own).
+STREAMING_FAMILIES = {"deepseek": "segments", "dense": "segments", "deepseek_v4": "layers"}
+LAYER_KEYS = ("segments", "layers")
 
 
 def _unit(x: Any) -> bool:
@@ -52,11 +59,17 @@ def _unit(x: Any) -> bool:
     return not isinstance(x, (dict, list, tuple))
 
 
+def _in_layers(path: tuple) -> bool:
+    """Whether `path` is inside a layer segment (`segments`, stacked layers) or a DeepSeek-V4 layer (`layers`, one
+    layer each): path[1] is then its index."""
+    return len(path) > 1 and path[0] in LAYER_KEYS and isinstance(path[1], int)
+
+
 def _order(path: tuple, nbytes: int, num_segments: int) -> tuple:
     experts = "experts" in path and "shared" not in path
     if path and path[0] == "mtp":
         depth = num_segments + (path[1] if len(path) > 1 and isinstance(path[1], int) else 0)
-    elif path and path[0] == "segments" and len(path) > 1 and isinstance(path[1], int):
+    elif _in_layers(path):
         depth = path[1]
     else:
         depth = -1  # embed, final_norm, lm_head: read by every token
@@ -67,8 +80,7 @@ def choose(leaves: Iterable[tuple[tuple, int]], budget: int) -> list[tuple]:
     """The paths of the leaves to offload: (path, bytes) pairs in the module doc's order, each taken while it fits
     in what is left of `budget` bytes. Paths are tuples of dict keys and list indices."""
     leaves = list(leaves)
-    num_segments = 1 + max((p[1] for p, _ in leaves if p[:1] == ("segments",) and len(p) > 1
-                            and isinstance(p[1], int)), default=0)
+    num_segments = 1 + max((p[1] for p, _ in leaves if _in_layers(p)), default=0)
     chosen, left = [], budget
     for path, n in sorted(leaves, key=lambda pn: _order(pn[0], pn[1], num_segments)):
         if 0 < n <= left:
@@ -88,15 +100,17 @@ def check_budget(gib: float, total: int) -> int:
 def step_window(chosen: Iterable[tuple[tuple, int]], segment_layers: list[int], family: str) -> int:
     """The most of the offloaded bytes a step holds on the device at once, from the chosen leaves' (path, bytes) and
     each layer segment's layer count: where the family streams them (STREAMING_FAMILIES), one layer's share of each
-    chosen leaf of a segment, the largest segment's, plus the chosen leaves outside the segments (the MTP layers,
-    the embedding, the LM head), copied in whole; in any other family every chosen byte."""
+    chosen leaf of a segment, the largest segment's (DeepSeek-V4: each of its `layers` a one-layer segment of its
+    own, `segment_layers` unused), plus the chosen leaves outside the layers (the MTP layers, the embedding, the LM
+    head), copied in whole; in any other family every chosen byte."""
     chosen = list(chosen)
     if family not in STREAMING_FAMILIES:
         return sum(n for _, n in chosen)
     outside, per_segment = 0, {}
     for path, n in chosen:
-        if path[:1] == ("segments",) and len(path) > 1 and isinstance(path[1], int):
-            per_segment[path[1]] = per_segment.get(path[1], 0) + n // segment_layers[path[1]]
+        if _in_layers(path):
+            share = n // segment_layers[path[1]] if path[0] == "segments" else n
+            per_segment[path[:2]] = per_segment.get(path[:2], 0) + share
         else:
             outside += n
     return outside + max(per_segment.values(), default=0)
@@ -180,7 +194,7 @@ def offload(params: Any, gib: float, sharding: Any = None) -> tuple[Any, int]:
 
 class LoadFirst(PendingParams):
     """Params whose load `start()` waits for, for a loader that cannot place a leaf in host memory itself (no
-    `load_to`: DeepSeek-V4's checkpoints): the load holds every leaf on the device until it moves
+    `load_to`; every loader of this package offers it): the load holds every leaf on the device until it moves
     the chosen ones to the host, and the engine sizes the KV cache before it starts the load and makes the cache
     after, so the two never take the device at once."""
 
@@ -200,20 +214,16 @@ def to_device(params: Any) -> Any:
     return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device) if on_host(x) else x, params)
 
 
-# Families whose layer loop copies each layer's offloaded slices in itself (`layer_fetch` of their forwards, both
-# handed to models/deepseek.py `run_layers`).
-STREAMING_FAMILIES = ("deepseek", "dense")
-
-
 def stream(params: Any, family: str) -> tuple[Any, Any]:
-    """Inside a jitted program, before the forward: (the params with every leaf in host memory outside the layer
-    segments copied to the device, the forward's `layer_fetch`: `to_device`, which its layer loop applies to each
-    layer's slice of the segments' leaves), or for a family outside STREAMING_FAMILIES or params with no segment
-    leaf in host memory (`to_device(params)`, None)."""
-    segments = params.get("segments") if isinstance(params, dict) else None
-    if family not in STREAMING_FAMILIES or not any(on_host(x) for x in jax.tree.leaves(segments)):
+    """Inside a jitted program, before the forward: (the params with every leaf in host memory outside the layers
+    (`LAYER_KEYS`) copied to the device, the forward's `layer_fetch`: `to_device`, which its layer loop applies to
+    each layer's weights: a segment's slice of the stacked leaves, or a DeepSeek-V4 layer's own), or for a family
+    outside STREAMING_FAMILIES or params with no layer leaf in host memory (`to_device(params)`, None)."""
+    key = STREAMING_FAMILIES.get(family)
+    layers = params.get(key) if key is not None and isinstance(params, dict) else None
+    if not any(on_host(x) for x in jax.tree.leaves(layers)):
         return to_device(params), None
-    return {k: v if k == "segments" else to_device(v) for k, v in params.items()}, to_device
+    return {k: v if k == key else to_device(v) for k, v in params.items()}, to_device
 
 
 def _subjaxprs(eqn) -> Iterable[tuple[Any, int]]:

@@ -121,14 +121,14 @@ def _prepare_v4(model_dir: str, dtype: Any, shardings: Any, quantization: str | 
     check_v4_quantization(quantization)
     cfg = v4_checkpoint_config(ModelConfig.from_model_dir(model_dir), model_dir)  # MTP only where the files have it
     abstract = v4_abstract(model_dir, cfg.v4, abstract_from_specs(cfg, dtype, shardings), quantization)
-    if shardings is None:
-        return cfg, PendingParams(abstract, lambda: load_v4_checkpoint(model_dir, dtype, cfg.v4,
-                                                                       quantization=quantization)[1])
 
-    def load_sharded():  # read into host memory, each device then given its slice (a kept FP4 / FP8 leaf's q and
-        host = load_v4_checkpoint(model_dir, dtype, cfg.v4, on_host=True, quantization=quantization)[1]  # scale
+    def load_to(target: Any) -> Any:
+        """Assembled in host memory (numpy), then each leaf put once on its placement in `target`: its device (a
+        mesh's: each device given its slice, a kept FP4 / FP8 leaf's q and scale as sharding/packed.py splits them),
+        or host memory for a leaf chosen by --cpu-offload-gb (runner/weight_offload.py), never on the device."""
         import jax
 
-        return jax.device_put(host, jax.tree.map(lambda a: a.sharding, abstract))  # as sharding/packed.py splits)
+        host = load_v4_checkpoint(model_dir, dtype, cfg.v4, on_host=True, quantization=quantization)[1]
+        return jax.device_put(host, jax.tree.map(lambda a: a.sharding, target))
 
-    return cfg, PendingParams(abstract, load_sharded)
+    return cfg, PendingParams(abstract, load_to=load_to)

@@ -155,12 +155,26 @@ def test_copy_in_bytes():
 
 def test_step_window():
     """`deepinfer plan`'s figure: one layer's share of each chosen segment leaf, the largest segment's, plus the
-    chosen leaves outside the segments whole; every chosen byte for a family that does not stream."""
+    chosen leaves outside the segments whole (DeepSeek-V4: each of its layers a segment of one layer); every chosen
+    byte for a family that does not stream."""
     chosen = [(("segments", 1, "moe", "experts", "down"), 30), (("segments", 1, "moe", "experts", "gate_up"), 60),
               (("segments", 2, "moe", "experts", "down"), 40), (("mtp", 0, "layer", "moe", "experts", "down"), 5)]
     assert step_window(chosen, [1, 3, 2], "deepseek") == 5 + max(30 // 3 + 60 // 3, 40 // 2)
-    assert step_window(chosen, [1, 3, 2], "deepseek_v4") == 135
+    assert step_window(chosen, [1, 3, 2], "other") == 135  # (a family that does not stream: none today)
     assert step_window([], [1, 3], "deepseek") == 0
+    v4 = [(("layers", 3, "moe", "experts", "down"), 30), (("layers", 3, "moe", "experts", "gate_up"), 60),
+          (("layers", 2, "moe", "experts", "down"), 40), (("layers", 2, "attn", "q_b_proj"), 70),
+          (("mtp", 0, "layer", "moe", "experts", "down"), 5), (("lm_head",), 7)]
+    assert step_window(v4, [], "deepseek_v4") == 5 + 7 + max(30 + 60, 40 + 70)
+
+
+def test_choose_order_v4():
+    """DeepSeek-V4's layers (one dict a layer) in the same order: routed experts first, the deepest layer first."""
+    leaves = [(("embed",), 50), (("layers", 0, "moe", "experts", "down"), 30), (("layers", 1, "attn", "wo"), 8),
+              (("layers", 1, "moe", "experts", "down"), 20), (("layers", 1, "moe", "shared", "down"), 4),
+              (("layers", 0, "attn", "wo"), 9)]
+    assert choose(leaves, 62) == [("layers", 1, "moe", "experts", "down"), ("layers", 0, "moe", "experts", "down"),
+                                  ("layers", 1, "attn", "wo"), ("layers", 1, "moe", "shared", "down")]
 
 
 def test_plan_counts_what_the_engine_offloads(offloaded):
