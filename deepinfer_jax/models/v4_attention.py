@@ -223,8 +223,8 @@ def attend_output(cfg: V4Config, p: dict, out: jax.Array, cos: jax.Array, sin: j
     S = out.shape[0]
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
-    g = cfg.o_groups
     wa = p["o_a_proj"]  # [g, H*hd/g, r]; an FP8 one is [H*hd/g, g, r] (weights/v4_native.py)
     wa = jnp.moveaxis(weight(wa, dtype), 0, 1) if is_fp8(wa) else wa.astype(dtype)
+    g = wa.shape[0]  # o_groups, or a device's share of them with its heads (models/v4_parallel.py)
     grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), wa)
     return linear(grouped.reshape(S, -1), p["o_b_proj"])
