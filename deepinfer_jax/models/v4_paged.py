@@ -40,7 +40,7 @@ from deepinfer_jax.models.cache import StepMetadata
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
 from deepinfer_jax.models.v4_attention import (attend, attend_output, attention_inputs, closed_rows, indexer_queries,
-                                               indexer_scores, rope_tail, v4_cos_sin)
+                                               indexer_scores, queries, rope_tail, v4_cos_sin)
 from deepinfer_jax.models.v4_parallel import splits_heads, v4_heads_sharded
 from deepinfer_jax.models.v4_params import v4_param_specs
 
@@ -194,12 +194,12 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
     kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA.
 
     `mesh_rules` splitting the query heads (sharding/rules.py v4_rules): the rows, the compressors and the indexer
-    are computed whole on every device (V4's one K = V head serves every query head, as in MQA), the queries come
-    split by head, and each device attends with its heads and applies its output groups; the partial outputs are
-    summed over the tensor axis once (models/v4_parallel.py v4_heads_sharded)."""
+    are computed whole on every device (V4's one K = V head serves every query head, as in MQA); each device
+    computes its heads' queries, attends with them and applies its output groups; the partial outputs are summed
+    over the tensor axis once (models/v4_parallel.py v4_heads_sharded)."""
     lt, hd = cfg.attn_type(i), cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
-    q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
+    q_res, _, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)  # the queries: `heads`, from q_res
 
     gi, li = cache.layer("sliding", i)
     table, slots = meta.groups[gi]
@@ -252,9 +252,11 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
     if attn_impl != "reference":
         rep.update(a=a, b=b)
 
-    def heads(ph: dict, q: jax.Array, r: dict) -> jax.Array:
-        """The query heads' part: q [T, H', hd] over the rows each token sees, then the output projection with ph's
-        sinks [H'], o_a_proj, o_b_proj -> [T, D] (under v4_heads_sharded: this device's heads, its partial sum)."""
+    def heads(ph: dict, r: dict) -> jax.Array:
+        """The query heads' part: their queries [T, H', hd] through ph's q_b_proj, over the rows each token sees,
+        then the output projection with ph's sinks [H'], o_a_proj, o_b_proj -> [T, D] (under v4_heads_sharded:
+        this device's heads, its partial sum)."""
+        q = queries(cfg, ph["q_b_proj"], r["q_res"], r["cos"], r["sin"], x.dtype)
         c = GroupCache(cfg, r["cache"], cache.ps)
         if attn_impl != "reference":
             rows_a, rows_b = c.flat(gi), c.flat(bi)
@@ -290,8 +292,8 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
         return _blocks(block, args, x.shape[0], token_block)
 
     if splits_heads(mesh_rules):
-        return v4_heads_sharded(mesh_rules, heads, p, q, rep, check_vma=attn_impl == "reference")
-    return heads(p, q, rep)
+        return v4_heads_sharded(mesh_rules, heads, p, rep, check_vma=attn_impl == "reference")
+    return heads(p, rep)
 
 
 def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: GroupCache, meta: StepMetadata,

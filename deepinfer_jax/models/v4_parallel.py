@@ -31,7 +31,8 @@ from deepinfer_jax.models.quant_fp4 import PackedShape, packed_spec
 from deepinfer_jax.models.v4_params import packed_order
 
 # The attention leaves split with the query heads and their logical axes (models/v4_params.py).
-HEAD_LEAVES = {"sinks": ("heads",), "o_a_proj": ("o_groups", None, None), "o_b_proj": ("o_groups", "embed")}
+HEAD_LEAVES = {"q_b_proj": ("q_lora", "heads", "qk_head"), "sinks": ("heads",), "o_a_proj": ("o_groups", None, None),
+               "o_b_proj": ("o_groups", "embed")}
 
 
 def splits_experts(mr: MeshRules | None) -> bool:
@@ -104,10 +105,10 @@ def _head_spec(mr: MeshRules, name: str, w):
     return P(*spec)
 
 
-def v4_heads_sharded(mr: MeshRules, fn, p: dict, q: jax.Array, rep, check_vma: bool = True) -> jax.Array:
-    """V4's attention split by query head: inside one `shard_map` each device runs `fn(ph, q_local, rep)` with its heads
-    q [T, H / tp, hd] and its slices `ph` of the sinks [H / tp], o_a_proj (its g / tp output groups, whose inputs are
-    exactly those heads' outputs) and o_b_proj (the rows of those groups), giving its partial [T, D] of the output
+def v4_heads_sharded(mr: MeshRules, fn, p: dict, rep, check_vma: bool = True) -> jax.Array:
+    """V4's attention split by query head: inside one `shard_map` each device runs `fn(ph, rep)` with its slices `ph`
+    of q_b_proj [Rq, H / tp, hd] and the sinks [H / tp] (its heads), o_a_proj (its g / tp output groups, whose inputs
+    are exactly those heads' outputs) and o_b_proj (the rows of those groups), giving its partial [T, D] of the output
     projection; the partials are summed over the tensor axis, the layer's one reduction. `rep`: a pytree of what
     `fn` reads besides (the per-group cache, the step's rows and indexer choices), whole and the same on every
     device. `check_vma`: False where `fn` runs Pallas kernels."""
@@ -115,8 +116,8 @@ def v4_heads_sharded(mr: MeshRules, fn, p: dict, q: jax.Array, rep, check_vma: b
     ph = {k: p[k] for k in HEAD_LEAVES}
     specs = {k: _head_spec(mr, k, w) for k, w in ph.items()}
 
-    def local(ph, q, rep):
-        return jax.lax.psum(fn(ph, q, rep), axes)
+    def local(ph, rep):
+        return jax.lax.psum(fn(ph, rep), axes)
 
-    in_specs = (specs, mr.spec((None, "heads", None)), jax.tree.map(lambda _: P(), rep))
-    return jax.shard_map(local, mesh=mr.mesh, in_specs=in_specs, out_specs=P(), check_vma=check_vma)(ph, q, rep)
+    in_specs = (specs, jax.tree.map(lambda _: P(), rep))
+    return jax.shard_map(local, mesh=mr.mesh, in_specs=in_specs, out_specs=P(), check_vma=check_vma)(ph, rep)
