@@ -8,7 +8,8 @@
    experts' width over 2, each equal to one device's; the script stops if not.
 2. Memory: the V4 shape (`--config`, default HF's DeepseekV4Config: V4-Flash, 256 experts top-6 of width 2048,
    hidden 4096) cut to `--layers` layers, random bf16 weights (load_format "dummy", float experts), EP over
-   `--devices` GPUs: the weight bytes on GPU 0 against `deepinfer plan`'s per-device figure (they must be equal).
+   `--devices` GPUs (the attention's query heads over them too where they divide `o_groups`, sharding/rules.py
+   v4_rules): the weight bytes on GPU 0 against `deepinfer plan`'s per-device figure (they must be equal).
 3. Timing: for each batch, `batch` prompts of `--prompt` random tokens then 32 greedy tokens each; prints the
    prefill seconds (one output token) and the tokens per second of 32 more (the prompts then served by the prefix
    cache, so nearly all of that run is decode).

@@ -4,13 +4,15 @@
                    [--pipeline-parallel-size N]
                    [--dtype ...] [--quantization ...] [--kv-cache-dtype ...] [--gpu-memory GIB]
                    [--gpu-memory-utilization F] [--max-model-len N] [--page-size N] [--max-num-seqs N]
-                   [--max-num-batched-tokens N] [--cpu-offload-gb GIB] [--kv-offloading-size GIB] [--json]
+                   [--max-num-batched-tokens N] [--cpu-offload-gb GIB] [--kv-offloading-size GIB]
+                   [--speculative-config JSON] [--json]
 
 Every figure comes from the functions the engine itself uses, so the two cannot disagree: the param specs
 (models/params.py) and the sharding rules (sharding/rules.py) give each leaf's shard on a device; the loader's
 own choice of which leaves stay FP8 (weights/hf_loader.py `fp8_leaf_paths`, from the tensors' dtypes in the
-headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: its family's specs, float,
-one device); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token;
+headers) and the converted checkpoint's quantization give their formats (DeepSeek-V4: the loader's abstract tree,
+split by `v4_rules`); the family's `models/registry.kv_cache_bytes_per_page` gives the KV bytes a token, with
+`--speculative-config` "deepseek_mtp" the MTP layer's rows too, as the engine allocates them (`mtp_cache`);
 `runner/device_memory.kv_cache_bytes` gives the cache's share of a device of
 `--gpu-memory` GiB with the weights in use, exactly as the engine sizes its cache after loading. DeepSeek-V4's
 cache is paged per group (docs/v4.md): the plan lists each group's bytes (per token of context for the compressed
@@ -246,6 +248,33 @@ def weight_bytes_per_device(cfg, dtype: str, parallel, fp8_paths: frozenset = fr
     return total
 
 
+def mtp_cache(cfg):
+    """`cfg` as the engine sizes its cache for `deepseek_mtp` speculation (LLMEngine): DeepSeek-V4's groups with
+    the MTP layer's rows (config_v4.with_mtp_cache); V2 / V3 keep theirs (the layer is added to the cache's shape,
+    `kv_bytes_per_page`). A checkpoint without MTP weights, or a model the MTP does not run on, is refused
+    as the engine refuses it (runner/spec_mtp.check_supported)."""
+    from deepinfer_jax.config_v4 import with_mtp_cache
+    from deepinfer_jax.runner.spec_mtp import check_supported
+
+    if cfg.family == "deepseek_v4" and cfg.has_mtp:
+        cfg = with_mtp_cache(cfg)
+    check_supported(cfg, cfg.family, False)
+    return cfg
+
+
+def kv_bytes_per_page(cfg, page_size: int, dtype, mtp: bool = False) -> int:
+    """The cache's bytes a page (models/registry.py), with `mtp` the MTP layer's rows too: V2 / V3's cache has
+    one more layer (runner/spec_mtp.kv_cache_shape); DeepSeek-V4's groups hold them already (`mtp_cache`)."""
+    import jax.numpy as jnp
+
+    from deepinfer_jax.models.registry import kv_cache_bytes_per_page as per_page, kv_cache_shape
+    from deepinfer_jax.runner.spec_mtp import kv_cache_shape as with_mtp
+
+    if not mtp or cfg.family == "deepseek_v4":
+        return per_page(cfg, page_size, dtype)
+    return math.prod(with_mtp(kv_cache_shape(cfg, 1, page_size))) * jnp.dtype(dtype).itemsize
+
+
 def fit_verdict(weight_bytes: int, per_token: int, max_len: int, memory, gpu_memory_utilization: float
                 ) -> tuple[int, int, bool, str]:
     """(KV cache bytes per device, KV tokens per rank, fits, the reason when not) with the weights' bytes added to
@@ -277,21 +306,29 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
          kv_cache_dtype: str = "auto", gpu_memory_gib: float | None = None, gpu_memory_utilization: float = 0.9,
          max_model_len: int | None = None, memory=None, page_size: int = 64, max_num_seqs: int = 256,
          max_num_batched_tokens: int | None = None, cpu_offload_gb: float = 0.0,
-         kv_offloading_size: float = 0.0) -> MemoryPlan:
+         kv_offloading_size: float = 0.0, speculative_config=None) -> MemoryPlan:
     """The memory plan of serving `model_dir` so (see the module doc). Reads config.json and the safetensors
     headers (or a converted checkpoint's metadata); a ValueError / CheckpointError for what the engine refuses.
     `memory`: a runner/device_memory.DeviceMemory (a device's own figures) instead of `gpu_memory_gib`. page_size,
     max_num_seqs and max_num_batched_tokens (the engine's defaults) size DeepSeek-V4's per-group pools.
-    `cpu_offload_gb`, `kv_offloading_size`: GiB of weights, and of KV host tier, in host memory."""
+    `cpu_offload_gb`, `kv_offloading_size`: GiB of weights, and of KV host tier, in host memory.
+    `speculative_config` (serve's --speculative-config: JSON, a mapping or a SpeculativeConfig): "deepseek_mtp" adds
+    the MTP layer's rows to the cache per token (`mtp_cache`); "ngram" holds no cache; "draft_model" is refused."""
     import dataclasses
 
-    from deepinfer_jax.config import ModelConfig, RunnerConfig
-    from deepinfer_jax.models.registry import kv_cache_bytes_per_page
+    from deepinfer_jax.config import ModelConfig, RunnerConfig, SpeculativeConfig
     from deepinfer_jax.runner.device_memory import given_memory
     from deepinfer_jax.sharding.mesh import ParallelConfig
     from deepinfer_jax.weights.loader import check_quantization, is_converted
 
     check_quantization(model_dir, quantization)
+    spec = SpeculativeConfig.parse(speculative_config)
+    if spec is not None:
+        spec.check_supported()
+        spec.check_parallel(pipeline_parallel_size)
+        if spec.method == "draft_model":
+            raise ValueError("deepinfer plan does not count a --speculative-config draft model yet (its weights and "
+                             "cache); plan the draft's directory on its own and add its figures")
     parallel = ParallelConfig(tensor_parallel_size, data_parallel_size, enable_expert_parallel,
                               pipeline_parallel_size)
     dtype = resolve_dtype(dtype, model_dir)
@@ -302,12 +339,16 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         from deepinfer_jax.weights.loader import check_v4_quantization
         check_v4_layout(parallel)
         check_v4_quantization(quantization)
-        if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: v4_weight_bytes)
+        if is_converted(model_dir):  # the MTP layers the converter wrote (an HF directory's: what its files hold)
             with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
                 n_mtp = int(json.load(f)["num_nextn_predict_layers"])
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=n_mtp)
+        else:
+            from deepinfer_jax.weights.name_table_v4 import v4_checkpoint_config
+
+            cfg = v4_checkpoint_config(cfg, model_dir)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
-                                          by_leaf)
+                                          by_leaf, parallel)
         nbytes = v4_bytes_per_device(cfg, parallel, by_leaf)  # the routed experts split over the devices
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
@@ -353,7 +394,9 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         window = step_window(chosen, layers, cfg.family)
     nbytes -= offloaded
     kv_dtype = RunnerConfig(dtype=dtype, kv_cache_dtype=kv_cache_dtype).kv_dtype
-    per_token = kv_cache_bytes_per_page(cfg, 1, kv_dtype)
+    mtp = spec is not None and spec.method == "deepseek_mtp"
+    cfg = mtp_cache(cfg) if mtp else cfg
+    per_token = kv_bytes_per_page(cfg, 1, kv_dtype, mtp)
     stage_bytes: tuple[int, ...] = ()
     if pipeline_parallel_size > 1:  # a device holds its stage's share: the largest stage's figures
         from deepinfer_jax.models.pipeline import pipeline_stages
@@ -415,6 +458,9 @@ def main(argv: list[str]) -> int:
                    help="DeepSeek-V4: a step's tokens its windowed pools hold (default max(2048, --max-num-seqs))")
     p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="GiB of weights in host memory")
     p.add_argument("--kv-offloading-size", type=float, default=0.0, help="GiB of host memory for the KV host tier")
+    p.add_argument("--speculative-config", "-sc", default=None,
+                   help='serve\'s JSON, e.g. {"method": "deepseek_mtp", "num_speculative_tokens": 1}: the MTP '
+                        "layer's cache rows are counted per token")
     p.add_argument("--json", action="store_true")
     ns = p.parse_args(argv)
     try:
@@ -425,7 +471,7 @@ def main(argv: list[str]) -> int:
                       gpu_memory_gib=ns.gpu_memory, gpu_memory_utilization=ns.gpu_memory_utilization,
                       max_model_len=ns.max_model_len, page_size=ns.page_size, max_num_seqs=ns.max_num_seqs,
                       max_num_batched_tokens=ns.max_num_batched_tokens, cpu_offload_gb=ns.cpu_offload_gb,
-                      kv_offloading_size=ns.kv_offloading_size)
+                      kv_offloading_size=ns.kv_offloading_size, speculative_config=ns.speculative_config)
     except (ValueError, OSError) as e:
         print(f"deepinfer plan: error: {e}", file=sys.stderr)
         return 2

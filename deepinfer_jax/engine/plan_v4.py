@@ -7,11 +7,12 @@ import math
 
 
 def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization: str | None = None,
-                    by_leaf: dict | None = None) -> tuple[int, str]:
+                    by_leaf: dict | None = None, parallel=None) -> tuple[int, str]:
     """(bytes of a DeepSeek-V4 model's params on its one device, the weights' format): the loader's own abstract
     tree of an HF directory (FP8 / FP4 leaves as the checkpoint stores them, weights/name_table_v4.py `v4_abstract`),
     else the family's float param specs in `dtype`. `by_leaf`: filled with each leaf's bytes by path (a quantized
-    leaf's arrays together)."""
+    leaf's arrays together). `parallel` (a ParallelConfig): a layout that would cut a kept leaf's scale blocks is
+    refused as the loader refuses it (`check_packed_splits`)."""
     import jax
     import numpy as np
 
@@ -34,12 +35,36 @@ def v4_weight_bytes(cfg, dtype: str, model_dir: str | None = None, quantization:
         return is_fp8(x) or is_fp4(x)
 
     flat = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=quantized)[0]
+    if parallel is not None and not parallel.is_single_device:
+        check_packed_splits(cfg, parallel, [(path_key(p), x) for p, x in flat if quantized(x)])
     sizes = {path_key(p): sum(math.prod(a.shape) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(x))
              for p, x in flat}
     if by_leaf is not None:
         by_leaf.update(sizes)
     kinds = sorted({"fp4" if is_fp4(x) else "fp8" for _, x in flat if quantized(x)})
     return sum(sizes.values()), " + ".join(f"{k} (kept)" for k in kinds) or "float"
+
+
+def check_packed_splits(cfg, parallel, leaves: list) -> None:
+    """A ValueError, the loader's own (sharding/packed.py packed_sharding), where `parallel`'s layout (v4_rules)
+    would split a kept FP8 / FP4 leaf (`leaves`: (path, leaf) pairs) through a scale block."""
+    import jax
+    from jax.sharding import AbstractMesh, NamedSharding
+
+    from deepinfer_jax.models.parallel import logical_to_spec
+    from deepinfer_jax.models.params import is_spec
+    from deepinfer_jax.models.registry import param_specs
+    from deepinfer_jax.runner.weight_offload import path_key
+    from deepinfer_jax.sharding.mesh import AXES
+    from deepinfer_jax.sharding.packed import packed_sharding
+    from deepinfer_jax.sharding.rules import v4_rules
+
+    specs = {path_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]}
+    mesh = AbstractMesh((parallel.data_parallel_size, parallel.tensor_parallel_size), AXES)
+    rules = v4_rules(parallel, cfg)
+    for path, w in leaves:
+        axes = specs[path].axes
+        packed_sharding(w, NamedSharding(mesh, logical_to_spec(axes, rules)), axes, ".".join(map(str, path)))
 
 
 def v4_groups(cfg, page_size: int, sched, runner, cache: int | None) -> tuple[tuple[dict, ...], int | None, int]:

@@ -194,8 +194,7 @@ def attention_inputs(cfg: V4Config, lt: str, p: dict, x: jax.Array, positions: j
     kind = "main" if lt == SLIDING else "compress"
     cos, sin = v4_cos_sin(cfg, kind, positions)
     q_res = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps)  # [S, Rq]
-    q = jnp.einsum("sr,rhd->shd", q_res, weight(p["q_b_proj"], x.dtype))  # [S, H, hd]
-    q = rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
+    q = queries(cfg, p["q_b_proj"], q_res, cos, sin, x.dtype)  # [S, H, hd]
     kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
     new = {"raw": kv}
     if lt != SLIDING:
@@ -203,6 +202,12 @@ def attention_inputs(cfg: V4Config, lt: str, p: dict, x: jax.Array, positions: j
     if lt == CSA:
         new["idx_kv"], new["idx_gate"] = project(p["indexer"], x)
     return q_res, q, new, cos, sin
+
+
+def queries(cfg: V4Config, q_b_proj, q_res: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:
+    """The roped queries [S, H, hd] of q_res [S, Rq] through q_b_proj [Rq, H, hd] (or a device's heads of it)."""
+    q = jnp.einsum("sr,rhd->shd", q_res, weight(q_b_proj, dtype))
+    return rope_tail(unweighted_rms(q, cfg.rms_norm_eps), cos, sin)
 
 
 def attend(cfg: V4Config, p: dict, q: jax.Array, keys: jax.Array, allowed: jax.Array, cos: jax.Array,
@@ -223,8 +228,8 @@ def attend_output(cfg: V4Config, p: dict, out: jax.Array, cos: jax.Array, sin: j
     S = out.shape[0]
     out = rope_tail(out, cos, -sin)  # undo the rotation V (= K) carried
 
-    g = cfg.o_groups
     wa = p["o_a_proj"]  # [g, H*hd/g, r]; an FP8 one is [H*hd/g, g, r] (weights/v4_native.py)
     wa = jnp.moveaxis(weight(wa, dtype), 0, 1) if is_fp8(wa) else wa.astype(dtype)
+    g = wa.shape[0]  # o_groups, or a device's share of them with its heads (models/v4_parallel.py)
     grouped = jnp.einsum("sgi,gir->sgr", out.reshape(S, g, -1), wa)
     return linear(grouped.reshape(S, -1), p["o_b_proj"])

@@ -41,7 +41,8 @@ from deepinfer_jax.models.deepseek import holds_host
 from deepinfer_jax.models.deepseek_v4 import hc_merge, hc_mix, hyper_head, v4_forward, v4_moe
 from deepinfer_jax.models.layers import linear, rms_norm
 from deepinfer_jax.models.v4_attention import (attend, attend_output, attention_inputs, closed_rows, indexer_queries,
-                                               indexer_scores, rope_tail, v4_cos_sin)
+                                               indexer_scores, queries, rope_tail, v4_cos_sin)
+from deepinfer_jax.models.v4_parallel import splits_heads, v4_heads_sharded
 from deepinfer_jax.models.v4_params import v4_param_specs
 
 ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
@@ -183,7 +184,7 @@ def _blocks(fn, args: tuple, T: int, block: int):
 
 
 def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupCache, meta: StepMetadata,
-                     attn_impl: str = "reference", token_block: int = TOKEN_BLOCK) -> jax.Array:
+                     attn_impl: str = "reference", token_block: int = TOKEN_BLOCK, mesh_rules: Any = None) -> jax.Array:
     """Layer i's attention for the step's tokens x [T, D] -> [T, D], its rows written into `cache`.
 
     The step's rows are written first; then its queries attend `token_block` at a time, each gathering only
@@ -191,10 +192,15 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
     sequence's index keys, [R]), HCA: its sequence's compressed rows [context / m']. Temporaries are
     O(block x (W + topk + context / m + context / m')) and never O(T x context) (the indexer's key rows are the
     `context / m` term). "pallas": the indexer's scores [T, context / m] from the pages in a kernel, then one
-    kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA."""
+    kernel over the rows' slots [T, W + topk or context / m'], nothing gathered in XLA.
+
+    `mesh_rules` splitting the query heads (sharding/rules.py v4_rules): the rows, the compressors and the indexer
+    are computed whole on every device (V4's one K = V head serves every query head, as in MQA); each device
+    computes its heads' queries, attends with them and applies its output groups; the partial outputs are summed
+    over the tensor axis once (models/v4_parallel.py v4_heads_sharded)."""
     lt, hd = cfg.attn_type(i), cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
-    q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)
+    q_res, _, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)  # the queries: `heads`, from q_res
 
     gi, li = cache.layer("sliding", i)
     table, slots = meta.groups[gi]
@@ -240,35 +246,55 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
         else:
             every = jnp.broadcast_to(jnp.arange(R), (x.shape[0], R))
             bi, b = ci, pad_slots(cache.slots(ci, cl, c_table, seq, every), closed_rows(pos, R, rate))
-        rows_a, rows_b = cache.flat(gi), cache.flat(bi)
-        out = v4_sparse_attention(q.astype(rows_a.dtype), rows_a, *a, rows_b, *b, p["sinks"], hd**-0.5,
-                                  interpret=attn_impl == "pallas_interpret")
-        return attend_output(cfg, p, out.astype(x.dtype), cos, sin, x.dtype)
 
-    def block(args):
-        xb, qb, rb, pb, sb, cb, nb = args[:7]
-        win = pb[:, None] - W + 1 + jnp.arange(W)[None, :]  # [B, W] the window's positions
-        keys, allowed = cache.rows_at(gi, li, table, sb, win), win >= 0
-        if lt != SLIDING:
-            if csa:
-                if pick:
-                    idx, valid = args[7:]
-                else:  # the indexer over the block's sequences' index keys [B, R, di]
-                    every = jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R))
-                    ik = cache.rows_at(ci, cl, c_table, sb, every, slice(hd, None))  # [B, R, di]
-                    scores = jax.vmap(lambda k, xt, qt, pt: indexer_scores(cfg, p["indexer"], k, xt[None], qt[None],
-                                                                           pt[None])[0])(ik, xb, rb, pb)
-                    _, idx = jax.lax.top_k(scores, min(cfg.index_topk, R))  # [B, k]
-                    valid = jnp.take_along_axis(closed_rows(pb, R, rate), idx, axis=1)
-                rows, see = cache.rows_at(ci, cl, c_table, sb, idx, slice(0, hd)), valid
-            else:
-                rows = cache.rows_at(ci, cl, c_table, sb, jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R)))
-                see = closed_rows(pb, R, rate)
-            keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
-            allowed = jnp.concatenate([allowed, see], axis=1)
-        return attend(cfg, p, qb, keys, allowed, cb, nb, x.dtype)
+    # What the heads read besides their own weights, the same on every device (passed to shard_map whole).
+    rep = dict(cache=tuple(cache.arrays), table=table, c_table=c_table, x=x, q_res=q_res, pos=pos, seq=seq, cos=cos,
+               sin=sin, pick=tuple(pick), indexer=p.get("indexer"))
+    if attn_impl != "reference":
+        rep.update(a=a, b=b)
 
-    return _blocks(block, (x, q, q_res, pos, seq, cos, sin) + tuple(pick), x.shape[0], token_block)
+    def heads(ph: dict, r: dict) -> jax.Array:
+        """The query heads' part: their queries [T, H', hd] through ph's q_b_proj, over the rows each token sees,
+        then the output projection with ph's sinks [H'], o_a_proj, o_b_proj -> [T, D] (under v4_heads_sharded:
+        this device's heads, its partial sum)."""
+        q = queries(cfg, ph["q_b_proj"], r["q_res"], r["cos"], r["sin"], x.dtype)
+        c = GroupCache(cfg, r["cache"], cache.ps)
+        if attn_impl != "reference":
+            rows_a, rows_b = c.flat(gi), c.flat(bi)
+            out = v4_sparse_attention(q.astype(rows_a.dtype), rows_a, *r["a"], rows_b, *r["b"], ph["sinks"],
+                                      hd**-0.5, interpret=attn_impl == "pallas_interpret")
+            return attend_output(cfg, ph, out.astype(x.dtype), r["cos"], r["sin"], x.dtype)
+
+        def block(args):
+            xb, qb, rb, pb, sb, cb, nb = args[:7]
+            win = pb[:, None] - W + 1 + jnp.arange(W)[None, :]  # [B, W] the window's positions
+            keys, allowed = c.rows_at(gi, li, r["table"], sb, win), win >= 0
+            if lt != SLIDING:
+                ct = r["c_table"]
+                if csa:
+                    if pick:
+                        idx, valid = args[7:]
+                    else:  # the indexer over the block's sequences' index keys [B, R, di]
+                        every = jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R))
+                        ik = c.rows_at(ci, cl, ct, sb, every, slice(hd, None))  # [B, R, di]
+                        scores = jax.vmap(lambda k, xt, qt, pt: indexer_scores(cfg, r["indexer"], k, xt[None],
+                                                                               qt[None], pt[None])[0])(ik, xb, rb, pb)
+                        _, idx = jax.lax.top_k(scores, min(cfg.index_topk, R))  # [B, k]
+                        valid = jnp.take_along_axis(closed_rows(pb, R, rate), idx, axis=1)
+                    rows, see = c.rows_at(ci, cl, ct, sb, idx, slice(0, hd)), valid
+                else:
+                    rows = c.rows_at(ci, cl, ct, sb, jnp.broadcast_to(jnp.arange(R), (pb.shape[0], R)))
+                    see = closed_rows(pb, R, rate)
+                keys = jnp.concatenate([keys, rows.astype(keys.dtype)], axis=1)
+                allowed = jnp.concatenate([allowed, see], axis=1)
+            return attend(cfg, ph, qb, keys, allowed, cb, nb, x.dtype)
+
+        args = (r["x"], q, r["q_res"], r["pos"], r["seq"], r["cos"], r["sin"]) + r["pick"]
+        return _blocks(block, args, x.shape[0], token_block)
+
+    if splits_heads(mesh_rules):
+        return v4_heads_sharded(mesh_rules, heads, p, rep, check_vma=attn_impl == "reference")
+    return heads(p, rep)
 
 
 def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: GroupCache, meta: StepMetadata,
@@ -278,7 +304,7 @@ def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: Group
     (`check_layout`)."""
     post, comb, collapsed = hc_mix(v4, lp["attn_hc"], streams)
     a = _layer_attention(v4, i, lp["attn"], rms_norm(collapsed, lp["input_layernorm"], v4.rms_norm_eps), cache,
-                         meta, attn_impl, TOKEN_BLOCK)
+                         meta, attn_impl, TOKEN_BLOCK, mesh_rules)
     streams = hc_merge(post, comb, a, streams)
     post, comb, collapsed = hc_mix(v4, lp["ffn_hc"], streams)
     m = v4_moe(v4, i, lp["moe"], rms_norm(collapsed, lp["post_attention_layernorm"], v4.rms_norm_eps),
@@ -287,15 +313,19 @@ def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: Group
 
 
 def check_layout(mesh_rules: Any) -> None:
-    """V4's parallel layout: the routed experts (or their intermediate dim) over the mesh, everything else
-    replicated, every device running the whole step's attention on its own copy of the per-group pools. A rule
-    splitting anything else is refused (attention over the tensor axis and per-rank pools are not built)."""
+    """V4's parallel layout: the routed experts (or their intermediate dim) over the mesh, the attention's query heads
+    and output groups over one axis (both or neither), everything else replicated, every device running the step's
+    rows, compressors and indexer on its own copy of the per-group pools. A rule splitting anything else is refused
+    (per-rank pools are not built)."""
     if mesh_rules is None:
         return
-    split = [a for a in ("tokens", "seqs", "pages", "heads", "vocab", "mlp", "embed") if mesh_rules.size(a) > 1]
+    split = [a for a in ("tokens", "seqs", "pages", "vocab", "mlp", "embed") if mesh_rules.size(a) > 1]
     if split:
-        raise ValueError(f"deepseek_v4 splits only its routed experts over the mesh; these rules also split {split} "
-                         "(sharding/rules.py v4_rules is its layout)")
+        raise ValueError(f"deepseek_v4 splits only its routed experts and attention heads over the mesh; these rules "
+                         f"also split {split} (sharding/rules.py v4_rules is its layout)")
+    if mesh_rules.mesh_axes("heads") != mesh_rules.mesh_axes("o_groups"):
+        raise ValueError("deepseek_v4 splits its query heads and output groups over the same mesh axes (rules "
+                         f"'heads' {mesh_rules.mesh_axes('heads')}, 'o_groups' {mesh_rules.mesh_axes('o_groups')})")
 
 
 def step_cache(cfg: ModelConfig, kv_cache: tuple, meta: StepMetadata) -> GroupCache:

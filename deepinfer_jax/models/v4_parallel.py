@@ -1,4 +1,5 @@
-"""DeepSeek-V4's routed experts over a device mesh (expert parallelism, or their intermediate dim split).
+"""DeepSeek-V4 over a device mesh: its routed experts (expert parallelism, or their intermediate dim split) and its
+attention's query heads (tensor parallelism, `v4_heads_sharded`).
 
 `v4_experts_sharded(cfg, mr, moe_impl, ex, x, w, idx)` is V4's form of `moe.experts_sharded`: the routing (hash
 table or scored top-k, `deepseek_v4.v4_moe`) is computed before, on every device alike; inside one `shard_map`
@@ -17,12 +18,21 @@ Tokens split over the mesh (data-parallel attention) are gathered first and the 
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from deepinfer_jax.config_v4 import V4Config
 from deepinfer_jax.models.moe import expert_weight_specs, local_experts_xla
 from deepinfer_jax.models.parallel import MeshRules
+from deepinfer_jax.models.quant_fp4 import PackedShape, packed_spec
+from deepinfer_jax.models.v4_params import packed_order
+
+# The attention leaves split with the query heads and their logical axes (models/v4_params.py).
+HEAD_LEAVES = {"q_b_proj": ("q_lora", "heads", "qk_head"), "sinks": ("heads",), "o_a_proj": ("o_groups", None, None),
+               "o_b_proj": ("o_groups", "embed")}
 
 
 def splits_experts(mr: MeshRules | None) -> bool:
@@ -78,3 +88,36 @@ def v4_experts_sharded(cfg: V4Config, mr: MeshRules, moe_impl: str, ex: dict, x:
     fn = jax.shard_map(local, mesh=mr.mesh, in_specs=(specs, tspec, tspec, tspec), out_specs=tspec,
                        check_vma=not moe_impl.startswith("pallas"))
     return fn({"gate_up": ex["gate_up"], "down": ex["down"]}, x, w, idx)
+
+
+def splits_heads(mr: MeshRules | None) -> bool:
+    """Whether `mr` splits V4's query heads (and with them its output groups) over more than one device."""
+    return mr is not None and mr.size("heads") > 1
+
+
+def _head_spec(mr: MeshRules, name: str, w):
+    """The shard_map in_spec of a head-split leaf: an FP8 weight kept as released gets its float leaf's partition in
+    the order of its packed layout (v4_params.packed_order, quant_fp4.packed_spec) for q and scale alike."""
+    spec = tuple(mr.spec(HEAD_LEAVES[name]))
+    if isinstance(w, PackedShape):
+        s = P(*packed_spec(w, packed_order(name, spec)))
+        return dataclasses.replace(w, q=s, scale=s)
+    return P(*spec)
+
+
+def v4_heads_sharded(mr: MeshRules, fn, p: dict, rep, check_vma: bool = True) -> jax.Array:
+    """V4's attention split by query head: inside one `shard_map` each device runs `fn(ph, rep)` with its slices `ph`
+    of q_b_proj [Rq, H / tp, hd] and the sinks [H / tp] (its heads), o_a_proj (its g / tp output groups, whose inputs
+    are exactly those heads' outputs) and o_b_proj (the rows of those groups), giving its partial [T, D] of the output
+    projection; the partials are summed over the tensor axis, the layer's one reduction. `rep`: a pytree of what
+    `fn` reads besides (the per-group cache, the step's rows and indexer choices), whole and the same on every
+    device. `check_vma`: False where `fn` runs Pallas kernels."""
+    axes = mr.mesh_axes("heads")
+    ph = {k: p[k] for k in HEAD_LEAVES}
+    specs = {k: _head_spec(mr, k, w) for k, w in ph.items()}
+
+    def local(ph, rep):
+        return jax.lax.psum(fn(ph, rep), axes)
+
+    in_specs = (specs, jax.tree.map(lambda _: P(), rep))
+    return jax.shard_map(local, mesh=mr.mesh, in_specs=in_specs, out_specs=P(), check_vma=check_vma)(ph, rep)

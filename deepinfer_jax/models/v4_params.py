@@ -67,8 +67,8 @@ def v4_layer_specs(cfg: V4Config, i: int) -> dict[str, Any]:
         "kv_proj": ParamSpec((D, hd), ("embed", None)),
         "kv_norm": ParamSpec((hd,), (None,)),
         "sinks": ParamSpec((H,), ("heads",), "float32"),
-        "o_a_proj": ParamSpec((g, H * hd // g, r), (None, None, None)),
-        "o_b_proj": ParamSpec((g * r, D), (None, "embed")),
+        "o_a_proj": ParamSpec((g, H * hd // g, r), ("o_groups", None, None)),
+        "o_b_proj": ParamSpec((g * r, D), ("o_groups", "embed")),
     }
     if lt != SLIDING:
         attn["compressor"] = _pool_specs(cfg, hd, 2 if lt == CSA else 1, cfg.compress_rate(lt))
@@ -132,6 +132,16 @@ def v4_param_specs(cfg: V4Config) -> dict[str, Any]:
     if cfg.num_nextn_predict_layers:
         specs["mtp"] = [v4_mtp_specs(cfg, j) for j in range(cfg.num_nextn_predict_layers)]
     return specs
+
+
+def packed_order(name: str, entries: tuple) -> tuple:
+    """A float leaf's per-axis entries (logical axes, or a partition) in the axis order of its FP8 form kept as
+    released: the grouped o_a_proj [g, H*hd/g, r] is kept as [H*hd/g, g, r] (weights/v4_native.py); any other
+    leaf's order is its own. `name`: the leaf's path, its keys joined by dots."""
+    if name.rsplit(".", 1)[-1] != "o_a_proj":
+        return tuple(entries)
+    e = tuple(entries) + (None,) * (3 - len(entries))
+    return (e[1], e[0]) + e[2:]
 
 
 def v4_logical_axes(cfg: V4Config) -> Any:

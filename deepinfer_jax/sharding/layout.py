@@ -146,7 +146,7 @@ def build_sharding(cfg: ModelConfig, parallel: ParallelConfig, devices=None, rul
             rules = tuple((k, ()) if k == "kv_heads" else (k, v) for k, v in default_rules(parallel))
     if cfg.family == "deepseek_v4":
         check_v4_layout(parallel)
-        rules = v4_rules(parallel) if rules is None else rules
+        rules = v4_rules(parallel, cfg) if rules is None else rules
     rules = default_rules(parallel) if rules is None else rules
     shape = {"data": parallel.data_parallel_size, "tensor": parallel.tensor_parallel_size}
     vocab_devices = 1

@@ -59,14 +59,18 @@ def check_blocks(w: PackedShape, spec: tuple, mesh_shape: Mapping[str, int], axe
 
 def packed_sharding(w: PackedShape, sharding: Any, axes: tuple | None = None, name: str = "") -> PackedShape:
     """w (arrays or abstract) with the shardings of its `q` and `scale` in their place, for its float leaf's
-    `sharding`: a NamedSharding's partition mapped onto q's layout (checked with check_blocks); any other
-    sharding (one device, the host) as it is for both."""
+    `sharding`: a NamedSharding's partition mapped onto q's layout (checked with check_blocks; DeepSeek-V4's
+    o_a_proj's first put in the axis order of its FP8 form, v4_params.packed_order); any other sharding (one
+    device, the host) as it is for both."""
     from jax.sharding import NamedSharding, PartitionSpec
 
     if not isinstance(sharding, NamedSharding):
         return dataclasses.replace(w, q=sharding, scale=sharding)
+    from deepinfer_jax.models.v4_params import packed_order
+
+    axes = None if axes is None else packed_order(name, axes)
     try:
-        spec = packed_spec(w, tuple(sharding.spec))
+        spec = packed_spec(w, packed_order(name, tuple(sharding.spec)))
     except ValueError as e:  # the dense family's kv_proj [D, 2, KVH, hd] with its KV heads split, e.g.
         mesh = sorted({a for x in sharding.spec for a in _mesh_axes(x)})
         flags = " or ".join(AXIS_FLAGS.get(a, a) for a in mesh)

@@ -12,8 +12,9 @@ an axis not named, or named with (), is replicated. `default_rules` is vLLM's la
   otherwise their intermediate dim ("moe_mlp") over ("data", "tensor");
 - vocab (embedding rows, lm_head columns) over "tensor"; everything else replicated.
 
-DeepSeek-V4 has its own table (`v4_rules`: the routed experts split as above, everything else replicated) and
-its own refusals (`check_v4_layout`).
+DeepSeek-V4 has its own table (`v4_rules`: the routed experts split as above, the attention's query heads and
+output groups over "tensor" where the degree divides its `o_groups`, everything else replicated) and its own
+refusals (`check_v4_layout`).
 
 `check_rules` refuses, with a ValueError naming the model dimension, any mesh that does not divide a
 split dimension (no padding: 5 heads on TP = 2 is refused, not padded).
@@ -42,7 +43,7 @@ DIMENSION_NAMES = {
     "q_lora": "q_lora_rank", "kv_lora": "kv_lora_rank", "kv_latent": "kv_lora_rank + qk_rope_head_dim",
     "qk_head": "qk_nope_head_dim + qk_rope_head_dim", "kv_head": "qk_nope_head_dim + v_head_dim",
     "v_head": "v_head_dim", "layers": "num_hidden_layers", "kv_heads": "num_key_value_heads",
-    "head_dim": "head_dim",
+    "head_dim": "head_dim", "o_groups": "o_groups",
 }
 
 
@@ -67,14 +68,27 @@ def default_rules(pc: ParallelConfig) -> Rules:
 V4_KV_CACHE_AXES = ("pages", None)
 
 
-def v4_rules(pc: ParallelConfig) -> Rules:
+def v4_rules(pc: ParallelConfig, cfg: ModelConfig | None = None) -> Rules:
     """DeepSeek-V4's layout: the routed experts over ("data", "tensor") with enable_expert_parallel, else their
-    intermediate dim; everything else replicated (its attention, shared expert, embedding and head run whole on
-    every device, and every device keeps the whole per-group cache: V4's attention has no split over heads or
-    ranks yet, models/v4_paged.py check_layout)."""
+    intermediate dim; with `cfg` and `v4_splits_attention`, the attention's query heads ("heads": q_b_proj's heads,
+    the sinks) and its output groups ("o_groups": o_a_proj's groups, o_b_proj's rows) over "tensor"
+    (models/v4_parallel.py v4_heads_sharded); everything else replicated: the KV, compressor and indexer paths (V4's
+    one K = V head serves every query head, as in MQA), the shared expert, embedding and head, and every device
+    keeps the whole per-group cache."""
     moe = (DATA, TENSOR)
     split = {"expert": moe if pc.enable_expert_parallel else (), "moe_mlp": () if pc.enable_expert_parallel else moe}
-    return tuple((name, split.get(name, ())) for name, _ in default_rules(pc))
+    if cfg is not None and v4_splits_attention(cfg, pc):
+        split.update(heads=(TENSOR,), o_groups=(TENSOR,))
+    names = [name for name, _ in default_rules(pc)] + ["o_groups"]
+    return tuple((name, split.get(name, ())) for name in names)
+
+
+def v4_splits_attention(cfg: ModelConfig, pc: ParallelConfig) -> bool:
+    """Whether DeepSeek-V4's attention splits over the tensor axis under `pc`: a tensor degree above 1 that divides
+    `o_groups` (so each device holds whole output groups and their query heads, H / g heads a group). Otherwise the
+    attention stays whole on every device (as layout.py replicates KV heads a degree does not divide)."""
+    tp = pc.tensor_parallel_size
+    return tp > 1 and cfg.v4.o_groups % tp == 0 and cfg.v4.num_attention_heads % tp == 0
 
 
 def check_v4_layout(pc: ParallelConfig) -> None:
@@ -101,14 +115,22 @@ def _v4_layout_problem(pc: ParallelConfig) -> str | None:
 def v4_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, by_leaf: dict) -> int:
     """DeepSeek-V4's weight bytes on each device under `pc` (`v4_rules`), from each leaf's whole bytes by path
     (engine/plan.py v4_weight_bytes, updated in place to the per-device bytes): a routed expert leaf (float, or FP4 /
-    FP8 kept: q and scales alike) divided over the devices that split it, the rest whole. A split the layout
-    refuses is refused here (`check_rules`)."""
-    check_rules(cfg, {DATA: pc.data_parallel_size, TENSOR: pc.tensor_parallel_size}, v4_rules(pc))
+    FP8 kept: q and scales alike) divided over the devices that split it, with `v4_splits_attention` the attention's
+    head-indexed leaves (q_b_proj, sinks, o_a_proj, o_b_proj; not the indexer's) over the tensor degree, the rest
+    whole. A split the layout refuses is refused here (`check_rules`)."""
+    check_rules(cfg, {DATA: pc.data_parallel_size, TENSOR: pc.tensor_parallel_size}, v4_rules(pc, cfg))
     n = pc.data_parallel_size * pc.tensor_parallel_size
+    heads = pc.tensor_parallel_size if v4_splits_attention(cfg, pc) else 1
     for path, b in by_leaf.items():
         if "experts" in path:  # (..., "moe", "experts", "gate_up" | "down"): E or I over every device
             by_leaf[path] = b // n
+        elif path[-2:-1] == ("attn",) and path[-1] in V4_HEAD_LEAVES:  # (..., "attn", leaf): H or g over TP
+            by_leaf[path] = b // heads
     return sum(by_leaf.values())
+
+
+# DeepSeek-V4's attention leaves indexed by query head or output group (v4_params.py), split with the heads.
+V4_HEAD_LEAVES = ("q_b_proj", "sinks", "o_a_proj", "o_b_proj")
 
 
 def _size(axes: tuple[str, ...], mesh_shape: Mapping[str, int]) -> int:

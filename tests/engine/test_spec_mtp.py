@@ -37,6 +37,23 @@ def llm():
                **ARGS)
 
 
+def test_plan_counts_the_mtp_layers_cache_rows(llm):
+    """`deepinfer plan --speculative-config` with deepseek_mtp: KV bytes a token those of the cache the runner
+    allocated ([L + 1, pages, page_size, R + dr], the MTP layer's latents as layer L); without it, L layers'."""
+    from deepinfer_jax.engine.plan import plan
+
+    cache, layers = llm.engine.runner.kv_cache, llm.engine.cfg.num_hidden_layers
+    allocated = cache.nbytes // (cache.shape[1] * cache.shape[2])
+    sizes = dict(dtype="float32", page_size=8, max_model_len=256)
+    assert plan(DEFAULT, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
+                **sizes).kv_bytes_per_token == allocated
+    assert plan(DEFAULT, **sizes).kv_bytes_per_token * (layers + 1) == allocated * layers
+    assert plan(DEFAULT, speculative_config={"method": "ngram", "num_speculative_tokens": K},
+                **sizes).kv_bytes_per_token * (layers + 1) == allocated * layers  # n-gram drafts hold no cache
+    with pytest.raises(ValueError, match="does not count a --speculative-config draft model"):
+        plan(DEFAULT, speculative_config={"method": "draft_model", "model": DEFAULT, "num_speculative_tokens": K})
+
+
 @functools.lru_cache(maxsize=None)
 def _dense(cfg):
     """Jitted dense references at [B, L]: the target's logits and final-normed hidden states, and the MTP's

@@ -22,11 +22,16 @@ def _llm(path, k):
                speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": k}, **SIZES)
 
 
-def test_greedy_tokens_are_hfs_with_mtp_drafts(v4_mtp_dirs, hf_greedy):
+@pytest.fixture(scope="module")
+def mtp_llm(v4_mtp_dirs):
+    return _llm(v4_mtp_dirs[1], 2)
+
+
+def test_greedy_tokens_are_hfs_with_mtp_drafts(mtp_llm, v4_mtp_dirs, hf_greedy):
     """K = 2: the MTP's first pass over the step and one chained pass (K = 1 is the first alone: the model test's
     drafts check both against the reference)."""
-    model, path = v4_mtp_dirs[:2]
-    llm = _llm(path, 2)
+    model = v4_mtp_dirs[0]
+    llm = mtp_llm
     eng = llm.engine
     assert eng.cfg.has_mtp and eng.cfg.v4.mtp_in_cache == 1
     groups = eng.cache_pools.groups
@@ -42,6 +47,38 @@ def test_greedy_tokens_are_hfs_with_mtp_drafts(v4_mtp_dirs, hf_greedy):
     assert eng.scheduler.kv_cache_manager.usage == 0.0
 
 
+def test_plan_counts_the_mtp_layers_cache_rows(mtp_llm, v4_mtp_dirs):
+    """`deepinfer plan --speculative-config` with deepseek_mtp: per group the layers the engine's pools hold (the MTP
+    layer's among them), the bytes a sequence of the windowed group and, per compressed group, the bytes a token of
+    context of the arrays the runner allocated, whose sum is plan's KV bytes a token."""
+    import math
+
+    from deepinfer_jax.engine.plan import plan
+
+    eng = mtp_llm.engine
+    sizes = dict(dtype="float32", page_size=8, max_num_seqs=4, max_num_batched_tokens=13, max_model_len=64)
+    spec = plan(v4_mtp_dirs[1], speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 2}, **sizes)
+    pools, per_token = eng.cache_pools, 0.0
+    assert len(spec.kv_groups) == len(pools.groups)
+    for gi, (g, pg) in enumerate(zip(pools.groups, spec.kv_groups)):
+        assert (pg["name"], pg["layers"]) == (g.name, len(g.layers))
+        if g.window_tokens is None:  # the pool's bytes a page over the tokens of context a page holds
+            k = pools.pool_of[gi]
+            allocated = eng.runner.kv_cache[k].nbytes / pools.pool_pages[k] / g.rows_per_page(8) / g.tokens_per_row
+            assert pg["bytes_per_token"] == allocated
+            per_token += allocated
+        else:
+            assert pg["bytes_per_sequence"] == g.window_tokens * g.row_bytes * len(g.layers)
+    assert spec.kv_bytes_per_token == math.ceil(per_token)
+    # the MTP layer is a sliding one (as released): one more layer of the windowed group than without speculation
+    bare = plan(v4_mtp_dirs[1], **sizes).kv_groups
+    assert [g["layers"] for g in spec.kv_groups] == [g["layers"] + (g["name"] == "sliding") for g in bare]
+
+
 def test_declared_mtp_without_tensors_is_refused(v4_mtp_dirs):
     with pytest.raises(ValueError, match="'deepseek_mtp' needs a checkpoint with MTP weights"):
         _llm(v4_mtp_dirs[3], 1)
+    from deepinfer_jax.engine.plan import plan
+
+    with pytest.raises(ValueError, match="'deepseek_mtp' needs a checkpoint with MTP weights"):
+        plan(v4_mtp_dirs[3], speculative_config='{"method": "deepseek_mtp", "num_speculative_tokens": 1}')

@@ -1,11 +1,12 @@
 """Run one greedy batch of a tiny DeepSeek-V4 checkpoint through `LLM` under several layouts; print JSON.
 
-    python tests/sharding/run_v4.py CASE=MODEL_DIR:MOE_IMPL:LAYOUT[,LAYOUT...] ...
+    python tests/sharding/run_v4.py CASE=MODEL_DIR:MOE_IMPL[/ATTN_IMPL]:LAYOUT[,LAYOUT...] ...
 
-LAYOUT is "TPxDP" or "TPxDPep" (tests/sharding/run_case.py's names). In its own process because the number of
+LAYOUT is "TPxDP" or "TPxDPep" (tests/sharding/run_case.py's names); ATTN_IMPL the attention's (default reference). In its own process because the number of
 fake CPU devices (8) must be fixed before JAX starts. Prints one line "RESULT " + JSON {CASE: {LAYOUT: {"tokens",
 "device_weight_bytes" (the params' bytes on the first device), "plan_weight_bytes" (`deepinfer plan`'s per-device
-figure for the same layout), "device_kv_bytes", "expert_spec", "compiles_after_warmup"}}, "prompts", "max_tokens"}.
+figure for the same layout), "device_kv_bytes", "expert_spec", "head_specs" (layer 0's q_b_proj, sinks, o_a_proj,
+o_b_proj; an FP8 one's q), "compiles_after_warmup"}}, "prompts", "max_tokens"}.
 """
 
 from __future__ import annotations
@@ -31,30 +32,37 @@ def device_bytes(tree, device) -> int:
     return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
 
 
-def run(model_dir: str, moe_impl: str, layout: str, prompts) -> dict:
+def spec_of(w) -> list[str]:
+    return [str(a) for a in getattr(getattr(w, "q", w).sharding, "spec", ())]
+
+
+def run(model_dir: str, impls: str, layout: str, prompts) -> dict:
     import jax
 
     from deepinfer_jax import LLM, SamplingParams
     from deepinfer_jax.engine.plan import plan
     from deepinfer_jax.models.quant_fp4 import is_fp4
 
+    moe_impl, attn_impl = (impls.split("/") + ["reference"])[:2]
     ep = layout.endswith("ep")
     tp, dp = (int(x) for x in layout.removesuffix("ep").split("x"))
     llm = LLM(model_dir, dtype="float32", skip_tokenizer_init=True, max_model_len=64, max_num_seqs=4,
               max_num_batched_tokens=13, page_size=4, num_pages=48, progress=False, token_buckets=(13,),
-              greedy_variant=False, warmup_runs=1, moe_impl=moe_impl, tensor_parallel_size=tp,
+              greedy_variant=False, warmup_runs=1, moe_impl=moe_impl, attn_impl=attn_impl, tensor_parallel_size=tp,
               data_parallel_size=dp, enable_expert_parallel=ep)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
     runner = llm.engine.runner
     dev = jax.devices()[0]
     gu = runner.params["layers"][0]["moe"]["experts"]["gate_up"]
+    attn = runner.params["layers"][0]["attn"]
     sh = (gu.q if is_fp4(gu) or hasattr(gu, "q") else gu).sharding
     spec = getattr(sh, "spec", ())
     p = plan(model_dir, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep, dtype="float32")
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "device_weight_bytes": device_bytes(runner.params, dev), "plan_weight_bytes": p.weight_bytes_per_device,
             "device_kv_bytes": device_bytes(runner.kv_cache, dev), "expert_spec": [str(a) for a in spec],
+            "head_specs": {k: spec_of(attn[k]) for k in ("q_b_proj", "sinks", "o_a_proj", "o_b_proj")},
             "compiles_after_warmup": runner.compiles_after_warmup}
 
 

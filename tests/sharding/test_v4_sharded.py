@@ -1,14 +1,17 @@
-"""DeepSeek-V4 with its routed experts over the mesh (sharding/rules.py v4_rules): greedy tokens of a chunked batch
-through `LLM` equal the one-device engine's (itself HF transformers' greedy generate), on the tiny V4 checkpoint
-(hash-routed and scored MoE layers, swiglu_limit, every attention kind) and on the same weights as DeepSeek releases
-them (FP4 routed experts, FP8 linears; tests/hf_models_v4.py). One subprocess with 8 fake CPU devices
-(tests/sharding/run_v4.py) runs every layout:
+"""DeepSeek-V4 with its routed experts and its attention's query heads over the mesh (sharding/rules.py v4_rules):
+greedy tokens of a chunked batch through `LLM` equal the one-device engine's (itself HF transformers' greedy
+generate), on the tiny V4 checkpoint (hash-routed and scored MoE layers, swiglu_limit, every attention kind; 4 heads
+in 2 output groups) and on the same weights as DeepSeek releases them (FP4 routed experts, FP8 linears;
+tests/hf_models_v4.py). One subprocess with 8 fake CPU devices (tests/sharding/run_v4.py) runs every layout:
 
   float 1x1          the one-device reference
-  float 2x1ep        expert parallelism over 2 devices, ragged grouped GEMM per device
-  float 2x1          the experts' intermediate dim over 2 devices (partial down projections summed)
+  float 2x1ep        expert parallelism over 2 devices, ragged grouped GEMM per device; the heads over 2 devices
+  float 2x1          the experts' intermediate dim over 2 devices (partial down projections summed); the heads too
   fp4 3x1ep          the released FP4 experts split by expert over 3 devices, through the quantized grouped
-                     GEMM kernels on each device's slice of the stored bytes
+                     GEMM kernels on each device's slice of the stored bytes; 3 does not divide the 2 output groups,
+                     so the attention stays whole on every device
+  fp8 1x1, 2x1ep     the release with FP8 blocks of [2, 10] (which the heads' split keeps whole), the attention
+                     through the Pallas kernels: the FP8 q_b_proj, o_a_proj and o_b_proj split with the heads
 
 and each layout's weight bytes on a device equal `deepinfer plan`'s per-device figure."""
 
@@ -26,13 +29,28 @@ from hf_models import hf_greedy
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_V4 = os.path.join(REPO, "tests", "sharding", "run_v4.py")
 EXPERTS_SPLIT = ["('data', 'tensor')", "None", "None", "None"]
+# Layer 0's q_b_proj [Rq, H, hd], sinks [H], o_a_proj [g, H*hd/g, r], o_b_proj [g*r, D] with the heads split
+HEADS_SPLIT = {"q_b_proj": ["None", "tensor", "None"], "sinks": ["tensor"], "o_a_proj": ["tensor", "None", "None"],
+               "o_b_proj": ["tensor", "None"]}
+# ... and kept in FP8 (q [N, K], HF's orientation): q_b_proj's and o_a_proj's rows, o_b_proj's columns
+FP8_HEADS_SPLIT = {"q_b_proj": ["tensor", "None"], "sinks": ["tensor"], "o_a_proj": ["tensor", "None"],
+                   "o_b_proj": ["None", "tensor"]}
+FP8_BLOCK = (2, 10)  # divides a device's share of the split FP8 dims (heads x head_dim 48, o_groups x rank 10)
 
 
 @pytest.fixture(scope="module")
-def runs(v4_release):
+def fp8_release(v4_release, tmp_path_factory):
+    from hf_models_v4 import write_v4_release
+
+    return write_v4_release(v4_release[2], str(tmp_path_factory.mktemp("v4fp8") / "release"), FP8_BLOCK)[0]
+
+
+@pytest.fixture(scope="module")
+def runs(v4_release, fp8_release):
     _, release, floats = v4_release
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    args = [f"float={floats}:ragged:1x1,2x1ep,2x1", f"fp4={release}:pallas_interpret:3x1ep"]
+    args = [f"float={floats}:ragged:1x1,2x1ep,2x1", f"fp4={release}:pallas_interpret:3x1ep",
+            f"fp8={fp8_release}:pallas_interpret/pallas_interpret:1x1,2x1ep"]
     p = subprocess.run([sys.executable, RUN_V4, *args], capture_output=True, text=True, env=env, timeout=900)
     assert p.returncode == 0 and "RESULT " in p.stdout, p.stderr[-4000:]
     return json.loads(p.stdout.split("RESULT ", 1)[1])
@@ -44,22 +62,29 @@ def test_one_device_run_is_hf_greedy(runs, v4_release):
     assert base == [hf_greedy(model, p, n) for p, n in zip(runs["prompts"], runs["max_tokens"])]
 
 
-@pytest.mark.parametrize("case,layout", [("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep")])
-def test_sharded_experts_give_the_one_device_tokens(runs, case, layout):
+@pytest.mark.parametrize("case,layout", [("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep"), ("fp8", "2x1ep")])
+def test_sharded_layouts_give_the_one_device_tokens(runs, case, layout):
     r = runs[case][layout]
-    assert r["tokens"] == runs["float"]["1x1"]["tokens"], (case, layout)
+    one = runs["fp8" if case == "fp8" else "float"]["1x1"]  # the FP8 [2, 10] release's own weights
+    assert r["tokens"] == one["tokens"], (case, layout)
     assert r["compiles_after_warmup"] == 0
     split = ["None", "None", "None", "('data', 'tensor')"] if layout == "2x1" else EXPERTS_SPLIT
     assert r["expert_spec"][: len(split)] == split  # gate_up [E, D, 2, I] (FP4: q [E, 2, I, D / 2])
+    if case == "fp4":  # TP 3 does not divide o_groups 2: the attention whole on every device
+        assert all(a == "None" for spec in r["head_specs"].values() for a in spec)
+    else:
+        assert r["head_specs"] == (FP8_HEADS_SPLIT if case == "fp8" else HEADS_SPLIT)
 
 
-@pytest.mark.parametrize("case,layout", [("float", "1x1"), ("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep")])
+@pytest.mark.parametrize("case,layout", [("float", "1x1"), ("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep"),
+                                         ("fp8", "1x1"), ("fp8", "2x1ep")])
 def test_plan_weight_bytes_per_device_equal_the_engines(runs, case, layout):
     r = runs[case][layout]
     assert r["plan_weight_bytes"] == r["device_weight_bytes"]
-    if layout != "1x1":  # the experts split, the rest (and the whole per-group cache) on every device
-        assert r["device_weight_bytes"] < runs["float"]["1x1"]["device_weight_bytes"]
-        assert r["device_kv_bytes"] == runs["float"]["1x1"]["device_kv_bytes"]
+    if layout != "1x1":  # the experts (and heads) split, the rest (and the whole per-group cache) on every device
+        one = runs["fp8" if case == "fp8" else "float"]["1x1"]
+        assert r["device_weight_bytes"] < one["device_weight_bytes"]
+        assert r["device_kv_bytes"] == one["device_kv_bytes"]
 
 
 def test_layouts_v4_does_not_have_are_refused_by_flag(v4_release):
@@ -77,3 +102,7 @@ def test_layouts_v4_does_not_have_are_refused_by_flag(v4_release):
         plan(floats, tensor_parallel_size=4, enable_expert_parallel=True)
     with pytest.raises(ValueError, match="--all2all-backend all_to_all is not supported for deepseek_v4"):
         build_sharding(cfg, ParallelConfig(2, 1, True, all2all_backend="all_to_all"))
+    # FP8 blocks of [8, 12]: the heads' split would give each device 10 rows of o_a_proj, cutting a block
+    with pytest.raises(ValueError, match=r"FP8 weight layers.0.attn.o_a_proj: splitting o_groups = 2 over 2 devices.*"
+                                         r"change --tensor-parallel-size"):
+        plan(v4_release[1], tensor_parallel_size=2, enable_expert_parallel=True)
