@@ -38,13 +38,19 @@ class StackedWeight(NamedTuple):
     stacked: jax.Array
     layer: jax.Array
     interpret: bool = False
+    split: object = None  # under a mesh, an FP8 weight's models/fp8_parallel.Fp8Split: the GEMM per device
 
 
-def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Array:
+def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1, out_dtype=None) -> jax.Array:
     """x [..., *in] through one layer of w.stacked [L, *in, *out] (its first `in_dims` weight dims
-    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel (an Fp8Weight: the FP8 GEMM)."""
+    contracted) -> [..., *out] in x's dtype (or an FP8 weight's `out_dtype`), by the decode-projection kernel
+    (an Fp8Weight: the FP8 GEMM; with `split`, on each device's slice, models/fp8_parallel.py)."""
     from deepinfer_jax.kernels.decode_matmul import decode_matmul
 
+    if w.split is not None:
+        from deepinfer_jax.models.fp8_parallel import fp8_matmul_split
+
+        return fp8_matmul_split(x, w, in_dims)
     shape = w.stacked.shape[1:]
     ins, outs = shape[:in_dims], shape[in_dims:]
     K, N = math.prod(ins), math.prod(outs)
@@ -57,8 +63,9 @@ def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Arra
         s = f.scale.reshape(f.scale.shape[0], -1, f.scale.shape[-1])
         x2 = x.reshape(-1, K)
         act = fp8_kernel_act(x2.shape[0], K, N) or "bf16"  # decode_stacked sent it here by the same rule
-        y = fp8_matmul(x2, q, s, w.layer, block=(f.block[1], f.block[0]), act=act, layout="nk", interpret=w.interpret)
-        return y.astype(x.dtype).reshape(*lead, *outs)
+        y = fp8_matmul(x2, q, s, w.layer, block=(f.block[1], f.block[0]), act=act, layout="nk", out_dtype=out_dtype,
+                       interpret=w.interpret)
+        return y.reshape(*lead, *outs)
     y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, interpret=w.interpret)
     return y.astype(x.dtype).reshape(*lead, *outs)
 
