@@ -1,0 +1,96 @@
+"""FP8 kernels under mesh layouts on 8 fake CPU devices (Pallas interpret mode); print JSON.
+
+    python tests/sharding/run_fp8_kernels.py MODEL_DIR LAYOUT [LAYOUT ...]
+
+LAYOUT as tests/sharding/run_case.py's ("1x1", "2x1", "1x2ep"). Each runs a short greedy batch with attn_impl and
+moe_impl "pallas_interpret" and every FP8 projection size admitted to the FP8 GEMM (quant.FP8_GEMM_MIN_ELEMENTS
+0: the tiny model's projections are far below V3's), recording while its step programs are traced: the FP8 GEMM's
+calls (the stacked q each reads: a device's slice inside shard_map), the FP8 grouped GEMM's calls, and the q
+shapes of every FP8 leaf the reference dequantized. "numerics": one row-parallel and one column-parallel FP8
+projection on a 2 x 2 (data, tensor) mesh in W8A8 against the unsharded kernel, relative max difference.
+Prints one line "RESULT " + JSON {"numerics": {...}, LAYOUT: {...}}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import run_case  # noqa: E402  (sets the 8 fake devices before JAX starts)
+
+LENGTHS = (3, 17, 40)
+
+
+def numerics() -> dict:
+    """{name: relative max |sharded - unsharded|} of the FP8 GEMM in W8A8 on a (data 2, tensor 2) mesh."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from deepinfer_jax.models import quant
+    from deepinfer_jax.models.fp8_parallel import fp8_split
+    from deepinfer_jax.models.layers import StackedWeight, stacked_matmul
+    from deepinfer_jax.models.parallel import MeshRules
+    from deepinfer_jax.sharding import ParallelConfig
+    from deepinfer_jax.sharding.rules import default_rules
+
+    rng = np.random.default_rng(0)
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("data", "tensor"))
+    mr = MeshRules(mesh, default_rules(ParallelConfig(2, 2, False)))
+    out = {}
+    for name, shape, n_in, n_out, axes, x_shape in (  # o_proj: K = heads x dv split; gate_up: N split
+            ("o_proj", (2, 4, 32, 48), 2, 1, ("layers", "heads", "v_head", "embed"), (12, 4, 32)),
+            ("gate_up", (2, 64, 2, 96), 1, 2, ("layers", "embed", None, "mlp"), (12, 64))):
+        w = quant.quantize_fp8(rng.standard_normal(shape).astype(np.float32) * 0.1, n_in, n_out, name == "gate_up",
+                               (16, 32))
+        w = jax.tree.map(jnp.asarray, w)
+        split = fp8_split(mr, w, axes, n_in, x_shape[0])
+        x = jnp.asarray(rng.standard_normal(x_shape), jnp.float32)
+        ref = stacked_matmul(x, StackedWeight(w, jnp.int32(1), True), n_in)
+        got = jax.jit(lambda x, w: stacked_matmul(x, StackedWeight(w, jnp.int32(1), True, split), n_in))(x, w)
+        out[name] = {"split": None if split is None else [list(split.w_spec), list(split.reduce)],
+                     "error": float(jnp.abs(got - ref).max() / jnp.abs(ref).max())}
+    return out
+
+
+def main() -> None:
+    import numpy as np
+
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.kernels import fp8_gemm, moe_gmm_quant
+    from deepinfer_jax.models import quant
+
+    model_dir, layouts = sys.argv[1], sys.argv[2:]
+    quant.FP8_GEMM_MIN_ELEMENTS = 0
+    seen: dict = {}
+
+    def spy(key, fn, record):
+        def call(*a, **k):
+            seen.setdefault(key, []).append(record(*a, **k))
+            return fn(*a, **k)
+        return call
+
+    fp8_gemm.fp8_matmul = spy("gemm", fp8_gemm.fp8_matmul, lambda x, q, *a, **k: [list(q.shape), k.get("act")])
+    moe_gmm_quant.moe_experts_quant = spy("experts", moe_gmm_quant.moe_experts_quant,
+                                          lambda *a, **k: [k["fmt_gu"].kind, k["fmt_gu"].act])
+    quant.fp8_dequantize = spy("dequantized", quant.fp8_dequantize, lambda w, *a, **k: list(w.q.shape))
+
+    vocab = ModelConfig.from_model_dir(model_dir).vocab_size
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, vocab, n).tolist() for n in LENGTHS]
+    out = {"numerics": numerics()}
+    for layout in layouts:
+        seen.clear()
+        r = run_case.run(model_dir, layout, prompts, moe_impl="pallas_interpret", attn_impl="pallas_interpret")
+        out[layout] = {"tokens": r["tokens"], "compiles_after_warmup": r["compiles_after_warmup"],
+                       "gemm": sorted(seen.get("gemm", [])), "experts": sorted(seen.get("experts", [])),
+                       "dequantized": sorted(seen.get("dequantized", []))}
+    print("RESULT " + json.dumps(out))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    main()
