@@ -80,7 +80,7 @@ def decode_stacked_splits(seg, seg_params: dict, cfg: ModelConfig, num_tokens: i
         w = seg_params.get(group, {}).get(name)
         if w is not None and is_fp8(w):
             split = fp8_split(mesh_rules, w, specs[group][name].axes, in_dims, num_tokens)
-            if split is not None:
+            if split is not None and fp8_stackable(w, *split.local):
                 out[(group, name)] = split
     return out
 

@@ -15,8 +15,8 @@ W8A8 quantizes the activations per token per 1 x bk group (`fp8_gemm.quantize_ac
 and ends on a scale block boundary (whole blocks a device), so its groups are the unsharded input's groups and
 their scales the same numbers: the row-parallel product differs from the unsharded kernel's only in the order of
 the fp32 sums. The rule is the one device's, applied to the GEMM each device runs (its rows, its slice of K and
-N): `fp8_split` gives the split where that GEMM takes the kernel, None where the projection keeps the reference
-(dequantize, XLA's dot, split by the partitioner).
+N: `Fp8Split.local`); a projection it turns down keeps the reference (dequantize, XLA's dot, split by the
+partitioner).
 """
 
 from __future__ import annotations
@@ -37,13 +37,15 @@ from deepinfer_jax.models.quant_fp4 import packed_spec
 class Fp8Split:
     """How one stacked FP8 projection and its input are split over `mesh` (static, hashable): `w_spec` the
     partition of q and scale ([L, (2,) N, K]); `x_spec` / `y_spec` of the input [T, *in] and output [T, *out];
-    `reduce` the mesh axes splitting K, whose partial sums are added."""
+    `reduce` the mesh axes (of more than one device) splitting K, whose partial sums are added; `local` the shape
+    of each device's GEMM."""
 
     mesh: object
     w_spec: tuple
     x_spec: tuple
     y_spec: tuple
     reduce: tuple[str, ...]
+    local: tuple[int, int, int]  # (rows, K, N) of each device's GEMM
 
 
 def _axes_of(entry) -> tuple[str, ...]:
@@ -51,11 +53,10 @@ def _axes_of(entry) -> tuple[str, ...]:
 
 
 def fp8_split(mr: MeshRules, w, axes: tuple, in_dims: int, num_tokens: int) -> Fp8Split | None:
-    """The split of the stacked Fp8Weight `w` (float leaf [L, *in, *out] of logical `axes`) under `mr` when each
-    device's GEMM takes the FP8 kernel by the one rule (`decode_kernels.fp8_stackable` on the device's rows and
-    slices of K and N) in a step of `num_tokens` token slots; None otherwise (the reference then)."""
-    from deepinfer_jax.models.decode_kernels import fp8_stackable
-
+    """The split of the stacked Fp8Weight `w` (float leaf [L, *in, *out] of logical `axes`) and of its input under
+    `mr`, in a step of `num_tokens` token slots; None where the GEMM cannot run per device (the layers split, a
+    mesh axis splitting both the tokens and the weight, a split packed_spec refuses or that is uneven). Whether it
+    takes the kernel is the one device's rule on `local` (models/decode_kernels.py `decode_stacked_splits`)."""
     if not is_fp8(w) or len(axes) != len(w.shape):
         return None
     spec = tuple(mr.spec(axes))
@@ -69,36 +70,33 @@ def fp8_split(mr: MeshRules, w, axes: tuple, in_dims: int, num_tokens: int) -> F
         w_spec = packed_spec(w, spec)
     except ValueError:
         return None
-    size = lambda entries: math.prod(mr.mesh.shape[a] for e in entries for a in _axes_of(e))  # noqa: E731
     shape = w.shape[1:]
     K, N = math.prod(shape[:in_dims]), math.prod(shape[in_dims:])
-    k_split, n_split, t_split = size(ins), size(outs), size((tok,))
+    k_split, n_split, t_split = (math.prod(mr.mesh.shape[a] for e in entries for a in _axes_of(e))
+                                 for entries in (ins, outs, (tok,)))
     if K % k_split or N % n_split or num_tokens % t_split:
         return None
-    if not fp8_stackable(w, num_tokens // t_split, K // k_split, N // n_split):
-        return None
-    reduce = tuple(a for a in mr.mesh.axis_names if any(a in _axes_of(e) for e in ins))
-    return Fp8Split(mr.mesh, w_spec, (tok, *ins), (tok, *outs), reduce)
+    reduce = tuple(a for a in mr.mesh.axis_names if mr.mesh.shape[a] > 1 and any(a in _axes_of(e) for e in ins))
+    return Fp8Split(mr.mesh, w_spec, (tok, *ins), (tok, *outs), reduce,
+                    (num_tokens // t_split, K // k_split, N // n_split))
 
 
-def fp8_matmul_split(x: jax.Array, w, in_dims: int) -> jax.Array:
-    """x [T, *in] through layer `w.layer` of the stacked FP8 weight `w` (a layers.StackedWeight whose `split` is an
-    Fp8Split) -> [T, *out] in x's dtype: the FP8 GEMM on each device's slice inside shard_map (module docstring)."""
-    from deepinfer_jax.models.layers import StackedWeight, stacked_matmul
-
-    sp, f = w.split, w.stacked
-    if x.ndim != 1 + in_dims:
-        raise ValueError(f"fp8_matmul_split: x {x.shape} is not [tokens, *in] for {in_dims} input dim(s)")
+def fp8_matmul_split(matmul, x: jax.Array, w, layer: jax.Array, split: Fp8Split) -> jax.Array:
+    """x [T, *in] through layer `layer` of the stacked Fp8Weight `w`, split as `split` lays it out -> [T, *out] in
+    x's dtype: `matmul(x, w, layer, out_dtype=...)` (the one-device FP8 GEMM, layers.fp8_stacked_matmul) on each
+    device's slice inside shard_map, row-parallel partial sums added in fp32 (module docstring)."""
+    if x.ndim != len(split.x_spec):
+        raise ValueError(f"fp8_matmul_split: x {x.shape} is not [tokens, *in] for the input spec {split.x_spec}")
     dt = x.dtype
 
     def local(q, scale, x, layer):
-        lw = StackedWeight(dataclasses.replace(f, q=q, scale=scale), layer, w.interpret)
-        if not sp.reduce:
-            return stacked_matmul(x, lw, in_dims)
-        y = stacked_matmul(x, lw, in_dims, out_dtype=jnp.float32)  # fp32 partial sums over this device's K
-        return jax.lax.psum(y, sp.reduce).astype(dt)
+        lw = dataclasses.replace(w, q=q, scale=scale)
+        if not split.reduce:
+            return matmul(x, lw, layer)
+        y = matmul(x, lw, layer, out_dtype=jnp.float32)  # fp32 partial sums over this device's K
+        return jax.lax.psum(y, split.reduce).astype(dt)
 
-    fn = jax.shard_map(local, mesh=sp.mesh, in_specs=(P(*sp.w_spec), P(*sp.w_spec), P(*sp.x_spec), P()),
-                       out_specs=P(*sp.y_spec), check_vma=False)
-    return fn(f.q, f.scale, x, w.layer)
-
+    spec = P(*split.w_spec)
+    fn = jax.shard_map(local, mesh=split.mesh, in_specs=(spec, spec, P(*split.x_spec), P()),
+                       out_specs=P(*split.y_spec), check_vma=False)
+    return fn(w.q, w.scale, x, layer)

@@ -7,7 +7,8 @@ moe_impl "pallas_interpret" and every FP8 projection size admitted to the FP8 GE
 0: the tiny model's projections are far below V3's), recording while its step programs are traced: the FP8 GEMM's
 calls (the stacked q each reads: a device's slice inside shard_map), the FP8 grouped GEMM's calls, and the q
 shapes of every FP8 leaf the reference dequantized. "numerics": one row-parallel and one column-parallel FP8
-projection on a 2 x 2 (data, tensor) mesh in W8A8 against the unsharded kernel, relative max difference.
+projection on a 2 x 2 (data, tensor) mesh in W8A8 against the unsharded kernel, relative max difference; "rule":
+the o_proj's kernel choice with a minimum size between its per-device slice and the whole weight.
 Prints one line "RESULT " + JSON {"numerics": {...}, LAYOUT: {...}}.
 """
 
@@ -31,6 +32,7 @@ def numerics() -> dict:
     from jax.sharding import Mesh
 
     from deepinfer_jax.models import quant
+    from deepinfer_jax.models.decode_kernels import fp8_stackable
     from deepinfer_jax.models.fp8_parallel import fp8_split
     from deepinfer_jax.models.layers import StackedWeight, stacked_matmul
     from deepinfer_jax.models.parallel import MeshRules
@@ -53,6 +55,12 @@ def numerics() -> dict:
         got = jax.jit(lambda x, w: stacked_matmul(x, StackedWeight(w, jnp.int32(1), True, split), n_in))(x, w)
         out[name] = {"split": None if split is None else [list(split.w_spec), list(split.reduce)],
                      "error": float(jnp.abs(got - ref).max() / jnp.abs(ref).max())}
+        if name == "o_proj":  # the rule on each device's GEMM: a minimum size between its slice and the whole weight
+            K, N = 4 * 32, 48
+            saved, quant.FP8_GEMM_MIN_ELEMENTS = quant.FP8_GEMM_MIN_ELEMENTS, K * N // 2 + 1
+            out["rule"] = {"one_device": fp8_stackable(w, x_shape[0], K, N), "local": list(split.local),
+                           "per_device": fp8_stackable(w, *split.local)}
+            quant.FP8_GEMM_MIN_ELEMENTS = saved
     return out
 
 

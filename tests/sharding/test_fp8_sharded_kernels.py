@@ -46,11 +46,13 @@ def runs(tmp_path_factory):
     return json.loads(out.stdout.split("RESULT ", 1)[1])
 
 
-def test_split_fp8_gemm_equals_the_unsharded_kernel(runs):
+def test_split_fp8_gemm_equals_the_unsharded_kernel_and_follows_the_rule(runs):
     r = runs["numerics"]
     assert r["o_proj"]["split"] == [[None, None, "tensor"], ["tensor"]]  # K (heads x dv) split, partial sums added
     assert r["gate_up"]["split"] == [[None, None, "tensor", None], []]  # N (the intermediate rows) split
     assert r["o_proj"]["error"] < 1e-6 and r["gate_up"]["error"] < 1e-6, r
+    # The one device's rule judges each device's GEMM (6 token rows, K = 128 / 2, N = 48), not the whole weight.
+    assert r["rule"] == {"one_device": True, "local": [6, 64, 48], "per_device": False}
 
 
 # The stacked q [L, N, K] each FP8 GEMM call reads (a device's slice inside shard_map): o_proj of the dense and the
