@@ -67,8 +67,8 @@ def decode_stacked_splits(seg, seg_params: dict, cfg: ModelConfig, num_tokens: i
                           mesh_rules: MeshRules | None, enabled: bool) -> dict:
     """{(group, name): models/fp8_parallel.Fp8Split} of the segment's FP8 projections (`STACKABLE`) that a step
     reads in place through kernels/fp8_gemm.py on each device's slice: with `enabled`, on the Pallas path under a
-    mesh, where each device's GEMM takes the kernel by the one device's rule (`fp8_parallel.fp8_split`). Empty
-    on one device (`decode_stacked` serves it) and elsewhere."""
+    mesh, where each device's GEMM (`fp8_parallel.fp8_split`'s `local` rows, K and N) takes the kernel by the one
+    device's rule (`fp8_stackable`). Empty on one device (`decode_stacked` serves it) and elsewhere."""
     if not enabled or mesh_rules is None or attn_impl not in ("pallas", "pallas_interpret"):
         return {}
     from deepinfer_jax.models.fp8_parallel import fp8_split

@@ -8,7 +8,8 @@ moe_impl "pallas_interpret" and every FP8 projection size admitted to the FP8 GE
 calls (the stacked q each reads: a device's slice inside shard_map), the FP8 grouped GEMM's calls, and the q
 shapes of every FP8 leaf the reference dequantized. "numerics": one row-parallel and one column-parallel FP8
 projection on a 2 x 2 (data, tensor) mesh in W8A8 against the unsharded kernel, relative max difference; "rule":
-the o_proj's kernel choice with a minimum size between its per-device slice and the whole weight.
+the o_proj's kernel choice with a minimum size between its per-device slice and the whole weight;
+"expert_fallback": what sharded FP8 experts dequantize where the grouped GEMM does not tile them (`expert_fallback`).
 Prints one line "RESULT " + JSON {"numerics": {...}, LAYOUT: {...}}.
 """
 
@@ -64,6 +65,49 @@ def numerics() -> dict:
     return out
 
 
+def _float_shapes(jaxpr) -> set:
+    import jax.extend
+    import jax.numpy as jnp
+
+    out = set()
+    for eqn in jaxpr.eqns:
+        out |= {tuple(v.aval.shape) for v in eqn.outvars
+                if hasattr(v.aval, "shape") and jnp.issubdtype(v.aval.dtype, jnp.floating)}
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            out |= _float_shapes(sub)
+    return out
+
+
+def expert_fallback() -> dict:
+    """FP8 experts stacked [L 2, E 4, ..] split by expert over 2 devices, with the grouped GEMM refusing their
+    shapes: {"layer": a device's one layer dequantized, "stack": its every layer dequantized} in the traced step."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from deepinfer_jax.kernels import moe_gmm_quant
+    from deepinfer_jax.models import quant
+    from deepinfer_jax.models.moe import experts_sharded
+    from deepinfer_jax.models.parallel import MeshRules
+
+    rng = np.random.default_rng(1)
+    L, E, D, I, T = 2, 4, 64, 32, 6
+    gu = quant.quantize_fp8(rng.standard_normal((L, E, D, 2, I)).astype(np.float32), 1, 2, True, (16, 32))
+    dn = quant.quantize_fp8(rng.standard_normal((L, E, I, D)).astype(np.float32), 1, 1, False, (16, 32))
+    ex = {"gate_up": jax.tree.map(jnp.asarray, gu), "down": jax.tree.map(jnp.asarray, dn)}
+    x = jnp.ones((T, D), jnp.float32)
+    w, idx = jnp.ones((T, 2), jnp.float32), jnp.asarray(rng.integers(0, E, (T, 2)), jnp.int32)
+    mr = MeshRules(Mesh(np.array(jax.devices()[:2]), ("d",)), (("expert", ("d",)),))
+    supported, moe_gmm_quant.supported = moe_gmm_quant.supported, lambda *a: False
+    try:
+        shapes = _float_shapes(jax.make_jaxpr(lambda *a: experts_sharded(mr, "pallas_interpret", *a, jnp.int32(1)))(
+            ex, x, w, idx).jaxpr)
+    finally:
+        moe_gmm_quant.supported = supported
+    return {"layer": (E // 2, D, 2, I) in shapes, "stack": (L, E // 2, D, 2, I) in shapes}
+
+
 def main() -> None:
     import numpy as np
 
@@ -89,7 +133,7 @@ def main() -> None:
     vocab = ModelConfig.from_model_dir(model_dir).vocab_size
     rng = np.random.default_rng(7)
     prompts = [rng.integers(2, vocab, n).tolist() for n in LENGTHS]
-    out = {"numerics": numerics()}
+    out = {"numerics": numerics(), "expert_fallback": expert_fallback()}
     for layout in layouts:
         seen.clear()
         r = run_case.run(model_dir, layout, prompts, moe_impl="pallas_interpret", attn_impl="pallas_interpret")

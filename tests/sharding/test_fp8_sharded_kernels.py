@@ -78,3 +78,9 @@ def test_sharded_fp8_runs_the_kernels_and_equals_one_device(runs, layout):
     assert not deq & {(2, I, D), (D, I), (1, 2, I, D), (1, D, I)} and all(len(s) < 4 for s in deq)
     assert r["tokens"] == one["tokens"]
     assert r["compiles_after_warmup"] == 0
+
+
+def test_sharded_experts_the_grouped_gemm_does_not_tile_dequantize_one_layer(runs):
+    """Where the FP8 grouped GEMM refuses the experts' shapes, a device dequantizes its experts of this layer only, not
+    of every layer in the stack (as on one device)."""
+    assert runs["expert_fallback"] == {"layer": True, "stack": False}
