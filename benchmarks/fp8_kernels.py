@@ -2,13 +2,15 @@
 beside the bf16 kernels at DeepSeek-V3 shapes (hidden 7168; MoE: 256 experts of width 2048, top-8; 128 x 128
 FP8 blocks; INT4 in 128-row groups).
 
-    python benchmarks/fp8_kernels.py [--quick] [--only dense|moe] [--tokens 32,128,4096] [--cpu-smoke]
+    python benchmarks/fp8_kernels.py [--quick] [--only dense|moe] [--tokens 32,128,4096] [--tp N] [--cpu-smoke]
 
 FP8 weights are in the checkpoint's [out, in] orientation (layout "nk"), as models/quant.py's Fp8Weight holds them.
 Dense projections (kernels/fp8_gemm.py, layer-stacked weights read in place, as the model holds them): q_a
 [7168, 1536], q_b [1536, 24576], kv_b [512, 32768], o_proj [16384, 7168], dense MLP gate_up [7168, 36864] and
 down [18432, 7168], with FP8 activations (W8A8, act="fp8") and bf16 ones (W8A16, act="bf16"), against bf16
-weights through kernels/decode_matmul.py (decode sizes) or XLA's dot.
+weights through kernels/decode_matmul.py (decode sizes) or XLA's dot. `--tp N`: each projection at one device's
+slice under tensor parallelism N (`TP_SPLIT`: q_b, kv_b and gate_up column-parallel, o_proj and down row-parallel,
+q_a whole), the GEMM models/fp8_parallel.py runs per device, to place `quant.FP8_GEMM_MIN_ELEMENTS` for it.
 
 MoE (kernels/moe_gmm_quant.py against kernels/moe_gmm.py's bf16 experts): one layer's routed experts, uniform
 random routing, FP8 W8A8 / W8A16, INT8 and INT4 against bf16. Weight bytes are those of the experts a step
@@ -33,6 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 D, I, E, TOPK, BLOCK = 7168, 2048, 256, 8, (128, 128)
 DENSE = {"q_a": (7168, 1536), "q_b": (1536, 24576), "kv_b": (512, 32768), "o_proj": (16384, 7168),
          "mlp_gate_up": (7168, 36864), "mlp_down": (18432, 7168)}
+TP_SPLIT = {"q_a": None, "q_b": "N", "kv_b": "N", "o_proj": "K", "mlp_gate_up": "N", "mlp_down": "K"}
 LAYERS = 2  # stacked layers of each dense weight; layer 1 is read
 INTERPRET = False  # --cpu-smoke: the kernels in interpret mode at tiny shapes (the script's own check on a CPU)
 
@@ -215,15 +218,20 @@ def main(argv=None) -> int:
     ap.add_argument("--only", choices=("dense", "moe"))
     ap.add_argument("--tokens", default="32,128,4096", help="rows (tokens) a step, comma-separated")
     ap.add_argument("--quick", action="store_true", help="decode sizes only (32 tokens)")
+    ap.add_argument("--tp", type=int, default=1, help="dense projections at one device's slice under TP of this size")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)
     tokens = [32] if a.quick else [int(t) for t in a.tokens.split(",")]
+    global D, I, E, DENSE, INTERPRET
     if a.cpu_smoke:
-        global D, I, E, DENSE, INTERPRET
         D, I, E, INTERPRET = 256, 128, 16, True
-        DENSE = {"q_b": (256, 384), "o_proj": (512, 256)}
+        DENSE = {"q_b": (256, 512), "o_proj": (512, 256)}
         tokens = [5, 70]
+    if a.tp > 1:
+        DENSE = {name: (K // a.tp if TP_SPLIT[name] == "K" else K, N // a.tp if TP_SPLIT[name] == "N" else N)
+                 for name, (K, N) in DENSE.items()}
+        print(f"dense projections at one device's slice under TP {a.tp}: {DENSE}")
     import jax
 
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")

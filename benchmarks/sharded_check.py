@@ -12,11 +12,15 @@ so a bf16 reduction-order difference can flip a near-tie and the continuations t
 logprob difference over the common prefix is the measure of numerical agreement.
 
 `--fp8`: the random weights quantized on the device to FP8 with 128 x 128 blocks (what an FP8 checkpoint of them
-loads as) and kept FP8 on every layout (sharding/packed.py). One device takes the FP8 kernels where
-`quant.fp8_kernel_act` routes them (W8A8 at decode sizes); a sharded layout runs the reference projections
-(dequantize + dot) and the expert kernels, so "single_xla" (the reference on one device) is the closer baseline for
-the projections' numerics. A layout whose split would cut a 128 x 128 block is refused (printed as such): on
-V2-Lite (I = 10944, 1408) only dp2ep2 keeps whole blocks; on Moonlight (I = 11264) tp2ep2 and dp2ep2 do.
+loads as) and kept FP8 on every layout (sharding/packed.py). Every layout on the GPU takes the FP8 kernels where
+`quant.fp8_kernel_act` routes them (W8A8 at decode sizes): one device on the whole weights, a sharded layout on each
+device's slice (models/fp8_parallel.py for o_proj and the dense MLP, the grouped GEMM for the experts), judged by
+each device's GEMM; each layout prints which projections take the FP8 GEMM at its decode bucket (Moonlight: the
+dense MLP's gate_up on every layout, its down where not split by TP; V2-Lite: none, its I = 10944 is not whole
+128-row blocks, so its projections keep the reference everywhere, one device included). "single_xla" (the
+reference, dequantize + dot, on one device) shows the kernels' W8A8 rounding beside it. A layout whose split would
+cut a 128 x 128 block is refused (printed as such): on V2-Lite (I = 10944, 1408) only dp2ep2 keeps whole blocks; on
+Moonlight (I = 11264) tp2ep2 and dp2ep2 do.
 """
 
 from __future__ import annotations
@@ -61,6 +65,9 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16", runner_
                                    token_buckets=(16 // dp, 4096 // dp), warmup_full_variant=True,
                                    **(runner_kwargs or {})),
         progress=False)
+    if gpu:
+        print(f"{name}: FP8 GEMM at {16 // dp}-token decode steps: {fp8_gemm_leaves(cfg, params, sharding, 16 // dp)}",
+              flush=True)
     for i, p in enumerate(prompts):
         eng.add_request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0))
     outs = {}
@@ -75,6 +82,22 @@ def run_layout(cfg, params, name, prompts, max_tokens, dtype="bfloat16", runner_
     print(f"{name}: compiles after warm-up {eng.runner.compiles_after_warmup}", flush=True)
     del eng
     return res
+
+
+def fp8_gemm_leaves(cfg, params, sharding, num_tokens: int) -> list[str]:
+    """The FP8 projections a decode step of `num_tokens` token slots runs through kernels/fp8_gemm.py under this
+    layout (models/decode_kernels.py: `decode_stacked` on one device, `decode_stacked_splits` per device)."""
+    from deepinfer_jax.models.decode_kernels import decode_stacked, decode_stacked_splits
+    from deepinfer_jax.models.params import layer_segments
+    from deepinfer_jax.models.quant import is_fp8
+
+    mr = None if sharding is None else sharding.mesh_rules
+    out = []
+    for i, (seg, sp) in enumerate(zip(layer_segments(cfg), params["segments"])):
+        one = {k for k, w in decode_stacked(sp, num_tokens, "pallas", mr, True).items() if is_fp8(w)}
+        keys = one | set(decode_stacked_splits(seg, sp, cfg, num_tokens, "pallas", mr, True))
+        out += [f"segments.{i}.{g}.{n}" for g, n in sorted(keys)]
+    return out
 
 
 def quantize_fp8_on_device(params, block=(128, 128)):

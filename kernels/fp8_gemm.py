@@ -179,12 +179,13 @@ def _kernel(layer_ref, x_ref, xs_ref, q_ref, s_ref, o_ref, *, tk, tn, tm, bk, bn
 
 
 @functools.partial(jax.jit, static_argnames=("block", "act", "layout", "tile_m", "split_k", "num_warps",
-                                             "num_stages", "interpret"))
+                                             "num_stages", "out_dtype", "interpret"))
 def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="kn", tile_m=None, split_k=None,
-               num_warps=None, num_stages=None, interpret=False):
+               num_warps=None, num_stages=None, out_dtype=None, interpret=False):
     """x [M, K], q [(L,) K, N] float8_e4m3fn, scale [(L,) K // bk, N // bn] fp32 (layout "nk": q [(L,) N, K],
-    scale [(L,) N // bn, K // bk]) -> [M, N] in x's dtype (module docstring). `layer` (int32 scalar) indexes
-    stacked q / scale in place. Tiles left as None come from `plan`."""
+    scale [(L,) N // bn, K // bk]) -> [M, N] in `out_dtype` (x's dtype when None; fp32 for a partial sum that
+    is reduced over devices after) (module docstring). `layer` (int32 scalar) indexes stacked q / scale in
+    place. Tiles left as None come from `plan`."""
     if layout not in ("kn", "nk"):
         raise ValueError(f"fp8_matmul: layout must be 'kn' or 'nk', got {layout!r}")
     if act not in ("fp8", "bf16"):
@@ -203,6 +204,7 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="
     tm, tk, tn, split, warps, stages = plan(M, K, N, block)
     tm, split, warps, stages = tile_m or tm, split_k or split, num_warps or warps, num_stages or stages
     grouped = split == 1 and M > DECODE_MAX_TOKENS
+    out_dtype = x.dtype if out_dtype is None else jnp.dtype(out_dtype)
     m_pad = _cdiv(M, tm) * tm
     if act == "fp8":
         xk, xs = quantize_act(x, bk)  # [M, K] e4m3, [M, K // bk]
@@ -212,7 +214,7 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="
         xk, xs = (jnp.pad(a, ((0, m_pad - M), (0, 0))) for a in (xk, xs))
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     if grouped:
-        grid, out = (m_pad // tm * (N // tn),), jax.ShapeDtypeStruct((m_pad, N), x.dtype)
+        grid, out = (m_pad // tm * (N // tn),), jax.ShapeDtypeStruct((m_pad, N), out_dtype)
     else:
         grid, out = (N // tn, m_pad // tm, split), jax.ShapeDtypeStruct((split, m_pad, N), jnp.float32)
     part = pl.pallas_call(
@@ -220,4 +222,4 @@ def fp8_matmul(x, q, scale, layer=None, *, block=(128, 128), act="fp8", layout="
                           layout=layout, grouped=grouped),
         grid=grid, out_shape=out, compiler_params=compiler_params(warps, stages, interpret), interpret=interpret,
     )(layer, xk, xs, q, scale.astype(jnp.float32))
-    return part[:M] if grouped else part.sum(axis=0)[:M].astype(x.dtype)
+    return part[:M] if grouped else part.sum(axis=0)[:M].astype(out_dtype)

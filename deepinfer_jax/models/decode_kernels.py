@@ -63,6 +63,28 @@ def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules
     return out
 
 
+def decode_stacked_splits(seg, seg_params: dict, cfg: ModelConfig, num_tokens: int, attn_impl: str,
+                          mesh_rules: MeshRules | None, enabled: bool) -> dict:
+    """{(group, name): models/fp8_parallel.Fp8Split} of the segment's FP8 projections (`STACKABLE`) that a step
+    reads in place through kernels/fp8_gemm.py on each device's slice: with `enabled`, on the Pallas path under a
+    mesh, where each device's GEMM (`fp8_parallel.fp8_split`'s `local` rows, K and N) takes the kernel by the one
+    device's rule (`fp8_stackable`). Empty on one device (`decode_stacked` serves it) and elsewhere."""
+    if not enabled or mesh_rules is None or attn_impl not in ("pallas", "pallas_interpret"):
+        return {}
+    from deepinfer_jax.models.fp8_parallel import fp8_split
+    from deepinfer_jax.models.params import layer_specs
+
+    specs = layer_specs(cfg, seg.kind, seg.num_layers)
+    out = {}
+    for group, name, in_dims in STACKABLE:
+        w = seg_params.get(group, {}).get(name)
+        if w is not None and is_fp8(w):
+            split = fp8_split(mesh_rules, w, specs[group][name].axes, in_dims, num_tokens)
+            if split is not None and fp8_stackable(w, *split.local):
+                out[(group, name)] = split
+    return out
+
+
 def fp8_stackable(w, num_tokens: int, K: int, N: int) -> bool:
     """Whether a stacked Fp8Weight [L, K, N] (logical) goes through kernels/fp8_gemm.py in this step: the rule
     (`quant.fp8_kernel_act`), whole blocks the kernel tiles, and gate and up blocked apart on a block boundary

@@ -36,8 +36,8 @@ from deepinfer_jax.models import dsa, mla
 from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
-    decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_value_weights, merged_qkv_applies,
-    oproj_partials, pallas_one_device, residual_route_step, route_experts_step)
+    decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_stacked_splits, decode_value_weights,
+    merged_qkv_applies, oproj_partials, pallas_one_device, residual_route_step, route_experts_step)
 from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
@@ -428,8 +428,12 @@ def forward_paged(
                     and shared_into_kernels(seg_params["moe"], moe_impl, mesh_rules, meta.token_ids.shape[0])):
                 experts, stacked = {**experts, "shared": seg_params["moe"]["shared"]}, ("experts", "shared")
             scanned = {**seg_params, "moe": {k: v for k, v in seg_params["moe"].items() if k not in stacked}}
-        projections = {k: w for k, w in decode_stacked(seg_params, meta.token_ids.shape[0], attn_impl, mesh_rules,
-                                                       decode_projection_kernel).items() if _on_device(w) is not None}
+        T = meta.token_ids.shape[0]
+        projections = decode_stacked(seg_params, T, attn_impl, mesh_rules, decode_projection_kernel)
+        # under a mesh: FP8 projections through the FP8 GEMM on each device's slice (models/fp8_parallel.py)
+        splits = decode_stacked_splits(seg, seg_params, cfg, T, attn_impl, mesh_rules, decode_projection_kernel)
+        projections.update({k: seg_params[k[0]][k[1]] for k in splits})
+        projections = {k: w for k, w in projections.items() if _on_device(w) is not None}
         # kv_b_proj also stays in the scanned params: absorb_query reads each layer's W_UK from it.
         value_kv_b = _on_device(decode_value_weights(seg_params, cfg, meta, attn_impl, mesh_rules, split_plan,
                                                      decode_output_kernel))
@@ -447,11 +451,12 @@ def forward_paged(
 
         def body(carry, xs, kind=seg.kind, experts=experts, projections=projections, value_kv_b=value_kv_b,
                  absorb_kv_b=absorb_kv_b, latent_norm=latent_norm, route_w=route_w, merged_qkv=merged_qkv,
-                 moe_launch=moe_launch):
+                 moe_launch=moe_launch, splits=splits):
             h, cache = carry
             lp, li, j = xs
             for (group, name), w in projections.items():  # read in place by the decode kernel
-                lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret")}}
+                lp = {**lp, group: {**lp[group], name: StackedWeight(w, j, attn_impl == "pallas_interpret",
+                                                                     splits.get((group, name)))}}
             x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
             if cfg.has_indexer:  # DeepSeek Sparse Attention (models/dsa.py)
                 a, cache = dsa.write_and_attend_sparse(lp["attn"], cfg, x, cos, sin, cache, li, meta,

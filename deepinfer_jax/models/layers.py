@@ -6,6 +6,7 @@ Weights are stored JAX-style `[in, out]` (the converter transposes HF's `[out, i
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -38,29 +39,47 @@ class StackedWeight(NamedTuple):
     stacked: jax.Array
     layer: jax.Array
     interpret: bool = False
+    split: object = None  # under a mesh, an FP8 weight's models/fp8_parallel.Fp8Split: the GEMM per device
 
 
 def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Array:
     """x [..., *in] through one layer of w.stacked [L, *in, *out] (its first `in_dims` weight dims
-    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel (an Fp8Weight: the FP8 GEMM)."""
+    contracted) -> [..., *out] in x's dtype, by the decode-projection kernel (an Fp8Weight: the FP8 GEMM,
+    `fp8_stacked_matmul`; with `split`, on each device's slice: models/fp8_parallel.py)."""
     from deepinfer_jax.kernels.decode_matmul import decode_matmul
 
+    if is_fp8(w.stacked):
+        if w.split is not None:
+            from deepinfer_jax.models.fp8_parallel import fp8_matmul_split
+
+            local = functools.partial(fp8_stacked_matmul, in_dims=in_dims, interpret=w.interpret)
+            return fp8_matmul_split(local, x, w.stacked, w.layer, w.split)
+        return fp8_stacked_matmul(x, w.stacked, w.layer, in_dims, interpret=w.interpret)
     shape = w.stacked.shape[1:]
+    K, N = math.prod(shape[:in_dims]), math.prod(shape[in_dims:])
+    lead = x.shape[: x.ndim - in_dims]
+    y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, interpret=w.interpret)
+    return y.astype(x.dtype).reshape(*lead, *shape[in_dims:])
+
+
+def fp8_stacked_matmul(x: jax.Array, f, layer: jax.Array, in_dims: int = 1, out_dtype=None,
+                       interpret: bool = False) -> jax.Array:
+    """x [..., *in] through layer `layer` of the stacked Fp8Weight f (logical [L, *in, *out]; HF's [L, (2,) N, K]
+    e4m3 and its block scales, read as stored) by kernels/fp8_gemm.py -> [..., *out] in `out_dtype` (x's dtype
+    when None). W8A8 or W8A16 by `quant.fp8_kernel_act` on this GEMM's rows, K and N."""
+    from deepinfer_jax.kernels.fp8_gemm import fp8_matmul
+
+    shape = f.shape[1:]
     ins, outs = shape[:in_dims], shape[in_dims:]
     K, N = math.prod(ins), math.prod(outs)
     lead = x.shape[: x.ndim - in_dims]
-    if is_fp8(w.stacked):  # HF's [L, (2,) N, K] e4m3 and its block scales, read as stored
-        from deepinfer_jax.kernels.fp8_gemm import fp8_matmul
-
-        f = w.stacked
-        q = f.q.reshape(f.q.shape[0], -1, f.q.shape[-1])  # gate_up [L, 2, I, D] -> [L, 2I, D], gate rows first
-        s = f.scale.reshape(f.scale.shape[0], -1, f.scale.shape[-1])
-        x2 = x.reshape(-1, K)
-        act = fp8_kernel_act(x2.shape[0], K, N) or "bf16"  # decode_stacked sent it here by the same rule
-        y = fp8_matmul(x2, q, s, w.layer, block=(f.block[1], f.block[0]), act=act, layout="nk", interpret=w.interpret)
-        return y.astype(x.dtype).reshape(*lead, *outs)
-    y = decode_matmul(x.reshape(-1, K), w.stacked.reshape(w.stacked.shape[0], K, N), w.layer, interpret=w.interpret)
-    return y.astype(x.dtype).reshape(*lead, *outs)
+    q = f.q.reshape(f.q.shape[0], -1, f.q.shape[-1])  # gate_up [L, 2, I, D] -> [L, 2I, D], gate rows first
+    s = f.scale.reshape(f.scale.shape[0], -1, f.scale.shape[-1])
+    x2 = x.reshape(-1, K)
+    act = fp8_kernel_act(x2.shape[0], K, N) or "bf16"  # decode_stacked sent it here by the same rule
+    y = fp8_matmul(x2, q, s, layer, block=(f.block[1], f.block[0]), act=act, layout="nk", out_dtype=out_dtype,
+                   interpret=interpret)
+    return y.reshape(*lead, *outs)
 
 
 def linear(x: jax.Array, w) -> jax.Array:

@@ -259,6 +259,9 @@ def local_experts_f32(moe_impl: str, ex_l: dict, x: jax.Array, w: jax.Array, idx
         y = quantized_experts(ex_l, x, w_loc, idx_loc, layer, moe_impl == "pallas_interpret") if (
             is_quantized(ex_l["gate_up"])) else None
         if y is None:  # float experts, or shapes the quantized kernels do not tile
+            if layer is not None and is_quantized(ex_l["gate_up"]):  # dequantize this layer only, not every layer
+                ex_l = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, keepdims=False), ex_l)
+                layer = None
             y = moe_experts(x, weight(ex_l["gate_up"], x.dtype), weight(ex_l["down"], x.dtype), w_loc, idx_loc,
                             layer=layer, interpret=moe_impl == "pallas_interpret")
         return y.astype(jnp.float32)
