@@ -280,7 +280,8 @@ class LLM:
                                           pipeline_parallel_size),
                                   self.dtype, quantization, kv_cache_dtype, gpu_memory, gpu_memory_utilization,
                                   max_model_len, page_size=page_size, max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens, cpu_offload_gb=cpu_offload_gb)
+                                  max_num_batched_tokens=max_num_batched_tokens, cpu_offload_gb=cpu_offload_gb,
+                                  speculative_config=spec)
             if problem:
                 raise ValueError(problem)
         # The weights load while the engine compiles its step programs (weights/pending.py).

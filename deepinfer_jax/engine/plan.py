@@ -67,25 +67,31 @@ def resolve_dtype(dtype: str, model_dir: str) -> str:
 
 def fit_problem(model: str, parallel: tuple, dtype: str, quantization: str | None,
                 kv_cache_dtype: str, gpu_memory: float | None, gpu_memory_utilization: float,
-                max_model_len: int | None, cpu_offload_gb: float = 0.0, **v4_sizes) -> str | None:
+                max_model_len: int | None, cpu_offload_gb: float = 0.0, speculative_config=None,
+                **v4_sizes) -> str | None:
     """"MODEL does not fit: REASON" (`deepinfer plan`'s verdict) when the model cannot fit the device (its own memory
     figures, or `gpu_memory` GiB); None when it fits, or when the device reports none (CPU) and no gpu_memory is
     given. `parallel`: (tensor_parallel_size, data_parallel_size, enable_expert_parallel[, pipeline_parallel_size]);
     `cpu_offload_gb`: GiB of weights in host memory; `v4_sizes`: page_size, max_num_seqs, max_num_batched_tokens as
-    the engine will have them (DeepSeek-V4's pools). Reads config.json and the safetensors headers only."""
+    the engine will have them (DeepSeek-V4's pools); `speculative_config`: with deepseek_mtp, the MTP layer's cache
+    rows count (a draft model's weights and cache do not: `plan` does not count them). Reads config.json and the
+    safetensors headers only."""
     import jax
 
+    from deepinfer_jax.config import SpeculativeConfig
     from deepinfer_jax.runner.device_memory import device_memory, given_memory
 
     memory = given_memory(gpu_memory) if gpu_memory is not None else device_memory(jax.devices()[0])
     if memory is None:
         return None
     tp, dp, ep, *pp = parallel
+    spec = SpeculativeConfig.parse(speculative_config)
     p = plan(model, tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
              pipeline_parallel_size=pp[0] if pp else 1, dtype=dtype,
              quantization=quantization, kv_cache_dtype=kv_cache_dtype, memory=memory,
              gpu_memory_utilization=gpu_memory_utilization, max_model_len=max_model_len,
-             cpu_offload_gb=cpu_offload_gb, **v4_sizes)
+             cpu_offload_gb=cpu_offload_gb, speculative_config=spec if spec and spec.method == "deepseek_mtp" else None,
+             **v4_sizes)
     return f"{model} does not fit: {p.reason}" if p.fits is False else None
 
 

@@ -349,7 +349,7 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         try:
             problem = fit_problem(model_dir, pc, resolve_dtype(ns.dtype, model_dir), ns.quantization,
                                   ns.kv_cache_dtype, ns.gpu_memory, ns.gpu_memory_utilization, kw.get("max_model_len"),
-                                  cpu_offload_gb=ns.cpu_offload_gb)
+                                  cpu_offload_gb=ns.cpu_offload_gb, speculative_config=ns.speculative_config)
         except ValueError as e:
             problem = str(e)
         if problem:

@@ -9,6 +9,7 @@ tensors added: greedy output equals HF's. A checkpoint without MTP weights is re
 from __future__ import annotations
 
 import functools
+import json
 import os
 
 import jax
@@ -52,6 +53,21 @@ def test_plan_counts_the_mtp_layers_cache_rows(llm):
                 **sizes).kv_bytes_per_token * (layers + 1) == allocated * layers  # n-gram drafts hold no cache
     with pytest.raises(ValueError, match="does not count a --speculative-config draft model"):
         plan(DEFAULT, speculative_config={"method": "draft_model", "model": DEFAULT, "num_speculative_tokens": K})
+
+
+def test_start_up_fit_check_counts_the_mtp_layers_cache_rows():
+    """serve's and LLM's fit check (`fit_problem`) counts the MTP layer's cache with deepseek_mtp: 0.03 GiB holds
+    1,536 tokens of the default model's KV without it, not with it; an n-gram or draft-model config adds no rows."""
+    from deepinfer_jax.engine.plan import fit_problem
+
+    def problem(spec):
+        return fit_problem(DEFAULT, (1, 1, False), "float32", None, "auto", 0.03, 0.9, 1536, page_size=8,
+                           speculative_config=spec)
+
+    assert problem(None) is None
+    assert "does not fit" in problem(json.dumps({"method": "deepseek_mtp", "num_speculative_tokens": K}))
+    assert problem({"method": "ngram", "num_speculative_tokens": K}) is None
+    assert problem({"method": "draft_model", "model": DEFAULT, "num_speculative_tokens": K}) is None
 
 
 @functools.lru_cache(maxsize=None)
