@@ -7,17 +7,14 @@ devices, one subprocess per checkpoint (tests/sharding/run_case.py), both at onc
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from hf_models import build_hf_model, hf_greedy, read_tensors, rewrite_checkpoint, save_hf_model
+from _runs import REPO, run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_CASE = os.path.join(REPO, "tests", "sharding", "run_case.py")
 VOCAB = 317  # odd: TP = 2, 4, 8 pad it to 384, 512, 512
 EVERY_LAYOUT = ["2x1", "4x1", "4x1ep", "2x2", "2x2ep", "2x4ep", "4x2ep", "1x8ep"]
@@ -55,15 +52,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(checkpoints):
     _, dirs = checkpoints
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    procs = {k: subprocess.Popen([sys.executable, RUN_CASE, dirs[k], *layouts], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True, env=env) for k, layouts in RUNS.items()}
-    out = {}
-    for k, p in procs.items():
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
-        out[k] = json.loads(stdout.split("RESULT ", 1)[1])
-    return out
+    return run_all({k: [RUN_CASE, dirs[k], *layouts] for k, layouts in RUNS.items()})
 
 
 @pytest.mark.parametrize("kind", sorted(RUNS))

@@ -10,17 +10,14 @@ under TP = 4 one head's 24 q_b_proj rows are not."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import read_tensors, rewrite_checkpoint
 from deepinfer_jax.models.quant import fp8_quantize_blocks
+from _runs import REPO, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = (16, 8)  # rows (out) x columns (in)
 LAYOUTS = ["1x1", "2x1", "1x2ep", "4x1", "2x2"]
 
@@ -36,11 +33,7 @@ def runs(hf_case, tmp_path_factory):
             fp8[name] = w
     d = rewrite_checkpoint(path, str(tmp_path_factory.mktemp("fp8tp") / "fp8"), fp8,
                            {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK)}})
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "sharding", "run_fp8.py"), d, *LAYOUTS],
-                         capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0 and "RESULT " in out.stdout, out.stderr[-4000:]
-    return json.loads(out.stdout.split("RESULT ", 1)[1])
+    return run([os.path.join(REPO, "tests", "sharding", "run_fp8.py"), d, *LAYOUTS])
 
 
 @pytest.mark.parametrize("layout", ["2x1", "1x2ep"])

@@ -11,17 +11,14 @@ The tiny V3 with intermediate sizes 128 / 64 and 16 x 32 blocks: under TP = 2 ev
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import build_hf_model, read_tensors, rewrite_checkpoint, save_hf_model
 from deepinfer_jax.models.quant import fp8_quantize_blocks
+from _runs import REPO, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BLOCK = (16, 32)  # rows (out) x columns (in)
 D, HDV, I = 64, 4 * 16, 128  # hidden, heads x v_head_dim, the dense MLP's intermediate size
 
@@ -39,11 +36,7 @@ def runs(tmp_path_factory):
             fp8[name] = w
     d = rewrite_checkpoint(path, str(tmp / "fp8"), fp8,
                            {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK)}})
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "sharding", "run_fp8_kernels.py"), d,
-                          "1x1", "2x1", "1x2ep"], capture_output=True, text=True, env=env, timeout=900)
-    assert out.returncode == 0 and "RESULT " in out.stdout, out.stderr[-4000:]
-    return json.loads(out.stdout.split("RESULT ", 1)[1])
+    return run([os.path.join(REPO, "tests", "sharding", "run_fp8_kernels.py"), d, "1x1", "2x1", "1x2ep"])
 
 
 def test_split_fp8_gemm_equals_the_unsharded_kernel_and_follows_the_rule(runs):

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import hf_greedy, random_prompts
+from _runs import REPO, run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.join(REPO, "tests", "sharding")
-ENV = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
 # LLM with all-to-all dispatch and EPLB (8 redundant experts placed from skewed counts: 24 physical, 3 a device),
 # DP4 x EP8 (TP2: tokens sliced over "tensor" before dispatch); the all-gather form with a placement and the
 # all-to-all without one: run_moe_dispatch.py
@@ -67,23 +64,15 @@ print("RESULT " + json.dumps({"tokens": [o.outputs[0].token_ids for o in res],
 LENGTHS, MAX_TOKENS = (3, 17, 40, 9, 24, 1), 6
 
 
-def _result(p: subprocess.Popen) -> dict:
-    stdout, stderr = p.communicate(timeout=900)
-    assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
-    return json.loads(stdout.split("RESULT ", 1)[1])
-
-
 @pytest.fixture(scope="module")
 def runs(hf_case, tmp_path_factory):
     model, path = hf_case("v3_grouped_noaux")
     load = tmp_path_factory.mktemp("eplb") / "load.json"
     load.write_text(json.dumps([1000.0 / (1 + e) ** 1.5 for e in range(model.config.n_routed_experts)]))  # 0-2 hot
     prompts = random_prompts(1, LENGTHS, model.config.vocab_size)
-    layer = subprocess.Popen([sys.executable, os.path.join(HERE, "run_moe_dispatch.py")], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True, env=ENV)
-    engine = subprocess.Popen([sys.executable, "-c", SCRIPT, path, json.dumps(prompts), str(load), HERE],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-    return _result(layer), (prompts, _result(engine))
+    out = run_all({"layer": [os.path.join(HERE, "run_moe_dispatch.py")],
+                   "engine": ["-c", SCRIPT, path, json.dumps(prompts), str(load), HERE]})
+    return out["layer"], (prompts, out["engine"])
 
 
 def test_all_to_all_equals_all_gather_and_one_device(runs):

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import os
 import socket
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import hf_greedy
+from _runs import REPO, start
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO, "tests", "sharding", "run_multihost.py")
 LAYOUT = "4x2ep"
 TIMEOUT_S = 600
@@ -42,14 +40,8 @@ def _free_port_pair() -> int:
 
 def test_two_processes_give_one_process_tokens(hf_case):
     model, path = hf_case("v2_greedy_yarn")  # test_sharded_greedy.py runs it on 4x2ep in one process
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     port = _free_port_pair()
-
-    def start(nnodes, rank, devices):
-        return subprocess.Popen([sys.executable, SCRIPT, path, LAYOUT, str(nnodes), str(rank), str(port), str(devices)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-
-    procs = {"rank0": start(2, 0, 4), "rank1": start(2, 1, 4)}
+    procs = {f"rank{r}": start([SCRIPT, path, LAYOUT, "2", str(r), str(port), "4"]) for r in (0, 1)}
     out = {}
     try:
         for name, p in procs.items():

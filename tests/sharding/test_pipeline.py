@@ -10,16 +10,13 @@ JAX starts), all at once.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import build_hf_model, hf_greedy, save_hf_model
+from _runs import REPO, run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN = os.path.join(REPO, "tests", "sharding", "run_pipeline.py")
 
 V3_LAYOUTS = ["1x1-pp4", "2x1-pp2", "4x1-pp2", "2x2ep-pp2"]  # PP2 alone: the PP2 x TP layouts' stage split
@@ -33,16 +30,9 @@ def runs(tmp_path_factory, hf_case):
     v3 = build_hf_model("v3_grouped_noaux", num_hidden_layers=5)
     v3_dir = save_hf_model(v3, str(tmp_path_factory.mktemp("v3_5_layers")))
     dense, dense_dir = hf_case("llama_tp")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    procs = {name: subprocess.Popen([sys.executable, RUN, path, *layouts], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
-             for name, path, layouts in (("v3", v3_dir, V3_LAYOUTS), ("dense", dense_dir, DENSE_LAYOUTS),
-                                         ("micro", v3_dir, MICRO_LAYOUTS))}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
-        out[name] = json.loads(stdout.split("RESULT ", 1)[1])
+    out = run_all({name: [RUN, path, *layouts]
+                   for name, path, layouts in (("v3", v3_dir, V3_LAYOUTS), ("dense", dense_dir, DENSE_LAYOUTS),
+                                               ("micro", v3_dir, MICRO_LAYOUTS))})
     return {"v3": (v3, out["v3"], v3_dir), "dense": (dense, out["dense"], dense_dir),
             "micro": (v3, out["micro"], v3_dir)}
 

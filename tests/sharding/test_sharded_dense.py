@@ -5,12 +5,9 @@ tests/engine/test_dense_llm.py)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
+from _runs import REPO, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _hf_greedy(model, prompt, n):
@@ -24,11 +21,7 @@ def _hf_greedy(model, prompt, n):
 
 def test_tensor_parallel_greedy_equals_hf(hf_case):
     model, path = hf_case("llama_tp")
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    p = subprocess.run([sys.executable, os.path.join(REPO, "tests", "sharding", "run_case.py"), path, "2x1", "4x1"],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0 and "RESULT " in p.stdout, p.stderr[-4000:]
-    res = json.loads(p.stdout.split("RESULT ", 1)[1])
+    res = run([os.path.join(REPO, "tests", "sharding", "run_case.py"), path, "2x1", "4x1"])
     runs = res["layouts"]
     for layout in ("2x1", "4x1"):
         assert runs[layout]["compiles_after_warmup"] == 0

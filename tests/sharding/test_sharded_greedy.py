@@ -12,16 +12,13 @@ its combined layouts), expert parallelism alone and with data parallelism.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import hf_greedy
+from _runs import REPO, run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_CASE = os.path.join(REPO, "tests", "sharding", "run_case.py")
 
 LAYOUTS = {
@@ -32,18 +29,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(hf_case):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    procs = {}
-    for case, layouts in LAYOUTS.items():
-        _, path = hf_case(case)
-        procs[case] = subprocess.Popen([sys.executable, RUN_CASE, path, *layouts], stdout=subprocess.PIPE,
-                                       stderr=subprocess.PIPE, text=True, env=env)
-    out = {}
-    for case, p in procs.items():
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
-        out[case] = json.loads(stdout.split("RESULT ", 1)[1])
-    return out
+    return run_all({case: [RUN_CASE, hf_case(case)[1], *layouts] for case, layouts in LAYOUTS.items()})
 
 
 @pytest.mark.parametrize("case", sorted(LAYOUTS))

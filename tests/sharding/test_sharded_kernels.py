@@ -5,13 +5,10 @@ the single-device kernel run equals: tests/engine/test_llm_greedy.py)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 from hf_models import random_prompts
+from _runs import run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LENGTHS, MAX_TOKENS = (3, 17, 40, 9), 6
 
 SCRIPT = r"""
@@ -43,12 +40,8 @@ def _hf_greedy(model, prompt, n):
 def test_kernels_under_expert_parallelism(hf_case):
     model, path = hf_case("v3_grouped_noaux")
     prompts = random_prompts(0, LENGTHS, model.config.vocab_size)
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO,
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    p = subprocess.run([sys.executable, "-c", SCRIPT, path, json.dumps(prompts), str(MAX_TOKENS)],
-                       capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0 and "RESULT " in p.stdout, p.stderr[-4000:]
-    out = json.loads(p.stdout.split("RESULT ", 1)[1])
+    out = run(["-c", SCRIPT, path, json.dumps(prompts), str(MAX_TOKENS)],
+              XLA_FLAGS="--xla_force_host_platform_device_count=2")
     want = [_hf_greedy(model, q, MAX_TOKENS) for q in prompts]
     assert out["dp2ep"]["tokens"] == want and out["tp2ep"]["tokens"] == want
     assert all(r["late_compiles"] == 0 for r in out.values())

@@ -15,17 +15,14 @@ Pipeline parallelism is refused in one line before anything loads."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import build_hf_model, hf_greedy, save_hf_model, with_mtp_weights
 from deepinfer_jax import LLM
+from _runs import REPO, run_all
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_SPEC = os.path.join(REPO, "tests", "sharding", "run_spec.py")
 DEFAULT = os.path.join(REPO, "deepinfer_jax", "assets", "default-model")
 # 2x2ep: TP=2 and DP=2 (EP=4) at once; 2x1: tensor parallelism alone (one rank); 1x2ep: DP=2 x EP=2 (TP=1)
@@ -43,16 +40,8 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def runs(tiny):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
-    procs = {name: subprocess.Popen([sys.executable, RUN_SPEC, path, *cases], stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True, env=env)
-             for name, path, cases in (("default", DEFAULT, MTP_CASES), ("tiny", tiny[1], TINY_CASES))}
-    out = {}
-    for name, p in procs.items():
-        stdout, stderr = p.communicate(timeout=900)
-        assert p.returncode == 0 and "RESULT " in stdout, stderr[-4000:]
-        out[name] = json.loads(stdout.split("RESULT ", 1)[1])
-    return out
+    return run_all({name: [RUN_SPEC, path, *cases]
+                    for name, path, cases in (("default", DEFAULT, MTP_CASES), ("tiny", tiny[1], TINY_CASES))})
 
 
 def _check_run(name, r, layers):

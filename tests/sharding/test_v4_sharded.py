@@ -17,16 +17,13 @@ and each layout's weight bytes on a device equal `deepinfer plan`'s per-device f
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_models import hf_greedy
+from _runs import REPO, run
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RUN_V4 = os.path.join(REPO, "tests", "sharding", "run_v4.py")
 EXPERTS_SPLIT = ["('data', 'tensor')", "None", "None", "None"]
 # Layer 0's q_b_proj [Rq, H, hd], sinks [H], o_a_proj [g, H*hd/g, r], o_b_proj [g*r, D] with the heads split
@@ -48,12 +45,9 @@ def fp8_release(v4_release, tmp_path_factory):
 @pytest.fixture(scope="module")
 def runs(v4_release, fp8_release):
     _, release, floats = v4_release
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": REPO}
     args = [f"float={floats}:ragged:1x1,2x1ep,2x1", f"fp4={release}:pallas_interpret:3x1ep",
             f"fp8={fp8_release}:pallas_interpret/pallas_interpret:1x1,2x1ep"]
-    p = subprocess.run([sys.executable, RUN_V4, *args], capture_output=True, text=True, env=env, timeout=900)
-    assert p.returncode == 0 and "RESULT " in p.stdout, p.stderr[-4000:]
-    return json.loads(p.stdout.split("RESULT ", 1)[1])
+    return run([RUN_V4, *args])
 
 
 def test_one_device_run_is_hf_greedy(runs, v4_release):
