@@ -93,26 +93,10 @@ def step_memory(eng) -> dict:
 
 def v4_config(path: str, layers: int, tiny: bool) -> ModelConfig:
     """A DeepSeek-V4 ModelConfig: the tests' tiny one (`tiny`), else `path`'s config.json or HF's DeepseekV4Config
-    ("default"), cut to its first `layers` layers, without MTP."""
-    import json
+    ("default"), cut to its first `layers` layers, without MTP (offload_load.py's `v4_dict`)."""
+    from offload_load import v4_dict
 
-    if tiny:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from hf_models_v4 import V4_TINY
-
-        return ModelConfig.from_hf_dict(dict(V4_TINY, model_type="deepseek_v4"))
-    if path == "default":
-        from transformers import DeepseekV4Config
-
-        d = DeepseekV4Config().to_dict()
-    else:
-        with open(path) as f:
-            d = json.load(f)
-    d.update(num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0)
-    for k in ("layer_types", "mlp_layer_types"):
-        if d.get(k):
-            d[k] = d[k][:layers]
-    return ModelConfig.from_hf_dict(d)
+    return ModelConfig.from_hf_dict(v4_dict(path, layers, tiny))
 
 
 def run(eng, prompts, output_len: int) -> dict:

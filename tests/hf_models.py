@@ -144,6 +144,26 @@ def rewrite_checkpoint(src: str, dst: str, tensors: dict, extra_config: dict | N
     return dst
 
 
+def is_linear(name: str, w) -> bool:
+    """A 2-D projection weight of a DeepSeek checkpoint (the router's gate excluded): what FP8 releases store in FP8."""
+    return name.endswith(("proj.weight", "proj_with_mqa.weight")) and "mlp.gate." not in name and w.ndim == 2
+
+
+def fp8_checkpoint(src: str, dst: str, block: tuple[int, int], quantized=is_linear) -> tuple[str, dict]:
+    """(`dst`, its tensors): a copy of the checkpoint `src` whose tensors `quantized(name, w)` picks are FP8 in
+    `block`s (weight + weight_scale_inv, as DeepSeek's releases store them), its config naming the block."""
+    from deepinfer_jax.models.quant import fp8_quantize_blocks
+
+    out = {}
+    for name, w in read_tensors(src).items():
+        if quantized(name, w):
+            out[name], out[name + "_scale_inv"] = fp8_quantize_blocks(w, block)
+        else:
+            out[name] = w
+    quant_cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
+    return rewrite_checkpoint(src, dst, out, quant_cfg), out
+
+
 def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
     import numpy as np
 

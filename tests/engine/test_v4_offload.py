@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from hf_models import random_prompts
+from load_peak import load_peak
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.engine.plan import plan
 
@@ -87,34 +88,6 @@ def test_offloaded_v4_greedy_equals_hf_and_streams_one_layer_at_a_time(offloaded
     assert runner.compiles_after_warmup == 0
 
 
-def _load_peak(monkeypatch, pending):
-    """(pending's params, the most bytes of device-memory arrays the load made that were alive at once), probed
-    (jax.live_arrays) around every jax.device_put of the load, and after it."""
-    import jax
-
-    before = jax.live_arrays()  # held, so no array made by the load reuses one's id
-    old = {id(x) for x in before}
-    peak = [0]
-
-    def probe():
-        peak[0] = max(peak[0], sum(x.nbytes for x in jax.live_arrays()
-                                   if id(x) not in old and x.sharding.memory_kind == "device"))
-
-    put = jax.device_put
-
-    def spied(*args, **kwargs):
-        probe()
-        out = put(*args, **kwargs)
-        probe()
-        return out
-
-    monkeypatch.setattr(jax, "device_put", spied)
-    params = pending.result()
-    probe()
-    monkeypatch.undo()
-    return params, peak[0]
-
-
 def test_offloaded_leaves_load_straight_into_host_memory(v4_release, monkeypatch):
     """The chosen leaves (FP4 experts, FP8 and float weights) go to pinned host memory from the checkpoint: the
     device's peak during the load and its bytes after it are the all-on-device load's less the offloaded bytes
@@ -124,13 +97,13 @@ def test_offloaded_leaves_load_straight_into_host_memory(v4_release, monkeypatch
     from deepinfer_jax.runner.weight_offload import LoadFirst, choose, host_bytes, offload, param_leaves, place
 
     rel = v4_release[1]
-    reference, whole = _load_peak(monkeypatch, _announced(rel))
+    reference, whole = load_peak(monkeypatch, _announced(rel))
     total = sum(n for _, n in param_leaves(reference))
     assert whole == total and _kinds(reference) == {"device"}
     announced = _announced(rel)
     direct, offloaded = offload(announced, _budget(rel)[0] / GIB)
     assert not isinstance(direct, LoadFirst) and offloaded == _budget(rel)[0]
-    params, peak = _load_peak(monkeypatch, direct)
+    params, peak = load_peak(monkeypatch, direct)
     assert peak == whole - offloaded
     assert host_bytes(params) == offloaded
     assert sum(x.nbytes for x in jax.tree.leaves(params) if x.sharding.memory_kind == "device") == total - offloaded
@@ -138,7 +111,7 @@ def test_offloaded_leaves_load_straight_into_host_memory(v4_release, monkeypatch
         assert a.dtype == b.dtype and np.array_equal(np.asarray(a), np.asarray(b))
     chosen = set(choose(param_leaves(announced.abstract), offloaded))  # the old way: all on the device, then moved
     old = LoadFirst(direct.abstract, lambda p=_announced(rel): place(p.load(), chosen))
-    assert _load_peak(monkeypatch, old)[1] >= whole
+    assert load_peak(monkeypatch, old)[1] >= whole
 
 
 def test_plan_counts_what_the_engine_offloads(offloaded):

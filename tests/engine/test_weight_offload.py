@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from hf_models import random_prompts
+from load_peak import load_peak
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.config import CacheConfig
 from deepinfer_jax.engine.plan import plan
@@ -266,39 +267,6 @@ def test_dense_family_streams_one_layer_at_a_time(hf_case, hf_greedy):
     assert runner.compiles_after_warmup == 0
 
 
-def _load_peak(monkeypatch, pending):
-    """(pending's params, the most bytes of device-memory arrays the load made that were alive at once), probed
-    (jax.live_arrays) around every tensor read, orbax restore and device_put of the load, and after it."""
-    import jax
-    import orbax.checkpoint as ocp
-
-    from deepinfer_jax.weights import hf_loader
-
-    before = jax.live_arrays()  # held, so no array made by the load reuses one's id
-    old = {id(x) for x in before}
-    peak = [0]
-
-    def probe():
-        peak[0] = max(peak[0], sum(x.nbytes for x in jax.live_arrays()
-                                   if id(x) not in old and x.sharding.memory_kind == "device"))
-
-    def spied(fn):
-        def run(*args, **kwargs):
-            probe()
-            out = fn(*args, **kwargs)
-            probe()
-            return out
-        return run
-
-    for owner, name in ((hf_loader, "read_rule_tensor"), (hf_loader, "read_fp8_rule"), (jax, "device_put"),
-                        (ocp.PyTreeCheckpointer, "restore")):
-        monkeypatch.setattr(owner, name, spied(getattr(owner, name)))
-    params = pending.result()
-    probe()
-    monkeypatch.undo()
-    return params, peak[0]
-
-
 @pytest.mark.parametrize("kind", ["float", "fp8", "int8"])
 def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_case, monkeypatch):
     """The load places the chosen leaves in pinned host memory straight from the checkpoint: the most the device
@@ -319,14 +287,14 @@ def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_cas
     def pending():
         return prepare_model(path, jnp.float32, progress=False, quantization=quant)[1]
 
-    reference, whole = _load_peak(monkeypatch, pending())
+    reference, whole = load_peak(monkeypatch, pending())
     total = sum(n for _, n in param_leaves(reference))
     assert whole >= total
     announced = pending()
     experts = sum(n for p, n in param_leaves(announced.abstract) if "experts" in p)
     direct, offloaded = offload(announced, experts / GIB)
     assert not isinstance(direct, LoadFirst) and 0 < offloaded < total
-    params, peak = _load_peak(monkeypatch, direct)
+    params, peak = load_peak(monkeypatch, direct)
     assert 0 < peak <= whole - offloaded  # (a converted unit's resident slices are restored, then stacked)
     assert host_bytes(params) == offloaded
     fp8 = [x for x in jax.tree.leaves(params, is_leaf=lambda x: hasattr(x, "block")) if hasattr(x, "block")]
@@ -336,7 +304,7 @@ def test_offloaded_leaves_load_straight_into_host_memory(kind, hf_case, int8_cas
     if kind == "float":  # the check fails for the old way: the whole model on the device, then the move
         chosen = set(choose(param_leaves(announced.abstract), offloaded))  # offload's choice
         old = LoadFirst(direct.abstract, lambda p=pending(): place(p.load(), chosen))
-        assert _load_peak(monkeypatch, old)[1] >= whole
+        assert load_peak(monkeypatch, old)[1] >= whole
 
 
 def test_random_weights_offloaded_equal_on_device(hf_case):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from hf_models import hf_logits, random_prompts
+from hf_models import fp8_checkpoint, hf_logits, is_linear, random_prompts
 from hf_models import read_tensors as _tensors
 from hf_models import rewrite_checkpoint as _rewrite
 from deepinfer_jax.models.deepseek import forward
@@ -25,23 +25,6 @@ CASE = "v3_grouped_noaux"  # q-LoRA, dense MLP, routed and shared experts
 BLOCK = (16, 24)  # rows (out) x columns (in): divides none of 64, 40, 24 columns / 40 rows exactly
 
 
-def _is_linear(name: str, w: np.ndarray) -> bool:
-    return name.endswith(("proj.weight", "proj_with_mqa.weight")) and "mlp.gate." not in name and w.ndim == 2
-
-
-def _fp8_copy(path: str, out: str, block: tuple[int, int], quantized) -> tuple[str, dict]:
-    """(`out`, its tensors): a copy of the checkpoint at `path` whose tensors `quantized(name, w)` picks are FP8 in
-    `block`s."""
-    fp8 = {}
-    for name, w in _tensors(path).items():
-        if quantized(name, w):
-            fp8[name], fp8[name + "_scale_inv"] = fp8_quantize_blocks(w, block)
-        else:
-            fp8[name] = w
-    quant_cfg = {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(block)}}
-    return _rewrite(path, out, fp8, quant_cfg), fp8
-
-
 @pytest.fixture(scope="module")
 def fp8_dirs(hf_case, tmp_path_factory):
     """(FP8 checkpoint dir, the float checkpoint dir, HF model holding the FP8 weights dequantized)."""
@@ -51,7 +34,7 @@ def fp8_dirs(hf_case, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8")
     fp8, deq = {}, {}
     for name, w in _tensors(path).items():
-        if _is_linear(name, w):
+        if is_linear(name, w):
             q, s = fp8_quantize_blocks(w, BLOCK)
             fp8[name], fp8[name + "_scale_inv"] = q, s
             deq[name] = dequantize_fp8_blocks(q, s, BLOCK)  # HF's arithmetic: float(q) * scale, in fp32
@@ -131,7 +114,7 @@ def test_online_fp8_of_a_float_checkpoint(fp8_dirs, tmp_path):
     checkpoint with weight_block_size [128, 128] load as."""
     _, path, _, _ = fp8_dirs
     cfg, online = load_model(path, jnp.float32, progress=False, quantization="fp8")
-    d, _ = _fp8_copy(path, str(tmp_path / "fp8_128"), (128, 128), _is_linear)
+    d, _ = fp8_checkpoint(path, str(tmp_path / "fp8_128"), (128, 128), is_linear)
     _, stored = load_model(d, jnp.float32, progress=False)
     assert jax.tree.structure(online) == jax.tree.structure(stored)
     kept = [x for x in jax.tree.leaves(online, is_leaf=is_fp8) if is_fp8(x)]
@@ -184,7 +167,7 @@ def test_dense_family_fp8_keeps_k_and_v_blocked_apart(hf_case, tmp_path):
     """A dense-family (Llama) FP8 checkpoint: k_proj and v_proj, each with its own blocks, land in kv_proj's two
     parts [L, 2, KVH * hd, D] (as gate and up do in gate_up); dequantized, every leaf equals the "none" load."""
     _, path = hf_case("llama_tp")
-    d, fp8 = _fp8_copy(path, str(tmp_path / "llama_fp8"), (12, 8),
+    d, fp8 = fp8_checkpoint(path, str(tmp_path / "llama_fp8"), (12, 8),
                        lambda name, w: name.endswith("proj.weight") and w.ndim == 2)
     _, params = load_model(d, jnp.float32, progress=False)
     _, deq = load_model(d, jnp.float32, progress=False, quantization="none")

@@ -11,25 +11,17 @@ import sys
 import jax.numpy as jnp
 import pytest
 
-from hf_models import read_tensors as _tensors
-from hf_models import rewrite_checkpoint as _rewrite
+from hf_models import fp8_checkpoint
 from deepinfer_jax.cli import main
 from deepinfer_jax.engine.plan import plan
-from deepinfer_jax.models.quant import fp8_quantize_blocks, weights_nbytes
+from deepinfer_jax.models.quant import weights_nbytes
 from deepinfer_jax.weights.loader import load_model
 
 
 @pytest.fixture(scope="module")
 def dirs(hf_case, tmp_path_factory):
     _, path = hf_case("v3_grouped_noaux")
-    fp8 = {}
-    for name, w in _tensors(path).items():
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and "mlp.gate." not in name:
-            fp8[name], fp8[name + "_scale_inv"] = fp8_quantize_blocks(w, (16, 24))
-        else:
-            fp8[name] = w
-    d = _rewrite(path, str(tmp_path_factory.mktemp("plan") / "fp8"), fp8,
-                 {"quantization_config": {"quant_method": "fp8", "weight_block_size": [16, 24]}})
+    d, _ = fp8_checkpoint(path, str(tmp_path_factory.mktemp("plan") / "fp8"), (16, 24))
     return path, d
 
 

@@ -14,8 +14,7 @@ import os
 
 import pytest
 
-from hf_models import read_tensors, rewrite_checkpoint
-from deepinfer_jax.models.quant import fp8_quantize_blocks
+from hf_models import fp8_checkpoint
 from _runs import REPO, run
 
 BLOCK = (16, 8)  # rows (out) x columns (in)
@@ -25,14 +24,7 @@ LAYOUTS = ["1x1", "2x1", "1x2ep", "4x1", "2x2"]
 @pytest.fixture(scope="module")
 def runs(hf_case, tmp_path_factory):
     _, path = hf_case("v3_grouped_noaux")
-    fp8 = {}
-    for name, w in read_tensors(path).items():
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and "mlp.gate." not in name and w.ndim == 2:
-            fp8[name], fp8[name + "_scale_inv"] = fp8_quantize_blocks(w, BLOCK)
-        else:
-            fp8[name] = w
-    d = rewrite_checkpoint(path, str(tmp_path_factory.mktemp("fp8tp") / "fp8"), fp8,
-                           {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK)}})
+    d, _ = fp8_checkpoint(path, str(tmp_path_factory.mktemp("fp8tp") / "fp8"), BLOCK)
     return run([os.path.join(REPO, "tests", "sharding", "run_fp8.py"), d, *LAYOUTS])
 
 

@@ -15,8 +15,7 @@ import os
 
 import pytest
 
-from hf_models import build_hf_model, read_tensors, rewrite_checkpoint, save_hf_model
-from deepinfer_jax.models.quant import fp8_quantize_blocks
+from hf_models import build_hf_model, fp8_checkpoint, save_hf_model
 from _runs import REPO, run
 
 BLOCK = (16, 32)  # rows (out) x columns (in)
@@ -28,14 +27,7 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fp8kernels")
     path = save_hf_model(build_hf_model("v3_grouped_noaux", intermediate_size=I, moe_intermediate_size=64),
                          str(tmp / "float"))
-    fp8 = {}
-    for name, w in read_tensors(path).items():
-        if name.endswith(("proj.weight", "proj_with_mqa.weight")) and "mlp.gate." not in name and w.ndim == 2:
-            fp8[name], fp8[name + "_scale_inv"] = fp8_quantize_blocks(w, BLOCK)
-        else:
-            fp8[name] = w
-    d = rewrite_checkpoint(path, str(tmp / "fp8"), fp8,
-                           {"quantization_config": {"quant_method": "fp8", "weight_block_size": list(BLOCK)}})
+    d, _ = fp8_checkpoint(path, str(tmp / "fp8"), BLOCK)
     return run([os.path.join(REPO, "tests", "sharding", "run_fp8_kernels.py"), d, "1x1", "2x1", "1x2ep"])
 
 
