@@ -111,6 +111,51 @@ def test_chat_command_answers_and_leaves_cleanly(xla_cache_dir):
     assert out.stdout.split(">>>")[1].strip(), out.stdout
 
 
+def _first_conversation():
+    """A first `deepinfer chat` session of eight held-out turns (tools/default_model_data.py's eval split): a
+    greeting, "who are you", a sum or product, thanks, a JSON object, another sum or product, thanks, goodbye;
+    each turn with its skill's check (tools/default_eval.py `judge`)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                    "tools"))
+    import numpy as np
+
+    import default_model_data as data
+
+    rng = np.random.default_rng(0)
+    def said(intent):
+        return data.phrasing(rng, "eval", data.CHAT[intent][0], data.CHAT_OPENINGS, data.CHAT_CLOSINGS)
+
+    hello, who = said("greet"), said("who")
+    arith, _, arith_check = data.conv_arith(rng, "eval", follow=True)
+    thanks = said("thanks")
+    js, _, js_check = data.conv_json(rng, "eval", follow=True)
+    arith2, _, arith2_check = data.conv_arith(rng, "eval", follow=True)
+    thanks2, bye = said("thanks"), said("bye")
+    return [(hello, ("chat", None)), (who, ("chat", None)), (arith[-1]["content"], arith_check),
+            (thanks, ("chat", None)), (js[-1]["content"], js_check), (arith2[-1]["content"], arith2_check),
+            (thanks2, ("chat", None)), (bye, ("chat", None))]
+
+
+def test_chat_first_conversation_stays_on_each_turn(xla_cache_dir):
+    """`deepinfer chat` on the default model, greedy, through a first conversation of eight held-out turns: each
+    reply meets its turn's criterion (a known small-talk sentence, the right number after shown working, valid
+    JSON with the asked keys), so a later turn answers itself, not the turn before. The history the command
+    keeps (replies without their reasoning) is what the model was trained on (its card's "multi" rate)."""
+    turns = _first_conversation()  # tools/ on the path
+    from default_eval import judge
+
+    out = subprocess.run(_deepinfer("chat", "--temperature", "0", "--max-tokens", "96", *ENGINE_FLAGS),
+                         input="".join(f"{user}\n" for user, _ in turns), capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    replies = [r.strip() for r in out.stdout.split(">>> ")[1:len(turns) + 1]]
+    assert len(replies) == len(turns), out.stdout
+    for (user, (kind, want)), reply in zip(turns, replies):
+        reasoning, content = "", reply
+        if reply.startswith("[thinking] "):
+            reasoning, _, content = reply[len("[thinking] "):].partition("\n")
+        assert judge(kind, want, reasoning.strip(), content.strip(), []), (user, reply, out.stdout)
+
+
 def test_bench_serve_against_live_server(server):
     from deepinfer_jax.server.bench import run_serving
 
