@@ -162,7 +162,8 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
     projections for the chunk that closes it."""
     lt = cfg.attn_type(layer)
     hd = cfg.head_dim
-    q_res, q, new, cos, sin = attention_inputs(cfg, lt, p, x, positions)
+    q_res, new, cos, sin = attention_inputs(cfg, lt, p, x, positions)
+    q = queries(cfg, p["q_b_proj"], q_res, cos, sin, x.dtype)  # [S, H, hd]
     if cache is None:
         buf = new
     else:
@@ -188,20 +189,19 @@ def v4_attention(cfg: V4Config, layer: int, p: dict, x: jax.Array, positions: ja
 
 
 def attention_inputs(cfg: V4Config, lt: str, p: dict, x: jax.Array, positions: jax.Array):
-    """x [S, D] at positions [S] of a layer of type `lt` -> (q_res [S, Rq], q [S, H, hd] roped, the per-token
+    """x [S, D] at positions [S] of a layer of type `lt` -> (q_res [S, Rq] (the queries: `queries`), the per-token
     cache entries {raw [S, hd] (the roped K = V row), kv / gate (CSA, HCA: the compressor's projections),
     idx_kv / idx_gate (CSA: the indexer's)}, cos, sin [S, rope / 2])."""
     kind = "main" if lt == SLIDING else "compress"
     cos, sin = v4_cos_sin(cfg, kind, positions)
     q_res = rms_norm(linear(x, p["q_a_proj"]), p["q_a_norm"], cfg.rms_norm_eps)  # [S, Rq]
-    q = queries(cfg, p["q_b_proj"], q_res, cos, sin, x.dtype)  # [S, H, hd]
     kv = rope_tail(rms_norm(linear(x, p["kv_proj"]), p["kv_norm"], cfg.rms_norm_eps), cos, sin)  # [S, hd]
     new = {"raw": kv}
     if lt != SLIDING:
         new["kv"], new["gate"] = project(p["compressor"], x)
     if lt == CSA:
         new["idx_kv"], new["idx_gate"] = project(p["indexer"], x)
-    return q_res, q, new, cos, sin
+    return q_res, new, cos, sin
 
 
 def queries(cfg: V4Config, q_b_proj, q_res: jax.Array, cos: jax.Array, sin: jax.Array, dtype) -> jax.Array:

@@ -200,7 +200,7 @@ def _layer_attention(cfg: V4Config, i: int, p: dict, x: jax.Array, cache: GroupC
     over the tensor axis once (models/v4_parallel.py v4_heads_sharded)."""
     lt, hd = cfg.attn_type(i), cfg.head_dim
     pos, seq = meta.positions, meta.seq_ids
-    q_res, _, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)  # the queries: `heads`, from q_res
+    q_res, new, cos, sin = attention_inputs(cfg, lt, p, x, pos)  # the queries: `heads`, from q_res
 
     gi, li = cache.layer("sliding", i)
     table, slots = meta.groups[gi]
