@@ -26,8 +26,8 @@ leaves in the order. The step copies each layer's slice of them in its layer loo
 its first --v4-layers layers, random float weights; V4 keeps one set of weights a layer, so each layer's routed
 experts are their own two leaves, and each layer holding offloaded weights copies them in inside its own call
 (models/v4_paged.py). XLA may start those copies early on straight-line layers: the compiled decode program's
-temporaries against one layer's share tell whether it did. Random float experts run densely (every expert, V4's
-reference MoE; the kernels take FP4 / FP8 ones), so its tokens/s is not V4's serving speed: compare the two rows.
+temporaries against one layer's share tell whether it did. Random float experts run in XLA's grouped GEMM (the
+kernels take FP4 / FP8 ones), so its tokens/s is not V4's serving speed: compare the two rows.
 HF's config at two layers is 26.5 GiB of bf16 weights, 24 of them routed experts.
 """
 

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from deepinfer_jax.config_v4 import V4Config
 from deepinfer_jax.models.layers import linear, rms_norm, weight
+from deepinfer_jax.models.moe import local_experts_xla
 from deepinfer_jax.models.quant import is_fp8
 from deepinfer_jax.models.quant_fp4 import is_fp4
 from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
@@ -118,8 +119,9 @@ def v4_quant_experts(cfg: V4Config, ex: dict, x: jax.Array, w: jax.Array, idx: j
 
 def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Array,
            impl: str = "reference", mesh_rules: Any = None) -> jax.Array:
-    """Routed experts (every expert computed densely: this is the reference; with `impl` "pallas" /
-    "pallas_interpret" quantized experts go through the kernels where they take them) plus the shared expert.
+    """Routed experts plus the shared expert. `impl` "reference" / "dense": every expert computed densely (the
+    reference); "pallas" / "pallas_interpret": quantized experts through the kernels where they take them, else
+    (and with "ragged") the routed token copies in XLA's grouped GEMM (`moe.local_experts_xla`).
     x [S, D], token_ids [S] -> [S, D]. `mesh_rules` splitting the experts or their intermediate dim: the routed
     experts run on each device's slice (models/v4_parallel.py; `impl` "ragged", "dense" or a Pallas one there)."""
     E, lim = cfg.n_routed_experts, cfg.swiglu_limit
@@ -140,6 +142,9 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
         routed = v4_quant_experts(cfg, p["experts"], x, w, idx, impl == "pallas_interpret")
         if routed is not None:
             return routed + shared
+    if impl not in ("reference", "dense"):  # the routed copies only, in a grouped GEMM (not every expert)
+        act = functools.partial(clamped_swiglu, limit=lim)
+        return local_experts_xla("ragged", p["experts"], x, w, idx, None, act=act).astype(x.dtype) + shared
     dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
     gu = jnp.einsum("sd,edgi->segi", x, weight(p["experts"]["gate_up"], x.dtype))  # [S, E, 2, I]
     h = clamped_swiglu(gu[..., 0, :], gu[..., 1, :], lim)

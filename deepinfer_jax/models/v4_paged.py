@@ -361,7 +361,7 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
     and decode alike. `return_hidden`: also every slot's last streams [T, n, D] before the hyper head (the MTP
     layer's input, models/v4_mtp.py), as the last output.
     `moe_impl` "pallas" / "pallas_interpret" runs FP4 / FP8 routed experts through the quantized grouped GEMMs;
-    float experts (and any other `moe_impl`) are computed densely (`v4_moe`, the reference). `unroll` does not
+    other experts run as routed copies in XLA's grouped GEMM, or every expert densely with "dense" (`v4_moe`). `unroll` does not
     apply (V4's layers differ in kind and run as a Python loop). `mesh_rules`: the routed experts over the mesh
     (`check_layout`; models/v4_parallel.py). `layer_fetch`: where a layer's weights live in host memory
     (--cpu-offload-gb, runner/weight_offload.py `stream`), the function that copies them to the device, applied to

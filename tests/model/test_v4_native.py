@@ -174,6 +174,31 @@ def test_quantized_experts_through_the_kernels_match_the_reference(experts):
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("impl", ["ragged", "pallas_interpret"])
+def test_float_experts_run_only_their_routed_copies(impl):
+    """Float experts outside the reference run in XLA's grouped GEMM over the routed token copies (every expert
+    computed for every token only with "reference" / "dense"): the same sums as the dense reference (fp32), for
+    hash and scored routing, and the traced program holds ragged_dot and no [S, E, 2, I] product."""
+    from hf_models_v4 import V4_TINY
+
+    from deepinfer_jax.config_v4 import V4Config
+    from deepinfer_jax.models.deepseek_v4 import v4_moe
+    from deepinfer_jax.models.v4_params import v4_init_params
+
+    cfg = V4Config.from_hf_dict({**V4_TINY, "model_type": "deepseek_v4"})
+    params = v4_init_params(cfg, seed=3, std=0.2)
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((9, cfg.hidden_size)), jnp.float32)
+    tokens = jnp.asarray(random_prompts(5, [9], cfg.vocab_size)[0], jnp.int32)
+    for i in (0, 2):  # hash_moe, moe
+        p = params["layers"][i]["moe"]
+        ref = v4_moe(cfg, i, p, x, tokens)
+        out = v4_moe(cfg, i, p, x, tokens, impl=impl)
+        np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-5, rtol=1e-5)
+        jaxpr = str(jax.make_jaxpr(lambda x: v4_moe(cfg, i, p, x, tokens, impl=impl))(x))
+        E, I = cfg.n_routed_experts, cfg.moe_intermediate_size
+        assert "ragged_dot" in jaxpr and f"[9,{E},2,{I}]" not in jaxpr
+
+
 @pytest.mark.parametrize("q", ["fp4", "mxfp4"])
 def test_online_fp4_is_refused_naming_why(release, q):
     from deepinfer_jax.weights.loader import check_quantization
