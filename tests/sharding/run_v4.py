@@ -6,7 +6,8 @@ LAYOUT is "TPxDP" or "TPxDPep" (tests/sharding/run_case.py's names); ATTN_IMPL t
 fake CPU devices (8) must be fixed before JAX starts. Prints one line "RESULT " + JSON {CASE: {LAYOUT: {"tokens",
 "device_weight_bytes" (the params' bytes on the first device), "plan_weight_bytes" (`deepinfer plan`'s per-device
 figure for the same layout), "device_kv_bytes", "expert_spec", "head_specs" (layer 0's q_b_proj, sinks, o_a_proj,
-o_b_proj; an FP8 one's q), "compiles_after_warmup"}}, "prompts", "max_tokens"}.
+o_b_proj; an FP8 one's q), "shared_shards" (layer 0's shared expert gate_up, down: the first device's slice shape; an
+FP8 one's q), "compiles_after_warmup"}}, "prompts", "max_tokens"}.
 """
 
 from __future__ import annotations
@@ -30,6 +31,11 @@ def device_bytes(tree, device) -> int:
     import jax
 
     return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards if s.device == device)
+
+
+def shard_shape(w, device) -> tuple:
+    """The shape of a leaf's (an FP8 one's q) slice on `device`."""
+    return next(s.data.shape for s in getattr(w, "q", w).addressable_shards if s.device == device)
 
 
 def spec_of(w) -> list[str]:
@@ -63,6 +69,8 @@ def run(model_dir: str, impls: str, layout: str, prompts) -> dict:
             "device_weight_bytes": device_bytes(runner.params, dev), "plan_weight_bytes": p.weight_bytes_per_device,
             "device_kv_bytes": device_bytes(runner.kv_cache, dev), "expert_spec": [str(a) for a in spec],
             "head_specs": {k: spec_of(attn[k]) for k in ("q_b_proj", "sinks", "o_a_proj", "o_b_proj")},
+            "shared_shards": {k: list(shard_shape(w, dev)) for k, w in runner.params["layers"][0]["moe"]["shared"].items()
+                              },
             "compiles_after_warmup": runner.compiles_after_warmup}
 
 
