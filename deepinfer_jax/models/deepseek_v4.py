@@ -132,11 +132,11 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
     act = functools.partial(clamped_swiglu, limit=lim)
-    if splits_experts(mesh_rules):  # the shared expert too where the rules split its width ("mlp")
-        shared = None if splits_shared(mesh_rules) else v4_shared_expert(p["shared"], x, act)
+    if splits_experts(mesh_rules):  # the shared expert inside too where the rules split its width ("mlp")
+        fused = splits_shared(mesh_rules)
         routed = v4_experts_sharded(cfg, mesh_rules, impl, p["experts"], x, w, idx, act, expert_formats(p["experts"]),
-                                    None if shared is not None else p["shared"])
-        return routed if shared is None else routed + shared
+                                    p["shared"] if fused else None)
+        return routed if fused else routed + v4_shared_expert(p["shared"], x, act)
     shared = v4_shared_expert(p["shared"], x, act)
     if impl in ("pallas", "pallas_interpret"):
         routed = v4_quant_experts(cfg, p["experts"], x, w, idx, impl == "pallas_interpret")

@@ -91,6 +91,25 @@ def test_plan_weight_bytes_per_device_equal_the_engines(runs, case, layout):
         assert r["device_kv_bytes"] == one["device_kv_bytes"]
 
 
+@pytest.mark.parametrize("case,layout", [("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep"), ("fp8", "2x1ep")])
+def test_collectives_are_the_predicted_ones(runs, v4_release, case, layout):
+    """The compiled step programs' collectives are those sharding/comm.py predicts for V4: all-reduces of [T, D]
+    over the tensor axis and nothing else, one a layer for the attention where its heads split and one a layer for
+    the MoE, the shared expert's partial sums (split or whole) in the routed experts' reduction."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.sharding import ParallelConfig
+    from deepinfer_jax.sharding.comm import step_collectives
+
+    r = runs[case][layout]
+    tp, dp = (int(x) for x in layout.removesuffix("ep").split("x"))
+    cfg = ModelConfig.from_model_dir(v4_release[2])
+    want = step_collectives(cfg, ParallelConfig(tp, dp, layout.endswith("ep")), 13, r["seq_rows"], 4)
+    assert sorted((k, tuple(d)) for k, d in r["collectives"]) == sorted({(c.kind, c.shape) for c in want})
+    layers = cfg.num_hidden_layers
+    assert r["all_reduces"] == [sum(c.per_step for c in want)] * len(r["all_reduces"]) == \
+        [layers * (1 if case == "fp4" else 2)] * len(r["all_reduces"])
+
+
 def test_layouts_v4_does_not_have_are_refused_by_flag(v4_release):
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.engine.plan import plan
