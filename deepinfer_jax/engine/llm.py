@@ -262,17 +262,20 @@ class LLM:
         vocab_multiple = 1
         if not parallel.is_single_device:
             cfg0 = ModelConfig.from_model_dir(model)
-            if cfg0.family == "deepseek_v4":  # its routed experts over the mesh, the rest replicated (docs/v4.md)
-                from deepinfer_jax.sharding.rules import check_v4_layout
+            rules = None
+            if cfg0.family == "deepseek_v4":  # its own layout (sharding/rules.py v4_rules, docs/v4.md)
+                from deepinfer_jax.sharding.rules import check_v4_layout, v4_rules
+                from deepinfer_jax.weights.name_table_v4 import v4_shared_block
 
-                check_v4_layout(parallel)
+                check_v4_layout(parallel)  # the shared expert splits on whole FP8 blocks only (v4_splits_shared)
+                rules = v4_rules(parallel, cfg0, v4_shared_block(model, cfg0, quantization))
             if pipeline_parallel_size > 1:  # one layout a stage; leaves load onto the stage that holds them
                 from deepinfer_jax.sharding.pipeline import build_pipeline_sharding
 
                 self.sharding = build_pipeline_sharding(cfg0, parallel)
                 shardings = self.sharding.load_shardings(cfg0)
             else:
-                self.sharding = build_sharding(cfg0, parallel)
+                self.sharding = build_sharding(cfg0, parallel, rules=rules)
                 shardings = self.sharding.param_shardings(cfg0)  # an MTP subtree is dropped if the files have none
             vocab_multiple = self.sharding.vocab_multiple
         if load_format == "auto":  # a model that cannot fit is refused before anything loads (engine/plan.py)

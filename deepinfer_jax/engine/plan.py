@@ -355,7 +355,10 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
             cfg = v4_checkpoint_config(cfg, model_dir)
         nbytes, weights = v4_weight_bytes(cfg, dtype, None if is_converted(model_dir) else model_dir, quantization,
                                           by_leaf, parallel)
-        nbytes = v4_bytes_per_device(cfg, parallel, by_leaf)  # the routed experts split over the devices
+        from deepinfer_jax.weights.name_table_v4 import v4_shared_block
+
+        shared_block = v4_shared_block(model_dir, cfg, quantization)  # the FP8 blocks a shared expert split keeps
+        nbytes = v4_bytes_per_device(cfg, parallel, by_leaf, shared_block)  # the experts (and heads) split
     elif is_converted(model_dir):
         with open(os.path.join(model_dir, "deepinfer_checkpoint.json")) as f:
             meta = json.load(f)

@@ -61,7 +61,10 @@ def check_packed_splits(cfg, parallel, leaves: list) -> None:
 
     specs = {path_key(p): s for p, s in jax.tree_util.tree_flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]}
     mesh = AbstractMesh((parallel.data_parallel_size, parallel.tensor_parallel_size), AXES)
-    rules = v4_rules(parallel, cfg)
+    from deepinfer_jax.models.quant import is_fp8
+
+    shared = next((tuple(w.block) for path, w in leaves if path[-2] == "shared" and is_fp8(w)), None)
+    rules = v4_rules(parallel, cfg, shared)  # the shared expert split on whole blocks only (v4_splits_shared)
     for path, w in leaves:
         axes = specs[path].axes
         packed_sharding(w, NamedSharding(mesh, logical_to_spec(axes, rules)), axes, ".".join(map(str, path)))

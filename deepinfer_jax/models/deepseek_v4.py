@@ -33,7 +33,7 @@ from deepinfer_jax.models.moe import local_experts_xla
 from deepinfer_jax.models.quant import is_fp8
 from deepinfer_jax.models.quant_fp4 import is_fp4
 from deepinfer_jax.models.v4_attention import unweighted_rms, v4_attention, v4_layer_cache
-from deepinfer_jax.models.v4_parallel import splits_experts, v4_experts_sharded
+from deepinfer_jax.models.v4_parallel import splits_experts, splits_shared, v4_experts_sharded, v4_shared_expert
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------
@@ -123,7 +123,8 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
     reference); "pallas" / "pallas_interpret": quantized experts through the kernels where they take them, else
     (and with "ragged") the routed token copies in XLA's grouped GEMM (`moe.local_experts_xla`).
     x [S, D], token_ids [S] -> [S, D]. `mesh_rules` splitting the experts or their intermediate dim: the routed
-    experts run on each device's slice (models/v4_parallel.py; `impl` "ragged", "dense" or a Pallas one there)."""
+    experts run on each device's slice (models/v4_parallel.py; `impl` "ragged", "dense" or a Pallas one there), and
+    the shared expert on its slice of I where the rules split "mlp", its partial sums in the same reduction."""
     E, lim = cfg.n_routed_experts, cfg.swiglu_limit
     scores = router_scores(cfg, linear(x, p["gate"]).astype(jnp.float32))  # [S, E]
     if cfg.mlp_type(layer) == "hash_moe":
@@ -132,12 +133,13 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
         _, idx = jax.lax.top_k(scores + p["e_score_correction_bias"], cfg.num_experts_per_tok)
     w = jnp.take_along_axis(scores, idx, axis=-1)
     w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20) * cfg.routed_scaling_factor
-    sgu = jnp.einsum("sd,dgi->sgi", x, weight(p["shared"]["gate_up"], x.dtype))
-    shared = linear(clamped_swiglu(sgu[:, 0], sgu[:, 1], lim), p["shared"]["down"])
-    if splits_experts(mesh_rules):
-        act = functools.partial(clamped_swiglu, limit=lim)
-        routed = v4_experts_sharded(cfg, mesh_rules, impl, p["experts"], x, w, idx, act, expert_formats(p["experts"]))
-        return routed + shared
+    act = functools.partial(clamped_swiglu, limit=lim)
+    if splits_experts(mesh_rules):  # the shared expert inside too where the rules split its width ("mlp")
+        fused = splits_shared(mesh_rules)
+        routed = v4_experts_sharded(cfg, mesh_rules, impl, p["experts"], x, w, idx, act, expert_formats(p["experts"]),
+                                    p["shared"] if fused else None)
+        return routed if fused else routed + v4_shared_expert(p["shared"], x, act)
+    shared = v4_shared_expert(p["shared"], x, act)
     if impl in ("pallas", "pallas_interpret"):
         routed = v4_quant_experts(cfg, p["experts"], x, w, idx, impl == "pallas_interpret")
         if routed is not None:

@@ -314,14 +314,14 @@ def paged_block(v4: V4Config, i: int, lp: dict, streams: jax.Array, cache: Group
 
 def check_layout(mesh_rules: Any) -> None:
     """V4's parallel layout: the routed experts (or their intermediate dim) over the mesh, the attention's query heads
-    and output groups over one axis (both or neither), everything else replicated, every device running the step's
-    rows, compressors and indexer on its own copy of the per-group pools. A rule splitting anything else is refused
-    (per-rank pools are not built)."""
+    and output groups over one axis (both or neither), the shared expert's intermediate dim over the tensor axis (or
+    not), everything else replicated, every device running the step's rows, compressors and indexer on its own copy
+    of the per-group pools. A rule splitting anything else is refused (per-rank pools are not built)."""
     if mesh_rules is None:
         return
-    split = [a for a in ("tokens", "seqs", "pages", "vocab", "mlp", "embed") if mesh_rules.size(a) > 1]
+    split = [a for a in ("tokens", "seqs", "pages", "vocab", "embed") if mesh_rules.size(a) > 1]
     if split:
-        raise ValueError(f"deepseek_v4 splits only its routed experts and attention heads over the mesh; these rules "
+        raise ValueError(f"deepseek_v4 splits only its experts and attention heads over the mesh; these rules "
                          f"also split {split} (sharding/rules.py v4_rules is its layout)")
     if mesh_rules.mesh_axes("heads") != mesh_rules.mesh_axes("o_groups"):
         raise ValueError("deepseek_v4 splits its query heads and output groups over the same mesh axes (rules "

@@ -22,6 +22,11 @@ follows the layout of rules.py and the sharded code paths of the model:
 - logits: lm_head's vocab columns over "tensor", each device's [S_r, V / TP] slice gathered, [S_r, V] fp32
   over "tensor" (models/deepseek.py _logits constrains them, or XLA would gather the lm_head weight instead);
 - the sampled ids [S] (int32) gathered over "data", so every device holds the step's results;
+- DeepSeek-V4 (rules.py v4_rules; its data-parallel attention and pipeline stages refused): every device runs the
+  step's tokens whole, so a layer all-reduces [T, D] over "tensor" once for the attention where its query heads
+  split (the partial outputs of the output groups, in the engine dtype) and once for the MoE (fp32: the routed
+  experts' partial sums with the shared expert's, whether its width is split or whole); the vocab is whole, so the
+  embedding and the logits move nothing;
 - pipeline parallelism (runner/pipeline.py): a device runs its stage's layers only, so the per-layer collectives
   above count that stage's layers, the embedding's only on the first stage and the last tokens', the logits' and
   the sampled ids' only on the last; between stages the hidden states [T_r, D] go point to point from each device
@@ -87,6 +92,8 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
                  if "sampled ids" in c.what}  # the sampler's, once a step
         return [whole[c.what] if c.what in whole else replace(c, per_step=c.per_step * m)
                 for c in step_collectives(cfg, pc, b, sb, dtype_bytes, stage, a2a_capacity)]
+    if cfg.family == "deepseek_v4":
+        return _v4_collectives(cfg, pc, tokens, dtype_bytes)
     tp, dp = pc.tensor_parallel_size, pc.data_parallel_size
     D, k = cfg.hidden_size, cfg.num_experts_per_tok
     if stage is None:
@@ -133,6 +140,21 @@ def step_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, seqs: in
     add("logits (vocab gathered, fp32)", "all-gather", "tensor", (seqs, -(-cfg.vocab_size // tp) * tp), 4, int(last))
     add("sampled ids", "all-gather", "data", (dp * seqs,), 4, int(last))
     add("pipeline: sampled ids out (to stage 0)", "send", "pipe", (dp * seqs,), 4, int(last and not first))
+    return out
+
+
+def _v4_collectives(cfg: ModelConfig, pc: ParallelConfig, tokens: int, dtype_bytes: int) -> list[Collective]:
+    """DeepSeek-V4's collectives of one step of the main model's layers (module docstring)."""
+    from deepinfer_jax.sharding.rules import v4_splits_attention
+
+    tp, L, D = pc.tensor_parallel_size, cfg.num_hidden_layers, cfg.hidden_size
+    out = []
+    for what, nbytes, per_step in (("attention output groups (heads split)", dtype_bytes,
+                                    L if v4_splits_attention(cfg, pc) else 0),
+                                   ("MoE: routed + shared experts (fp32)", 4, L)):
+        b = _ring("all-reduce", nbytes * tokens * D, tp)
+        if b and per_step:
+            out.append(Collective(what, "all-reduce", "tensor", (tokens, D), nbytes, per_step, b))
     return out
 
 

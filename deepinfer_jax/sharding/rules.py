@@ -13,8 +13,9 @@ an axis not named, or named with (), is replicated. `default_rules` is vLLM's la
 - vocab (embedding rows, lm_head columns) over "tensor"; everything else replicated.
 
 DeepSeek-V4 has its own table (`v4_rules`: the routed experts split as above, the attention's query heads and
-output groups over "tensor" where the degree divides its `o_groups`, everything else replicated) and its own
-refusals (`check_v4_layout`).
+output groups over "tensor" where the degree divides its `o_groups`, the shared expert's intermediate dim over
+"tensor" where the degree divides it into whole FP8 blocks, everything else replicated) and its own refusals
+(`check_v4_layout`).
 
 `check_rules` refuses, with a ValueError naming the model dimension, any mesh that does not divide a
 split dimension (no padding: 5 heads on TP = 2 is refused, not padded).
@@ -68,17 +69,21 @@ def default_rules(pc: ParallelConfig) -> Rules:
 V4_KV_CACHE_AXES = ("pages", None)
 
 
-def v4_rules(pc: ParallelConfig, cfg: ModelConfig | None = None) -> Rules:
+def v4_rules(pc: ParallelConfig, cfg: ModelConfig | None = None, shared_block: tuple[int, int] | None = None) -> Rules:
     """DeepSeek-V4's layout: the routed experts over ("data", "tensor") with enable_expert_parallel, else their
     intermediate dim; with `cfg` and `v4_splits_attention`, the attention's query heads ("heads": q_b_proj's heads,
     the sinks) and its output groups ("o_groups": o_a_proj's groups, o_b_proj's rows) over "tensor"
-    (models/v4_parallel.py v4_heads_sharded); everything else replicated: the KV, compressor and indexer paths (V4's
-    one K = V head serves every query head, as in MQA), the shared expert, embedding and head, and every device
-    keeps the whole per-group cache."""
+    (models/v4_parallel.py v4_heads_sharded); with `cfg` and `v4_splits_shared` (`shared_block`: the FP8 block of a
+    shared expert kept as released, or None), the shared expert's intermediate dim ("mlp") over "tensor", its
+    partial sums added in the routed experts' reduction (v4_experts_sharded); everything else replicated: the KV,
+    compressor and indexer paths (V4's one K = V head serves every query head, as in MQA), embedding and head, and
+    every device keeps the whole per-group cache."""
     moe = (DATA, TENSOR)
     split = {"expert": moe if pc.enable_expert_parallel else (), "moe_mlp": () if pc.enable_expert_parallel else moe}
     if cfg is not None and v4_splits_attention(cfg, pc):
         split.update(heads=(TENSOR,), o_groups=(TENSOR,))
+    if cfg is not None and v4_splits_shared(cfg, pc, shared_block):
+        split.update(mlp=(TENSOR,))
     names = [name for name, _ in default_rules(pc)] + ["o_groups"]
     return tuple((name, split.get(name, ())) for name in names)
 
@@ -89,6 +94,18 @@ def v4_splits_attention(cfg: ModelConfig, pc: ParallelConfig) -> bool:
     attention stays whole on every device (as layout.py replicates KV heads a degree does not divide)."""
     tp = pc.tensor_parallel_size
     return tp > 1 and cfg.v4.o_groups % tp == 0 and cfg.v4.num_attention_heads % tp == 0
+
+
+def v4_splits_shared(cfg: ModelConfig, pc: ParallelConfig, block: tuple[int, int] | None = None) -> bool:
+    """Whether DeepSeek-V4's shared expert splits its intermediate dim I (`moe_intermediate_size`: gate_up's columns,
+    down's rows) over the tensor axis under `pc`: a tensor degree above 1 that divides I, and, for a shared expert
+    kept in FP8 (`block`: its weight_block_size [rows, columns]), gives each device whole blocks of gate / up's rows
+    and of down's columns (I / TP a multiple of both). Otherwise it stays whole on every device, as the attention
+    does where the degree does not divide its groups (a split of every routed expert needs none of this)."""
+    tp, width = pc.tensor_parallel_size, cfg.v4.moe_intermediate_size
+    if tp <= 1 or width % tp:
+        return False
+    return block is None or (width // tp) % block[0] == 0 and (width // tp) % block[1] == 0
 
 
 def check_v4_layout(pc: ParallelConfig) -> None:
@@ -112,20 +129,25 @@ def _v4_layout_problem(pc: ParallelConfig) -> str | None:
     return None
 
 
-def v4_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, by_leaf: dict) -> int:
+def v4_bytes_per_device(cfg: ModelConfig, pc: ParallelConfig, by_leaf: dict,
+                        shared_block: tuple[int, int] | None = None) -> int:
     """DeepSeek-V4's weight bytes on each device under `pc` (`v4_rules`), from each leaf's whole bytes by path
     (engine/plan.py v4_weight_bytes, updated in place to the per-device bytes): a routed expert leaf (float, or FP4 /
     FP8 kept: q and scales alike) divided over the devices that split it, with `v4_splits_attention` the attention's
-    head-indexed leaves (q_b_proj, sinks, o_a_proj, o_b_proj; not the indexer's) over the tensor degree, the rest
+    head-indexed leaves (q_b_proj, sinks, o_a_proj, o_b_proj; not the indexer's) over the tensor degree, with
+    `v4_splits_shared` (`shared_block` as for v4_rules) the shared expert's leaves over the tensor degree, the rest
     whole. A split the layout refuses is refused here (`check_rules`)."""
-    check_rules(cfg, {DATA: pc.data_parallel_size, TENSOR: pc.tensor_parallel_size}, v4_rules(pc, cfg))
+    check_rules(cfg, {DATA: pc.data_parallel_size, TENSOR: pc.tensor_parallel_size}, v4_rules(pc, cfg, shared_block))
     n = pc.data_parallel_size * pc.tensor_parallel_size
     heads = pc.tensor_parallel_size if v4_splits_attention(cfg, pc) else 1
+    shared = pc.tensor_parallel_size if v4_splits_shared(cfg, pc, shared_block) else 1
     for path, b in by_leaf.items():
         if "experts" in path:  # (..., "moe", "experts", "gate_up" | "down"): E or I over every device
             by_leaf[path] = b // n
         elif path[-2:-1] == ("attn",) and path[-1] in V4_HEAD_LEAVES:  # (..., "attn", leaf): H or g over TP
             by_leaf[path] = b // heads
+        elif path[-2:-1] == ("shared",):  # (..., "moe", "shared", "gate_up" | "down"): I over TP
+            by_leaf[path] = b // shared
     return sum(by_leaf.values())
 
 

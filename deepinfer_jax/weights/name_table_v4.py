@@ -353,6 +353,22 @@ def v4_abstract(model_dir: str, cfg: V4Config, abstract: Any, quantization: str 
     return abstract
 
 
+def v4_shared_block(model_dir: str, cfg: Any, quantization: str | None = None) -> tuple[int, int] | None:
+    """The FP8 weight_block_size of the shared experts as `load_v4_checkpoint` keeps them (one stored in FP8 and
+    `quantization` None / "auto"), else None (float: a converted directory, a bf16 checkpoint, "none", or a directory
+    without weights, whose dummy weights are float); from the headers alone. sharding/rules.py v4_splits_shared
+    splits them over the tensor axis only on whole blocks."""
+    from deepinfer_jax.weights.orbax_io import is_converted
+
+    if (quantization not in (None, "auto") or is_converted(model_dir)
+            or not any(f.endswith(".safetensors") for f in os.listdir(model_dir))):
+        return None
+    cfg = v4_checkpoint_config(getattr(cfg, "v4", None) or cfg, model_dir)
+    _, _, _, leaves, quant = check_v4_checkpoint(model_dir, cfg)
+    kept = any(path[-2] == "shared" and kind == "fp8" for path, kind in leaves.items())
+    return tuple(quant.block) if kept and quant is not None else None
+
+
 def _alloc(spec: Any, dtype: Any) -> Any:
     if is_spec(spec):
         dt = np.dtype(jnp.dtype(dtype)) if spec.dtype == "model" else np.dtype(spec.dtype)

@@ -1,17 +1,21 @@
-"""DeepSeek-V4 with its routed experts and its attention's query heads over the mesh (sharding/rules.py v4_rules):
-greedy tokens of a chunked batch through `LLM` equal the one-device engine's (itself HF transformers' greedy
+"""DeepSeek-V4 with its routed experts, its attention's query heads and its shared expert's width over the mesh
+(sharding/rules.py v4_rules): greedy tokens of a chunked batch through `LLM` equal the one-device engine's (itself HF transformers' greedy
 generate), on the tiny V4 checkpoint (hash-routed and scored MoE layers, swiglu_limit, every attention kind; 4 heads
 in 2 output groups) and on the same weights as DeepSeek releases them (FP4 routed experts, FP8 linears;
 tests/hf_models_v4.py). One subprocess with 8 fake CPU devices (tests/sharding/run_v4.py) runs every layout:
 
   float 1x1          the one-device reference
-  float 2x1ep        expert parallelism over 2 devices, ragged grouped GEMM per device; the heads over 2 devices
-  float 2x1          the experts' intermediate dim over 2 devices (partial down projections summed); the heads too
+  float 2x1ep        expert parallelism over 2 devices, ragged grouped GEMM per device; the heads over 2 devices,
+                     and the shared expert's width (its partial sums in the routed experts' one reduction)
+  float 2x1          the experts' intermediate dim over 2 devices (partial down projections summed); the heads and
+                     the shared expert's width too
   fp4 3x1ep          the released FP4 experts split by expert over 3 devices, through the quantized grouped
                      GEMM kernels on each device's slice of the stored bytes; 3 does not divide the 2 output groups,
-                     so the attention stays whole on every device
-  fp8 1x1, 2x1ep     the release with FP8 blocks of [2, 10] (which the heads' split keeps whole), the attention
-                     through the Pallas kernels: the FP8 q_b_proj, o_a_proj and o_b_proj split with the heads
+                     so the attention stays whole on every device, and 8 columns a device would cut the shared
+                     expert's FP8 blocks of 12, so it stays whole too
+  fp8 1x1, 2x1ep     the release with FP8 blocks of [2, 2] (which the heads' and the shared expert's splits keep
+                     whole), the attention through the Pallas kernels: the FP8 q_b_proj, o_a_proj and o_b_proj split
+                     with the heads, the FP8 shared expert by its width
 
 and each layout's weight bytes on a device equal `deepinfer plan`'s per-device figure."""
 
@@ -32,7 +36,12 @@ HEADS_SPLIT = {"q_b_proj": ["None", "tensor", "None"], "sinks": ["tensor"], "o_a
 # ... and kept in FP8 (q [N, K], HF's orientation): q_b_proj's and o_a_proj's rows, o_b_proj's columns
 FP8_HEADS_SPLIT = {"q_b_proj": ["tensor", "None"], "sinks": ["tensor"], "o_a_proj": ["tensor", "None"],
                    "o_b_proj": ["None", "tensor"]}
-FP8_BLOCK = (2, 10)  # divides a device's share of the split FP8 dims (heads x head_dim 48, o_groups x rank 10)
+FP8_BLOCK = (2, 2)  # divides a device's share of the split FP8 dims (heads x head_dim 48, o_groups x rank 10,
+# the shared expert's width 12)
+# Layer 0's shared expert on a device, gate_up [D, 2, I] and down [I, D] (FP8: q [2, I, D], [D, I]): I = 24 split
+# over TP 2; whole at TP 3 on the release's [8, 12] blocks
+SPLIT_SHARED, FP8_SHARED = {"gate_up": [40, 2, 12], "down": [12, 40]}, {"gate_up": [2, 12, 40], "down": [40, 12]}
+WHOLE_FP8_SHARED = {"gate_up": [2, 24, 40], "down": [40, 24]}
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +77,7 @@ def test_sharded_layouts_give_the_one_device_tokens(runs, case, layout):
         assert all(a == "None" for spec in r["head_specs"].values() for a in spec)
     else:
         assert r["head_specs"] == (FP8_HEADS_SPLIT if case == "fp8" else HEADS_SPLIT)
+    assert r["shared_shards"] == {"float": SPLIT_SHARED, "fp4": WHOLE_FP8_SHARED, "fp8": FP8_SHARED}[case]
 
 
 @pytest.mark.parametrize("case,layout", [("float", "1x1"), ("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep"),
@@ -79,6 +89,25 @@ def test_plan_weight_bytes_per_device_equal_the_engines(runs, case, layout):
         one = runs["fp8" if case == "fp8" else "float"]["1x1"]
         assert r["device_weight_bytes"] < one["device_weight_bytes"]
         assert r["device_kv_bytes"] == one["device_kv_bytes"]
+
+
+@pytest.mark.parametrize("case,layout", [("float", "2x1ep"), ("float", "2x1"), ("fp4", "3x1ep"), ("fp8", "2x1ep")])
+def test_collectives_are_the_predicted_ones(runs, v4_release, case, layout):
+    """The compiled step programs' collectives are those sharding/comm.py predicts for V4: all-reduces of [T, D]
+    over the tensor axis and nothing else, one a layer for the attention where its heads split and one a layer for
+    the MoE, the shared expert's partial sums (split or whole) in the routed experts' reduction."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.sharding import ParallelConfig
+    from deepinfer_jax.sharding.comm import step_collectives
+
+    r = runs[case][layout]
+    tp, dp = (int(x) for x in layout.removesuffix("ep").split("x"))
+    cfg = ModelConfig.from_model_dir(v4_release[2])
+    want = step_collectives(cfg, ParallelConfig(tp, dp, layout.endswith("ep")), 13, r["seq_rows"], 4)
+    assert sorted((k, tuple(d)) for k, d in r["collectives"]) == sorted({(c.kind, c.shape) for c in want})
+    layers = cfg.num_hidden_layers
+    assert r["all_reduces"] == [sum(c.per_step for c in want)] * len(r["all_reduces"]) == \
+        [layers * (1 if case == "fp4" else 2)] * len(r["all_reduces"])
 
 
 def test_layouts_v4_does_not_have_are_refused_by_flag(v4_release):
