@@ -145,7 +145,6 @@ def v4_moe(cfg: V4Config, layer: int, p: dict, x: jax.Array, token_ids: jax.Arra
         if routed is not None:
             return routed + shared
     if impl not in ("reference", "dense"):  # the routed copies only, in a grouped GEMM (not every expert)
-        act = functools.partial(clamped_swiglu, limit=lim)
         return local_experts_xla("ragged", p["experts"], x, w, idx, None, act=act).astype(x.dtype) + shared
     dense_w = jnp.sum(jax.nn.one_hot(idx, E, dtype=jnp.float32) * w[..., None], axis=1)  # [S, E]
     gu = jnp.einsum("sd,edgi->segi", x, weight(p["experts"]["gate_up"], x.dtype))  # [S, E, 2, I]
