@@ -202,6 +202,16 @@ def test_fp4_kernels_match_reference(case, hidden, block_k):
                                   np.asarray(fp4_dequantize(a, jnp.float32)))
 
 
+def test_fp4_decode_is_the_e2m1_table():
+    """Every byte's two codes (low nibble first) decode bit for bit to the e2m1 table, -0 included."""
+    from deepinfer_jax.kernels.fp4 import E2M1_VALUES, fp4_unpack
+
+    b = np.arange(256, dtype=np.uint8)
+    lut = np.array(E2M1_VALUES, np.float32)
+    want = np.stack([lut[b & 15], lut[b >> 4]], -1).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(fp4_unpack(jnp.asarray(b))).view(np.int32), want.view(np.int32))
+
+
 def test_fp4_formats():
     assert supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 4096, 2048, 64)
     assert not supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 40, 24, 8)
