@@ -22,9 +22,13 @@ multiplied by the transposed tile in the kernel, so no transposed copy is made.
   [tile_k / 2, tile_n] bytes into the even and the odd rows, scales each by its group's scale in fp32 (as
   models/quant.py `dequantize`), and multiplies them by x's even and odd columns (strided loads).
 - fp4 (W4A16, DeepSeek-V4's routed experts, models/quant_fp4.py): two e2m1 codes a byte along K (low nibble =
-  even column), one e8m0 scale per row and 1 x g group. A K step is one group: its [tn, g / 2] bytes unpack into
-  the even and the odd columns, each decoded by arithmetic (no table) and scaled by the row's 2 ** (s - 127) in
-  fp32, then multiplied by x's even and odd columns (strided loads), as INT4's steps.
+  even column), one e8m0 scale per row and 1 x g group. A K step is tk columns, the largest power of two dividing
+  K up to block_k (whole groups, or within one): its [tn, tk / 2] bytes unpack into the even and the odd
+  columns, each decoded by integer ops (kernels/fp4.py, no table) and scaled in fp32 by its group's
+  2 ** (s - 127) (the step's [tn, G] scales broadcast to [tn, G, g / 2] and reshaped along K in registers), then
+  rounded to x's dtype (exact in bf16: e2m1 times a power of two) and interleaved back into K order (a join and
+  a reshape), so a step is one tk-deep dot on x's contiguous columns with fp32 accumulation: few loop trips and
+  wide MMAs (one 32-column group a step would be two 16-deep dots).
 - fp8, act="bf16" (W8A16): q widened to bf16 (exact), each K step's product scaled by its block's scale.
 - fp8, act="fp8" (W8A8, FP8 tensor cores): x quantized per token group of 1 x bk (`fp8_gemm.quantize_act`)
   beside the gate_up kernel; the gate_up kernel quantizes h the same way in its epilogue when its column tile is
