@@ -3,13 +3,15 @@ on the GPU: checked against the reference, then timed beside the bf16 experts (k
 ("nk" 128 x 128 blocks, W8A8 and W8A16) at V4-Flash's expert shape: hidden 4096, 256 experts of width 2048, top-6,
 swiglu_limit 10 (the bf16 kernels have no limit; the clamp is two elementwise ops in the gate_up epilogue).
 
-    python benchmarks/fp4_experts.py [--tokens 32,128,4096] [--cpu-smoke]
+    python benchmarks/fp4_experts.py [--tokens 32,128,4096] [--fp4-block-k 128,256] [--cpu-smoke]
 
 FP4 weights are as models/quant_fp4.py's Fp4Weight holds them (the checkpoint's bytes): gate_up [E, 2, I, D / 2]
 uint8 packed e2m1 pairs + [E, 2, I, D / 32] e8m0 scale bytes, down [E, D, I / 2] + [E, D, I / 32]. One layer's
 experts, uniform random routing. Columns as benchmarks/fp8_kernels.py's: us (GPU time from a profiler trace, or
 wall time), TB/s of the weight bytes the step touches (scales included), TFLOP/s (2 x copies x 3 x D x I), and the
 ratio to bf16. The checks run first at 16 experts of the same shape and stop the script on a miss.
+--fp4-block-k adds FP4 rows ("fp4@128") at other K-step caps than the tile config's block_k (the FP4 kernels' K
+step is the largest power of two dividing K up to it: whole 32-column groups, one dot a step).
 """
 
 from __future__ import annotations
@@ -24,13 +26,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 D, I, E, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 INTERPRET = False  # --cpu-smoke: interpret mode at tiny shapes (the script's own check on a CPU)
-KINDS = ("fp4", "fp8/fp8", "fp8/bf16")
+KINDS = ["fp4", "fp8/fp8", "fp8/bf16"]  # "fp4@128": FP4 at block_k 128 (--fp4-block-k)
 
 
 def _routes(key, T, n_exp):
     import jax
 
     return jax.vmap(lambda k: jax.random.permutation(k, n_exp)[:TOPK])(jax.random.split(key, T))
+
+
+def _block_k(kind):
+    """The block_k a kind's row asks for ("fp4@128"), or None: the tile config's."""
+    return int(kind.split("@")[1]) if "@" in kind else None
 
 
 def _weights(key, kind, n_exp):
@@ -67,7 +74,7 @@ def checks(key) -> None:
     for kind in KINDS:
         gq, gs, dq, ds, f = _weights(jax.random.fold_in(key, 1), kind, n_exp)
         out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f, swiglu_limit=LIMIT,
-                                interpret=INTERPRET)
+                                block_k=_block_k(kind), interpret=INTERPRET)
         _check(f"moe {kind}", out, moe_experts_quant_reference(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f,
                                                                swiglu_limit=LIMIT))
 
@@ -89,7 +96,7 @@ def table(tokens: list[int]) -> None:
         x = jax.random.normal(jax.random.fold_in(key, T), (T, D), jnp.bfloat16)
         routes[T] = (x, _routes(jax.random.fold_in(key, 10_000 + T), T, E), jax.random.uniform(key, (T, TOPK)))
     times = {}
-    for kind in ("bf16",) + KINDS:
+    for kind in ["bf16", *KINDS]:
         if kind == "bf16":
             args = (_draw(key, (E, D, 2, I), jnp.bfloat16, 0, 0), _draw(jax.random.fold_in(key, 1), (E, I, D),
                                                                          jnp.bfloat16, 0, 0))
@@ -97,8 +104,8 @@ def table(tokens: list[int]) -> None:
             per_expert = 2 * 3 * D * I
         else:
             *args, fmt = _weights(key, kind, E)
-            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt: moe_experts_quant(
-                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, interpret=INTERPRET))
+            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, bk=_block_k(kind): moe_experts_quant(
+                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, block_k=bk, interpret=INTERPRET))
             per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
         for T, (x, idx, w) in routes.items():
             times[(kind, T)] = (timed(f, x, *args, w, idx), per_expert * len(np.unique(np.asarray(idx))))
@@ -107,7 +114,7 @@ def table(tokens: list[int]) -> None:
     for T, (_, idx, _) in routes.items():
         n = len(np.unique(np.asarray(idx)))
         flops = 2 * T * TOPK * 3 * D * I
-        for kind in ("bf16",) + KINDS:
+        for kind in ["bf16", *KINDS]:
             us, nbytes = times[(kind, T)]
             print(f"{T:>6} {n:>7} {kind:<9} {us:>8.1f} {nbytes / us / 1e6:>6.2f} {flops / us / 1e6:>8.1f} "
                   f"{times[('bf16', T)][0] / us:>7.2f}x")
@@ -116,10 +123,16 @@ def table(tokens: list[int]) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32,128,4096", help="rows (tokens) a step, comma-separated")
+    ap.add_argument("--fp4-block-k", default="",
+                    help="extra FP4 rows at these K-step caps (comma-separated powers of two >= 32, e.g. 128,256)")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)
     tokens = [int(t) for t in a.tokens.split(",")]
+    for bk in filter(None, a.fp4_block_k.split(",")):
+        if int(bk) < 32 or int(bk) & (int(bk) - 1):
+            ap.error(f"--fp4-block-k: {bk} is not a power of two >= 32")
+        KINDS.insert(KINDS.index("fp4") + 1, f"fp4@{int(bk)}")
     if a.cpu_smoke:
         global D, I, E, INTERPRET
         D, I, E, INTERPRET = 256, 128, 16, True

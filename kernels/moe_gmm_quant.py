@@ -22,9 +22,13 @@ multiplied by the transposed tile in the kernel, so no transposed copy is made.
   [tile_k / 2, tile_n] bytes into the even and the odd rows, scales each by its group's scale in fp32 (as
   models/quant.py `dequantize`), and multiplies them by x's even and odd columns (strided loads).
 - fp4 (W4A16, DeepSeek-V4's routed experts, models/quant_fp4.py): two e2m1 codes a byte along K (low nibble =
-  even column), one e8m0 scale per row and 1 x g group. A K step is one group: its [tn, g / 2] bytes unpack into
-  the even and the odd columns, each decoded by arithmetic (no table) and scaled by the row's 2 ** (s - 127) in
-  fp32, then multiplied by x's even and odd columns (strided loads), as INT4's steps.
+  even column), one e8m0 scale per row and 1 x g group. A K step is tk columns, the largest power of two dividing
+  K up to block_k (whole groups, or within one): its [tn, tk / 2] bytes unpack into the even and the odd
+  columns, each decoded by integer ops (kernels/fp4.py, no table) and scaled in fp32 by its group's
+  2 ** (s - 127) (the step's [tn, G] scales broadcast to [tn, G, g / 2] and reshaped along K in registers), then
+  rounded to x's dtype (exact in bf16: e2m1 times a power of two) and interleaved back into K order (a join and
+  a reshape), so a step is one tk-deep dot on x's contiguous columns with fp32 accumulation: few loop trips and
+  wide MMAs (one 32-column group a step would be two 16-deep dots).
 - fp8, act="bf16" (W8A16): q widened to bf16 (exact), each K step's product scaled by its block's scale.
 - fp8, act="fp8" (W8A8, FP8 tensor cores): x quantized per token group of 1 x bk (`fp8_gemm.quantize_act`)
   beside the gate_up kernel; the gate_up kernel quantizes h the same way in its epilogue when its column tile is
@@ -84,9 +88,11 @@ def _tiles(f: WeightFormat, K: int, N: int, block_n: int, block_k: int) -> tuple
         tk = largest_pow2_divisor(K, max(block_k, 32))
         if f.group % 2 or tk < 32:  # a row pair straddling two groups: none in models/quant.py's groups
             return None
-    if f.kind == "fp4":  # one group a step: 16-deep dots on each half
-        tk = f.group
-        if K % f.group or f.group % 32 or f.group > 128:
+    if f.kind == "fp4":  # whole groups a step (or a step within one group): one tk-deep dot
+        tk = largest_pow2_divisor(K, max(block_k, 32))
+        while tk > 32 and tk % f.group and f.group % tk:
+            tk //= 2
+        if K % f.group or f.group % 32 or tk < 32:
             return None
     if f.kind == "fp8":  # a step within one scale block, a column tile within one
         tk = largest_pow2_divisor(f.group, block_k if f.act == "bf16" else max(block_k, 32))
@@ -124,15 +130,17 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
         hi = (((b >> 4) - 8).astype(jnp.float32) * s_odd).astype(x_even.dtype)
         dot = functools.partial(jnp.dot, preferred_element_type=jnp.float32, precision=EXACT)
         return dot(x_even, lo) + dot(x_at(pl.ds(k0 + 1, half, stride=2)), hi)
-    if f.kind == "fp4":  # [tn, tk / 2] bytes of the "nk" tile, one scale per row (tk is the group)
-        half = tk // 2
+    if f.kind == "fp4":  # [tn, tk / 2] bytes of the "nk" tile; the step's G groups' scales [tn, G]
+        half, per = tk // 2, min(tk, f.group) // 2  # bytes a row, bytes a scale covers within the step
         b = q_at(pl.ds(k0 // 2, half)).astype(jnp.int32)
-        s = e8m0_to_float(s_at(pl.ds(k0 // f.group, 1), pl.ds(n * tn, tn)))  # [tn, 1]
-        x_even = x_at(pl.ds(k0, half, stride=2))
-        lo = (e2m1_to_float(b & 15) * s).astype(x_even.dtype)
-        hi = (e2m1_to_float(b >> 4) * s).astype(x_even.dtype)
-        return (dot_nk(x_even, lo, precision=EXACT)
-                + dot_nk(x_at(pl.ds(k0 + 1, half, stride=2)), hi, precision=EXACT))
+        s = e8m0_to_float(s_at(pl.ds(k0 // f.group, half // per), pl.ds(n * tn, tn)))  # [tn, G]
+        if half > per:  # each byte's scale: [tn, G] -> [tn, G, per] -> [tn, tk / 2]
+            s = jnp.broadcast_to(s[:, :, None], (tn, half // per, per)).reshape(tn, half)
+        x = x_at(pl.ds(k0, tk))  # [bm, tk], contiguous
+        lo = (e2m1_to_float(b & 15) * s).astype(x.dtype)  # the even columns, exact in bf16 (e2m1 x 2 ** k)
+        hi = (e2m1_to_float(b >> 4) * s).astype(x.dtype)
+        w = jnp.stack([lo, hi], axis=-1).reshape(tn, tk)  # interleaved back into K order (Triton's join)
+        return dot_nk(x, w, precision=EXACT)
     kb = k0 // f.group
     scale = s_at(kb, (n * tn) // f.block_n)
     w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"

@@ -12,7 +12,7 @@ import pytest
 
 from deepinfer_jax.kernels.fp8_gemm import FP8
 from deepinfer_jax.kernels.moe_gmm import moe_experts_reference
-from deepinfer_jax.kernels.moe_gmm_quant import (WeightFormat, dequant_expert, moe_experts_quant,
+from deepinfer_jax.kernels.moe_gmm_quant import (WeightFormat, _tiles, dequant_expert, moe_experts_quant,
                                                  moe_experts_quant_reference, supported)
 from deepinfer_jax.models.quant import dequantize, quantize
 
@@ -180,17 +180,21 @@ def _fp4(wgu, wd):
     return jnp.asarray(a.q), jnp.asarray(a.scale), jnp.asarray(b.q), jnp.asarray(b.scale), f, f, a, b
 
 
-def test_fp4_kernels_match_reference(case):
+@pytest.mark.parametrize("hidden, block_k", [(64, None), (128, 128)])
+def test_fp4_kernels_match_reference(case, hidden, block_k):
     """FP4 experts read in place (layer 1 of two, V4's swiglu_limit) against the reference on that layer; the
-    reference's dequant is models/quant_fp4.py's (exact). Hidden 64, width 96: two and three 32-column groups."""
+    reference's dequant is models/quant_fp4.py's (exact). gate_up's K steps are 64 (two 32-column groups) at the
+    default tiles, 128 (four) at block_k 128; down's K (width 96) is no multiple of either: 32-column steps."""
     from deepinfer_jax.models.quant_fp4 import fp4_dequantize
 
     x, idx, w, wgu, wd = case
-    x, wgu, wd = x[:, :64], wgu[:, :, :64], wd[..., :64]
+    x, wgu, wd = x[:, :hidden], wgu[:, :, :hidden], wd[..., :hidden]
     gq, gs, dq, ds, fg, fd, a, b = _fp4(wgu, wd)
-    assert supported(fg, fd, 64, I, T * K)
+    assert _tiles(fg, hidden, I, 128, block_k or 64)[0] == (block_k or 64)
+    assert _tiles(fd, I, hidden, 128, block_k or 64)[0] == 32
+    assert supported(fg, fd, hidden, I, T * K)
     out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, swiglu_limit=0.3,
-                            interpret=True)
+                            block_k=block_k, interpret=True)
     ref = moe_experts_quant_reference(x, gq[1], gs[1], dq[1], ds[1], w, idx, fmt_gu=fg, fmt_down=fd,
                                       swiglu_limit=0.3)
     _close(out, ref)
@@ -198,16 +202,34 @@ def test_fp4_kernels_match_reference(case):
                                   np.asarray(fp4_dequantize(a, jnp.float32)))
 
 
+def test_fp4_decode_is_the_e2m1_table():
+    """Every byte's two codes (low nibble first) decode bit for bit to the e2m1 table, -0 included."""
+    from deepinfer_jax.kernels.fp4 import E2M1_VALUES, fp4_unpack
+
+    b = np.arange(256, dtype=np.uint8)
+    lut = np.array(E2M1_VALUES, np.float32)
+    want = np.stack([lut[b & 15], lut[b >> 4]], -1).reshape(-1)
+    np.testing.assert_array_equal(np.asarray(fp4_unpack(jnp.asarray(b))).view(np.int32), want.view(np.int32))
+
+
 def test_fp4_formats():
     assert supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 4096, 2048, 64)
     assert not supported(WeightFormat("fp4", 32, layout="nk"), WeightFormat("fp4", 32, layout="nk"), 40, 24, 8)
+    f = WeightFormat("fp4", 32, layout="nk")
+    # K steps: the largest power of two dividing K up to block_k, whole groups each
+    assert [_tiles(f, 4096, 2048, 128, bk) for bk in (32, 64, 256)] == [(32, 128), (64, 128), (256, 128)]
+    assert _tiles(f, 96, 128, 128, 64) == (32, 128) and _tiles(f, 192, 128, 128, 256) == (64, 128)
+    # a 64-column group (not DeepSeek's): steps inside one group or of whole ones, never straddling two
+    assert _tiles(WeightFormat("fp4", 64, layout="nk"), 192, 128, 128, 128) == (64, 128)
+    assert _tiles(WeightFormat("fp4", 96, layout="nk"), 192, 128, 128, 128) == (32, 128)
     with pytest.raises(ValueError, match="layout"):
         WeightFormat("fp4", 32)
 
 
 def test_fp4_kernels_lower_for_sm90(triton_asm):
     """V4-Flash's routed experts (D 4096, I 2048, 256 experts, top-6) in FP4 at a decode size: both kernels lower
-    and read 1-byte weights and scales (no float copy of the experts)."""
+    and read 1-byte weights and scales (no float copy of the experts), one 64-deep dot a K step for each output
+    (two 32-column groups, both nibble halves)."""
     S = jax.ShapeDtypeStruct
     Dv, Iv, Ev, T4 = 4096, 2048, 256, 32
     f = WeightFormat("fp4", 32, layout="nk")
@@ -217,5 +239,7 @@ def test_fp4_kernels_lower_for_sm90(triton_asm):
     mods = triton_asm(lambda x, a, b, c, d, w, i: moe_experts_quant(x, a, b, c, d, w, i, fmt_gu=f, fmt_down=f,
                                                                     swiglu_limit=10.0), *args)
     assert len(mods) == 2
-    for asm in mods:
-        assert [ln for ln in asm.splitlines() if "tt.dot" in ln] and "tt.ptr<i8>" in asm
+    for asm, n_dots in zip(mods, (2, 1)):  # gate and up; down
+        dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
+        assert "tt.ptr<i8>" in asm and "tt.join" in asm  # the nibble halves interleaved in registers
+        assert len(dots) == n_dots and all("tensor<16x64xbf16> * tensor<64x128xbf16>" in ln for ln in dots)
