@@ -239,8 +239,8 @@ def _single_launch_kernel(layer_ref, be_ref, x_ref, wgu_ref, wd_ref, *refs, t1: 
 
 
 def fit_tile(block: int, dim: int) -> int:
-    """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64)."""
-    b = min(block, dim)
+    """The largest power-of-two tile <= `block` that divides `dim` (e.g. 704 = I/2 under TP=2 -> 64; 96 -> 32)."""
+    b = 1 << (min(block, dim).bit_length() - 1)  # a power of two even where dim < block is not one
     while b > 16 and dim % b:
         b //= 2
     if dim % b:
