@@ -383,17 +383,22 @@ def profile(engine, prompts, sp, batches, ks, steps) -> int:
         del eng
         gc.collect()
     print("\nhost ms a timed step by phase (benchmarks/spec_profile.py); step: wall ms (median); device: the step "
-          "program alone, ms a run; compiles: after warm-up, in the run")
+          "program alone, ms a run; TPOT x: ms a token against K = 0's at the batch; overlapped: the same were the "
+          "host's work hidden behind the device (max(host sum, device) a step: the ceiling of an overlapped loop); "
+          "compiles: after warm-up, in the run")
     print(f"{'K':>2} {'batch':>5} {'accept':>6} " + " ".join(f"{p:>8}" for p in PHASES) +
-          f" {'host sum':>8} {'step':>7} {'device':>7} {'tok/step':>8} {'compiles':>8}")
+          f" {'host sum':>8} {'step':>7} {'device':>7} {'tok/step':>8} {'TPOT x':>6} {'overlapped':>10} {'compiles':>8}")
+    plain = {b: ms / tok for k, b, _, _, ms, tok, _, _ in rows if k == 0 and tok}
     for k, b, acc, ph, ms, tok, dev, comp in rows:
         if not tok:
             print(f"{k:>2} {b:>5}  no timed steps: the batch never decoded all at once (the prefills of the others "
                   "did not fit the token budget: larger --token-buckets)")
             continue
         host = sum(v for p, v in ph.items() if p != "wait")
+        base = plain.get(b, float("nan"))
         print(f"{k:>2} {b:>5} {acc:>6.2f} " + " ".join(f"{ph[p]:>8.3f}" for p in PHASES) +
-              f" {host:>8.3f} {ms:>7.2f} {dev:>7.2f} {tok:>8.2f} {comp:>8}")
+              f" {host:>8.3f} {ms:>7.2f} {dev:>7.2f} {tok:>8.2f} {ms / tok / base:>6.2f} "
+              f"{max(host, dev) / tok / base:>10.2f} {comp:>8}")
     print(f"\noptimized HLO op counts of the step program at batch {batches[0]}")
     print(f"{'K':>2} " + " ".join(f"{o:>11}" for o in OPS))
     for k, c in counts.items():
