@@ -40,6 +40,24 @@ the prefill.
 rejected)` is then the cost side (the MTP drafts K tokens a sequence each step, host drafts the target rejects),
 `deepseek_mtp` the MTP's own drafts (acceptance ~1.0 on random weights, real with `--model`, e.g. the default
 model), and `forced acceptance` the ceiling with the MTP's drafting cost included.
+
+`--profile` (benchmarks/spec_profile.py): instead of the modes, for K = 0 and each K the engine's own drafts, with
+the host's ms a timed step by phase (propose, schedule, inputs, launch, wait, results, update, emit), the device's
+ms of the step program alone (run back to back: what a step costs where the host keeps ahead), and the optimized
+HLO's op counts of each K's step program. A plain step overlaps its host work with the device; a speculating step
+cannot plan the next before it knows the acceptance, so its wall time is about its host phases plus its device time:
+
+    python benchmarks/spec.py --profile --method deepseek_mtp --ks 1,2,3 --batches 1,32 \
+        --model deepinfer_jax/assets/default-model --page-size 16 --attn-impl reference --moe-impl ragged
+    python benchmarks/spec.py --profile --method deepseek_mtp --ks 1,2,3,4 --batches 1,8,32,64  # V2-Lite shape
+    python benchmarks/spec.py --profile --method deepseek_mtp --ks 1,2,3,4 --batches 1,8,32,64 \
+        --preset deepseek-v3 --layers 2                     # V3's shape cut to 1 dense + 1 MoE layer, and its MTP
+    python benchmarks/spec.py --profile --preset tiny-deepseek-v2 --method deepseek_mtp --batches 1 --ks 1,2 \
+        --prompt-len 32 --steps 4 --attn-impl reference --moe-impl ragged --dtype float32 --token-buckets 16,64  # CPU
+
+The modes at the cut V3 take `--draft none` (a V3-shaped draft of its own would not fit beside it on one GPU).
+At a cut V3 (`--layers`) each MTP pass (a whole MoE layer and the 129,280-row lm_head) weighs as much as a target
+layer, so the cost side overstates what a 61-layer V3 pays; the ratio scales with 1 / layers.
 """
 
 from __future__ import annotations
@@ -78,6 +96,12 @@ def main(argv=None) -> int:
     ap.add_argument("--tp", type=int, default=1, help="tensor_parallel_size")
     ap.add_argument("--dp", type=int, default=1, help="data_parallel_size (the batch spread over the ranks)")
     ap.add_argument("--ep", action="store_true", help="enable_expert_parallel")
+    ap.add_argument("--layers", type=int, default=0, help="random weights: the preset cut to this many decoder "
+                    "layers (its dense ones first; e.g. --preset deepseek-v3 --layers 2 fits one GPU)")
+    ap.add_argument("--token-buckets", default="", help="the engines' token buckets (default: powers of two)")
+    ap.add_argument("--profile", action="store_true", help="instead of the modes: for K = 0 and each K, the engine's "
+                    "own drafts (--method), host ms a step by phase, device ms of the step program alone and its "
+                    "optimized HLO's op counts (benchmarks/spec_profile.py)")
     args = ap.parse_args(argv)
     mtp = args.method == "deepseek_mtp"
     draft = args.draft or ("self" if args.model else "layers")
@@ -97,6 +121,7 @@ def main(argv=None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     ks = [int(k) for k in args.ks.split(",")]
     steps = args.steps
+    buckets = tuple(int(b) for b in args.token_buckets.split(",")) if args.token_buckets else ()
     # the prefill's token, a few steps to settle, the timed steps, at up to K + 1 tokens a step
     output_len = (steps + 8) * (max(ks) + 1) + 2
     tokenizer = None
@@ -111,9 +136,12 @@ def main(argv=None) -> int:
 
         cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models",
                                                       f"{args.preset}.json"))
-        if mtp and not cfg.has_mtp:  # one random MTP layer
-            import dataclasses
+        import dataclasses
 
+        if args.layers:
+            cfg = dataclasses.replace(cfg, num_hidden_layers=args.layers,
+                                      first_k_dense_replace=min(cfg.first_k_dense_replace, args.layers - 1))
+        if mtp and not cfg.has_mtp:  # one random MTP layer
             cfg = dataclasses.replace(cfg, num_nextn_predict_layers=1)
         params = random_params(cfg, jnp.dtype(args.dtype), seed=0)
     sharding = None
@@ -168,10 +196,12 @@ def main(argv=None) -> int:
         per_rank = -(-max_b // args.dp)  # max_num_seqs holds per data-parallel rank
         eng = LLMEngine(cfg, params, tokenizer, sharding=sharding,
                         scheduler_config=SchedulerConfig(max_num_seqs=per_rank, max_model_len=max_len,
-                                                         max_num_batched_tokens=max(2048, per_rank * (k + 1))),
+                                                         max_num_batched_tokens=buckets[-1] if buckets else
+                                                         max(2048, per_rank * (k + 1))),
                         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False,
                                                  gpu_memory_utilization=0.85),
-                        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl),
+                        runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
+                                                   token_buckets=buckets),
                         progress=False, speculative_config=None if k == 0 else spec,
                         load_format="auto" if args.model else "dummy")
         print(f"K={k}{' ' + draft_label if draft_model else ''}: ready in {time.time() - t:.1f} s "
@@ -186,6 +216,7 @@ def main(argv=None) -> int:
         """Generate for the first b prompts; -> (outputs by id, ms a timed step (median), output tokens a timed step
         (mean), mean acceptance length over the timed steps)."""
         speculative.propose = proposer or ngram
+        compiled = compiles(eng)
         try:
             for i in range(b):
                 eng.add_request(str(i), prompts[i], sp)
@@ -212,9 +243,15 @@ def main(argv=None) -> int:
             if st0 is not None and eng.spec_stats.num_drafts > st0[0]:
                 acc = 1 + (eng.spec_stats.num_accepted_tokens - st0[1]) / (eng.spec_stats.num_drafts - st0[0])
             # tokens a timed step, at the median step time
+            if compiles(eng) != compiled:  # a step shape warm-up missed: the step times include its compiles
+                print(f"K={eng.spec.num_speculative_tokens if eng.spec else 0} batch {b}: "
+                      f"{compiles(eng) - compiled} compiles after warm-up", flush=True)
             return outs, 1e3 * float(np.median(times)) if times else float("nan"), tokens / max(len(times), 1), acc
         finally:
             speculative.propose = ngram
+
+    def compiles(eng) -> int:  # the target's (and the draft model's) compiles after warm-up
+        return eng.runner.compiles_after_warmup + (eng.drafter.runner.compiles_after_warmup if eng.drafter else 0)
 
     def rejected(eng):  # K drafts a sequence that the target (random weights) rejects
         k = eng.spec.num_speculative_tokens
@@ -230,6 +267,8 @@ def main(argv=None) -> int:
                     r.spec_token_ids = ref[r.request_id][r.num_output_tokens: r.num_output_tokens + k]
         return propose
 
+    if args.profile:
+        return profile(engine, prompts, sp, batches, ks, steps)
     plain = engine(0)
     base = {b: run(plain, b) for b in batches}  # each batch's greedy outputs are its forced drafts
     del plain  # its KV cache goes before the next engine sizes its own
@@ -283,6 +322,87 @@ def main(argv=None) -> int:
               f"{tps:>9.1f} {tps0 / tps if tps else float('nan'):>7.2f}")
     print("\nTPOT x: time per output token with speculation / without (below 1: faster). tok/s: output tokens a "
           "timed step (mean) over the median step time.")
+    return 0
+
+
+def profile(engine, prompts, sp, batches, ks, steps) -> int:
+    """--profile: for K = 0 and each K, at each batch, the engine's own drafts: host ms a timed step by phase
+    (spec_profile.PhaseTimer), the step's wall ms (median), the device ms of its program alone and, at the first
+    batch, the optimized HLO's op counts. Checks first that each K's greedy outputs equal K = 0's."""
+    from benchmarks.spec_profile import PHASES, OPS, PhaseTimer, device_ms, op_counts
+
+    rows, counts, ref = [], {}, {}
+    for k in [0, *ks]:
+        eng = engine(k)
+        timer = PhaseTimer(eng)
+        timer.install_propose(None)
+        try:
+            for b in batches:
+                for i in range(b):
+                    eng.add_request(str(i), prompts[i], sp)
+                mine = [eng.scheduler.requests[str(i)] for i in range(b)]
+                outs, times, tokens, n, st0 = {}, [], 0, 0, None
+                compiled = eng.runner.compiles_after_warmup
+                while eng.has_unfinished_requests():
+                    reqs = eng.scheduler.running
+                    decoding = len(reqs) == b and all(r.num_tokens - r.num_computed_tokens == 1 for r in reqs)
+                    timer.active = decoding and 4 <= n < 4 + steps
+                    if timer.active and st0 is None and eng.spec_stats is not None:
+                        st0 = (eng.spec_stats.num_drafts, eng.spec_stats.num_accepted_tokens)
+                    before = sum(r.num_output_tokens for r in mine)
+                    t = time.perf_counter()
+                    for o in eng.step():
+                        if o.finished:
+                            outs[o.request_id] = o.outputs[0].token_ids
+                    if timer.active:
+                        times.append(time.perf_counter() - t)
+                        timer.steps += 1
+                        tokens += sum(r.num_output_tokens for r in mine) - before
+                    n += decoding
+                timer.active = False
+                if k == 0:
+                    ref[b] = outs
+                elif outs != ref[b]:
+                    same = sum(outs[i] == ref[b][i] for i in ref[b])
+                    print(f"K={k} batch {b}: {same} of {b} greedy outputs equal without speculation", flush=True)
+                    if 2 * same < b:
+                        print(f"K={k}: FAILED: its drafts change the greedy output", flush=True)
+                        return 1
+                acc = 1.0
+                if st0 is not None and eng.spec_stats.num_drafts > st0[0]:
+                    acc = 1 + (eng.spec_stats.num_accepted_tokens - st0[1]) / (eng.spec_stats.num_drafts - st0[0])
+                host = timer.last_host
+                dev = device_ms(eng, host) if host is not None else float("nan")
+                if b == batches[0] and host is not None:
+                    counts[k] = op_counts(eng, host)
+                rows.append((k, b, acc, timer.per_step(), 1e3 * float(np.median(times)) if times else float("nan"),
+                             tokens / max(len(times), 1), dev, eng.runner.compiles_after_warmup - compiled))
+                timer.reset()
+        finally:
+            timer.restore_propose()
+        del eng
+        gc.collect()
+    print("\nhost ms a timed step by phase (benchmarks/spec_profile.py); step: wall ms (median); device: the step "
+          "program alone, ms a run; TPOT x: ms a token against K = 0's at the batch; overlapped: the same were the "
+          "host's work hidden behind the device (max(host sum, device) a step: the ceiling of an overlapped loop); "
+          "compiles: after warm-up, in the run")
+    print(f"{'K':>2} {'batch':>5} {'accept':>6} " + " ".join(f"{p:>8}" for p in PHASES) +
+          f" {'host sum':>8} {'step':>7} {'device':>7} {'tok/step':>8} {'TPOT x':>6} {'overlapped':>10} {'compiles':>8}")
+    plain = {b: ms / tok for k, b, _, _, ms, tok, _, _ in rows if k == 0 and tok}
+    for k, b, acc, ph, ms, tok, dev, comp in rows:
+        if not tok:
+            print(f"{k:>2} {b:>5}  no timed steps: the batch never decoded all at once (the prefills of the others "
+                  "did not fit the token budget: larger --token-buckets)")
+            continue
+        host = sum(v for p, v in ph.items() if p != "wait")
+        base = plain.get(b, float("nan"))
+        print(f"{k:>2} {b:>5} {acc:>6.2f} " + " ".join(f"{ph[p]:>8.3f}" for p in PHASES) +
+              f" {host:>8.3f} {ms:>7.2f} {dev:>7.2f} {tok:>8.2f} {ms / tok / base:>6.2f} "
+              f"{max(host, dev) / tok / base:>10.2f} {comp:>8}")
+    print(f"\noptimized HLO op counts of the step program at batch {batches[0]}")
+    print(f"{'K':>2} " + " ".join(f"{o:>11}" for o in OPS))
+    for k, c in counts.items():
+        print(f"{k:>2} " + " ".join(f"{c[o]:>11}" for o in OPS))
     return 0
 
 

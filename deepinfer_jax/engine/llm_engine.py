@@ -25,8 +25,8 @@ engine proposes drafts (Request.spec_token_ids: n-gram lookup, or `drafter`'s mo
 the scheduler verifies as many as fit, their K + 1 positions in the same ragged step as everything else; the
 runner's rejection sampler keeps the target distribution (sampling/rejection.py) and a sequence takes its
 accepted drafts and one token of the target's. Since the next plan needs how many were accepted, every step is
-fetched before the next is planned (no placeholders), as a structured-output step is. Requests with a grammar do
-not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
+fetched before the next is planned (no placeholders), as a structured-output step is; its text and outputs are made
+after the next step is queued. Requests with a grammar do not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
 
 Pipeline parallelism: one group of requests a stage, taken in turn by `step()`, each with its own step in flight
 (engine/decode_groups.py; `max_steps_in_flight`: the most left in flight between two steps).
@@ -151,6 +151,7 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._counter = itertools.count()
         self._pending = None  # (in-flight step, [(request, placeholder index)]) not yet fetched
+        self._spec_unemitted: list = []  # speculation: the last fetched step's tokens, emitted after the next dispatch
         self.max_steps_in_flight = 0
         # one decode group a pipeline stage: the next group to step, and each group's `_pending`
         self.set_decode_groups(getattr(self.runner, "decode_groups", 1) if self.spec is None else 1)
@@ -280,7 +281,8 @@ class LLMEngine:
         and the host patches the real id in once N-1 is fetched. EOS, stop ids and stop strings are
         checked at that point, so a request that stopped at N-1 may still be computed once in N: that
         work is dropped (the scheduler skips finished requests). Outputs are those of step N-1.
-        With speculative decoding each step is planned, run and fetched in turn (engine/speculative.py)."""
+        With speculative decoding each step is planned, run and fetched in turn, its text and outputs made while
+        the next one runs (engine/speculative.py)."""
         if self.spec is not None:
             return speculative_step(self)
         return self._step() if self.groups == 1 else grouped_step(self)

@@ -62,24 +62,33 @@ def propose(engine) -> None:
 
 
 def speculative_step(engine) -> list[RequestOutput]:
-    """One step with speculation: propose, plan, run, fetch and apply it (the scheduler appends each
-    sequence's tokens up to its first stop), then text and outputs."""
+    """One step with speculation: propose, plan, run and fetch step N and apply it (the scheduler appends each
+    sequence's tokens up to its first stop). The next plan needs how many drafts step N accepted, so the host waits
+    for it; what does not feed the next plan (step N-1's text, stop strings and outputs: `_emit`) runs after step
+    N is queued, while the device computes it. Returns step N-1's outputs (as the plain step does); a step with
+    nothing to plan returns the last fetched step's.
+
+    A stop string found by that text pass finishes its request after step N was planned with it: step N's tokens
+    for it are then dropped (the scheduler skips finished requests), as the plain step's are."""
     propose(engine)
     plan = engine.scheduler.schedule()
     engine.runner.apply_kv_transfers(getattr(plan, "kv_transfers", None))  # host tier: before the step
+    fetched, engine._spec_unemitted = engine._spec_unemitted, []
     if plan.is_empty:
-        return []
+        return engine._emit(fetched)
     requests = {s.request_id: engine.scheduler.requests[s.request_id] for s in plan.seqs}
     try:
         inflight = engine.runner.dispatch(plan.seqs, requests, engine._seeds, getattr(plan, "ranks", None))
     except Exception:
+        engine._spec_unemitted = fetched
         engine._fail_plan(plan)
         raise
+    outputs = engine._emit(fetched)  # step N-1's text and outputs while the device runs step N
     result = engine.runner.fetch(inflight)
-    stats = engine.spec_stats
+    stats, live = engine.spec_stats, engine.scheduler.requests
     for seq in plan.seqs:
         tokens = result.spec_token_ids.get(seq.request_id)
-        if seq.num_draft_tokens and tokens is not None:
+        if seq.num_draft_tokens and tokens is not None and seq.request_id in live:  # (not finished meanwhile)
             stats.num_drafts += 1
             stats.num_draft_tokens += seq.num_draft_tokens
             stats.num_accepted_tokens += len(tokens) - 1
@@ -88,13 +97,12 @@ def speculative_step(engine) -> list[RequestOutput]:
     updates = engine.scheduler.update_from_output(plan, result.spec_token_ids)
     if engine.spec.method == "deepseek_mtp":
         engine.mtp_proposer.record(engine, plan, result)
-    fetched = []
     for req, tokens, _ in updates:
         pid = engine._child_parent.get(req.request_id)
         if pid is None:
             continue
-        if req.grammar is not None and not req.is_finished:  # no drafts: one token
+        if req.grammar is not None and not req.is_finished:  # no drafts: one token (its mask needs it next step)
             engine._advance_grammar(req, tokens[0])
         lps = result.spec_logprobs.get(req.request_id)
-        fetched.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
-    return engine._emit(fetched)
+        engine._spec_unemitted.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
+    return outputs

@@ -326,24 +326,30 @@ def _spec_rows(st: SamplingTensors, plan_seqs, requests, row_seeds, row_steps, W
     """Sequence rows' tensors [S, ...] -> sampling rows [S * W, ...] (Shapes.spec_width): row r * W + j samples
     the sequence's output token num_output_tokens + j, verifying draft j + 1 (-1: none, the bonus position).
     Each row's key, output history and min_tokens suppression are those of that token, as if the drafts
-    before it were sampled."""
+    before it were sampled. Whole-array numpy over the rows (the penalty histories alone a row at a time): the
+    host builds these between two steps' device work (docs/speculative.md)."""
     fields = {name: (None if v is None else np.repeat(v, W, axis=0)) for name, v in st.__dict__.items()}
-    S = len(row_seeds)
+    S, R = len(row_seeds), len(plan_seqs)
     drafts = np.full((S, W), -1, np.int32)
-    seeds = np.repeat(np.asarray(row_seeds, dtype=object), W)
+    nd = np.fromiter((seq.num_draft_tokens for seq in plan_seqs), np.int64, R)  # [R]
+    if nd.any():
+        flat = np.fromiter((t for seq in plan_seqs if seq.num_draft_tokens
+                            for t in seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:]), np.int32, int(nd.sum()))
+        drafts[np.repeat(np.arange(R), nd), np.arange(len(flat)) - np.repeat(np.cumsum(nd) - nd, nd)] = flat
+    reqs = [requests[seq.request_id] for seq in plan_seqs]
+    n_out = np.fromiter((req.num_output_tokens for req in reqs), np.int64, R)  # [R]
+    min_tokens = np.fromiter((req.sampling_params.min_tokens for req in reqs), np.int64, R)
+    j = np.arange(W)[None, :]
+    free = (j >= 1) & (n_out[:, None] + j >= min_tokens[:, None])  # [R, W]: rows past min_tokens suppress nothing
+    fields["suppress_token_ids"][: R * W][free.ravel()] = -1
+    if penalties:
+        hist = fields["output_token_ids"]
+        for r in range(R):
+            n, d = int(n_out[r]), drafts[r, : nd[r]]
+            for k in range(1, min(W, len(d) + 1)):
+                hist[r * W + k, n: n + k] = d[:k]
+    seeds = np.repeat(np.fromiter((int(s) % (1 << 64) for s in row_seeds), np.uint64, S), W)
     steps = (np.repeat(np.asarray(row_steps, np.int64), W).reshape(S, W) + np.arange(W)).ravel()
-    for r, seq in enumerate(plan_seqs):
-        d = seq.token_ids[len(seq.token_ids) - seq.num_draft_tokens:] if seq.num_draft_tokens else []
-        drafts[r, : len(d)] = d
-        req = requests[seq.request_id]
-        sp = req.sampling_params
-        n_out = req.num_output_tokens
-        for j in range(1, W):
-            row = r * W + j
-            if n_out + j >= sp.min_tokens:
-                fields["suppress_token_ids"][row] = -1
-            if penalties and j <= len(d):
-                fields["output_token_ids"][row, n_out: n_out + j] = d[:j]
-    key_data = make_key_data_batch(list(seeds), steps)
+    key_data = make_key_data_batch(seeds, steps)
     fields.update(rng_key_data=key_data.astype(np.uint32), draft_token_ids=drafts.ravel())
     return SamplingTensors(**fields)

@@ -49,9 +49,16 @@ def threefry2x32(k1: np.ndarray, k2: np.ndarray, x0: np.ndarray,
 
 
 def make_key_data_batch(seeds, steps) -> np.ndarray:
-    """Vectorised key data: seeds int[N] (any Python/numpy ints), steps int[N] -> u32[N, 2]."""
-    seeds = np.asarray([int(s) % (1 << 64) for s in np.ravel(seeds)], dtype=np.uint64)
-    steps = np.asarray([int(s) & _M32 for s in np.ravel(steps)], dtype=np.uint32)
+    """Vectorised key data: seeds int[N] (any Python/numpy ints; a uint64 array is taken as it is), steps int[N]
+    (an integer array is taken modulo 2**32 without a Python loop) -> u32[N, 2]."""
+    if isinstance(seeds, np.ndarray) and seeds.dtype == np.uint64:
+        seeds = seeds.ravel()
+    else:
+        seeds = np.asarray([int(s) % (1 << 64) for s in np.ravel(seeds)], dtype=np.uint64)
+    if isinstance(steps, np.ndarray) and steps.dtype.kind in "iu":
+        steps = (steps.ravel().astype(np.int64) & _M32).astype(np.uint32)
+    else:
+        steps = np.asarray([int(s) & _M32 for s in np.ravel(steps)], dtype=np.uint32)
     if seeds.shape != steps.shape:
         raise ValueError(f"seeds {seeds.shape} and steps {steps.shape} differ")
     k1 = (seeds >> np.uint64(32)).astype(np.uint32)      # PRNGKey: [hi32, lo32]

@@ -47,6 +47,20 @@ def test_stop_strings_streaming_and_grammars_with_speculation():
             texts.append(o.outputs[0].text if o.outputs else "")
             ids += o.outputs[0].token_ids if o.outputs else []
     assert "".join(texts) == text and ids == free.token_ids
+    # a step's text and outputs are made after the next step is queued (engine/speculative.py), so the host's text
+    # pass overlaps the device: each step dispatches, then emits the step before (nothing after the first), and a
+    # last step with nothing to plan emits the final tokens
+    calls = []
+    dispatch, emit = eng.runner.dispatch, eng._emit
+    eng.runner.dispatch = lambda *a, **kw: calls.append("dispatch") or dispatch(*a, **kw)
+    eng._emit = lambda fetched: calls.append("emit" if fetched else "none") or emit(fetched)
+    try:
+        again = llm.generate([PROMPT], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))[0].outputs[0]
+    finally:
+        del eng.runner.dispatch, eng._emit
+    assert again.token_ids == free.token_ids
+    n = calls.count("dispatch")
+    assert calls == ["dispatch", "none"] + ["dispatch", "emit"] * (n - 1) + ["emit"], calls
     # a grammar request beside speculating ones
     so = StructuredOutputsParams(choice=["yes", "no"])
     outs = llm.generate([PROMPT, "hello", PROMPT], [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),

@@ -83,3 +83,43 @@ def test_data_parallel_ranks_lay_out_their_verify_rows_rank_after_rank():
     sampled = types.SimpleNamespace(token_ids=np.arange(4 * W) + 100, accepted=np.array([1, 0, 0] * 2 + [1, 0, 0] * 2),
                                     drafts=None)
     assert step_result(host, sampled).spec_token_ids == {"a": [100, 101], "b": [106, 107]}
+
+
+def test_each_row_is_the_plain_row_of_the_token_it_samples():
+    """Random plans (drafts 0..K, min_tokens around the outputs, any seeds): sampling row r * W + j equals the plain
+    step's row (spec_width 1) for sequence r with its first j drafts already sampled: its key, min_tokens
+    suppression and output history; its draft id is draft j + 1."""
+    import dataclasses
+
+    rng = np.random.default_rng(0)
+    L = 24
+    wide = Shapes(buckets=(64,), max_num_seqs=8, max_pages=6, page_size=4, max_model_len=L, max_suppress=2,
+                  spec_width=W)
+    plain = dataclasses.replace(wide, spec_width=1)
+    for _ in range(20):
+        reqs, seqs, seeds = {}, [], {}
+        for i in range(int(rng.integers(1, 7))):
+            rid = str(i)
+            n_out = int(rng.integers(0, 6))
+            sp = SamplingParams(repetition_penalty=1.1, min_tokens=int(rng.integers(0, 9)))
+            reqs[rid] = Request(rid, [5, 6], sp, eos_token_ids=(1,), output_token_ids=rng.integers(2, 50, n_out).tolist())
+            seeds[rid] = int(rng.choice([-3, 7, 2**40 + 1, 2**64 + 5]))
+            nd = int(rng.integers(0, W))
+            drafts = rng.integers(2, 50, nd).tolist()
+            seqs.append(ScheduledSeq(rid, [9] + drafts, 2 + n_out - 1, [1, 2, 3, 4], True, n_out, num_draft_tokens=nd))
+        st = build_sampling(seqs, reqs, seeds, wide, 64, penalties=True)
+        for r, seq in enumerate(seqs):
+            d = seq.token_ids[1:]
+            for j in range(W):
+                row = r * W + j
+                assert st.draft_token_ids[row] == (d[j] if j < len(d) else -1)
+                if j > len(d):
+                    continue  # past the bonus position: nothing sampled there
+                req = reqs[seq.request_id]
+                ahead = Request(req.request_id, req.prompt_token_ids, req.sampling_params, eos_token_ids=(1,),
+                                output_token_ids=req.output_token_ids + d[:j])
+                one = build_sampling([dataclasses.replace(seq, num_output_tokens=seq.num_output_tokens + j)],
+                                     {seq.request_id: ahead}, seeds, plain, 64, penalties=True)
+                assert (st.rng_key_data[row] == one.rng_key_data[0]).all()
+                assert (st.suppress_token_ids[row] == one.suppress_token_ids[0]).all()
+                assert (st.output_token_ids[row] == one.output_token_ids[0]).all()
