@@ -13,10 +13,10 @@ routed experts FP4 packed (Fp4Weight), attention and shared-expert linears FP8 (
 loads; `--attn-impl pallas --moe-impl pallas` run kernels/v4_sparse_attention.py, V3.2's indexer kernel and
 kernels/moe_gmm_quant.py's FP4 grouped GEMM on them.
 
-1. Correctness first (the script stops if it fails): the first `--check-layers` layers (HCA, CSA, hash-routed
-   and scored MoE layers at V4-Flash's order) through the engine with the benchmark's impls, greedy, against the
-   same weights through attn_impl "reference" / moe_impl "dense" (every expert dequantized; `--check-moe-impl`),
-   in `--check-dtype`; the tokens must agree.
+1. Correctness first, in a process of its own (the script stops if it fails): the first `--check-layers` layers
+   (HCA, CSA, hash-routed and scored MoE layers at V4-Flash's order) through the engine with the benchmark's
+   impls, greedy, against the same weights through attn_impl "reference" / moe_impl "dense" (every expert
+   dequantized; `--check-moe-impl`), in `--check-dtype`; the tokens must agree.
 2. Protocol A (BENCHMARKS.md, as benchmarks/offline.py): batch 32, 512 random prompt ids, 256 out, ignore EOS,
    greedy: output tok/s, the batch's prefill time, decode ms a step (the run less its prefill), start-up time.
 3. Long context: for each of `--contexts`, `--batch` random prompts of that length prefilled (chunks of
@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,7 +73,8 @@ def base_config(path: str | None, smoke: bool) -> dict:
 def cut(d: dict, layers: int, smoke: bool) -> dict:
     """`d` cut to its first `layers` layers, no MTP, as a release config (FP8 blocks of 8 x 12 in the smoke run:
     the tiny model's odd sizes leave partial blocks at the edges, as a test release does)."""
-    d = dict(d, num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0, model_type="deepseek_v4")
+    d = dict(d, num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0,
+             model_type="deepseek_v4")
     for k in ("layer_types", "mlp_layer_types"):
         if d.get(k):
             d[k] = d[k][:layers]
@@ -192,7 +194,7 @@ def check(d: dict, root: str, impls: dict, reference_moe: str, dtype: str, smoke
                             SamplingParams(temperature=0.0, max_tokens=n_out, ignore_eos=True), use_tqdm=False)
         got[name] = [o.outputs[0].token_ids for o in outs]
         del llm, outs
-        gc.collect()  # its weights and pools off the device before the next engine
+        gc.collect()  # the first engine's weights and pools off the device before the second's
         stamp(f"check: {name} engine ({kw['attn_impl']} / {kw['moe_impl']}) generated {got[name]}")
     same = sum(a == b for x, y in zip(got["benchmark"], got["reference"]) for a, b in zip(x, y))
     total = sum(len(x) for x in got["reference"])
@@ -223,7 +225,8 @@ def long_context(eng, d: dict, contexts: list[int], batch: int, steps: int) -> N
     v4 = ModelConfig.from_hf_dict(d).v4
     per = v4_cache_bytes_per_token(v4)
     print(f"KV cache bytes per token of context ({v4.num_hidden_layers} layers, bf16): {per['total']:,.1f} "
-          f"(CSA rows {per['csa_rows']:,.1f}, HCA rows {per['hca_rows']:,.1f}, indexer keys {per['indexer_keys']:,.1f}) "
+          f"(CSA rows {per['csa_rows']:,.1f}, HCA rows {per['hca_rows']:,.1f}, "
+          f"indexer keys {per['indexer_keys']:,.1f}) "
           f"+ {v4_cache_fixed_bytes(v4) / 2**20:,.2f} MiB a sequence (windows); per layer "
           f"{per['total'] / v4.num_hidden_layers:,.1f} against V3's MLA {MLA_V3_BYTES / 61:,.0f} "
           f"(61 layers: {MLA_V3_BYTES:,} a token)", flush=True)
@@ -267,6 +270,7 @@ def main(argv=None) -> int:
     ap.add_argument("--check-moe-impl", default="dense", choices=["dense", "ragged"],
                     help="the check's reference experts: every expert dequantized (dense) or the routed copies")
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)  # the check's own process
     ap.add_argument("--headroom-gib", type=float, default=12.0,
                     help="device memory left for the steps' activations when choosing the default --layers")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
@@ -278,16 +282,29 @@ def main(argv=None) -> int:
         a.pa_batch, a.pa_prompt_len, a.pa_output_len, a.max_num_batched_tokens = 2, 16, 8, 32
         a.attn_impl, a.moe_impl, a.check_layers = "pallas_interpret", "pallas_interpret", 3
         a.layers = a.layers or 3
+    impls = dict(attn_impl=a.attn_impl, moe_impl=a.moe_impl)
+    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
+
+    full = base_config(a.config, a.smoke)
+    if a.check_only:
+        enable_compilation_cache("default")
+        with tempfile.TemporaryDirectory() as root:
+            check(cut(full, a.check_layers, a.smoke), root, impls, a.check_moe_impl, a.check_dtype, a.smoke)
+        return 0
+    if not a.skip_check:  # in a process of its own, before this one takes the device: its memory is all returned
+        rc = subprocess.run([sys.executable, os.path.abspath(__file__),
+                             *(sys.argv[1:] if argv is None else argv), "--check-only"]).returncode
+        if rc:
+            sys.exit(f"the check failed (exit status {rc}): no timings")
+        stamp("check passed")
 
     import jax
 
     from deepinfer_jax import LLM
-    from deepinfer_jax.runner.compile_cache import enable_compilation_cache
     from deepinfer_jax.runner.device_memory import device_memory
 
     enable_compilation_cache("default")
     dev = jax.devices()[0]
-    full = base_config(a.config, a.smoke)
     mem = device_memory(dev)
     limit = mem.limit if mem is not None else 80 * 2**30
     if a.layers is None:
@@ -303,15 +320,11 @@ def main(argv=None) -> int:
           f"linears; {a.layers} of {full['num_hidden_layers']} layers ({', '.join(d['layer_types'])}); weights "
           f"{(outside + sum(per_layer)) / 2**30:.2f} GiB ({sum(per_layer) / len(per_layer) / 2**30:.3f} a layer, "
           f"{outside / 2**30:.2f} outside); attn {a.attn_impl}, moe {a.moe_impl}, {a.dtype}")
-    impls = dict(attn_impl=a.attn_impl, moe_impl=a.moe_impl)
     if a.moe_impl.startswith("pallas"):
         takes = {n: fp4_kernel_takes(d, n) for n in sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})}
         print(f"FP4 expert kernel takes the steps of {', '.join(f'{n} tokens: {t}' for n, t in takes.items())}",
               flush=True)
     with tempfile.TemporaryDirectory() as root:
-        if not a.skip_check:
-            check(cut(full, a.check_layers, a.smoke), root, impls, a.check_moe_impl, a.check_dtype, a.smoke)
-            stamp("check passed")
         max_len = max(max(contexts) + a.steps + 1, a.pa_prompt_len + a.pa_output_len)
         buckets = sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})
         t = time.time()

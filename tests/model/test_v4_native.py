@@ -240,7 +240,8 @@ def test_fp4_scales_in_a_float_container_are_read_exactly():
 def test_dummy_release_draws_the_leaves_the_release_loads_as(v4_mtp_dirs):
     """load_format "dummy" on a release config.json (weights/release_random.py): the tree the release loads as
     (every FP8 / FP4 leaf packed, MTP's e_proj / h_proj included, the same q / scale shapes and dtypes), the float
-    leaves drawn as the float dummy draws them, the packed ones at its scale (|w| < 0.1, FP4 scales 2 ** -7 or 2 ** -6)."""
+    leaves drawn as the float dummy draws them, the packed ones at its scale (|w| < 0.1, FP4 scales 2 ** -7 or
+    2 ** -6)."""
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.models.quant_fp4 import fp4_dequantize
     from deepinfer_jax.weights.loader import prepare_model
