@@ -152,7 +152,8 @@ class LLM:
     memory for the KV cache's host tier, 0: off; docs/kv-tier.md), cpu_offload_gb (GiB of weights kept in host
     memory and copied in by each step, one device, 0: off; docs/offload.md),
     skip_tokenizer_init, seed, load_format ("auto", or "dummy": random weights from the directory's
-    config.json, drawn on the device from `seed`), tensor_parallel_size, data_parallel_size,
+    config.json, drawn on the device from `seed`; a DeepSeek-V4 release config's FP8 / FP4 leaves drawn packed,
+    weights/release_random.py), tensor_parallel_size, data_parallel_size,
     enable_expert_parallel (EP size = TP x DP; DP ranks run data-parallel attention, each with its own requests and KV pages,
     and max_num_seqs / max_num_batched_tokens / num_pages then hold per rank), pipeline_parallel_size (the decoder
     layers split into that many stages, each on its own TP x DP devices: sharding/pipeline.py), all2all_backend (how EP moves tokens:
@@ -294,8 +295,13 @@ class LLM:
             if quantization not in (None, "auto"):
                 raise ValueError(f"quantization {quantization!r} with load_format 'dummy' is not supported (random "
                                  "weights are drawn in the engine dtype)")
+            from deepinfer_jax.weights.release_random import pending_release_params, release_format
+
             self.model_config = ModelConfig.from_model_dir(model).with_vocab_multiple(vocab_multiple)
-            params = pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings)
+            release = release_format(model, self.model_config)  # a V4 release config: packed FP8 / FP4 leaves
+            params = (pending_release_params(self.model_config, release, jnp.dtype(self.dtype), seed=seed,
+                                             shardings=shardings) if release else
+                      pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings))
         elif load_format == "auto":
             self.model_config, params = prepare_model(model, jnp.dtype(self.dtype), shardings=shardings,
                                                       progress=progress, quantization=quantization,

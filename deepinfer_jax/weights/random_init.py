@@ -28,17 +28,8 @@ def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, sc
     so the device holds one of them only while its program runs."""
     specs = param_specs(cfg)
     leaves, treedef = jax.tree.flatten_with_path(specs, is_leaf=is_spec)
-    plan = []
-    for i, (path, spec) in enumerate(leaves):
-        name = jax.tree_util.keystr(path)
-        lo, hi = (-scale, scale)
-        if "norm" in name:
-            lo, hi = 0.9, 1.1
-        elif "e_score_correction_bias" in name:
-            lo, hi = 0.0, 0.1
-        elif "tid2eid" in name:  # DeepSeek-V4's hash routing table: expert ids, uniform over the experts
-            lo, hi = 0, cfg.n_routed_experts
-        plan.append((i, tuple(spec.shape), jnp.dtype(spec_dtype(spec, dtype)), lo, hi))
+    plan = [(i, tuple(spec.shape), jnp.dtype(spec_dtype(spec, dtype)), *leaf_range(cfg, path, scale))
+            for i, (path, spec) in enumerate(leaves)]
     out_shardings = None if shardings is None else tuple(jax.tree.leaves(shardings))
     host = [] if target is None else [i for i, a in enumerate(jax.tree.leaves(target))
                                       if a.sharding.memory_kind in HOST_MEMORY]
@@ -56,6 +47,25 @@ def random_params(cfg: ModelConfig, dtype: Any = jnp.bfloat16, seed: int = 0, sc
     return jax.tree.unflatten(treedef, out)
 
 
+def leaf_range(cfg: ModelConfig, path: Any, scale: float) -> tuple[float, float]:
+    """(lo, hi) of the uniform draw of the leaf at `path` (module docstring)."""
+    name = jax.tree_util.keystr(path)
+    if "norm" in name:
+        return 0.9, 1.1
+    if "e_score_correction_bias" in name:
+        return 0.0, 0.1
+    if "tid2eid" in name:  # DeepSeek-V4's hash routing table: expert ids, uniform over the experts
+        return 0, cfg.n_routed_experts
+    return -scale, scale
+
+
+def draw_leaf(key: Any, shape: tuple, dt: Any, lo: float, hi: float) -> jax.Array:
+    """One leaf's uniform draw in its own dtype (no fp32 temporary)."""
+    if jnp.issubdtype(dt, jnp.integer):
+        return jax.random.randint(key, shape, lo, hi, dt)
+    return jax.random.uniform(key, shape, dt, lo, hi)
+
+
 @functools.lru_cache(maxsize=8)
 def _drawer(plan: tuple, out_shardings: tuple | None, to_host: bool = False):
     """The jitted draw of `plan`'s leaves ((index, shape, dtype, lo, hi) each) from a key (`to_host`: copied to
@@ -63,8 +73,7 @@ def _drawer(plan: tuple, out_shardings: tuple | None, to_host: bool = False):
 
     def draw(key):  # no fp32 temporary: uniform draws in the leaf's dtype
         keys = [jax.random.fold_in(key, i) for i, *_ in plan]
-        out = [jax.random.randint(k, shape, lo, hi, dt) if jnp.issubdtype(dt, jnp.integer)
-               else jax.random.uniform(k, shape, dt, lo, hi) for k, (_, shape, dt, lo, hi) in zip(keys, plan)]
+        out = [draw_leaf(k, shape, dt, lo, hi) for k, (_, shape, dt, lo, hi) in zip(keys, plan)]
         return [jax.device_put(x, jax.memory.Space.Host) for x in out] if to_host else out
 
     return jax.jit(draw, out_shardings=None if out_shardings is None else list(out_shardings))

@@ -235,3 +235,41 @@ def test_fp4_scales_in_a_float_container_are_read_exactly():
     np.testing.assert_array_equal(e8m0_bytes(s.astype(ml_dtypes.float8_e8m0fnu), "x"), [[118, 126, 127, 129]])
     with pytest.raises(CheckpointError, match="tensor w.scale holds scales that are not powers of two"):
         e8m0_bytes(np.array([0.75], np.float32), "w.scale")
+
+
+def test_dummy_release_draws_the_leaves_the_release_loads_as(v4_mtp_dirs):
+    """load_format "dummy" on a release config.json (weights/release_random.py): the tree the release loads as
+    (every FP8 / FP4 leaf packed, MTP's e_proj / h_proj included, the same q / scale shapes and dtypes), the float
+    leaves drawn as the float dummy draws them, the packed ones at its scale (|w| < 0.1, FP4 scales 2 ** -7 or
+    2 ** -6)."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.models.quant_fp4 import fp4_dequantize
+    from deepinfer_jax.weights.loader import prepare_model
+    from deepinfer_jax.weights.release_random import pending_release_params, release_format
+
+    rel = v4_mtp_dirs[2]
+    _, loaded = prepare_model(rel, jnp.float32, progress=False)
+    cfg = ModelConfig.from_model_dir(rel)
+    dummy = pending_release_params(cfg, release_format(rel, cfg), jnp.float32, seed=3)
+
+    def described(tree):
+        return [(jax.tree_util.keystr(p), tuple(x.shape), jnp.dtype(x.dtype))
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert described(dummy.abstract) == described(loaded.abstract)
+    assert [k for k, _ in _quantized(dummy.abstract)] == [k for k, _ in _quantized(loaded.abstract)]
+    assert "['mtp'][0]['e_proj']" in dict(_quantized(dummy.abstract))
+    # the values on the first two layers (HCA and CSA, hash-routed) without MTP: half the leaves to compile
+    from hf_models_v4 import V4_TINY
+    from deepinfer_jax.weights.v4_native import V4Quant
+
+    two = ModelConfig.from_hf_dict(dict(V4_TINY, model_type="deepseek_v4", num_hidden_layers=2,
+                                        layer_types=V4_TINY["layer_types"][:2], mlp_layer_types=["hash_moe"] * 2))
+    params = pending_release_params(two, V4Quant((8, 12), "fp4"), jnp.float32, seed=3).result()
+    kv = np.asarray(params["layers"][1]["attn"]["indexer"]["kv_proj"])  # a float leaf: random_params' range
+    assert kv.dtype == np.float32 and 0.02 < np.abs(kv).mean() and np.abs(kv).max() <= 0.05
+    for name, w in _quantized(params):
+        full = np.asarray(fp4_dequantize(w, jnp.float32) if isinstance(w, Fp4Weight) else dequantize(w, jnp.float32))
+        assert np.all(np.isfinite(full)) and 0.005 < np.abs(full).mean() and np.abs(full).max() < 0.1, name
+        if isinstance(w, Fp4Weight):
+            assert set(np.unique(np.asarray(w.scale)).tolist()) == {120, 121}, name
