@@ -2,8 +2,8 @@
 
 Streaming: tensors are read one at a time from memory-mapped files, transformed into the engine's
 layout, and written into device leaves with donated in-place updates, so host memory holds at most
-one tensor (never a second copy of the model). Small models on a CPU device are assembled in host
-memory instead and put on the device leaf by leaf (`host_assembly`). Supports bf16 / fp16 / fp32 tensors, per-expert and
+one tensor (never a second copy of the model). Small models on CPU devices are assembled in host
+memory instead and put on the devices leaf by leaf (`host_assembly`). Supports bf16 / fp16 / fp32 tensors, per-expert and
 HF v5 fused expert layouts, and DeepSeek-V3 FP8 e4m3 weights with `weight_scale_inv` blocks of any size.
 
 `quantization` follows vLLM's `--quantization`: None ("auto") keeps an FP8 checkpoint's weights as FP8 plus
@@ -238,18 +238,20 @@ def _write(leaf: jax.Array, index: tuple, value: np.ndarray) -> jax.Array:
     return _update_donated(leaf, jnp.asarray(value), tuple(np.int32(s) for s in starts))
 
 
-# Models of at most this many bytes, on one CPU device, are assembled in numpy (`host_assembly`).
+# Models of at most this many bytes, on CPU devices, are assembled in numpy (`host_assembly`).
 HOST_ASSEMBLY_BYTES = 1 << 30
 
 
-def host_assembly(abstract: Any, shardings: Any) -> bool:
+def host_assembly(abstract: Any) -> bool:
     """Whether the load assembles the leaves in host memory (numpy) and puts each on the device once, instead of
-    updating device leaves in place: on one CPU device, for models of at most HOST_ASSEMBLY_BYTES. The in-place
-    updates compile a program for each shape of tensor and leaf: on an empty compilation cache the embedded demo
-    model's load took 2.9 s alone and 11-21 s beside warm-up's compiles (a busy 2-core machine), against 0.1 s for
-    the numpy writes; on a CPU the second copy of a small model costs nothing that matters."""
+    updating device leaves in place: on CPU devices of this process (one, or a mesh of them: each leaf then put
+    split as its sharding says), for models of at most HOST_ASSEMBLY_BYTES. The in-place updates compile a program
+    for each shape of tensor, leaf and sharding: on an empty compilation cache the embedded demo model's load took
+    2.9 s alone and 11-21 s beside warm-up's compiles (a busy 2-core machine), against 0.1 s for the numpy writes;
+    on a CPU the second copy of a small model costs nothing that matters."""
     leaves = jax.tree.leaves(abstract)
-    return (shardings is None and all(x.sharding.device_set <= set(jax.devices("cpu")) for x in leaves)
+    cpus = set(jax.devices("cpu"))
+    return (all(x.sharding.device_set <= cpus and x.sharding.is_fully_addressable for x in leaves)
             and sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves) <= HOST_ASSEMBLY_BYTES)
 
 
@@ -302,7 +304,7 @@ def prepare_hf_checkpoint(
     abstract = abstract_from_specs(cfg, dtype, shardings)
     for path in (p for p in _spec_paths(specs) if p in fp8_paths):  # in tree order: the first bad split is refused
         _set(abstract, path, fp8_abstract(path, _get(specs, path), block, _get(abstract, path).sharding))
-    on_host = host_assembly(abstract, shardings)
+    on_host = host_assembly(abstract)
 
     def load_to(target: Any) -> dict:
         """The params placed as `target` says (`abstract`, or it with leaves in host memory: those are assembled in

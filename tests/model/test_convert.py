@@ -311,7 +311,7 @@ def test_host_memory_stays_about_one_layer(tmp_path):
 
 SHARDED_LOAD = r"""
 import os, sys
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from deepinfer_jax.models.params import logical_axes, param_specs

@@ -139,9 +139,9 @@ def test_host_assembly_equals_device_updates(hf_case, monkeypatch, case, dtype):
 
     _, path = hf_case(case)
     cfg, host = _load(path, dtype)
-    assert hf_loader.host_assembly(abstract_from_specs(cfg, dtype), None)
+    assert hf_loader.host_assembly(abstract_from_specs(cfg, dtype))
     monkeypatch.setattr(hf_loader, "HOST_ASSEMBLY_BYTES", -1)
-    assert not hf_loader.host_assembly(abstract_from_specs(cfg, dtype), None)
+    assert not hf_loader.host_assembly(abstract_from_specs(cfg, dtype))
     _, dev = _load(path, dtype)
     assert jax.tree.structure(host) == jax.tree.structure(dev)
     for (kp, a), b in zip(jax.tree_util.tree_flatten_with_path(host)[0], jax.tree.leaves(dev)):

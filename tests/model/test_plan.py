@@ -60,7 +60,8 @@ def test_plan_equals_allocated_bytes_on_a_mesh(dirs):
     the largest per-device sum of the loaded params' shards is the plan's figure. (Its 16 x 24 blocks do not survive
     TP = 2, whose refusal and whose bytes with blocks that do are in tests/sharding/test_fp8_sharded.py.)"""
     tp, dp, ep = 1, 4, True
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", SHARDED, dirs[1], str(tp), str(dp), str(int(ep))], env=env,
                          capture_output=True, text=True, timeout=600)

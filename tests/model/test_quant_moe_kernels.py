@@ -112,7 +112,7 @@ def test_sharded_quantized_experts_equal_one_device():
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": repo,
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"}
     p = subprocess.run([sys.executable, "-c", SHARDED], capture_output=True, text=True, env=env, timeout=600)
     errs = [ln.split() for ln in p.stdout.splitlines() if ln.startswith("ERR ")]
     assert p.returncode == 0 and len(errs) == 2, p.stderr[-4000:]

@@ -5,7 +5,8 @@
 LAYOUT is "TPxDP" or "TPxDPep" (enable_expert_parallel), e.g. 1x1 2x1 4x1ep 2x2ep, "TPxDPep-a2a" (all2all_backend
 "all_to_all"), or one of those with ":load"
 (the checkpoint loaded onto the layout, no engine: {"has_mtp", "param_vocab", "num_leaves", "embed_spec",
-"on_mesh"}); environment
+"on_mesh", "device_updates_equal", "writes": [in-place device writes of the host load, of the other]});
+environment
 DEEPINFER_MOE_IMPL / DEEPINFER_ATTN_IMPL pick the implementations (ragged / reference) and
 DEEPINFER_PREFILL_LAYERS RunnerConfig.prefill_layers (scan). Runs in its own
 process because the number of fake CPU devices must be fixed before JAX starts (8 here). Prints one line
@@ -45,21 +46,43 @@ def parse_layout(name: str):
 
 
 def load_only(model_dir: str, layout: str) -> dict:
-    """Load the checkpoint under `layout` without building an engine (LAYOUT ":load")."""
+    """Load the checkpoint under `layout` without building an engine (LAYOUT ":load"), assembled on the host (the
+    engines' load on CPU devices) and again through the in-place device updates (a GPU mesh's load)."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.sharding import build_sharding
+    from deepinfer_jax.weights import hf_loader
     from deepinfer_jax.weights.loader import load_model
 
     cfg0 = ModelConfig.from_model_dir(model_dir)
     sharding = build_sharding(cfg0, parse_layout(layout))
-    cfg, params = load_model(model_dir, jnp.float32, shardings=sharding.param_shardings(cfg0), progress=False,
-                             vocab_multiple=sharding.vocab_multiple)
+
+    def load():
+        return load_model(model_dir, jnp.float32, shardings=sharding.param_shardings(cfg0), progress=False,
+                          vocab_multiple=sharding.vocab_multiple)
+
+    write, writes = hf_loader._write, []
+
+    def counted(*args):
+        writes.append(1)
+        return write(*args)
+
+    hf_loader._write = counted
+    cfg, params = load()
+    host_writes = len(writes)
+    hf_loader.HOST_ASSEMBLY_BYTES, host_bytes = -1, hf_loader.HOST_ASSEMBLY_BYTES
+    _, updated = load()
+    hf_loader.HOST_ASSEMBLY_BYTES, hf_loader._write = host_bytes, write
     leaves = jax.tree.leaves(params)
+    same = jax.tree.structure(params) == jax.tree.structure(updated) and all(
+        a.shape == b.shape and a.dtype == b.dtype and a.sharding.is_equivalent_to(b.sharding, a.ndim)
+        and np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(leaves, jax.tree.leaves(updated)))
     return {"has_mtp": cfg.has_mtp, "param_vocab": int(params["embed"].shape[0]), "num_leaves": len(leaves),
-            "embed_spec": list(params["embed"].sharding.spec),
+            "embed_spec": list(params["embed"].sharding.spec), "device_updates_equal": same,
+            "writes": [host_writes, len(writes) - host_writes],
             "on_mesh": all(x.sharding.mesh.shape == sharding.mesh.shape for x in leaves)}
 
 

@@ -1,8 +1,9 @@
 """Checkpoints that every layout must load and serve: a vocabulary that tensor parallelism does not divide
 (embed / lm_head padded to a multiple of 64 x TP, the padding never sampled), and a DeepSeek-V3 config
 declaring num_nextn_predict_layers: 1 with the MTP weights absent (HF transformers' save drops them; MTP is
-then absent, `has_mtp` False) or present (`has_mtp` True). Greedy tokens equal HF's in fp32; 8 fake CPU
-devices, one subprocess per checkpoint (tests/sharding/run_case.py), both at once.
+then absent, `has_mtp` False) or present (`has_mtp` True). Greedy tokens equal HF's in fp32; on every layout the
+load assembled on the host (CPU devices: hf_loader.host_assembly) equals the in-place device writes a GPU mesh's
+load makes. 8 fake CPU devices, one subprocess per checkpoint (tests/sharding/run_case.py), both at once.
 """
 
 from __future__ import annotations
@@ -68,6 +69,9 @@ def test_every_layout_loads_and_serves_hf_tokens(checkpoints, runs, kind):
         if name.endswith(":load"):
             assert r["on_mesh"], name
             assert r["embed_spec"][0] == "tensor", name  # the padded vocab is split, not replicated
+            # the load assembled on the host (as every engine here loads) and a GPU mesh's, through in-place
+            # device writes: the same leaves, bit for bit
+            assert r["writes"][0] == 0 and r["writes"][1] > 0 and r["device_updates_equal"], (name, r["writes"])
         else:
             assert r["tokens"] == want, f"{kind} {name}"
             assert all(t < VOCAB for seq in r["tokens"] for t in seq)

@@ -5,6 +5,7 @@ the single-device kernel run equals: tests/engine/test_llm_greedy.py)."""
 from __future__ import annotations
 
 import json
+import os
 
 from hf_models import random_prompts
 from _runs import run
@@ -41,7 +42,7 @@ def test_kernels_under_expert_parallelism(hf_case):
     model, path = hf_case("v3_grouped_noaux")
     prompts = random_prompts(0, LENGTHS, model.config.vocab_size)
     out = run(["-c", SCRIPT, path, json.dumps(prompts), str(MAX_TOKENS)],
-              XLA_FLAGS="--xla_force_host_platform_device_count=2")
+              XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2")
     want = [_hf_greedy(model, q, MAX_TOKENS) for q in prompts]
     assert out["dp2ep"]["tokens"] == want and out["tp2ep"]["tokens"] == want
     assert all(r["late_compiles"] == 0 for r in out.values())
