@@ -39,8 +39,13 @@ def mask_words(vocab_size: int) -> int:
 
 
 def _llg():
-    import llguidance
-
+    """The llguidance module; a ValueError naming the package where it is not installed (the engine then serves
+    without structured output, and each structured-output request gets this error)."""
+    try:
+        import llguidance
+    except ModuleNotFoundError as e:
+        raise ValueError("structured output needs the llguidance package (a dependency of deepinfer-jax: "
+                         "pip install -e . installs it)") from e
     return llguidance
 
 

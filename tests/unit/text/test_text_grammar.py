@@ -213,6 +213,18 @@ def test_sentencepiece_tokenizer_is_refused(tmp_path):
         GrammarCompiler(tok, 300, tok.eos_token_ids).matcher(SOP(regex="[0-9]+"))
 
 
+def test_missing_llguidance_is_a_value_error_naming_it(tok, monkeypatch):
+    """Without the llguidance package a compiler's tokenizer and every spec check raise a ValueError naming it
+    (the engine then starts without structured output and refuses those requests), never an ImportError."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # `import llguidance` raises ModuleNotFoundError
+    with pytest.raises(ValueError, match="llguidance package"):
+        GrammarCompiler(tok, VOCAB, tok.eos_token_ids).ll_tokenizer  # noqa: B018
+    with pytest.raises(ValueError, match="llguidance package"):
+        check(SOP(regex="[0-9]+"))
+
+
 def test_after_token_gate_and_rollback(tok, compiler):
     gate = tok.eos_token_ids[0] + 5  # any id: the grammar starts after it
     m = compiler.matcher(SOP(choice=["no"], after_token_id=gate))
