@@ -129,12 +129,13 @@ def time_attention(d: dict, contexts: list[int], batch: int, ps: int, interpret:
             drawn[dtype] = random_params(cfg, dtype, seed=1, scale=0.05)
         p = drawn[dtype]["layers"][layer]["attn"]
 
-        def run(cache, x, meta):
+        def run(p, cache, x, meta):  # the weights an argument: closed over, XLA would fold them as constants
             c = v4_paged.GroupCache(cfg.v4, cache, ps)
             out = v4_paged._layer_attention(cfg.v4, layer, p, x, c, meta, impl)
             return out, tuple(c.arrays)
 
-        return jax.jit(run, donate_argnums=0)
+        jitted = jax.jit(run, donate_argnums=1)
+        return lambda cache, x, meta: jitted(p, cache, x, meta)
 
     def x_of(dtype):
         return jax.random.normal(jax.random.key(2), (batch, cfg.v4.hidden_size), dtype)
