@@ -13,7 +13,7 @@ progress bars go to stderr, the model's text alone to stdout.
 from __future__ import annotations
 
 import argparse
-import gc
+import logging
 import os
 import sys
 
@@ -130,15 +130,7 @@ def stream_one(llm, ids: list[int], prompt_text: str, params, printer: _Printer 
 
 
 def chat(ns) -> int:
-    llm = _load(ns)
-    try:
-        return _chat(ns, llm)
-    finally:
-        # The engine goes while the interpreter still runs: left to the exit's last collection, a native thread
-        # of the runtime is torn down mid-GC and the process aborts ("terminate called without an active
-        # exception", exit code 134) after a clean Ctrl-D.
-        del llm
-        gc.collect()
+    return _chat(ns, _load(ns))
 
 
 def _chat(ns, llm) -> int:
@@ -209,6 +201,17 @@ def generate(ns) -> int:
 
 
 def main(cmd: str, argv: list[str]) -> int:
+    """Run `deepinfer chat` / `generate`, then end the process with its exit code, its output flushed, without the
+    interpreter's teardown: the runtime's native threads, torn down there, can abort a finished command
+    ("terminate called without an active exception", exit code 134), even after the engine was collected."""
+    rc = _main(cmd, argv)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
+
+
+def _main(cmd: str, argv: list[str]) -> int:
     from deepinfer_jax.server.args import check_engine_args
 
     parser = _parser(cmd)
