@@ -150,7 +150,12 @@ def v4_dict(path: str, layers: int, tiny: bool) -> dict:
     else:
         with open(path) as f:
             d = json.load(f)
-    d.update(num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0)
+    return v4_cut(d, layers)
+
+
+def v4_cut(d: dict, layers: int) -> dict:
+    """The deepseek_v4 config `d` cut to its first `layers` layers (the per-layer kinds with them), without MTP."""
+    d = dict(d, num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0)
     for k in ("layer_types", "mlp_layer_types"):
         if d.get(k):
             d[k] = d[k][:layers]

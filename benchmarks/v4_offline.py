@@ -63,28 +63,17 @@ def stamp(text: str) -> None:
 
 def base_config(path: str | None, smoke: bool) -> dict:
     """The full model's deepseek_v4 config: the tests' tiny V4 (smoke), `path`'s, or HF's DeepseekV4Config."""
-    if smoke:
-        sys.path.insert(0, os.path.join(os.path.dirname(HERE), "tests"))
-        from hf_models_v4 import V4_TINY
+    from offload_load import v4_dict
 
-        return dict(V4_TINY, model_type="deepseek_v4")
-    if path:
-        with open(path) as f:
-            return json.load(f)
-    from transformers import DeepseekV4Config
-
-    return DeepseekV4Config().to_dict()
+    return dict(v4_dict(path or "default", sys.maxsize, smoke), model_type="deepseek_v4")
 
 
 def cut(d: dict, layers: int, smoke: bool) -> dict:
     """`d` cut to its first `layers` layers, no MTP, as a release config (FP8 blocks of 8 x 12 in the smoke run:
     the tiny model's odd sizes leave partial blocks at the edges, as a test release does)."""
-    d = dict(d, num_hidden_layers=min(layers, d["num_hidden_layers"]), num_nextn_predict_layers=0,
-             model_type="deepseek_v4")
-    for k in ("layer_types", "mlp_layer_types"):
-        if d.get(k):
-            d[k] = d[k][:layers]
-    d.update(json.loads(json.dumps(RELEASE)))
+    from offload_load import v4_cut
+
+    d = dict(v4_cut(d, layers), model_type="deepseek_v4", **json.loads(json.dumps(RELEASE)))
     if smoke:
         d["quantization_config"]["weight_block_size"] = [8, 12]
     return d
