@@ -43,6 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=0, help="cut the model to this many layers")
     ap.add_argument("--cuda", action="store_true", help="lower for CUDA with the GPU's kernels and layer loops")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--unroll-max-tokens", type=int, default=None, help="RunnerConfig.unroll_max_tokens (--cuda: 256)")
+    ap.add_argument("--decode-shared-forward", action=argparse.BooleanOptionalAction, default=False,
+                    help="RunnerConfig.decode_shared_forward")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--max-num-seqs", type=int, default=128)
     ap.add_argument("--max-model-len", type=int, default=1024)
@@ -62,6 +65,7 @@ def main(argv=None) -> int:
     from benchmarks.dense import SHAPES
     from deepinfer_jax.engine.llm import LLM
     from deepinfer_jax.runner.model_runner import ModelRunner
+    from deepinfer_jax.weights.pending import PendingParams
 
     prof = cProfile.Profile()
     rows, compiled = [], []
@@ -95,6 +99,8 @@ def main(argv=None) -> int:
         raise _Planned
 
     ModelRunner.warmup = warmup
+    # The programs need only the weights' shapes: their load (a draw of random ones) is left out of the profile.
+    PendingParams.start = lambda self: None
     if args.dense is not None:
         if args.dense not in SHAPES:
             ap.error(f"--dense {args.dense!r} is not one of {sorted(SHAPES)}")
@@ -108,11 +114,15 @@ def main(argv=None) -> int:
     with open(os.path.join(model, "config.json"), "w") as f:
         json.dump(config, f)
     gpu = dict(attn_impl="pallas", moe_impl="pallas", unroll_max_tokens=256, prefill_layers="indexed")
+    if args.unroll_max_tokens is not None:
+        gpu["unroll_max_tokens"] = args.unroll_max_tokens
+    knobs = gpu if args.cuda else {"unroll_max_tokens": args.unroll_max_tokens}
     try:
         LLM(model, load_format="dummy", max_num_seqs=args.max_num_seqs, max_model_len=args.max_model_len,
             max_num_batched_tokens=args.max_num_batched_tokens, dtype=args.dtype,
             compilation_cache_dir=tempfile.mkdtemp() if args.compile else None, skip_tokenizer_init=True,
-            progress=False, prefill_shared_forward=args.prefill_shared_forward, **(gpu if args.cuda else {}))
+            progress=False, prefill_shared_forward=args.prefill_shared_forward,
+            decode_shared_forward=args.decode_shared_forward, **knobs)
     except _Planned:
         pass
     kinds = {}

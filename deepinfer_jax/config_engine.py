@@ -155,6 +155,10 @@ class RunnerConfig:
     # variants, then the variant's sampler. Warm-up compiles one forward a (bucket, context variant) instead of
     # one a sampling variant too: a shorter cold start at no measured cost a step. One device.
     prefill_shared_forward: bool = True
+    # With it, decode buckets run every sampling variant's step that way too (not only the full and mask ones): each
+    # decode bucket's forward is compiled once instead of once a variant (base, greedy and full: three unrolled
+    # forwards of every layer), for a second launch and input copy a step. Off: the one-program decode step.
+    decode_shared_forward: bool = False
     # Compile the penalties / logprobs variant of every bucket at warm-up (else on first use).
     warmup_full_variant: bool = True
 
