@@ -12,8 +12,9 @@ own thread, beside warm-up), warm-up's tracing and lowering, its wait for the we
 number of step programs; the batch's prefill (the same prompts with 1 output token); output tokens/s for greedy
 and temperature 1, and the decode step (the run less its prefill, over the output tokens after the first) beside
 its weight-read floor (weight bytes / HBM bandwidth). Each timing is the better of two runs. vLLM's figures on the
-same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--unroll-max-tokens`,
-`--max-num-batched-tokens`: the RunnerConfig / scheduler settings to compare start-up and steps under.
+same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--no-decode-projection-kernel`,
+`--unroll-max-tokens`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to compare start-up and
+steps under.
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def run_shape(name: str, args) -> dict:
               max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
               enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
               max_num_batched_tokens=args.max_num_batched_tokens, unroll_max_tokens=args.unroll_max_tokens,
-              decode_shared_forward=args.decode_shared_forward)
+              decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel)
     start = time.time() - t0
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(10, cfg.vocab_size, args.prompt_len).tolist()}
@@ -151,6 +152,8 @@ def main() -> None:
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="RunnerConfig.unroll_max_tokens (default: 256 on a GPU)")
     ap.add_argument("--layers", type=int, default=0, help="cut the shape to this many layers (a smoke run on a CPU)")
+    ap.add_argument("--decode-projection-kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="RunnerConfig.decode_projection_kernel: decode steps read the projections in place")
     ap.add_argument("--decode-shared-forward", action="store_true",
                     help="RunnerConfig.decode_shared_forward: decode buckets' variants share one compiled forward")
     args = ap.parse_args()

@@ -103,7 +103,8 @@ class RunnerConfig:
     # (kernels/mla_prefill.py, the path sharded steps and unsupported head sizes take anyway).
     prefill_attention: str = "expanded"
     # Decode-size steps read o_proj and the dense MLP's weights in place (kernels/decode_matmul.py) instead of XLA
-    # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py).
+    # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py);
+    # the dense family's q, kv and o projections and MLP (models/dense.py `decode_projections`).
     decode_projection_kernel: bool = True
     # Decode steps of 16+ token slots merge the attention's context splits and apply W_UV in one kernel
     # (kernels/mla_output.py, kv_b_proj read in place) instead of XLA's five; Protocol A 0.6% faster.
