@@ -102,7 +102,8 @@ def run_shape(name: str, args) -> dict:
               max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
               enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
               max_num_batched_tokens=args.max_num_batched_tokens, unroll_max_tokens=args.unroll_max_tokens,
-              decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel)
+              decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
+              compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
     start = time.time() - t0
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(10, cfg.vocab_size, args.prompt_len).tolist()}
@@ -152,6 +153,9 @@ def main() -> None:
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="RunnerConfig.unroll_max_tokens (default: 256 on a GPU)")
     ap.add_argument("--layers", type=int, default=0, help="cut the shape to this many layers (a smoke run on a CPU)")
+    ap.add_argument("--compilation-cache-dir", default="default",
+                    help="LLM's compilation_cache_dir ('none': off, every start cold; 'default': a later start on the "
+                         "same machine loads its programs)")
     ap.add_argument("--decode-projection-kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="RunnerConfig.decode_projection_kernel: decode steps read the projections in place")
     ap.add_argument("--decode-shared-forward", action="store_true",
