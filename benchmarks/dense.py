@@ -5,10 +5,16 @@ the pure-JAX reference at each shape's heads (a decode step and a ragged prefill
 
     python benchmarks/dense.py                              # both shapes, on a GPU
     python benchmarks/dense.py --shapes llama-3.1-8b --batch 8 --prompt-len 128 --output-len 32
+    python benchmarks/dense.py --shapes llama-3.1-8b --layers 1 --batch 2 --prompt-len 16 --output-len 4  # CPU smoke
 
-Prints per shape: the kernel's largest error against the reference, start-up time, output tokens/s for greedy
-and temperature 1, the mean decode step time beside its weight-read floor (weight bytes / HBM bandwidth).
-vLLM's figures on the same machine go beside these in benchmarks/RESULTS.md.
+Prints per shape: the kernel's largest error against the reference; start-up, split into the weights' load (on its
+own thread, beside warm-up), warm-up's tracing and lowering, its wait for the weights and all of warm-up, and the
+number of step programs; the batch's prefill (the same prompts with 1 output token); output tokens/s for greedy
+and temperature 1, and the decode step (the run less its prefill, over the output tokens after the first) beside
+its weight-read floor (weight bytes / HBM bandwidth). Each timing is the better of two runs. vLLM's figures on the
+same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--no-decode-projection-kernel`,
+`--unroll-max-tokens`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to compare start-up and
+steps under.
 """
 
 from __future__ import annotations
@@ -63,7 +69,7 @@ def check_kernel(cfg, page_size: int, context: int) -> float:
         pos = np.concatenate([np.arange(context - per_seq, context)] * seqs)
         q = jnp.asarray(rng.standard_normal((len(seq), H, hd)), jnp.bfloat16)
         args = (q, cache, 1, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), table, hd ** -0.5)
-        out = jax.block_until_ready(paged_gqa_attention(*args))
+        out = jax.block_until_ready(paged_gqa_attention(*args, interpret=jax.default_backend() != "gpu"))
         ref = paged_gqa_attention_reference(*args)
         worst = max(worst, float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()))
     return worst
@@ -85,7 +91,7 @@ def run_shape(name: str, args) -> dict:
 
     d = tempfile.mkdtemp(prefix=f"dense-{name}-")
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(SHAPES[name], f)
+        json.dump({**SHAPES[name], **({"num_hidden_layers": args.layers} if args.layers else {})}, f)
     cfg = ModelConfig.from_model_dir(d)
     err = check_kernel(cfg, args.page_size, args.prompt_len)
     print(f"[{name}] Pallas GQA attention vs reference: max |error| {err:.3g} (bf16)", flush=True)
@@ -93,26 +99,44 @@ def run_shape(name: str, args) -> dict:
         raise SystemExit(f"[{name}] the kernel disagrees with the reference ({err:.3g}): no timing")
     t0 = time.time()
     llm = LLM(d, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=args.batch,
-              max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False)
+              max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
+              enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
+              max_num_batched_tokens=args.max_num_batched_tokens, unroll_max_tokens=args.unroll_max_tokens,
+              decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
+              compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
     start = time.time() - t0
     rng = np.random.default_rng(1)
     prompts = [{"prompt_token_ids": rng.integers(10, cfg.vocab_size, args.prompt_len).tolist()}
                for _ in range(args.batch)]
-    row = {"shape": name, "startup_s": round(start, 1), "kernel_err": err}
-    for label, temp in (("greedy", 0.0), ("temp1", 1.0)):
-        params = SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0)
-        llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # nothing left to compile
+    row = {"shape": name, "startup_s": round(start, 1)}
+    split = llm.engine.runner.startup_seconds  # runner/model_runner.py: where warm-up's seconds went
+    for key in ("weights", "lowered", "weights_waited", "warmup"):
+        row[f"{key}_s"] = None if split.get(key) is None else round(split[key], 1)
+    row["programs"] = llm.engine.num_warmup_compiles
+    row["kernel_err"] = err
+    floor_ms = 1e3 * weight_bytes(cfg) / args.hbm
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, ignore_eos=True))  # nothing left to compile
+
+    def best_of_two(params):  # as vllm_peer.py times vLLM: a first run pays one-off costs
         dt = float("inf")
-        for _ in range(2):  # the better of two runs, as vllm_peer.py times vLLM: a first run pays one-off costs
+        for _ in range(2):
             t = time.time()
             outs = llm.generate(prompts, params)
             dt = min(dt, time.time() - t)
+        return dt, outs
+
+    prefill = best_of_two(SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))[0]
+    row["prefill_ms"] = round(1e3 * prefill, 1)
+    for label, temp in (("greedy", 0.0), ("temp1", 1.0)):
+        dt, outs = best_of_two(SamplingParams(temperature=temp, max_tokens=args.output_len, ignore_eos=True, seed=0))
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         row[f"{label}_tok_s"] = round(n / dt, 1)
         row[f"{label}_distinct_tokens"] = len({t for o in outs for t in o.outputs[0].token_ids})
-        # decode steps: one per output token after the first; prefill is counted in, so this is an upper bound
-        row[f"{label}_ms_per_step_bound"] = round(1e3 * dt / args.output_len, 2)
-    row["weight_read_floor_ms"] = round(1e3 * weight_bytes(cfg) / args.hbm, 2)
+        step = 1e3 * (dt - prefill) / max(1, args.output_len - 1)  # decode only: the run less its prefill
+        row[f"{label}_decode_ms"] = round(step, 2)
+        row[f"{label}_vs_floor"] = round(step / floor_ms, 2)
+    assert llm.engine.runner.compiles_after_warmup == 0, "a step compiled after warm-up: the timings include it"
+    row["weight_read_floor_ms"] = round(floor_ms, 2)
     return row
 
 
@@ -124,6 +148,18 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--hbm", type=float, default=HBM_BYTES_PER_S, help="the card's HBM bytes/s for the floor")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="the scheduler's step budget (default: LLM's, 2048 at this batch)")
+    ap.add_argument("--unroll-max-tokens", type=int, default=None,
+                    help="RunnerConfig.unroll_max_tokens (default: 256 on a GPU)")
+    ap.add_argument("--layers", type=int, default=0, help="cut the shape to this many layers (a smoke run on a CPU)")
+    ap.add_argument("--compilation-cache-dir", default="default",
+                    help="LLM's compilation_cache_dir ('none': off, every start cold; 'default': a later start on the "
+                         "same machine loads its programs)")
+    ap.add_argument("--decode-projection-kernel", action=argparse.BooleanOptionalAction, default=True,
+                    help="RunnerConfig.decode_projection_kernel: decode steps read the projections in place")
+    ap.add_argument("--decode-shared-forward", action="store_true",
+                    help="RunnerConfig.decode_shared_forward: decode buckets' variants share one compiled forward")
     args = ap.parse_args()
     rows = [run_shape(s, args) for s in args.shapes]
     keys = list(rows[0])

@@ -28,6 +28,8 @@ SWITCHES = [
     ("greedy_variant", "decode buckets get a program for all-greedy steps, without the draw"),
     ("prefill_shared_forward", "prefill buckets run a step as the bucket's forward, shared by its sampling "
                                "variants, then the variant's sampler: fewer programs to compile"),
+    ("decode_shared_forward", "with it, decode buckets' steps too: each decode bucket's forward compiled once for "
+                              "its sampling variants"),
 ]
 
 

@@ -103,7 +103,8 @@ class RunnerConfig:
     # (kernels/mla_prefill.py, the path sharded steps and unsupported head sizes take anyway).
     prefill_attention: str = "expanded"
     # Decode-size steps read o_proj and the dense MLP's weights in place (kernels/decode_matmul.py) instead of XLA
-    # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py).
+    # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py);
+    # the dense family's q, kv and o projections and MLP (models/dense.py `decode_projections`).
     decode_projection_kernel: bool = True
     # Decode steps of 16+ token slots merge the attention's context splits and apply W_UV in one kernel
     # (kernels/mla_output.py, kv_b_proj read in place) instead of XLA's five; Protocol A 0.6% faster.
@@ -155,6 +156,10 @@ class RunnerConfig:
     # variants, then the variant's sampler. Warm-up compiles one forward a (bucket, context variant) instead of
     # one a sampling variant too: a shorter cold start at no measured cost a step. One device.
     prefill_shared_forward: bool = True
+    # With it, decode buckets run every sampling variant's step that way too (not only the full and mask ones): each
+    # decode bucket's forward is compiled once instead of once a variant (base, greedy and full: three unrolled
+    # forwards of every layer), for a second launch and input copy a step. Off: the one-program decode step.
+    decode_shared_forward: bool = False
     # Compile the penalties / logprobs variant of every bucket at warm-up (else on first use).
     warmup_full_variant: bool = True
 

@@ -35,9 +35,10 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, yarn_get_mscale
 from deepinfer_jax.kernels.gqa_reference import MASK_VALUE, paged_gqa_attention_reference
 from deepinfer_jax.models.cache import StepMetadata
-from deepinfer_jax.models.layers import linear, rms_norm, swiglu_mlp, weight
+from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, stacked_matmul, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block
 from deepinfer_jax.models.params import ParamSpec
+from deepinfer_jax.models.quant import is_quantized
 
 
 # ------------------------------------------------------------------------------------------------
@@ -154,9 +155,10 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 
 def project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
-    """x [..., D] -> q [..., H, hd] roped, kv [..., 2, KVH, hd] (k roped). cos/sin [..., hd/2]."""
-    q = jnp.einsum("...d,dhk->...hk", x, weight(p["q_proj"], x.dtype))
-    kv = jnp.einsum("...d,dgkh->...gkh", x, weight(p["kv_proj"], x.dtype))
+    """x [..., D] -> q [..., H, hd] roped, kv [..., 2, KVH, hd] (k roped). cos/sin [..., hd/2]. A projection may be
+    a StackedWeight (`decode_projections`)."""
+    q = project(x, p["q_proj"], "...d,dhk->...hk")
+    kv = project(x, p["kv_proj"], "...d,dgkh->...gkh")
     if cfg.attention_bias:
         q, kv = q + p["q_bias"].astype(x.dtype), kv + p["kv_bias"].astype(x.dtype)
     k, v = kv[..., 0, :, :], kv[..., 1, :, :]
@@ -166,9 +168,44 @@ def project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: ja
     return q, jnp.stack([k, v.astype(k.dtype)], axis=-3)
 
 
+def project(x: jax.Array, w, spec: str, in_dims: int = 1) -> jax.Array:
+    """x through weight `w` by the einsum `spec`, or, a StackedWeight, by the decode-projection kernel reading
+    the layer's weight in place (its first `in_dims` dims contracted)."""
+    if isinstance(w, StackedWeight):
+        return stacked_matmul(x, w, in_dims)
+    return jnp.einsum(spec, x, weight(w, x.dtype))
+
+
 def output_projection(p: dict, a: jax.Array) -> jax.Array:
     """a [..., H, hd] -> [..., D] through o_proj [H, hd, D]."""
-    return jnp.einsum("...hv,hvd->...d", a, weight(p["o_proj"], a.dtype))
+    return project(a, p["o_proj"], "...hv,hvd->...d", in_dims=2)
+
+
+# Decode-size steps' projections that kernels/decode_matmul.py reads in place from the layer-stacked weights
+# (RunnerConfig.decode_projection_kernel): (group, name, weight dims contracted). XLA sends a projection to
+# cuBLAS, which cannot take a slice of the stacked array, so each layer's weights would be copied out of the
+# stack before their GEMM, every step: a decode step, a stream of the weights, would move them three times.
+STACKABLE = (("attn", "q_proj", 1), ("attn", "kv_proj", 1), ("attn", "o_proj", 2), ("mlp", "gate_up", 1),
+             ("mlp", "down", 1))
+
+
+def decode_projections(seg: dict, num_tokens: int, attn_impl: str, sharded: bool, enabled: bool) -> dict:
+    """{(group, name): stacked weight [L, ...]} of the layers' projections a step of `num_tokens` token slots reads
+    in place: with `enabled`, on the Pallas path on one device, float weights on the device that the kernel tiles,
+    steps of at most decode_matmul.MAX_TOKENS tokens. Empty otherwise."""
+    if not enabled or attn_impl not in ("pallas", "pallas_interpret") or sharded:
+        return {}
+    from deepinfer_jax.kernels import decode_matmul
+    from deepinfer_jax.models.deepseek import holds_host
+
+    out = {}
+    for group, name, in_dims in STACKABLE:
+        w = seg.get(group, {}).get(name)
+        if w is None or is_quantized(w) or holds_host(w):
+            continue
+        if decode_matmul.supported(num_tokens, math.prod(w.shape[1:1 + in_dims]), math.prod(w.shape[1 + in_dims:])):
+            out[(group, name)] = w
+    return out
 
 
 def mlp(lp: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str):
@@ -259,6 +296,7 @@ def forward_paged(
     stage: Any = None,
     hidden: jax.Array | None = None,
     layer_fetch: Any = None,
+    decode_projection_kernel: bool = False,
 ):
     """-> (logits [S, V] fp32, updated kv_cache), plus with return_routing the routed expert ids [L, T, k] of a
     Qwen3-MoE model (an empty [0, T, 0] for a dense one). `moe_impl`: its experts' implementation (models/moe.py).
@@ -269,7 +307,8 @@ def forward_paged(
     partitioned by XLA from the params' and the cache's shardings: query heads, KV heads (or replicated) and the
     MLP's intermediate dim over the tensor axis. `stage`, `hidden`: one pipeline stage, as models/deepseek.py
     forward_paged takes them. `layer_fetch`: layer weights in host memory (--cpu-offload-gb) copied in one layer at a
-    time by the layer loop, as models/deepseek.py `run_layers` does."""
+    time by the layer loop, as models/deepseek.py `run_layers` does. `decode_projection_kernel`: decode-size steps
+    read the projections in place (`decode_projections`)."""
     from deepinfer_jax.models.deepseek import run_layers
 
     if attn_impl not in ATTN_IMPLS:
@@ -278,9 +317,17 @@ def forward_paged(
     cos, sin = rope_cos_sin(cfg, meta.positions)  # [T, hd/2]
     h = params["embed"][meta.token_ids] if stage is None or stage.first else hidden  # [T, D]
 
+    seg = params["segments"][0]
+    projections = decode_projections(seg, T, attn_impl, mesh_rules is not None, decode_projection_kernel)
+    scanned = {k: ({n: w for n, w in v.items() if (k, n) not in projections} if isinstance(v, dict) else v)
+               for k, v in seg.items()}  # the projections read in place are not sliced by the layer loop
+    interpret = attn_impl == "pallas_interpret"
+
     def body(carry, xs):
         h, cache = carry
         lp, li, _ = xs
+        for (group, name), w in projections.items():
+            lp = {**lp, group: {**lp[group], name: StackedWeight(w, li, interpret)}}
         x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
         q, kv = project_qkv(lp["attn"], cfg, x, cos, sin)  # [T, H, hd], [T, 2, KVH, hd]
         cache = write_kv(cache, li, meta, kv)
@@ -292,7 +339,7 @@ def forward_paged(
 
     L = cfg.num_hidden_layers if stage is None else stage.num_layers
     ids = np.arange(L, dtype=np.int32)
-    (h, kv_cache), routing = run_layers(body, (h, kv_cache), params["segments"][0], ids, ids, unroll, layer_fetch)
+    (h, kv_cache), routing = run_layers(body, (h, kv_cache), scanned, ids, ids, unroll, layer_fetch)
     if stage is not None and not stage.last:  # the next stage's input
         return h, kv_cache
     logits = _logits(params, cfg, h[meta.logits_indices])

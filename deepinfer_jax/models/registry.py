@@ -49,8 +49,8 @@ def _deepseek() -> ModelFamily:
 def _dense() -> ModelFamily:
     from deepinfer_jax.models import dense
 
-    return ModelFamily("dense", dense.param_specs, dense.forward, dense.forward_paged, dense.kv_cache_shape, (),
-                       dense.ATTN_IMPLS)
+    return ModelFamily("dense", dense.param_specs, dense.forward, dense.forward_paged, dense.kv_cache_shape,
+                       ("decode_projection_kernel",), dense.ATTN_IMPLS)
 
 
 def _deepseek_v4() -> ModelFamily:

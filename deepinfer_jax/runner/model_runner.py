@@ -137,6 +137,10 @@ class ModelRunner:
         self.mask_fills = self.mask_fill_rows = 0
         self.mask_fill_seconds = self.last_mask_fill_seconds = 0.0
         self.programs_loaded = 0  # step programs warm-up loaded from RunnerConfig.program_cache_dir
+        # Where the start's seconds went, as warm-up (runner/warmup.py) and `await_params` saw them: "weights" (their
+        # load, on its own thread beside warm-up), "lowered" (warm-up's tracing and lowering, from its start),
+        # "weights_waited" (warm-up's wait for them once lowered), "warmup" (all of warm-up).
+        self.startup_seconds: dict[str, float | None] = {}
         self._scorer = None  # runner/prompt_scoring.py, made on the first request for prompt logprobs
         self.kv_transfer = None  # runner/kv_transfer.py, with a host tier (`enable_host_tier`)
 
@@ -210,7 +214,10 @@ class ModelRunner:
         """Take the params once loaded (weights/pending.py; a no-op when they were given loaded)."""
         if self._pending is not None:
             t = time.perf_counter()
-            self.params, self._pending = self._pending.result(), None
+            pending, self.params = self._pending, self._pending.result()
+            self._pending = None
+            self.startup_seconds["weights_waited"] = time.perf_counter() - t
+            self.startup_seconds["weights"] = pending.seconds
             log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
 
     # ---- host tier of the KV cache (runner/kv_transfer.py) -----------------------------------------

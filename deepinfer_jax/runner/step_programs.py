@@ -77,11 +77,14 @@ class StepPrograms:
         """Whether `key`'s step runs as two programs (`splits_full`): its bucket's forward, shared by the bucket's
         sampling variants, then the variant's sampler. Prefill buckets (more token slots than sequence rows), whose
         variants then share one compiled forward, and every bucket's full and mask variants, whose structured-output
-        bitmasks can then be filled on the host while the forward runs (ModelRunner.dispatch)."""
+        bitmasks can then be filled on the host while the forward runs (ModelRunner.dispatch); with
+        RunnerConfig.decode_shared_forward every variant of every bucket, so a decode bucket's forward is compiled
+        once for its variants."""
         if key not in self._shares:
             meta = meta_struct(key[0])
             self._shares[key] = self.splits_full() and (
-                key[1] in ("full", "mask") or meta.token_ids.shape[0] > meta.logits_indices.shape[0])
+                key[1] in ("full", "mask") or self.runner_cfg.decode_shared_forward
+                or meta.token_ids.shape[0] > meta.logits_indices.shape[0])
         return self._shares[key]
 
     def sampler_id(self, key) -> tuple:

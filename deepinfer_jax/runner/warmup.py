@@ -123,6 +123,7 @@ def warm_up(runner, progress: bool = True) -> int:
         if runner.programs_loaded:
             log.info("warm-up: loaded %d step programs from %s in %.1f s", runner.programs_loaded, cache_dir,
                      time.perf_counter() - t0)
+        runner.startup_seconds["lowered"] = time.perf_counter() - t0
         if futures:
             log.info("warm-up: traced and lowered %d step programs in %.1f s", len(futures),
                      time.perf_counter() - t0)
@@ -130,6 +131,7 @@ def warm_up(runner, progress: bool = True) -> int:
         _runs(runner, hosts, futures)
     if bar is not None:
         bar.close()
+    runner.startup_seconds["warmup"] = time.perf_counter() - t0
     return len(programs)
 
 

@@ -19,6 +19,7 @@ checkpoint and never take device memory.
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
@@ -55,6 +56,7 @@ class PendingParams:
         self.load = load if load is not None else (lambda: load_to(abstract))
         self.load_to = load_to  # (a placement tree like `abstract`) -> the params placed so; None: not offered
         self._future: Future | None = None
+        self.seconds: float | None = None  # the load's wall seconds, its arrays ready (set when it ends)
 
     def relocated(self, abstract: Any) -> "PendingParams | None":
         """The params pending for `abstract` (the same shapes and dtypes, leaves perhaps in another memory kind),
@@ -78,7 +80,10 @@ class PendingParams:
 
         def run(future: Future = self._future) -> None:
             try:
-                future.set_result(self.load())
+                t = time.perf_counter()
+                params = jax.block_until_ready(self.load())
+                self.seconds = time.perf_counter() - t
+                future.set_result(params)
             except BaseException as e:  # noqa: BLE001 - re-raised by result() on the engine's thread
                 future.set_exception(e)
 

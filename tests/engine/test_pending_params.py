@@ -61,6 +61,11 @@ def test_weights_load_while_warmup_compiles(hf_case, hf_greedy):
         logger.removeHandler(seen)
         logger.setLevel(level)
     assert held == {"compiled first": True, "thread": "deepinfer-load-weights"}
+    # where the start went (ModelRunner.startup_seconds): the load, held until a program compiled, and warm-up's
+    # lowering, its wait for the weights and its whole, each within it
+    took = eng.runner.startup_seconds
+    assert 0 < took["lowered"] < took["warmup"] and 0 <= took["weights_waited"] < took["warmup"]
+    assert took["weights"] > 0
     # warm-up lowered the slowest programs first: the prefill buckets' shared forwards, the whole steps, the samplers
     kinds = [program_kind(pid)[0] for pid in eng.runner.warmup_plan()[1]]
     assert kinds == sorted(kinds, key=["forward", "step", "sampler"].index) and set(kinds) == {"forward", "step",
