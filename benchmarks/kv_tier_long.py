@@ -12,14 +12,16 @@ tokens, generating out more: its context ends at C. Three engines (LLMEngine, ra
 - all-resident: no tier, a pool that holds every sequence's KV at once: 1 (the null page) + for sequence 0
   cdiv(C, page) + for each other sequence cdiv(C - turn - out, page) pages (their longest contexts). The run checks it
   preempted nothing and that the returning request found all its full pages on the device.
-- host tier: the small pool, `--pool-contexts` times the longest context's pages (+ the null page), and a host tier
+- host-tier: the small pool, `--pool-contexts` times the longest context's pages (+ the null page), and a host tier
   holding 1.25x every sequence's pages. A request that cannot get pages is preempted; its pages stay cached, and
   those later evicted from the device are copied to the host, so it resumes from them; the returning request's
   pages come back from the host. The run must preempt and hit the host tier, or the script stops.
 - recompute: the small pool without a tier: what left the device is recomputed.
 N = max(2, ceil(--oversubscribe x small pool tokens / C)). One engine of each kind serves every context
 (max_model_len: the longest), so the small pool is the same for all contexts; each context starts with the prefix
-cache of both tiers emptied.
+cache of both tiers emptied. The prefills dominate the time (attention's work grows with the square of the context:
+at 128K every engine prefills two whole contexts, recompute a third for the returning one); `--contexts` and
+`--kinds` (e.g. host-tier,recompute: the tier's tokens are then checked against recompute's) split the run.
 
 Correctness first: every request's greedy tokens with the tier, and with recompute, are compared with the
 all-resident run's: equal, or parting only at a near tie (each run's token among the other's two most likely, as
@@ -57,7 +59,7 @@ from deepinfer_jax.config import CacheConfig, ModelConfig, RunnerConfig, Schedul
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv  # noqa: E402
 from deepinfer_jax.types import RequestOutputKind, SamplingParams  # noqa: E402
 
-KINDS = ("all-resident", "host tier", "recompute")
+KINDS = ("all-resident", "host-tier", "recompute")
 T0 = time.perf_counter()
 
 
@@ -128,7 +130,7 @@ def compare(ref: dict, got: dict) -> tuple[int, list, list]:
     return same, near, bad
 
 
-def warm(eng, vocab: int, ps: int, params: SamplingParams, max_pages: int) -> float:
+def warm(eng, vocab: int, ps: int, params: SamplingParams) -> float:
     """A short workload (prefill, prefill with context, decode, the sampler's logprobs), then every copy program of
     the tier on null-page copies: loads into the device's null page 0 (garbage by design) and saves into host blocks
     that no hash names yet. The prefix cache of both tiers is emptied after."""
@@ -142,7 +144,7 @@ def warm(eng, vocab: int, ps: int, params: SamplingParams, max_pages: int) -> fl
     drive(eng, [p + rng.integers(2, vocab, ps).tolist()], params, "w2")
     tier = eng.runner.kv_transfer
     if tier is not None:
-        top = kv_transfer.MAX_PINNED_PAGES if tier.pinned else 1 << (max_pages - 1).bit_length()
+        top = kv_transfer.MAX_PINNED_PAGES if tier.pinned else 1 << (eng.runner.num_pages - 1).bit_length()
         n = 1
         while n <= top:
             eng.runner.apply_kv_transfers(KVTransfers(saves=[(0, 0)] * n, loads=[(0, 0)] * n))
@@ -170,21 +172,24 @@ def run_context(eng, kind: str, w: dict, params: SamplingParams) -> dict:
 def check(w: dict, res: dict, ps: int) -> None:
     """Correctness (module doc): stops the script on a failure."""
     ctx, out = w["context"], len(w["prompts"][0]) + w["output_len"]
-    allres, tier = res["all-resident"], res.get("host tier")
-    if allres["r1"]["preempt"] or allres["r2"]["cached"][0] != (out - 1) // ps * ps:
+    allres, tier = res.get("all-resident"), res.get("host-tier")
+    if allres and (allres["r1"]["preempt"] or allres["r2"]["cached"][0] != (out - 1) // ps * ps):
         sys.exit(f"check FAILED (context {ctx}): the all-resident pool preempted or recomputed (a sizing bug)")
     if tier and (not tier["r1"]["preempt"] or not tier["r1"]["host_hits"] + tier["r2"]["host_hits"]):
         sys.exit(f"check FAILED (context {ctx}): the tier run preempted {tier['r1']['preempt']} times and hit the host "
                  "tier for no token: the workload forces no swap (raise --oversubscribe or lower --pool-contexts)")
-    for kind in [k for k in KINDS[1:] if k in res and k not in w.setdefault("checked", [])]:
+    ref = "all-resident" if allres else "recompute"  # without an all-resident run (--kinds): the tier against recompute
+    if ref not in res:
+        return
+    for kind in [k for k in KINDS if k in res and k != ref and k not in w.setdefault("checked", [])]:
         w["checked"].append(kind)
         failed = []
         for rnd in ("r1", "r2"):
-            same, near, bad = compare(allres[rnd], res[kind][rnd])
-            n = len(allres[rnd]["tokens"])
+            same, near, bad = compare(res[ref][rnd], res[kind][rnd])
+            n = len(res[ref][rnd]["tokens"])
             parts = "; ".join(f"request {j} parts at token {i} (gap {g:.4f})" for j, i, g in near)
             print(f"check (context {ctx:,}, {'round 1' if rnd == 'r1' else 'returning'}): {kind} against "
-                  f"all-resident: {same}/{n} requests' greedy tokens identical"
+                  f"{ref}: {same}/{n} requests' greedy tokens identical"
                   + (f", near ties: {parts}" if near else "")
                   + (f", NOT near ties: {bad}" if bad else ""), flush=True)
             failed += bad
@@ -192,32 +197,34 @@ def check(w: dict, res: dict, ps: int) -> None:
                 print("  (sequence 0 parted in round 1: the returning prompts differ, round 2 not compared)")
                 break
         if failed:
-            sys.exit(f"check FAILED (context {ctx}): {kind}'s tokens are not all-resident's; no timings")
+            sys.exit(f"check FAILED (context {ctx}): {kind}'s tokens are not {ref}'s; no timings")
 
 
 def table(w: dict, res: dict, pages: dict, page_bytes: int) -> None:
     ctx, n = w["context"], len(w["prompts"])
     print(f"\ncontext {ctx:,}: {n} sequences x ({len(w['prompts'][0]):,} in + {w['output_len']} out) at once, then "
-          f"sequence 0 returns with {len(w['turn'])} new tokens ({res['host tier']['ret_len']:,} in + "
+          f"sequence 0 returns with {len(w['turn'])} new tokens ({res["host-tier"]['ret_len']:,} in + "
           f"{w['output_len']} out)")
     print(f"{'':14}{'':>18}{'round 1':-^36}{'returning request':-^38}{'both rounds':>21}")
     print(f"{'':14}{'pool pages':>11}{'GiB':>7}{'preempt':>8}{'tok/s':>9}{'decode':>8}{'computed':>11}"
           f"{'TTFT ms':>11}{'dev hit':>9}{'host hit':>9}{'computed':>9}{'to host GB':>11}{'to dev GB':>10}")
-    for kind in KINDS:
+    for kind in [k for k in KINDS if k in res]:
         r1, r2, p = res[kind]["r1"], res[kind]["r2"], pages[kind]
         tokens = sum(map(len, w["prompts"])) + sum(map(len, r1["tokens"]))
         dec = r1["dec_tokens"] / r1["dec_s"] if r1["dec_s"] else float("nan")
         ret, cached, host = res[kind]["ret_len"], r2["cached"][0], r2["host_hits"]
         print(f"{kind:14}{p:11,}{p * page_bytes / 2**30:7.2f}{r1['preempt']:8}{tokens / r1['wall']:9.0f}{dec:8.1f}"
               f"{r1['computed']:11,}{r2['ttft'][0] * 1e3:11.0f}{cached - host:9,}{host:9,}"
-              f"{ret - cached:9,}{(r1['to_host'] + r2['to_host']) / 1e9:11.2f}{(r1['to_dev'] + r2['to_dev']) / 1e9:10.2f}")
+              f"{ret - cached:9,}{(r1['to_host'] + r2['to_host']) / 1e9:11.2f}"
+              f"{(r1['to_dev'] + r2['to_dev']) / 1e9:10.2f}")
         if r1["compiles"] + r2["compiles"]:
             print(f"  WARNING: {r1['compiles'] + r2['compiles']} compilations inside the {kind} run's timings")
-    need, small = w["need_pages"], pages["host tier"]
+    need, small = w["need_pages"], pages["host-tier"]
     print(f"device memory saved: all-resident {need:,} pages ({need * page_bytes / 2**30:.2f} GiB) - host tier's pool "
           f"{small:,} ({small * page_bytes / 2**30:.2f} GiB) = {(need - small) * page_bytes / 2**30:.2f} GiB "
-          f"({1 - small / need:.0%} of the all-resident pool); returning TTFT, recompute / host tier: "
-          f"{res['recompute']['r2']['ttft'][0] / res['host tier']['r2']['ttft'][0]:.1f}x")
+          f"({1 - small / need:.0%} of the all-resident pool)" + (
+              "" if "recompute" not in res else "; returning TTFT, recompute / host tier: "
+              f"{res['recompute']['r2']['ttft'][0] / res["host-tier"]['r2']['ttft'][0]:.1f}x"))
 
 
 def run(argv=None) -> dict:
@@ -239,7 +246,14 @@ def run(argv=None) -> dict:
     ap.add_argument("--oversubscribe", type=positive_float, default=1.2,
                     help="the sequences' contexts together, over the small pool's tokens (at least this)")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help=f"the engines to run, of {', '.join(KINDS)}: host-tier and a reference (all-resident, "
+                         "else recompute)")
     args = ap.parse_args(argv)
+    kinds = [k.strip() for k in args.kinds.split(",")]
+    if set(kinds) - set(KINDS) or "host-tier" not in kinds or len(set(kinds)) < 2:
+        ap.error(f"--kinds must name the host tier and all-resident or recompute, of {', '.join(KINDS)}; "
+                 f"got {args.kinds!r}")
     if args.smoke:
         args.preset, args.dtype, args.attn_impl, args.moe_impl = "tiny-deepseek-v2", "float32", "reference", "dense"
         args.page_size, args.contexts, args.output_len, args.turn_len = 16, "256,512", 8, 16
@@ -289,7 +303,7 @@ def run(argv=None) -> dict:
         need = 1 + cdiv(ctx, ps) + (n - 1) * cdiv(ctx - turn - out, ps)
         work.append(dict(context=ctx, prompts=prompts, turn=rng.integers(2, cfg.vocab_size, turn).tolist(),
                          output_len=out, need_pages=need))
-    pages = {"all-resident": max(w["need_pages"] for w in work), "host tier": small, "recompute": small}
+    pages = {"all-resident": max(w["need_pages"] for w in work), "host-tier": small, "recompute": small}
     tier_pages = math.ceil(1.25 * max(len(w["prompts"]) * cdiv(w["context"], ps) for w in work))
     tier_gib = tier_pages * page_bytes / 2**30
     stamp(f"{args.preset} ({args.dtype}, weights {weight_bytes / 2**30:.1f} GiB), page {ps} ({page_bytes:,} bytes); "
@@ -302,8 +316,8 @@ def run(argv=None) -> dict:
     if args.smoke:
         runner_kw["token_buckets"] = (16, 128)
     results = {w["context"]: {} for w in work}
-    for kind in KINDS:
-        gib = tier_gib if kind == "host tier" else 0.0
+    for kind in [k for k in KINDS if k in kinds]:
+        gib = tier_gib if kind == "host-tier" else 0.0
         t = time.perf_counter()
         eng = LLMEngine(cfg, params, None, num_pages=pages[kind], progress=False,
                         scheduler_config=SchedulerConfig(max_num_seqs=max(len(w["prompts"]) for w in work),
@@ -314,7 +328,7 @@ def run(argv=None) -> dict:
         pool = "" if eng.runner.kv_transfer is None else (
             f"; tier pool in {'pinned' if eng.runner.kv_transfer.pinned else 'pageable'} host memory")
         stamp(f"{kind} engine: started in {time.perf_counter() - t:.1f} s{pool}")
-        stamp(f"{kind} engine: warm-up and copy programs {warm(eng, cfg.vocab_size, ps, params_s, cdiv(longest, ps)):.1f} s")
+        stamp(f"{kind} engine: warm-up and copy programs {warm(eng, cfg.vocab_size, ps, params_s):.1f} s")
         for w in work:
             results[w["context"]][kind] = run_context(eng, kind, w, params_s)
         del eng
@@ -323,8 +337,8 @@ def run(argv=None) -> dict:
             check(w, results[w["context"]], ps)
     for w in work:
         table(w, results[w["context"]], pages | {"all-resident": w["need_pages"]}, page_bytes)
-    print(f"\n(all-resident's pool is each context's own need; its engine held {pages['all-resident']:,} pages. "
-          f"Weights {weight_bytes / 2**30:.1f} GiB.)")
+    if "all-resident" in kinds:
+        print(f"\n(all-resident's pool is each context's own need; its engine held {pages['all-resident']:,} pages.)")
     return results
 
 

@@ -21,7 +21,7 @@ def test_long_context_smoke(monkeypatch, capsys):
     out = capsys.readouterr().out
     assert sorted(results) == [256, 512]
     for ctx, runs in results.items():
-        ref, tier, rec = runs["all-resident"], runs["host tier"], runs["recompute"]
+        ref, tier, rec = runs["all-resident"], runs["host-tier"], runs["recompute"]
         for rnd in ("r1", "r2"):  # float32 on the CPU: no near ties, the tokens are equal
             assert tier[rnd]["tokens"] == ref[rnd]["tokens"] and rec[rnd]["tokens"] == ref[rnd]["tokens"]
         n, prompt = len(ref["r1"]["tokens"]), ctx - 16 - 2 * 8  # --smoke: turn 16, out 8
@@ -38,3 +38,17 @@ def test_long_context_smoke(monkeypatch, capsys):
         assert rec["r1"]["to_host"] == rec["r2"]["to_dev"] == 0
         assert tier["r1"]["compiles"] + tier["r2"]["compiles"] == 0  # the warm-up compiled every copy program
     assert out.count("device memory saved") == 2 and "check FAILED" not in out
+
+
+def test_check_allows_a_parting_only_at_a_near_tie():
+    from deepinfer_jax.types import Logprob
+
+    def run(tokens, tops):  # tops: each position's two most likely ids, the first the greedy one
+        return {"tokens": [tokens], "logprobs": [[{a: Logprob(-0.1), b: Logprob(-0.2)} for a, b in tops]]}
+
+    ref = run([5, 6, 7], [(5, 9), (6, 8), (7, 9)])
+    assert kv_tier_long.compare(ref, ref) == (1, [], [])
+    near = kv_tier_long.compare(ref, run([5, 8, 2], [(5, 9), (8, 6), (2, 3)]))
+    assert near[0] == 0 and [(j, i) for j, i, _ in near[1]] == [(0, 1)] and near[2] == []
+    assert kv_tier_long.compare(ref, run([5, 3, 2], [(5, 9), (3, 6), (2, 3)])) == (0, [], [(0, 1)])  # 3 not ref's top 2
+    assert kv_tier_long.compare(ref, run([5, 6], [(5, 9), (6, 8)])) == (0, [], [(0, 2)])  # fewer tokens
