@@ -23,12 +23,12 @@ cache of both tiers emptied. The prefills dominate the time (attention's work gr
 at 128K every engine prefills two whole contexts, recompute a third for the returning one); `--contexts` and
 `--kinds` (e.g. host-tier,recompute: the tier's tokens are then checked against recompute's) split the run.
 
-Correctness first: every request's greedy tokens with the tier, and with recompute, are compared with the
-all-resident run's: equal, or parting only at a near tie (each run's token among the other's two most likely, as
+Correctness first: every request's greedy tokens (all runs ask for the top two log-probs: the sampler's full variant)
+with the tier, and with recompute, are compared with the all-resident run's: equal, or parting only at a near tie (each run's token among the other's two most likely, as
 bf16 rounds differently where a preempted request's prefill is chunked differently); anything else stops the
 script before the table. Then, per context, the table:
 - tok/s: round 1's prompt + output tokens over its wall time; decode tok/s: the sequences stepped in the steps
-  that computed only decodes, over those steps' time;
+  that computed only decodes, over those steps' time (a step's time: the `step` call after it, which waits for it);
 - computed: round 1's step input tokens (prompts, each output fed back, and what preemption and eviction made the
   engine compute again: all-resident computes each once);
 - TTFT of the returning request, and where its context came from (device / host hits, computed);
@@ -85,17 +85,20 @@ def drive(eng, prompts: list, params: SamplingParams, tag: str) -> dict:
     t0 = time.perf_counter()
     for rid, p in zip(rids, prompts):
         eng.add_request(rid, p, params)
-    dec_s, dec_tokens, computed, runner = 0.0, 0, 0, eng.runner
+    dec_s, dec_tokens, computed, runner, prev = 0.0, 0, 0, eng.runner, 0
     while eng.has_unfinished_requests():
+        # `step` queues this step and waits for the previous one: its time is the previous step's (`prev`: the
+        # sequences it decoded when it computed only decodes, else 0)
         decode_only = not sch.waiting and sch.running and all(r.num_tokens - r.num_computed_tokens == 1
                                                               for r in sch.running)
         n, t, steps = len(sch.running), time.perf_counter(), runner.steps_by_variant.total()
         outs = eng.step()
         now = time.perf_counter()
-        if runner.steps_by_variant.total() > steps:  # a step was dispatched: its input tokens
-            computed += runner.last_num_tokens
-        if decode_only:
-            dec_s, dec_tokens = dec_s + now - t, dec_tokens + n
+        if prev:
+            dec_s, dec_tokens = dec_s + now - t, dec_tokens + prev
+        dispatched = runner.steps_by_variant.total() > steps
+        computed += runner.last_num_tokens if dispatched else 0  # the step's input tokens
+        prev = n if dispatched and decode_only else 0
         for out in outs:
             o = out.outputs[0]
             if o.token_ids and out.request_id not in ttft:
