@@ -24,9 +24,9 @@ at 128K every engine prefills two whole contexts, recompute a third for the retu
 `--kinds` (e.g. host-tier,recompute: the tier's tokens are then checked against recompute's) split the run.
 
 Correctness first: every request's greedy tokens (all runs ask for the top two log-probs: the sampler's full variant)
-with the tier, and with recompute, are compared with the all-resident run's: equal, or parting only at a near tie (each run's token among the other's two most likely, as
-bf16 rounds differently where a preempted request's prefill is chunked differently); anything else stops the
-script before the table. Then, per context, the table:
+with the tier, and with recompute, are compared with the all-resident run's: equal, or parting only at a near tie
+(each run's token among the other's two most likely, as bf16 rounds differently where a preempted request's prefill
+is chunked differently); anything else stops the script before the table. Then, per context, the table:
 - tok/s: round 1's prompt + output tokens over its wall time; decode tok/s: the sequences stepped in the steps
   that computed only decodes, over those steps' time (a step's time: the `step` call after it, which waits for it);
 - computed: round 1's step input tokens (prompts, each output fed back, and what preemption and eviction made the
@@ -35,7 +35,8 @@ script before the table. Then, per context, the table:
 - bytes copied to and from the host tier (both rounds); the device memory saved: all-resident pool less the small
   pool, in pages and GiB.
 Before the timed runs each engine serves a short warm-up and compiles the tier's copy programs for each batch size
-(pinned: 1 to 64 pages, runner/kv_transfer.py), which otherwise compile on first use inside the timings.
+(pinned: 1 to 64 pages, runner/kv_transfer.py), which otherwise compile on first use inside the timings. The three
+engines share one process and so its XLA flags (the tier's pinned pool needs XLA's default allocator, docs/kv-tier.md).
 """
 
 from __future__ import annotations
