@@ -258,9 +258,9 @@ def run(argv=None) -> dict:
     ap.add_argument("--oversubscribe", type=positive_float, default=1.2,
                     help="the sequences' contexts together, over the small pool's tokens (at least this)")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    ap.add_argument("--token-buckets", default="16,512,8192",
-                    help="the step sizes the engines compile (comma-separated): decodes, the returning request's new "
-                         "tokens, full prefill chunks; fewer buckets, a shorter start for each of the three engines")
+    ap.add_argument("--token-buckets", default="32,512,8192",
+                    help="the step sizes the engines compile (comma-separated): decodes (32: the decode MoE launch's "
+                         "size), the returning request's new tokens, full prefill chunks; fewer, a shorter start")
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help=f"the engines to run, of {', '.join(KINDS)}: host-tier and a reference (all-resident, "
                          "else recompute)")
