@@ -187,7 +187,8 @@ def check(w: dict, res: dict, ps: int) -> None:
     if tier and "swap noted" not in w and not tier["r1"]["host_hits"]:
         w["swap noted"] = True
         print(f"note (context {ctx:,}): no request of round 1 came back from the host tier ({tier['r1']['preempt']} "
-              "preemptions; sequences that find no pages wait instead); its hits are the returning request's")
+              "preemptions; a preempted request resumed from its pages still on the device, or sequences waited for "
+              "pages instead); the tier's hits are the returning request's")
     ref = "all-resident" if allres else "recompute"  # without an all-resident run (--kinds): the tier against recompute
     if ref not in res:
         return
