@@ -23,7 +23,10 @@ page is contiguous there). Two kinds of pool:
 
 Copy counts are padded to powers of two, so each program compiles once per size class, on first use. Padding
 rows repeat the batch's first copy in the pinned pool (the same page written twice with the same bytes), and in
-the pageable one read or write the null page 0 (garbage by design).
+the pageable one read or write the null page 0 (garbage by design). The pinned programs copy page by page
+(unrolled), so their compile time grows with the count (~50 ms a page on a CPU): a batch of more than
+`MAX_PINNED_PAGES` pages (a long context coming back: 2,048 pages at 128K tokens) runs as programs of at most that
+many, all its fetches first, then all its saves, then all its scatters, so the order above holds across them.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
+MAX_PINNED_PAGES = 64  # pages a pinned fetch or save program copies at most (module doc)
 
 
 def _pow2(n: int) -> int:
@@ -146,18 +150,23 @@ class KVTransfer:
 
     def _apply_pinned(self, kv_cache: Any, transfers) -> Any:
         """`apply` on the pinned pool (module doc): fetch the loads, save the saves, scatter the loads."""
-        pages = None
-        if transfers.loads:
-            host_ids, dev_ids = _padded(transfers.loads)
-            pages = self._fetch(self.storage, host_ids)
-            self.bytes_to_device += len(transfers.loads) * self.page_bytes
-        if transfers.saves:
-            src, dst = _padded(transfers.saves)
+        fetched = []
+        for part in _parts(transfers.loads):
+            host_ids, dev_ids = _padded(part)
+            fetched.append((dev_ids, self._fetch(self.storage, host_ids)))
+        for part in _parts(transfers.saves):
+            src, dst = _padded(part)
             self.storage = self._save(self.storage, dst, self._gather(kv_cache, src))
-            self.bytes_to_host += len(transfers.saves) * self.page_bytes
-        if pages is not None:
+        for dev_ids, pages in fetched:
             kv_cache = self._scatter(kv_cache, dev_ids, pages)
+        self.bytes_to_device += len(transfers.loads) * self.page_bytes
+        self.bytes_to_host += len(transfers.saves) * self.page_bytes
         return kv_cache
+
+
+def _parts(pairs) -> list:
+    """`pairs` in runs of at most MAX_PINNED_PAGES."""
+    return [pairs[i:i + MAX_PINNED_PAGES] for i in range(0, len(pairs), MAX_PINNED_PAGES)]
 
 
 def _padded(pairs) -> tuple[np.ndarray, np.ndarray]:

@@ -81,11 +81,12 @@ def test_host_tier_needs_prefix_caching():
         CacheConfig(kv_offloading_size=-1.0)
 
 
-@pytest.mark.parametrize("pool", ["pinned", "pageable"])
+@pytest.mark.parametrize("pool", ["pinned", "pinned, 1-page programs", "pageable"])
 def test_kv_transfer_copies_pages_exactly(pool, monkeypatch):
     """runner/kv_transfer.py on a small cache, with the pool in pinned host memory and in a numpy array: loads write
     the device pages; a device page saved and loaded over in the same batch is saved with its old contents, and a
-    host block loaded and saved over in the same batch is loaded with its old contents."""
+    host block loaded and saved over in the same batch is loaded with its old contents (also where a batch runs as
+    several pinned programs, one page each)."""
     import jax.numpy as jnp
     import numpy as np
 
@@ -94,11 +95,13 @@ def test_kv_transfer_copies_pages_exactly(pool, monkeypatch):
 
     if pool == "pageable":
         monkeypatch.setattr(kv_transfer, "_pinned_programs", lambda kv, n: None)
+    if pool == "pinned, 1-page programs":
+        monkeypatch.setattr(kv_transfer, "MAX_PINNED_PAGES", 1)
     L, P, D = 2, 6, 3
     kv = jnp.arange(L * P * PAGE * D, dtype=jnp.float32).reshape(L, P, PAGE, D)
     ref = np.array(kv)
     t = kv_transfer.KVTransfer(kv, num_host_blocks=4)
-    assert t.pinned == (pool == "pinned")
+    assert t.pinned == (pool != "pageable")
     if t.pinned:
         assert t.storage.sharding.memory_kind == "pinned_host"
     kv = t.apply(kv, KVTransfers(saves=[(2, 3), (5, 0), (1, 1)]))
