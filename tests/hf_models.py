@@ -171,6 +171,19 @@ def random_prompts(seed: int, lengths, vocab: int, lo: int = 2):
     return [rng.integers(lo, vocab, int(n)).tolist() for n in lengths]
 
 
+def assert_same_outputs(expected, actual) -> None:
+    """Two engines' CompletionOutputs agree: token ids exactly, logprobs' token sets and ranks exactly, their
+    values within 1e-5 (programs split differently may fuse differently)."""
+    import numpy as np
+
+    for w, s in zip(expected, actual, strict=True):
+        assert s.token_ids == w.token_ids
+        assert (s.logprobs is None) == (w.logprobs is None)
+        for wp, sp in zip(w.logprobs or [], s.logprobs or []):
+            assert sp.keys() == wp.keys() and [sp[t].rank for t in sp] == [wp[t].rank for t in wp]
+            np.testing.assert_allclose([sp[t].logprob for t in sp], [wp[t].logprob for t in wp], rtol=1e-5,
+                                       atol=1e-5)
+
 # ---- the dense GQA family (models/dense.py): Llama, Qwen2, Qwen3, Mistral -----------------------------------
 
 # Odd shapes: 6 query heads over 2 KV heads (groups of 3), head_dim 12 (Qwen3: 10, not hidden / heads).

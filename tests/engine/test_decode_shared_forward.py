@@ -7,9 +7,7 @@ warm-up, no KV page left in use."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from hf_models import random_prompts
+from hf_models import assert_same_outputs, random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.runner.step_programs import program_kind
 
@@ -54,13 +52,7 @@ def test_decode_variants_share_the_bucket_forward(hf_case, hf_greedy):
     assert two.engine.num_warmup_compiles == len(kinds)
     split = _generate(two, prompts)
 
-    for w, s in zip(whole, split):
-        assert s.token_ids == w.token_ids
-        assert (s.logprobs is None) == (w.logprobs is None)
-        for wp, sp in zip(w.logprobs or [], s.logprobs or []):
-            assert sp.keys() == wp.keys() and [sp[t].rank for t in sp] == [wp[t].rank for t in wp]
-            np.testing.assert_allclose([sp[t].logprob for t in sp], [wp[t].logprob for t in wp], rtol=1e-5,
-                                       atol=1e-5)
+    assert_same_outputs(whole, split)
     assert split[0].token_ids == hf_greedy(model, prompts[0], 6)
     assert [s.token_ids for s in split[3:]] == [hf_greedy(model, p, 5) for p in prompts[:2]]
     assert split[1].token_ids != split[0].token_ids  # the seeded draw is not greedy's

@@ -6,9 +6,7 @@ no compile after warm-up, no KV page left in use."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from hf_models import random_prompts
+from hf_models import assert_same_outputs, random_prompts
 from deepinfer_jax import LLM, SamplingParams
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
@@ -51,13 +49,7 @@ def test_sampling_variants_share_the_prefill_forward(hf_case, hf_greedy):
     assert len(samplers) == 2 * len(rows)
     assert len(runner.programs.residents) == len(samplers) + len(runner.programs.executables) - len(kinds)  # + the decode steps'
 
-    for w, s in zip(whole, split):
-        assert s.token_ids == w.token_ids
-        assert (s.logprobs is None) == (w.logprobs is None)
-        for wp, sp in zip(w.logprobs or [], s.logprobs or []):
-            assert sp.keys() == wp.keys() and [sp[t].rank for t in sp] == [wp[t].rank for t in wp]
-            np.testing.assert_allclose([sp[t].logprob for t in sp], [wp[t].logprob for t in wp], rtol=1e-5,
-                                       atol=1e-5)
+    assert_same_outputs(whole, split)
     assert split[0].token_ids == hf_greedy(model, prompts[0], 6)
     assert split[4].token_ids == hf_greedy(model, prompts[4], 4)
     assert len(split[2].logprobs) == 7 and all(len(lp) >= 3 for lp in split[2].logprobs)
