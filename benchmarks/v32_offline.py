@@ -108,10 +108,11 @@ def fit_report(full: dict, layers: int, a: argparse.Namespace, budget: float, co
     kv = kv_bytes(cut(full, layers, False), a.batch, context)
     total = outside + sum(per_layer) + kv + a.headroom_gib * 2**30
     g = 2**30
-    return (f"{layers} layers fit {budget / g:.1f} GiB (the device's limit x --gpu-memory-utilization): weights outside "
-            f"the layers {outside / g:.2f} + {dense} dense x {(per_layer[0] if dense else 0) / g:.2f} + {layers - dense} "
-            f"MoE x {moe[0] / g:.2f} + KV {kv / g:.2f} ({a.batch} x {context:,} tokens) + headroom {a.headroom_gib:.1f} "
-            f"= {total / g:.2f} GiB; one MoE layer more would need {(total + moe[0]) / g:.2f}")
+    return (f"{layers} layers fit {budget / g:.1f} GiB (the device's limit x --gpu-memory-utilization): weights "
+            f"outside the layers {outside / g:.2f} + {dense} dense x {(per_layer[0] if dense else 0) / g:.2f} + "
+            f"{layers - dense} MoE x {moe[0] / g:.2f} + KV {kv / g:.2f} ({a.batch} x {context:,} tokens, "
+            f"{sum(kv_bytes_per_token(cut(full, layers, False))):,} B a token) + headroom {a.headroom_gib:.1f} = "
+            f"{total / g:.2f} GiB")
 
 
 def model_layers(full: dict, a: argparse.Namespace, contexts: list[int]):
@@ -135,8 +136,9 @@ def phase_dsa(full: dict, a: argparse.Namespace, contexts: list[int], impls: dic
     d = cut(full, a.layers, a.smoke)
     outside, per_layer = weight_bytes(d)
     dense = min(a.layers, d.get("first_k_dense_replace") or 0)
-    stamp(f"device {dev.device_kind} ({jax.default_backend()}, {limit / 2**30:.1f} GiB{'' if measured else ' assumed'}, "
-          f"XLA_PYTHON_CLIENT_MEM_FRACTION {os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']}); model: hidden "
+    stamp(f"device {dev.device_kind} ({jax.default_backend()}, {limit / 2**30:.1f} GiB"
+          f"{'' if measured else ' assumed'}, XLA_PYTHON_CLIENT_MEM_FRACTION "
+          f"{os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']}); model: hidden "
           f"{d['hidden_size']}, {d['n_routed_experts']} experts top-{d['num_experts_per_tok']}, FP8 blocks "
           f"{d['quantization_config']['weight_block_size']}, index_topk {d['index_topk']}; {a.layers} of "
           f"{full['num_hidden_layers']} layers ({dense} dense, {a.layers - dense} MoE); weights "

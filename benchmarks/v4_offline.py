@@ -220,9 +220,11 @@ def check(d: dict, root: str, impls: dict, reference_moe: str, dtype: str, smoke
               f"{'a near tie' if near else 'NOT a near tie'} (reference log-prob gap {gap:.4f})", flush=True)
         if i == 0 or not near:
             problems.append(j)
-    kinds = sorted(set(d.get("layer_types") or ()) | set(d.get("mlp_layer_types") or ()))
-    print(f"check: {same}/{total} greedy tokens agree before the continuations part ({d['num_hidden_layers']} "
-          f"layers {', '.join(kinds)}; {dtype}; prompts of {[len(p) for p in prompts]})", flush=True)
+    n, k = d["num_hidden_layers"], min(d["num_hidden_layers"], d.get("first_k_dense_replace") or 0)
+    v4_kinds = set(d.get("layer_types") or ()) | set(d.get("mlp_layer_types") or ())
+    kinds = ", ".join(sorted(v4_kinds)) if d["model_type"] == "deepseek_v4" else f"{k} dense, {n - k} MoE"
+    print(f"check: {same}/{total} greedy tokens agree before the continuations part ({n} layers: {kinds}; {dtype}; "
+          f"prompts of {[len(p) for p in prompts]})", flush=True)
     if problems:
         sys.exit("check FAILED: the benchmark's kernels do not give the reference's tokens; no timings")
 
@@ -314,7 +316,7 @@ def run_sizes(a: argparse.Namespace) -> list[int]:
     if a.smoke:
         contexts, a.batch, a.steps = [24, 40], 2, 4  # within the tiny V4's max_position_embeddings of 64
         a.pa_batch, a.pa_prompt_len, a.pa_output_len, a.max_num_batched_tokens = 2, 16, 8, 32
-        a.attn_impl, a.moe_impl = (i.replace("pallas", "pallas_interpret", i == "pallas") for i in (a.attn_impl, a.moe_impl))
+        a.attn_impl, a.moe_impl = ("pallas_interpret" if i == "pallas" else i for i in (a.attn_impl, a.moe_impl))
         a.check_layers, a.layers = 3, a.layers or 3
     return contexts
 

@@ -27,5 +27,6 @@ def test_smoke_runs_both_phases_and_compares_them(xla_cache_dir):
     assert "long context, dense MLA (the same 3 layers as deepseek_v3, no indexer)" in text
     assert text.count("compiles after warm-up: 0") == 1  # the sparse engine's programs all compiled at start-up
     table = text[text.index("decode at long context, 2 sequences, 3 layers"):]
-    rows = re.findall(r"^\s+(\d+) \|\s+([\d.]+)\s+[\d,.]+ \|\s+([\d.]+)\s+[\d,.]+ \|\s+[\d.]+x \| 360 / 240$", table, re.M)
+    row = r"^\s+(\d+) \|\s+([\d.]+)\s+[\d,.]+ \|\s+([\d.]+)\s+[\d,.]+ \|\s+[\d.]+x \| 360 / 240$"
+    rows = re.findall(row, table, re.M)
     assert [r[0] for r in rows] == ["24", "40"] and all(float(x) > 0 for r in rows for x in r[1:])
