@@ -13,7 +13,7 @@ MTP. Its config.json carries V3.2's release `quantization_config` (FP8 e4m3 bloc
 release's; `--attn-impl pallas` runs the indexer's kernel (kernels/dsa_indexer.py), XLA's top-k and sparse MLA
 (kernels/mla_sparse.py), `--moe-impl pallas` the FP8 grouped GEMM (kernels/moe_gmm_quant.py). Each phase runs in a
 process of its own, so each finds the device empty; `--phases` picks them (a run split over several commands gets
-the same default --layers in each):
+the same default --layers in each; with `--results-dir` the last one's closing table takes the earlier's figures):
 
 1. Correctness (the script stops if it fails): the first `--check-layers` layers (default 4: V3.2's 3 dense layers
    and its first MoE layer) through the engine with the benchmark's impls, greedy, against the same weights through
@@ -207,6 +207,9 @@ def main(argv=None) -> int:
     ap.add_argument("--phases", default="check,dsa,dense",
                     help="which of check, dsa (Protocol A and sparse long context), dense to run, in that order")
     ap.add_argument("--phase", default=None, choices=["check", "dsa", "dense"], help=argparse.SUPPRESS)
+    ap.add_argument("--results-dir", default=None,
+                    help="keep the phases' figures here (dsa.json, dense.json): the closing table takes an earlier "
+                         "run's where this run skips that phase")
     ap.add_argument("--out", default=None, help=argparse.SUPPRESS)  # a phase's JSON result
     args = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(args)
@@ -230,19 +233,32 @@ def main(argv=None) -> int:
     unknown = sorted(set(phases) - {"check", "dsa", "dense"})
     if unknown:
         sys.exit(f"--phases: {', '.join(unknown)} is not one of check, dsa, dense")
-    results = {}
+    results, earlier = {}, {}
     with tempfile.TemporaryDirectory() as tmp:
+        keep = a.results_dir or tmp
+        os.makedirs(keep, exist_ok=True)
         if "check" in phases and not a.skip_check:
             rc = subprocess.run([sys.executable, os.path.abspath(__file__), *args, "--phase", "check"]).returncode
             if rc:
                 sys.exit(f"the check failed (exit status {rc}): no timings")
             stamp("check passed")
-        for phase in (p for p in ("dsa", "dense") if p in phases):
-            results[phase] = in_own_process(args, phase, os.path.join(tmp, f"{phase}.json"))
-    if results.get("dsa") and results.get("dense"):
-        compare(results["dsa"], results["dense"], a.batch)
+        for phase in ("dsa", "dense"):
+            path = os.path.join(keep, f"{phase}.json")
+            if phase in phases:
+                results[phase] = in_own_process(args, phase, path)
+            elif a.results_dir and os.path.exists(path):
+                with open(path) as f:
+                    earlier[phase] = json.load(f)
+    both = {**earlier, **{k: v for k, v in results.items() if v}}
+    if both.get("dsa") and both.get("dense"):
+        if both["dsa"]["layers"] == both["dense"]["layers"]:
+            compare(both["dsa"], both["dense"], a.batch)
+        else:
+            print(f"no closing table: the sparse rows are of {both['dsa']['layers']} layers, the dense rows of "
+                  f"{both['dense']['layers']}", flush=True)
     stamp("done")
     return 0 if all(results.values()) else 1
+
 
 if __name__ == "__main__":
     sys.exit(main())
