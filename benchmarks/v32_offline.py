@@ -2,6 +2,7 @@
 
     python benchmarks/v32_offline.py [--layers N] [--contexts 32768,65536,131072] [--batch 4] [--steps 32]
                                      [--config CONFIG_JSON] [--phases check,dsa,dense] [--skip-check]
+                                     [--engine-per-context] [--results-dir DIR]
     python benchmarks/v32_offline.py --smoke       # CPU: the tests' tiny V3.2, Pallas in interpret mode
 
 The model: HF transformers' DeepseekV32Config (V3.2: hidden 7168, 256 routed experts top-8, 128 heads, MLA latent
@@ -24,12 +25,16 @@ the same default --layers in each; with `--results-dir` the last one's closing t
    dequantizes the MoE layer's experts (45 GB at V3.2's width); `--check-dtype bfloat16` halves that if it does
    not fit.
 2. Protocol A (BENCHMARKS.md): batch 32, 512 random prompt ids, 256 out, ignore EOS, greedy: output tok/s, the
-   batch's prefill time, decode ms a step, start-up time.
-3. Long context, sparse (DSA): for each of `--contexts`, `--batch` random prompts of that length prefilled (chunks of
-   `--max-num-batched-tokens`), then the same prompts again (their pages from the prefix cache) decoding `--steps`
-   tokens: decode ms a step and tok/s. The KV cache's bytes per token (latent + indexer keys) printed.
-4. Long context, dense: the same rows for V3's dense MLA at the same layers. The engine has
-   no switch that runs a V3.2 model densely: index_topk at or past the context still runs the indexer, its top-k and
+   batch's prefill time (chunks of `--max-num-batched-tokens`), decode ms a step, start-up time; in an engine of
+   max_model_len 768 (its own: the engine's page table is max_model_len wide, and so are a sparse step's indexer
+   scores and the top-k over them, whatever the sequences' lengths).
+3. Long context, sparse (DSA), then in the same process an engine of the longest context: for each of `--contexts`,
+   `--batch` random prompts of that length prefilled (chunks of `--long-chunk`), then the same prompts again (their
+   pages from the prefix cache) decoding `--steps` tokens: decode ms a step and tok/s. The rows below the longest
+   context pay for its width (above); `--engine-per-context` starts an engine of each context's length instead (a
+   start-up each). The KV cache's bytes per token (latent + indexer keys) printed.
+4. Long context, dense: the same rows for V3's dense MLA at the same layers. The engine has no switch that runs a
+   V3.2 model densely: index_topk at or past the context still runs the indexer, its top-k and
    the sparse kernel over every key. So this phase runs the same config as `deepseek_v3` (no indexer: MLA over the
    whole context, V3's paged MLA kernels), its weights drawn the same way. A table of the two closes the run.
 Each phase prints a timestamp (seconds since start).
@@ -38,6 +43,7 @@ Each phase prints a timestamp (seconds since start).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -144,21 +150,43 @@ def phase_dsa(full: dict, a: argparse.Namespace, contexts: list[int], impls: dic
           f"{full['num_hidden_layers']} layers ({dense} dense, {a.layers - dense} MoE); weights "
           f"{(outside + sum(per_layer)) / 2**30:.2f} GiB; attn {a.attn_impl}, moe {a.moe_impl}, {a.dtype}")
     if a.moe_impl.startswith("pallas"):
-        takes = {n: expert_kernel_takes(d, n, "fp8") for n in sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})}
+        steps = sorted({a.batch, a.pa_batch, a.max_num_batched_tokens, a.long_chunk})
+        takes = {n: expert_kernel_takes(d, n, "fp8") for n in steps}
         print(f"FP8 expert kernel takes the steps of {', '.join(f'{n} tokens: {t}' for n, t in takes.items())}",
               flush=True)
     latent, index = kv_bytes_per_token(d)
     print(f"KV cache bytes per token of context ({a.layers} layers, bf16): {latent + index:,} (latent {latent:,}, "
           f"indexer keys {index:,}); V3's dense MLA: {latent:,}", flush=True)
     with tempfile.TemporaryDirectory() as root:
-        llm = start_engine(write_config(d, root, "model"), a, contexts, impls)
-        eng = llm.engine
-        protocol_a(eng, d["vocab_size"], a.pa_batch, a.pa_prompt_len, a.pa_output_len)
+        path = write_config(d, root, "model")
+        llm = start_engine(path, a, impls, a.pa_prompt_len + a.pa_output_len, a.pa_batch, a.max_num_batched_tokens,
+                           sorted({a.pa_batch, a.max_num_batched_tokens}))
+        protocol_a(llm.engine, d["vocab_size"], a.pa_batch, a.pa_prompt_len, a.pa_output_len)
+        stamp(f"Protocol A done; compiles after warm-up: {llm.engine.runner.compiles_after_warmup}")
+        del llm
+        gc.collect()  # its weights and pages off the device before the next engine's
         stamp("long context, DeepSeek Sparse Attention:")
-        rows = context_rows(eng, d["vocab_size"], contexts, a.batch, a.steps, "KV GiB",
-                            lambda ctx: f"{kv_bytes(d, a.batch, ctx) / 2**30:.2f}")
-    stamp(f"sparse runs done; compiles after warm-up: {eng.runner.compiles_after_warmup}")
+        if not a.engine_per_context and len(contexts) > 1:
+            print(f"(one engine of max_model_len {max(contexts) + a.steps + 1:,}: a step's indexer scores and top-k "
+                  "span that many keys at every context; --engine-per-context sizes an engine to each)", flush=True)
+        rows = long_rows(path, a, impls, d["vocab_size"], contexts,
+                         lambda ctx: f"{kv_bytes(d, a.batch, ctx) / 2**30:.2f}")
     return {"layers": a.layers, "rows": rows, "kv_per_token": latent + index}
+
+
+def long_rows(path: str, a: argparse.Namespace, impls: dict, vocab: int, contexts: list[int], kv_text) -> list[dict]:
+    """The long-context rows (v4_offline.context_rows) of the model at `path`: one engine for every context, or with
+    --engine-per-context one each, of that context's max_model_len. (The page table is max_model_len wide, and so
+    are each step's indexer scores and the top-k over them, whatever the context.)"""
+    rows = []
+    for group in ([[c] for c in contexts] if a.engine_per_context else [contexts]):
+        llm = start_engine(path, a, impls, max(group) + a.steps + 1, a.batch, a.long_chunk,
+                           sorted({a.batch, a.long_chunk}))
+        rows += context_rows(llm.engine, vocab, group, a.batch, a.steps, "KV GiB", kv_text)
+        stamp(f"compiles after warm-up: {llm.engine.runner.compiles_after_warmup}")
+        del llm
+        gc.collect()
+    return rows
 
 
 def phase_dense(full: dict, a: argparse.Namespace, contexts: list[int], impls: dict) -> dict:
@@ -168,9 +196,8 @@ def phase_dense(full: dict, a: argparse.Namespace, contexts: list[int], impls: d
     latent, _ = kv_bytes_per_token(d)
     stamp(f"long context, dense MLA (the same {a.layers} layers as deepseek_v3, no indexer):")
     with tempfile.TemporaryDirectory() as root:
-        llm = start_engine(write_config(d, root, "dense"), a, contexts, impls)
-        rows = context_rows(llm.engine, d["vocab_size"], contexts, a.batch, a.steps, "KV GiB",
-                            lambda ctx: f"{a.batch * -(-ctx // 64) * 64 * latent / 2**30:.2f}")
+        rows = long_rows(write_config(d, root, "dense"), a, impls, d["vocab_size"], contexts,
+                         lambda ctx: f"{a.batch * -(-ctx // 64) * 64 * latent / 2**30:.2f}")
     return {"layers": a.layers, "rows": rows, "kv_per_token": latent}
 
 
@@ -203,7 +230,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_run_args(ap, "32768,65536,131072", 4, "deepseek_v32")
-    ap.set_defaults(max_num_batched_tokens=8192)  # the indexer's prefill scores: chunk x context fp32 (4 GiB at 128K)
+    ap.add_argument("--long-chunk", type=int, default=4096,
+                    help="the long contexts' prefill chunk (a step's indexer scores are chunk x max_model_len "
+                         "fp32, 2 GiB at 4096 x 128K, and XLA's top-k runs over them)")
+    ap.add_argument("--engine-per-context", action="store_true",
+                    help="an engine for each long context, of that context's max_model_len")
     ap.add_argument("--phases", default="check,dsa,dense",
                     help="which of check, dsa (Protocol A and sparse long context), dense to run, in that order")
     ap.add_argument("--phase", default=None, choices=["check", "dsa", "dense"], help=argparse.SUPPRESS)
@@ -214,6 +245,8 @@ def main(argv=None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     a = ap.parse_args(args)
     contexts = run_sizes(a)
+    if a.smoke:
+        a.long_chunk = 16  # chunked prefills of the smoke's 24- and 40-token prompts
     impls = dict(attn_impl=a.attn_impl, moe_impl=a.moe_impl)
     if a.phase is not None:
         full = base_config(a.config, a.smoke)

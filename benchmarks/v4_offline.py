@@ -332,16 +332,16 @@ def device_limit():
     return dev, (mem.limit if mem is not None else 80 * 2**30), mem is not None
 
 
-def start_engine(path: str, a: argparse.Namespace, contexts: list[int], impls: dict):
-    """The timed runs' engine on the model directory `path` (`a`: a run's arguments), its start-up stamped."""
+def start_engine(path: str, a: argparse.Namespace, impls: dict, max_len: int, seqs: int, chunk: int,
+                 buckets: list[int]):
+    """A timed engine on the model directory `path` (`a`: a run's arguments) for `seqs` sequences of up to `max_len`
+    tokens, prefill chunks of `chunk`, step programs at `buckets` tokens; its start-up stamped."""
     from deepinfer_jax import LLM
 
-    max_len = max(max(contexts) + a.steps + 1, a.pa_prompt_len + a.pa_output_len)
-    buckets = sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})
     t = time.time()
     llm = LLM(path, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=True,
-              max_model_len=max_len, max_num_seqs=max(a.batch, a.pa_batch),
-              max_num_batched_tokens=a.max_num_batched_tokens, page_size=4 if a.smoke else 64,
+              max_model_len=max_len, max_num_seqs=seqs,
+              max_num_batched_tokens=chunk, page_size=4 if a.smoke else 64,
               gpu_memory_utilization=a.gpu_memory_utilization, progress=False, token_buckets=buckets,
               **({"warmup_runs": 1} if a.smoke else {}), **impls)
     eng = llm.engine
@@ -396,7 +396,9 @@ def main(argv=None) -> int:
         print(f"FP4 expert kernel takes the steps of {', '.join(f'{n} tokens: {t}' for n, t in takes.items())}",
               flush=True)
     with tempfile.TemporaryDirectory() as root:
-        llm = start_engine(write_config(d, root, "model"), a, contexts, impls)
+        max_len = max(max(contexts) + a.steps + 1, a.pa_prompt_len + a.pa_output_len)
+        llm = start_engine(write_config(d, root, "model"), a, impls, max_len, max(a.batch, a.pa_batch),
+                           a.max_num_batched_tokens, sorted({a.batch, a.pa_batch, a.max_num_batched_tokens}))
         eng = llm.engine
         protocol_a(eng, d["vocab_size"], a.pa_batch, a.pa_prompt_len, a.pa_output_len)
         long_context(eng, d, contexts, a.batch, a.steps)
