@@ -88,21 +88,25 @@ def write_config(d: dict, root: str, name: str) -> str:
 
 
 def weight_bytes(d: dict) -> tuple[int, list[int]]:
-    """(bytes outside the layers, each layer's bytes) of the release-format params of config `d` (bf16 floats)."""
+    """(bytes outside the layers, each layer's bytes) of the release-format params of config `d` (bf16 floats): V4's
+    list of layers, or the MLA family's segments of stacked layers (a segment's bytes shared by its layers)."""
     import jax
     import jax.numpy as jnp
 
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.weights.release_random import pending_release_params
-    from deepinfer_jax.weights.v4_native import v4_quant_config
+    from deepinfer_jax.weights.release_random import pending_release_params, release_quant
 
     cfg = ModelConfig.from_hf_dict(d)
-    abstract = pending_release_params(cfg, v4_quant_config(d), jnp.bfloat16).abstract
+    abstract = pending_release_params(cfg, release_quant(d, cfg), jnp.bfloat16).abstract
 
     def nbytes(tree):
         return sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
-    per_layer = [nbytes(lp) for lp in abstract["layers"]]
+    if "layers" in abstract:
+        per_layer = [nbytes(lp) for lp in abstract["layers"]]
+    else:
+        per_layer = [nbytes(seg) // n for seg in abstract["segments"]
+                     for n in [jax.tree.leaves(seg)[0].shape[0]] for _ in range(n)]
     return nbytes(abstract) - sum(per_layer), per_layer
 
 
@@ -115,9 +119,11 @@ def kv_bytes(d: dict, seqs: int, context: int) -> int:
     return int(seqs * (context * v4_cache_bytes_per_token(v4)["total"] + v4_cache_fixed_bytes(v4)))
 
 
-def layers_that_fit(full: dict, device_bytes: float, batch: int, context: int, headroom: float) -> int:
+def layers_that_fit(full: dict, device_bytes: float, batch: int, context: int, headroom: float, cut=cut,
+                    kv_bytes=kv_bytes) -> int:
     """The most layers (of `full`'s order) whose weights, plus the KV of `batch` sequences at `context` and
-    `headroom` bytes for the steps' activations, fit in `device_bytes`."""
+    `headroom` bytes for the steps' activations, fit in `device_bytes`; `cut(d, n, smoke)` and `kv_bytes(d, seqs,
+    context)`: the model's (V4's by default)."""
     outside, per_layer = weight_bytes(cut(full, full["num_hidden_layers"], False))
     n = 0
     while n < len(per_layer):
@@ -128,13 +134,18 @@ def layers_that_fit(full: dict, device_bytes: float, batch: int, context: int, h
     return n
 
 
-def fp4_kernel_takes(d: dict, tokens: int) -> bool:
-    """Whether kernels/moe_gmm_quant.py takes FP4 experts of `d`'s shape at a step of `tokens` tokens (where not,
-    v4_moe runs the routed copies in XLA's grouped GEMM on dequantized weights instead)."""
+def expert_kernel_takes(d: dict, tokens: int, kind: str = "fp4") -> bool:
+    """Whether kernels/moe_gmm_quant.py takes `kind` ("fp4", or "fp8" in `d`'s blocks) experts of `d`'s shape at a
+    step of `tokens` tokens (where not, the MoE dequantizes the layer's experts for XLA's GEMMs instead)."""
     from deepinfer_jax.kernels.fp4 import FP4_GROUP
     from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat, supported
+    from deepinfer_jax.models.quant import fp8_kernel_act
 
-    f = WeightFormat("fp4", FP4_GROUP, layout="nk")
+    if kind == "fp4":
+        f = WeightFormat("fp4", FP4_GROUP, layout="nk")
+    else:
+        bn, bk = d["quantization_config"]["weight_block_size"]
+        f = WeightFormat("fp8", group=bk, block_n=bn, act=fp8_kernel_act(tokens, experts=True), layout="nk")
     return supported(f, f, d["hidden_size"], d["moe_intermediate_size"], tokens * d["num_experts_per_tok"])
 
 
@@ -166,16 +177,18 @@ def drive(eng, prompts: list[list[int]], max_tokens: int, tag: str) -> dict:
             "total_s": end - t, "tokens": [toks[f"{tag}{i}"] for i in range(len(prompts))], "cached": cached}
 
 
-def check(d: dict, root: str, impls: dict, reference_moe: str, dtype: str, smoke: bool) -> None:
-    """Section 1 of the docstring: greedy tokens with `impls` == reference / `reference_moe` on the same weights."""
+def check(d: dict, root: str, impls: dict, reference_moe: str, dtype: str, smoke: bool,
+          lengths: tuple = (300, 170), max_len: int = 512) -> None:
+    """Section 1 of the docstring: greedy tokens with `impls` == reference / `reference_moe` on the same weights,
+    prompts of `lengths` tokens in an engine of `max_len` (the smoke run's: 29 and 41 tokens, 64)."""
     import gc
 
     from deepinfer_jax import LLM
 
     path = write_config(d, root, "check")
     rng = np.random.default_rng(1)
-    prompts = [rng.integers(2, d["vocab_size"], n).tolist() for n in ((29, 41) if smoke else (300, 170))]
-    max_len = 64 if smoke else 512
+    prompts = [rng.integers(2, d["vocab_size"], n).tolist() for n in ((29, 41) if smoke else lengths)]
+    max_len = 64 if smoke else max_len
     n_out = 8
     got, top2 = {}, {}
     ps = 4 if smoke else 64
@@ -207,9 +220,11 @@ def check(d: dict, root: str, impls: dict, reference_moe: str, dtype: str, smoke
               f"{'a near tie' if near else 'NOT a near tie'} (reference log-prob gap {gap:.4f})", flush=True)
         if i == 0 or not near:
             problems.append(j)
-    print(f"check: {same}/{total} greedy tokens agree before the continuations part ({d['num_hidden_layers']} "
-          f"layers {', '.join(sorted(set(d['layer_types'])))}; {dtype}; prompts of {[len(p) for p in prompts]})",
-          flush=True)
+    n, k = d["num_hidden_layers"], min(d["num_hidden_layers"], d.get("first_k_dense_replace") or 0)
+    v4_kinds = set(d.get("layer_types") or ()) | set(d.get("mlp_layer_types") or ())
+    kinds = ", ".join(sorted(v4_kinds)) if d["model_type"] == "deepseek_v4" else f"{k} dense, {n - k} MoE"
+    print(f"check: {same}/{total} greedy tokens agree before the continuations part ({n} layers: {kinds}; {dtype}; "
+          f"prompts of {[len(p) for p in prompts]})", flush=True)
     if problems:
         sys.exit("check FAILED: the benchmark's kernels do not give the reference's tokens; no timings")
 
@@ -228,7 +243,7 @@ def protocol_a(eng, vocab: int, batch: int, prompt_len: int, output_len: int) ->
           f"prefill {prefill * 1e3:.0f} ms; decode step {step_ms:.2f} ms; distinct tokens (last 64 steps) {distinct}")
 
 
-def long_context(eng, d: dict, contexts: list[int], batch: int, steps: int) -> None:
+def long_context(eng, d: dict, contexts: list[int], batch: int, steps: int) -> list[dict]:
     from deepinfer_jax.config import ModelConfig
     from deepinfer_jax.config_v4 import v4_cache_bytes_per_token, v4_cache_fixed_bytes
 
@@ -240,32 +255,40 @@ def long_context(eng, d: dict, contexts: list[int], batch: int, steps: int) -> N
           f"+ {v4_cache_fixed_bytes(v4) / 2**20:,.2f} MiB a sequence (windows); per layer "
           f"{per['total'] / v4.num_hidden_layers:,.1f} against V3's MLA {MLA_V3_BYTES / 61:,.0f} "
           f"(61 layers: {MLA_V3_BYTES:,} a token)", flush=True)
+    return context_rows(eng, d["vocab_size"], contexts, batch, steps, "KV GiB (V4 / V3 MLA)",
+                        lambda ctx: f"{kv_bytes(d, batch, ctx) / 2**30:.2f} / {batch * ctx * MLA_V3_BYTES / 2**30:.2f}")
+
+
+def context_rows(eng, vocab: int, contexts: list[int], batch: int, steps: int, kv_title: str, kv_text) -> list[dict]:
+    """Section 3 of the docstring's table, a row a context (`kv_text(context)` its last column): the rows' figures,
+    {"context", "prefill_s", "decode_ms", "decode_tok_s"} (an "error" instead where a context failed)."""
     print(f"{'context':>9} | {'batch':>5} | {'prefill s':>9} {'prefill tok/s':>13} | {'decode ms/step':>14} "
-          f"{'decode tok/s':>12} | {'cached':>7} | KV GiB (V4 / V3 MLA)", flush=True)
-    rng, vocab = np.random.default_rng(2), d["vocab_size"]
+          f"{'decode tok/s':>12} | {'cached':>7} | {kv_title}", flush=True)
+    rng, rows = np.random.default_rng(2), []
     for ctx in contexts:
         prompts = [rng.integers(min(100, vocab // 2), min(vocab, 100000), ctx).tolist() for _ in range(batch)]
         try:
             pre = drive(eng, prompts, 1, f"c{ctx}-p")
             dec = drive(eng, prompts, steps + 1, f"c{ctx}-d")
         except Exception as e:  # noqa: BLE001  (out of memory at this context: report it, go on)
-            print(f"{ctx:>9,} | {batch:>5} | {type(e).__name__}: {str(e).splitlines()[0][:100]}", flush=True)
+            error = f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            print(f"{ctx:>9,} | {batch:>5} | {error}", flush=True)
+            rows.append({"context": ctx, "error": error})
             continue
         ms = dec["decode_s"] / max(1, dec["decode_steps"]) * 1e3
-        v4_gib, v3_gib = kv_bytes(d, batch, ctx) / 2**30, batch * ctx * MLA_V3_BYTES / 2**30
         print(f"{ctx:>9,} | {batch:>5} | {pre['total_s']:9.2f} {batch * ctx / pre['total_s']:13,.0f} | {ms:14.2f} "
-              f"{batch * 1e3 / ms:12,.1f} | {dec['cached'] / (batch * ctx):6.0%} | {v4_gib:.2f} / {v3_gib:.2f}",
-              flush=True)
+              f"{batch * 1e3 / ms:12,.1f} | {dec['cached'] / (batch * ctx):6.0%} | {kv_text(ctx)}", flush=True)
         stamp(f"context {ctx:,} done ({dec['decode_steps']} decode steps timed, second pass's prefill "
               f"{dec['first_s']:.2f}s)")
+        rows.append({"context": ctx, "prefill_s": pre["total_s"], "decode_ms": ms, "decode_tok_s": batch * 1e3 / ms})
+    return rows
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--config", default=None, help="a deepseek_v4 config.json (default: HF's DeepseekV4Config)")
+def add_run_args(ap: argparse.ArgumentParser, contexts: str, check_layers: int, model: str) -> None:
+    """The arguments of a whole-model run (this script's and benchmarks/v32_offline.py's)."""
+    ap.add_argument("--config", default=None, help=f"a {model} config.json (default: HF's config class)")
     ap.add_argument("--layers", type=int, default=None, help="its first this many layers (default: what fits)")
-    ap.add_argument("--contexts", default="8192,65536,262144")
+    ap.add_argument("--contexts", default=contexts)
     ap.add_argument("--batch", type=int, default=4, help="sequences at each long context")
     ap.add_argument("--steps", type=int, default=32, help="decode steps timed at each long context")
     ap.add_argument("--pa-batch", type=int, default=32)
@@ -275,23 +298,65 @@ def main(argv=None) -> int:
     ap.add_argument("--attn-impl", default="pallas", choices=["pallas", "pallas_interpret", "reference"])
     ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "pallas_interpret", "ragged", "dense"])
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--check-layers", type=int, default=4, help="layers of the correctness check's model")
+    ap.add_argument("--check-layers", type=int, default=check_layers, help="layers of the correctness check's model")
     ap.add_argument("--check-dtype", default="float32", choices=["bfloat16", "float32"])
     ap.add_argument("--check-moe-impl", default="dense", choices=["dense", "ragged"],
                     help="the check's reference experts: every expert dequantized (dense) or the routed copies")
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)  # the check's own process
     ap.add_argument("--headroom-gib", type=float, default=12.0,
                     help="device memory left for the steps' activations when choosing the default --layers")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    ap.add_argument("--smoke", action="store_true", help="CPU: the tests' tiny V4, interpret kernels, tiny sizes")
-    a = ap.parse_args(argv)
+    ap.add_argument("--smoke", action="store_true", help=f"CPU: the tests' tiny {model}, interpret kernels, tiny sizes")
+
+
+def run_sizes(a: argparse.Namespace) -> list[int]:
+    """The contexts of `a`; with --smoke, the tiny model's sizes set on `a` and its kernels in interpret mode (an impl
+    "pallas" runs as "pallas_interpret", the others as named)."""
     contexts = [int(c) for c in a.contexts.split(",") if c.strip()]
     if a.smoke:
-        contexts, a.batch, a.steps = [24, 40], 2, 4  # the tiny model's max_position_embeddings is 64
+        contexts, a.batch, a.steps = [24, 40], 2, 4  # within the tiny V4's max_position_embeddings of 64
         a.pa_batch, a.pa_prompt_len, a.pa_output_len, a.max_num_batched_tokens = 2, 16, 8, 32
-        a.attn_impl, a.moe_impl, a.check_layers = "pallas_interpret", "pallas_interpret", 3
-        a.layers = a.layers or 3
+        a.attn_impl, a.moe_impl = ("pallas_interpret" if i == "pallas" else i for i in (a.attn_impl, a.moe_impl))
+        a.check_layers, a.layers = 3, a.layers or 3
+    return contexts
+
+
+def device_limit():
+    """(the device, the bytes XLA may use of it, whether measured: 80 GiB is assumed where it does not say)."""
+    import jax
+
+    from deepinfer_jax.runner.device_memory import device_memory
+
+    dev = jax.devices()[0]
+    mem = device_memory(dev)
+    return dev, (mem.limit if mem is not None else 80 * 2**30), mem is not None
+
+
+def start_engine(path: str, a: argparse.Namespace, impls: dict, max_len: int, seqs: int, chunk: int,
+                 buckets: list[int]):
+    """A timed engine on the model directory `path` (`a`: a run's arguments) for `seqs` sequences of up to `max_len`
+    tokens, prefill chunks of `chunk`, step programs at `buckets` tokens; its start-up stamped."""
+    from deepinfer_jax import LLM
+
+    t = time.time()
+    llm = LLM(path, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=True,
+              max_model_len=max_len, max_num_seqs=seqs,
+              max_num_batched_tokens=chunk, page_size=4 if a.smoke else 64,
+              gpu_memory_utilization=a.gpu_memory_utilization, progress=False, token_buckets=buckets,
+              **({"warmup_runs": 1} if a.smoke else {}), **impls)
+    eng = llm.engine
+    stamp(f"start-up {time.time() - t:.1f}s (weights drawn on the device + {eng.num_warmup_compiles} step "
+          f"programs compiled; token buckets {buckets}); KV cache {eng.kv_cache_report}")
+    return llm
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_run_args(ap, "8192,65536,262144", 4, "deepseek_v4")
+    ap.add_argument("--check-only", action="store_true", help=argparse.SUPPRESS)  # the check's own process
+    a = ap.parse_args(argv)
+    contexts = run_sizes(a)
     impls = dict(attn_impl=a.attn_impl, moe_impl=a.moe_impl)
     from deepinfer_jax.runner.compile_cache import enable_compilation_cache
 
@@ -310,13 +375,8 @@ def main(argv=None) -> int:
 
     import jax
 
-    from deepinfer_jax import LLM
-    from deepinfer_jax.runner.device_memory import device_memory
-
     enable_compilation_cache("default")
-    dev = jax.devices()[0]
-    mem = device_memory(dev)
-    limit = mem.limit if mem is not None else 80 * 2**30
+    dev, limit, measured = device_limit()
     if a.layers is None:
         a.layers = layers_that_fit(full, limit * a.gpu_memory_utilization, a.batch, max(contexts) + a.steps + 1,
                                    a.headroom_gib * 2**30)
@@ -325,28 +385,21 @@ def main(argv=None) -> int:
     d = cut(full, a.layers, a.smoke)
     outside, per_layer = weight_bytes(d)
     stamp(f"device {dev.device_kind} ({jax.default_backend()}, {limit / 2**30:.1f} GiB"
-          f"{'' if mem is not None else ' assumed'}, XLA_PYTHON_CLIENT_MEM_FRACTION "
+          f"{'' if measured else ' assumed'}, XLA_PYTHON_CLIENT_MEM_FRACTION "
           f"{os.environ['XLA_PYTHON_CLIENT_MEM_FRACTION']}); model: hidden "
           f"{d['hidden_size']}, {d['n_routed_experts']} experts top-{d['num_experts_per_tok']}, FP4 experts, FP8 "
           f"linears; {a.layers} of {full['num_hidden_layers']} layers ({', '.join(d['layer_types'])}); weights "
           f"{(outside + sum(per_layer)) / 2**30:.2f} GiB ({sum(per_layer) / len(per_layer) / 2**30:.3f} a layer, "
           f"{outside / 2**30:.2f} outside); attn {a.attn_impl}, moe {a.moe_impl}, {a.dtype}")
     if a.moe_impl.startswith("pallas"):
-        takes = {n: fp4_kernel_takes(d, n) for n in sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})}
+        takes = {n: expert_kernel_takes(d, n) for n in sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})}
         print(f"FP4 expert kernel takes the steps of {', '.join(f'{n} tokens: {t}' for n, t in takes.items())}",
               flush=True)
     with tempfile.TemporaryDirectory() as root:
         max_len = max(max(contexts) + a.steps + 1, a.pa_prompt_len + a.pa_output_len)
-        buckets = sorted({a.batch, a.pa_batch, a.max_num_batched_tokens})
-        t = time.time()
-        llm = LLM(write_config(d, root, "model"), dtype=a.dtype, load_format="dummy", skip_tokenizer_init=True,
-                  max_model_len=max_len, max_num_seqs=max(a.batch, a.pa_batch),
-                  max_num_batched_tokens=a.max_num_batched_tokens, page_size=4 if a.smoke else 64,
-                  gpu_memory_utilization=a.gpu_memory_utilization, progress=False, token_buckets=buckets,
-                  **({"warmup_runs": 1} if a.smoke else {}), **impls)
+        llm = start_engine(write_config(d, root, "model"), a, impls, max_len, max(a.batch, a.pa_batch),
+                           a.max_num_batched_tokens, sorted({a.batch, a.pa_batch, a.max_num_batched_tokens}))
         eng = llm.engine
-        stamp(f"start-up {time.time() - t:.1f}s (weights drawn on the device + {eng.num_warmup_compiles} step "
-              f"programs compiled; token buckets {buckets}); KV cache {eng.kv_cache_report}")
         protocol_a(eng, d["vocab_size"], a.pa_batch, a.pa_prompt_len, a.pa_output_len)
         long_context(eng, d, contexts, a.batch, a.steps)
     stamp(f"done; compiles after warm-up: {eng.runner.compiles_after_warmup}")

@@ -299,7 +299,7 @@ class LLM:
             from deepinfer_jax.weights.release_random import pending_release_params, release_format
 
             self.model_config = ModelConfig.from_model_dir(model).with_vocab_multiple(vocab_multiple)
-            release = release_format(model, self.model_config)  # a V4 release config: packed FP8 / FP4 leaves
+            release = release_format(model, self.model_config)  # a release config: packed FP8 / FP4 leaves
             params = (pending_release_params(self.model_config, release, jnp.dtype(self.dtype), seed=seed,
                                              shardings=shardings) if release else
                       pending_random_params(self.model_config, jnp.dtype(self.dtype), seed=seed, shardings=shardings))

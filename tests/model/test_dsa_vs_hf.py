@@ -109,3 +109,40 @@ def test_paged_step_refuses_what_it_does_not_run(v32):
     cache = init_kv_cache(cfg, 3, 8, jnp.float32)
     with pytest.raises(ValueError, match="attn_impl 'triton'"):
         forward_paged(params, cfg, cache, meta, attn_impl="triton")
+
+
+def test_dummy_fp8_release_draws_the_leaves_the_release_loads_as(v32, tmp_path):
+    """load_format "dummy" on a V3.2 FP8 release config.json (weights/release_random.py): the tree that an FP8
+    release of the same config loads as (every projection DeepSeek ships in e4m3 kept as an Fp8Weight at the odd
+    block 8 x 12, the indexer's wq_b / wk dequantized by the loader), FP8 leaves finite at the float dummy's scale."""
+    from hf_models import fp8_checkpoint
+    from deepinfer_jax.models.quant import dequantize, is_fp8
+    from deepinfer_jax.weights.loader import prepare_model
+    from deepinfer_jax.weights.name_table import expected_tensors
+    from deepinfer_jax.weights.release_random import Fp8Release, fp8_codes, pending_release_params, release_format
+
+    _, path, cfg, _ = v32
+    shipped = {r.hf_name for r in expected_tensors(cfg) if r.quantizable}  # DeepSeek's FP8 tensors
+    assert "model.layers.0.self_attn.indexer.wk.weight" in shipped
+    rel, _ = fp8_checkpoint(path, str(tmp_path / "rel"), (8, 12), lambda name, w: name in shipped)
+    _, loaded = prepare_model(rel, jnp.float32, progress=False)
+    quant = release_format(rel, cfg)
+    assert quant == Fp8Release((8, 12)) and release_format(path, cfg) is None  # a float checkpoint: float draws
+    dummy = pending_release_params(cfg, quant, jnp.float32, seed=3)
+
+    def described(tree):
+        return [(jax.tree_util.keystr(p), tuple(x.shape), jnp.dtype(x.dtype))
+                for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+    assert described(dummy.abstract) == described(loaded.abstract)
+    params = dummy.result()
+    kept = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params, is_leaf=is_fp8)[0]
+            if is_fp8(x)}
+    assert len(kept) == 5 + 2 + 5 + 2 + 2 and not any("indexer" in k for k in kept)  # attn, mlp / experts, shared
+    for name, w in kept.items():
+        full = np.asarray(dequantize(w, jnp.float32))
+        assert np.all(np.isfinite(full)) and 0.005 < np.abs(full).mean() and np.abs(full).max() < 0.1, name
+    # A leaf above the draw's chunk is drawn a slice of its leading axes at a time: the same codes' law.
+    big = np.asarray(jax.jit(lambda k: fp8_codes(k, (3, 5, 7, 11), chunk=60))(jax.random.key(0)), np.float32)
+    assert big.shape == (3, 5, 7, 11) and np.abs(big).max() <= 1 and 0.4 < np.abs(big).mean() < 0.6
+    assert len(np.unique(big[0, 0])) > 20 and not np.array_equal(big[0, 0], big[0, 1])
