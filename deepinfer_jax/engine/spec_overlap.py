@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from deepinfer_jax.runner.inputs import needs_full_variant
 from deepinfer_jax.runner.spec_overlap import bonus_placeholder, draft_placeholder
-from deepinfer_jax.scheduler.spec_overlap import apply_fetched, apply_optimistic
+from deepinfer_jax.scheduler import spec_overlap as sched_overlap
 from deepinfer_jax.types import RequestOutput
 
 
@@ -45,7 +45,7 @@ def _overlappable(engine, req, k: int) -> bool:
             and (sp.max_tokens is None or req.num_output_tokens + room < sp.max_tokens))
 
 
-def _propose(engine, pending) -> None:
+def propose(engine, pending) -> None:
     """Drafts for every running request that decodes next: a request of the optimistic step in flight gets
     placeholders for the K drafts its MTP makes there; the others the MTP's last drafts (engine/spec_mtp.py)."""
     k, rows = engine.spec.num_speculative_tokens, engine.runner.max_rows
@@ -80,7 +80,7 @@ def _fetch_optimistic(engine, pending, next_seqs: dict) -> list:
         tokens = result.spec_token_ids.get(seq.request_id)
         if not seq.sample or tokens is None:
             continue
-        applied = apply_fetched(engine.scheduler, seq, tokens, next_seqs.get(seq.request_id))
+        applied = sched_overlap.apply_fetched(engine.scheduler, seq, tokens, next_seqs.get(seq.request_id))
         pid = engine._child_parent.get(seq.request_id)
         if applied is None or pid is None:  # finished or aborted meanwhile
             continue
@@ -96,7 +96,7 @@ def overlapped_step(engine) -> list[RequestOutput]:
     and apply N + 1 optimistically where it may (else fetch it now). Returns step N's outputs."""
     sched = engine.scheduler
     pending, engine._overlap = engine._overlap, None
-    _propose(engine, pending)
+    propose(engine, pending)
     plan = sched.schedule()
     fetched, engine._spec_unemitted = engine._spec_unemitted, []
     if plan.is_empty:
@@ -119,7 +119,7 @@ def overlapped_step(engine) -> list[RequestOutput]:
     k, rows = engine.spec.num_speculative_tokens, engine.runner.max_rows
     samplers = [(r, s) for r, s in enumerate(plan.seqs) if s.sample and s.request_id in sched.requests]
     if all(_overlappable(engine, sched.requests[s.request_id], k) for _, s in samplers):
-        apply_optimistic(sched, plan, {s.request_id: [bonus_placeholder(r, s.num_draft_tokens, rows)] *
+        sched_overlap.apply_optimistic(sched, plan, {s.request_id: [bonus_placeholder(r, s.num_draft_tokens, rows)] *
                                        (s.num_draft_tokens + 1) for r, s in samplers})
         engine._overlap = (plan, inflight, {s.request_id: r for r, s in samplers})
         return outputs
