@@ -55,6 +55,13 @@ cannot plan the next before it knows the acceptance, so its wall time is about i
     python benchmarks/spec.py --profile --preset tiny-deepseek-v2 --method deepseek_mtp --batches 1 --ks 1,2 \
         --prompt-len 32 --steps 4 --attn-impl reference --moe-impl ragged --dtype float32 --token-buckets 16,64  # CPU
 
+`--spec-overlap` (with `--profile`, `deepseek_mtp`): each K twice, fetched in turn and with the overlapped loop
+(RunnerConfig.spec_overlap: step N + 1 planned before step N is fetched, as if N accepted every draft, corrected on
+the device), rows told apart by `ovl`; the greedy outputs of both checked against K = 0's first:
+
+    python benchmarks/spec.py --profile --spec-overlap --method deepseek_mtp --ks 1,2,3 --batches 1,32 \
+        --model deepinfer_jax/assets/default-model --page-size 16 --attn-impl reference --moe-impl ragged
+
 The modes at the cut V3 take `--draft none` (a V3-shaped draft of its own would not fit beside it on one GPU).
 At a cut V3 (`--layers`) each MTP pass (a whole MoE layer and the 129,280-row lm_head) weighs as much as a target
 layer, so the cost side overstates what a 61-layer V3 pays; the ratio scales with 1 / layers.
