@@ -3,8 +3,9 @@ N + 1 planned and queued before step N is fetched, as if N accepted all its draf
 shipped default model (its trained MTP layer): greedy output token for token that without speculation, with the
 MTP's drafts both accepted and rejected, under chunked prefill, prefix-cache hits, preemption, EOS, stop strings,
 min_tokens, n > 1, an abort while an optimistic step is in flight, and a sampled request beside them (whose steps
-are fetched in turn); no page left taken, no compile after warm-up. The device's correction against a numpy one,
-and the one-line refusal of another method."""
+are fetched in turn); no page left taken, no compile after warm-up. Every fetched step's drafts are the dense MTP
+chain's (test_spec_mtp.py's check), so a wrong MTP KV under the corrected positions is caught. The device's
+correction against a numpy one, and the one-line refusal of another method."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import numpy as np
 import pytest
 
 from hf_models import random_prompts
+from test_spec_mtp import _check_drafts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.engine.llm_engine import LLMEngine
 from deepinfer_jax.models.cache import StepMetadata
@@ -107,6 +109,37 @@ def test_stops_n_abort_and_a_sampled_request(engines):
     assert {k: v for k, v in got.items() if k != "4"} == {k: v for k, v in want.items() if k in "0123"}
     assert len(got["4"][0][0]) == 20
     assert ov.runner.compiles_after_warmup == 0 and ov.scheduler.kv_cache_manager.usage == 0.0
+
+
+def test_drafts_are_the_dense_mtp_chain(engines):
+    """After each fetched step, each request's new drafts against the dense chain over its real tokens: a prompt
+    that fills the prefix cache, one that hits it (chunked prefill) and a chat prompt (drafts accepted)."""
+    ref, ov = engines
+    record, checked, before = ov.mtp_proposer.record, [], ov.num_overlapped_steps
+
+    def checking(engine, plan, result):
+        record(engine, plan, result)
+        for seq in plan.seqs:
+            req, rec = engine.scheduler.requests.get(seq.request_id), engine.mtp_proposer._drafts.get(seq.request_id)
+            if req is not None and rec is not None and rec[0] == req.num_tokens:
+                _check_drafts(_Holder(ov), req.all_token_ids, rec[1])
+                checked.append(seq.request_id)
+
+    ov.mtp_proposer.record = checking
+    try:
+        rng = np.random.default_rng(8)
+        shared = rng.integers(2, 2000, 44).tolist()
+        prompts = [shared + [5, 6], shared + rng.integers(2, 2000, 40).tolist(),
+                   ref.tokenizer.encode("Can you tell me a fun fact?")]
+        _run(ov, prompts, [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)] * 3)
+    finally:
+        del ov.mtp_proposer.record
+    assert len(checked) >= 20 and len(set(checked)) == 3 and ov.num_overlapped_steps > before
+
+
+@dataclasses.dataclass
+class _Holder:  # what _check_drafts reads: `.engine`
+    engine: LLMEngine
 
 
 def test_device_correction_against_numpy():
