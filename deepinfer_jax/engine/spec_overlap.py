@@ -38,6 +38,7 @@ def check(spec, runner_config, sharding, kv_pools, host_tier: bool) -> bool:
 
 
 def _overlappable(engine, req, k: int) -> bool:
+    """Whether a request's step may be applied before its results are known (the module's docstring)."""
     sp = req.sampling_params
     room = k + 2
     return (req.grammar is None and sp.is_greedy() and not needs_full_variant(req)
@@ -53,10 +54,8 @@ def propose(engine, pending) -> None:
     for req in engine.scheduler.running:
         if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
             r = row_of.get(req.request_id)
-            if r is None:
-                rec = engine.mtp_proposer._drafts.get(req.request_id)
-                if rec is not None and rec[0] == req.num_tokens:
-                    req.spec_token_ids = list(rec[1])
+            if r is None:  # (never an older step's placeholders)
+                req.spec_token_ids = engine.mtp_proposer.latest(req)
             else:
                 req.spec_token_ids = [draft_placeholder(r, i, k, rows) for i in range(k)]
 
