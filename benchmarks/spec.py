@@ -55,6 +55,13 @@ cannot plan the next before it knows the acceptance, so its wall time is about i
     python benchmarks/spec.py --profile --preset tiny-deepseek-v2 --method deepseek_mtp --batches 1 --ks 1,2 \
         --prompt-len 32 --steps 4 --attn-impl reference --moe-impl ragged --dtype float32 --token-buckets 16,64  # CPU
 
+`--spec-overlap` (with `--profile`, `deepseek_mtp`): each K twice, fetched in turn and with the overlapped loop
+(RunnerConfig.spec_overlap: step N + 1 planned before step N is fetched, as if N accepted every draft, corrected on
+the device), rows told apart by `ovl`; the greedy outputs of both checked against K = 0's first:
+
+    python benchmarks/spec.py --profile --spec-overlap --method deepseek_mtp --ks 1,2,3 --batches 1,32 \
+        --model deepinfer_jax/assets/default-model --page-size 16 --attn-impl reference --moe-impl ragged
+
 The modes at the cut V3 take `--draft none` (a V3-shaped draft of its own would not fit beside it on one GPU).
 At a cut V3 (`--layers`) each MTP pass (a whole MoE layer and the 129,280-row lm_head) weighs as much as a target
 layer, so the cost side overstates what a 61-layer V3 pays; the ratio scales with 1 / layers.
@@ -102,7 +109,12 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", action="store_true", help="instead of the modes: for K = 0 and each K, the engine's "
                     "own drafts (--method), host ms a step by phase, device ms of the step program alone and its "
                     "optimized HLO's op counts (benchmarks/spec_profile.py)")
+    ap.add_argument("--spec-overlap", action="store_true", help="--profile with --method deepseek_mtp: each K "
+                    "twice, fetched in turn and overlapped (RunnerConfig.spec_overlap: the next step planned before "
+                    "the one in flight is fetched); the table's `ovl` column tells them apart")
     args = ap.parse_args(argv)
+    if args.spec_overlap and not (args.profile and args.method == "deepseek_mtp"):
+        ap.error("--spec-overlap needs --profile and --method deepseek_mtp")
     mtp = args.method == "deepseek_mtp"
     draft = args.draft or ("self" if args.model else "layers")
     if draft == "self" and not args.model:
@@ -188,7 +200,7 @@ def main(argv=None) -> int:
     elif draft != "none":
         draft_dir, draft_label = draft, f"draft_model ({os.path.basename(draft.rstrip('/'))})"
 
-    def engine(k: int, draft_model: str | None = None) -> LLMEngine:
+    def engine(k: int, draft_model: str | None = None, overlap: bool = False) -> LLMEngine:
         t = time.time()
         spec = ({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k} if draft_model else
                 {"method": "deepseek_mtp", "num_speculative_tokens": k} if mtp else
@@ -201,10 +213,10 @@ def main(argv=None) -> int:
                         cache_config=CacheConfig(page_size=args.page_size, enable_prefix_caching=False,
                                                  gpu_memory_utilization=0.85),
                         runner_config=RunnerConfig(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl,
-                                                   token_buckets=buckets),
+                                                   token_buckets=buckets, spec_overlap=overlap),
                         progress=False, speculative_config=None if k == 0 else spec,
                         load_format="auto" if args.model else "dummy")
-        print(f"K={k}{' ' + draft_label if draft_model else ''}: ready in {time.time() - t:.1f} s "
+        print(f"K={k}{' ' + draft_label if draft_model else ''}{' overlapped' if overlap else ''}: ready in {time.time() - t:.1f} s "
               f"({eng.num_warmup_compiles} programs)", flush=True)
         return eng
 
@@ -268,7 +280,7 @@ def main(argv=None) -> int:
         return propose
 
     if args.profile:
-        return profile(engine, prompts, sp, batches, ks, steps)
+        return profile(engine, prompts, sp, batches, ks, steps, args.spec_overlap)
     plain = engine(0)
     base = {b: run(plain, b) for b in batches}  # each batch's greedy outputs are its forced drafts
     del plain  # its KV cache goes before the next engine sizes its own
@@ -325,15 +337,22 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile(engine, prompts, sp, batches, ks, steps) -> int:
+def real_tokens(requests) -> int:
+    """Output tokens the requests hold, not counting the overlapped loop's placeholders (ids < 0) for the tokens
+    of the step in flight."""
+    return sum(sum(1 for t in r.output_token_ids if t >= 0) for r in requests)
+
+
+def profile(engine, prompts, sp, batches, ks, steps, overlap: bool = False) -> int:
     """--profile: for K = 0 and each K, at each batch, the engine's own drafts: host ms a timed step by phase
     (spec_profile.PhaseTimer), the step's wall ms (median), the device ms of its program alone and, at the first
-    batch, the optimized HLO's op counts. Checks first that each K's greedy outputs equal K = 0's."""
+    batch, the optimized HLO's op counts. Checks first that each K's greedy outputs equal K = 0's. `overlap`: each K
+    also with RunnerConfig.spec_overlap (rows with ovl = yes; its steps' overlapped count in `ovl steps`)."""
     from benchmarks.spec_profile import PHASES, OPS, PhaseTimer, device_ms, op_counts
 
     rows, counts, ref = [], {}, {}
-    for k in [0, *ks]:
-        eng = engine(k)
+    for k, ovl in [(0, False), *((k, False) for k in ks), *((k, True) for k in ks if overlap)]:
+        eng = engine(k, overlap=ovl)
         timer = PhaseTimer(eng)
         timer.install_propose(None)
         try:
@@ -349,7 +368,7 @@ def profile(engine, prompts, sp, batches, ks, steps) -> int:
                     timer.active = decoding and 4 <= n < 4 + steps
                     if timer.active and st0 is None and eng.spec_stats is not None:
                         st0 = (eng.spec_stats.num_drafts, eng.spec_stats.num_accepted_tokens)
-                    before = sum(r.num_output_tokens for r in mine)
+                    before = real_tokens(mine)
                     t = time.perf_counter()
                     for o in eng.step():
                         if o.finished:
@@ -357,7 +376,7 @@ def profile(engine, prompts, sp, batches, ks, steps) -> int:
                     if timer.active:
                         times.append(time.perf_counter() - t)
                         timer.steps += 1
-                        tokens += sum(r.num_output_tokens for r in mine) - before
+                        tokens += real_tokens(mine) - before
                     n += decoding
                 timer.active = False
                 if k == 0:
@@ -374,9 +393,9 @@ def profile(engine, prompts, sp, batches, ks, steps) -> int:
                 host = timer.last_host
                 dev = device_ms(eng, host) if host is not None else float("nan")
                 if b == batches[0] and host is not None:
-                    counts[k] = op_counts(eng, host)
+                    counts[k, ovl] = op_counts(eng, host)
                 rows.append((k, b, acc, timer.per_step(), 1e3 * float(np.median(times)) if times else float("nan"),
-                             tokens / max(len(times), 1), dev, eng.runner.compiles_after_warmup - compiled))
+                             tokens / max(len(times), 1), dev, eng.runner.compiles_after_warmup - compiled, ovl))
                 timer.reset()
         finally:
             timer.restore_propose()
@@ -386,23 +405,23 @@ def profile(engine, prompts, sp, batches, ks, steps) -> int:
           "program alone, ms a run; TPOT x: ms a token against K = 0's at the batch; overlapped: the same were the "
           "host's work hidden behind the device (max(host sum, device) a step: the ceiling of an overlapped loop); "
           "compiles: after warm-up, in the run")
-    print(f"{'K':>2} {'batch':>5} {'accept':>6} " + " ".join(f"{p:>8}" for p in PHASES) +
+    print(f"{'K':>2} {'ovl':>3} {'batch':>5} {'accept':>6} " + " ".join(f"{p:>8}" for p in PHASES) +
           f" {'host sum':>8} {'step':>7} {'device':>7} {'tok/step':>8} {'TPOT x':>6} {'overlapped':>10} {'compiles':>8}")
-    plain = {b: ms / tok for k, b, _, _, ms, tok, _, _ in rows if k == 0 and tok}
-    for k, b, acc, ph, ms, tok, dev, comp in rows:
+    plain = {b: ms / tok for k, b, _, _, ms, tok, _, _, _ in rows if k == 0 and tok}
+    for k, b, acc, ph, ms, tok, dev, comp, ovl in rows:
         if not tok:
-            print(f"{k:>2} {b:>5}  no timed steps: the batch never decoded all at once (the prefills of the others "
+            print(f"{k:>2} {'yes' if ovl else 'no':>3} {b:>5}  no timed steps: the batch never decoded all at once (the prefills of the others "
                   "did not fit the token budget: larger --token-buckets)")
             continue
         host = sum(v for p, v in ph.items() if p != "wait")
         base = plain.get(b, float("nan"))
-        print(f"{k:>2} {b:>5} {acc:>6.2f} " + " ".join(f"{ph[p]:>8.3f}" for p in PHASES) +
+        print(f"{k:>2} {'yes' if ovl else 'no':>3} {b:>5} {acc:>6.2f} " + " ".join(f"{ph[p]:>8.3f}" for p in PHASES) +
               f" {host:>8.3f} {ms:>7.2f} {dev:>7.2f} {tok:>8.2f} {ms / tok / base:>6.2f} "
               f"{max(host, dev) / tok / base:>10.2f} {comp:>8}")
     print(f"\noptimized HLO op counts of the step program at batch {batches[0]}")
-    print(f"{'K':>2} " + " ".join(f"{o:>11}" for o in OPS))
-    for k, c in counts.items():
-        print(f"{k:>2} " + " ".join(f"{c[o]:>11}" for o in OPS))
+    print(f"{'K':>2} {'ovl':>3} " + " ".join(f"{o:>11}" for o in OPS))
+    for (k, ovl), c in counts.items():
+        print(f"{k:>2} {'yes' if ovl else 'no':>3} " + " ".join(f"{c[o]:>11}" for o in OPS))
     return 0
 
 

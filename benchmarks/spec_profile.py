@@ -14,7 +14,9 @@ module's `propose`; nothing in the engine changes):
   emit      detokenizing, stop strings and RequestOutputs (LLMEngine._emit)
 
 A plain step (K = 0) overlaps the device with the next step's host work (its `wait` is what is left over); a
-speculating step is planned, run and fetched in turn, so its time is about the sum of the rows.
+speculating step is planned, run and fetched in turn, so its time is about the sum of the rows, unless it runs
+the overlapped loop (RunnerConfig.spec_overlap, `--spec-overlap`: `update` then times its two halves,
+scheduler/spec_overlap.py), where, as for a plain step, only `wait` is left over.
 
 `device_ms(engine, host)`: the step program of HostStep `host` run alone `n` times back to back (the same inputs;
 the KV cache's slots are written again with the same values), ms each: the device's time for the step where the
@@ -35,13 +37,17 @@ class PhaseTimer:
     """perf_counter time by phase over the steps the engine runs while `active`; `per_step()` -> ms a step."""
 
     def __init__(self, engine):
-        from deepinfer_jax.engine import speculative
+        from deepinfer_jax.engine import spec_overlap, speculative
+        from deepinfer_jax.scheduler import spec_overlap as sched_overlap
         from deepinfer_jax.runner import model_runner
 
         self.engine, self.active, self.steps = engine, False, 0
         self.total = collections.defaultdict(float)
         self._spec = speculative
         self._propose = speculative.propose
+        self._overlap, self._overlap_propose = spec_overlap, spec_overlap.propose  # RunnerConfig.spec_overlap's
+        self._sched, self._sched_overlap = sched_overlap, {f: getattr(sched_overlap, f) for f in
+                                                           ("apply_optimistic", "apply_fetched")}
         r, s = engine.runner, engine.scheduler
         s.schedule = self._wrap("schedule", s.schedule)
         s.update_from_output = self._wrap("update", s.update_from_output)
@@ -86,9 +92,15 @@ class PhaseTimer:
     def install_propose(self, proposer) -> None:
         """The speculative module's `propose` (the engine's own, or a benchmark's) under the timer."""
         self._spec.propose = self._wrap("propose", proposer or self._propose)
+        self._overlap.propose = self._wrap("propose", self._overlap_propose)
+        for f, fn in self._sched_overlap.items():  # the overlapped loop's two halves of update_from_output
+            setattr(self._sched, f, self._wrap("update", fn))
 
     def restore_propose(self) -> None:
         self._spec.propose = self._propose
+        self._overlap.propose = self._overlap_propose
+        for f, fn in self._sched_overlap.items():
+            setattr(self._sched, f, fn)
 
     def per_step(self) -> dict[str, float]:
         n = max(self.steps, 1)

@@ -162,6 +162,12 @@ class RunnerConfig:
     decode_shared_forward: bool = False
     # Compile the penalties / logprobs variant of every bucket at warm-up (else on first use).
     warmup_full_variant: bool = True
+    # `deepseek_mtp` speculation: plan step N + 1 before step N's results come back, as if every draft of N were
+    # accepted, and correct its positions, slots and token ids on the device (runner/spec_overlap.py,
+    # engine/spec_overlap.py), so the host's work between two steps overlaps the device. Steps whose requests all
+    # decode greedily without logprobs, penalties, bias or grammar overlap; the others run fetched in turn. One
+    # device, no data-parallel attention. Off: every speculating step is fetched before the next is planned.
+    spec_overlap: bool = False
 
     # ---- warm-up and caching -------------------------------------------------------------------------------------
     # Runs of each step program on padding at warm-up, one at a time: the first records the program's CUDA graph

@@ -26,7 +26,8 @@ the scheduler verifies as many as fit, their K + 1 positions in the same ragged 
 runner's rejection sampler keeps the target distribution (sampling/rejection.py) and a sequence takes its
 accepted drafts and one token of the target's. Since the next plan needs how many were accepted, every step is
 fetched before the next is planned (no placeholders), as a structured-output step is; its text and outputs are made
-after the next step is queued. Requests with a grammar do not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
+after the next step is queued (with RunnerConfig.spec_overlap, `deepseek_mtp` steps are planned before the one in
+flight is fetched: engine/spec_overlap.py). Requests with a grammar do not speculate. `spec_stats` counts drafts and acceptances (vLLM's spec_decode metrics).
 
 Pipeline parallelism: one group of requests a stage, taken in turn by `step()`, each with its own step in flight
 (engine/decode_groups.py; `max_steps_in_flight`: the most left in flight between two steps).
@@ -53,6 +54,7 @@ from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.decode_groups import grouped_step, set_decode_groups
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
 from deepinfer_jax.engine.speculative import drafter_for, spec_shapes, spec_state, speculative_step
+from deepinfer_jax.engine import spec_overlap
 from deepinfer_jax.runner.pipeline import kv_sizing_config, runner_class  # ModelRunner, or PipelineRunner
 from deepinfer_jax.runner.multihost import agree_min
 from deepinfer_jax.runner.weight_offload import offload as offload_weights
@@ -120,6 +122,11 @@ class LLMEngine:
             how += f" per data-parallel rank, {sharding.num_ranks} ranks"
         if self.num_host_blocks:
             how += f"; host tier {self.num_host_blocks} pages ({cache_config.kv_offloading_size} GiB)"
+        # RunnerConfig.spec_overlap: the overlapped speculating loop (engine/spec_overlap.py), or a one-line refusal
+        self.spec_overlap = spec_overlap.check(self.spec, runner_config, sharding, self.cache_pools,
+                                               bool(self.num_host_blocks))
+        self._overlap = None  # its optimistic step in flight: (plan, (HostStep, StepOut), {request id: row})
+        self.num_overlapped_steps = 0  # steps planned before the one in flight was fetched
         log.info("KV cache: %s", how)
         self.kv_cache_report = how
         buckets = tuple(sorted(runner_config.token_buckets)) or token_buckets(
@@ -284,7 +291,7 @@ class LLMEngine:
         With speculative decoding each step is planned, run and fetched in turn, its text and outputs made while
         the next one runs (engine/speculative.py)."""
         if self.spec is not None:
-            return speculative_step(self)
+            return spec_overlap.overlapped_step(self) if self.spec_overlap else speculative_step(self)
         return self._step() if self.groups == 1 else grouped_step(self)
 
     def set_decode_groups(self, n: int) -> None:

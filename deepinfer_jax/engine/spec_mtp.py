@@ -16,9 +16,14 @@ class MTPProposer:
         """Drafts for every running request that decodes next (one token to compute) and has no grammar."""
         for req in engine.scheduler.running:
             if req.grammar is None and req.num_tokens - req.num_computed_tokens == 1:
-                rec = self._drafts.get(req.request_id)
-                if rec is not None and rec[0] == req.num_tokens:
-                    req.spec_token_ids = list(rec[1])
+                drafts = self.latest(req)
+                if drafts:
+                    req.spec_token_ids = drafts
+
+    def latest(self, req) -> list[int]:
+        """The request's drafts where still valid (it holds the tokens it had when they were drafted), else []."""
+        rec = self._drafts.get(req.request_id)
+        return list(rec[1]) if rec is not None and rec[0] == req.num_tokens else []
 
     def record(self, engine, plan, result) -> None:
         """After the step's tokens are applied: keep the drafts of its sequences that sampled, forget finished

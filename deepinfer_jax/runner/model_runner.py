@@ -109,7 +109,7 @@ class ModelRunner:
         self.programs = StepPrograms(cfg, runner_cfg, shapes, num_pages, max_logprobs, sharding, self.max_rows)
         resident = self.programs.resident_sharding
         # The previous step's sampled ids stay on the device: the next step's placeholders read them.
-        self._prev_tokens = jax.device_put(jnp.zeros((self.max_rows,), jnp.int32), resident)
+        self._prev_tokens = jax.device_put(jnp.zeros(self.programs.prev_tokens.shape, jnp.int32), resident)
         if sharding is None:
             # uncommitted, the first cache made the first real step compile again
             self.kv_cache = jax.device_put(self.kv_cache, jax.devices()[0])

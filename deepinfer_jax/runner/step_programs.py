@@ -26,7 +26,7 @@ from deepinfer_jax.config import ModelConfig, RunnerConfig
 from deepinfer_jax.models.mtp import mtp_propose
 from deepinfer_jax.models.v4_mtp import v4_mtp_propose
 from deepinfer_jax.models.registry import family_of
-from deepinfer_jax.runner import program_cache
+from deepinfer_jax.runner import program_cache, spec_overlap
 from deepinfer_jax.runner.inputs import Shapes
 from deepinfer_jax.runner.packing import Layout, bits_layout, bits_size, pack_bits, sizes, unpack
 from deepinfer_jax.runner.step_io import Resident, meta_struct, resolve_placeholders, split_inbox
@@ -49,7 +49,10 @@ class StepPrograms:
         self.resident_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if sharding is None
                                   else jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec()))
         # The previous step's sampled ids, which every program reads (the runner holds the array).
-        self.prev_tokens = jax.ShapeDtypeStruct((max_rows,), jnp.int32, sharding=self.resident_sharding)
+        # With RunnerConfig.spec_overlap, that of the overlapped speculating loop (runner/spec_overlap.py).
+        self.overlap = runner_cfg.spec_overlap and shapes.mtp_drafts > 0
+        prev = spec_overlap.prev_size(max_rows, shapes.mtp_drafts) if self.overlap else max_rows
+        self.prev_tokens = jax.ShapeDtypeStruct((prev,), jnp.int32, sharding=self.resident_sharding)
         self.forward_fns: dict[Any, Any] = {}  # meta layout (one per bucket) -> jitted forward
         self._smp_fns: dict[Any, Any] = {}  # (variant, sampling layout) -> jitted sampler
         self._core_fns: dict[Any, Any] = {}  # a step's key -> jitted step core
@@ -187,6 +190,14 @@ class StepPrograms:
         return out
 
     # ---- the jitted functions -----------------------------------------------------------------------
+    def _resolver(self):
+        """(meta, st, prev_tokens) -> both with the previous step's placeholders resolved on the device:
+        runner/step_io.py's, or the overlapped speculating loop's (runner/spec_overlap.py)."""
+        if not self.overlap:
+            return resolve_placeholders
+        rows, k, ps = self.max_rows, self.shapes.mtp_drafts, self.shapes.page_size
+        return lambda meta, st, prev: spec_overlap.resolve(meta, st, prev, rows, k, ps)
+
     def _forward_fn(self, layout: Layout):
         """The jitted forward of one bucket: (params, kv_cache, prev_tokens, ints, floats) ->
         ((logits [S, V] fp32, routing, expert load [num_moe_layers, E] or None), kv_cache). Traced inside
@@ -194,13 +205,14 @@ class StepPrograms:
         if layout not in self.forward_fns:
             cfg, rc, sh, mtp = self.cfg, self.runner_cfg, self.sharding, self.shapes.mtp_drafts
             page_size, count = self.shapes.page_size, rc.count_expert_load
+            resolve = self._resolver()
 
             def forward(params, kv_cache, prev_tokens, ints, floats):
                 fam = family_of(cfg)
                 # weights in host memory (--cpu-offload-gb): the layers' copied in by the layer loop, one layer at a
                 # time, where the family streams them (`fetch`); the others here. Weights on the device as they are.
                 params, fetch = stream(params, fam.name)
-                meta = resolve_placeholders(unpack(ints, floats, layout), None, prev_tokens)[0]
+                meta = resolve(unpack(ints, floats, layout), None, prev_tokens)[0]
                 if sh is not None:  # the packed inputs arrive replicated; each device keeps its rows
                     meta = jax.lax.with_sharding_constraint(meta, sh.step_shardings(meta, None)[0])
                 unroll = rc.layer_loop(meta.token_ids.shape[0], jax.default_backend())
@@ -231,9 +243,10 @@ class StepPrograms:
         if key not in self._smp_fns:
             full, draw = variant == "full", variant != "greedy"
             k, sh, rows = self.max_logprobs if full else 0, self.sharding, self.max_rows
+            resolve = self._resolver()
 
             def sample_step(out, prev_tokens, ints, floats):
-                st = resolve_placeholders(None, unpack(ints, floats, layout), prev_tokens)[1]
+                st = resolve(None, unpack(ints, floats, layout), prev_tokens)[1]
                 if sh is not None:
                     st = jax.lax.with_sharding_constraint(st, sh.step_shardings(None, st)[1])
                 sampled = sample(out, st, max_logprobs=k, full=full, draw=draw)
@@ -258,6 +271,7 @@ class StepPrograms:
             meta_layout, variant, sampling_layout = key
             fwd, smp = self._forward_fn(meta_layout), self._sample_fn(variant, sampling_layout)
             cfg, rc, K = self.cfg, self.runner_cfg, self.shapes.mtp_drafts
+            overlap, rows = self.overlap, self.max_rows
             mesh_rules = None if self.sharding is None else self.sharding.mesh_rules
 
             def core(params, kv_cache, prev_tokens, mi, mf, si, sf):
@@ -275,6 +289,8 @@ class StepPrograms:
                         drafts, kv_cache = mtp_propose(mtp_params, cfg, kv_cache, meta, hidden, sampled.token_ids,
                                                        sampled.accepted, K, mesh_rules=mesh_rules, **kw)
                     sampled = dataclasses.replace(sampled, drafts=drafts)
+                    if overlap:  # what the next step's placeholders read (runner/spec_overlap.py)
+                        nxt = spec_overlap.next_prev(sampled.token_ids, sampled.accepted, drafts, rows)
                 return (sampled, routing, load), nxt, kv_cache
 
             self._core_fns[key] = jax.jit(core)
