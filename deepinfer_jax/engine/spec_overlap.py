@@ -16,6 +16,7 @@ while an optimistic one is in flight is correct either way."""
 
 from __future__ import annotations
 
+from deepinfer_jax.engine.speculative import apply_result, count_drafts
 from deepinfer_jax.runner.inputs import needs_full_variant
 from deepinfer_jax.runner.spec_overlap import bonus_placeholder, draft_placeholder
 from deepinfer_jax.scheduler import spec_overlap as sched_overlap
@@ -60,16 +61,6 @@ def propose(engine, pending) -> None:
                 req.spec_token_ids = [draft_placeholder(r, i, k, rows) for i in range(k)]
 
 
-def _count(engine, seq, tokens) -> None:
-    stats = engine.spec_stats
-    if seq.num_draft_tokens:
-        stats.num_drafts += 1
-        stats.num_draft_tokens += seq.num_draft_tokens
-        stats.num_accepted_tokens += len(tokens) - 1
-        for i in range(len(tokens) - 1):
-            stats.num_accepted_tokens_per_pos[i] += 1
-
-
 def _fetch_optimistic(engine, pending, next_seqs: dict) -> list:
     """Fetch the optimistic step in flight and apply its real tokens -> `_emit`'s entries."""
     plan, inflight, _ = pending
@@ -83,7 +74,7 @@ def _fetch_optimistic(engine, pending, next_seqs: dict) -> list:
         pid = engine._child_parent.get(seq.request_id)
         if applied is None or pid is None:  # finished or aborted meanwhile
             continue
-        _count(engine, seq, tokens)
+        count_drafts(engine.spec_stats, seq, tokens)
         fetched.append((applied[0], applied[1], None, pid))  # greedy, no logprobs
     engine.mtp_proposer.record(engine, plan, result)
     return fetched
@@ -122,19 +113,5 @@ def overlapped_step(engine) -> list[RequestOutput]:
                                        (s.num_draft_tokens + 1) for r, s in samplers})
         engine._overlap = (plan, inflight, {s.request_id: r for r, s in samplers})
         return outputs
-    result = engine.runner.fetch(inflight)
-    for seq in plan.seqs:
-        tokens = result.spec_token_ids.get(seq.request_id)
-        if tokens is not None and seq.request_id in sched.requests:
-            _count(engine, seq, tokens)
-    updates = sched.update_from_output(plan, result.spec_token_ids)
-    engine.mtp_proposer.record(engine, plan, result)
-    for req, tokens, _ in updates:
-        pid = engine._child_parent.get(req.request_id)
-        if pid is None:
-            continue
-        if req.grammar is not None and not req.is_finished:  # no drafts: one token (its mask needs it next step)
-            engine._advance_grammar(req, tokens[0])
-        lps = result.spec_logprobs.get(req.request_id)
-        engine._spec_unemitted.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
+    apply_result(engine, plan, engine.runner.fetch(inflight))
     return outputs

@@ -84,16 +84,29 @@ def speculative_step(engine) -> list[RequestOutput]:
         engine._fail_plan(plan)
         raise
     outputs = engine._emit(fetched)  # step N-1's text and outputs while the device runs step N
-    result = engine.runner.fetch(inflight)
-    stats, live = engine.spec_stats, engine.scheduler.requests
+    apply_result(engine, plan, engine.runner.fetch(inflight))
+    return outputs
+
+
+def count_drafts(stats: SpecDecodeStats, seq, tokens: list[int]) -> None:
+    """`seq`'s drafts and how many of them its emitted `tokens` (the accepted drafts and one more) accepted."""
+    if seq.num_draft_tokens:
+        stats.num_drafts += 1
+        stats.num_draft_tokens += seq.num_draft_tokens
+        stats.num_accepted_tokens += len(tokens) - 1
+        for i in range(len(tokens) - 1):
+            stats.num_accepted_tokens_per_pos[i] += 1
+
+
+def apply_result(engine, plan, result) -> None:
+    """A fetched speculating step's `result` applied in turn: the draft counts, the scheduler's roll back
+    (update_from_output), the MTP's drafts for the next step, the grammars advanced, and the emitted tokens queued in
+    `engine._spec_unemitted` for the text pass after the next step is queued."""
+    live = engine.scheduler.requests
     for seq in plan.seqs:
         tokens = result.spec_token_ids.get(seq.request_id)
-        if seq.num_draft_tokens and tokens is not None and seq.request_id in live:  # (not finished meanwhile)
-            stats.num_drafts += 1
-            stats.num_draft_tokens += seq.num_draft_tokens
-            stats.num_accepted_tokens += len(tokens) - 1
-            for i in range(len(tokens) - 1):
-                stats.num_accepted_tokens_per_pos[i] += 1
+        if tokens is not None and seq.request_id in live:  # (not finished meanwhile)
+            count_drafts(engine.spec_stats, seq, tokens)
     updates = engine.scheduler.update_from_output(plan, result.spec_token_ids)
     if engine.spec.method == "deepseek_mtp":
         engine.mtp_proposer.record(engine, plan, result)
@@ -105,4 +118,3 @@ def speculative_step(engine) -> list[RequestOutput]:
             engine._advance_grammar(req, tokens[0])
         lps = result.spec_logprobs.get(req.request_id)
         engine._spec_unemitted.append((req, tokens, None if lps is None else lps[: len(tokens)], pid))
-    return outputs
