@@ -40,17 +40,18 @@ def decode_kernel_step(meta: StepMetadata) -> bool:
 
 
 def decode_stacked(seg_params: dict, num_tokens: int, attn_impl: str, mesh_rules: MeshRules | None,
-                   enabled: bool) -> dict:
-    """{(group, name): stacked weight [L, ...]} of the segment's projections that a step reads in place
-    through kernels/decode_matmul.py: with `enabled`, on the Pallas path on one device, for a step of at
-    most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile; FP8 weights where `fp8_stackable`
-    sends them through kernels/fp8_gemm.py (read in place the same way). Empty otherwise."""
+                   enabled: bool, stackable=STACKABLE) -> dict:
+    """{(group, name): stacked weight [L, ...]} of the segment's projections (`stackable`: (group, name, weight dims
+    contracted)) that a step reads in place through kernels/decode_matmul.py: with `enabled`, on the Pallas path on
+    one device, for a step of at most decode_matmul.MAX_TOKENS tokens, float weights the kernel can tile; FP8
+    weights where `fp8_stackable` sends them through kernels/fp8_gemm.py (read in place the same way). Empty
+    otherwise."""
     if not enabled or not pallas_one_device(attn_impl, mesh_rules):
         return {}
     from deepinfer_jax.kernels import decode_matmul
 
     out = {}
-    for group, name, in_dims in STACKABLE:
+    for group, name, in_dims in stackable:
         w = seg_params.get(group, {}).get(name)
         if w is None:
             continue

@@ -192,20 +192,15 @@ STACKABLE = (("attn", "q_proj", 1), ("attn", "kv_proj", 1), ("attn", "o_proj", 2
 def decode_projections(seg: dict, num_tokens: int, attn_impl: str, sharded: bool, enabled: bool) -> dict:
     """{(group, name): stacked weight [L, ...]} of the layers' projections a step of `num_tokens` token slots reads
     in place: with `enabled`, on the Pallas path on one device, float weights on the device that the kernel tiles,
-    steps of at most decode_matmul.MAX_TOKENS tokens. Empty otherwise."""
-    if not enabled or attn_impl not in ("pallas", "pallas_interpret") or sharded:
+    steps of at most decode_matmul.MAX_TOKENS tokens (models/decode_kernels.py `decode_stacked`). Empty otherwise."""
+    if sharded:
         return {}
-    from deepinfer_jax.kernels import decode_matmul
+    from deepinfer_jax.models.decode_kernels import decode_stacked
     from deepinfer_jax.models.deepseek import holds_host
 
-    out = {}
-    for group, name, in_dims in STACKABLE:
-        w = seg.get(group, {}).get(name)
-        if w is None or is_quantized(w) or holds_host(w):
-            continue
-        if decode_matmul.supported(num_tokens, math.prod(w.shape[1:1 + in_dims]), math.prod(w.shape[1 + in_dims:])):
-            out[(group, name)] = w
-    return out
+    float_on_device = {group: {name: w for name, w in seg.get(group, {}).items()
+                               if not is_quantized(w) and not holds_host(w)} for group in ("attn", "mlp")}
+    return decode_stacked(float_on_device, num_tokens, attn_impl, None, enabled, STACKABLE)
 
 
 def mlp(lp: dict, cfg: ModelConfig, x: jax.Array, moe_impl: str):
