@@ -216,9 +216,9 @@ class ModelRunner:
             t = time.perf_counter()
             pending, self.params = self._pending, self._pending.result()
             self._pending = None
-            self.startup_seconds["weights_waited"] = time.perf_counter() - t
+            waited = self.startup_seconds["weights_waited"] = time.perf_counter() - t
             self.startup_seconds["weights"] = pending.seconds
-            log.info("warm-up: waited %.1f s for the weights", time.perf_counter() - t)
+            log.info("warm-up: waited %.1f s for the weights", waited)
 
     # ---- host tier of the KV cache (runner/kv_transfer.py) -----------------------------------------
     def enable_host_tier(self, num_host_blocks: int) -> None:
