@@ -137,7 +137,41 @@ def run_shape(name: str, args) -> dict:
         row[f"{label}_vs_floor"] = round(step / floor_ms, 2)
     assert llm.engine.runner.compiles_after_warmup == 0, "a step compiled after warm-up: the timings include it"
     row["weight_read_floor_ms"] = round(floor_ms, 2)
+    if args.trace:
+        trace_decode(llm, prompts, os.path.join(args.trace, name), args.trace_steps)
     return row
+
+
+def trace_decode(llm, prompts, trace_dir: str, steps: int) -> None:
+    """Trace `steps` greedy decode steps of the whole batch (after its prefill) and print the device's busy and idle
+    time a step and its GPU time by category and kernel (benchmarks/trace_tools.py)."""
+    import jax
+
+    from benchmarks.trace_tools import busy_union, first_gpu, gpu_kernels, summarize
+    from deepinfer_jax import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"trace-{i}", p["prompt_token_ids"], sp)
+    while any(not r.output_token_ids for r in eng.scheduler.running) or eng.scheduler.waiting:
+        eng.step()  # the prefill, until every sequence decodes
+    eng.step()
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    for _ in range(steps):
+        eng.step()
+    jax.profiler.stop_trace()
+    while eng.has_unfinished_requests():
+        eng.step()
+    kern = gpu_kernels(trace_dir) or []
+    if not kern:
+        print(f"no GPU kernels in the trace under {trace_dir}")
+        return
+    one = first_gpu(kern)
+    window = one[-1]["ts"] + one[-1].get("dur", 0.0) - one[0]["ts"]
+    print(f"decode trace, {steps} steps: {window / steps / 1e3:.2f} ms a step on the device's clock, "
+          f"busy {busy_union(one) / steps / 1e3:.2f} ms")
+    summarize(kern, steps, top=25)
 
 
 def main() -> None:
@@ -160,6 +194,9 @@ def main() -> None:
                     help="RunnerConfig.decode_projection_kernel: decode steps read the projections in place")
     ap.add_argument("--decode-shared-forward", action="store_true",
                     help="RunnerConfig.decode_shared_forward: decode buckets' variants share one compiled forward")
+    ap.add_argument("--trace", default="", help="then trace greedy decode steps into this folder and print where "
+                                                "the device's time goes (GPU)")
+    ap.add_argument("--trace-steps", type=int, default=16)
     args = ap.parse_args()
     rows = [run_shape(s, args) for s in args.shapes]
     keys = list(rows[0])

@@ -399,7 +399,7 @@ def profile(engine, prompts, sp, batches, ks, steps, overlap: bool = False) -> i
                 timer.reset()
         finally:
             timer.restore_propose()
-        del eng
+        del eng, timer  # the timer holds the engine: both go before the next engine takes its KV cache
         gc.collect()
     print("\nhost ms a timed step by phase (benchmarks/spec_profile.py); step: wall ms (median); device: the step "
           "program alone, ms a run; TPOT x: ms a token against K = 0's at the batch; overlapped: the same were the "
