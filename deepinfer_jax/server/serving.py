@@ -168,6 +168,11 @@ class Serving:
         if params.structured_outputs is not None and getattr(self.tokenizer, "backend_kind", None) != "tokenizers":
             raise APIError("structured output needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
                            f"model's is {getattr(self.tokenizer, 'backend_kind', None)}")
+        if vocab is not None and params.stop_token_ids:
+            bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary [0, {vocab})",
+                               param="stop_token_ids")
         if vocab is not None and params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
             if bad is not None:
@@ -181,6 +186,9 @@ class Serving:
             raise APIError(f"This model's maximum context length is {mml} tokens. However, you requested "
                            f"{n + want} tokens ({n} in the {what}, {want} in the completion). Please reduce "
                            f"the length of the {what} or completion.", param="max_tokens")
+        if want is None and params.min_tokens > mml - n:  # max_tokens defaults to what fits: min_tokens must too
+            raise APIError(f"min_tokens={params.min_tokens} cannot fit: this model's maximum context length is {mml} "
+                           f"tokens, {n} of them taken by the {what}, which leaves {mml - n}", param="min_tokens")
 
     # ---- submitting --------------------------------------------------------------------------------
     def new_engine_id(self, prefix: str) -> str:

@@ -97,6 +97,35 @@ def test_malformed_and_empty_bodies(server):
     ({"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "max_tokens": 2},
      "messages"),
+    # messages OpenAI refuses: content missing or null (only an assistant turn may go without), a text part
+    # without text, a name or tool_calls of the wrong shape
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "system", "content": None}, *MSG]}, "messages"),
+    ({"messages": [{"role": "tool"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages"),
+    ({"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}]}, "messages"),
+    # values the engine step could not take (int32 arrays): refused here, not a failed step for the whole batch
+    ({"messages": MSG, "top_k": 2**31}, "top_k"),
+    ({"messages": MSG, "min_tokens": 1, "max_tokens": 3, "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"messages": MSG, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"messages": MSG, "min_tokens": 600}, "min_tokens"),  # more than the default max_tokens (what fits)
+    # accepted-but-ignored is refused by name
+    ({"messages": MSG, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
+     "stream_options"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ({"messages": MSG, "response_format": {"type": "text", "json_schema": {}}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "shema": {}}}},
+     "response_format"),
+    ({"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": MSG, "tools": TOOLS + TOOLS}, "tools"),
 ])
 def test_invalid_chat_fields(server, body, param):
     status, _, text = post(server, "/v1/chat/completions", body)
@@ -120,6 +149,8 @@ def test_invalid_chat_fields(server, body, param):
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
     ({"prompt": "hi", "max_tokens": 600}, "max_tokens"),
     ({"prompt": [1] * 600, "max_tokens": None}, "prompt"),
+    ({"prompt": "hi", "top_k": 2**40}, "top_k"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, "stream_options"),
 ])
 def test_invalid_completion_fields(server, body, param):
     status, _, text = post(server, "/v1/completions", body)
