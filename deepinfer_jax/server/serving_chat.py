@@ -6,7 +6,8 @@ Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` 
 
 tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" (needs --enable-auto-tool-choice, as in vLLM;
 without it a request with tools and no tool_choice is "none", and an explicit "auto" a 400) -> parsed, finish_reason
-"tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
+"tool_calls" when the model called one (with parallel_tool_calls false only its first call is returned, the
+later ones are parsed and dropped, as vLLM does); "required" -> the assistant turn is started with the tool-call
 block markers and a grammar (text/grammar.py `tool_call_grammar`) holds the model to one call of a given
 function (several with `parallel_tool_calls`, the default) in the parser's format, its arguments valid under
 the function's `parameters` schema, and then the block's end; a named function -> the turn is started with
@@ -52,9 +53,10 @@ def forced_tool_prefix(parser: str, named: str | None) -> str:
 class _Choice:
     """Parser state and accumulated output of one choice."""
 
-    def __init__(self, index: int, rp, tp, pending: list, include_reasoning: bool, named: bool):
+    def __init__(self, index: int, rp, tp, pending: list, include_reasoning: bool, named: bool, parallel: bool = True):
         self.index, self.rp, self.tp = index, rp, tp
         self.pending, self.include_reasoning, self.named = pending, include_reasoning, named
+        self.parallel = parallel  # parallel_tool_calls: false keeps the first call only (as vLLM)
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_deltas: list[ToolCallDelta] = []
@@ -73,6 +75,8 @@ class _Choice:
             ds, self.pending = self.pending + self.tp.feed(c), []
             if final:
                 ds += self.tp.flush()
+            if not self.parallel:
+                ds = [d for d in ds if not (isinstance(d, ToolCallDelta) and d.index > 0)]
             merged = deltas_to_openai(ds)
             c, tool_calls = merged.get("content", ""), merged.get("tool_calls", [])
             self.tool_deltas.extend(d for d in ds if isinstance(d, ToolCallDelta))
@@ -154,7 +158,7 @@ class ChatHandler:
             tp = tp_cls() if tp_cls else None
             pending = tp.feed(prefix[prefix.index(CALLS_BEGIN):]) if (tp and prefix) else []
             choices.append(_Choice(i, rp_cls(starts_in_reasoning=opens) if rp_cls else None, tp, pending,
-                                   req.include_reasoning, bool(req.named_tool)))
+                                   req.include_reasoning, bool(req.named_tool), req.parallel_tool_calls))
         return text + prefix, ids, keep, choices
 
     def _forced_call_params(self, req: ChatRequest, parser: str):
