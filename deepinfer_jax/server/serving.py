@@ -322,10 +322,38 @@ class SSE:
         return self.resp
 
 
-def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
+def json_response(request: web.Request, obj: Any, status: int = 200, *, body: bytes | None = None) -> web.Response:
     # backslashreplace: a lone surrogate echoed from a request must not turn the reply into a 500
-    return web.Response(body=json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"), status=status,
-                        content_type="application/json", headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+    if body is None:
+        body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return web.Response(body=body, status=status, content_type="application/json",
+                        headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+
+
+def _json_pieces(obj: Any, depth: int, out: list[str]) -> None:
+    """json.dumps(obj, ensure_ascii=False) as pieces: containers of the top `depth` levels are taken apart, so that
+    no one C encoder call (which holds the GIL throughout) is larger than one element of a choice's logprobs."""
+    if depth == 0 or not isinstance(obj, (dict, list)) or not obj or (
+            isinstance(obj, dict) and not all(isinstance(k, str) for k in obj)):  # (json.dumps turns 5 into "5")
+        out.append(json.dumps(obj, ensure_ascii=False))
+        return
+    items = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj)
+    out.append("{" if isinstance(obj, dict) else "[")
+    for i, (k, v) in enumerate(items):
+        if i:
+            out.append(", ")
+        if k is not None:
+            out.append(json.dumps(k, ensure_ascii=False) + ": ")
+        _json_pieces(v, depth - 1, out)
+    out.append("}" if isinstance(obj, dict) else "]")
+
+
+def encode_reply(obj: Any) -> bytes:
+    """A completion reply's JSON bytes (as json_response's), made on a text thread (Serving.offload): with n choices
+    of many tokens and top logprobs a reply is tens of MB, seconds of encoding that must not hold the event loop."""
+    out: list[str] = []
+    _json_pieces(obj, 4, out)  # reply -> choices -> choice -> logprobs -> (content | tokens, token_logprobs, ...)
+    return "".join(out).encode("utf-8", "backslashreplace")
 
 
 async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerMetrics | None = None) -> None:

@@ -33,7 +33,8 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
+from deepinfer_jax.server.serving import (SSE, Serving, encode_reply, json_response, send_error,
+                                          shutting_down)
 from deepinfer_jax.text import (FORCEABLE_TOOL_PARSERS, ToolCallDelta, collect_tool_stream, deltas_to_openai,
                                 get_reasoning_parser, get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.reasoning import THINK_END
@@ -209,18 +210,23 @@ class ChatHandler:
             raise shutting_down(e) from None
         finally:
             stream.abort()
-        out_choices = [{"index": ch.index, "message": ch.message(),
-                        "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None else None,
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        n_out = sum(len(ch.token_ids) for ch in choices)
-        extra = {}
-        if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
-            extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
-        obj = envelope(cid, "chat.completion", model, created, choices=out_choices, usage=usage(len(ids), n_out, cached),
-                       **extra)
+
+        def reply() -> dict:  # on a text thread: with logprobs a reply takes seconds to build (encode_reply)
+            out_choices = [{"index": ch.index, "message": ch.message(),
+                            "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None
+                            else None, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                           for ch in choices]
+            n_out = sum(len(ch.token_ids) for ch in choices)
+            extra = {}
+            if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
+                extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
+            return envelope(cid, "chat.completion", model, created, choices=out_choices,
+                            usage=usage(len(ids), n_out, cached), **extra)
+
+        obj = await s.offload(reply)
         if ctx is not None and s.plugins.has("on_response"):
             obj = await s.plugins.on_response(ctx, obj)
-        return json_response(request, obj)
+        return json_response(request, obj, body=await s.offload(encode_reply, obj))
 
     async def _stream(self, request, req, stream, ids, choices, cid, created, model, k, ctx) -> web.StreamResponse:
         s = self.s

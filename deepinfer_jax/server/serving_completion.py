@@ -18,7 +18,8 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, completion_logprobs, echo_logprobs, envelope, merge_logprobs,
                                            parse_completion_request, prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
+from deepinfer_jax.server.serving import (SSE, Serving, encode_reply, json_response, send_error,
+                                          shutting_down)
 
 log = logging.getLogger(__name__)
 
@@ -102,17 +103,21 @@ class CompletionHandler:
         finally:
             for st in streams:
                 st.abort()
-        out_choices = [{"index": ch.index, "text": "".join(ch.text),
-                        "logprobs": self._logprobs(req, ch, k) if k is not None else None,
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
-            for item, ch in zip(out_choices, choices):
-                item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
-        obj = envelope(cid, "text_completion", model, created, choices=out_choices,
-                       usage=usage(prompt_tokens, n_out(), sum(cached)))
+
+        def reply() -> dict:  # on a text thread: with logprobs a reply takes seconds to build (encode_reply)
+            out_choices = [{"index": ch.index, "text": "".join(ch.text),
+                            "logprobs": self._logprobs(req, ch, k) if k is not None else None,
+                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+            if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
+                for item, ch in zip(out_choices, choices):
+                    item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
+            return envelope(cid, "text_completion", model, created, choices=out_choices,
+                            usage=usage(prompt_tokens, n_out(), sum(cached)))
+
+        obj = await s.offload(reply)
         if ctx is not None and s.plugins.has("on_response"):
             obj = await s.plugins.on_response(ctx, obj)
-        return json_response(request, obj)
+        return json_response(request, obj, body=await s.offload(encode_reply, obj))
 
     def _echo_logprobs(self, req, ch: _Choice, k: int) -> dict | None:
         """The echoed prompt's part of a choice's `logprobs` (echo with logprobs), else None; the generated
