@@ -1,6 +1,9 @@
 """What the chat and completions handlers share: admission checks, submitting to the AsyncEngine with
 metrics, merging several requests' streams, SSE writing and the disconnect rule.
 
+A request the engine refuses when it adds it (LLMEngine.add_request's ValueError, raised on the engine thread and
+delivered through the stream) is a 400, or in a stream whose headers are out an error event with status 400.
+
 Disconnects: a streaming client that goes away makes the next write raise ConnectionResetError; a
 non-streaming one gets its handler task cancelled (the app runs with handler_cancellation). Both
 leave `tracked()` early, whose `finally` aborts the engine request, freeing its blocks before the
@@ -231,6 +234,8 @@ class Serving:
         except EngineStepError:
             reasons = {i: "error" for i in range(stream.num_seqs)}
             raise
+        except ValueError as e:  # LLMEngine.add_request refused the request (on the engine thread): its fault
+            raise APIError(str(e)) from None
         finally:
             stream.abort()
             q = None if stream.scheduled_time is None else stream.scheduled_time - stream.arrival_time
@@ -358,10 +363,11 @@ def encode_reply(obj: Any) -> bytes:
 
 async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerMetrics | None = None) -> None:
     """An error event inside a stream whose headers are out (a client that left is fine)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     if metrics is not None:
-        metrics.error(status, "server_error")
+        metrics.error(status, kind)
     try:
-        await sse.error(message, status)
+        await sse.error(message, status, kind)
     except ConnectionResetError:
         pass
 

@@ -179,7 +179,7 @@ class CompletionHandler:
             return sse.resp
         except (EngineStepError, EngineNotReadyError) as e:
             await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
-        except APIError as e:  # a plugin's failure
+        except APIError as e:  # a plugin's failure, or a request the engine refused (400)
             await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")

@@ -272,6 +272,34 @@ def test_engine_step_failure(server):
     wait_idle(server)
 
 
+def test_engine_refusal_is_400(server):
+    """A request LLMEngine.add_request refuses (a ValueError on the engine thread, e.g. prompt_logprobs with
+    data-parallel attention) is a 400, not an internal error; streamed, an error event with code 400 then [DONE]."""
+    wait_idle(server)
+    eng = server.engine.engine
+    real_add = eng.add_request
+
+    def refuse(*a, **kw):
+        raise ValueError("prompt_logprobs is not supported here")
+
+    eng.add_request = refuse
+    try:
+        status, _, text = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        err = assert_error(status, text, 400)
+        assert "prompt_logprobs is not supported here" in err["message"] and err["type"] == "invalid_request_error"
+        status, _, text = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "stream": True})
+        events = [e for e in text.split("\n\n") if e]
+        assert status == 200 and events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][6:])["error"]
+        assert err["code"] == 400 and err["type"] == "invalid_request_error" and "not supported here" in err["message"]
+    finally:
+        del eng.add_request
+    assert eng.add_request == real_add
+    status, _, text = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200, text
+    wait_idle(server)
+
+
 def test_random_garbage_never_500(server):
     rng = random.Random(0)
     values = [None, True, -1, 0, 1.5, 10**30, float("inf"), "x", "", [], [1], {}, {"a": 1}, [[1]], ["a"], "\x00"]
