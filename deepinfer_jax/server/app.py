@@ -228,7 +228,7 @@ def _handlers(s: Serving):
         mml = s.max_model_len
         out = {"count": len(ids), "max_model_len": mml, "tokens": ids}
         if body.get("return_token_strs"):
-            out["token_strs"] = [s.token_str(t) for t in ids]
+            out["token_strs"] = await s.offload(lambda: [s.token_str(t) for t in ids])
         return json_response(request, out)
 
     async def detokenize(request):

@@ -58,6 +58,9 @@ class CompletionHandler:
                      for p in req.prompts])
         for ids, _ in encoded:
             s.check_prompt(ids, params, what="prompt")
+        echoes = [""] * len(encoded)
+        if req.echo:  # token-id prompts are decoded (on the text threads, before any request is in the engine)
+            echoes = await s.offload(lambda: [t if t is not None else s.tokenizer.decode(ids) for ids, t in encoded])
         streams = []
         try:
             for ids, text in encoded:
@@ -68,8 +71,7 @@ class CompletionHandler:
             raise
         n = params.n
         choices = []
-        for ids, text in encoded:
-            echo = (text if text is not None else s.tokenizer.decode(ids)) if req.echo else ""
+        for (ids, _), echo in zip(encoded, echoes):
             choices += [_Choice(len(choices) + i, echo, ids) for i in range(n)]
         cached = [0] * len(encoded)
         iters = [s.tracked(st, len(ids)) for st, (ids, _) in zip(streams, encoded)]

@@ -126,6 +126,8 @@ def test_models_health_version(client, server, tokenizer):
                 tok = await r.json()
                 assert tok["tokens"] == tokenizer.encode("Hi" + ASSISTANT) and tok["tokens"][0] == 0
                 assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+            async with s.post("/tokenize", json={"prompt": "Hi" + ASSISTANT, "return_token_strs": True}) as r:
+                assert (await r.json())["token_strs"] == [tokenizer.decode([t]) for t in tok["tokens"]]
             async with s.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}) as r:
                 chat = await r.json()
                 assert chat["tokens"][0] == 0 and chat["count"] == len(chat["tokens"]) >= 3
