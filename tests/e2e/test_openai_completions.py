@@ -157,3 +157,18 @@ def test_stop_token_ids(client, scripted_model):
     c = r.choices[0]
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == ids["</think>"]
     assert c.text == "<think>" + REASONING + "</think>" and r.usage.completion_tokens == 3
+
+
+def test_stop_string_across_tokens_streamed(client):
+    """A stop string that starts inside one token and ends in a later one: a stream holds back the text that may
+    begin it, so no chunk carries any of it; the streamed text is the non-streamed one."""
+    stop = "weather.</think>I"  # "Let me check the weather." + "</think>" + "I will look it up."
+    plain = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop])
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20,
+                                                              stop=["zzz", stop], stream=True) if c.choices]
+    assert plain.choices[0].text == "".join(c.text for c in chunks) == "<think>Let me check the "
+    assert not any("weather" in c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
+    kept = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop], stream=True,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in kept if c.choices) == "<think>Let me check the " + stop
