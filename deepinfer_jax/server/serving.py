@@ -142,21 +142,23 @@ class Serving:
             raise APIError(f"prompt list length {count} exceeds the maximum allowed count of {limit} "
                            "(--max-completion-prompts)", param="prompt")
 
-    def check_sequences(self, total: int, *, prompts: int = 1) -> None:
-        """400 for a request of more sequences (prompts x n) than the server allows per request or could
-        ever admit at once (--max-num-seqs + --max-queue-len): a retry could never succeed, so no 429."""
+    def check_sequences(self, total: int, *, prompts: int = 1, field: str = "n") -> None:
+        """400 for a request of more sequences (prompts x n, or x best_of where that is larger: the engine runs
+        them all) than the server allows per request or could ever admit at once (--max-num-seqs +
+        --max-queue-len): a retry could never succeed, so no 429. `field`: the request field that sets the count."""
         limit = self.config.max_request_sequences
-        what = f"{prompts} prompts x n={total // max(prompts, 1)}" if prompts > 1 else f"n={total}"
+        what = f"{prompts} prompts x {field}={total // max(prompts, 1)}" if prompts > 1 else f"{field}={total}"
+        param = field if prompts == 1 else "prompt"
         if total > limit:
             raise APIError(f"this request asks for {total} sequences ({what}); at most {limit} are allowed per "
-                           "request (--max-request-sequences)", param="n" if prompts == 1 else "prompt")
+                           "request (--max-request-sequences)", param=param)
         eng = self.engine
         if eng.max_queue_len is not None and eng.max_num_seqs is not None:
             cap = eng.max_num_seqs + eng.max_queue_len
             if total > cap:
                 raise APIError(f"this request asks for {total} sequences ({what}), more than this server can ever "
                                f"hold at once ({eng.max_num_seqs} running + {eng.max_queue_len} waiting, "
-                               "--max-num-seqs + --max-queue-len)", param="n" if prompts == 1 else "prompt")
+                               "--max-num-seqs + --max-queue-len)", param=param)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, *, what: str = "messages") -> None:
         n = len(ids)

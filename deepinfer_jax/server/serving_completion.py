@@ -49,7 +49,9 @@ class CompletionHandler:
         s.check_available()
         params = req.params
         s.check_prompt_count(len(req.prompts))
-        s.check_sequences(len(req.prompts) * params.n, prompts=len(req.prompts))
+        per_prompt = params.best_of or params.n
+        s.check_sequences(len(req.prompts) * per_prompt, prompts=len(req.prompts),
+                          field="best_of" if per_prompt > params.n else "n")
         for p in req.prompts:
             if isinstance(p, str):
                 s.check_chars(p)
