@@ -133,8 +133,9 @@ class Serving:
     def check_chars(self, text: str, *, param: str = "prompt") -> None:
         cap = self.max_prompt_chars
         if cap is not None and len(text) > cap:
-            raise APIError(f"the {param} has {len(text)} characters, more than the {self.max_model_len} tokens of this "
-                           f"model's maximum context length can hold (at most {cap} characters)", param=param)
+            has = "have" if param == "messages" else "has"
+            raise APIError(f"the {param} {has} {len(text)} characters, more than the {self.max_model_len} tokens of "
+                           f"this model's maximum context length can hold (at most {cap} characters)", param=param)
 
     def check_prompt_count(self, count: int) -> None:
         limit = self.config.max_completion_prompts
@@ -184,8 +185,9 @@ class Serving:
                 raise APIError(f"logit_bias token id {bad} is out of vocabulary [0, {vocab})", param="logit_bias")
         want = params.max_tokens
         if n >= mml:
-            raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "
-                           f"has {n} tokens, which leaves no room for the completion.",
+            has = "have" if what == "messages" else "has"
+            raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} {has} {n} "
+                           "tokens, which leaves no room for the completion.",
                            param="messages" if what == "messages" else "prompt")
         if want is not None and n + want > mml:
             raise APIError(f"This model's maximum context length is {mml} tokens. However, you requested "
