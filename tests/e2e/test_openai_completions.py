@@ -172,3 +172,24 @@ def test_stop_string_across_tokens_streamed(client):
     kept = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop], stream=True,
                                      extra_body={"include_stop_str_in_output": True})
     assert "".join(c.choices[0].text for c in kept if c.choices) == "<think>Let me check the " + stop
+
+
+def test_stop_string_on_the_last_allowed_token(client, scripted_model, server):
+    """The token that reaches max_tokens also completes a stop string: the text ends at the stop string and the
+    finish reason is "stop" (as vLLM), streamed or not. A stop token id there is "length" (vLLM checks the length
+    first); min_tokens holds back up to 8 stop ids and EOS (test_errors.py refuses a ninth)."""
+    _, ids = scripted_model
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3, stop=["</think>"])
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == ("<think>" + REASONING, "stop", "</think>")
+    last = [ch.choices[0] for ch in client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3,
+                                                              stop=["</think>"], stream=True) if ch.choices][-1]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "</think>"
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3,
+                                  extra_body={"stop_token_ids": [ids["</think>"]]})
+    assert r.choices[0].finish_reason == "length"
+    eos = len(server.engine.engine.eos_token_ids)
+    held = list(range(100, 107 - eos)) + [ids["</think>"]]  # with the EOS ids, 8: all held back until min_tokens
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=6, logprobs=0,
+                                  extra_body={"min_tokens": 4, "stop_token_ids": held, "skip_special_tokens": False})
+    assert "</think>" not in r.choices[0].logprobs.tokens[:4]
