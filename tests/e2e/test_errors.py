@@ -112,6 +112,8 @@ def test_malformed_and_empty_bodies(server):
     ({"messages": MSG, "min_tokens": 1, "max_tokens": 3, "stop_token_ids": [2**70]}, "stop_token_ids"),
     ({"messages": MSG, "stop_token_ids": [10**9]}, "stop_token_ids"),
     ({"messages": MSG, "min_tokens": 600}, "min_tokens"),  # more than the default max_tokens (what fits)
+    # min_tokens holds back the stop ids and EOS in the sampler, 8 at most: a ninth would be silently let through
+    ({"messages": MSG, "min_tokens": 2, "max_tokens": 4, "stop_token_ids": list(range(100, 108))}, "stop_token_ids"),
     # accepted-but-ignored is refused by name
     ({"messages": MSG, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}},
      "stream_options"),
