@@ -118,6 +118,7 @@ class _Common:
     include_usage: bool
     params: SamplingParams
     request_id: str | None = None
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None, logprobs: int | None,
@@ -187,13 +188,17 @@ def _common(body: Any, params_fn) -> tuple[dict, _Common]:
     include_usage = _opt(so, "include_usage", (bool,), "a boolean", False)
     if so and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    continuous = _opt(so, "continuous_usage_stats", (bool,), "a boolean", False)
+    if continuous and not include_usage:
+        raise APIError("stream_options.continuous_usage_stats needs include_usage", param="stream_options")
     for key, v in so.items():
-        if key == "include_usage" or v is None or (key == "include_obfuscation" and v is False):
+        if key in ("include_usage", "continuous_usage_stats") or v is None or (
+                key == "include_obfuscation" and v is False):
             continue  # OpenAI's obfuscation pads chunks against length side channels; this server sends none
-        raise APIError(f"stream_options.{key} is not supported by this server (only include_usage"
-                       f"{', and include_obfuscation false' if key == 'include_obfuscation' else ''})",
-                       param="stream_options")
-    return body, _Common(model, stream, include_usage, params_fn(body))
+        also = ", and include_obfuscation false" if key == "include_obfuscation" else ""
+        raise APIError(f"stream_options.{key} is not supported by this server (only include_usage, "
+                       f"continuous_usage_stats{also})", param="stream_options")
+    return body, _Common(model, stream, include_usage, params_fn(body), continuous_usage=continuous)
 
 
 # ---- structured output ---------------------------------------------------------------------------
@@ -424,7 +429,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tool_choice_given=given,
         named_tool=named, top_logprobs=c.params.logprobs,
         parallel_tool_calls=parallel, include_reasoning=include_reasoning,
-        add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs))
+        add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs),
+        continuous_usage=c.continuous_usage)
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -457,7 +463,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     echo = _opt(body, "echo", (bool,), "a boolean", False)
     prompts = parse_prompt(body.get("prompt"))
     _refuse_unread(body)
-    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo)
+    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo,
+                             continuous_usage=c.continuous_usage)
 
 
 def parse_prompt(p: Any) -> list[str | list[int]]:

@@ -233,6 +233,8 @@ class ChatHandler:
         sse = SSE(request)
 
         def chunk(chs: list, **extra) -> dict:
+            if req.continuous_usage and "usage" not in extra:  # the tokens so far, in every chunk (vLLM)
+                extra["usage"] = usage(len(ids), sum(len(ch.token_ids) for ch in choices), cached)
             return envelope(cid, "chat.completion.chunk", model, created, choices=chs, **extra)
 
         cached = 0

@@ -144,6 +144,8 @@ class CompletionHandler:
         n = req.params.n
 
         def chunk(chs: list, **extra) -> dict:
+            if req.continuous_usage and "usage" not in extra:  # the tokens so far, in every chunk (vLLM)
+                extra["usage"] = usage(prompt_tokens, n_out(), sum(cached))
             return envelope(cid, "text_completion", model, created, choices=chs, **extra)
 
         echo_lp = req.echo and k is not None  # (prompt_logprobs alone is not streamed: protocol.py refuses it)

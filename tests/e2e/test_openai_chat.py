@@ -212,3 +212,13 @@ def test_stream_options_without_obfuscation(client):
         model=MODEL, messages=MSG, max_tokens=2, stream=True,
         stream_options={"include_usage": True, "include_obfuscation": False}))
     assert out[0]["finish"] == "length" and chunks[-1].usage.completion_tokens == 2
+
+
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far; the last is the total."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MSG, n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+    assert chunks[-1].choices == [] and {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens}

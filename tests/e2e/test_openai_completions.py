@@ -106,6 +106,10 @@ def test_streaming(client):
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
     toks = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
     assert toks == ["<think>", REASONING, "</think>", CONTENT]
+    chunks = list(client.completions.create(model=MODEL, prompt=[ASSISTANT, ASSISTANT], max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]  # vLLM's continuous usage: the tokens so far, every chunk
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 4 and chunks[-1].choices == []
     echo = list(client.completions.create(model=MODEL, prompt="Hi" + ASSISTANT, max_tokens=1, stream=True,
                                           echo=True))
     assert "".join(c.choices[0].text for c in echo) == "Hi" + ASSISTANT + "<think>"
