@@ -452,8 +452,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         n = body.get("n", 1)
         if _is_int(best_of) and _is_int(n) and best_of > n and body.get("stream") is True:
             raise APIError("'best_of' above 'n' cannot be streamed", param="best_of")
-        if body.get("suffix"):
-            raise APIError("'suffix' is not supported", param="suffix")
+        if body.get("suffix") not in (None, ""):  # an empty suffix asks for nothing
+            raise APIError("'suffix' is not supported (no fill-in-the-middle)", param="suffix")
         # echo with logprobs: the prompt's tokens get their logprobs too (prompt logprobs, with the same k).
         echo_lp = lp if body.get("echo") is True else None
     else:

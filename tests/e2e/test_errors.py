@@ -148,6 +148,7 @@ def test_invalid_chat_fields(server, body, param):
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "suffix": []}, "suffix"),
     ({"prompt": "hi", "max_tokens": 600}, "max_tokens"),
     ({"prompt": [1] * 600, "max_tokens": None}, "prompt"),
     ({"prompt": "hi", "top_k": 2**40}, "top_k"),
