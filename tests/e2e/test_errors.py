@@ -159,6 +159,17 @@ def test_invalid_completion_fields(server, body, param):
     assert_error(status, text, 400, param)
 
 
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "x", "messages_": 1}, "messages_"),
+    ("/tokenize", {"messages": MSG, "add_special_tokens": False}, "add_special_tokens"),  # a prompt's field
+    ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_invalid_tokenize_fields(server, path, body, param):
+    status, _, text = post(server, path, body)
+    assert_error(status, text, 400, param)
+
+
 def test_context_length_message(server):
     status, _, text = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 510})
     err = assert_error(status, text, 400, "max_tokens")
