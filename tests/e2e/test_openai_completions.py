@@ -173,6 +173,9 @@ def test_stop_string_across_tokens_streamed(client):
     assert plain.choices[0].text == "".join(c.text for c in chunks) == "<think>Let me check the "
     assert not any("weather" in c.text for c in chunks)
     assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
+    ten = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[f"z{i}" for i in range(9)] +
+                                    ["check"])  # more than OpenAI's 4 stop strings: honoured, as vLLM does
+    assert ten.choices[0].text == "<think>Let me " and ten.choices[0].model_extra["stop_reason"] == "check"
     kept = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop], stream=True,
                                      extra_body={"include_stop_str_in_output": True})
     assert "".join(c.choices[0].text for c in kept if c.choices) == "<think>Let me check the " + stop
