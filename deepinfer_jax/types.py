@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MAX_LOGPROBS = 20
+_TOKEN_ID_END = 2**31  # token ids and top_k go to the step as int32; no vocabulary is larger
 MAX_LOGIT_BIAS = 300  # entries of SamplingParams.logit_bias (the width of the sampler's bias arrays)
 _SAMPLING_EPS = 1e-5  # temperatures below this are greedy (vLLM's convention)
 
@@ -152,8 +153,8 @@ class SamplingParams:
             raise bad("temperature", "non-negative")
         if not _is_num(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", "in (0, 1]")
-        if not _is_int(self.top_k) or (self.top_k < -1):
-            raise bad("top_k", "-1 or 0 (off) or a positive integer")
+        if not _is_int(self.top_k) or not -1 <= self.top_k < _TOKEN_ID_END:
+            raise bad("top_k", f"-1 or 0 (off) or a positive integer below {_TOKEN_ID_END}")
         if not _is_num(self.min_p) or not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", "in [0, 1]")
         if self.seed is not None and not _is_int(self.seed):
@@ -187,10 +188,10 @@ class SamplingParams:
         ids = self.stop_token_ids
         if ids is None:
             ids = []
-        elif isinstance(ids, (list, tuple)) and all(_is_int(t) and t >= 0 for t in ids):
+        elif isinstance(ids, (list, tuple)) and all(_is_int(t) and 0 <= t < _TOKEN_ID_END for t in ids):
             ids = list(ids)
         else:
-            raise bad("stop_token_ids", "a list of non-negative integers or None")
+            raise bad("stop_token_ids", f"a list of token ids (integers in [0, {_TOKEN_ID_END})) or None")
         object.__setattr__(self, "stop_token_ids", ids)
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):

@@ -12,7 +12,8 @@ CompletionOutput carries only the text, token ids and logprobs that are new sinc
 (break, exception, task cancelled by a client disconnect) aborts the request, which frees its KV blocks
 before the next step.
 
-Admission: requests are refused with QueueFullError when the sequences in flight would exceed
+Admission: requests are refused with QueueFullError when the sequences in flight (best_of's, where it is above
+n) would exceed
 `max_num_seqs + max_queue_len` (the ones that cannot run at once wait; this bounds the waiting
 count), and with ValueError when the request alone is larger than that (it could never be admitted).
 An engine step that raises fails every request in flight with EngineStepError and aborts them;
@@ -77,6 +78,7 @@ class RequestStream:
 
     def __init__(self, engine: "AsyncEngine", request_id: str, num_seqs: int, loop: asyncio.AbstractEventLoop):
         self._engine, self.request_id, self.num_seqs = engine, request_id, num_seqs
+        self.slots = num_seqs  # sequences counted against admission: best_of's, where it samples more than n
         self._loop = loop
         self._queue: asyncio.Queue = asyncio.Queue()
         self._held: BaseException | None = None
@@ -231,7 +233,7 @@ class AsyncEngine:
         if not self.ready:
             raise EngineNotReadyError("the engine failed to start" if self.startup_error else
                                       "the engine is still starting (loading weights / compiling)")
-        n = params.n
+        n = params.best_of or params.n  # the sequences the engine runs (best_of samples that many, returns n)
         loop = asyncio.get_running_loop()
         with self._cond:
             if request_id in self._streams:
@@ -239,12 +241,13 @@ class AsyncEngine:
             if self.max_queue_len is not None:
                 cap = (self.max_num_seqs or 0) + self.max_queue_len
                 if n > cap:  # no retry could ever be admitted: not a QueueFullError (429)
-                    raise ValueError(f"n={n} sequences can never be admitted: at most {cap} may be in flight "
+                    raise ValueError(f"{n} sequences can never be admitted: at most {cap} may be in flight "
                                      f"({self.max_num_seqs} running + {self.max_queue_len} waiting)")
                 if self._seqs_in_flight + n > cap:
                     raise QueueFullError(f"the request queue is full ({self.max_queue_len} sequences may wait "
                                          f"beyond the {self.max_num_seqs} running)")
-            stream = RequestStream(self, request_id, n, loop)
+            stream = RequestStream(self, request_id, params.n, loop)
+            stream.slots = n
             self._streams[request_id] = stream
             self._seqs_in_flight += n
             params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
@@ -257,7 +260,7 @@ class AsyncEngine:
             stream = self._streams.pop(request_id, None)
             if stream is None:
                 return
-            self._seqs_in_flight -= stream.num_seqs
+            self._seqs_in_flight -= stream.slots
             self._aborts.append(request_id)
             self._cond.notify()
 
@@ -277,7 +280,7 @@ class AsyncEngine:
         with self._cond:
             if self._streams.get(stream.request_id) is stream:
                 del self._streams[stream.request_id]
-                self._seqs_in_flight -= stream.num_seqs
+                self._seqs_in_flight -= stream.slots
 
     # ---- the loop thread -------------------------------------------------------------------------
     def _run(self) -> None:

@@ -428,6 +428,9 @@ class LLMEngine:
         parts.append(child.stopper.feed(child.detok.add(new_ids)))
         if child.stopper.stopped and not req.is_finished:
             self.scheduler.finish_request(req.request_id, "stop", stop_reason=child.stopper.matched)
+        elif child.stopper.stopped and req.status == RequestStatus.FINISHED_LENGTH:
+            # the token that met max_tokens also completed a stop string: the text ends at the stop string (vLLM)
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, child.stopper.matched
         if req.is_finished and not child.stopper.stopped and last:
             parts.append(child.stopper.feed(child.detok.flush()))
             parts.append(child.stopper.flush())

@@ -199,7 +199,14 @@ def _handlers(s: Serving):
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
         s.check_model(body.get("model"))
-        if "messages" in body:
+        chat = "messages" in body
+        known = {"model", "return_token_strs"} | ({"messages", "tools", "add_generation_prompt", "chat_template_kwargs"}
+                                                  if chat else {"prompt", "add_special_tokens"})
+        unknown = sorted(k for k, v in body.items() if k not in known and v is not None)
+        if unknown:
+            raise APIError(f"'{unknown[0]}' is not supported by /tokenize" + (" with 'messages'" if chat else ""),
+                           param=unknown[0])
+        if chat:
             from deepinfer_jax.server.protocol import parse_chat_request
 
             req = parse_chat_request({"messages": body["messages"], "tools": body.get("tools"),
@@ -227,8 +234,11 @@ def _handlers(s: Serving):
             ids = await s.offload(s.tokenizer.encode, prompt, add_special_tokens=add)
         mml = s.max_model_len
         out = {"count": len(ids), "max_model_len": mml, "tokens": ids}
-        if body.get("return_token_strs"):
-            out["token_strs"] = [s.token_str(t) for t in ids]
+        strs = body.get("return_token_strs")
+        if strs is not None and not isinstance(strs, bool):
+            raise APIError("'return_token_strs' must be a boolean", param="return_token_strs")
+        if strs:
+            out["token_strs"] = await s.offload(lambda: [s.token_str(t) for t in ids])
         return json_response(request, out)
 
     async def detokenize(request):
@@ -236,6 +246,9 @@ def _handlers(s: Serving):
         if not isinstance(body, dict):
             raise APIError("the request body must be a JSON object")
         s.check_model(body.get("model"))
+        unknown = sorted(k for k, v in body.items() if k not in ("model", "tokens") and v is not None)
+        if unknown:
+            raise APIError(f"'{unknown[0]}' is not supported by /detokenize", param=unknown[0])
         ids = body.get("tokens")
         vocab = s.tokenizer.vocab_size
         if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):

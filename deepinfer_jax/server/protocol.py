@@ -1,9 +1,13 @@
-"""OpenAI request parsing and response shapes. Plain Python: no JAX, no aiohttp (ARCHITECTURE rule 2).
+"""OpenAI request parsing (the response shapes are protocol_output.py's). Plain Python: no JAX, no aiohttp
+(ARCHITECTURE rule 2).
 
 Parsing turns a decoded JSON body into a `ChatRequest` / `CompletionRequest` holding validated fields
 and a `SamplingParams`; every rejection is an `APIError` (status 400 unless said otherwise) whose
 `param` names the offending field. A field the parser does not read is refused by name (`_Seen`): nothing a
-client sends is silently dropped, except the request tags in `_TAGS`, which change nothing computed. Field names and defaults
+client sends is silently dropped, except the request tags in `_TAGS`, which change nothing computed. Nested
+keys too: stream_options and response_format keys are checked, and each message (`_check_message`); a message's
+`name` (handed to the template, which DeepSeek's ignore) and json_schema's `description` are accepted and change
+nothing, as in vLLM. Field names and defaults
 follow OpenAI, with vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, include_reasoning,
 chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16.
@@ -17,11 +21,12 @@ field. At most one of them per request; vLLM's other guided options are refused 
 
 from __future__ import annotations
 
-import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from deepinfer_jax.server.protocol_output import (chat_logprobs, completion_logprobs, echo_logprobs,  # noqa: F401
+                                                  envelope, merge_logprobs, prompt_logprobs_json, usage)
 from deepinfer_jax.types import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
@@ -113,6 +118,7 @@ class _Common:
     include_usage: bool
     params: SamplingParams
     request_id: str | None = None
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
 
 
 def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None, logprobs: int | None,
@@ -182,7 +188,17 @@ def _common(body: Any, params_fn) -> tuple[dict, _Common]:
     include_usage = _opt(so, "include_usage", (bool,), "a boolean", False)
     if so and not stream:
         raise APIError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
-    return body, _Common(model, stream, include_usage, params_fn(body))
+    continuous = _opt(so, "continuous_usage_stats", (bool,), "a boolean", False)
+    if continuous and not include_usage:
+        raise APIError("stream_options.continuous_usage_stats needs include_usage", param="stream_options")
+    for key, v in so.items():
+        if key in ("include_usage", "continuous_usage_stats") or v is None or (
+                key == "include_obfuscation" and v is False):
+            continue  # OpenAI's obfuscation pads chunks against length side channels; this server sends none
+        also = ", and include_obfuscation false" if key == "include_obfuscation" else ""
+        raise APIError(f"stream_options.{key} is not supported by this server (only include_usage, "
+                       f"continuous_usage_stats{also})", param="stream_options")
+    return body, _Common(model, stream, include_usage, params_fn(body), continuous_usage=continuous)
 
 
 # ---- structured output ---------------------------------------------------------------------------
@@ -198,6 +214,9 @@ def _response_format(rf: Any) -> tuple[str, Any] | None:
     if not isinstance(rf, dict) or not isinstance(rf.get("type"), str):
         raise APIError("'response_format' must be an object with a string 'type'", param="response_format")
     kind = rf["type"]
+    extra = sorted(set(rf) - {"type", "json_schema"} if kind == "json_schema" else set(rf) - {"type"})
+    if extra and kind in ("text", "json_object", "json_schema"):
+        raise APIError(f"response_format.{extra[0]} is not supported with type {kind!r}", param="response_format")
     if kind == "text":
         return None
     if kind == "json_object":
@@ -206,6 +225,13 @@ def _response_format(rf: Any) -> tuple[str, Any] | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("name"), str):
             raise APIError("response_format 'json_schema' must be {'name': ..., 'schema': {...}, 'strict': ...}",
+                           param="response_format")
+        extra = sorted(set(js) - {"name", "description", "schema", "strict"})
+        if extra:
+            raise APIError(f"response_format.json_schema.{extra[0]} is not supported (name, description, schema, "
+                           "strict)", param="response_format")
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise APIError(f"response_format.json_schema.strict must be a boolean, got {js['strict']!r}",
                            param="response_format")
         schema = js.get("schema", {})
         if not isinstance(schema, dict):
@@ -280,6 +306,41 @@ def structured_output(body: dict) -> StructuredOutputsParams | None:
 
 
 # ---- chat ----------------------------------------------------------------------------------------
+# Keywords the chat template is rendered with by the server (Tokenizer.apply_chat_template): not for
+# chat_template_kwargs; the first three are the request's own fields.
+_REQUEST_ARGS = {"messages", "tools", "add_generation_prompt"}
+_TEMPLATE_ARGS = _REQUEST_ARGS | {"tokenize", "special_tokens", "source"}
+
+
+def _check_message(i: int, m: Any) -> None:
+    """400 for a message OpenAI refuses: no string role, an unknown role, content missing (only an assistant
+    message may go without), content neither a string nor a list of parts, a text part without string text, a
+    name that is not a string, tool_calls without a function name and arguments."""
+    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+        raise APIError(f"messages[{i}] must be an object with a string 'role'", param="messages")
+    role = m["role"]
+    if role not in _ROLES:
+        raise APIError(f"messages[{i}].role must be one of {list(_ROLES)}, got {role!r}", param="messages")
+    content = m.get("content")
+    if content is None and role != "assistant":
+        raise APIError(f"messages[{i}] (role {role!r}) needs 'content'", param="messages")
+    if content is not None and not isinstance(content, (str, list)):
+        raise APIError(f"messages[{i}].content must be a string, a list of parts or null", param="messages")
+    for j, part in enumerate(content if isinstance(content, list) else ()):
+        if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+            raise APIError(f"messages[{i}].content[{j}] must be an object with a string 'type'", param="messages")
+        if part["type"] == "text" and not isinstance(part.get("text"), str):
+            raise APIError(f"messages[{i}].content[{j}] (a text part) needs a string 'text'", param="messages")
+    if m.get("name") is not None and not isinstance(m["name"], str):
+        raise APIError(f"messages[{i}].name must be a string", param="messages")
+    calls = m.get("tool_calls")
+    if calls is not None and not (isinstance(calls, list) and all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            and isinstance(c["function"].get("arguments"), (str, dict)) for c in calls)):
+        raise APIError(f"messages[{i}].tool_calls must be a list of {{'function': {{'name': ..., 'arguments': ...}}}}",
+                       param="messages")
+
+
 @dataclass
 class ChatRequest(_Common):
     messages: list[dict] = field(default_factory=list)
@@ -312,13 +373,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         raise APIError("'messages' must be a non-empty list", param="messages")
     clean = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise APIError(f"messages[{i}] must be an object with a string 'role'", param="messages")
-        if m["role"] not in _ROLES:
-            raise APIError(f"messages[{i}].role must be one of {list(_ROLES)}, got {m['role']!r}", param="messages")
-        content = m.get("content")
-        if content is not None and not isinstance(content, (str, list)):
-            raise APIError(f"messages[{i}].content must be a string, a list of parts or null", param="messages")
+        _check_message(i, m)
         m = dict(m)
         if m["role"] == "developer":
             m["role"] = "system"
@@ -331,6 +386,15 @@ def parse_chat_request(body: Any) -> ChatRequest:
                 isinstance(t, dict) and t.get("type", "function") == "function" and isinstance(t.get("function"), dict)
                 and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools):
             raise APIError("'tools' must be a list of {'type': 'function', 'function': {'name': ...}}", param="tools")
+        names = [t["function"]["name"] for t in tools]
+        for t in tools:
+            params = t["function"].get("parameters")
+            if params is not None and not isinstance(params, dict):
+                raise APIError(f"tools: function {t['function']['name']!r}: 'parameters' must be a JSON schema "
+                               f"object, got {params!r}", param="tools")
+        dup = next((n for n in names if names.count(n) > 1), None)
+        if dup is not None:
+            raise APIError(f"tools: function {dup!r} is given more than once", param="tools")
         tools = tools or None
     choice = body.get("tool_choice")
     given = choice is not None
@@ -352,6 +416,10 @@ def parse_chat_request(body: Any) -> ChatRequest:
     if choice == "required" and not tools:
         raise APIError("tool_choice 'required' needs 'tools'", param="tool_choice")
     kwargs = _opt(body, "chat_template_kwargs", (dict,), "an object", {})
+    taken = sorted(set(kwargs) & _TEMPLATE_ARGS)
+    if taken:
+        own = f" (send the request's own '{taken[0]}' field)" if taken[0] in _REQUEST_ARGS else ""
+        raise APIError(f"chat_template_kwargs.{taken[0]} is set by the server{own}", param="chat_template_kwargs")
     parallel = _opt(body, "parallel_tool_calls", (bool,), "a boolean", True)
     include_reasoning = _opt(body, "include_reasoning", (bool,), "a boolean", True)
     add_generation_prompt = _opt(body, "add_generation_prompt", (bool,), "a boolean", True)
@@ -361,7 +429,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         tool_choice_given=given,
         named_tool=named, top_logprobs=c.params.logprobs,
         parallel_tool_calls=parallel, include_reasoning=include_reasoning,
-        add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs))
+        add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs),
+        continuous_usage=c.continuous_usage)
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -383,8 +452,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
         n = body.get("n", 1)
         if _is_int(best_of) and _is_int(n) and best_of > n and body.get("stream") is True:
             raise APIError("'best_of' above 'n' cannot be streamed", param="best_of")
-        if body.get("suffix"):
-            raise APIError("'suffix' is not supported", param="suffix")
+        if body.get("suffix") not in (None, ""):  # an empty suffix asks for nothing
+            raise APIError("'suffix' is not supported (no fill-in-the-middle)", param="suffix")
         # echo with logprobs: the prompt's tokens get their logprobs too (prompt logprobs, with the same k).
         echo_lp = lp if body.get("echo") is True else None
     else:
@@ -394,7 +463,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     echo = _opt(body, "echo", (bool,), "a boolean", False)
     prompts = parse_prompt(body.get("prompt"))
     _refuse_unread(body)
-    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo)
+    return CompletionRequest(c.model, c.stream, c.include_usage, c.params, prompts=prompts, echo=echo,
+                             continuous_usage=c.continuous_usage)
 
 
 def parse_prompt(p: Any) -> list[str | list[int]]:
@@ -414,75 +484,3 @@ def parse_prompt(p: Any) -> list[str | list[int]]:
     if any(x == "" for x in prompts):
         raise APIError("'prompt' must not be empty", param="prompt")
     return prompts
-
-
-# ---- responses -----------------------------------------------------------------------------------
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def envelope(rid: str, obj: str, model: str, created: int | None = None, **rest: Any) -> dict[str, Any]:
-    return {"id": rid, "object": obj, "created": int(time.time()) if created is None else created,
-            "model": model, **rest}
-
-
-def chat_logprobs(token_ids: list[int], entries: list[dict], k: int, token_str) -> dict[str, Any]:
-    """OpenAI chat `logprobs` ({"content": [...]}) for the sampled ids and their Logprob dicts."""
-    content = []
-    for tid, entry in zip(token_ids, entries):
-        s = token_str(tid)
-        lp = entry[tid].logprob if tid in entry else float("nan")
-        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:k]
-        content.append({"token": s, "logprob": _finite(lp), "bytes": list(s.encode("utf-8")),
-                        "top_logprobs": [{"token": token_str(t), "logprob": _finite(v.logprob),
-                                          "bytes": list(token_str(t).encode("utf-8"))} for t, v in top]})
-    return {"content": content}
-
-
-def completion_logprobs(token_ids: list[int], entries: list[dict], k: int, token_str,
-                        text_offset: int = 0) -> dict[str, Any]:
-    """OpenAI legacy completions `logprobs` (tokens / token_logprobs / top_logprobs / text_offset)."""
-    out: dict[str, list] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-    for tid, entry in zip(token_ids, entries):
-        s = token_str(tid)
-        out["tokens"].append(s)
-        out["token_logprobs"].append(_finite(entry[tid].logprob) if tid in entry else None)
-        top = sorted(entry.items(), key=lambda kv: -kv[1].logprob)[:max(k, 1)]
-        out["top_logprobs"].append({token_str(t): _finite(v.logprob) for t, v in top})
-        out["text_offset"].append(text_offset)
-        text_offset += len(s)
-    return out
-
-
-def echo_logprobs(prompt_ids: list[int], entries: list[dict | None], k: int, token_str) -> dict[str, Any]:
-    """`completion_logprobs` of an echoed prompt: the first token has no logprob (None, as OpenAI and vLLM
-    report it); the others carry their prompt logprobs. Text offsets count the tokens' strings from 0, as vLLM's
-    (special tokens such as BOS included, so they may run past the echoed text's own length)."""
-    out = completion_logprobs(prompt_ids[1:], entries[1:], k, token_str, len(token_str(prompt_ids[0])))
-    first = token_str(prompt_ids[0])
-    return {"tokens": [first] + out["tokens"], "token_logprobs": [None] + out["token_logprobs"],
-            "top_logprobs": [None] + out["top_logprobs"], "text_offset": [0] + out["text_offset"]}
-
-
-def merge_logprobs(a: dict[str, list] | None, b: dict[str, list] | None) -> dict[str, list] | None:
-    """Two `completion_logprobs` one after the other (b's text offsets already follow a's)."""
-    if a is None or b is None:
-        return a or b
-    return {key: a[key] + b[key] for key in a}
-
-
-def prompt_logprobs_json(entries: list[dict | None] | None, token_str) -> list | None:
-    """vLLM's `prompt_logprobs` in a response: per prompt token None or {token id: {logprob, rank,
-    decoded_token}}."""
-    if entries is None:
-        return None
-    return [None if e is None else {str(t): {"logprob": _finite(v.logprob), "rank": v.rank,
-                                             "decoded_token": token_str(t)} for t, v in e.items()}
-            for e in entries]
-
-
-def _finite(x: float) -> float:
-    # JSON has no -inf; OpenAI clients expect a number (vLLM clamps to -9999.0 the same way)
-    return max(float(x), -9999.0) if x == x else -9999.0

@@ -1,6 +1,9 @@
 """What the chat and completions handlers share: admission checks, submitting to the AsyncEngine with
 metrics, merging several requests' streams, SSE writing and the disconnect rule.
 
+A request the engine refuses when it adds it (LLMEngine.add_request's ValueError, raised on the engine thread and
+delivered through the stream) is a 400, or in a stream whose headers are out an error event with status 400.
+
 Disconnects: a streaming client that goes away makes the next write raise ConnectionResetError; a
 non-streaming one gets its handler task cancelled (the app runs with handler_cancellation). Both
 leave `tracked()` early, whose `finally` aborts the engine request, freeing its blocks before the
@@ -130,8 +133,9 @@ class Serving:
     def check_chars(self, text: str, *, param: str = "prompt") -> None:
         cap = self.max_prompt_chars
         if cap is not None and len(text) > cap:
-            raise APIError(f"the {param} has {len(text)} characters, more than the {self.max_model_len} tokens of this "
-                           f"model's maximum context length can hold (at most {cap} characters)", param=param)
+            has = "have" if param == "messages" else "has"
+            raise APIError(f"the {param} {has} {len(text)} characters, more than the {self.max_model_len} tokens of "
+                           f"this model's maximum context length can hold (at most {cap} characters)", param=param)
 
     def check_prompt_count(self, count: int) -> None:
         limit = self.config.max_completion_prompts
@@ -139,21 +143,23 @@ class Serving:
             raise APIError(f"prompt list length {count} exceeds the maximum allowed count of {limit} "
                            "(--max-completion-prompts)", param="prompt")
 
-    def check_sequences(self, total: int, *, prompts: int = 1) -> None:
-        """400 for a request of more sequences (prompts x n) than the server allows per request or could
-        ever admit at once (--max-num-seqs + --max-queue-len): a retry could never succeed, so no 429."""
+    def check_sequences(self, total: int, *, prompts: int = 1, field: str = "n") -> None:
+        """400 for a request of more sequences (prompts x n, or x best_of where that is larger: the engine runs
+        them all) than the server allows per request or could ever admit at once (--max-num-seqs +
+        --max-queue-len): a retry could never succeed, so no 429. `field`: the request field that sets the count."""
         limit = self.config.max_request_sequences
-        what = f"{prompts} prompts x n={total // max(prompts, 1)}" if prompts > 1 else f"n={total}"
+        what = f"{prompts} prompts x {field}={total // max(prompts, 1)}" if prompts > 1 else f"{field}={total}"
+        param = field if prompts == 1 else "prompt"
         if total > limit:
             raise APIError(f"this request asks for {total} sequences ({what}); at most {limit} are allowed per "
-                           "request (--max-request-sequences)", param="n" if prompts == 1 else "prompt")
+                           "request (--max-request-sequences)", param=param)
         eng = self.engine
         if eng.max_queue_len is not None and eng.max_num_seqs is not None:
             cap = eng.max_num_seqs + eng.max_queue_len
             if total > cap:
                 raise APIError(f"this request asks for {total} sequences ({what}), more than this server can ever "
                                f"hold at once ({eng.max_num_seqs} running + {eng.max_queue_len} waiting, "
-                               "--max-num-seqs + --max-queue-len)", param="n" if prompts == 1 else "prompt")
+                               "--max-num-seqs + --max-queue-len)", param=param)
 
     def check_prompt(self, ids: list[int], params: SamplingParams, *, what: str = "messages") -> None:
         n = len(ids)
@@ -168,19 +174,35 @@ class Serving:
         if params.structured_outputs is not None and getattr(self.tokenizer, "backend_kind", None) != "tokenizers":
             raise APIError("structured output needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
                            f"model's is {getattr(self.tokenizer, 'backend_kind', None)}")
+        if vocab is not None and params.stop_token_ids:
+            bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary [0, {vocab})",
+                               param="stop_token_ids")
+        eng = self.engine.engine
+        cap = getattr(getattr(eng, "shapes", None), "max_suppress", None)  # the sampler's width for them
+        if params.min_tokens and cap is not None:
+            held = len(params.stop_token_ids) + (0 if params.ignore_eos else len(eng.eos_token_ids))
+            if held > cap:
+                raise APIError(f"with min_tokens, at most {cap} stop_token_ids and EOS ids can be held back; this "
+                               f"request has {held}", param="stop_token_ids")
         if vocab is not None and params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
             if bad is not None:
                 raise APIError(f"logit_bias token id {bad} is out of vocabulary [0, {vocab})", param="logit_bias")
         want = params.max_tokens
         if n >= mml:
-            raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} "
-                           f"has {n} tokens, which leaves no room for the completion.",
+            has = "have" if what == "messages" else "has"
+            raise APIError(f"This model's maximum context length is {mml} tokens. However, your {what} {has} {n} "
+                           "tokens, which leaves no room for the completion.",
                            param="messages" if what == "messages" else "prompt")
         if want is not None and n + want > mml:
             raise APIError(f"This model's maximum context length is {mml} tokens. However, you requested "
                            f"{n + want} tokens ({n} in the {what}, {want} in the completion). Please reduce "
                            f"the length of the {what} or completion.", param="max_tokens")
+        if want is None and params.min_tokens > mml - n:  # max_tokens defaults to what fits: min_tokens must too
+            raise APIError(f"min_tokens={params.min_tokens} cannot fit: this model's maximum context length is {mml} "
+                           f"tokens, {n} of them taken by the {what}, which leaves {mml - n}", param="min_tokens")
 
     # ---- submitting --------------------------------------------------------------------------------
     def new_engine_id(self, prefix: str) -> str:
@@ -223,6 +245,8 @@ class Serving:
         except EngineStepError:
             reasons = {i: "error" for i in range(stream.num_seqs)}
             raise
+        except ValueError as e:  # LLMEngine.add_request refused the request (on the engine thread): its fault
+            raise APIError(str(e)) from None
         finally:
             stream.abort()
             q = None if stream.scheduled_time is None else stream.scheduled_time - stream.arrival_time
@@ -314,18 +338,47 @@ class SSE:
         return self.resp
 
 
-def json_response(request: web.Request, obj: Any, status: int = 200) -> web.Response:
+def json_response(request: web.Request, obj: Any, status: int = 200, *, body: bytes | None = None) -> web.Response:
     # backslashreplace: a lone surrogate echoed from a request must not turn the reply into a 500
-    return web.Response(body=json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"), status=status,
-                        content_type="application/json", headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+    if body is None:
+        body = json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace")
+    return web.Response(body=body, status=status, content_type="application/json",
+                        headers={"X-Request-Id": request.get(REQUEST_ID, "")})
+
+
+def _json_pieces(obj: Any, depth: int, out: list[str]) -> None:
+    """json.dumps(obj, ensure_ascii=False) as pieces: containers of the top `depth` levels are taken apart, so that
+    no one C encoder call (which holds the GIL throughout) is larger than one element of a choice's logprobs."""
+    if depth == 0 or not isinstance(obj, (dict, list)) or not obj or (
+            isinstance(obj, dict) and not all(isinstance(k, str) for k in obj)):  # (json.dumps turns 5 into "5")
+        out.append(json.dumps(obj, ensure_ascii=False))
+        return
+    items = obj.items() if isinstance(obj, dict) else ((None, v) for v in obj)
+    out.append("{" if isinstance(obj, dict) else "[")
+    for i, (k, v) in enumerate(items):
+        if i:
+            out.append(", ")
+        if k is not None:
+            out.append(json.dumps(k, ensure_ascii=False) + ": ")
+        _json_pieces(v, depth - 1, out)
+    out.append("}" if isinstance(obj, dict) else "]")
+
+
+def encode_reply(obj: Any) -> bytes:
+    """A completion reply's JSON bytes (as json_response's), made on a text thread (Serving.offload): with n choices
+    of many tokens and top logprobs a reply is tens of MB, seconds of encoding that must not hold the event loop."""
+    out: list[str] = []
+    _json_pieces(obj, 4, out)  # reply -> choices -> choice -> logprobs -> (content | tokens, token_logprobs, ...)
+    return "".join(out).encode("utf-8", "backslashreplace")
 
 
 async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerMetrics | None = None) -> None:
     """An error event inside a stream whose headers are out (a client that left is fine)."""
+    kind = "server_error" if status >= 500 else "invalid_request_error"
     if metrics is not None:
-        metrics.error(status, "server_error")
+        metrics.error(status, kind)
     try:
-        await sse.error(message, status)
+        await sse.error(message, status, kind)
     except ConnectionResetError:
         pass
 

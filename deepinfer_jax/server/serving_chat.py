@@ -6,7 +6,8 @@ Reasoning is sent as both `reasoning_content` (DeepSeek's name) and `reasoning` 
 
 tool_choice: "none" -> tools stay in the prompt, no parsing; "auto" (needs --enable-auto-tool-choice, as in vLLM;
 without it a request with tools and no tool_choice is "none", and an explicit "auto" a 400) -> parsed, finish_reason
-"tool_calls" when the model called one; "required" -> the assistant turn is started with the tool-call
+"tool_calls" when the model called one (with parallel_tool_calls false only its first call is returned, the
+later ones are parsed and dropped, as vLLM does); "required" -> the assistant turn is started with the tool-call
 block markers and a grammar (text/grammar.py `tool_call_grammar`) holds the model to one call of a given
 function (several with `parallel_tool_calls`, the default) in the parser's format, its arguments valid under
 the function's `parameters` schema, and then the block's end; a named function -> the turn is started with
@@ -32,7 +33,8 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, ChatRequest, chat_logprobs, envelope, parse_chat_request,
                                            prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
+from deepinfer_jax.server.serving import (SSE, Serving, encode_reply, json_response, send_error,
+                                          shutting_down)
 from deepinfer_jax.text import (FORCEABLE_TOOL_PARSERS, ToolCallDelta, collect_tool_stream, deltas_to_openai,
                                 get_reasoning_parser, get_tool_parser, prompt_opens_reasoning)
 from deepinfer_jax.text.reasoning import THINK_END
@@ -52,9 +54,10 @@ def forced_tool_prefix(parser: str, named: str | None) -> str:
 class _Choice:
     """Parser state and accumulated output of one choice."""
 
-    def __init__(self, index: int, rp, tp, pending: list, include_reasoning: bool, named: bool):
+    def __init__(self, index: int, rp, tp, pending: list, include_reasoning: bool, named: bool, parallel: bool = True):
         self.index, self.rp, self.tp = index, rp, tp
         self.pending, self.include_reasoning, self.named = pending, include_reasoning, named
+        self.parallel = parallel  # parallel_tool_calls: false keeps the first call only (as vLLM)
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.tool_deltas: list[ToolCallDelta] = []
@@ -73,6 +76,8 @@ class _Choice:
             ds, self.pending = self.pending + self.tp.feed(c), []
             if final:
                 ds += self.tp.flush()
+            if not self.parallel:
+                ds = [d for d in ds if not (isinstance(d, ToolCallDelta) and d.index > 0)]
             merged = deltas_to_openai(ds)
             c, tool_calls = merged.get("content", ""), merged.get("tool_calls", [])
             self.tool_deltas.extend(d for d in ds if isinstance(d, ToolCallDelta))
@@ -154,7 +159,7 @@ class ChatHandler:
             tp = tp_cls() if tp_cls else None
             pending = tp.feed(prefix[prefix.index(CALLS_BEGIN):]) if (tp and prefix) else []
             choices.append(_Choice(i, rp_cls(starts_in_reasoning=opens) if rp_cls else None, tp, pending,
-                                   req.include_reasoning, bool(req.named_tool)))
+                                   req.include_reasoning, bool(req.named_tool), req.parallel_tool_calls))
         return text + prefix, ids, keep, choices
 
     def _forced_call_params(self, req: ChatRequest, parser: str):
@@ -205,24 +210,31 @@ class ChatHandler:
             raise shutting_down(e) from None
         finally:
             stream.abort()
-        out_choices = [{"index": ch.index, "message": ch.message(),
-                        "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None else None,
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        n_out = sum(len(ch.token_ids) for ch in choices)
-        extra = {}
-        if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
-            extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
-        obj = envelope(cid, "chat.completion", model, created, choices=out_choices, usage=usage(len(ids), n_out, cached),
-                       **extra)
+
+        def reply() -> dict:  # on a text thread: with logprobs a reply takes seconds to build (encode_reply)
+            out_choices = [{"index": ch.index, "message": ch.message(),
+                            "logprobs": chat_logprobs(ch.token_ids, ch.logprobs, k, s.token_str) if k is not None
+                            else None, "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason}
+                           for ch in choices]
+            n_out = sum(len(ch.token_ids) for ch in choices)
+            extra = {}
+            if req.params.prompt_logprobs is not None:  # vLLM's field, beside the choices
+                extra["prompt_logprobs"] = prompt_logprobs_json(prompt_logprobs, s.token_str)
+            return envelope(cid, "chat.completion", model, created, choices=out_choices,
+                            usage=usage(len(ids), n_out, cached), **extra)
+
+        obj = await s.offload(reply)
         if ctx is not None and s.plugins.has("on_response"):
             obj = await s.plugins.on_response(ctx, obj)
-        return json_response(request, obj)
+        return json_response(request, obj, body=await s.offload(encode_reply, obj))
 
     async def _stream(self, request, req, stream, ids, choices, cid, created, model, k, ctx) -> web.StreamResponse:
         s = self.s
         sse = SSE(request)
 
         def chunk(chs: list, **extra) -> dict:
+            if req.continuous_usage and "usage" not in extra:  # the tokens so far, in every chunk (vLLM)
+                extra["usage"] = usage(len(ids), sum(len(ch.token_ids) for ch in choices), cached)
             return envelope(cid, "chat.completion.chunk", model, created, choices=chs, **extra)
 
         cached = 0
@@ -260,7 +272,7 @@ class ChatHandler:
             return sse.resp  # the client left; tracked() aborted the request
         except (EngineStepError, EngineNotReadyError) as e:
             await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
-        except APIError as e:  # a plugin's failure
+        except APIError as e:  # a plugin's failure, or a request the engine refused (400)
             await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("chat stream failed")

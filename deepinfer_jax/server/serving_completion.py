@@ -18,7 +18,8 @@ from aiohttp import web
 from deepinfer_jax.engine.async_engine import EngineNotReadyError, EngineStepError
 from deepinfer_jax.server.protocol import (APIError, completion_logprobs, echo_logprobs, envelope, merge_logprobs,
                                            parse_completion_request, prompt_logprobs_json, random_id, usage)
-from deepinfer_jax.server.serving import SSE, Serving, json_response, send_error, shutting_down
+from deepinfer_jax.server.serving import (SSE, Serving, encode_reply, json_response, send_error,
+                                          shutting_down)
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +49,9 @@ class CompletionHandler:
         s.check_available()
         params = req.params
         s.check_prompt_count(len(req.prompts))
-        s.check_sequences(len(req.prompts) * params.n, prompts=len(req.prompts))
+        per_prompt = params.best_of or params.n
+        s.check_sequences(len(req.prompts) * per_prompt, prompts=len(req.prompts),
+                          field="best_of" if per_prompt > params.n else "n")
         for p in req.prompts:
             if isinstance(p, str):
                 s.check_chars(p)
@@ -57,6 +60,9 @@ class CompletionHandler:
                      for p in req.prompts])
         for ids, _ in encoded:
             s.check_prompt(ids, params, what="prompt")
+        echoes = [""] * len(encoded)
+        if req.echo:  # token-id prompts are decoded (on the text threads, before any request is in the engine)
+            echoes = await s.offload(lambda: [t if t is not None else s.tokenizer.decode(ids) for ids, t in encoded])
         streams = []
         try:
             for ids, text in encoded:
@@ -67,8 +73,7 @@ class CompletionHandler:
             raise
         n = params.n
         choices = []
-        for ids, text in encoded:
-            echo = (text if text is not None else s.tokenizer.decode(ids)) if req.echo else ""
+        for (ids, _), echo in zip(encoded, echoes):
             choices += [_Choice(len(choices) + i, echo, ids) for i in range(n)]
         cached = [0] * len(encoded)
         iters = [s.tracked(st, len(ids)) for st, (ids, _) in zip(streams, encoded)]
@@ -102,17 +107,21 @@ class CompletionHandler:
         finally:
             for st in streams:
                 st.abort()
-        out_choices = [{"index": ch.index, "text": "".join(ch.text),
-                        "logprobs": self._logprobs(req, ch, k) if k is not None else None,
-                        "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
-        if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
-            for item, ch in zip(out_choices, choices):
-                item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
-        obj = envelope(cid, "text_completion", model, created, choices=out_choices,
-                       usage=usage(prompt_tokens, n_out(), sum(cached)))
+
+        def reply() -> dict:  # on a text thread: with logprobs a reply takes seconds to build (encode_reply)
+            out_choices = [{"index": ch.index, "text": "".join(ch.text),
+                            "logprobs": self._logprobs(req, ch, k) if k is not None else None,
+                            "finish_reason": ch.finish_reason, "stop_reason": ch.stop_reason} for ch in choices]
+            if req.params.prompt_logprobs is not None and not (req.echo and k is not None):
+                for item, ch in zip(out_choices, choices):
+                    item["prompt_logprobs"] = prompt_logprobs_json(ch.prompt_logprobs, s.token_str)
+            return envelope(cid, "text_completion", model, created, choices=out_choices,
+                            usage=usage(prompt_tokens, n_out(), sum(cached)))
+
+        obj = await s.offload(reply)
         if ctx is not None and s.plugins.has("on_response"):
             obj = await s.plugins.on_response(ctx, obj)
-        return json_response(request, obj)
+        return json_response(request, obj, body=await s.offload(encode_reply, obj))
 
     def _echo_logprobs(self, req, ch: _Choice, k: int) -> dict | None:
         """The echoed prompt's part of a choice's `logprobs` (echo with logprobs), else None; the generated
@@ -135,6 +144,8 @@ class CompletionHandler:
         n = req.params.n
 
         def chunk(chs: list, **extra) -> dict:
+            if req.continuous_usage and "usage" not in extra:  # the tokens so far, in every chunk (vLLM)
+                extra["usage"] = usage(prompt_tokens, n_out(), sum(cached))
             return envelope(cid, "text_completion", model, created, choices=chs, **extra)
 
         echo_lp = req.echo and k is not None  # (prompt_logprobs alone is not streamed: protocol.py refuses it)
@@ -174,7 +185,7 @@ class CompletionHandler:
             return sse.resp
         except (EngineStepError, EngineNotReadyError) as e:
             await send_error(sse, str(e), 503 if isinstance(e, EngineNotReadyError) else 500, s.metrics)
-        except APIError as e:  # a plugin's failure
+        except APIError as e:  # a plugin's failure, or a request the engine refused (400)
             await send_error(sse, e.message, e.status, s.metrics)
         except Exception as e:  # noqa: BLE001 - headers are out: report in-band
             log.exception("completion stream failed")

@@ -97,6 +97,36 @@ def test_malformed_and_empty_bodies(server):
     ({"messages": MSG, "guided_regex": "a", "guided_choice": ["a"]}, "guided_choice"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], "max_tokens": 2},
      "messages"),
+    # messages OpenAI refuses: content missing or null (only an assistant turn may go without), a text part
+    # without text, a name or tool_calls of the wrong shape
+    ({"messages": [{"role": "user"}]}, "messages"),
+    ({"messages": [{"role": "system", "content": None}, *MSG]}, "messages"),
+    ({"messages": [{"role": "tool"}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": ["hi"]}]}, "messages"),
+    ({"messages": [{"role": "user", "content": "x", "name": 5}]}, "messages"),
+    ({"messages": [*MSG, {"role": "assistant", "content": None, "tool_calls": [{"function": 5}]}]}, "messages"),
+    # values the engine step could not take (int32 arrays): refused here, not a failed step for the whole batch
+    ({"messages": MSG, "top_k": 2**31}, "top_k"),
+    ({"messages": MSG, "min_tokens": 1, "max_tokens": 3, "stop_token_ids": [2**70]}, "stop_token_ids"),
+    ({"messages": MSG, "stop_token_ids": [10**9]}, "stop_token_ids"),
+    ({"messages": MSG, "min_tokens": 600}, "min_tokens"),  # more than the default max_tokens (what fits)
+    # min_tokens holds back the stop ids and EOS in the sampler, 8 at most: a ninth would be silently let through
+    ({"messages": MSG, "min_tokens": 2, "max_tokens": 4, "stop_token_ids": list(range(100, 108))}, "stop_token_ids"),
+    # accepted-but-ignored is refused by name
+    ({"messages": MSG, "stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"messages": MSG, "stream": True, "stream_options": {"include_obfuscation": True}}, "stream_options"),
+    ({"messages": MSG, "response_format": {"type": "text", "json_schema": {}}}, "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "strict": "yes"}}},
+     "response_format"),
+    ({"messages": MSG, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "shema": {}}}},
+     "response_format"),
+    ({"messages": MSG, "chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"messages": MSG, "chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"messages": MSG, "tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}],
+      "tool_choice": "required"}, "tools"),
+    ({"messages": MSG, "tools": TOOLS + TOOLS}, "tools"),
 ])
 def test_invalid_chat_fields(server, body, param):
     status, _, text = post(server, "/v1/chat/completions", body)
@@ -118,11 +148,25 @@ def test_invalid_chat_fields(server, body, param):
     ({"prompt": "hi", "prompt_logprobs": 1, "stream": True}, "prompt_logprobs"),
     ({"prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "hi", "suffix": "x"}, "suffix"),
+    ({"prompt": "hi", "suffix": []}, "suffix"),
     ({"prompt": "hi", "max_tokens": 600}, "max_tokens"),
     ({"prompt": [1] * 600, "max_tokens": None}, "prompt"),
+    ({"prompt": "hi", "top_k": 2**40}, "top_k"),
+    ({"prompt": "hi", "stream": True, "stream_options": {"include_usage": True, "foo": 1}}, "stream_options"),
 ])
 def test_invalid_completion_fields(server, body, param):
     status, _, text = post(server, "/v1/completions", body)
+    assert_error(status, text, 400, param)
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/tokenize", {"prompt": "x", "messages_": 1}, "messages_"),
+    ("/tokenize", {"messages": MSG, "add_special_tokens": False}, "add_special_tokens"),  # a prompt's field
+    ("/tokenize", {"prompt": "x", "return_token_strs": "yes"}, "return_token_strs"),
+    ("/detokenize", {"tokens": [1], "skip_special_tokens": False}, "skip_special_tokens"),
+])
+def test_invalid_tokenize_fields(server, path, body, param):
+    status, _, text = post(server, path, body)
     assert_error(status, text, 400, param)
 
 
@@ -236,6 +280,34 @@ def test_engine_step_failure(server):
         assert "injected device failure" in json.loads(events[-2][6:])["error"]["message"]
     finally:
         eng.step = real_step
+    status, _, text = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+    assert status == 200, text
+    wait_idle(server)
+
+
+def test_engine_refusal_is_400(server):
+    """A request LLMEngine.add_request refuses (a ValueError on the engine thread, e.g. prompt_logprobs with
+    data-parallel attention) is a 400, not an internal error; streamed, an error event with code 400 then [DONE]."""
+    wait_idle(server)
+    eng = server.engine.engine
+    real_add = eng.add_request
+
+    def refuse(*a, **kw):
+        raise ValueError("prompt_logprobs is not supported here")
+
+    eng.add_request = refuse
+    try:
+        status, _, text = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
+        err = assert_error(status, text, 400)
+        assert "prompt_logprobs is not supported here" in err["message"] and err["type"] == "invalid_request_error"
+        status, _, text = post(server, "/v1/chat/completions", {"messages": MSG, "max_tokens": 2, "stream": True})
+        events = [e for e in text.split("\n\n") if e]
+        assert status == 200 and events[-1] == "data: [DONE]"
+        err = json.loads(events[-2][6:])["error"]
+        assert err["code"] == 400 and err["type"] == "invalid_request_error" and "not supported here" in err["message"]
+    finally:
+        del eng.add_request
+    assert eng.add_request == real_add
     status, _, text = post(server, "/v1/completions", {"prompt": "x", "max_tokens": 2})
     assert status == 200, text
     wait_idle(server)

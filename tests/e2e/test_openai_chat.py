@@ -192,3 +192,33 @@ def test_sampling_knobs_accepted(client):
     c = r.choices[0]
     assert r.usage.completion_tokens == 4 and c.message.model_extra["reasoning_content"] is None
     assert c.message.content == CONTENT
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(client):
+    """tool_choice "auto": with ignore_eos the script runs twice, so the model calls the tool twice; with
+    parallel_tool_calls false only the first call comes back (as vLLM), streamed or not."""
+    kw = dict(model=MODEL, messages=MSG, tools=TOOLS, max_tokens=31, extra_body={"ignore_eos": True})
+    both = client.chat.completions.create(**kw).choices[0].message.tool_calls
+    assert [c.function.name for c in both] == [TOOL_NAME, TOOL_NAME]
+    first = client.chat.completions.create(parallel_tool_calls=False, **kw).choices[0].message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in first] == [(TOOL_NAME, both[0].function.arguments)]
+    out, _ = _collect(client.chat.completions.create(parallel_tool_calls=False, stream=True, **kw))
+    assert list(out[0]["tools"]) == [0] and out[0]["tools"][0]["name"] == TOOL_NAME
+
+
+def test_stream_options_without_obfuscation(client):
+    """include_obfuscation false asks for what this server does (no padding); true is refused (test_errors.py)."""
+    out, chunks = _collect(client.chat.completions.create(
+        model=MODEL, messages=MSG, max_tokens=2, stream=True,
+        stream_options={"include_usage": True, "include_obfuscation": False}))
+    assert out[0]["finish"] == "length" and chunks[-1].usage.completion_tokens == 2
+
+
+def test_continuous_usage_stats(client):
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far; the last is the total."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=MSG, n=2, max_tokens=3, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [ch.usage.completion_tokens for ch in chunks]
+    assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 6
+    assert chunks[-1].choices == [] and {ch.usage.prompt_tokens for ch in chunks} == {chunks[-1].usage.prompt_tokens}

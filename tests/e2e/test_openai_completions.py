@@ -106,6 +106,10 @@ def test_streaming(client):
     assert chunks[-1].usage.completion_tokens == 4 and chunks[-1].choices == []
     toks = sum((c.choices[0].logprobs.tokens for c in chunks if c.choices and c.choices[0].logprobs), [])
     assert toks == ["<think>", REASONING, "</think>", CONTENT]
+    chunks = list(client.completions.create(model=MODEL, prompt=[ASSISTANT, ASSISTANT], max_tokens=2, stream=True,
+                                            stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]  # vLLM's continuous usage: the tokens so far, every chunk
+    assert counts == sorted(counts) and counts[0] >= 1 and counts[-1] == 4 and chunks[-1].choices == []
     echo = list(client.completions.create(model=MODEL, prompt="Hi" + ASSISTANT, max_tokens=1, stream=True,
                                           echo=True))
     assert "".join(c.choices[0].text for c in echo) == "Hi" + ASSISTANT + "<think>"
@@ -126,6 +130,8 @@ def test_models_health_version(client, server, tokenizer):
                 tok = await r.json()
                 assert tok["tokens"] == tokenizer.encode("Hi" + ASSISTANT) and tok["tokens"][0] == 0
                 assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 512
+            async with s.post("/tokenize", json={"prompt": "Hi" + ASSISTANT, "return_token_strs": True}) as r:
+                assert (await r.json())["token_strs"] == [tokenizer.decode([t]) for t in tok["tokens"]]
             async with s.post("/tokenize", json={"messages": [{"role": "user", "content": "Hi"}]}) as r:
                 chat = await r.json()
                 assert chat["tokens"][0] == 0 and chat["count"] == len(chat["tokens"]) >= 3
@@ -155,3 +161,42 @@ def test_stop_token_ids(client, scripted_model):
     c = r.choices[0]
     assert c.finish_reason == "stop" and c.model_extra["stop_reason"] == ids["</think>"]
     assert c.text == "<think>" + REASONING + "</think>" and r.usage.completion_tokens == 3
+
+
+def test_stop_string_across_tokens_streamed(client):
+    """A stop string that starts inside one token and ends in a later one: a stream holds back the text that may
+    begin it, so no chunk carries any of it; the streamed text is the non-streamed one."""
+    stop = "weather.</think>I"  # "Let me check the weather." + "</think>" + "I will look it up."
+    plain = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop])
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20,
+                                                              stop=["zzz", stop], stream=True) if c.choices]
+    assert plain.choices[0].text == "".join(c.text for c in chunks) == "<think>Let me check the "
+    assert not any("weather" in c.text for c in chunks)
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].model_extra["stop_reason"] == stop
+    ten = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[f"z{i}" for i in range(9)] +
+                                    ["check"])  # more than OpenAI's 4 stop strings: honoured, as vLLM does
+    assert ten.choices[0].text == "<think>Let me " and ten.choices[0].model_extra["stop_reason"] == "check"
+    kept = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=20, stop=[stop], stream=True,
+                                     extra_body={"include_stop_str_in_output": True})
+    assert "".join(c.choices[0].text for c in kept if c.choices) == "<think>Let me check the " + stop
+
+
+def test_stop_string_on_the_last_allowed_token(client, scripted_model, server):
+    """The token that reaches max_tokens also completes a stop string: the text ends at the stop string and the
+    finish reason is "stop" (as vLLM), streamed or not. A stop token id there is "length" (vLLM checks the length
+    first); min_tokens holds back up to 8 stop ids and EOS (test_errors.py refuses a ninth)."""
+    _, ids = scripted_model
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3, stop=["</think>"])
+    c = r.choices[0]
+    assert (c.text, c.finish_reason, c.model_extra["stop_reason"]) == ("<think>" + REASONING, "stop", "</think>")
+    last = [ch.choices[0] for ch in client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3,
+                                                              stop=["</think>"], stream=True) if ch.choices][-1]
+    assert last.finish_reason == "stop" and last.model_extra["stop_reason"] == "</think>"
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=3,
+                                  extra_body={"stop_token_ids": [ids["</think>"]]})
+    assert r.choices[0].finish_reason == "length"
+    eos = len(server.engine.engine.eos_token_ids)
+    held = list(range(100, 107 - eos)) + [ids["</think>"]]  # with the EOS ids, 8: all held back until min_tokens
+    r = client.completions.create(model=MODEL, prompt=ASSISTANT, max_tokens=6, logprobs=0,
+                                  extra_body={"min_tokens": 4, "stop_token_ids": held, "skip_special_tokens": False})
+    assert "</think>" not in r.choices[0].logprobs.tokens[:4]

@@ -121,6 +121,9 @@ def test_never_admissible_is_400_not_429(server, client):
     assert e.value.response.headers.get("Retry-After") is None
     with pytest.raises(openai.BadRequestError, match="can ever hold"):
         client.completions.create(model=MODEL, prompt=["a", "b", "c"], n=27, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match=r"81 sequences \(best_of=81\)") as e:  # best_of runs them all
+        client.completions.create(model=MODEL, prompt="a", best_of=81, max_tokens=2)
+    assert e.value.body["param"] == "best_of"
     out = client.completions.create(model=MODEL, prompt=["a", "b"], n=40, max_tokens=1)  # 80: admissible
     assert len(out.choices) == 80
     wait_idle(server)

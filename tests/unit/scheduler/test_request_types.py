@@ -41,6 +41,7 @@ def test_normalisation():
         ({"top_p": 0.0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
+        ({"top_k": 2**31}, "top_k"),  # the step takes top_k as int32
         ({"min_p": 1.1}, "min_p"),
         ({"seed": "x"}, "seed"),
         ({"presence_penalty": 2.5}, "presence_penalty"),
@@ -53,6 +54,7 @@ def test_normalisation():
         ({"stop": 3}, "stop"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"stop_token_ids": "1"}, "stop_token_ids"),
+        ({"stop_token_ids": [2**63]}, "stop_token_ids"),
         ({"ignore_eos": 1}, "ignore_eos"),
         ({"logprobs": 21}, "logprobs"),
         ({"logprobs": -1}, "logprobs"),

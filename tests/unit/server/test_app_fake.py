@@ -157,3 +157,14 @@ def test_completion_shapes_n_and_multiple_prompts():
                                        "prompt_tokens_details": {"cached_tokens": 0}}
 
     asyncio.run(_with_server(serving, fn))
+
+
+def test_encode_reply_is_json_dumps():
+    """Replies are encoded in pieces on a text thread (serving.encode_reply): the bytes are json_response's."""
+    from deepinfer_jax.server.serving import encode_reply
+
+    nested = {"choices": [{"index": 0, "logprobs": {"content": [{"token": "é", "top_logprobs": [{"b": [1]}]}],
+                                                    "tokens": [], "by_id": {5: 1.0}}, "text": "x\ud800"}],
+              "usage": {"prompt_tokens": 1}, "none": None, "empty": {}, "list": [[], [1, 2.5, True]]}
+    for obj in (nested, [], {}, "s", 1, None, [nested, nested]):
+        assert encode_reply(obj) == json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"), obj

@@ -119,6 +119,24 @@ def test_queue_bound():
     eng.shutdown()
 
 
+def test_best_of_counts_its_sequences():
+    """best_of samples best_of sequences (and returns n): admission counts them all, and frees them all."""
+    eng, fake = _engine(max_num_seqs=2, max_queue_len=1, step_delay=0.01)
+
+    async def go():
+        with pytest.raises(ValueError, match="4 sequences can never be admitted"):
+            eng.submit("a", [1], SamplingParams(max_tokens=50, best_of=4))
+        s1 = eng.submit("a", [1], SamplingParams(max_tokens=50, best_of=2))
+        with pytest.raises(QueueFullError):
+            eng.submit("b", [1], SamplingParams(max_tokens=50, best_of=2))
+        assert s1.num_seqs == 1
+        s1.abort()
+        eng.submit("b", [1], SamplingParams(max_tokens=50, best_of=3)).abort()  # all 3 free again
+
+    asyncio.run(go())
+    eng.shutdown()
+
+
 def test_bad_request_reaches_the_stream_and_the_loop_survives():
     eng, fake = _engine()
 

@@ -144,3 +144,20 @@ def test_unknown_fields_are_refused_by_name_and_tags_accepted():
     parse_completion_request({"prompt": "hi", "user": "u1"})
     with pytest.raises(APIError, match="'include_reasoning' is not supported"):
         parse_completion_request({"prompt": "hi", "include_reasoning": True})
+
+
+def test_every_stream_option_of_the_client_is_honoured_or_refused():
+    """stream_options keys the official client can send: include_usage is honoured; a key asking for what this
+    server does not do (include_obfuscation true: padded chunks) is refused by name, its false accepted."""
+    from openai.types.chat import ChatCompletionStreamOptionsParam
+
+    msgs = [{"role": "user", "content": "hi"}]
+    for key in ChatCompletionStreamOptionsParam.__annotations__:
+        body = {"messages": msgs, "stream": True, "stream_options": {key: True}}
+        if key == "include_usage":
+            assert parse_chat_request(body).include_usage is True
+            continue
+        with pytest.raises(APIError, match=f"stream_options.{key}") as e:
+            parse_chat_request(body)
+        assert e.value.param == "stream_options"
+        assert parse_chat_request({**body, "stream_options": {key: False}}).include_usage is False
