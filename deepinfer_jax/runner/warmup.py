@@ -152,6 +152,41 @@ def _runs(runner, hosts: list[HostStep], compiling: dict) -> None:
         for host in ready:
             for f in deps[id(host)]:
                 f.result()
-            for _ in range(max(1, runner.runner_cfg.warmup_runs)):
-                jax.block_until_ready(runner.run(host))
+            try:
+                for _ in range(max(1, runner.runner_cfg.warmup_runs)):
+                    jax.block_until_ready(runner.run(host))
+            except jax.errors.JaxRuntimeError as e:
+                if "RESOURCE_EXHAUSTED" not in str(e):
+                    raise
+                raise MemoryError(out_of_memory_message(runner, host)) from e
         waiting = [h for h in waiting if all(h is not r for r in ready)]
+
+
+def out_of_memory_message(runner, host: HostStep) -> str:
+    """What a warm-up step that ran out of device memory needed and what held the memory, with the settings that
+    free it: the step's programs' temporaries (XLA's memory analysis of the compiled executables), the weights and
+    the KV cache on the first device, and the allocator's limit (runner/device_memory.py)."""
+    from deepinfer_jax.runner.device_memory import device_memory
+
+    device = jax.devices()[0]
+
+    def gib(b: int) -> str:
+        return f"{b / 2**30:.1f} GiB" if b >= 2**30 else f"{b / 2**20:.2f} MiB"
+
+    def on_device(tree) -> int:
+        return sum(s.data.nbytes for a in jax.tree.leaves(tree) if isinstance(a, jax.Array)
+                   for s in a.addressable_shards if s.device == device)
+
+    temp = 0
+    for pid in runner.programs.programs_of(packed(host)[0]):
+        exe = runner.programs.executables.get(pid)
+        analysis = exe.memory_analysis() if exe is not None else None
+        temp = max(temp, getattr(analysis, "temp_size_in_bytes", 0) or 0)
+    mem = device_memory(device)
+    limit = "" if mem is None else f", of the {gib(mem.limit)} the allocator may hand out ({mem.source})"
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75, JAX's default")
+    return (f"warm-up ran out of device memory in its step of {host.bucket} tokens: the step's program needs "
+            f"{gib(temp)} of temporaries beside the weights ({gib(on_device(runner.params))}) and the KV cache "
+            f"({gib(on_device(runner.kv_cache))}, {runner.num_pages} pages){limit}. Lower max_num_batched_tokens "
+            f"(--max-num-batched-tokens) for smaller steps, or gpu_memory_utilization (--gpu-memory-utilization) "
+            f"for a smaller KV cache, or raise XLA_PYTHON_CLIENT_MEM_FRACTION (now {fraction}).")
