@@ -251,3 +251,40 @@ def test_cpu_offload_gb(model_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _kw(["--model", large, "--cpu-offload-gb", "-1"])
     assert "--cpu-offload-gb" in capsys.readouterr().err
+
+
+def test_vllm_spellings(model_dirs, tmp_path):
+    """What a vLLM command line or YAML file says means the same here: flag names with underscores, human-readable
+    token counts, vLLM's value names, the YAML keys of our aliases (block_size), and a positional MODEL over the
+    file's `model` (the command line wins, as in vLLM)."""
+    copy, large = model_dirs
+    ns = parse_with_config(_serve_parser(), ["--max_model_len=32k", "--max_num_batched_tokens", "8K", "--dtype",
+                                             "half", "--load-format", "safetensors", "--no_enable_prefix_caching",
+                                             "--tensor_parallel_size", "2"])
+    assert (ns.max_model_len, ns.max_num_batched_tokens, ns.dtype, ns.load_format) == (32000, 8192, "float16", "auto")
+    assert ns.enable_prefix_caching is False and ns.tensor_parallel_size == 2
+    assert parse_with_config(_serve_parser(), ["--max-model-len", "2.5k", "--dtype", "float"]).max_model_len == 2500
+    assert parse_with_config(_serve_parser(), ["--dtype", "float"]).dtype == "float32"
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\nblock_size: 16\nnum-gpu-blocks-override: 40\nmax_model_len: 1k\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f)])
+    assert (ns.model, ns.page_size, ns.num_pages, ns.max_model_len) == (large, 16, 40, 1000)
+    from deepinfer_jax.server.args import check_engine_args
+
+    parser = _serve_parser()
+    ns = check_engine_args(parser, parse_with_config(parser, [copy, "--config", str(f)]))
+    assert resolve_model(ns) == (copy, copy) and ns.page_size == 16
+    ns = check_engine_args(parser, parse_with_config(parser, ["--config", str(f), "--model", copy]))
+    assert ns.model == copy
+
+
+def test_api_key_from_vllm_environment(monkeypatch):
+    """An operator's VLLM_API_KEY still locks the server (vLLM reads it); DEEPINFER_API_KEY and --api-key win."""
+    monkeypatch.delenv("DEEPINFER_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parse_with_config(_serve_parser(), []).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parse_with_config(_serve_parser(), []).api_key == "from-vllm"
+    assert parse_with_config(_serve_parser(), ["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.setenv("DEEPINFER_API_KEY", "ours")
+    assert parse_with_config(_serve_parser(), []).api_key == "ours"
