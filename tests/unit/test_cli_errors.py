@@ -41,6 +41,16 @@ def dirs(tmp_path_factory):
     (d / "noweights").mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         shutil.copy(os.path.join(DEFAULT_MODEL_DIR, name), d / "noweights" / name)
+    # A classifier head on a supported model_type, a safetensors file cut short, a shard index that is not JSON.
+    (d / "classifier").mkdir()
+    config = json.load(open(os.path.join(DEFAULT_MODEL_DIR, "config.json")))
+    (d / "classifier" / "config.json").write_text(json.dumps({**config,
+                                                             "architectures": ["DeepseekV3ForSequenceClassification"]}))
+    shutil.copytree(d / "noweights", d / "truncated")
+    with open(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"), "rb") as f:
+        (d / "truncated" / "model.safetensors").write_bytes(f.read(1 << 20))
+    shutil.copytree(d / "noweights", d / "badindex")
+    (d / "badindex" / "model.safetensors.index.json").write_text('{"weight_map": ')
     return d
 
 
@@ -94,6 +104,29 @@ USAGE_ERRORS = [
     (["convert", "--src", DEFAULT_MODEL_DIR, "--dst", "{d}/out", "--group-size", "0"], "argument --group-size"),
     (["convert"], "the following arguments are required: --src, --dst"),
     (["frobnicate"], "unknown command 'frobnicate'"),
+    # vLLM's spellings: underscores read as dashes, the nearest flag suggested, the dotted JSON form refused by name
+    (["serve", "--max_model_len", "999999"], "argument --max-model-len: 999999 exceeds the model's max_position"),
+    (["serve", "--max-model-length", "100"], r"unrecognized arguments: --max-model-length \(did you mean "
+                                             r"--max-model-len\?\)$"),
+    (["serve", "--speculative-config.method", "ngram"], "--speculative-config.KEY VALUE, vLLM's dotted form, is not "
+                                                        "supported: pass --speculative-config as one JSON value"),
+    (["serve", "--max-model-len", "auto"], "argument --max-model-len: auto .* is not supported"),
+    (["serve", "--max-model-len", "1.5K"], "argument --max-model-len: must be a whole number before K"),
+    (["serve", "--seed", "-1"], "argument --seed: must be an integer in 0..2"),
+    (["serve", "--served-model-name", "name", "{d}/noweights"],
+     "argument --served-model-name: '{d}/noweights' is a model directory: give it first"),
+    (["serve", "--model", "{d}/classifier"], "argument --model: .*'DeepseekV3ForSequenceClassification' is not a "
+                                             "causal LM"),
+    (["plan"], "the following arguments are required: --model"),
+    (["plan", "--model", "/no/such/dir"], "argument --model: '/no/such/dir' does not exist"),
+    (["plan", "--model", "{d}/gemma"], "argument --model: .*model_type 'gemma' is not supported"),
+    (["plan", "--model", DEFAULT_MODEL_DIR, "-tp", "0"], "argument --tensor-parallel-size/-tp: must be a positive"),
+    (["plan", "--model", DEFAULT_MODEL_DIR, "--gpu-memory", "0"], "argument --gpu-memory: must be a positive"),
+    (["plan", "--model", DEFAULT_MODEL_DIR, "--gpu-memory-utilization", "2"], "argument --gpu-memory-utilization"),
+    (["plan", "--model", DEFAULT_MODEL_DIR, "--page-size", "48"], "argument --page-size"),
+    (["plan", "--model", DEFAULT_MODEL_DIR, "--max-model-len", "9999999"], "argument --max-model-len: 9999999 exceeds"),
+    (["plan", "--model", "{d}/truncated"], "{d}/truncated/model.safetensors is truncated: its header needs"),
+    (["plan", "--model", "{d}/badindex"], "{d}/badindex/model.safetensors.index.json is not a safetensors index"),
 ]
 
 
@@ -105,7 +138,7 @@ def test_usage_error_is_one_line(dirs, argv, named):
     r = _run(*argv)
     err = r.stderr.strip()
     cmd = " ".join(["deepinfer"] + [a for a in argv[:2] if a in ("serve", "chat", "generate", "bench", "convert",
-                                                                  "offline")])
+                                                                  "offline", "plan")])
     assert r.returncode == 2, (r.returncode, err)
     assert len(err.splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith(f"{cmd}: error: "), err
@@ -114,13 +147,19 @@ def test_usage_error_is_one_line(dirs, argv, named):
     assert not os.path.exists(dirs / "out")
 
 
-@pytest.mark.parametrize("cmd", ["generate", "chat"])
-def test_engine_build_error_is_one_line(dirs, cmd):
-    """Bad input only the load finds (no weights beside config.json and the tokenizer): one line, exit status 1."""
-    r = _run(cmd, "--model", str(dirs / "noweights"), *(["--prompt", "x"] if cmd == "generate" else []))
+@pytest.mark.parametrize("cmd, model, error", [
+    ("generate", "noweights", "{m} holds no *.safetensors files"),
+    ("chat", "noweights", "{m} holds no *.safetensors files"),
+    ("generate", "truncated", "{m}/model.safetensors is truncated: its header needs 10097064 bytes, the file has "
+                              "1048576 (an interrupted download or copy?)")])
+def test_engine_build_error_is_one_line(dirs, cmd, model, error):
+    """Bad input only the load finds (no weights beside config.json and the tokenizer, a file cut short): one line
+    naming the file, exit status 1."""
+    assert os.path.getsize(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")) == 10097064
+    r = _run(cmd, "--model", str(dirs / model), *(["--prompt", "x"] if cmd == "generate" else []))
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last == f"deepinfer {cmd}: error: {dirs / 'noweights'} holds no *.safetensors files", r.stderr
+    assert last == f"deepinfer {cmd}: error: " + error.format(m=dirs / model), r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
@@ -131,3 +170,26 @@ def test_serve_engine_error_is_one_line(dirs):
     assert len(errors) == 1 and errors[0].endswith("the engine failed to start: "
                                                    f"{dirs / 'noweights'} holds no *.safetensors files"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_plan_json_keys_are_documented():
+    """`deepinfer plan --json` prints exactly the keys docs/quantization.md's table lists."""
+    import re
+
+    r = _run("plan", "--model", DEFAULT_MODEL_DIR, "--json", "--gpu-memory", "1")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    text = open(os.path.join(ROOT, "docs", "quantization.md")).read()
+    table = text[text.index("`--json` prints one object"):text.index("Its figures are the engine's")]
+    documented = {k for row in table.splitlines() if row.startswith("| `")
+                  for k in re.findall(r"`([a-z_0-9]+)`", row.split("|")[1])}
+    assert set(got) == documented, set(got) ^ documented
+    assert got["fits"] is True and got["kv_tokens_per_rank"] > 0 and got["kv_groups"] == []
+
+
+def test_setup_script_refuses_unknown_arguments():
+    """README's `bash scripts/setup.sh [--test]`: a mistyped option is refused before anything is installed."""
+    r = subprocess.run(["bash", os.path.join(ROOT, "scripts", "setup.sh"), "--tests"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == ("setup: unknown arguments: --tests (usage: bash "
+                                                      "scripts/setup.sh [--test])"), r.stderr
