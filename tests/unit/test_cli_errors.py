@@ -147,19 +147,23 @@ def test_usage_error_is_one_line(dirs, argv, named):
     assert not os.path.exists(dirs / "out")
 
 
-@pytest.mark.parametrize("cmd, model, error", [
-    ("generate", "noweights", "{m} holds no *.safetensors files"),
-    ("chat", "noweights", "{m} holds no *.safetensors files"),
-    ("generate", "truncated", "{m}/model.safetensors is truncated: its header needs 10097064 bytes, the file has "
-                              "1048576 (an interrupted download or copy?)")])
-def test_engine_build_error_is_one_line(dirs, cmd, model, error):
-    """Bad input only the load finds (no weights beside config.json and the tokenizer, a file cut short): one line
-    naming the file, exit status 1."""
+@pytest.mark.parametrize("cmd, model, extra, error", [
+    ("generate", "noweights", [], "{m} holds no *.safetensors files"),
+    ("chat", "noweights", [], "{m} holds no *.safetensors files"),
+    ("generate", "truncated", [], "{m}/model.safetensors is truncated: its header needs 10097064 bytes, the file has "
+                                  "1048576 (an interrupted download or copy?)"),
+    ("generate", "noweights", ["--compilation-cache-dir", "{d}/gemma/config.json/xla"],
+     "compilation cache directory '{d}/gemma/config.json/xla' (--compilation-cache-dir, $DEEPINFER_CACHE_DIR): Not a "
+     "directory; pass a writable directory, or none to turn the cache off")])
+def test_engine_build_error_is_one_line(dirs, cmd, model, extra, error):
+    """Bad input only the start finds (no weights beside config.json and the tokenizer, a file cut short, a cache
+    directory that cannot be made): one line naming the file, exit status 1."""
     assert os.path.getsize(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors")) == 10097064
-    r = _run(cmd, "--model", str(dirs / model), *(["--prompt", "x"] if cmd == "generate" else []))
+    extra = [a.replace("{d}", str(dirs)) for a in extra]
+    r = _run(cmd, "--model", str(dirs / model), *extra, *(["--prompt", "x"] if cmd == "generate" else []))
     assert r.returncode == 1, r.stderr
     last = r.stderr.strip().splitlines()[-1]
-    assert last == f"deepinfer {cmd}: error: " + error.format(m=dirs / model), r.stderr
+    assert last == f"deepinfer {cmd}: error: " + error.format(m=dirs / model, d=dirs), r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
 
 
