@@ -203,8 +203,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="auto (or vLLM's safetensors): the checkpoint; dummy: random weights from the model "
                         "directory's config.json (benchmarks)")
     g.add_argument("--max-model-len", type=token_count, default=None,
-                   help="context length (prompt + output); default min(max_position_embeddings, 4096), "
-                        "2048 for small models (up to 20M parameters, as the embedded demo model)")
+                   help="context length (prompt + output; 32k = 32000, 32K = 32768); default min(max_position_"
+                        "embeddings, 4096), 2048 for small models (up to 20M parameters, as the embedded demo model)")
     g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="sequences per engine step (default 256; 32 for small models)")
     g.add_argument("--max-num-batched-tokens", type=token_count, default=None,
