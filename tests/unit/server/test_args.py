@@ -172,6 +172,35 @@ def test_example_configs_parse():
         parse_with_config(_serve_parser(), ["--config", f])
 
 
+# each shipped serve config -> the shipped model config of the model it names (None: the embedded model)
+SERVE_CONFIG_MODELS = {"serve-deepseek-r1.yaml": "deepseek-v3.json", "serve-deepseek-v2-lite.yaml":
+                       "deepseek-v2-lite.json", "serve-default.yaml": None}
+
+
+def test_shipped_configs_validate(tmp_path):
+    """Every file under configs/ passes the start-up checks: each model config is a model this engine serves, and
+    each serve config, its `model` replaced by a directory holding its model's config.json (a positional MODEL wins
+    over the file's), passes check_engine_args with its own --max-model-len and parallel sizes."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.server.args import check_engine_args
+
+    dirs = {}
+    for f in sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json"))):
+        d = tmp_path / os.path.basename(f)
+        d.mkdir()
+        shutil.copy(f, d / "config.json")
+        ModelConfig.from_model_dir(str(d))
+        dirs[os.path.basename(f)] = str(d)
+    files = {os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "configs", "serve-*.yaml"))}
+    assert files == set(SERVE_CONFIG_MODELS)
+    for name, model in SERVE_CONFIG_MODELS.items():
+        parser = _serve_parser()
+        ns = check_engine_args(parser, parse_with_config(parser, ([dirs[model]] if model else [])
+                                                         + ["--config", os.path.join(ROOT, "configs", name)]))
+        assert resolve_model(ns)[0] == (dirs[model] if model else DEFAULT_MODEL_DIR)
+        engine_kwargs(ns, platform="gpu")
+
+
 def test_convert_missing_module(monkeypatch, capsys):
     import importlib
 
