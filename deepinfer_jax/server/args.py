@@ -114,8 +114,7 @@ def token_count(text: str) -> int:
     if suffix.isupper() and "." in number:
         raise argparse.ArgumentTypeError(f"must be a whole number before {suffix} (a power of 1024), got {text!r}")
     scale = 1000 ** " kmg".index(suffix) if suffix.islower() else 1024 ** " KMG".index(suffix)
-    value = int(float(number) * scale)
-    return positive_int(str(value))
+    return positive_int(str(int(float(number) * scale)))
 
 
 def seed_value(text: str) -> int:
@@ -327,7 +326,9 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            text = f.read()
+        data = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=yaml.BaseLoader) or {}  # values as written: api_key: 0123 is not 83
     except OSError as e:
         bad(e.strerror or str(e))
     except yaml.YAMLError as e:
@@ -340,10 +341,11 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     options.update({s[2:].replace("-", "_"): a for a in parser._actions for s in a.option_strings  # block_size
                     if s.startswith("--") and s[2:].replace("-", "_") not in options})
     argv: list[str] = []
+    refusals = getattr(parser, "refused_flags", {})
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = options.get(dest)
-        refused = getattr(parser, "refused_flags", {}).get("--" + dest.replace("_", "-"))
+        refused = refusals.get("--" + dest.replace("_", "-"))
         if refused:
             bad(f"{key}: {refused}")
         if action is None or dest in ("config", "help"):
@@ -354,18 +356,18 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
             if not isinstance(value, bool):
                 bad(f"{key} must be true or false, got {value!r}")
+            if refusals.get("--no-" + flag[2:]) and not value:  # `enable_chunked_prefill: false`, as its --no- form
+                bad(f"{key}: false: {refusals['--no-' + flag[2:]]}")
             if isinstance(action, argparse.BooleanOptionalAction):
                 argv.append(flag if value else "--no-" + flag[2:])
             elif value:
                 argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag] + [str(v) for v in value]
-        elif isinstance(value, dict) and dest == "speculative_config":  # its mapping, as the flag's JSON
+        elif isinstance(value, dict) and dest in ("speculative_config", "eplb_config"):  # as the flag's JSON
             argv += [flag, json.dumps(value)]
         elif isinstance(value, dict):
             bad(f"{key} must be a value or a list, got a mapping")
-        else:
-            argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+        else:  # the text as written, through the flag's own checks
+            argv += [flag] + ([str(v) for v in raw[key]] if isinstance(value, list) else [raw[key]])
     return argv
 
 

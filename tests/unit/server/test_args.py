@@ -155,7 +155,8 @@ def test_speculative_config_flag_and_yaml(tmp_path):
                                   "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
                                   "host: {a: 1}\n", "speculative_config: {method: ngram, num_speculative_tokens: 0}\n",
                                   "speculative_config: {method: ngram, num_speculative_tokens: 2, k: 1}\n",
-                                  "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n"])
+                                  "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n",
+                                  "enable_chunked_prefill: false\n", "max_model_len: 0x800\n", "seed: 12:30\n"])
 def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
     f.write_text(text)
@@ -317,3 +318,15 @@ def test_api_key_from_vllm_environment(monkeypatch):
     assert parse_with_config(_serve_parser(), ["--api-key", "flag"]).api_key == "flag"
     monkeypatch.setenv("DEEPINFER_API_KEY", "ours")
     assert parse_with_config(_serve_parser(), []).api_key == "ours"
+
+
+def test_yaml_values_as_written(tmp_path):
+    """A YAML value reaches its flag as written, as on a command line: YAML 1.1 would read an unquoted 0123 as 83,
+    12:30 as 750 and yes as true. JSON flags take a mapping."""
+    f = tmp_path / "c.yaml"
+    f.write_text("api_key: 0123\nserved_model_name: [0x1F, yes, 12:30]\nmax_model_len: 1k\nhost: 0.0.0.0\n"
+                 "eplb_config: {num_redundant_experts: 2}\ntrust_remote_code: false\nenable_chunked_prefill: true\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f)])
+    assert (ns.api_key, ns.served_model_name, ns.max_model_len, ns.host) == ("0123", ["0x1F", "yes", "12:30"], 1000,
+                                                                               "0.0.0.0")
+    assert json.loads(ns.eplb_config) == {"num_redundant_experts": 2} and ns.trust_remote_code is False
