@@ -63,8 +63,7 @@ def dashed(argv: list[str]) -> list[str]:
 
 
 def unknown_flag_hint(parser: argparse.ArgumentParser, tokens: list[str]) -> str:
-    """For the first unknown flag: vLLM's dotted JSON form (`--speculative-config.method X`) refused by name, or
-    the nearest flag of ours ("" when none is near)."""
+    """The first unknown flag's hint: vLLM's dotted JSON form refused by name, or our nearest flag ("" if none)."""
     import difflib
 
     flags = [s for s in parser._option_string_actions if s.startswith("--")]
@@ -100,8 +99,7 @@ def nonnegative_int(text: str) -> int:
 
 
 def token_count(text: str) -> int:
-    """A positive integer, or vLLM's human-readable form: 32k = 32,000 and 25.6k (k, m, g: powers of 1000), 32K =
-    32,768 (K, M, G: powers of 1024)."""
+    """A positive integer, or vLLM's forms: 32k = 32,000, 2.5k = 2,500 (k m g: powers of 1000), 32K = 32,768."""
     import re
 
     m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
@@ -169,8 +167,10 @@ def model_dir_problem(path: str) -> str | None:
     """Why `path` cannot be served (no directory, no or a bad config.json, an unsupported model), or None."""
     from deepinfer_jax.config import ConfigError, ModelConfig
 
-    if not os.path.isdir(path):
-        return f"{path!r} is not a directory" if os.path.exists(path) else f"{path!r} does not exist"
+    if not os.path.isdir(path):  # a Hub id (org/name) is what `vllm serve` would have downloaded
+        hub = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+        return f"{path!r} is not a directory" if os.path.exists(path) else f"{path!r} does not exist" + (
+            " (models are local directories: `huggingface-cli download REPO --local-dir DIR`, then --model DIR)" * hub)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return f"{path!r} is not a model directory (no config.json)"
     try:
@@ -454,8 +454,7 @@ def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
 
 
 def show_progress(log_level: int = logging.WARNING) -> bool:
-    """Progress bars (weights loading, compiling) only on a terminal, and only where no INFO log lines are printed
-    meanwhile (they would break the bars' lines); the bars write to stderr."""
+    """Progress bars (to stderr) only on a terminal, where no INFO log lines come between (breaking their lines)."""
     return sys.stderr.isatty() and log_level > logging.INFO
 
 

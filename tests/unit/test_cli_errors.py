@@ -115,6 +115,8 @@ USAGE_ERRORS = [
     (["serve", "--seed", "-1"], "argument --seed: must be an integer in 0..2"),
     (["serve", "--served-model-name", "name", "{d}/noweights"],
      "argument --served-model-name: '{d}/noweights' is a model directory: give it first"),
+    (["serve", "deepseek-ai/DeepSeek-V2-Lite"], "argument --model: 'deepseek-ai/DeepSeek-V2-Lite' does not exist "
+                                                r"\(models are local directories: `huggingface-cli download REPO"),
     (["serve", "--model", "{d}/classifier"], "argument --model: .*'DeepseekV3ForSequenceClassification' is not a "
                                              "causal LM"),
     (["plan"], "the following arguments are required: --model"),
