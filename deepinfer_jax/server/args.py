@@ -18,8 +18,7 @@ import os
 import sys
 from typing import Any
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
-                                 "default-model")
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "default-model")
 DEFAULT_MODEL_NAME = "deepinfer-default"
 # What the embedded model is (tools/train_default_model.py trains it), for --help and the first log line.
 DEFAULT_MODEL_NOTE = ("the embedded default model, a small DeepSeek-V3-architecture model that ships in the package "
@@ -271,7 +270,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
+    p.add_argument("--config", default=None, help="YAML file with the same keys as these flags (repeatable: a "
+                   "later file wins, the command line over all)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=port_number, default=8000)
@@ -374,12 +374,12 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv, first expanding `--config FILE` into flags that argv then overrides."""
     pre = ArgParser(prog=parser.prog, add_help=False)
-    pre.add_argument("--config", default=None)
+    pre.add_argument("--config", action="append", default=[])  # several: read in turn, the later wins
     pre.add_argument("--model", default=None)
     known, _ = pre.parse_known_args(argv)
     if not known.config:
         return parser.parse_args(argv)
-    ns = parser.parse_args(yaml_to_argv(known.config, parser) + list(argv))
+    ns = parser.parse_args([a for f in known.config for a in yaml_to_argv(f, parser)] + list(argv))
     if getattr(ns, "model_tag", None) is not None and known.model is None:
         ns.model = None  # `serve MODEL --config F`: the command line's model wins over the file's, as in vLLM
     return ns

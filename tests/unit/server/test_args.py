@@ -135,6 +135,10 @@ def test_yaml_then_flags(tmp_path):
     ns = parse_with_config(_serve_parser(), ["--config", str(f), "--port", "10", "--enable-prefix-caching"])
     assert ns.max_num_seqs == 8 and ns.port == 10 and ns.enable_prefix_caching and ns.served_model_name == ["x", "y"]
     assert ns.api_key == "secret" and ns.reasoning_parser == "deepseek_r1"
+    g = tmp_path / "d.yaml"  # several files: each read, in turn (the later wins), the command line over all
+    g.write_text("max_num_seqs: 4\nport: 11\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f), "--config", str(g), "--port", "12"])
+    assert (ns.max_num_seqs, ns.port, ns.api_key) == (4, 12, "secret")
 
 
 def test_speculative_config_flag_and_yaml(tmp_path):
