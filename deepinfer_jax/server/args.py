@@ -1,9 +1,8 @@
 """Command-line flags for `deepinfer serve` / `chat` / `generate`, and the YAML config that mirrors them.
 
-Flag names follow `vllm serve` where they mean the same thing. A YAML file (`--config FILE`) takes the
-same keys with underscores or dashes (`enable_prefix_caching: false`, `served_model_name: [a, b]`);
-it is turned into flags placed before the real command line, so flags given there win and every
-value goes through the same type checks. An unknown key is an error.
+Flag names (and their vLLM spellings: `--max_model_len`, `32k`) follow `vllm serve` where they mean the same thing.
+A YAML file (`--config FILE`) takes the same keys with underscores or dashes (`served_model_name: [a, b]`), turned
+into flags placed before the real command line: flags given there win, every value goes through the same checks.
 
 Every usage error is one line, `deepinfer CMD: error: ...`, exit status 2 (`ArgParser`), found while parsing: the
 flags' values by their `type=` checks, --model and what needs its config.json by `check_engine_args` right after.
@@ -112,10 +111,6 @@ def token_count(text: str) -> int:
         raise argparse.ArgumentTypeError(f"must be a whole number before {suffix} (a power of 1024), got {text!r}")
     scale = 1000 ** " kmg".index(suffix) if suffix.islower() else 1024 ** " KMG".index(suffix)
     return positive_int(str(int(float(number) * scale)))
-
-
-def seed_value(text: str) -> int:
-    return _number(int, text, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63)
 
 
 # vLLM's other names of these values (--dtype half, --load-format safetensors), read as ours.
@@ -236,7 +231,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
                    help="fix the KV cache size in pages (vLLM's --num-gpu-blocks-override)")
-    g.add_argument("--seed", type=seed_value, default=0)
+    g.add_argument("--seed", type=lambda t: _number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
+                   default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
                    help="attention implementation (default auto: the Pallas kernels on a GPU, XLA elsewhere)")
@@ -408,6 +404,9 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
         if os.path.isfile(os.path.join(name, "config.json")):  # nargs="+" took the model for a name
             parser.error(f"argument --served-model-name: {name!r} is a model directory: give it first (`deepinfer "
                          f"serve {name} --served-model-name ...`) or as --model")
+    if (ns.max_num_batched_tokens or ns.max_num_seqs or 0) < (ns.max_num_seqs or 0):  # as vLLM, which refuses it
+        parser.error(f"argument --max-num-batched-tokens: {ns.max_num_batched_tokens} is less than --max-num-seqs "
+                     f"{ns.max_num_seqs}: a step could not hold a token of every running sequence")
     if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
         parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
     if ns.quantization not in (None, "auto"):

@@ -113,6 +113,8 @@ USAGE_ERRORS = [
     (["serve", "--max-model-len", "auto"], "argument --max-model-len: auto .* is not supported"),
     (["serve", "--max-model-len", "1.5K"], "argument --max-model-len: must be a whole number before K"),
     (["serve", "--seed", "-1"], "argument --seed: must be an integer in 0..2"),
+    (["serve", "--max-num-seqs", "64", "--max-num-batched-tokens", "32"], "argument --max-num-batched-tokens: 32 is "
+                                                                          "less than --max-num-seqs 64"),
     (["serve", "--served-model-name", "name", "{d}/noweights"],
      "argument --served-model-name: '{d}/noweights' is a model directory: give it first"),
     (["serve", "deepseek-ai/DeepSeek-V2-Lite"], "argument --model: 'deepseek-ai/DeepSeek-V2-Lite' does not exist "
