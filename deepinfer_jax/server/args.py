@@ -72,7 +72,7 @@ def unknown_flag_hint(parser: argparse.ArgumentParser, tokens: list[str]) -> str
         base = name.split(".", 1)[0]
         if "." in name and base in flags:
             return f" ({base}.KEY VALUE, vLLM's dotted form, is not supported: pass {base} as one JSON value)"
-        near = difflib.get_close_matches(name, flags, n=1, cutoff=0.75)
+        near = difflib.get_close_matches(name, flags, n=1, cutoff=0.85)
         return f" (did you mean {near[0]}?)" if near else ""
     return ""
 
