@@ -173,6 +173,8 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, not a {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures") or []

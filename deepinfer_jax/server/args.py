@@ -171,8 +171,9 @@ def model_dir_problem(path: str) -> str | None:
         ModelConfig.from_model_dir(path)
     except json.JSONDecodeError as e:
         return f"{os.path.join(path, 'config.json')} is not valid JSON ({e})"
-    except (ConfigError, OSError) as e:
-        return f"{os.path.join(path, 'config.json')}: {e}"
+    except (ConfigError, OSError, ValueError, TypeError, KeyError) as e:  # the last three: "hidden_size": "x"
+        why = e if isinstance(e, (ConfigError, OSError)) else f"a field of the wrong type ({type(e).__name__}: {e})"
+        return f"{os.path.join(path, 'config.json')}: {why}"
     return None
 
 

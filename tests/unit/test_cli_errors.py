@@ -33,6 +33,12 @@ def dirs(tmp_path_factory):
     (d / "gemma" / "config.json").write_text(json.dumps({"model_type": "gemma"}))
     (d / "badjson").mkdir()
     (d / "badjson" / "config.json").write_text("{not json")
+    (d / "listjson").mkdir()
+    (d / "listjson" / "config.json").write_text("[1, 2]")
+    (d / "badfield").mkdir()
+    (d / "badfield" / "config.json").write_text(json.dumps({**json.load(open(os.path.join(DEFAULT_MODEL_DIR,
+                                                                                           "config.json"))),
+                                                            "hidden_size": "big"}))
     (d / "syntax.yaml").write_text("max_num_seqs: [1\n")
     (d / "unknown.yaml").write_text("nonsense_key: 1\n")
     (d / "negative.yaml").write_text("max_num_seqs: -3\n")
@@ -60,6 +66,9 @@ USAGE_ERRORS = [
     (["serve", "--model", "{d}/empty"], "argument --model: .*no config.json"),
     (["serve", "--model", "{d}/gemma"], "argument --model: .*model_type 'gemma' is not supported"),
     (["serve", "--model", "{d}/badjson"], "argument --model: .*not valid JSON"),
+    (["serve", "--model", "{d}/listjson"], "argument --model: .*config.json must hold a JSON object, not a list"),
+    (["plan", "--model", "{d}/badfield"], "argument --model: .*config.json: a field of the wrong type \\(ValueError: "
+                                          "invalid literal for int\\(\\) with base 10: 'big'\\)"),
     (["generate", "--model", "/no/such/dir", "--prompt", "x"], "argument --model"),
     (["chat", "--model", "{d}/empty"], "argument --model"),
     (["serve", "--max-model-len", "-5"], "argument --max-model-len: must be a positive integer, got -5"),
