@@ -55,6 +55,10 @@ def dirs(tmp_path_factory):
     shutil.copytree(d / "noweights", d / "truncated")
     with open(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"), "rb") as f:
         (d / "truncated" / "model.safetensors").write_bytes(f.read(1 << 20))
+    shutil.copytree(d / "noweights", d / "badtokenizer")  # a tokenizer.json or tokenizer_config.json cut short
+    (d / "badtokenizer" / "tokenizer.json").write_text('{"model": ')
+    shutil.copytree(d / "noweights", d / "badtokconfig")
+    (d / "badtokconfig" / "tokenizer_config.json").write_text("{bad")
     shutil.copytree(d / "noweights", d / "badindex")
     (d / "badindex" / "model.safetensors.index.json").write_text('{"weight_map": ')
     return d
@@ -187,6 +191,20 @@ def test_serve_engine_error_is_one_line(dirs):
     assert len(errors) == 1 and errors[0].endswith("the engine failed to start: "
                                                    f"{dirs / 'noweights'} holds no *.safetensors files"), r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("model, extra, error", [
+    ("badtokenizer", [], "{d}/badtokenizer/tokenizer.json cannot be read as a tokenizer (EOF while parsing"),
+    ("badtokconfig", [], "{d}/badtokconfig/tokenizer_config.json is not valid JSON (Expecting property name"),
+    ("noweights", ["--chat-template", "{% if %}"], "--chat-template (user-string): chat template does not compile: ")])
+def test_serve_tokenizer_error_is_one_line(dirs, model, extra, error):
+    """A tokenizer file that cannot be read, or a --chat-template that cannot compile, stops serve before the
+    weights load: one line naming the file or the flag, exit status 2."""
+    r = _run("serve", "--model", str(dirs / model), "--port", "0", *extra)
+    assert r.returncode == 2, r.stderr
+    errors = [line for line in r.stderr.splitlines() if " ERROR " in line]
+    assert len(errors) == 1 and "cannot start: " + error.format(d=dirs) in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and "loading" not in r.stderr
 
 
 def test_plan_json_keys_are_documented():
