@@ -228,3 +228,34 @@ def test_setup_script_refuses_unknown_arguments():
                        timeout=60)
     assert r.returncode == 2 and r.stderr.strip() == ("setup: unknown arguments: --tests (usage: bash "
                                                       "scripts/setup.sh [--test])"), r.stderr
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    """The embedded model converted (`deepinfer convert`), and copies of it with a data file cut short and with its
+    metadata gone."""
+    d = tmp_path_factory.mktemp("converted")
+    r = _run("convert", "--src", DEFAULT_MODEL_DIR, "--dst", str(d / "ok"))
+    assert r.returncode == 0, r.stderr
+    state = os.path.join("params", "state")
+    shutil.copytree(d / "ok", d / "truncated")
+    data = max((os.path.join(root, f) for root, _, files in os.walk(d / "truncated" / state) for f in files),
+               key=os.path.getsize)
+    os.truncate(data, 1000)
+    shutil.copytree(d / "ok", d / "nometa")
+    os.remove(d / "nometa" / state / "_METADATA")
+    return d
+
+
+@pytest.mark.parametrize("model, error", [
+    ("truncated", r"{m}/params/state: \w+ cannot be read \(ValueError: OUT_OF_RANGE: .* is not valid for value of "
+                  r"size 1000\)$"),
+    ("nometa", r"{m}/params/state: no readable _METADATA \(missing or corrupt: an incomplete copy\?\)$")])
+def test_converted_checkpoint_error_is_one_line(converted, model, error):
+    """A converted directory damaged after `deepinfer convert`: one line naming the checkpoint, exit status 1."""
+    import re
+
+    r = _run("generate", "--model", str(converted / model), "--prompt", "x", "--max-tokens", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert re.fullmatch("deepinfer generate: error: " + error.format(m=re.escape(str(converted / model))), last), last
