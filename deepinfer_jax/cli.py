@@ -37,6 +37,53 @@ def _serve_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _plan(argv: list[str]) -> int:
+    """`deepinfer plan`: serve's flag names, value checks and model-directory checks (one-line usage errors, exit
+    status 2), then engine/plan.py `report`."""
+    from deepinfer_jax.server import args as a
+
+    p = a.ArgParser(prog="deepinfer plan", description="will a model fit (reads no weights)")
+    p.add_argument("--model", required=True)
+    p.add_argument("--tensor-parallel-size", "-tp", type=a.positive_int, default=1)
+    p.add_argument("--data-parallel-size", "-dp", type=a.positive_int, default=1)
+    p.add_argument("--enable-expert-parallel", "-ep", action="store_true")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=a.positive_int, default=1)
+    p.add_argument("--dtype", type=a.value_alias("dtype"), default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"])
+    p.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"])
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
+    p.add_argument("--gpu-memory", type=a.positive_float, default=None, metavar="GIB", help="GiB of memory per device")
+    p.add_argument("--gpu-memory-utilization", type=a.fraction, default=0.9)
+    p.add_argument("--max-model-len", type=a.token_count, default=None)
+    p.add_argument("--page-size", "--block-size", dest="page_size", type=a.power_of_two, default=64,
+                   help="tokens per KV cache page (DeepSeek-V4: sizes its per-group pools)")
+    p.add_argument("--max-num-seqs", type=a.positive_int, default=256,
+                   help="DeepSeek-V4: sequences its windowed pools hold")
+    p.add_argument("--max-num-batched-tokens", type=a.token_count, default=None,
+                   help="DeepSeek-V4: a step's tokens its windowed pools hold (default max(2048, --max-num-seqs))")
+    p.add_argument("--cpu-offload-gb", type=a.nonnegative_float, default=0.0, metavar="GIB",
+                   help="GiB of weights in host memory")
+    p.add_argument("--kv-offloading-size", type=a.nonnegative_float, default=0.0, metavar="GIB",
+                   help="GiB of host memory for the KV host tier")
+    p.add_argument("--speculative-config", "-sc", type=a.speculative_config, default=None,
+                   help='serve\'s JSON, e.g. {"method": "deepseek_mtp", "num_speculative_tokens": 1}: the MTP '
+                        "layer's cache rows are counted per token")
+    p.add_argument("--json", action="store_true", help="the plan as JSON (its fields: docs/quantization.md)")
+    ns = p.parse_args(argv)
+    problem = a.model_dir_problem(ns.model)
+    if problem:
+        p.error(f"argument --model: {problem}")
+    if ns.max_model_len is not None:
+        from deepinfer_jax.config import ModelConfig
+
+        limit = ModelConfig.from_model_dir(ns.model).max_position_embeddings
+        if ns.max_model_len > limit:
+            p.error(f"argument --max-model-len: {ns.max_model_len} exceeds the model's max_position_embeddings {limit}")
+    from deepinfer_jax.engine import plan
+
+    return plan.report(ns)
+
+
 def _convert(argv: list[str]) -> int:
     try:
         mod = importlib.import_module("deepinfer_jax.weights.convert")
@@ -68,9 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "convert":
         return _convert(rest)
     if cmd == "plan":
-        from deepinfer_jax.engine import plan
-
-        return plan.main(rest)
+        return _plan(rest)
     if cmd == "bench":
         from deepinfer_jax.server import bench
 

@@ -173,12 +173,18 @@ class ModelConfig:
     # ---- construction --------------------------------------------------------------------------
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> "ModelConfig":
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, not a {type(d).__name__}")
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
             archs = d.get("architectures") or []
             named = f"architecture {archs[0]!r} (model_type {model_type!r})" if archs else f"model_type {model_type!r}"
             raise ConfigError(f"{named} is not supported; supported: "
                               + ", ".join(f"{a} ({t})" for t, (_, a) in MODEL_FAMILIES.items()))
+        heads = [str(a) for a in d.get("architectures") or []]
+        if heads and not any("CausalLM" in a for a in heads):  # a classifier / reward / embedding head on the type
+            raise ConfigError(f"architecture {heads[0]!r} is not a causal LM (this engine generates text; a "
+                              f"{model_type} model it serves is {MODEL_FAMILIES[model_type][1]})")
         if MODEL_FAMILIES[model_type][0] == "dense":
             return _dense_config(cls, d)
         if model_type == "deepseek_v4":

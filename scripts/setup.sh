@@ -8,7 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 extras=""
-[[ "${1:-}" == "--test" ]] && extras="[test]"
+case "$#:${1:-}" in
+  0:) ;;
+  1:--test) extras="[test]" ;;
+  *) echo "setup: unknown arguments: $* (usage: bash scripts/setup.sh [--test])" >&2; exit 2 ;;
+esac
 
 want="$(cat .python-version)"
 py=""

@@ -447,31 +447,9 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                       kv_host_tier_bytes=host_tier_tokens * per_token, kv_host_tier_tokens=host_tier_tokens)
 
 
-def main(argv: list[str]) -> int:
-    p = argparse.ArgumentParser(prog="deepinfer plan", description="will a model fit (reads no weights)")
-    p.add_argument("--model", required=True)
-    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    p.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    p.add_argument("--enable-expert-parallel", action="store_true")
-    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
-    p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
-    p.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"])
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"])
-    p.add_argument("--gpu-memory", type=float, default=None, help="GiB of memory per device")
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--page-size", "--block-size", dest="page_size", type=int, default=64,
-                   help="tokens per KV cache page (DeepSeek-V4: sizes its per-group pools)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="DeepSeek-V4: sequences its windowed pools hold")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="DeepSeek-V4: a step's tokens its windowed pools hold (default max(2048, --max-num-seqs))")
-    p.add_argument("--cpu-offload-gb", type=float, default=0.0, help="GiB of weights in host memory")
-    p.add_argument("--kv-offloading-size", type=float, default=0.0, help="GiB of host memory for the KV host tier")
-    p.add_argument("--speculative-config", "-sc", default=None,
-                   help='serve\'s JSON, e.g. {"method": "deepseek_mtp", "num_speculative_tokens": 1}: the MTP '
-                        "layer's cache rows are counted per token")
-    p.add_argument("--json", action="store_true")
-    ns = p.parse_args(argv)
+def report(ns: argparse.Namespace) -> int:
+    """`deepinfer plan`'s run on its parsed flags (deepinfer_jax/cli.py): the plan as lines or, with --json, as this
+    module's `Plan` fields (docs/quantization.md); exit status 0 fits or no --gpu-memory, 1 does not fit, 2 bad input."""
     try:
         result = plan(ns.model, tensor_parallel_size=ns.tensor_parallel_size,
                       data_parallel_size=ns.data_parallel_size, enable_expert_parallel=ns.enable_expert_parallel,

@@ -35,7 +35,13 @@ def enable_compilation_cache(cache_dir: str | None = "default") -> str | None:
         return None
     if cache_dir == "default":
         cache_dir = os.environ.get("DEEPINFER_CACHE_DIR", DEFAULT_DIR)
-    os.makedirs(cache_dir, exist_ok=True)
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        if not os.access(cache_dir, os.W_OK):
+            raise PermissionError(0, "not writable")
+    except OSError as e:
+        raise ValueError(f"compilation cache directory {cache_dir!r} (--compilation-cache-dir, $DEEPINFER_CACHE_DIR): "
+                         f"{e.strerror or e}; pass a writable directory, or none to turn the cache off") from None
     seed_autotune_results(cache_dir)
     jax.config.update("jax_compilation_cache_dir", cache_dir)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -1,9 +1,8 @@
 """Command-line flags for `deepinfer serve` / `chat` / `generate`, and the YAML config that mirrors them.
 
-Flag names follow `vllm serve` where they mean the same thing. A YAML file (`--config FILE`) takes the
-same keys with underscores or dashes (`enable_prefix_caching: false`, `served_model_name: [a, b]`);
-it is turned into flags placed before the real command line, so flags given there win and every
-value goes through the same type checks. An unknown key is an error.
+Flag names (and their vLLM spellings: `--max_model_len`, `32k`) follow `vllm serve` where they mean the same thing.
+A YAML file (`--config FILE`) takes the same keys with underscores or dashes (`served_model_name: [a, b]`), turned
+into flags placed before the real command line: flags given there win, every value goes through the same checks.
 
 Every usage error is one line, `deepinfer CMD: error: ...`, exit status 2 (`ArgParser`), found while parsing: the
 flags' values by their `type=` checks, --model and what needs its config.json by `check_engine_args` right after.
@@ -18,8 +17,7 @@ import os
 import sys
 from typing import Any
 
-DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets",
-                                 "default-model")
+DEFAULT_MODEL_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "default-model")
 DEFAULT_MODEL_NAME = "deepinfer-default"
 # What the embedded model is (tools/train_default_model.py trains it), for --help and the first log line.
 DEFAULT_MODEL_NOTE = ("the embedded default model, a small DeepSeek-V3-architecture model that ships in the package "
@@ -35,16 +33,48 @@ class ArgParser(argparse.ArgumentParser):
     """argparse with every usage error on one line: `PROG: error: MESSAGE` on stderr, exit status 2 (no usage
     block; --help prints it)."""
 
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
         from deepinfer_jax.server.vllm_flags import refusal
 
-        msg = refusal(self, list(sys.argv[1:] if args is None else args))  # vLLM flags refused by name
+        args = dashed(list(sys.argv[1:] if args is None else args))
+        msg = refusal(self, args)  # vLLM flags refused by name
         if msg:
             self.error(msg)
         return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):  # type: ignore[override]
+        if message.startswith("unrecognized arguments: "):
+            message += unknown_flag_hint(self, message.split()[2:])
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def dashed(argv: list[str]) -> list[str]:
+    """`--max_model_len` is `--max-model-len`, as vLLM reads it (flag names only, up to a `--`)."""
+    out = list(argv)
+    for i, tok in enumerate(out):
+        if tok == "--":
+            break
+        if tok.startswith("--") and "_" in tok.split("=", 1)[0]:
+            name, eq, value = tok.partition("=")
+            out[i] = "--" + name[2:].replace("_", "-") + eq + value
+    return out
+
+
+def unknown_flag_hint(parser: argparse.ArgumentParser, tokens: list[str]) -> str:
+    """The first unknown flag's hint: vLLM's dotted JSON form refused by name, or our nearest flag ("" if none)."""
+    import difflib
+
+    flags = [s for s in parser._option_string_actions if s.startswith("--")]
+    for tok in tokens:
+        if not tok.startswith("--"):
+            continue
+        name = tok.split("=", 1)[0]
+        base = name.split(".", 1)[0]
+        if "." in name and base in flags:
+            return f" ({base}.KEY VALUE, vLLM's dotted form, is not supported: pass {base} as one JSON value)"
+        near = difflib.get_close_matches(name, flags, n=1, cutoff=0.85)
+        return f" (did you mean {near[0]}?)" if near else ""
+    return ""
 
 
 # ---- value checks (argparse `type=`: the error names the flag) -----------------------------------------------
@@ -64,6 +94,31 @@ def positive_int(text: str) -> int:
 
 def nonnegative_int(text: str) -> int:
     return _number(int, text, "an integer >= 0", lambda v: v >= 0)
+
+
+def token_count(text: str) -> int:
+    """A positive integer, or vLLM's forms: 32k = 32,000, 2.5k = 2,500 (k m g: powers of 1000), 32K = 32,768."""
+    import re
+
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
+    if m is None:
+        if text.strip().lower() in ("auto", "-1"):
+            raise argparse.ArgumentTypeError(f"{text} (vLLM: the longest that fits) is not supported: give a number, "
+                                             "or leave the flag out for the default")
+        return positive_int(text)
+    number, suffix = m.groups()
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"must be a whole number before {suffix} (a power of 1024), got {text!r}")
+    scale = 1000 ** " kmg".index(suffix) if suffix.islower() else 1024 ** " KMG".index(suffix)
+    return positive_int(str(int(float(number) * scale)))
+
+
+# vLLM's other names of these values (--dtype half, --load-format safetensors), read as ours.
+VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "load_format": {"safetensors": "auto"}}
+
+
+def value_alias(flag: str):
+    return lambda text: VALUE_ALIASES[flag].get(text, text)
 
 
 def positive_float(text: str) -> float:
@@ -106,16 +161,19 @@ def model_dir_problem(path: str) -> str | None:
     """Why `path` cannot be served (no directory, no or a bad config.json, an unsupported model), or None."""
     from deepinfer_jax.config import ConfigError, ModelConfig
 
-    if not os.path.isdir(path):
-        return f"{path!r} is not a directory" if os.path.exists(path) else f"{path!r} does not exist"
+    if not os.path.isdir(path):  # a Hub id (org/name) is what `vllm serve` would have downloaded
+        hub = path.count("/") == 1 and not path.startswith((".", "/", "~"))
+        return f"{path!r} is not a directory" if os.path.exists(path) else f"{path!r} does not exist" + (
+            " (models are local directories: `huggingface-cli download REPO --local-dir DIR`, then --model DIR)" * hub)
     if not os.path.isfile(os.path.join(path, "config.json")):
         return f"{path!r} is not a model directory (no config.json)"
     try:
         ModelConfig.from_model_dir(path)
     except json.JSONDecodeError as e:
         return f"{os.path.join(path, 'config.json')} is not valid JSON ({e})"
-    except (ConfigError, OSError) as e:
-        return f"{os.path.join(path, 'config.json')}: {e}"
+    except (ConfigError, OSError, ValueError, TypeError, KeyError) as e:  # the last three: "hidden_size": "x"
+        why = e if isinstance(e, (ConfigError, OSError)) else f"a field of the wrong type ({type(e).__name__}: {e})"
+        return f"{os.path.join(path, 'config.json')}: {why}"
     return None
 
 
@@ -124,7 +182,10 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--model", required=model_required, default=None,
                    help="model directory (HF safetensors or converted, config.json, tokenizer). Default: "
                         + DEFAULT_MODEL_NOTE.replace("%", "%%"))
-    g.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"])
+    g.add_argument("--dtype", type=value_alias("dtype"), default="auto",
+                   choices=["auto", "bfloat16", "float16", "float32"],
+                   help="compute dtype (auto: the checkpoint's, float32 ones in bfloat16); vLLM's half and float "
+                        "are float16 and float32")
     g.add_argument("--quantization", "-q", default=None, choices=["auto", "none", "fp8", "int8", "int4"],
                    help="weights' format (default auto: the checkpoint's own, FP8 kept as FP8); none: an FP8 "
                         "checkpoint dequantized to --dtype at load; fp8: a bf16/fp32 checkpoint quantized online "
@@ -132,14 +193,15 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
                    help="latent KV cache element type: auto (the compute dtype) or fp8 (e4m3, scale 1.0: half the "
                         "bytes per token of bf16; attention then runs on the XLA path)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
-                   help="dummy: random weights from the model directory's config.json (benchmarks)")
-    g.add_argument("--max-model-len", type=positive_int, default=None,
-                   help="context length (prompt + output); default min(max_position_embeddings, 4096), "
-                        "2048 for small models (up to 20M parameters, as the embedded demo model)")
+    g.add_argument("--load-format", type=value_alias("load_format"), default="auto", choices=["auto", "dummy"],
+                   help="auto (or vLLM's safetensors): the checkpoint; dummy: random weights from the model "
+                        "directory's config.json (benchmarks)")
+    g.add_argument("--max-model-len", type=token_count, default=None,
+                   help="context length (prompt + output; 32k = 32000, 32K = 32768); default min(max_position_"
+                        "embeddings, 4096), 2048 for small models (up to 20M parameters, as the embedded demo model)")
     g.add_argument("--max-num-seqs", type=positive_int, default=None,
                    help="sequences per engine step (default 256; 32 for small models)")
-    g.add_argument("--max-num-batched-tokens", type=positive_int, default=None,
+    g.add_argument("--max-num-batched-tokens", type=token_count, default=None,
                    help="tokens per engine step (default max(2048, max_num_seqs); 256 for small models)")
     g.add_argument("--gpu-memory-utilization", type=fraction, default=0.9,
                    help="fraction of device memory for weights + KV cache, in (0, 1]")
@@ -170,7 +232,8 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
                    help="fix the KV cache size in pages (vLLM's --num-gpu-blocks-override)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=lambda t: _number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
+                   default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
                    help="attention implementation (default auto: the Pallas kernels on a GPU, XLA elsewhere)")
@@ -204,14 +267,16 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", default=None, help="YAML file with the same keys as these flags")
+    p.add_argument("--config", default=None, help="YAML file with the same keys as these flags (repeatable: a "
+                   "later file wins, the command line over all)")
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1")
     g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY)")
+    g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY, else "
+                        "$VLLM_API_KEY as vLLM reads it)")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3"],
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
                         "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")
@@ -258,7 +323,9 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
 
     try:
         with open(path, encoding="utf-8") as f:
-            data = yaml.safe_load(f) or {}
+            text = f.read()
+        data = yaml.safe_load(text) or {}
+        raw = yaml.load(text, Loader=yaml.BaseLoader) or {}  # values as written: api_key: 0123 is not 83
     except OSError as e:
         bad(e.strerror or str(e))
     except yaml.YAMLError as e:
@@ -268,11 +335,14 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
     if not isinstance(data, dict):
         bad("the config must be a mapping of flag names to values")
     options = {a.dest: a for a in parser._actions if a.option_strings}
+    options.update({s[2:].replace("-", "_"): a for a in parser._actions for s in a.option_strings  # block_size
+                    if s.startswith("--") and s[2:].replace("-", "_") not in options})
     argv: list[str] = []
+    refusals = getattr(parser, "refused_flags", {})
     for key, value in data.items():
         dest = str(key).replace("-", "_")
         action = options.get(dest)
-        refused = getattr(parser, "refused_flags", {}).get("--" + dest.replace("_", "-"))
+        refused = refusals.get("--" + dest.replace("_", "-"))
         if refused:
             bad(f"{key}: {refused}")
         if action is None or dest in ("config", "help"):
@@ -283,29 +353,33 @@ def yaml_to_argv(path: str, parser: argparse.ArgumentParser) -> list[str]:
         if isinstance(action, (argparse.BooleanOptionalAction, argparse._StoreTrueAction)):
             if not isinstance(value, bool):
                 bad(f"{key} must be true or false, got {value!r}")
+            if refusals.get("--no-" + flag[2:]) and not value:  # `enable_chunked_prefill: false`, as its --no- form
+                bad(f"{key}: false: {refusals['--no-' + flag[2:]]}")
             if isinstance(action, argparse.BooleanOptionalAction):
                 argv.append(flag if value else "--no-" + flag[2:])
             elif value:
                 argv.append(flag)
-        elif isinstance(value, list):
-            argv += [flag] + [str(v) for v in value]
-        elif isinstance(value, dict) and dest == "speculative_config":  # its mapping, as the flag's JSON
+        elif isinstance(value, dict) and dest in ("speculative_config", "eplb_config"):  # as the flag's JSON
             argv += [flag, json.dumps(value)]
         elif isinstance(value, dict):
             bad(f"{key} must be a value or a list, got a mapping")
-        else:
-            argv += [flag, str(value).lower() if isinstance(value, bool) else str(value)]
+        else:  # the text as written, through the flag's own checks
+            argv += [flag] + ([str(v) for v in raw[key]] if isinstance(value, list) else [raw[key]])
     return argv
 
 
 def parse_with_config(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
     """Parse argv, first expanding `--config FILE` into flags that argv then overrides."""
     pre = ArgParser(prog=parser.prog, add_help=False)
-    pre.add_argument("--config", default=None)
+    pre.add_argument("--config", action="append", default=[])  # several: read in turn, the later wins
+    pre.add_argument("--model", default=None)
     known, _ = pre.parse_known_args(argv)
-    if known.config:
-        argv = yaml_to_argv(known.config, parser) + list(argv)
-    return parser.parse_args(argv)
+    if not known.config:
+        return parser.parse_args(argv)
+    ns = parser.parse_args([a for f in known.config for a in yaml_to_argv(f, parser)] + list(argv))
+    if getattr(ns, "model_tag", None) is not None and known.model is None:
+        ns.model = None  # `serve MODEL --config F`: the command line's model wins over the file's, as in vLLM
+    return ns
 
 
 def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> argparse.Namespace:
@@ -327,6 +401,13 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     problem = model_dir_problem(model_dir)
     if problem:
         parser.error(f"argument --model: {problem}")
+    for name in (getattr(ns, "served_model_name", None) or []) if ns.model is None else []:
+        if os.path.isfile(os.path.join(name, "config.json")):  # nargs="+" took the model for a name
+            parser.error(f"argument --served-model-name: {name!r} is a model directory: give it first (`deepinfer "
+                         f"serve {name} --served-model-name ...`) or as --model")
+    if (ns.max_num_batched_tokens or ns.max_num_seqs or 0) < (ns.max_num_seqs or 0):  # as vLLM, which refuses it
+        parser.error(f"argument --max-num-batched-tokens: {ns.max_num_batched_tokens} is less than --max-num-seqs "
+                     f"{ns.max_num_seqs}: a step could not hold a token of every running sequence")
     if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
         parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
     if ns.quantization not in (None, "auto"):
@@ -373,8 +454,7 @@ def resolve_model(ns: argparse.Namespace) -> tuple[str, str]:
 
 
 def show_progress(log_level: int = logging.WARNING) -> bool:
-    """Progress bars (weights loading, compiling) only on a terminal, and only where no INFO log lines are printed
-    meanwhile (they would break the bars' lines); the bars write to stderr."""
+    """Progress bars (to stderr) only on a terminal, where no INFO log lines come between (breaking their lines)."""
     return sys.stderr.isatty() and log_level > logging.INFO
 
 

@@ -176,8 +176,12 @@ def resolve_chat_template(model_dir: str | None, tokenizer_config: Mapping[str, 
                           has_user_token: bool) -> tuple[dict[str, str], str | None]:
     """Apply the module-docstring rule. Returns ({name: template}, source) where the dict is
     empty when there is no template; "default" is the main entry."""
-    if user_template is not None:
+    if user_template is not None:  # compiled now: a template the user named that cannot compile stops the start
         text, source = load_user_template(user_template)
+        try:
+            compile_chat_template(text)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"--chat-template ({source}): {e}") from None
         return {"default": text}, source
     if model_dir:
         path = os.path.join(model_dir, "chat_template.jinja")

@@ -47,7 +47,10 @@ def _read_json(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         return {}
     with open(path, encoding="utf-8") as f:
-        data = json.load(f)
+        try:
+            data = json.load(f)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"{path} is not valid JSON ({e})") from None
     return data if isinstance(data, dict) else {}
 
 
@@ -230,10 +233,12 @@ def load_tokenizer(model_dir: str, chat_template: str | None = None) -> Tokenize
     tc = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
     tj, tm = os.path.join(model_dir, "tokenizer.json"), os.path.join(model_dir, "tokenizer.model")
     backend: HFBackend | SPBackend
-    if os.path.isfile(tj):
-        backend = HFBackend(tj)
-    elif os.path.isfile(tm):
-        backend = SPBackend(tm)
+    if os.path.isfile(tj) or os.path.isfile(tm):
+        path = tj if os.path.isfile(tj) else tm
+        try:
+            backend = HFBackend(tj) if path == tj else SPBackend(tm)
+        except Exception as e:  # the Rust / C++ libraries raise bare Exception / RuntimeError
+            raise ValueError(f"{path} cannot be read as a tokenizer ({e})") from None
     else:
         raise TokenizerNotFoundError(
             f"no tokenizer in {model_dir!r}: expected tokenizer.json (HF tokenizers) or "

@@ -131,6 +131,25 @@ def _quiet_orbax() -> Iterator[None]:
         absl.setLevel(old)
 
 
+@contextlib.contextmanager
+def _no_sibling_tracebacks() -> Iterator[None]:
+    """A restore that fails (a data file cut short) fails its sibling reads too, which asyncio logs with their
+    tracebacks as its loop shuts down; the first error is raised as one line instead (this thread's records only)."""
+    import threading
+
+    me = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.thread == me and str(record.msg).startswith("unhandled exception during asyncio.run()"))
+
+    log = logging.getLogger("asyncio")
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
 class UnitWriter:
     """Writes units into `<dir>/params` with orbax partial saves; `finalize()` makes it one checkpoint."""
 
@@ -272,6 +291,13 @@ def load_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = N
     return cfg, pending.result()
 
 
+def _first_line(e: BaseException) -> str:
+    """The innermost cause's first line (tensorstore's own message, not the spec orbax wraps it in)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    return f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
+
+
 def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any = None, progress: bool = True
                       ) -> tuple[ModelConfig, PendingParams]:
     """(ModelConfig, the params pending), as `load_converted`: the metadata read and every stored entry checked
@@ -287,8 +313,14 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
     if not os.path.isdir(tree_dir):
         raise CheckpointError(f"{model_dir} has no orbax checkpoint at {PARAMS_DIR}/{PYTREE_SUBDIR}")
     ckptr = ocp.PyTreeCheckpointer()
-    with _quiet_orbax():
-        stored_meta = ckptr.metadata(tree_dir).item_metadata.tree
+    try:
+        with _quiet_orbax():
+            item = ckptr.metadata(tree_dir).item_metadata
+    except Exception as e:  # orbax raises its own kinds for a corrupt one
+        raise CheckpointError(f"{tree_dir}: the checkpoint's metadata cannot be read ({_first_line(e)})") from None
+    if item is None:
+        raise CheckpointError(f"{tree_dir}: no readable _METADATA (missing or corrupt: an incomplete copy?)")
+    stored_meta = item.tree
     default = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     units = checkpoint_units(cfg)
     expected = {u.name: _stored_groups(expected_unit(u, dtype, method, group), stored_meta.get(u.name))
@@ -371,10 +403,13 @@ def prepare_converted(model_dir: str, dtype: Any = jnp.bfloat16, shardings: Any 
 
             stored = to_stored(expected[u.name])
             args = jax.tree_util.tree_map_with_path(restore_arg, expected[u.name], is_leaf=is_quantized)
-            with _quiet_orbax():
-                got = ckptr.restore(tree_dir, args=ocp.args.PyTreeRestore(
-                    item={u.name: jax.tree.map(lambda _: 0, stored)}, restore_args={u.name: args},
-                    partial_restore=True))[u.name]
+            try:
+                with _quiet_orbax(), _no_sibling_tracebacks():
+                    got = ckptr.restore(tree_dir, args=ocp.args.PyTreeRestore(
+                        item={u.name: jax.tree.map(lambda _: 0, stored)}, restore_args={u.name: args},
+                        partial_restore=True))[u.name]
+            except Exception as e:  # tensorstore's errors (a data file cut short) carry its whole spec: the cause
+                raise CheckpointError(f"{tree_dir}: {u.name} cannot be read ({_first_line(e)})") from None
             got = jax.tree.map(lambda sds, x: QuantizedWeight(x["q"], x["scale"], sds.bits, sds.group_size, sds.n_out)
                                if is_quantized(sds) else x, expected[u.name], got, is_leaf=is_quantized)
             if not stacked:

@@ -62,11 +62,21 @@ def read_header(path: str) -> dict[str, TensorInfo]:
         raise CheckpointError(f"{path} is not a safetensors file ({e})") from None
     base = 8 + n
     out = {}
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} is not a safetensors file (its header is not a JSON object)")
     for name, meta in header.items():
         if name == "__metadata__":
             continue
-        s, e = meta["data_offsets"]
-        out[name] = TensorInfo(name, path, meta["dtype"], tuple(meta["shape"]), base + s, base + e)
+        try:
+            s, e = meta["data_offsets"]
+            out[name] = TensorInfo(name, path, meta["dtype"], tuple(meta["shape"]), base + s, base + e)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(f"{path} is not a safetensors file (bad header entry for {name})") from None
+    size = os.path.getsize(path)
+    end = max((t.stop for t in out.values()), default=base)
+    if end > size:  # found here, before any tensor is memory-mapped past the end of the file
+        raise CheckpointError(f"{path} is truncated: its header needs {end} bytes, the file has {size} "
+                              "(an interrupted download or copy?)")
     return out
 
 
@@ -87,9 +97,11 @@ def index_checkpoint(model_dir: str) -> dict[str, TensorInfo]:
     `model.safetensors.index.json`, or else every `*.safetensors` file in it."""
     index = os.path.join(model_dir, "model.safetensors.index.json")
     if os.path.isfile(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        files = sorted(set(weight_map.values()))
+        try:
+            with open(index) as f:
+                files = sorted(set(json.load(f)["weight_map"].values()))
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
     else:
         files = sorted(f for f in os.listdir(model_dir) if f.endswith(".safetensors"))
     if not files:

@@ -135,6 +135,10 @@ def test_yaml_then_flags(tmp_path):
     ns = parse_with_config(_serve_parser(), ["--config", str(f), "--port", "10", "--enable-prefix-caching"])
     assert ns.max_num_seqs == 8 and ns.port == 10 and ns.enable_prefix_caching and ns.served_model_name == ["x", "y"]
     assert ns.api_key == "secret" and ns.reasoning_parser == "deepseek_r1"
+    g = tmp_path / "d.yaml"  # several files: each read, in turn (the later wins), the command line over all
+    g.write_text("max_num_seqs: 4\nport: 11\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f), "--config", str(g), "--port", "12"])
+    assert (ns.max_num_seqs, ns.port, ns.api_key) == (4, 12, "secret")
 
 
 def test_speculative_config_flag_and_yaml(tmp_path):
@@ -155,7 +159,8 @@ def test_speculative_config_flag_and_yaml(tmp_path):
                                   "- a list\n", "reasoning_parser: nope\n", "port: [1\n", "max_model_len: 0\n",
                                   "host: {a: 1}\n", "speculative_config: {method: ngram, num_speculative_tokens: 0}\n",
                                   "speculative_config: {method: ngram, num_speculative_tokens: 2, k: 1}\n",
-                                  "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n"])
+                                  "speculative_config: {method: draft_model, model: /nowhere, num_speculative_tokens: 1}\n",
+                                  "enable_chunked_prefill: false\n", "max_model_len: 0x800\n", "seed: 12:30\n"])
 def test_bad_yaml(tmp_path, capsys, text):
     f = tmp_path / "c.yaml"
     f.write_text(text)
@@ -170,6 +175,35 @@ def test_example_configs_parse():
     assert files
     for f in files:
         parse_with_config(_serve_parser(), ["--config", f])
+
+
+# each shipped serve config -> the shipped model config of the model it names (None: the embedded model)
+SERVE_CONFIG_MODELS = {"serve-deepseek-r1.yaml": "deepseek-v3.json", "serve-deepseek-v2-lite.yaml":
+                       "deepseek-v2-lite.json", "serve-default.yaml": None}
+
+
+def test_shipped_configs_validate(tmp_path):
+    """Every file under configs/ passes the start-up checks: each model config is a model this engine serves, and
+    each serve config, its `model` replaced by a directory holding its model's config.json (a positional MODEL wins
+    over the file's), passes check_engine_args with its own --max-model-len and parallel sizes."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.server.args import check_engine_args
+
+    dirs = {}
+    for f in sorted(glob.glob(os.path.join(ROOT, "configs", "models", "*.json"))):
+        d = tmp_path / os.path.basename(f)
+        d.mkdir()
+        shutil.copy(f, d / "config.json")
+        ModelConfig.from_model_dir(str(d))
+        dirs[os.path.basename(f)] = str(d)
+    files = {os.path.basename(f) for f in glob.glob(os.path.join(ROOT, "configs", "serve-*.yaml"))}
+    assert files == set(SERVE_CONFIG_MODELS)
+    for name, model in SERVE_CONFIG_MODELS.items():
+        parser = _serve_parser()
+        ns = check_engine_args(parser, parse_with_config(parser, ([dirs[model]] if model else [])
+                                                         + ["--config", os.path.join(ROOT, "configs", name)]))
+        assert resolve_model(ns)[0] == (dirs[model] if model else DEFAULT_MODEL_DIR)
+        engine_kwargs(ns, platform="gpu")
 
 
 def test_convert_missing_module(monkeypatch, capsys):
@@ -251,3 +285,52 @@ def test_cpu_offload_gb(model_dirs, tmp_path, capsys):
     with pytest.raises(SystemExit):
         _kw(["--model", large, "--cpu-offload-gb", "-1"])
     assert "--cpu-offload-gb" in capsys.readouterr().err
+
+
+def test_vllm_spellings(model_dirs, tmp_path):
+    """What a vLLM command line or YAML file says means the same here: flag names with underscores, human-readable
+    token counts, vLLM's value names, the YAML keys of our aliases (block_size), and a positional MODEL over the
+    file's `model` (the command line wins, as in vLLM)."""
+    copy, large = model_dirs
+    ns = parse_with_config(_serve_parser(), ["--max_model_len=32k", "--max_num_batched_tokens", "8K", "--dtype",
+                                             "half", "--load-format", "safetensors", "--no_enable_prefix_caching",
+                                             "--tensor_parallel_size", "2"])
+    assert (ns.max_model_len, ns.max_num_batched_tokens, ns.dtype, ns.load_format) == (32000, 8192, "float16", "auto")
+    assert ns.enable_prefix_caching is False and ns.tensor_parallel_size == 2
+    assert parse_with_config(_serve_parser(), ["--max-model-len", "2.5k", "--dtype", "float"]).max_model_len == 2500
+    assert parse_with_config(_serve_parser(), ["--dtype", "float"]).dtype == "float32"
+    f = tmp_path / "c.yaml"
+    f.write_text(f"model: {large}\nblock_size: 16\nnum-gpu-blocks-override: 40\nmax_model_len: 1k\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f)])
+    assert (ns.model, ns.page_size, ns.num_pages, ns.max_model_len) == (large, 16, 40, 1000)
+    from deepinfer_jax.server.args import check_engine_args
+
+    parser = _serve_parser()
+    ns = check_engine_args(parser, parse_with_config(parser, [copy, "--config", str(f)]))
+    assert resolve_model(ns) == (copy, copy) and ns.page_size == 16
+    ns = check_engine_args(parser, parse_with_config(parser, ["--config", str(f), "--model", copy]))
+    assert ns.model == copy
+
+
+def test_api_key_from_vllm_environment(monkeypatch):
+    """An operator's VLLM_API_KEY still locks the server (vLLM reads it); DEEPINFER_API_KEY and --api-key win."""
+    monkeypatch.delenv("DEEPINFER_API_KEY", raising=False)
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert parse_with_config(_serve_parser(), []).api_key is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert parse_with_config(_serve_parser(), []).api_key == "from-vllm"
+    assert parse_with_config(_serve_parser(), ["--api-key", "flag"]).api_key == "flag"
+    monkeypatch.setenv("DEEPINFER_API_KEY", "ours")
+    assert parse_with_config(_serve_parser(), []).api_key == "ours"
+
+
+def test_yaml_values_as_written(tmp_path):
+    """A YAML value reaches its flag as written, as on a command line: YAML 1.1 would read an unquoted 0123 as 83,
+    12:30 as 750 and yes as true. JSON flags take a mapping."""
+    f = tmp_path / "c.yaml"
+    f.write_text("api_key: 0123\nserved_model_name: [0x1F, yes, 12:30]\nmax_model_len: 1k\nhost: 0.0.0.0\n"
+                 "eplb_config: {num_redundant_experts: 2}\ntrust_remote_code: false\nenable_chunked_prefill: true\n")
+    ns = parse_with_config(_serve_parser(), ["--config", str(f)])
+    assert (ns.api_key, ns.served_model_name, ns.max_model_len, ns.host) == ("0123", ["0x1F", "yes", "12:30"], 1000,
+                                                                               "0.0.0.0")
+    assert json.loads(ns.eplb_config) == {"num_redundant_experts": 2} and ns.trust_remote_code is False
