@@ -353,6 +353,11 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
                      llm.engine.num_warmup_compiles, llm.engine.kv_cache_report)
             return llm.engine
 
+    from deepinfer_jax.text.generation_config import load_sampling_defaults
+
+    defaults = load_sampling_defaults(model_dir, getattr(ns, "generation_config", "auto"))  # ValueError: cannot start
+    if defaults.log_line():
+        log.warning("%s", defaults.log_line())
     names = list(ns.served_model_name or [default_name])
     plugins = load_plugins(ns.plugin)  # a plugin that cannot be loaded stops the start (ValueError)
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
@@ -360,7 +365,7 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
                            max_request_sequences=ns.max_request_sequences,
                            max_completion_prompts=ns.max_completion_prompts, flags=dashboard.public_flags(ns),
-                           enable_auto_tool_choice=ns.enable_auto_tool_choice)
+                           enable_auto_tool_choice=ns.enable_auto_tool_choice, sampling_defaults=defaults)
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
     serving.plugins = Plugins(plugins, serving.offload)
     app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size, read_timeout=ns.read_timeout)

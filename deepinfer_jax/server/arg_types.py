@@ -7,7 +7,7 @@ import argparse
 from typing import Any
 
 
-def _number(kind, text: str, what: str, ok) -> Any:
+def number(kind, text: str, what: str, ok) -> Any:
     try:
         value = kind(text)
     except ValueError:
@@ -18,11 +18,11 @@ def _number(kind, text: str, what: str, ok) -> Any:
 
 
 def positive_int(text: str) -> int:
-    return _number(int, text, "a positive integer", lambda v: v > 0)
+    return number(int, text, "a positive integer", lambda v: v > 0)
 
 
 def nonnegative_int(text: str) -> int:
-    return _number(int, text, "an integer >= 0", lambda v: v >= 0)
+    return number(int, text, "an integer >= 0", lambda v: v >= 0)
 
 
 def token_count(text: str) -> int:
@@ -51,27 +51,27 @@ def value_alias(flag: str):
 
 
 def positive_float(text: str) -> float:
-    return _number(float, text, "a positive number", lambda v: v > 0)
+    return number(float, text, "a positive number", lambda v: v > 0)
 
 
 def nonnegative_float(text: str) -> float:
-    return _number(float, text, "a number >= 0", lambda v: v >= 0)
+    return number(float, text, "a number >= 0", lambda v: v >= 0)
 
 
 def fraction(text: str) -> float:
-    return _number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
+    return number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
 
 
 def port_number(text: str) -> int:
-    return _number(int, text, "a port number in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535)
+    return number(int, text, "a port number in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535)
 
 
 def power_of_two(text: str) -> int:
-    return _number(int, text, "a positive power of two", lambda v: v > 0 and not v & (v - 1))
+    return number(int, text, "a positive power of two", lambda v: v > 0 and not v & (v - 1))
 
 
 def at_least_two(text: str) -> int:
-    return _number(int, text, "an integer >= 2", lambda v: v >= 2)
+    return number(int, text, "an integer >= 2", lambda v: v >= 2)
 
 
 def speculative_config(text: str):

@@ -77,8 +77,8 @@ def unknown_flag_hint(parser: argparse.ArgumentParser, tokens: list[str]) -> str
     return ""
 
 
-from deepinfer_jax.server.arg_types import (VALUE_ALIASES, _number, at_least_two, fraction,  # noqa: F401 (re-exported)
-                                            nonnegative_float, nonnegative_int, port_number, positive_float,
+from deepinfer_jax.server.arg_types import (VALUE_ALIASES, at_least_two, fraction,  # noqa: F401 (re-exported)
+                                            nonnegative_float, nonnegative_int, number, port_number, positive_float,
                                             positive_int, power_of_two, speculative_config, token_count, value_alias)
 
 
@@ -157,7 +157,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
                    help="fix the KV cache size in pages (vLLM's --num-gpu-blocks-override)")
-    g.add_argument("--seed", type=lambda t: _number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
+    g.add_argument("--seed", type=lambda t: number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
                    default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
@@ -202,6 +202,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY, else "
                         "$VLLM_API_KEY as vLLM reads it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults of requests that do not set them: auto (the model's generation_config.json), "
+                        "vllm (none) or a folder holding a generation_config.json (its max_new_tokens also caps "
+                        "max_tokens), as in vLLM")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3"],
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
                         "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")
@@ -333,6 +337,13 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     if (ns.max_num_batched_tokens or ns.max_num_seqs or 0) < (ns.max_num_seqs or 0):  # as vLLM, which refuses it
         parser.error(f"argument --max-num-batched-tokens: {ns.max_num_batched_tokens} is less than --max-num-seqs "
                      f"{ns.max_num_seqs}: a step could not hold a token of every running sequence")
+    if getattr(ns, "generation_config", None) is not None:
+        from deepinfer_jax.text.generation_config import load_sampling_defaults
+
+        try:
+            load_sampling_defaults(model_dir, ns.generation_config)
+        except ValueError as e:
+            parser.error(f"argument --generation-config: {e}")
     if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
         parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
     if ns.quantization not in (None, "auto"):
@@ -411,7 +422,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         all2all_backend=ns.all2all_backend, num_pages=ns.num_pages, enable_eplb=ns.enable_eplb, eplb_config=ns.eplb_config,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir,
-        speculative_config=ns.speculative_config)
+        speculative_config=ns.speculative_config,
+        generation_config=getattr(ns, "generation_config", "vllm"))  # chat / generate: their own sampling flags
     if getattr(ns, "nnodes", 1) > 1:
         kw.update(nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "attn_impl", "moe_impl",

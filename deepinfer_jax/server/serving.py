@@ -29,6 +29,7 @@ from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError,
 from deepinfer_jax.server.metrics import ServerMetrics
 from deepinfer_jax.server.plugins import Plugins, RequestContext
 from deepinfer_jax.server.protocol import APIError, error_body
+from deepinfer_jax.text.generation_config import SamplingDefaults
 from deepinfer_jax.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,6 +50,7 @@ class ServingConfig:
     max_completion_prompts: int = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
     flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)
     extra: dict = field(default_factory=dict)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # --generation-config's
 
 
 class Serving:

@@ -22,7 +22,7 @@ SAME = set("""
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
 --cpu-offload-gb
 --nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size --all2all-backend
---enable-eplb --eplb-config
+--enable-eplb --eplb-config --generation-config
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -120,8 +120,9 @@ _R = {  # refused, by reason: {what to do: flags}
         "--model-loader-extra-config --pt-load-map-location --safetensors-load-strategy "
         "--safetensors-prefetch-block-size --safetensors-prefetch-num-threads --use-tqdm-on-load --pooler-config "
         "--diffusion-config --additional-config --allow-deprecated-quantization",
-    "sampling defaults come from each request; the model's generation_config.json is not read":
-        "--generation-config --override-generation-config --logits-processors --logprobs-mode --watermark",
+    "--generation-config (auto, vllm or a folder) sets the sampling defaults; there is no override of single keys, "
+    "no logits processor plug-in, no logprobs mode and no watermark":
+        "--override-generation-config --logits-processors --logprobs-mode --watermark",
     "no TLS, CORS, Unix sockets or path prefix: put a reverse proxy in front":
         "--ssl-keyfile --ssl-certfile --ssl-ca-certs --ssl-cert-reqs --ssl-ciphers --enable-ssl-refresh "
         "--allowed-origins --allowed-methods --allowed-headers --allow-credentials --uds --root-path "
