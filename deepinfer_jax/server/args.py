@@ -199,9 +199,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY, else "
-                        "$VLLM_API_KEY as vLLM reads it)")
+    g.add_argument("--api-key", nargs="+", metavar="KEY",
+                   default=[k] if (k := os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY")) else None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/*, any one of the keys given (as "
+                        "vLLM's; default: $DEEPINFER_API_KEY, else $VLLM_API_KEY as vLLM reads it)")
     g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                    help="sampling defaults of requests that do not set them: auto (the model's generation_config.json), "
                         "vllm (none) or a folder holding a generation_config.json (its max_new_tokens also caps "
@@ -234,6 +235,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
                         "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server's own loggers (aiohttp's; vLLM's flag, for uvicorn; trace is "
+                        "debug; default: --log-level)")
     h = p.add_argument_group("several hosts (one process a host; the API server on --node-rank 0 only)")
     h.add_argument("--nnodes", "-n", type=positive_int, default=1, help="hosts (processes) the mesh spans")
     h.add_argument("--node-rank", "-r", type=nonnegative_int, default=0, help="this host's rank; 0 serves the API")

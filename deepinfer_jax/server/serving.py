@@ -13,6 +13,7 @@ next engine step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -20,7 +21,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -388,3 +389,14 @@ async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerM
 def shutting_down(e: BaseException) -> APIError:
     """The 503 of a request cut by the shutdown (EngineNotReadyError raised mid-request)."""
     return APIError(str(e), 503, type="server_error", code="shutting_down")
+
+
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """--api-key's keys: one, several (vLLM's `--api-key K1 K2`: any one is accepted) or none ('' is none)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    return tuple(k for k in keys if k)
+
+
+def key_matches(got: bytes, expected: Sequence[bytes]) -> bool:
+    """Whether `got` is one of `expected`, comparing with every one (constant time each)."""
+    return any([hmac.compare_digest(got, e) for e in expected])
