@@ -334,10 +334,12 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     problem = model_dir_problem(model_dir)
     if problem:
         parser.error(f"argument --model: {problem}")
-    for name in (getattr(ns, "served_model_name", None) or []) if ns.model is None else []:
-        if os.path.isfile(os.path.join(name, "config.json")):  # nargs="+" took the model for a name
-            parser.error(f"argument --served-model-name: {name!r} is a model directory: give it first (`deepinfer "
-                         f"serve {name} --served-model-name ...`) or as --model")
+    for flag in ("served_model_name", "api_key"):  # nargs="+" took the model for a name or a key
+        for name in (getattr(ns, flag, None) or []) if ns.model is None else []:
+            if os.path.isfile(os.path.join(name, "config.json")):
+                dashes = "--" + flag.replace("_", "-")
+                parser.error(f"argument {dashes}: {name!r} is a model directory: give it first (`deepinfer "
+                             f"serve {name} {dashes} ...`) or as --model")
     if (ns.max_num_batched_tokens or ns.max_num_seqs or 0) < (ns.max_num_seqs or 0):  # as vLLM, which refuses it
         parser.error(f"argument --max-num-batched-tokens: {ns.max_num_batched_tokens} is less than --max-num-seqs "
                      f"{ns.max_num_seqs}: a step could not hold a token of every running sequence")

@@ -67,8 +67,8 @@ def load_sampling_defaults(model_dir: str, source: str = "auto") -> SamplingDefa
     folder = model_dir if source == "auto" else source
     path = os.path.join(folder, FILE)
     if source != "auto" and not os.path.isfile(path):
-        raise ValueError(f"--generation-config {source!r}: no {FILE} there (give a folder holding one, 'auto' for "
-                         "the model's or 'vllm' for none)")
+        raise ValueError(f"generation config {source!r} is not a folder holding a {FILE} (give one, 'auto' for the "
+                         "model's or 'vllm' for none)")
     if not os.path.isfile(path):
         return SamplingDefaults()
     try:

@@ -120,7 +120,7 @@ def test_file_reading():
 
     with tempfile.TemporaryDirectory() as d:
         assert load_sampling_defaults(d).values == {}  # auto without a file: no defaults
-        with pytest.raises(ValueError, match="--generation-config .*: no generation_config.json there"):
+        with pytest.raises(ValueError, match="generation config .* is not a folder holding a generation_config.json"):
             load_sampling_defaults(d, d)
         with open(os.path.join(d, "generation_config.json"), "w") as f:
             json.dump({"temperature": 1.0, "top_k": 50, "top_p": 0.9, "min_p": 0.05, "max_new_tokens": 7,
