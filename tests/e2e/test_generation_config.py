@@ -67,6 +67,26 @@ def test_server_vllm_ignores_the_file_and_a_folder_caps_max_tokens(client, with_
     assert seen[-1].max_tokens == 5 and r.usage.completion_tokens == 5
 
 
+def test_flag_through_a_server_of_its_own(scripted_model, xla_cache_dir, gen_dir, caplog):
+    """`serve --generation-config DIR` end to end: the defaults logged at start, applied (its max_new_tokens caps a
+    request's max_tokens) through the `openai` client."""
+    from openai import OpenAI
+
+    from e2e_helpers import API_KEY, SERVER_FLAGS, ServerThread
+
+    with caplog.at_level("WARNING", logger="deepinfer_jax.server.app"):
+        st = ServerThread(["--model", scripted_model[0], "--port", "0", *SERVER_FLAGS,
+                           "--generation-config", gen_dir]).start()
+    try:
+        assert any("Default sampling parameters have been overridden" in r.message and "temperature=0.6" in r.message
+                   for r in caplog.records)
+        with OpenAI(base_url=st.url + "/v1", api_key=API_KEY, max_retries=0, timeout=60) as c:
+            r = c.chat.completions.create(model=MODEL, messages=MSG, max_tokens=9)
+        assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+    finally:
+        st.stop()
+
+
 def test_llm_default_sampling_params(scripted_model, xla_cache_dir, tmp_path, gen_dir):
     """The offline LLM: a call without sampling_params takes the file's (vLLM's get_default_sampling_params); a
     bad file stops LLM(...) before anything loads, naming the file and the key."""
