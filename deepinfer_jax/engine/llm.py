@@ -181,7 +181,9 @@ class LLM:
     (runs of each step program at warm-up; None: RunnerConfig's), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
-    start skip tracing: runner/program_cache.py), progress.
+    start skip tracing: runner/program_cache.py), progress, generation_config ("auto": the sampling defaults of a
+    call without sampling_params come from the model's generation_config.json, "vllm": not, or a folder's file;
+    text/generation_config.py).
     """
 
     def __init__(self, model: str, *, dtype: str = "auto", quantization: str | None = None,
@@ -203,7 +205,7 @@ class LLM:
                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
                  speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0,
                  cpu_offload_gb: float = 0.0, all2all_backend: str = "allgather_reducescatter",
-                 enable_eplb: bool = False, eplb_config: dict | str | None = None):
+                 enable_eplb: bool = False, eplb_config: dict | str | None = None, generation_config: str = "auto"):
         # Several hosts (runner/multihost.py): jax.distributed first, before anything touches JAX's backends.
         from deepinfer_jax.runner.multihost import StepChannel
 
@@ -255,6 +257,9 @@ class LLM:
                     f"hosts ({jax.local_device_count()} on this one): the mesh spans every host")
         if not os.path.isdir(model):
             raise ValueError(f"model directory {model!r} does not exist")
+        from deepinfer_jax.text.generation_config import load_sampling_defaults
+
+        self._sampling_defaults, self._defaults_logged = load_sampling_defaults(model, generation_config), False
         cache_dir = enable_compilation_cache(compilation_cache_dir)
         t0 = time.time()
         self.dtype = resolve_dtype(dtype, model)
@@ -405,6 +410,14 @@ class LLM:
         return self._expert_balance().rebalance()
 
     # ---- generation ------------------------------------------------------------------------------
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The sampling params of a call without any: the generation config's defaults (vLLM's method)."""
+        d = self._sampling_defaults
+        if not self._defaults_logged and d.log_line():
+            log.warning("%s", d.log_line())
+        self._defaults_logged = True
+        return SamplingParams(**d.values)
+
     def _prompt_ids(self, prompt: Any) -> tuple[list[int], str | None]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
@@ -424,7 +437,7 @@ class LLM:
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         params = list(sampling_params) if isinstance(sampling_params, (list, tuple)) else [sampling_params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
@@ -445,7 +458,7 @@ class LLM:
             ids = self.tokenizer.apply_chat_template(conv, tools=tools, add_generation_prompt=add_generation_prompt,
                                                      tokenize=True, **(chat_template_kwargs or {}))
             encoded.append((ids, text))
-        sp = sampling_params or SamplingParams()
+        sp = sampling_params or self.get_default_sampling_params()
         return self._run(encoded, [sp] * len(encoded), use_tqdm)
 
     def shutdown(self) -> None:

@@ -23,6 +23,9 @@ With
 `--cpu-offload-gb` the leaves runner/weight_offload.py `choose`s from the same per-leaf bytes are counted in host
 memory, not on the device; `--kv-offloading-size` adds the KV host tier's pages (of PAGE_SIZE tokens, the engine's
 default page) in host memory.
+A directory of config.json alone (no weights downloaded yet; Hugging Face layout) is planned from the config: the
+tensors its shapes imply, FP8 (with their block scales) for every leaf an FP8 release stores so when its
+quantization_config says "fp8", and the output says that the figures come from the config alone.
 
 Per device: the weights' shard bytes are the largest over the devices (leaves split evenly, so all equal); the
 latent cache is replicated over tensor ranks and split by pages over data ranks, so a token's KV bytes are on
@@ -128,6 +131,7 @@ class MemoryPlan:
     offload_window_bytes: int = 0  # the most of them a step holds on the device at once (weight_offload.step_window)
     kv_host_tier_bytes: int = 0  # the KV cache's host tier (--kv-offloading-size), whole pages
     kv_host_tier_tokens: int = 0
+    from_config_only: bool = False  # no weight files yet: the figures come from config.json's shapes alone
 
     def lines(self) -> list[str]:
         gib = size
@@ -158,6 +162,9 @@ class MemoryPlan:
             out.append(f"KV cache per device: {gib(self.kv_cache_bytes_per_device)} of {gib(self.gpu_memory_bytes)}"
                        f" -> {self.kv_tokens_per_rank} tokens per data-parallel rank "
                        f"(max_model_len {self.max_model_len})")
+        if self.from_config_only:
+            out.append("(no weight files in the directory yet: these figures come from config.json alone, its "
+                       "parameter shapes at the dtype and quantization it names)")
         out.append(("fits" if self.fits else "does not fit") + (f": {self.reason}" if self.reason else "")
                    if self.fits is not None else "give --gpu-memory GIB to check that it fits")
         return out
@@ -322,6 +329,7 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
     the MTP layer's rows to the cache per token (`mtp_cache`); "ngram" holds no cache; "draft_model" is refused."""
     import dataclasses
 
+    config_only = False
     from deepinfer_jax.config import ModelConfig, RunnerConfig, SpeculativeConfig
     from deepinfer_jax.runner.device_memory import given_memory
     from deepinfer_jax.sharding.mesh import ParallelConfig
@@ -374,14 +382,25 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
         from deepinfer_jax.weights.hf_loader import (
             FP8_BLOCK, effective_config, expected_tensors, fp8_block_shape, fp8_leaf_paths, fused_moe_layers,
         )
-        from deepinfer_jax.weights.safetensors_io import index_checkpoint
+        from deepinfer_jax.weights.safetensors_io import TensorInfo, has_weight_files, index_checkpoint
 
         with open(os.path.join(model_dir, "config.json")) as f:
             hf_config = json.load(f)
-        tensors = index_checkpoint(model_dir)  # headers only
-        cfg = effective_config(cfg, tensors)
-        rules = expected_tensors(cfg, fused_moe_layers(tensors))
-        paths, online = fp8_leaf_paths(rules, tensors, quantization)
+        config_only = not has_weight_files(model_dir)
+        if config_only:  # no weights yet: the tensors the config implies (FP8 where its quantization_config says)
+            tensors = {}
+            rules = expected_tensors(cfg, frozenset())
+            stand_in = {r.hf_name: TensorInfo(r.hf_name, "", "BF16", (), 0, 0) for r in rules}  # float headers
+            if (hf_config.get("quantization_config") or {}).get("quant_method") == "fp8":  # FP8 release
+                paths, online = fp8_leaf_paths(rules, stand_in, "fp8" if quantization != "none" else "none")
+                online = False  # what an FP8 release stores in FP8: every quantizable leaf (kept, with scales)
+            else:
+                paths, online = fp8_leaf_paths(rules, stand_in, quantization)
+        else:
+            tensors = index_checkpoint(model_dir)  # headers only
+            cfg = effective_config(cfg, tensors)
+            rules = expected_tensors(cfg, fused_moe_layers(tensors))
+            paths, online = fp8_leaf_paths(rules, tensors, quantization)
         block = FP8_BLOCK if online else fp8_block_shape(hf_config)
         def weigh(stage=None, by_leaf=None):
             return weight_bytes_per_device(cfg, dtype, parallel, paths, block, stage=stage, by_leaf=by_leaf)
@@ -444,7 +463,8 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
                       enable_expert_parallel, nbytes, per_token, max_len, mem_bytes, cache, tokens, fits, reason,
                       kv_groups=groups, pipeline_parallel_size=pipeline_parallel_size,
                       stage_weight_bytes=stage_bytes, offloaded_weight_bytes=offloaded, offload_window_bytes=window,
-                      kv_host_tier_bytes=host_tier_tokens * per_token, kv_host_tier_tokens=host_tier_tokens)
+                      kv_host_tier_bytes=host_tier_tokens * per_token, kv_host_tier_tokens=host_tier_tokens,
+                      from_config_only=config_only)
 
 
 def report(ns: argparse.Namespace) -> int:

@@ -18,7 +18,6 @@ Every error is OpenAI-shaped: {"error": {"message", "type", "param", "code"}}.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import os
@@ -27,7 +26,7 @@ import signal
 import sys
 import time
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from aiohttp import web
 
@@ -37,7 +36,7 @@ from deepinfer_jax.server import dashboard
 from deepinfer_jax.server.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from deepinfer_jax.server.plugins import Plugins, RequestContext, load_plugins
 from deepinfer_jax.server.protocol import APIError
-from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, json_response
+from deepinfer_jax.server.serving import REQUEST_ID, Serving, ServingConfig, api_keys, json_response, key_matches
 from deepinfer_jax.server.serving_chat import ChatHandler
 from deepinfer_jax.server.serving_completion import CompletionHandler
 
@@ -60,8 +59,8 @@ def _error_response(request: web.Request, e: APIError) -> web.Response:
     return resp
 
 
-def _middleware(api_key: str | None):
-    expected = f"Bearer {api_key}".encode() if api_key else None
+def _middleware(api_key: str | Sequence[str] | None):
+    expected = [f"Bearer {k}".encode() for k in api_keys(api_key)]
 
     @web.middleware
     async def middleware(request: web.Request, handler):
@@ -73,9 +72,9 @@ def _middleware(api_key: str | None):
                 raise APIError(f"request body too large: Content-Length {size} exceeds the {request.client_max_size} "
                                "bytes allowed (--max-payload-size)", 413, code="request_too_large",
                                headers={"Connection": "close"})
-            if expected is not None and request.path.startswith(("/v1/", "/admin/")):
+            if expected and request.path.startswith(("/v1/", "/admin/")):
                 got = request.headers.get("Authorization", "").encode()
-                if not hmac.compare_digest(got, expected):
+                if not key_matches(got, expected):
                     raise APIError("Invalid or missing API key (send 'Authorization: Bearer KEY').", 401,
                                    code="invalid_api_key")
             resp = await handler(request)
@@ -278,7 +277,7 @@ def _handlers(s: Serving):
             web.post("/detokenize", detokenize), web.post("/admin/rebalance_experts", rebalance_experts)]
 
 
-def build_app(serving: Serving, *, api_key: str | None = None, max_payload_size: int = 16 * 2**20,
+def build_app(serving: Serving, *, api_key: str | Sequence[str] | None = None, max_payload_size: int = 16 * 2**20,
               read_timeout: float = 60.0) -> web.Application:
     app = web.Application(client_max_size=max_payload_size, middlewares=[_middleware(api_key)])
     app[_SERVING] = serving
@@ -353,6 +352,11 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
                      llm.engine.num_warmup_compiles, llm.engine.kv_cache_report)
             return llm.engine
 
+    from deepinfer_jax.text.generation_config import load_sampling_defaults
+
+    defaults = load_sampling_defaults(model_dir, getattr(ns, "generation_config", "auto"))  # ValueError: cannot start
+    if defaults.log_line():
+        log.warning("%s", defaults.log_line())
     names = list(ns.served_model_name or [default_name])
     plugins = load_plugins(ns.plugin)  # a plugin that cannot be loaded stops the start (ValueError)
     engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
@@ -360,7 +364,7 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
                            max_request_sequences=ns.max_request_sequences,
                            max_completion_prompts=ns.max_completion_prompts, flags=dashboard.public_flags(ns),
-                           enable_auto_tool_choice=ns.enable_auto_tool_choice)
+                           enable_auto_tool_choice=ns.enable_auto_tool_choice, sampling_defaults=defaults)
     serving = Serving(engine, tokenizer, config, ServerMetrics(names[0]))
     serving.plugins = Plugins(plugins, serving.offload)
     app = build_app(serving, api_key=ns.api_key, max_payload_size=ns.max_payload_size, read_timeout=ns.read_timeout)
@@ -392,11 +396,20 @@ def _follow(ns) -> int:
     return 0
 
 
-def serve(ns) -> int:
-    """`deepinfer serve`: run until SIGTERM / SIGINT, then drain and exit 0."""
+def configure_logging(ns) -> None:
+    """--log-level for everything; --uvicorn-log-level (vLLM's, for its HTTP server) for the HTTP server's own
+    loggers, aiohttp's here (vLLM's `trace` is debug)."""
     logging.basicConfig(level=getattr(logging, ns.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if ns.log_level != "debug":  # JAX's INFO lines (e.g. the TPU backend it did not find) are noise to a user
         logging.getLogger("jax").setLevel(logging.WARNING)
+    level = getattr(ns, "uvicorn_log_level", None)
+    if level is not None:
+        logging.getLogger("aiohttp").setLevel(logging.DEBUG if level == "trace" else getattr(logging, level.upper()))
+
+
+def serve(ns) -> int:
+    """`deepinfer serve`: run until SIGTERM / SIGINT, then drain and exit 0."""
+    configure_logging(ns)
 
     if getattr(ns, "nnodes", 1) > 1:  # jax.distributed before anything touches JAX's backends (engine_kwargs does)
         from deepinfer_jax.engine.llm import init_distributed

@@ -77,84 +77,9 @@ def unknown_flag_hint(parser: argparse.ArgumentParser, tokens: list[str]) -> str
     return ""
 
 
-# ---- value checks (argparse `type=`: the error names the flag) -----------------------------------------------
-def _number(kind, text: str, what: str, ok) -> Any:
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
-    if not ok(value):
-        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    return _number(int, text, "a positive integer", lambda v: v > 0)
-
-
-def nonnegative_int(text: str) -> int:
-    return _number(int, text, "an integer >= 0", lambda v: v >= 0)
-
-
-def token_count(text: str) -> int:
-    """A positive integer, or vLLM's forms: 32k = 32,000, 2.5k = 2,500 (k m g: powers of 1000), 32K = 32,768."""
-    import re
-
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", text.strip())
-    if m is None:
-        if text.strip().lower() in ("auto", "-1"):
-            raise argparse.ArgumentTypeError(f"{text} (vLLM: the longest that fits) is not supported: give a number, "
-                                             "or leave the flag out for the default")
-        return positive_int(text)
-    number, suffix = m.groups()
-    if suffix.isupper() and "." in number:
-        raise argparse.ArgumentTypeError(f"must be a whole number before {suffix} (a power of 1024), got {text!r}")
-    scale = 1000 ** " kmg".index(suffix) if suffix.islower() else 1024 ** " KMG".index(suffix)
-    return positive_int(str(int(float(number) * scale)))
-
-
-# vLLM's other names of these values (--dtype half, --load-format safetensors), read as ours.
-VALUE_ALIASES = {"dtype": {"half": "float16", "float": "float32"}, "load_format": {"safetensors": "auto"}}
-
-
-def value_alias(flag: str):
-    return lambda text: VALUE_ALIASES[flag].get(text, text)
-
-
-def positive_float(text: str) -> float:
-    return _number(float, text, "a positive number", lambda v: v > 0)
-
-
-def nonnegative_float(text: str) -> float:
-    return _number(float, text, "a number >= 0", lambda v: v >= 0)
-
-
-def fraction(text: str) -> float:
-    return _number(float, text, "a number in (0, 1]", lambda v: 0 < v <= 1)
-
-
-def port_number(text: str) -> int:
-    return _number(int, text, "a port number in 0..65535 (0: any free port)", lambda v: 0 <= v <= 65535)
-
-
-def power_of_two(text: str) -> int:
-    return _number(int, text, "a positive power of two", lambda v: v > 0 and not v & (v - 1))
-
-
-def at_least_two(text: str) -> int:
-    return _number(int, text, "an integer >= 2", lambda v: v >= 2)
-
-
-def speculative_config(text: str):
-    """--speculative-config JSON -> config.SpeculativeConfig (a bad one is a one-line usage error)."""
-    from deepinfer_jax.config import SpeculativeConfig
-
-    try:
-        spec = SpeculativeConfig.parse(text)
-        spec.check_supported()
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-    return spec
+from deepinfer_jax.server.arg_types import (VALUE_ALIASES, at_least_two, fraction,  # noqa: F401 (re-exported)
+                                            nonnegative_float, nonnegative_int, number, port_number, positive_float,
+                                            positive_int, power_of_two, speculative_config, token_count, value_alias)
 
 
 def model_dir_problem(path: str) -> str | None:
@@ -232,7 +157,7 @@ def add_engine_args(p: argparse.ArgumentParser, *, model_required: bool = False)
                    help="tokens per KV cache page (vLLM's --block-size)")
     g.add_argument("--num-pages", "--num-gpu-blocks-override", dest="num_pages", type=at_least_two, default=None,
                    help="fix the KV cache size in pages (vLLM's --num-gpu-blocks-override)")
-    g.add_argument("--seed", type=lambda t: _number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
+    g.add_argument("--seed", type=lambda t: number(int, t, "an integer in 0..2**63-1", lambda v: 0 <= v < 2**63),
                    default=0)
     g.add_argument("--chat-template", default=None, help="a Jinja file, a built-in name or template text")
     g.add_argument("--attn-impl", default=None, choices=["auto", "pallas", "pallas_interpret", "reference"],
@@ -274,9 +199,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=port_number, default=8000)
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="name(s) clients use in 'model'; the first is reported (default: the --model value)")
-    g.add_argument("--api-key", default=os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/* (default: $DEEPINFER_API_KEY, else "
-                        "$VLLM_API_KEY as vLLM reads it)")
+    g.add_argument("--api-key", nargs="+", metavar="KEY",
+                   default=[k] if (k := os.environ.get("DEEPINFER_API_KEY") or os.environ.get("VLLM_API_KEY")) else None,
+                   help="require 'Authorization: Bearer KEY' on /v1/* and /admin/*, any one of the keys given (as "
+                        "vLLM's; default: $DEEPINFER_API_KEY, else $VLLM_API_KEY as vLLM reads it)")
+    g.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                   help="sampling defaults of requests that do not set them: auto (the model's generation_config.json), "
+                        "vllm (none) or a folder holding a generation_config.json (its max_new_tokens also caps "
+                        "max_tokens), as in vLLM")
     g.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "deepseek_v3", "deepseek_v4", "qwen3"],
                    help="split <think>...</think> into reasoning_content (deepseek_v3: vLLM's name for V3.1 / V3.2; "
                         "qwen3: Qwen3's; the same rules; deepseek_v4: a DSML tool-call block ends reasoning too)")
@@ -305,6 +235,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
                         "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="log level of the HTTP server's own loggers (aiohttp's; vLLM's flag, for uvicorn; trace is "
+                        "debug; default: --log-level)")
     h = p.add_argument_group("several hosts (one process a host; the API server on --node-rank 0 only)")
     h.add_argument("--nnodes", "-n", type=positive_int, default=1, help="hosts (processes) the mesh spans")
     h.add_argument("--node-rank", "-r", type=nonnegative_int, default=0, help="this host's rank; 0 serves the API")
@@ -401,13 +334,22 @@ def check_engine_args(parser: argparse.ArgumentParser, ns: argparse.Namespace) -
     problem = model_dir_problem(model_dir)
     if problem:
         parser.error(f"argument --model: {problem}")
-    for name in (getattr(ns, "served_model_name", None) or []) if ns.model is None else []:
-        if os.path.isfile(os.path.join(name, "config.json")):  # nargs="+" took the model for a name
-            parser.error(f"argument --served-model-name: {name!r} is a model directory: give it first (`deepinfer "
-                         f"serve {name} --served-model-name ...`) or as --model")
+    for flag in ("served_model_name", "api_key"):  # nargs="+" took the model for a name or a key
+        for name in (getattr(ns, flag, None) or []) if ns.model is None else []:
+            if os.path.isfile(os.path.join(name, "config.json")):
+                dashes = "--" + flag.replace("_", "-")
+                parser.error(f"argument {dashes}: {name!r} is a model directory: give it first (`deepinfer "
+                             f"serve {name} {dashes} ...`) or as --model")
     if (ns.max_num_batched_tokens or ns.max_num_seqs or 0) < (ns.max_num_seqs or 0):  # as vLLM, which refuses it
         parser.error(f"argument --max-num-batched-tokens: {ns.max_num_batched_tokens} is less than --max-num-seqs "
                      f"{ns.max_num_seqs}: a step could not hold a token of every running sequence")
+    if getattr(ns, "generation_config", None) is not None:
+        from deepinfer_jax.text.generation_config import load_sampling_defaults
+
+        try:
+            load_sampling_defaults(model_dir, ns.generation_config)
+        except ValueError as e:
+            parser.error(f"argument --generation-config: {e}")
     if getattr(ns, "enable_auto_tool_choice", False) and not ns.tool_call_parser:
         parser.error("argument --enable-auto-tool-choice: requires --tool-call-parser")
     if ns.quantization not in (None, "auto"):
@@ -486,7 +428,8 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         all2all_backend=ns.all2all_backend, num_pages=ns.num_pages, enable_eplb=ns.enable_eplb, eplb_config=ns.eplb_config,
         chat_template=ns.chat_template, progress=progress, load_format=ns.load_format,
         compilation_cache_dir=None if ns.compilation_cache_dir == "none" else ns.compilation_cache_dir,
-        speculative_config=ns.speculative_config)
+        speculative_config=ns.speculative_config,
+        generation_config=getattr(ns, "generation_config", "vllm"))  # chat / generate: their own sampling flags
     if getattr(ns, "nnodes", 1) > 1:
         kw.update(nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr, master_port=ns.master_port)
     for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "attn_impl", "moe_impl",

@@ -23,14 +23,14 @@ import os
 import platform
 import subprocess
 import time
-from typing import Any
+from typing import Any, Sequence
 from urllib.parse import urlencode
 
 from aiohttp import web
 
 from deepinfer_jax import __version__
 from deepinfer_jax.server.protocol import APIError
-from deepinfer_jax.server.serving import Serving, json_response
+from deepinfer_jax.server.serving import Serving, api_keys, json_response, key_matches
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "dashboard")
 UPLOT_VERSION = "1.6.32"
@@ -185,16 +185,17 @@ def _cookie_value(api_key: str) -> str:
     return hmac.new(api_key.encode(), b"deepinfer-dashboard", hashlib.sha256).hexdigest()
 
 
-def routes(s: Serving, api_key: str | None) -> list[web.RouteDef]:
-    bearer = f"Bearer {api_key}".encode() if api_key else None
-    cookie = _cookie_value(api_key) if api_key else None
+def routes(s: Serving, api_key: str | Sequence[str] | None) -> list[web.RouteDef]:
+    keys = api_keys(api_key)  # any one of them opens the page (its own cookie)
+    bearers = [f"Bearer {k}".encode() for k in keys]
+    cookies = [_cookie_value(k).encode() for k in keys]
 
     def allowed(request: web.Request) -> bool:
-        if api_key is None:
+        if not keys:
             return True
-        if hmac.compare_digest(request.headers.get("Authorization", "").encode(), bearer):
+        if key_matches(request.headers.get("Authorization", "").encode(), bearers):
             return True
-        return hmac.compare_digest(request.cookies.get(COOKIE, "").encode(), cookie.encode())
+        return key_matches(request.cookies.get(COOKIE, "").encode(), cookies)
 
     def guard(request: web.Request) -> None:
         if not allowed(request):
@@ -203,9 +204,10 @@ def routes(s: Serving, api_key: str | None) -> list[web.RouteDef]:
 
     async def page(request: web.Request) -> web.StreamResponse:
         key = request.query.get("key")
-        if api_key is not None and key is not None:
-            if not hmac.compare_digest(key.encode(), api_key.encode()):
+        if keys and key is not None:
+            if not key_matches(key.encode(), [k.encode() for k in keys]):
                 raise APIError("Invalid API key in ?key=.", 401, code="invalid_api_key")
+            cookie = _cookie_value(key)
             rest = urlencode([(k, v) for k, v in request.query.items() if k != "key"])
             resp = web.HTTPFound("/dashboard" + (f"?{rest}" if rest else ""))
             resp.set_cookie(COOKIE, cookie, httponly=True, samesite="Strict", path="/")

@@ -10,7 +10,8 @@ keys too: stream_options and response_format keys are checked, and each message 
 nothing, as in vLLM. Field names and defaults
 follow OpenAI, with vLLM's extras (top_k, min_p, repetition_penalty, min_tokens, ignore_eos,
 stop_token_ids, skip_special_tokens, include_stop_str_in_output, include_reasoning,
-chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16.
+chat_template_kwargs). Defaults: chat max_tokens = what fits in max_model_len, completions 16; the model's
+generation_config.json (text/generation_config.py, --generation-config) may set other defaults, as in vLLM.
 
 Structured output (`structured_output`): OpenAI's `response_format` ({"type": "json_object"} or
 {"type": "json_schema", "json_schema": {"name", "schema", "strict"}}) and vLLM's `structured_outputs`,
@@ -27,6 +28,7 @@ from typing import Any
 
 from deepinfer_jax.server.protocol_output import (chat_logprobs, completion_logprobs, echo_logprobs,  # noqa: F401
                                                   envelope, merge_logprobs, prompt_logprobs_json, usage)
+from deepinfer_jax.text.generation_config import SamplingDefaults
 from deepinfer_jax.types import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128
@@ -123,8 +125,10 @@ class _Common:
 
 def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None, logprobs: int | None,
               max_tokens_key: str = "max_tokens", best_of: int | None = None,
-              prompt_logprobs: int | None = None) -> SamplingParams:
-    """Build SamplingParams from OpenAI/vLLM fields; SamplingParams' ValueError -> 400 naming the field."""
+              prompt_logprobs: int | None = None, defaults: SamplingDefaults | None = None) -> SamplingParams:
+    """Build SamplingParams from OpenAI/vLLM fields; SamplingParams' ValueError -> 400 naming the field.
+    `defaults` (--generation-config) fill the sampling fields the body does not set, and may cap max_tokens."""
+    d = defaults.values if defaults is not None else {}
     n = _opt(body, "n", (int,), "an integer", n_default)
     if _is_int(n) and n > MAX_N:
         raise APIError(f"'n' must be at most {MAX_N}, got {n}", param="n")
@@ -133,6 +137,9 @@ def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None,
         max_tokens = _opt(body, "max_tokens", (int,), "an integer", None)
     if max_tokens is None:
         max_tokens = max_tokens_default
+    cap = defaults.max_tokens_cap if defaults is not None else None
+    if cap is not None and max_tokens is not None:
+        max_tokens = min(max_tokens, cap)
     seed = _opt(body, "seed", (int,), "an integer", None)
     if seed is not None:
         if not -(1 << 63) <= seed < (1 << 64):
@@ -143,14 +150,14 @@ def _sampling(body: dict, *, n_default: int = 1, max_tokens_default: int | None,
         raise APIError(f"'stop' must be a string or a list of strings, got {stop!r}", param="stop")
     kw = dict(
         n=n,
-        temperature=_opt(body, "temperature", _NUM, "a number", 1.0),
-        top_p=_opt(body, "top_p", _NUM, "a number", 1.0),
-        top_k=_opt(body, "top_k", (int,), "an integer", 0),
-        min_p=_opt(body, "min_p", _NUM, "a number", 0.0),
+        temperature=_opt(body, "temperature", _NUM, "a number", d.get("temperature", 1.0)),
+        top_p=_opt(body, "top_p", _NUM, "a number", d.get("top_p", 1.0)),
+        top_k=_opt(body, "top_k", (int,), "an integer", d.get("top_k", 0)),
+        min_p=_opt(body, "min_p", _NUM, "a number", d.get("min_p", 0.0)),
         seed=seed,
         presence_penalty=_opt(body, "presence_penalty", _NUM, "a number", 0.0),
         frequency_penalty=_opt(body, "frequency_penalty", _NUM, "a number", 0.0),
-        repetition_penalty=_opt(body, "repetition_penalty", _NUM, "a number", 1.0),
+        repetition_penalty=_opt(body, "repetition_penalty", _NUM, "a number", d.get("repetition_penalty", 1.0)),
         max_tokens=max_tokens,
         min_tokens=_opt(body, "min_tokens", (int,), "an integer", 0),
         stop=stop,
@@ -353,9 +360,10 @@ class ChatRequest(_Common):
     include_reasoning: bool = True
     add_generation_prompt: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
+    default_max_tokens: int | None = None  # --generation-config's, for a request without max_tokens (capped to fit)
 
 
-def parse_chat_request(body: Any) -> ChatRequest:
+def parse_chat_request(body: Any, defaults: SamplingDefaults | None = None) -> ChatRequest:
     if isinstance(body, dict):
         body = _Seen(body)
         body.get("max_tokens")  # chat reads max_completion_tokens first, then this
@@ -366,7 +374,7 @@ def parse_chat_request(body: Any) -> ChatRequest:
         if top is not None and top > 0 and not lp:
             raise APIError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
     body, c = _common(body, lambda b: _sampling(
-        b, max_tokens_default=None, max_tokens_key="max_completion_tokens",
+        b, max_tokens_default=None, max_tokens_key="max_completion_tokens", defaults=defaults,
         logprobs=(b.get("top_logprobs") or 0) if b.get("logprobs") else None))
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -430,7 +438,8 @@ def parse_chat_request(body: Any) -> ChatRequest:
         named_tool=named, top_logprobs=c.params.logprobs,
         parallel_tool_calls=parallel, include_reasoning=include_reasoning,
         add_generation_prompt=add_generation_prompt, chat_template_kwargs=dict(kwargs),
-        continuous_usage=c.continuous_usage)
+        continuous_usage=c.continuous_usage,
+        default_max_tokens=(defaults.values.get("max_tokens") if defaults is not None else None))
 
 
 # ---- completions ---------------------------------------------------------------------------------
@@ -440,7 +449,7 @@ class CompletionRequest(_Common):
     echo: bool = False
 
 
-def parse_completion_request(body: Any) -> CompletionRequest:
+def parse_completion_request(body: Any, defaults: SamplingDefaults | None = None) -> CompletionRequest:
     if isinstance(body, dict):
         body = _Seen(body)
         lp = body.get("logprobs")
@@ -459,7 +468,7 @@ def parse_completion_request(body: Any) -> CompletionRequest:
     else:
         best_of = echo_lp = None
     body, c = _common(body, lambda b: _sampling(b, max_tokens_default=16, logprobs=b.get("logprobs"),
-                                                best_of=best_of, prompt_logprobs=echo_lp))
+                                                best_of=best_of, prompt_logprobs=echo_lp, defaults=defaults))
     echo = _opt(body, "echo", (bool,), "a boolean", False)
     prompts = parse_prompt(body.get("prompt"))
     _refuse_unread(body)

@@ -13,6 +13,7 @@ next engine step.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import itertools
 import json
 import logging
@@ -20,7 +21,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 from aiohttp import web
 
@@ -29,6 +30,7 @@ from deepinfer_jax.engine.async_engine import (AsyncEngine, EngineNotReadyError,
 from deepinfer_jax.server.metrics import ServerMetrics
 from deepinfer_jax.server.plugins import Plugins, RequestContext
 from deepinfer_jax.server.protocol import APIError, error_body
+from deepinfer_jax.text.generation_config import SamplingDefaults
 from deepinfer_jax.types import RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -49,6 +51,7 @@ class ServingConfig:
     max_completion_prompts: int = 1024  # prompts in one completions request (vLLM's VLLM_MAX_COMPLETION_PROMPTS)
     flags: dict = field(default_factory=dict)  # the server's flags as the dashboard shows them (no API key)
     extra: dict = field(default_factory=dict)
+    sampling_defaults: SamplingDefaults = field(default_factory=SamplingDefaults)  # --generation-config's
 
 
 class Serving:
@@ -386,3 +389,14 @@ async def send_error(sse: SSE, message: str, status: int = 500, metrics: ServerM
 def shutting_down(e: BaseException) -> APIError:
     """The 503 of a request cut by the shutdown (EngineNotReadyError raised mid-request)."""
     return APIError(str(e), 503, type="server_error", code="shutting_down")
+
+
+def api_keys(api_key: str | Sequence[str] | None) -> tuple[str, ...]:
+    """--api-key's keys: one, several (vLLM's `--api-key K1 K2`: any one is accepted) or none ('' is none)."""
+    keys = [api_key] if isinstance(api_key, str) else list(api_key or ())
+    return tuple(k for k in keys if k)
+
+
+def key_matches(got: bytes, expected: Sequence[bytes]) -> bool:
+    """Whether `got` is one of `expected`, comparing with every one (constant time each)."""
+    return any([hmac.compare_digest(got, e) for e in expected])

@@ -144,6 +144,12 @@ class ChatHandler:
             req.params = self._forced_call_params(req, parser)
         ids = s.tokenizer.encode(text + prefix, add_special_tokens=False)
         s.check_prompt(ids, req.params)
+        if req.params.max_tokens is None and req.default_max_tokens is not None:  # vLLM: the default, to fit
+            try:
+                req.params = dataclasses.replace(req.params, max_tokens=min(req.default_max_tokens,
+                                                                            s.max_model_len - len(ids)))
+            except ValueError as e:
+                raise APIError(f"{e} (max_tokens from the model's generation config)", param="max_tokens") from None
         rp_cls = get_reasoning_parser(s.config.reasoning_parser) if s.config.reasoning_parser else None
         tp_cls = get_tool_parser(parser) if tools_on else None
         keep = (rp_cls.special_tokens if rp_cls else ()) + (tp_cls.special_tokens if tp_cls else ())
@@ -180,7 +186,7 @@ class ChatHandler:
 
     async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
-        req = parse_chat_request(body)
+        req = parse_chat_request(body, s.config.sampling_defaults)
         model = s.check_model(req.model)
         s.check_available()
         s.check_sequences(req.params.n)

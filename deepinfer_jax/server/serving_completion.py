@@ -44,7 +44,7 @@ class CompletionHandler:
 
     async def __call__(self, request: web.Request, body: Any, ctx=None) -> web.StreamResponse:
         s = self.s
-        req = parse_completion_request(body)
+        req = parse_completion_request(body, s.config.sampling_defaults)
         model = s.check_model(req.model)
         s.check_available()
         params = req.params

@@ -22,7 +22,7 @@ SAME = set("""
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
 --cpu-offload-gb
 --nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size --all2all-backend
---enable-eplb --eplb-config
+--enable-eplb --eplb-config --generation-config --uvicorn-log-level
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -54,6 +54,12 @@ NOOP_BOOLEAN = {"--trust-remote-code", "--enable-chunked-prefill", "--disable-lo
                 "--disable-hybrid-kv-cache-manager", "--enable-mamba-cache-stochastic-rounding"}
 # --no- forms: only --no-trust-remote-code is as harmless; the others ask for something this server does not do
 NOOP_NO_FORM_OK = {"--trust-remote-code"}
+
+# Flags of older vLLM releases that operators still pass, accepted: {flag: why it changes nothing here}.
+# All boolean. Not in vLLM 0.26.0's list, so outside the table above (docs/from-vllm.md lists them after it).
+OLD_NOOP: dict[str, str] = {
+    "--disable-log-requests": "requests are not logged (vLLM's default since --enable-log-requests replaced this flag)",
+}
 
 # Being implemented now (refused until they land).
 NOT_YET = {
@@ -120,8 +126,9 @@ _R = {  # refused, by reason: {what to do: flags}
         "--model-loader-extra-config --pt-load-map-location --safetensors-load-strategy "
         "--safetensors-prefetch-block-size --safetensors-prefetch-num-threads --use-tqdm-on-load --pooler-config "
         "--diffusion-config --additional-config --allow-deprecated-quantization",
-    "sampling defaults come from each request; the model's generation_config.json is not read":
-        "--generation-config --override-generation-config --logits-processors --logprobs-mode --watermark",
+    "--generation-config (auto, vllm or a folder) sets the sampling defaults; there is no override of single keys, "
+    "no logits processor plug-in, no logprobs mode and no watermark":
+        "--override-generation-config --logits-processors --logprobs-mode --watermark",
     "no TLS, CORS, Unix sockets or path prefix: put a reverse proxy in front":
         "--ssl-keyfile --ssl-certfile --ssl-ca-certs --ssl-cert-reqs --ssl-ciphers --enable-ssl-refresh "
         "--allowed-origins --allowed-methods --allowed-headers --allow-credentials --uds --root-path "
@@ -132,8 +139,8 @@ _R = {  # refused, by reason: {what to do: flags}
     "the reasoning and tool-call parsers are built in (--reasoning-parser deepseek_r1, --tool-call-parser "
     "deepseek_v3 / deepseek_v31)": "--tool-parser-plugin --reasoning-parser-plugin --reasoning-config --tool-server "
         "--exclude-tools-when-tool-choice-none",
-    "the server's log level is --log-level; requests are not logged":
-        "--uvicorn-log-level --log-config-file --log-error-stack --enable-log-requests --enable-log-outputs "
+    "the server's log level is --log-level (--uvicorn-log-level: the HTTP server's); requests are not logged":
+        "--log-config-file --log-error-stack --enable-log-requests --enable-log-outputs "
         "--enable-log-deltas --disable-access-log-for-endpoints --aggregate-engine-logging "
         "--enable-logging-iteration-details",
     "metrics are /metrics and /dashboard; there is no tracing or profiler hook":
@@ -158,6 +165,8 @@ def install(parser: argparse.ArgumentParser) -> None:
             g.add_argument(flag, action=action, default=None, help=f"no-op: {why}")
         else:
             g.add_argument(flag, default=None, metavar="VALUE", help=f"no-op: {why}")
+    for flag, why in OLD_NOOP.items():
+        g.add_argument(flag, action="store_true", default=None, help=f"no-op (older vLLM's flag): {why}")
     refused = {f: f"not supported: {why}" for f, why in REFUSED.items()}
     refused.update({f: f"{why}" for f, why in NOT_YET.items()})
     refused.update({"--no-" + f[2:]: f"not supported (the flag itself is a no-op: {NOOP[f]})"
@@ -213,4 +222,11 @@ def markdown_table() -> str:
     for why, flags in _R.items():
         names = ", ".join(f"`{f}`" for f in flags.split())
         rows.append(f"| {names} | refused: {why} |")
+    return "\n".join(rows) + "\n"
+
+
+def old_flags_markdown() -> str:
+    """The older vLLM flags' table of docs/from-vllm.md (a test keeps the page equal to this)."""
+    rows = ["| older vLLM flag | deepinfer serve |", "|---|---|"]
+    rows += [f"| `{flag}` | accepted, no effect: {why} |" for flag, why in sorted(OLD_NOOP.items())]
     return "\n".join(rows) + "\n"

@@ -92,6 +92,13 @@ def load_tensor(info: TensorInfo) -> np.ndarray:
     return arr.reshape(info.shape)
 
 
+def has_weight_files(model_dir: str) -> bool:
+    """Whether `model_dir` holds any weights yet (a safetensors index or file): `deepinfer plan` plans a directory
+    of config.json alone from the config."""
+    return os.path.isfile(os.path.join(model_dir, "model.safetensors.index.json")) or any(
+        f.endswith(".safetensors") for f in os.listdir(model_dir))
+
+
 def index_checkpoint(model_dir: str) -> dict[str, TensorInfo]:
     """All tensors of an HF directory: `model.safetensors`, or the shards named by
     `model.safetensors.index.json`, or else every `*.safetensors` file in it."""

@@ -112,3 +112,21 @@ def test_serve_and_llm_refuse_what_cannot_fit_before_loading(dirs, capsys, monke
     with pytest.raises(ValueError) as e:
         LLM(d, gpu_memory=0.0005, max_model_len=512, skip_tokenizer_init=True, progress=False)
     assert str(e.value) == f"{d} does not fit: {reason}"
+
+
+def test_plan_from_config_alone(dirs, tmp_path, capsys):
+    """A directory of config.json only (no weights yet) plans within 1% of the same checkpoint with its weights,
+    FP8 (its quantization_config) and float, and says where its figures come from."""
+    import shutil
+
+    for model in dirs:
+        bare = tmp_path / os.path.basename(model)
+        bare.mkdir()
+        shutil.copy(os.path.join(model, "config.json"), bare / "config.json")
+        for kw in ({}, {"quantization": "none"}, {"quantization": "fp8"}):
+            want, got = plan(model, **kw), plan(str(bare), **kw)
+            assert (got.weights, got.dtype, got.kv_bytes_per_token) == (want.weights, want.dtype, want.kv_bytes_per_token)
+            assert abs(got.weight_bytes_per_device - want.weight_bytes_per_device) <= 0.01 * want.weight_bytes_per_device
+            assert got.from_config_only and not want.from_config_only
+    assert main(["plan", "--model", str(bare)]) == 0
+    assert "these figures come from config.json alone" in capsys.readouterr().out

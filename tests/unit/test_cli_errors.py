@@ -130,6 +130,10 @@ USAGE_ERRORS = [
                                                                           "less than --max-num-seqs 64"),
     (["serve", "--served-model-name", "name", "{d}/noweights"],
      "argument --served-model-name: '{d}/noweights' is a model directory: give it first"),
+    (["serve", "--api-key", "key", "{d}/noweights"],
+     "argument --api-key: '{d}/noweights' is a model directory: give it first"),
+    (["serve", "--generation-config", "{d}"], "argument --generation-config: generation config '.*' is not "
+                                              "a folder holding a generation_config.json"),
     (["serve", "deepseek-ai/DeepSeek-V2-Lite"], "argument --model: 'deepseek-ai/DeepSeek-V2-Lite' does not exist "
                                                 r"\(models are local directories: `huggingface-cli download REPO"),
     (["serve", "--model", "{d}/classifier"], "argument --model: .*'DeepseekV3ForSequenceClassification' is not a "

@@ -168,3 +168,36 @@ def test_encode_reply_is_json_dumps():
               "usage": {"prompt_tokens": 1}, "none": None, "empty": {}, "list": [[], [1, 2.5, True]]}
     for obj in (nested, [], {}, "s", 1, None, [nested, nested]):
         assert encode_reply(obj) == json.dumps(obj, ensure_ascii=False).encode("utf-8", "backslashreplace"), obj
+
+
+def test_several_api_keys_any_one_is_accepted():
+    """--api-key K1 K2 (vLLM's nargs): each key opens /v1/* and the dashboard (its own cookie); others get 401."""
+    from deepinfer_jax.server import dashboard
+    from deepinfer_jax.server.args import add_server_args
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_server_args(p)
+    assert p.parse_args(["--api-key", "k1", "k2"]).api_key == ["k1", "k2"]
+    serving, _ = _serving()
+
+    async def go():
+        server = TestServer(build_app(serving, api_key=["k1", "k2"]), handler_cancellation=True)
+        await server.start_server()
+        try:
+            async with aiohttp.ClientSession(str(server.make_url(""))) as s:
+                got = []
+                for key in ("k1", "k2", "k3", None):
+                    headers = {"Authorization": f"Bearer {key}"} if key else {}
+                    async with s.get("/v1/models", headers=headers) as r:
+                        got.append(r.status)
+                async with s.get("/dashboard?key=k2", allow_redirects=False) as r:
+                    got.append((r.status, r.cookies[dashboard.COOKIE].value))
+                async with s.get("/dashboard?key=k3", allow_redirects=False) as r:
+                    got.append(r.status)
+                return got
+        finally:
+            await server.close()
+            serving.engine.shutdown()
+
+    assert asyncio.run(go()) == [200, 200, 401, 401, (302, dashboard._cookie_value("k2")), 401]

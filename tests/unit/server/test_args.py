@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import shutil
 
@@ -134,11 +135,11 @@ def test_yaml_then_flags(tmp_path):
                  "api_key: secret\nreasoning_parser: deepseek_r1\n")
     ns = parse_with_config(_serve_parser(), ["--config", str(f), "--port", "10", "--enable-prefix-caching"])
     assert ns.max_num_seqs == 8 and ns.port == 10 and ns.enable_prefix_caching and ns.served_model_name == ["x", "y"]
-    assert ns.api_key == "secret" and ns.reasoning_parser == "deepseek_r1"
+    assert ns.api_key == ["secret"] and ns.reasoning_parser == "deepseek_r1"
     g = tmp_path / "d.yaml"  # several files: each read, in turn (the later wins), the command line over all
     g.write_text("max_num_seqs: 4\nport: 11\n")
     ns = parse_with_config(_serve_parser(), ["--config", str(f), "--config", str(g), "--port", "12"])
-    assert (ns.max_num_seqs, ns.port, ns.api_key) == (4, 12, "secret")
+    assert (ns.max_num_seqs, ns.port, ns.api_key) == (4, 12, ["secret"])
 
 
 def test_speculative_config_flag_and_yaml(tmp_path):
@@ -318,10 +319,10 @@ def test_api_key_from_vllm_environment(monkeypatch):
     monkeypatch.delenv("VLLM_API_KEY", raising=False)
     assert parse_with_config(_serve_parser(), []).api_key is None
     monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
-    assert parse_with_config(_serve_parser(), []).api_key == "from-vllm"
-    assert parse_with_config(_serve_parser(), ["--api-key", "flag"]).api_key == "flag"
+    assert parse_with_config(_serve_parser(), []).api_key == ["from-vllm"]
+    assert parse_with_config(_serve_parser(), ["--api-key", "flag"]).api_key == ["flag"]
     monkeypatch.setenv("DEEPINFER_API_KEY", "ours")
-    assert parse_with_config(_serve_parser(), []).api_key == "ours"
+    assert parse_with_config(_serve_parser(), []).api_key == ["ours"]
 
 
 def test_yaml_values_as_written(tmp_path):
@@ -331,6 +332,28 @@ def test_yaml_values_as_written(tmp_path):
     f.write_text("api_key: 0123\nserved_model_name: [0x1F, yes, 12:30]\nmax_model_len: 1k\nhost: 0.0.0.0\n"
                  "eplb_config: {num_redundant_experts: 2}\ntrust_remote_code: false\nenable_chunked_prefill: true\n")
     ns = parse_with_config(_serve_parser(), ["--config", str(f)])
-    assert (ns.api_key, ns.served_model_name, ns.max_model_len, ns.host) == ("0123", ["0x1F", "yes", "12:30"], 1000,
+    assert (ns.api_key, ns.served_model_name, ns.max_model_len, ns.host) == (["0123"], ["0x1F", "yes", "12:30"], 1000,
                                                                                "0.0.0.0")
     assert json.loads(ns.eplb_config) == {"num_redundant_experts": 2} and ns.trust_remote_code is False
+
+
+def test_uvicorn_log_level_sets_the_http_servers_loggers(capsys):
+    """vLLM's --uvicorn-log-level: aiohttp's loggers here (trace is debug); left out, they follow --log-level."""
+    from deepinfer_jax.cli import _serve_parser
+    from deepinfer_jax.server.app import configure_logging
+
+    parser = _serve_parser()
+    http, jax_log = logging.getLogger("aiohttp"), logging.getLogger("jax")
+    saved = http.level, jax_log.level
+    try:
+        configure_logging(parser.parse_args(["--uvicorn-log-level", "trace"]))
+        assert http.level == logging.DEBUG
+        configure_logging(parser.parse_args(["--uvicorn-log-level", "error"]))
+        assert logging.getLogger("aiohttp.server").getEffectiveLevel() == logging.ERROR
+    finally:
+        http.setLevel(saved[0])
+        jax_log.setLevel(saved[1])
+    assert parser.parse_args([]).uvicorn_log_level is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--uvicorn-log-level", "loud"])
+    assert "argument --uvicorn-log-level: invalid choice: 'loud'" in capsys.readouterr().err

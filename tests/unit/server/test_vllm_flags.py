@@ -48,6 +48,8 @@ def test_noop_flags_are_accepted_and_say_so(parser):
         parser.parse_args(argv)
         assert flag in help_text
     assert help_text.count("no-op:") == len(vf.NOOP)
+    for flag in vf.OLD_NOOP:  # older vLLM's, not in 0.26.0's list
+        assert flag not in VLLM and parser.parse_args([flag]) and flag in help_text
 
 
 def test_refused_flags_name_themselves(parser, capsys):
@@ -90,4 +92,6 @@ def test_auto_tool_choice_needs_a_parser(parser, capsys):
 
 def test_docs_hold_the_table():
     with open(os.path.join(ROOT, "docs", "from-vllm.md"), encoding="utf-8") as f:
-        assert vf.markdown_table() in f.read(), "docs/from-vllm.md: paste vllm_flags.markdown_table() into it"
+        page = f.read()
+        assert vf.markdown_table() in page, "docs/from-vllm.md: paste vllm_flags.markdown_table() into it"
+        assert vf.old_flags_markdown() in page, "docs/from-vllm.md: paste vllm_flags.old_flags_markdown() into it"
