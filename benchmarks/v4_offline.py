@@ -304,7 +304,8 @@ def add_run_args(ap: argparse.ArgumentParser, contexts: str, check_layers: int, 
                     help="the check's reference experts: every expert dequantized (dense) or the routed copies")
     ap.add_argument("--skip-check", action="store_true")
     ap.add_argument("--headroom-gib", type=float, default=12.0,
-                    help="device memory left for the steps' activations when choosing the default --layers")
+                    help="device memory left for the steps' temporaries: the default --layers leave it, and the "
+                         "engine's gpu_memory_utilization is lowered by it (the engine fills the rest with KV cache)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--smoke", action="store_true", help=f"CPU: the tests' tiny {model}, interpret kernels, tiny sizes")
 
@@ -339,14 +340,17 @@ def start_engine(path: str, a: argparse.Namespace, impls: dict, max_len: int, se
     from deepinfer_jax import LLM
 
     t = time.time()
+    limit = device_limit()[1]  # the KV cache takes the allocator's limit x utilization less the weights
+    util = max(0.05, a.gpu_memory_utilization - (0 if a.smoke else a.headroom_gib * 2**30 / limit))
     llm = LLM(path, dtype=a.dtype, load_format="dummy", skip_tokenizer_init=True,
               max_model_len=max_len, max_num_seqs=seqs,
               max_num_batched_tokens=chunk, page_size=4 if a.smoke else 64,
-              gpu_memory_utilization=a.gpu_memory_utilization, progress=False, token_buckets=buckets,
+              gpu_memory_utilization=util, progress=False, token_buckets=buckets,
               **({"warmup_runs": 1} if a.smoke else {}), **impls)
     eng = llm.engine
     stamp(f"start-up {time.time() - t:.1f}s (weights drawn on the device + {eng.num_warmup_compiles} step "
-          f"programs compiled; token buckets {buckets}); KV cache {eng.kv_cache_report}")
+          f"programs compiled; token buckets {buckets}); KV cache {eng.kv_cache_report} (gpu_memory_utilization "
+          f"{util:.3f}: {a.headroom_gib:g} GiB left for the steps' temporaries)")
     return llm
 
 
