@@ -303,7 +303,7 @@ def add_run_args(ap: argparse.ArgumentParser, contexts: str, check_layers: int, 
     ap.add_argument("--check-moe-impl", default="dense", choices=["dense", "ragged"],
                     help="the check's reference experts: every expert dequantized (dense) or the routed copies")
     ap.add_argument("--skip-check", action="store_true")
-    ap.add_argument("--headroom-gib", type=float, default=12.0,
+    ap.add_argument("--headroom-gib", type=float, default=16.0,
                     help="device memory left for the steps' temporaries: the default --layers leave it, and the "
                          "engine's gpu_memory_utilization is lowered by it (the engine fills the rest with KV cache)")
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
