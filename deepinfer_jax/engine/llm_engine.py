@@ -206,6 +206,7 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+        self.check_held_back(params)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -247,6 +248,16 @@ class LLMEngine:
         self._parents[request_id] = parent
         for child in parent.children:
             self.scheduler.add_request(child.request)
+
+    def check_held_back(self, params: SamplingParams) -> None:
+        """ValueError when min_tokens would hold back more stop_token_ids and EOS ids than the sampler masks
+        (Shapes.max_suppress). Reads only what is fixed at start, so AsyncEngine.submit calls it on its caller's
+        thread (a server's refusal comes before its stream starts)."""
+        cap = self.shapes.max_suppress
+        held = len(params.stop_token_ids or ()) + (0 if params.ignore_eos else len(self.eos_token_ids))
+        if params.min_tokens and held > cap:
+            raise ValueError(f"with min_tokens, at most {cap} stop_token_ids and EOS ids can be held back; this "
+                             f"request has {held}")
 
     def _prompt_logprobs(self, prompt_token_ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
         """Each prompt token's logprob given the ones before it, then the top k (engine/outputs.py)."""
