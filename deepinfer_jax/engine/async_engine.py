@@ -233,6 +233,7 @@ class AsyncEngine:
         if not self.ready:
             raise EngineNotReadyError("the engine failed to start" if self.startup_error else
                                       "the engine is still starting (loading weights / compiling)")
+        self.engine.check_held_back(params)  # LLMEngine.add_request's check, before the stream starts
         n = params.best_of or params.n  # the sequences the engine runs (best_of samples that many, returns n)
         loop = asyncio.get_running_loop()
         with self._cond:

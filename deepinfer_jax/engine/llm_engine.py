@@ -52,6 +52,7 @@ from deepinfer_jax.runner.device_memory import given_memory, pages_for_memory, v
 from deepinfer_jax.runner.kv_transfer import host_tier_blocks
 from deepinfer_jax.runner.inputs import Shapes, placeholder, token_buckets
 from deepinfer_jax.engine.decode_groups import grouped_step, set_decode_groups
+from deepinfer_jax.engine.outputs import prompt_logprobs, request_output, sampled_logprobs
 from deepinfer_jax.engine.request_state import Child as _Child, Parent as _Parent
 from deepinfer_jax.engine.speculative import drafter_for, spec_shapes, spec_state, speculative_step
 from deepinfer_jax.engine import spec_overlap
@@ -61,8 +62,7 @@ from deepinfer_jax.runner.weight_offload import offload as offload_weights
 from deepinfer_jax.scheduler import Scheduler
 from deepinfer_jax.scheduler.kv_cache_manager import cdiv
 from deepinfer_jax.text.grammar import mask_words
-from deepinfer_jax.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, Request, RequestOutput, RequestOutputKind,
-                                 RequestStatus, SamplingParams)
+from deepinfer_jax.types import MAX_LOGIT_BIAS, Logprob, Request, RequestOutput, RequestStatus, SamplingParams
 from deepinfer_jax.weights.pending import PendingParams
 
 log = logging.getLogger(__name__)
@@ -206,6 +206,7 @@ class LLMEngine:
         bad = next((t for t in params.logit_bias or () if t >= vocab), None)
         if bad is not None:
             raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab})")
+        self.check_held_back(params)
         max_tokens = params.max_tokens
         if max_tokens is None:
             max_tokens = self.max_model_len - len(prompt_token_ids)
@@ -248,18 +249,19 @@ class LLMEngine:
         for child in parent.children:
             self.scheduler.add_request(child.request)
 
+    def check_held_back(self, params: SamplingParams) -> None:
+        """ValueError when min_tokens would hold back more stop_token_ids and EOS ids than the sampler masks
+        (Shapes.max_suppress). Reads only what is fixed at start, so AsyncEngine.submit calls it on its caller's
+        thread (a server's refusal comes before its stream starts)."""
+        cap = self.shapes.max_suppress
+        held = len(params.stop_token_ids or ()) + (0 if params.ignore_eos else len(self.eos_token_ids))
+        if params.min_tokens and held > cap:
+            raise ValueError(f"with min_tokens, at most {cap} stop_token_ids and EOS ids can be held back; this "
+                             f"request has {held}")
+
     def _prompt_logprobs(self, prompt_token_ids: list[int], k: int) -> list[dict[int, Logprob] | None]:
-        """Each prompt token's logprob given the ones before it (rank included), then the top k (vLLM's order);
-        None for the first token."""
-        lps, ranks, top_ids, top_lps = self.runner.score_prompt(list(prompt_token_ids))
-        out: list[dict[int, Logprob] | None] = [None]
-        for tok, lp, rank, ids, vals in zip(prompt_token_ids[1:], lps.tolist(), ranks.tolist(),
-                                            top_ids[:, :k].tolist(), top_lps[:, :k].tolist()):
-            entry = {tok: Logprob(lp, rank=rank)}
-            for r, (tid, v) in enumerate(zip(ids, vals), start=1):
-                entry.setdefault(tid, Logprob(v, rank=r))
-            out.append(entry)
-        return out
+        """Each prompt token's logprob given the ones before it, then the top k (engine/outputs.py)."""
+        return prompt_logprobs(prompt_token_ids, self.runner.score_prompt(list(prompt_token_ids)), k)
 
     def abort_request(self, request_id: str) -> bool:
         parent = self._parents.pop(request_id, None)
@@ -413,15 +415,8 @@ class LLMEngine:
         finished request's text is flushed."""
         req = child.request
         if child.logprobs is not None and lp is not None:
-            sampled_lp, top_ids, top_lps = lp
-            k = req.sampling_params.logprobs or 0
-            token = new_ids[-1]
-            # The sampled token first (vLLM's order), then the top-k alternatives with their ranks.
-            entry = {token: Logprob(sampled_lp, rank=1 + sum(1 for v in top_lps if v > sampled_lp))}
-            for rank, (tid, tlp) in enumerate(zip(top_ids[:k], top_lps[:k]), start=1):
-                entry.setdefault(tid, Logprob(tlp, rank=rank))
-            child.logprobs.append(entry)
-            child.cumulative_logprob += sampled_lp
+            child.logprobs.append(sampled_logprobs(new_ids[-1], lp, req.sampling_params.logprobs or 0))
+            child.cumulative_logprob += lp[0]
         if child.detok is None:
             return
         parts = child.text_parts
@@ -436,44 +431,10 @@ class LLMEngine:
             parts.append(child.stopper.flush())
 
     def _output(self, pid: str) -> RequestOutput | None:
-        """The parent's output after a step, shaped by its RequestOutputKind; None when that kind has
-        nothing to return (FINAL_ONLY before the end). A DELTA output lists only the children with
-        new tokens, text or a finish, each with only what is new; its host work is O(new)."""
+        """The parent's output after a step (engine/outputs.py); a finished parent is forgotten."""
         parent = self._parents[pid]
-        finished = all(c.request.is_finished for c in parent.children)
-        kind = parent.children[0].request.sampling_params.output_kind
-        best_of = len(parent.children) > parent.n
-        if (kind == RequestOutputKind.FINAL_ONLY or best_of) and not finished:
-            return None
-        delta = kind == RequestOutputKind.DELTA
-        children = parent.children
-        if best_of:  # the n best by cumulative logprob, in that order (ties: the earlier sequence)
-            children = sorted(children, key=lambda c: -c.cumulative_logprob)[: parent.n]
-        outs = []
-        for index, c in enumerate(children):
-            r = c.request
-            if delta:
-                done = r.is_finished and not c.reported_finished
-                if len(r.output_token_ids) == c.sent_tokens and not c.text_parts and not done:
-                    continue
-                token_ids = r.output_token_ids[c.sent_tokens:]
-                logprobs = None if c.logprobs is None else c.logprobs[c.sent_logprobs:]
-                c.sent_tokens += len(token_ids)
-                c.sent_logprobs += 0 if logprobs is None else len(logprobs)
-                c.reported_finished = r.is_finished
-            else:
-                token_ids = list(r.output_token_ids)
-                logprobs = None if c.logprobs is None else list(c.logprobs)
-            outs.append(CompletionOutput(
-                index=index if best_of else c.index, text=c.take_text(delta), token_ids=token_ids,
-                logprobs=None if parent.hide_logprobs else logprobs, finish_reason=r.finish_reason,
-                stop_reason=r.stop_reason, cumulative_logprob=None if parent.hide_logprobs else c.cumulative_logprob))
-        out = RequestOutput(pid, parent.prompt, parent.prompt_token_ids,
-                            parent.children[0].request.num_cached_tokens, outs, finished,
-                            prompt_logprobs=parent.prompt_logprobs)
-        if delta:
-            parent.prompt_logprobs = None  # returned once
-        if finished:
+        out = request_output(parent)
+        if out is not None and out.finished:
             del self._parents[pid]
             for c in parent.children:
                 self._forget(c.request.request_id)

@@ -49,9 +49,8 @@ def coarse_token_buckets(max_num_batched_tokens: int, max_num_seqs: int, factor:
                          min_bucket: int = 16) -> tuple[int, ...]:
     """A ladder of fewer buckets than `token_buckets`': the first holds every sequence row (a decode step of
     them all), each next is `factor` times the last, up to the bucket that holds max(max_num_batched_tokens,
-    max_num_seqs). (16, 256) at 16 sequences and 256 tokens. For small models on a CPU (engine/llm.py
-    serving_defaults), where a step padded to a larger bucket costs little and each bucket's programs
-    take seconds to compile."""
+    max_num_seqs). (16, 256) at 16 sequences and 256 tokens. For small models on a CPU (engine/serving_defaults.py),
+    where a step padded to a larger bucket costs little and each bucket's programs take seconds to compile."""
     top = next_pow2(max(max_num_batched_tokens, max_num_seqs))
     out, b = [], min(top, max(min_bucket, next_pow2(max_num_seqs)))
     while b < top:

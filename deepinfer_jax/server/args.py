@@ -402,11 +402,11 @@ def show_progress(log_level: int = logging.WARNING) -> bool:
 
 def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
                   platform: str | None = None) -> tuple[dict[str, Any], str]:
-    """Keyword arguments for `LLM(model, **kw)` from the engine flags, with engine/llm.py serving_defaults for
-    those not set (by the model's size and the platform: `platform`, or JAX's default backend), and that
+    """Keyword arguments for `LLM(model, **kw)` from the engine flags, with engine/serving_defaults.py for those
+    not set (by the model's size and the platform: `platform`, or JAX's default backend), and that
     function's line saying which and why ("" when none)."""
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.engine.llm import serving_defaults
+    from deepinfer_jax.engine.serving_defaults import serving_defaults
 
     if platform is None:
         import jax

@@ -1,10 +1,29 @@
-"""OpenAI response shapes: usage, the envelope, and logprobs in the chat and completions forms. Plain Python: no
-JAX, no aiohttp (ARCHITECTURE rule 2)."""
+"""OpenAI response shapes: the error (`APIError`, `error_body`), usage, the envelope, and logprobs in the chat and
+completions forms. Plain Python: no JAX, no aiohttp (ARCHITECTURE rule 2)."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
+
+
+class APIError(Exception):
+    """An error returned to the client as {"error": {message, type, param, code}}."""
+
+    def __init__(self, message: str, status: int = 400, *, param: str | None = None,
+                 type: str = "invalid_request_error", code: str | int | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.type, self.code = message, status, param, type, code
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | int | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

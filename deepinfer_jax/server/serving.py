@@ -182,13 +182,6 @@ class Serving:
             if bad is not None:
                 raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary [0, {vocab})",
                                param="stop_token_ids")
-        eng = self.engine.engine
-        cap = getattr(getattr(eng, "shapes", None), "max_suppress", None)  # the sampler's width for them
-        if params.min_tokens and cap is not None:
-            held = len(params.stop_token_ids) + (0 if params.ignore_eos else len(eng.eos_token_ids))
-            if held > cap:
-                raise APIError(f"with min_tokens, at most {cap} stop_token_ids and EOS ids can be held back; this "
-                               f"request has {held}", param="stop_token_ids")
         if vocab is not None and params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
             if bad is not None:

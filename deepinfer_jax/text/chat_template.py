@@ -18,6 +18,8 @@ Which template a model directory gets (`resolve_chat_template`), first match win
    tokenizer_config.json, as in transformers);
 3. `tokenizer_config.json` `chat_template`: a string, or a list of {name, template}, where
    "default" is used (and "tool_use", when present, for requests with tools);
+   the directory's templates (2 and 3) are compiled when the tokenizer loads, so one that cannot compile stops the
+   start with a line naming its file, not the first chat request;
 4. a built-in template, chosen by
    a. a name hint: the directory's basename or config.json `_name_or_path` containing the
       word "r1" ("DeepSeek-R1", "R1-Distill", "deepseek_r1-0528") -> "deepseek_r1";
@@ -171,18 +173,9 @@ def load_user_template(spec: str) -> tuple[str, str]:
         f"({', '.join(sorted(BUILTIN_TEMPLATES))}), nor Jinja template text")
 
 
-def resolve_chat_template(model_dir: str | None, tokenizer_config: Mapping[str, Any],
-                          config: Mapping[str, Any] | None, user_template: str | None,
-                          has_user_token: bool) -> tuple[dict[str, str], str | None]:
-    """Apply the module-docstring rule. Returns ({name: template}, source) where the dict is
-    empty when there is no template; "default" is the main entry."""
-    if user_template is not None:  # compiled now: a template the user named that cannot compile stops the start
-        text, source = load_user_template(user_template)
-        try:
-            compile_chat_template(text)
-        except ChatTemplateError as e:
-            raise ChatTemplateError(f"--chat-template ({source}): {e}") from None
-        return {"default": text}, source
+def _model_templates(model_dir: str | None, tokenizer_config: Mapping[str, Any]
+                     ) -> tuple[dict[str, str], str] | None:
+    """The model directory's own templates (rules 2 and 3 of the module docstring) and their file, or None."""
     if model_dir:
         path = os.path.join(model_dir, "chat_template.jinja")
         if os.path.isfile(path):
@@ -198,6 +191,34 @@ def resolve_chat_template(model_dir: str | None, tokenizer_config: Mapping[str, 
             raise ChatTemplateError("tokenizer_config.json chat_template list has no 'default' "
                                     f"entry (names: {sorted(named)})")
         return named, "tokenizer_config.json"
+    return None
+
+
+def resolve_chat_template(model_dir: str | None, tokenizer_config: Mapping[str, Any],
+                          config: Mapping[str, Any] | None, user_template: str | None,
+                          has_user_token: bool) -> tuple[dict[str, str], str | None]:
+    """Apply the module-docstring rule. Returns ({name: template}, source) where the dict is
+    empty when there is no template; "default" is the main entry."""
+    if user_template is not None:  # compiled now: a template the user named that cannot compile stops the start
+        text, source = load_user_template(user_template)
+        try:
+            compile_chat_template(text)
+        except ChatTemplateError as e:
+            raise ChatTemplateError(f"--chat-template ({source}): {e}") from None
+        return {"default": text}, source
+    own = _model_templates(model_dir, tokenizer_config)
+    if own is not None:  # compiled now too: a model's template that cannot compile stops the start, naming its file
+        templates, source = own
+        for key, text in templates.items():
+            try:
+                compile_chat_template(text)
+            except ChatTemplateError as e:
+                where = os.path.join(model_dir, source) if model_dir else source
+                entry = "" if source == "chat_template.jinja" else (
+                    " chat_template" + ("" if len(templates) == 1 and key == "default" else f" {key!r}"))
+                raise ChatTemplateError(f"{where}{entry}: {str(e).rstrip('.')}; pass one that compiles with "
+                                        "--chat-template") from None
+        return own
     name = builtin_template_name(model_dir, config, has_user_token)
     if name is None:
         return {}, None

@@ -308,6 +308,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """CLI entry point (also `deepinfer convert`). 0 on success, 1 on bad input, 2 on bad usage."""
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("jax").setLevel(logging.WARNING)  # as serve's: JAX's INFO lines (its TPU probe) are noise here
     try:
         meta = convert(args.src, args.dst, args.dtype, args.quantize, args.group_size, args.overwrite,
                        progress=not args.no_progress and sys.stderr.isatty())

@@ -59,6 +59,23 @@ def test_stop_token_ids_and_min_tokens(llm):
     assert stop_at not in late.token_ids[: first + 2]
 
 
+def test_min_tokens_holds_back_at_most_the_samplers_width(llm):
+    """min_tokens holds the stop ids and EOS back in the sampler, Shapes.max_suppress of them at most: LLM.generate
+    refuses more in a line (as the server does, through the same LLMEngine check), not letting the rest through."""
+    cap, eos = llm.engine.shapes.max_suppress, len(llm.engine.eos_token_ids)
+    stops = list(range(100, 101 + cap - eos))  # with the EOS ids, one more than the sampler holds back
+    p = {"prompt_token_ids": random_prompts(25, [5], 320)[0]}
+    with pytest.raises(ValueError, match=rf"^with min_tokens, at most {cap} stop_token_ids and EOS ids can be held "
+                                         rf"back; this request has {cap + 1}$"):
+        llm.generate(p, SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=stops))
+    assert not llm.engine.has_unfinished_requests()
+    # ignore_eos frees the EOS ids' places (when there are any), and without min_tokens nothing is held back
+    ok = [SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=stops[:cap - eos], ignore_eos=True),
+          SamplingParams(max_tokens=3, stop_token_ids=stops)]
+    held, free = llm.generate([p, p], ok)
+    assert len(held.outputs[0].token_ids) >= 2 and free.outputs[0].finish_reason in ("stop", "length")
+
+
 def test_logprobs_are_raw_log_softmax(llm, hf_case):
     import torch
 

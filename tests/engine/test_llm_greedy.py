@@ -106,11 +106,11 @@ def test_greedy_with_preemption(hf_case, hf_greedy, monkeypatch, page_rows_min):
 
 
 def test_greedy_with_the_cpu_serving_defaults(hf_case, hf_greedy):
-    """What `deepinfer serve` runs a small model with on a CPU (engine/llm.py serving_defaults): two token buckets
+    """What `deepinfer serve` runs a small model with on a CPU (engine/serving_defaults.py): two token buckets
     (16 and 256 here: every step of 17 to 256 tokens padded to 256), no greedy variant, one warm-up run a step
     program. HF's tokens, no compile after warm-up, and the 5 programs warm-up made: the decode bucket's base and full steps, the top bucket's forward
     and its two samplers."""
-    from deepinfer_jax.engine.llm import serving_defaults
+    from deepinfer_jax.engine.serving_defaults import serving_defaults
 
     model, path = hf_case("v3_grouped_noaux")
     given = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "max_model_len": MODEL_LEN}

@@ -188,6 +188,19 @@ def test_cli_wrapper_from_a_clone(hf_case, tmp_path):
     assert meta["dtype"] == "bfloat16" and meta["quantization"]["method"] == "int8"
 
 
+def test_cli_prints_no_jax_info_lines(tmp_path):
+    """`deepinfer convert` logs at INFO, but JAX's own INFO lines (its backend probe's "Unable to initialize backend
+    'tpu'" where there is none) stay out, as in serve: only the converter's lines and the result."""
+    from deepinfer_jax.server.args import DEFAULT_MODEL_DIR
+
+    env = {k: v for k, v in os.environ.items() if k != "JAX_PLATFORMS"}  # every platform probed, as a user's run
+    env["PYTHONPATH"] = REPO
+    r = subprocess.run([sys.executable, "-m", "deepinfer_jax.cli", "convert", "--src", DEFAULT_MODEL_DIR, "--dst",
+                        str(tmp_path / "out")], capture_output=True, text=True, env=env, cwd=str(tmp_path), timeout=300)
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stderr
+    assert not [line for line in r.stderr.splitlines() if " jax" in line], r.stderr
+
+
 # ------------------------------------------------------------------------------------------------
 # Bad input: one clear error, exit 1 (2 for a usage error found while parsing), nothing left behind
 # ------------------------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ ALLOWED = {
     "__init__": {"engine", "types", "xla_env"},
 }
 NO_JAX = {"xla_env", "config", "config_common", "config_engine", "config_speculative", "config_v4", "types", "text", "scheduler"}
-NO_JAX_FILES = {os.path.join("server", "protocol.py")}
+NO_JAX_FILES = {os.path.join("server", f) for f in ("protocol.py", "protocol_output.py", "protocol_structured.py")}
 
 
 def _modules():

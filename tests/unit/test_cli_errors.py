@@ -60,6 +60,11 @@ def dirs(tmp_path_factory):
     shutil.copytree(d / "noweights", d / "badtokconfig")
     (d / "badtokconfig" / "tokenizer_config.json").write_text("{bad")
     shutil.copytree(d / "noweights", d / "badindex")
+    # The model's own chat template does not compile (the weights are there: `generate` reaches LLM's tokenizer).
+    shutil.copytree(d / "truncated", d / "badtemplate")
+    shutil.copy(os.path.join(DEFAULT_MODEL_DIR, "model.safetensors"), d / "badtemplate" / "model.safetensors")
+    tc = json.load(open(os.path.join(DEFAULT_MODEL_DIR, "tokenizer_config.json")))
+    (d / "badtemplate" / "tokenizer_config.json").write_text(json.dumps({**tc, "chat_template": "{% if %}"}))
     (d / "badindex" / "model.safetensors.index.json").write_text('{"weight_map": ')
     return d
 
@@ -175,7 +180,10 @@ def test_usage_error_is_one_line(dirs, argv, named):
                                   "1048576 (an interrupted download or copy?)"),
     ("generate", "noweights", ["--compilation-cache-dir", "{d}/gemma/config.json/xla"],
      "compilation cache directory '{d}/gemma/config.json/xla' (--compilation-cache-dir, $DEEPINFER_CACHE_DIR): Not a "
-     "directory; pass a writable directory, or none to turn the cache off")])
+     "directory; pass a writable directory, or none to turn the cache off"),
+    ("generate", "badtemplate", [], "{m}/tokenizer_config.json chat_template: chat template does not compile: Expected "
+                                    "an expression, got 'end of statement block'; pass one that compiles with "
+                                    "--chat-template")])
 def test_engine_build_error_is_one_line(dirs, cmd, model, extra, error):
     """Bad input only the start finds (no weights beside config.json and the tokenizer, a file cut short, a cache
     directory that cannot be made): one line naming the file, exit status 1."""
@@ -200,10 +208,11 @@ def test_serve_engine_error_is_one_line(dirs):
 @pytest.mark.parametrize("model, extra, error", [
     ("badtokenizer", [], "{d}/badtokenizer/tokenizer.json cannot be read as a tokenizer (EOF while parsing"),
     ("badtokconfig", [], "{d}/badtokconfig/tokenizer_config.json is not valid JSON (Expecting property name"),
-    ("noweights", ["--chat-template", "{% if %}"], "--chat-template (user-string): chat template does not compile: ")])
+    ("noweights", ["--chat-template", "{% if %}"], "--chat-template (user-string): chat template does not compile: "),
+    ("badtemplate", [], "{d}/badtemplate/tokenizer_config.json chat_template: chat template does not compile: ")])
 def test_serve_tokenizer_error_is_one_line(dirs, model, extra, error):
-    """A tokenizer file that cannot be read, or a --chat-template that cannot compile, stops serve before the
-    weights load: one line naming the file or the flag, exit status 2."""
+    """A tokenizer file that cannot be read, or a --chat-template or the model's own template that cannot compile,
+    stops serve before the weights load: one line naming the file or the flag, exit status 2."""
     r = _run("serve", "--model", str(dirs / model), "--port", "0", *extra)
     assert r.returncode == 2, r.stderr
     errors = [line for line in r.stderr.splitlines() if " ERROR " in line]

@@ -48,6 +48,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.lock = threading.Lock()
 
+    def check_held_back(self, params) -> None:
+        """LLMEngine's check of min_tokens' held-back ids (tests/engine): this fake's sampler holds back none."""
+
     def add_request(self, request_id, prompt_token_ids, params, prompt=None, arrival_time=None,
                     keep_special_tokens=()):
         if request_id in self.reqs:

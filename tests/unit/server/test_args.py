@@ -16,7 +16,7 @@ from deepinfer_jax.server.args import DEFAULT_MODEL_DIR, engine_kwargs, parse_wi
 def _default_millions() -> str:
     """The embedded model's parameter count as the notes print it (whichever model ships)."""
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.engine.llm import num_params
+    from deepinfer_jax.engine.serving_defaults import num_params
 
     return f"{num_params(ModelConfig.from_hf_dict(json.load(open(os.path.join(DEFAULT_MODEL_DIR, 'config.json'))))) / 1e6:.1f}"
 

@@ -218,6 +218,28 @@ def test_selection_rule(make_dir, tmp_path):
     assert set(BUILTIN_TEMPLATES) == {"deepseek_v2", "deepseek_v3", "deepseek_r1", "deepseek_v31"}
 
 
+def test_model_template_that_does_not_compile_fails_at_load(make_dir):
+    """The directory's own template is compiled when the tokenizer loads (serve's start, LLM's), as --chat-template
+    is: one line naming the file (and the list entry), not an error at the first chat request."""
+    import os
+
+    d = make_dir("bad-tc", tokenizer_config={"chat_template": "{% if %}"})
+    with pytest.raises(ChatTemplateError) as e:
+        load_tokenizer(d)
+    assert str(e.value) == (f"{os.path.join(d, 'tokenizer_config.json')} chat_template: chat template does not "
+                            "compile: Expected an expression, got 'end of statement block'; pass one that compiles "
+                            "with --chat-template")
+    d = make_dir("bad-list", tokenizer_config={"chat_template": [{"name": "default", "template": "D"},
+                                                                 {"name": "tool_use", "template": "{% foo %}"}]})
+    with pytest.raises(ChatTemplateError, match=r"tokenizer_config.json chat_template 'tool_use': chat template does "
+                                                r"not compile: Encountered unknown tag 'foo'; pass one"):
+        load_tokenizer(d)
+    d = make_dir("bad-jinja", extra_files={"chat_template.jinja": "{{ x"})
+    with pytest.raises(ChatTemplateError, match=r"/chat_template.jinja: chat template does not compile"):
+        load_tokenizer(d)
+    assert load_tokenizer(d, chat_template="deepseek_v3").chat_template_source == "builtin:deepseek_v3"
+
+
 def test_no_template_raises(tmp_path):
     from tokenizers import Tokenizer, models, pre_tokenizers
 
