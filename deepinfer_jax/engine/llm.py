@@ -401,12 +401,17 @@ class LLM:
                                "until rank 0 shut down; generate on rank 0")
         eng = self.engine
         ids = []
-        for (tok_ids, text), sp in zip(encoded, params):
-            rid = eng.new_request_id()
-            # Only the finished outputs are kept: the engine builds nothing before (vLLM's LLM does the same).
-            sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
-            eng.add_request(rid, tok_ids, sp, prompt=text)
-            ids.append(rid)
+        try:
+            for (tok_ids, text), sp in zip(encoded, params):
+                rid = eng.new_request_id()
+                # Only the finished outputs are kept: the engine builds nothing before (vLLM's LLM does the same).
+                sp = dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                eng.add_request(rid, tok_ids, sp, prompt=text)
+                ids.append(rid)
+        except Exception:  # a refused prompt: the call adds nothing, so a later call runs only its own prompts
+            for rid in ids:
+                eng.abort_request(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm:

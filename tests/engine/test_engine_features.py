@@ -69,6 +69,11 @@ def test_min_tokens_holds_back_at_most_the_samplers_width(llm):
                                          rf"back; this request has {cap + 1}$"):
         llm.generate(p, SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=stops))
     assert not llm.engine.has_unfinished_requests()
+    # refused after a prompt it accepted: the call leaves nothing queued behind it
+    with pytest.raises(ValueError, match="^with min_tokens"):
+        llm.generate([p, p], [SamplingParams(max_tokens=3),
+                              SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=stops)])
+    assert not llm.engine.has_unfinished_requests()
     # ignore_eos frees the EOS ids' places (when there are any), and without min_tokens nothing is held back
     ok = [SamplingParams(max_tokens=3, min_tokens=2, stop_token_ids=stops[:cap - eos], ignore_eos=True),
           SamplingParams(max_tokens=3, stop_token_ids=stops)]
