@@ -391,11 +391,11 @@ def plan(model_dir: str, *, tensor_parallel_size: int = 1, data_parallel_size: i
             tensors = {}
             rules = expected_tensors(cfg, frozenset())
             stand_in = {r.hf_name: TensorInfo(r.hf_name, "", "BF16", (), 0, 0) for r in rules}  # float headers
-            if (hf_config.get("quantization_config") or {}).get("quant_method") == "fp8":  # FP8 release
-                paths, online = fp8_leaf_paths(rules, stand_in, "fp8" if quantization != "none" else "none")
-                online = False  # what an FP8 release stores in FP8: every quantizable leaf (kept, with scales)
-            else:
-                paths, online = fp8_leaf_paths(rules, stand_in, quantization)
+            # An FP8 release stores every quantizable leaf in FP8 with its scales: kept, not quantized online.
+            release = (hf_config.get("quantization_config") or {}).get("quant_method") == "fp8"
+            paths, online = fp8_leaf_paths(rules, stand_in, ("none" if quantization == "none" else "fp8") if release
+                                           else quantization)
+            online = online and not release
         else:
             tensors = index_checkpoint(model_dir)  # headers only
             cfg = effective_config(cfg, tensors)

@@ -177,15 +177,10 @@ class Serving:
         if params.structured_outputs is not None and getattr(self.tokenizer, "backend_kind", None) != "tokenizers":
             raise APIError("structured output needs a tokenizer.json (Hugging Face tokenizers) tokenizer; this "
                            f"model's is {getattr(self.tokenizer, 'backend_kind', None)}")
-        if vocab is not None and params.stop_token_ids:
-            bad = next((t for t in params.stop_token_ids if not 0 <= t < vocab), None)
+        for name, given, sep in (("stop_token_ids", params.stop_token_ids, ":"), ("logit_bias", params.logit_bias, "")):
+            bad = next((t for t in given or () if not 0 <= t < vocab), None) if vocab is not None else None
             if bad is not None:
-                raise APIError(f"stop_token_ids: token id {bad} is out of vocabulary [0, {vocab})",
-                               param="stop_token_ids")
-        if vocab is not None and params.logit_bias:
-            bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise APIError(f"logit_bias token id {bad} is out of vocabulary [0, {vocab})", param="logit_bias")
+                raise APIError(f"{name}{sep} token id {bad} is out of vocabulary [0, {vocab})", param=name)
         want = params.max_tokens
         if n >= mml:
             has = "have" if what == "messages" else "has"
