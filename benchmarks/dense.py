@@ -139,7 +139,44 @@ def run_shape(name: str, args) -> dict:
     row["weight_read_floor_ms"] = round(floor_ms, 2)
     if args.trace:
         trace_decode(llm, prompts, os.path.join(args.trace, name), args.trace_steps)
+    if args.trace_prefill:
+        trace_prefill(llm, prompts, os.path.join(args.trace_prefill, name))
     return row
+
+
+def trace_prefill(llm, prompts, trace_dir: str) -> None:
+    """Trace the batch's prefill (its steps until every sequence has its first token) and print the device's time
+    by category and kernel a step, as `trace_decode` does for decode steps."""
+    import jax
+
+    from deepinfer_jax import SamplingParams
+
+    eng = llm.engine
+    sp = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        eng.add_request(f"trace-prefill-{i}", p["prompt_token_ids"], sp)
+    steps = 0
+    jax.profiler.start_trace(trace_dir, create_perfetto_trace=True)
+    while eng.has_unfinished_requests():
+        eng.step()
+        steps += 1
+    jax.profiler.stop_trace()
+    print_trace(trace_dir, steps, f"prefill trace, {len(prompts)} prompts in {steps} steps")
+
+
+def print_trace(trace_dir: str, steps: int, label: str) -> None:
+    """The device's busy time a step and its GPU time by category and kernel (benchmarks/trace_tools.py)."""
+    from benchmarks.trace_tools import busy_union, first_gpu, gpu_kernels, summarize
+
+    kern = gpu_kernels(trace_dir) or []
+    if not kern:
+        print(f"no GPU kernels in the trace under {trace_dir}")
+        return
+    one = first_gpu(kern)
+    window = one[-1]["ts"] + one[-1].get("dur", 0.0) - one[0]["ts"]
+    print(f"{label}: {window / steps / 1e3:.2f} ms a step on the device's clock, "
+          f"busy {busy_union(one) / steps / 1e3:.2f} ms")
+    summarize(kern, steps, top=25)
 
 
 def trace_decode(llm, prompts, trace_dir: str, steps: int) -> None:
@@ -147,7 +184,6 @@ def trace_decode(llm, prompts, trace_dir: str, steps: int) -> None:
     time a step and its GPU time by category and kernel (benchmarks/trace_tools.py)."""
     import jax
 
-    from benchmarks.trace_tools import busy_union, first_gpu, gpu_kernels, summarize
     from deepinfer_jax import SamplingParams
 
     eng = llm.engine
@@ -163,15 +199,7 @@ def trace_decode(llm, prompts, trace_dir: str, steps: int) -> None:
     jax.profiler.stop_trace()
     while eng.has_unfinished_requests():
         eng.step()
-    kern = gpu_kernels(trace_dir) or []
-    if not kern:
-        print(f"no GPU kernels in the trace under {trace_dir}")
-        return
-    one = first_gpu(kern)
-    window = one[-1]["ts"] + one[-1].get("dur", 0.0) - one[0]["ts"]
-    print(f"decode trace, {steps} steps: {window / steps / 1e3:.2f} ms a step on the device's clock, "
-          f"busy {busy_union(one) / steps / 1e3:.2f} ms")
-    summarize(kern, steps, top=25)
+    print_trace(trace_dir, steps, f"decode trace, {steps} steps")
 
 
 def main() -> None:
@@ -197,6 +225,8 @@ def main() -> None:
     ap.add_argument("--trace", default="", help="then trace greedy decode steps into this folder and print where "
                                                 "the device's time goes (GPU)")
     ap.add_argument("--trace-steps", type=int, default=16)
+    ap.add_argument("--trace-prefill", default="", help="then trace the batch's prefill into this folder and print "
+                    "where the device's time went")
     args = ap.parse_args()
     rows = [run_shape(s, args) for s in args.shapes]
     keys = list(rows[0])

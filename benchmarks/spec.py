@@ -112,9 +112,13 @@ def main(argv=None) -> int:
     ap.add_argument("--spec-overlap", action="store_true", help="--profile with --method deepseek_mtp: each K "
                     "twice, fetched in turn and overlapped (RunnerConfig.spec_overlap: the next step planned before "
                     "the one in flight is fetched); the table's `ovl` column tells them apart")
+    ap.add_argument("--no-phases", action="store_true", help="--profile without the phase timer's wrappers: the "
+                    "steps' wall times as a user's loop sees them (the phase columns and device ms left blank)")
     args = ap.parse_args(argv)
     if args.spec_overlap and not (args.profile and args.method == "deepseek_mtp"):
         ap.error("--spec-overlap needs --profile and --method deepseek_mtp")
+    if args.no_phases and not args.profile:
+        ap.error("--no-phases needs --profile")
     mtp = args.method == "deepseek_mtp"
     draft = args.draft or ("self" if args.model else "layers")
     if draft == "self" and not args.model:
@@ -280,7 +284,7 @@ def main(argv=None) -> int:
         return propose
 
     if args.profile:
-        return profile(engine, prompts, sp, batches, ks, steps, args.spec_overlap)
+        return profile(engine, prompts, sp, batches, ks, steps, args.spec_overlap, phases=not args.no_phases)
     plain = engine(0)
     base = {b: run(plain, b) for b in batches}  # each batch's greedy outputs are its forced drafts
     del plain  # its KV cache goes before the next engine sizes its own
@@ -343,17 +347,18 @@ def real_tokens(requests) -> int:
     return sum(sum(1 for t in r.output_token_ids if t >= 0) for r in requests)
 
 
-def profile(engine, prompts, sp, batches, ks, steps, overlap: bool = False) -> int:
+def profile(engine, prompts, sp, batches, ks, steps, overlap: bool = False, phases: bool = True) -> int:
     """--profile: for K = 0 and each K, at each batch, the engine's own drafts: host ms a timed step by phase
     (spec_profile.PhaseTimer), the step's wall ms (median), the device ms of its program alone and, at the first
     batch, the optimized HLO's op counts. Checks first that each K's greedy outputs equal K = 0's. `overlap`: each K
-    also with RunnerConfig.spec_overlap (rows with ovl = yes; its steps' overlapped count in `ovl steps`)."""
-    from benchmarks.spec_profile import PHASES, OPS, PhaseTimer, device_ms, op_counts
+    also with RunnerConfig.spec_overlap (rows with ovl = yes; its steps' overlapped count in `ovl steps`).
+    `phases` False: no phase timer (spec_profile.StepsOnly), the step times as the engine runs unobserved."""
+    from benchmarks.spec_profile import PHASES, OPS, PhaseTimer, StepsOnly, device_ms, op_counts
 
     rows, counts, ref = [], {}, {}
     for k, ovl in [(0, False), *((k, False) for k in ks), *((k, True) for k in ks if overlap)]:
         eng = engine(k, overlap=ovl)
-        timer = PhaseTimer(eng)
+        timer = PhaseTimer(eng) if phases else StepsOnly()
         timer.install_propose(None)
         try:
             for b in batches:

@@ -111,6 +111,25 @@ class PhaseTimer:
         self.steps = 0
 
 
+class StepsOnly:
+    """PhaseTimer's interface without its wrappers (`spec.py --profile --no-phases`): the engine runs unobserved, so
+    the step wall times are what a user's loop sees (a plain step's host work overlapped with its device time)."""
+
+    active, steps, last_host = False, 0, None
+
+    def install_propose(self, proposer) -> None:
+        pass
+
+    def restore_propose(self) -> None:
+        pass
+
+    def per_step(self) -> dict[str, float]:
+        return {p: float("nan") for p in PHASES}
+
+    def reset(self) -> None:
+        self.steps = 0
+
+
 def device_ms(engine, host, n: int = 20) -> float:
     """ms a run of HostStep `host`'s step program alone, `n` back to back (after one untimed)."""
     runner = engine.runner
