@@ -16,6 +16,11 @@
 #                    concurrency 1, 8, 32, 128, 512 in / 128 out, random-id prompts
 #   vllm_serve       the same client against vLLM's OpenAI server on the same model directory (dummy weights,
 #                    the same flags; its extra wheels: vllm_serve_deps.sh)
+#   protocol_a_dense dense.py: Protocol A-dense at DENSE_SHAPES (default llama-3.1-8b qwen2.5-7b), LLM's defaults
+#   vllm_dense       vllm_peer.py --dense at the same shapes, vLLM's LLM on the same machine (its bundle, as vllm_peer)
+#   dense_prefill    dense.py at the Llama shape four ways, each with its prefill traced: 2,048-token steps (LLM's
+#                    default), 16,384 (vLLM's LLM on an H100), 16,384 with straight-line layers
+#                    (--unroll-max-tokens), 16,384 with XLA's dynamic-slice fusion (no weight-slice copies)
 #   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
 #   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
 #   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
@@ -31,16 +36,20 @@
 #   pipeline_groups  pipeline_decode_groups.py on four GPUs: PP=2 and PP=4 against one GPU, bf16, then decode
 #                    throughput with one decode group a stage against one step at a time
 #
-# Knobs: PRESET (model shape, default deepseek-v2-lite: configs/models/PRESET.json), KERNELS_ARGS (default
-# --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py), SERVE_ARGS (more flags for
-# protocol_b's server), READY_LIMIT (seconds a server may take to answer /health, default 600), SHARED_PREFIX
-# (Protocol C's shared prefix, default 2,048 tokens). Write what you measure into benchmarks/results/.
+# Knobs: PRESET (model shape, default deepseek-v2-lite: configs/models/PRESET.json), DENSE_SHAPES (dense.py's
+# shapes), KERNELS_ARGS (default --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py),
+# SERVE_ARGS (more flags for protocol_b's server), READY_LIMIT (seconds a server may take to answer /health, default
+# 600), SHARED_PREFIX (Protocol C's shared prefix, default 2,048 tokens). Write what you measure into
+# benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
 parts="${PARTS:-kernels gpu_vs_cpu protocol_a hf_peer protocol_b}"
 preset="${PRESET:-deepseek-v2-lite}"
+dense_shapes="${DENSE_SHAPES:-llama-3.1-8b qwen2.5-7b}"
+hbm=3.35e12  # dense.py's weight-read floor: the card's HBM bytes/s
+nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && hbm=4.8e12
 has() { [[ " $parts " == *" $1 "* ]]; }
 
 run_part() {
@@ -53,6 +62,17 @@ run_part() {
     hf_peer) python3 benchmarks/hf_peer.py --preset "$preset" > "$out/hf_peer.log" 2>&1 ;;
     vllm_peer) vllm_peer > "$out/vllm_peer.log" 2>&1 ;;
     protocol_b) protocol_b ;;
+    protocol_a_dense) for s in $dense_shapes; do python3 benchmarks/dense.py --shapes $s --hbm $hbm \
+        > "$out/dense_$s.log" 2>&1; done ;;
+    vllm_dense) vllm_unpack && for s in $dense_shapes; do PYTHONPATH=$vllm/pkgs:$vllm/site \
+        python3 benchmarks/vllm_peer.py --dense $s --batches 32 > "$out/vllm_dense_$s.log" 2>&1; done ;;
+    dense_prefill) local d="python3 benchmarks/dense.py --shapes llama-3.1-8b --hbm $hbm"
+      $d --trace-prefill "$out/trace_2048" > "$out/dense_prefill_2048.log" 2>&1
+      $d --max-num-batched-tokens 16384 --trace-prefill "$out/trace_16384" > "$out/dense_prefill_16384.log" 2>&1
+      $d --max-num-batched-tokens 16384 --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" \
+        > "$out/dense_prefill_unrolled.log" 2>&1
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" $d --max-num-batched-tokens 16384 \
+        --trace-prefill "$out/trace_dsf" > "$out/dense_prefill_dsf.log" 2>&1 ;;
     protocol_a_high) for b in 128 256; do
         python3 benchmarks/offline.py --preset "$preset" --batch $b --buckets $b,16384 --max-num-batched-tokens 16384 \
           --json "$out/protocol_a_$b.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$b.log" 2>&1; done ;;
@@ -166,6 +186,9 @@ has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
 has sharded && grep -h -E "^\|" "$out/sharded.log"
 has pipeline && grep -h -E "^\|" "$out/pipeline.log"
 has pipeline_groups && grep -h -E "^\|" "$out/pipeline_groups.log"
+for f in "$out"/dense_*.log; do [[ -f $f ]] && echo "$f" && grep -h -A1 -E "^shape \|" "$f" | tail -1; done
+for f in "$out"/dense_prefill_*.log; do [[ -f $f ]] && grep -h -E "^prefill trace" "$f"; done
+for f in "$out"/vllm_dense_*.log; do [[ -f $f ]] && grep -h -E "^vLLM|^ +32 " "$f"; done
 has vllm_peer && grep -h -E "^vLLM|^vllm startup|no vLLM bundle" "$out/vllm_peer.log"
 for part in protocol_b vllm_serve protocol_c_on protocol_c_off vllm_protocol_c protocol_b_high vllm_serve_high \
     protocol_b_long_4096 protocol_b_long_16384 vllm_serve_long_4096 vllm_serve_long_16384; do
