@@ -39,7 +39,8 @@
 # Knobs: PRESET (model shape, default deepseek-v2-lite: configs/models/PRESET.json), DENSE_SHAPES (dense.py's
 # shapes), KERNELS_ARGS (default --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py),
 # SERVE_ARGS (more flags for protocol_b's server), READY_LIMIT (seconds a server may take to answer /health, default
-# 600), SHARED_PREFIX (Protocol C's shared prefix, default 2,048 tokens). Write what you measure into
+# 600), SHARED_PREFIX (Protocol C's shared prefix, default 2,048 tokens), VLLM_PART (a folder of vLLM's bundle that
+# this call carries, copied into /tmp/vllm first: benchmarks/README.md). Write what you measure into
 # benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -97,6 +98,9 @@ run_part() {
 # The vLLM peer: a bundle of vLLM 0.26.0 and its wheels (vllm.part* = a tar.xz in parts, deps/*.whl, and
 # vllm_protocol_a.py, Protocol A through vLLM's `LLM`), carried into /tmp/vllm on a machine without internet.
 vllm=/tmp/vllm
+if [[ -n ${VLLM_PART:-} ]]; then  # a folder of the bundle carried by this call: its files join the others in $vllm
+  mkdir -p $vllm && cp "$VLLM_PART"/* $vllm/ && echo "vLLM bundle: $(ls $vllm | tr '\n' ' ')"
+fi
 vllm_unpack() {  # the bundle's parts (and the server's dependencies, where carried) into $vllm/site, $vllm/pkgs
   if [[ ! -d $vllm/site ]]; then
     ls $vllm/vllm.part* > /dev/null 2>&1 || { echo "no vLLM bundle in $vllm (../shared/peers/vllm_bundle.sh)"; return 1; }
