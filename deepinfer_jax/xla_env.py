@@ -33,6 +33,13 @@ put in XLA_FLAGS is left as given; DEEPINFER_XLA_DEFAULTS=0 turns the defaults o
   times per layer (9.28 -> 9.57 ms a step, benchmarks/RESULTS.md). The cache is sized to leave a
   quarter of the device free (runner/device_memory.py), far more than any step's activations.
   Applied on every machine.
+
+Beside the flags, XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 where the user set none: the share of the GPU that JAX's
+allocator may hand out (JAX's own default is 0.75). The engine keeps its weights and KV cache within 0.75 of the
+device (runner/device_memory.py), so what is left for the steps' temporaries is this share less 0.75: with
+JAX's 0.75 it was the 10% of the allocator's share that gpu_memory_utilization 0.9 leaves, too little for a dense
+8B model's 2,048-token prefill step on an H100 (12.8 GiB of temporaries against 9.4 GiB free: warm-up ran out of
+memory), and every benchmark of the project runs at 0.92 (benchmarks/gpu.sh), so this is what is measured.
 """
 
 from __future__ import annotations
@@ -42,6 +49,8 @@ import sys
 from collections.abc import MutableMapping
 
 DEFAULT_FLAGS: dict[str, str] = {"xla_disable_hlo_passes": "rematerialization"}
+MEM_FRACTION = "XLA_PYTHON_CLIENT_MEM_FRACTION"
+DEFAULT_MEM_FRACTION = "0.92"
 SINGLE_GPU_FLAGS: dict[str, str] = {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"}
 
 
@@ -68,9 +77,11 @@ def visible_cuda_devices() -> int:
 
 def apply_default_xla_flags(environ: MutableMapping[str, str] = os.environ, num_gpus: int | None = None) -> None:
     """Put DEFAULT_FLAGS, and SINGLE_GPU_FLAGS where at most one GPU is visible (`num_gpus`, default:
-    asked of the driver), into environ["XLA_FLAGS"], unless DEEPINFER_XLA_DEFAULTS=0."""
+    asked of the driver), into environ["XLA_FLAGS"], and DEFAULT_MEM_FRACTION into
+    environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] where it is unset, unless DEEPINFER_XLA_DEFAULTS=0."""
     if environ.get("DEEPINFER_XLA_DEFAULTS", "1") == "0":
         return
+    environ.setdefault(MEM_FRACTION, DEFAULT_MEM_FRACTION)
     flags = dict(DEFAULT_FLAGS)
     if (visible_cuda_devices() if num_gpus is None else num_gpus) <= 1:
         flags.update(SINGLE_GPU_FLAGS)

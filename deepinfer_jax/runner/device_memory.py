@@ -1,8 +1,9 @@
 """How much device memory the KV cache may take: XLA's allocator figures or the CUDA driver's, and the
 share of device memory XLA's GPU scheduler assumes a program may use.
 
-Invariants of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory, so a
-quarter of the device stays free for the steps' temporaries (a prefill step's are a few GB); and a
+Invariants of `kv_cache_bytes`: weights (in use) + KV cache <= XLA_PROGRAM_SHARE x device memory, so the rest of
+the allocator's share (XLA_PYTHON_CLIENT_MEM_FRACTION, 0.92 by default: xla_env.py) stays free for the steps'
+temporaries (a prefill step's are a few GB, a dense 8B model's 13 GiB at 2,048 tokens); and a
 budget of CACHE_GRANULE or more is a whole number of CACHE_GRANULEs. The driver's free-memory figure
 moves by some 20 MB from one start to the next; the cache's page count is part of every step
 program's shape, so an unrounded size gave each start new programs and the persistent compilation

@@ -58,9 +58,9 @@ def test_cpu_falls_back_to_pages_for_max_num_seqs():
 
 
 def test_driver_figures_leave_room_in_the_allocators_pool():
-    """Under the VMM allocator the pool is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (0.75 by default):
-    weights + cache stay within gpu_memory_utilization of it, so the steps' temporaries and XLA's autotuning
-    scratch fit; with the benchmarks' 0.92 the cache is what it was (75 GiB on an H200 with V2-Lite)."""
+    """Under the VMM allocator the pool is XLA_PYTHON_CLIENT_MEM_FRACTION of the device (JAX's 0.75 where nothing
+    set it): weights + cache stay within gpu_memory_utilization of it, so the steps' temporaries and XLA's
+    autotuning scratch fit; with the package's 0.92 (xla_env.py) the cache is 75 GiB on an H200 with V2-Lite."""
     total, weights = 150 * GB, int(31.4 * GB)
     default = driver_memory(total - weights, total, {})
     assert default == DeviceMemory(int(total * 0.75), weights, total, "CUDA driver")

@@ -26,14 +26,21 @@ def test_defaults_are_added_once_and_never_override_the_user():
 def test_apply_respects_the_opt_out_and_keeps_the_graph_mode_to_one_gpu():
     env = {"DEEPINFER_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
     apply_default_xla_flags(env, num_gpus=1)
-    assert env["XLA_FLAGS"] == "--a=1"
+    assert env == {"DEEPINFER_XLA_DEFAULTS": "0", "XLA_FLAGS": "--a=1"}
     for n in (0, 1):
         env = {}
         apply_default_xla_flags(env, num_gpus=n)
         assert env["XLA_FLAGS"] == ALL
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.92"
     env = {"XLA_FLAGS": "--a=1"}
     apply_default_xla_flags(env, num_gpus=2)  # the command-buffer mode is not measured with collectives yet
     assert env["XLA_FLAGS"] == f"--a=1 {REMAT}"
+
+
+def test_the_allocator_share_is_set_where_the_user_set_none():
+    env = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.5"}
+    apply_default_xla_flags(env, num_gpus=1)
+    assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.5"
 
 
 def _flags_after_import(env_flags):
