@@ -62,6 +62,10 @@ the device), rows told apart by `ovl`; the greedy outputs of both checked agains
     python benchmarks/spec.py --profile --spec-overlap --method deepseek_mtp --ks 1,2,3 --batches 1,32 \
         --model deepinfer_jax/assets/default-model --page-size 16 --attn-impl reference --moe-impl ragged
 
+`--no-phases` (with `--profile`): the same loops without the phase timer, whose wrappers fetch each step's results
+at once and so take a plain step's overlap of host and device away (a plain batch-1 step of the default model: 1.98
+ms timed by phase, 1.00 ms unobserved); the step column is then what a user's loop sees.
+
 The modes at the cut V3 take `--draft none` (a V3-shaped draft of its own would not fit beside it on one GPU).
 At a cut V3 (`--layers`) each MTP pass (a whole MoE layer and the 129,280-row lm_head) weighs as much as a target
 layer, so the cost side overstates what a 61-layer V3 pays; the ratio scales with 1 / layers.
