@@ -49,12 +49,13 @@ SHAPES = {
 
 
 def check_kernel(cfg, page_size: int, context: int) -> float:
-    """Largest |kernel - reference| over a decode step (32 tokens at `context`) and a prefill step (2 prompts of
-    `context` tokens), bf16 cache of 2 layers."""
+    """Largest |kernel - reference| over a decode step (32 tokens at `context`: kernels/gqa_attention.py) and a
+    prefill step (2 prompts of `context` tokens: kernels/gqa_prefill.py), bf16 cache of 2 layers."""
     import jax
     import jax.numpy as jnp
 
     from deepinfer_jax.kernels.gqa_attention import paged_gqa_attention
+    from deepinfer_jax.kernels.gqa_prefill import ragged_gqa_attention
     from deepinfer_jax.kernels.gqa_reference import paged_gqa_attention_reference
 
     H, KVH, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -69,7 +70,8 @@ def check_kernel(cfg, page_size: int, context: int) -> float:
         pos = np.concatenate([np.arange(context - per_seq, context)] * seqs)
         q = jnp.asarray(rng.standard_normal((len(seq), H, hd)), jnp.bfloat16)
         args = (q, cache, 1, jnp.asarray(seq, jnp.int32), jnp.asarray(pos, jnp.int32), table, hd ** -0.5)
-        out = jax.block_until_ready(paged_gqa_attention(*args, interpret=jax.default_backend() != "gpu"))
+        kernel = paged_gqa_attention if per_seq == 1 else ragged_gqa_attention
+        out = jax.block_until_ready(kernel(*args, interpret=jax.default_backend() != "gpu"))
         ref = paged_gqa_attention_reference(*args)
         worst = max(worst, float(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)).max()))
     return worst

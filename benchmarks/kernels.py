@@ -1,7 +1,7 @@
 """Per-kernel checks and timings on the GPU: each kernel against its reference, then achieved bytes/s
 and FLOP/s against the ceilings measured on an H200 (4.3 TB/s copy, 587 TFLOP/s bf16 matmul).
 
-    python benchmarks/kernels.py [--quick] [--only moe|moe_prefill|mla|mla_output|mla_prefill|decode_sweep]
+    python benchmarks/kernels.py [--quick] [--only moe|moe_prefill|mla|mla_output|mla_prefill|decode_sweep|gqa_prefill]
     python benchmarks/kernels.py --only moe_prefill --moe-tokens 2731,16384   # Triton against Mosaic GPU experts
 
 MoE (V2-Lite expert shape: 64 experts, 2048 -> 1408, top-6): the Pallas block-aligned grouped GEMM
@@ -11,7 +11,8 @@ at several context splits and the XLA reference, batch 1 to 256, context 512 to 
 (same shape): the block-query prefill kernel at several tile configs against the decode kernel and
 the XLA reference on the same ragged steps (16 fresh prompts of 512, one 512-token chunk after 1,536
 cached tokens, and chunks mixed with decode tokens and padding). The decode attention's output kernel
-(splits merged, W_UV applied) against the XLA merge and einsum.
+(splits merged, W_UV applied) against the XLA merge and einsum. The dense family's GQA prefill attention
+(query blocks) at several tile configs against its decode kernel and the XLA reference.
 """
 
 from __future__ import annotations
@@ -335,6 +336,67 @@ def decode_attention_sweep(B: int = 32, ctx: int = 640):
             print(f"| {S} / {nw} / {st} | failed: {type(e).__name__}: {str(e)[:160]} |", flush=True)
 
 
+def ragged_step(rows, T: int, ps: int):
+    """A ragged step of per-row (cached tokens, new tokens) laid out one after another, then padding to T:
+    (page_table [S, max pages] over shuffled pages from 1, seq_ids [T], positions [T], real tokens, pages used)."""
+    pages_per_seq = [-(-(c + n) // ps) for c, n in rows]
+    perm = 1 + np.random.default_rng(0).permutation(sum(pages_per_seq))
+    pt = np.zeros((len(rows), max(pages_per_seq)), np.int32)
+    sid, pos, used, t = np.zeros(T, np.int32), np.zeros(T, np.int32), 0, 0
+    for row, ((c, n), k) in enumerate(zip(rows, pages_per_seq)):
+        pt[row, :k] = perm[used : used + k]
+        used += k
+        sid[t : t + n], pos[t : t + n] = row, np.arange(c, c + n)
+        t += n
+    return pt, sid, pos, t, used
+
+
+def gqa_prefill_table(quick: bool):
+    """The dense family's prefill attention (kernels/gqa_prefill.py, query blocks) at several tile configs against
+    the kernel of a token a program (kernels/gqa_attention.py) and the XLA reference, Llama-3.1-8B's heads (32 / 8,
+    head_dim 128) and Qwen2.5-7B's (28 / 4), page 64, bf16."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.kernels.gqa_attention import paged_gqa_attention
+    from deepinfer_jax.kernels.gqa_prefill import ragged_gqa_attention
+    from deepinfer_jax.kernels.gqa_reference import paged_gqa_attention_reference
+
+    hd, ps, key = 128, 64, jax.random.key(3)
+    print("\n## Paged GQA prefill attention (head_dim 128, page 64, bf16)")
+    print("| heads | step | tokens | impl | config | us | TFLOP/s (causal) | max err vs ref |")
+    print("|---|---|---|---|---|---|---|---|")
+    steps = [("32 prompts x 512", [(0, 512)] * 32, 16384), ("4 prompts x 512", [(0, 512)] * 4, 2048)]
+    if not quick:
+        steps += [("512 after 3584 cached + 32 decodes at 2K", [(3584, 512)] + [(2047, 1)] * 32, 1024)]
+    for H, KVH in ((32, 8), (28, 4)) if not quick else ((32, 8),):
+        for name, rows, T in steps:
+            pt, sid, pos, t, used = ragged_step(rows, T, ps)
+            flops = 4 * H * hd * int((pos[:t] + 1).sum())  # QK^T + PV over the visible keys
+            kv = jax.random.normal(key, (1, used + 1, ps, 2, KVH, hd), jnp.bfloat16)
+            q = jax.random.normal(jax.random.fold_in(key, 1), (T, H, hd), jnp.bfloat16)
+            args = (q, kv, 0, jnp.asarray(sid), jnp.asarray(pos), jnp.asarray(pt))
+            ref_fn = jax.jit(lambda *a: paged_gqa_attention_reference(*a, hd ** -0.5))
+            ref = np.asarray(ref_fn(*args).astype(jnp.float32))[:t]
+
+            def row(impl, config, fn):
+                try:
+                    tm, out = bench(fn, *args)
+                    print(f"| {H}/{KVH} | {name} | {T} | {impl} | {config} | {tm*1e6:.0f} | {flops/tm/1e12:.1f} | "
+                          f"{max_err(np.asarray(out, np.float32)[:t], ref)} |", flush=True)
+                except Exception as e:  # noqa: BLE001 - report and go on
+                    print(f"| {H}/{KVH} | {name} | {T} | {impl} | {config} | failed: {type(e).__name__}: "
+                          f"{str(e)[:200]} |", flush=True)
+
+            for rws, bk, nw, ns in ((128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (128, 64, 4, 3),
+                                    (256, 64, 8, 2), (64, 32, 4, 3)):
+                row("pallas query blocks", f"rows{rws} bk{bk} w{nw} s{ns}", jax.jit(
+                    lambda *a, r=rws, b=bk, w=nw, n=ns: ragged_gqa_attention(
+                        *a, hd ** -0.5, rows=r, block_keys=b, num_warps=w, num_stages=n)))
+            row("pallas token a program", "default", jax.jit(lambda *a: paged_gqa_attention(*a, hd ** -0.5)))
+            row("xla reference", "-", ref_fn)
+
+
 def mla_prefill_table(quick: bool):
     import jax
     import jax.numpy as jnp
@@ -355,18 +417,7 @@ def mla_prefill_table(quick: bool):
         steps += [("2 x 512 after 3584 cached + 256 decodes at 2K", [(3584, 512)] * 2 + [(2047, 1)] * 256, 2048),
                   ("4 prompts x 128", [(0, 128)] * 4, 512)]
     for name, rows, T in steps:
-        S = len(rows)
-        pages_per_seq = [-(-(c + n) // ps) for c, n in rows]
-        max_pages = max(pages_per_seq)
-        perm = 1 + np.random.default_rng(0).permutation(sum(pages_per_seq))
-        pt = np.zeros((S, max_pages), np.int32)
-        sid, pos, used = np.zeros(T, np.int32), np.zeros(T, np.int32), 0
-        t = 0
-        for row, ((c, n), k) in enumerate(zip(rows, pages_per_seq)):
-            pt[row, :k] = perm[used : used + k]
-            used += k
-            sid[t : t + n], pos[t : t + n] = row, np.arange(c, c + n)
-            t += n
+        pt, sid, pos, t, used = ragged_step(rows, T, ps)
         flops = 2 * H * (R + dr + R) * int((pos[:t] + 1).sum())  # QK^T over 576 + PV over 512, visible keys only
         kv = jax.random.normal(key, (1, used + 1, ps, R + dr), jnp.bfloat16)
         ql = jax.random.normal(jax.random.fold_in(key, 1), (T, H, R), jnp.bfloat16)
@@ -400,7 +451,8 @@ def mla_prefill_table(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "moe_prefill", "mla", "mla_output", "mla_prefill", "decode_sweep"], default=None)
+    ap.add_argument("--only", choices=["moe", "moe_prefill", "mla", "mla_output", "mla_prefill", "decode_sweep",
+                                                  "gqa_prefill"], default=None)
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax
@@ -420,6 +472,8 @@ def main(argv=None) -> int:
         decode_attention_sweep(64, 2048)
     if args.only in (None, "mla_prefill"):
         mla_prefill_table(args.quick)
+    if args.only in (None, "gqa_prefill"):
+        gqa_prefill_table(args.quick)
     return 0
 
 

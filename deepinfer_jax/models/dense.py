@@ -265,13 +265,17 @@ ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
 
 
 def paged_attention(q, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, attn_impl: str, sharded: bool):
-    """q [T, H, hd] over the paged cache -> [T, H, hd]: the Pallas kernel (kernels/gqa_attention.py) on the Pallas
-    path, one device, shapes it supports; the reference (same semantics) elsewhere."""
-    from deepinfer_jax.kernels import gqa_attention
+    """q [T, H, hd] over the paged cache -> [T, H, hd]: on the Pallas path (one device, shapes the kernels take)
+    a prefill-size step (more token slots than sequence rows) runs the query-block kernel (kernels/gqa_prefill.py),
+    a decode step the kernel of a token a program (kernels/gqa_attention.py); the reference (same semantics)
+    elsewhere."""
+    from deepinfer_jax.kernels import gqa_attention, gqa_prefill
 
     interpret = attn_impl == "pallas_interpret"
     args = (q, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, softmax_scale(cfg), cfg.sliding_window)
     if attn_impl != "reference" and not sharded and gqa_attention.supported(cfg.head_dim, kv_cache.shape[2], interpret):
+        if q.shape[0] > meta.page_table.shape[0]:
+            return gqa_prefill.ragged_gqa_attention(*args, interpret=interpret)
         return gqa_attention.paged_gqa_attention(*args, interpret=interpret)
     return paged_gqa_attention_reference(*args)
 
