@@ -1,7 +1,9 @@
 """Protocol A-dense (issue 52): offline generation on the dense family at the Qwen2.5-7B shape (DeepSeek-R1-Distill-
 Qwen-7B) and the Llama-3.1-8B shape, random weights, batch 32, 512 random prompt ids, 256 output tokens, ignore
-EOS, greedy and temperature 1.0. Correctness first: the Pallas GQA attention (kernels/gqa_attention.py) against
-the pure-JAX reference at each shape's heads (a decode step and a ragged prefill step, bf16), then the timings.
+EOS, greedy and temperature 1.0, steps of up to 16,384 tokens (vLLM's LLM default on an 80 GB GPU, the step budget
+vllm_peer.py's vLLM runs under). Correctness first: the Pallas GQA attention against the pure-JAX reference at each
+shape's heads (a decode step, kernels/gqa_attention.py, and a ragged prefill step, kernels/gqa_prefill.py; bf16),
+then the timings.
 
     python benchmarks/dense.py                              # both shapes, on a GPU
     python benchmarks/dense.py --shapes llama-3.1-8b --batch 8 --prompt-len 128 --output-len 32
@@ -103,7 +105,7 @@ def run_shape(name: str, args) -> dict:
     llm = LLM(d, load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True, max_num_seqs=args.batch,
               max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
               enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
-              max_num_batched_tokens=args.max_num_batched_tokens, unroll_max_tokens=args.unroll_max_tokens,
+              max_num_batched_tokens=args.max_num_batched_tokens or None, unroll_max_tokens=args.unroll_max_tokens,
               decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
               compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
     start = time.time() - t0
@@ -212,8 +214,9 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--page-size", type=int, default=64)
     ap.add_argument("--hbm", type=float, default=HBM_BYTES_PER_S, help="the card's HBM bytes/s for the floor")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
-                    help="the scheduler's step budget (default: LLM's, 2048 at this batch)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384,
+                    help="the scheduler's step budget: vLLM's LLM default on an 80 GB GPU, which vllm_peer.py runs "
+                         "under, as offline.py's Protocol A does (0: LLM's own default, 2048 at this batch)")
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="RunnerConfig.unroll_max_tokens (default: 256 on a GPU)")
     ap.add_argument("--layers", type=int, default=0, help="cut the shape to this many layers (a smoke run on a CPU)")

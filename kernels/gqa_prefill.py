@@ -32,8 +32,11 @@ from jax.experimental import pallas as pl
 from deepinfer_jax.kernels.mla_decode import EXACT, NEG, softmax_step
 from deepinfer_jax.kernels.triton_params import compiler_params
 
-ROWS = 128  # query rows (tokens x padded heads) a program holds
-BLOCK_KEYS = 64  # keys a program reads per loop step, at most a page
+# The tile: query rows (tokens x padded heads) a program holds, keys a loop step reads (at most a page), warps and
+# pipeline stages. The fastest of six at the 16,384-token step of 32 prompts of 512 with Llama-3.1-8B's heads on an
+# H100 (1.36 ms against 1.39-1.75 for the others, 4.40 for the kernel of a token a program; benchmarks/kernels.py
+# --only gqa_prefill, results in benchmarks/RESULTS.md).
+ROWS, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
 
 
 def _pow2(n: int) -> bool:
@@ -79,19 +82,20 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
     layer, seq, start, count = layer_ref[0], seq_ref[b], start_ref[b], count_ref[b]
     rows = o_ref.shape[2]
     q = q_ref[k, pl.ds(start * groups, rows), :]  # [rows, hd]
-    valid = jnp.arange(rows) // groups < count
+    div = lambda a, b: jax.lax.div(a, jnp.int32(b))  # noqa: E731 - operands >= 0 (jnp // and % failed to lower)
+    valid = div(jnp.arange(rows, dtype=jnp.int32), groups) < count
     pos = jnp.where(valid, pos_ref[pl.ds(start * groups, rows)], -1)  # [rows]; -1: a row of no token, sees nothing
     top = jnp.max(pos)
-    hi = jnp.where(count > 0, jnp.maximum(top, 0) // block_keys + 1, 0)
+    hi = jnp.where(count > 0, div(jnp.maximum(top, 0), block_keys) + 1, 0)
     lo = 0
     if window is not None:
         low = jnp.min(jnp.where(valid, pos, top))
-        lo = jnp.maximum(low - window + 1, 0) // block_keys
+        lo = div(jnp.maximum(low - window + 1, 0), block_keys)
     per_page = page_size // block_keys
 
     def body(i, carry):
-        page = pt_ref[seq, i // per_page]
-        keys = pl.ds((i % per_page) * block_keys, block_keys)
+        page = pt_ref[seq, div(i, per_page)]
+        keys = pl.ds((i - div(i, per_page) * per_page) * block_keys, block_keys)
         kb = kv_ref[layer, page, keys, 0, k, :].astype(q.dtype)  # [block, hd]
         vb = kv_ref[layer, page, keys, 1, k, :].astype(q.dtype)
         s = jnp.dot(q, kb.T, preferred_element_type=jnp.float32, precision=EXACT) * scale  # [rows, block]
@@ -110,7 +114,7 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows", "block_keys", "num_warps",
                                              "num_stages", "interpret"))
 def ragged_gqa_attention(q, kv_cache, layer, seq_ids, positions, page_table, scale, sliding_window=None, *,
-                         rows=ROWS, block_keys=None, num_warps=8, num_stages=2, interpret=False):
+                         rows=ROWS, block_keys=None, num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
     """q [T, H, hd] roped, kv_cache [L, P, ps, 2, KVH, hd] (the whole cache), layer int32 scalar -> [T, H, hd] in
     q's dtype. Each sequence row's tokens contiguous (module docstring). `rows`: query rows a program holds
     (block_q = rows // Gp tokens, at least one)."""
