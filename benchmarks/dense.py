@@ -7,7 +7,8 @@ then the timings.
 
     python benchmarks/dense.py                              # both shapes, on a GPU
     python benchmarks/dense.py --shapes llama-3.1-8b --batch 8 --prompt-len 128 --output-len 32
-    python benchmarks/dense.py --shapes llama-3.1-8b --layers 1 --batch 2 --prompt-len 16 --output-len 4  # CPU smoke
+    python benchmarks/dense.py --shapes llama-3.1-8b --layers 1 --batch 2 --prompt-len 16 --output-len 4 \
+        --max-num-batched-tokens 64                         # CPU smoke
 
 Prints per shape: the kernel's largest error against the reference; start-up, split into the weights' load (on its
 own thread, beside warm-up), warm-up's tracing and lowering, its wait for the weights and all of warm-up, and the
