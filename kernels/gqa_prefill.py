@@ -18,7 +18,8 @@ rows back in token order.
 Against kernels/gqa_attention.py (a program per token, its G heads padded to 16 rows): a prefill's K / V tiles are
 read once per `block_q` tokens instead of once per token, and the tensor cores see `block_q * Gp` real rows.
 
-`interpret=True` runs the same kernel on the CPU (tests); `supported` says which shapes the GPU takes.
+`interpret=True` runs the same kernel on the CPU (tests); the GPU takes the shapes of kernels/gqa_attention.py
+`supported`.
 """
 
 from __future__ import annotations
@@ -39,18 +40,8 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 ROWS, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
 
 
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
-
-
 def _pad_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
-
-
-def supported(head_dim: int, page_size: int, interpret: bool = False) -> bool:
-    """Shapes the kernel compiles for on the GPU: a power-of-two head_dim and page of at least 16 (Triton's
-    dots); any shape in interpret mode."""
-    return interpret or (_pow2(head_dim) and head_dim >= 16 and _pow2(page_size) and page_size >= 16)
 
 
 def max_blocks(num_tokens: int, num_seq_rows: int, block_q: int) -> int:
@@ -82,7 +73,7 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
     layer, seq, start, count = layer_ref[0], seq_ref[b], start_ref[b], count_ref[b]
     rows = o_ref.shape[2]
     q = q_ref[k, pl.ds(start * groups, rows), :]  # [rows, hd]
-    div = lambda a, b: jax.lax.div(a, jnp.int32(b))  # noqa: E731 - operands >= 0 (jnp // and % failed to lower)
+    div = lambda a, d: jax.lax.div(a, jnp.int32(d))  # noqa: E731 - operands >= 0 (jnp // and % failed to lower)
     valid = div(jnp.arange(rows, dtype=jnp.int32), groups) < count
     pos = jnp.where(valid, pos_ref[pl.ds(start * groups, rows)], -1)  # [rows]; -1: a row of no token, sees nothing
     top = jnp.max(pos)
