@@ -451,8 +451,8 @@ def mla_prefill_table(quick: bool):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--only", choices=["moe", "moe_prefill", "mla", "mla_output", "mla_prefill", "decode_sweep",
-                                                  "gqa_prefill"], default=None)
+    ap.add_argument("--only", default=None, choices=["moe", "moe_prefill", "mla", "mla_output", "mla_prefill",
+                                                     "decode_sweep", "gqa_prefill"])
     ap.add_argument("--moe-tokens", default="", help="comma-separated token counts for the MoE table")
     args = ap.parse_args(argv)
     import jax

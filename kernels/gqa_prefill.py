@@ -7,13 +7,14 @@ at position 0, form a run at the end).
 Query blocks (`query_blocks`): the step's tokens are cut into blocks of at most `block_q` consecutive tokens of one
 sequence row: a block starts where the row changes or `block_q` tokens of the run have been taken. A step of T
 tokens over S sequence rows has at most T // block_q + S + 1 of them (`max_blocks`); unused blocks hold no token
-and do no work. A program (block, KV head) holds its block's tokens' G query heads as a row block
-[block_q * Gp, hd] (G padded to a power of two, rows in token-major order) and walks its sequence's key blocks
-through the page table once, from the first key any of its rows sees to the last (its largest position), each
-K / V tile [block_keys, hd] read once for all the rows and masked per row to keys <= the row's position (and
-inside its window). fp32 online softmax (kernels/mla_decode.py `softmax_step`; a row's own key is always in the
-walk, so every valid row sees a key), normalized in the kernel: one pass, no context splits. A gather puts the
-rows back in token order.
+and do no work. They are the same for every layer of a step: `query_block_layout` lays them out once.
+
+A program (block, KV head) holds its block's tokens' G query heads as a row block [block_q * Gp, hd] (G padded to
+a power of two, rows in token-major order) and walks its sequence's key blocks through the page table once, from
+the first key any of its rows sees to the last (its largest position), each K / V tile [block_keys, hd] read once
+for all the rows and masked per row to keys <= the row's position (and inside its window). fp32 online softmax
+(kernels/mla_decode.py `softmax_step`; a row's own key is always in the walk, so every valid row sees a key),
+normalized in the kernel: one pass, no context splits. A gather puts the rows back in token order.
 
 Against kernels/gqa_attention.py (a program per token, its G heads padded to 16 rows): a prefill's K / V tiles are
 read once per `block_q` tokens instead of once per token, and the tensor cores see `block_q * Gp` real rows.
@@ -25,6 +26,7 @@ read once per `block_q` tokens instead of once per token, and the tensor cores s
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,10 +40,6 @@ from deepinfer_jax.kernels.triton_params import compiler_params
 # H100 (1.36 ms against 1.39-1.75 for the others, 4.40 for the kernel of a token a program; benchmarks/kernels.py
 # --only gqa_prefill, results in benchmarks/RESULTS.md).
 ROWS, BLOCK_KEYS, NUM_WARPS, NUM_STAGES = 64, 32, 4, 3
-
-
-def _pad_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
 
 
 def max_blocks(num_tokens: int, num_seq_rows: int, block_q: int) -> int:
@@ -65,6 +63,35 @@ def query_blocks(seq_ids: jax.Array, block_q: int, num_blocks: int):
     count = jnp.zeros((num_blocks,), jnp.int32).at[blk].add(1, mode="drop")
     seq = jnp.zeros((num_blocks,), jnp.int32).at[blk].set(seq_ids.astype(jnp.int32), mode="drop")
     return blk, row, start, count, seq
+
+
+class QueryBlocks(NamedTuple):
+    """A step's query blocks (`query_block_layout`), the same for every layer: blk [T], row [T], start [NB],
+    count [NB], seq [NB] (`query_blocks`) and row_pos [(T + block_q) * Gp] each query row's position."""
+
+    blk: jax.Array
+    row: jax.Array
+    start: jax.Array
+    count: jax.Array
+    seq: jax.Array
+    row_pos: jax.Array
+
+
+def _tile(groups: int, rows: int) -> tuple[int, int]:
+    """(Gp, block_q): G padded to a power of two, and the tokens a block of `rows` query rows holds (at least one)."""
+    gp = 1 << (groups - 1).bit_length()
+    return gp, max(1, rows // gp)
+
+
+def query_block_layout(seq_ids: jax.Array, positions: jax.Array, num_seq_rows: int, groups: int,
+                       rows: int = ROWS) -> QueryBlocks:
+    """The query blocks of a step of tokens seq_ids / positions [T] over `num_seq_rows` sequence rows, for G =
+    `groups` query heads a KV head: what `ragged_gqa_attention` needs besides the layer's q and cache, laid out once
+    a step for all its layers."""
+    gp, block_q = _tile(groups, rows)
+    nb = max_blocks(seq_ids.shape[0], num_seq_rows, block_q)
+    row_pos = jnp.repeat(jnp.pad(positions.astype(jnp.int32), (0, block_q)), gp)
+    return QueryBlocks(*query_blocks(seq_ids, block_q, nb), row_pos)
 
 
 def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv_ref, o_ref, *,
@@ -105,24 +132,27 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows", "block_keys", "num_warps",
                                              "num_stages", "interpret"))
 def ragged_gqa_attention(q, kv_cache, layer, seq_ids, positions, page_table, scale, sliding_window=None, *,
-                         rows=ROWS, block_keys=None, num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False):
+                         rows=ROWS, block_keys=None, num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False,
+                         blocks: QueryBlocks | None = None):
     """q [T, H, hd] roped, kv_cache [L, P, ps, 2, KVH, hd] (the whole cache), layer int32 scalar -> [T, H, hd] in
     q's dtype. Each sequence row's tokens contiguous (module docstring). `rows`: query rows a program holds
-    (block_q = rows // Gp tokens, at least one)."""
+    (block_q = rows // Gp tokens, at least one). `blocks`: the step's `query_block_layout` at the same `rows`
+    (None: laid out here)."""
     T, H, hd = q.shape
     _, _, ps, _, KVH, _ = kv_cache.shape
     G = H // KVH
-    Gp = _pad_pow2(G)
-    block_q = max(1, rows // Gp)
+    Gp, block_q = _tile(G, rows)
     rows = block_q * Gp
     bk = min(block_keys or BLOCK_KEYS, ps)
     assert ps % bk == 0, (ps, bk)
-    nb = max_blocks(T, page_table.shape[0], block_q)
-    blk, row, start, count, seq = query_blocks(seq_ids, block_q, nb)
+    if blocks is None:
+        blocks = query_block_layout(seq_ids, positions, page_table.shape[0], G, rows)
+    assert blocks.row_pos.shape[0] == (T + block_q) * Gp, "query blocks laid out for another tile"
+    blk, row, start, count, seq, row_pos = blocks
+    nb = start.shape[0]
     # q as [KVH, (T + block_q) * Gp, hd]: a block's rows are one slice from its first token, whole past the end
     qg = jnp.pad(q.reshape(T, KVH, G, hd), ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
     qg = qg.transpose(1, 0, 2, 3).reshape(KVH, (T + block_q) * Gp, hd)
-    row_pos = jnp.repeat(jnp.pad(positions.astype(jnp.int32), (0, block_q)), Gp)  # [(T + block_q) * Gp]
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
     kernel = functools.partial(_kernel, page_size=ps, block_keys=bk, groups=Gp, scale=scale, window=sliding_window)
     full = lambda a: pl.BlockSpec(a.shape, lambda b, k: (0,) * a.ndim)  # noqa: E731

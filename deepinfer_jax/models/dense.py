@@ -264,18 +264,38 @@ def write_kv(kv_cache: jax.Array, layer, meta: StepMetadata, kv: jax.Array) -> j
 ATTN_IMPLS = ("reference", "pallas", "pallas_interpret")
 
 
-def paged_attention(q, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, attn_impl: str, sharded: bool):
-    """q [T, H, hd] over the paged cache -> [T, H, hd]: on the Pallas path (one device, shapes the kernels take)
-    a prefill-size step (more token slots than sequence rows) runs the query-block kernel (kernels/gqa_prefill.py),
-    a decode step the kernel of a token a program (kernels/gqa_attention.py); the reference (same semantics)
-    elsewhere."""
+def _pallas_attention(cfg: ModelConfig, kv_cache: jax.Array, attn_impl: str, sharded: bool) -> bool:
+    """Whether the step's attention runs the Pallas kernels: the Pallas path, one device, shapes they take."""
+    from deepinfer_jax.kernels import gqa_attention
+
+    interpret = attn_impl == "pallas_interpret"
+    return attn_impl != "reference" and not sharded and gqa_attention.supported(cfg.head_dim, kv_cache.shape[2],
+                                                                                 interpret)
+
+
+def prefill_blocks(meta: StepMetadata, cfg: ModelConfig, kv_cache: jax.Array, attn_impl: str, sharded: bool):
+    """The step's query blocks (kernels/gqa_prefill.py `query_block_layout`), laid out once for all its layers,
+    where a prefill-size step (more token slots than sequence rows) runs the Pallas kernels; None otherwise."""
+    from deepinfer_jax.kernels import gqa_prefill
+
+    if not _pallas_attention(cfg, kv_cache, attn_impl, sharded) or meta.token_ids.shape[0] <= meta.page_table.shape[0]:
+        return None
+    return gqa_prefill.query_block_layout(meta.seq_ids, meta.positions, meta.page_table.shape[0],
+                                          cfg.num_attention_heads // cfg.num_key_value_heads)
+
+
+def paged_attention(q, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, attn_impl: str, sharded: bool,
+                    blocks=None):
+    """q [T, H, hd] over the paged cache -> [T, H, hd]: with the step's `prefill_blocks` the query-block kernel
+    (kernels/gqa_prefill.py); else on the Pallas path (a decode step) the kernel of a token a program
+    (kernels/gqa_attention.py); the reference (same semantics) elsewhere."""
     from deepinfer_jax.kernels import gqa_attention, gqa_prefill
 
     interpret = attn_impl == "pallas_interpret"
     args = (q, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, softmax_scale(cfg), cfg.sliding_window)
-    if attn_impl != "reference" and not sharded and gqa_attention.supported(cfg.head_dim, kv_cache.shape[2], interpret):
-        if q.shape[0] > meta.page_table.shape[0]:
-            return gqa_prefill.ragged_gqa_attention(*args, interpret=interpret)
+    if blocks is not None:
+        return gqa_prefill.ragged_gqa_attention(*args, interpret=interpret, blocks=blocks)
+    if _pallas_attention(cfg, kv_cache, attn_impl, sharded):
         return gqa_attention.paged_gqa_attention(*args, interpret=interpret)
     return paged_gqa_attention_reference(*args)
 
@@ -320,6 +340,7 @@ def forward_paged(
     scanned = {k: ({n: w for n, w in v.items() if (k, n) not in projections} if isinstance(v, dict) else v)
                for k, v in seg.items()}  # the projections read in place are not sliced by the layer loop
     interpret = attn_impl == "pallas_interpret"
+    blocks = prefill_blocks(meta, cfg, kv_cache, attn_impl, mesh_rules is not None)
 
     def body(carry, xs):
         h, cache = carry
@@ -329,7 +350,7 @@ def forward_paged(
         x = rms_norm(h, lp["input_layernorm"], cfg.rms_norm_eps)
         q, kv = project_qkv(lp["attn"], cfg, x, cos, sin)  # [T, H, hd], [T, 2, KVH, hd]
         cache = write_kv(cache, li, meta, kv)
-        a = paged_attention(q, cache, li, meta, cfg, attn_impl, mesh_rules is not None)
+        a = paged_attention(q, cache, li, meta, cfg, attn_impl, mesh_rules is not None, blocks)
         h = h + output_projection(lp["attn"], a)
         x = rms_norm(h, lp["post_attention_layernorm"], cfg.rms_norm_eps)
         m, idx = mlp(lp, cfg, x, moe_impl)

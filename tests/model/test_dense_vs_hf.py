@@ -41,8 +41,8 @@ def test_all_position_logits_match_hf(hf_case, dense_case):
 def test_prefill_chunks_then_decode_equal_full_forward(hf_case, attn_impl):
     """The paged steps share the forward's projections; what differs is the attention over pages, here with
     Mistral's sliding window (7 keys) across page boundaries, by the reference and by the Pallas kernels
-    (kernels/gqa_prefill.py for the prefill-size steps, kernels/gqa_attention.py for the decode steps). Every family's paged steps through the engine against HF:
-    tests/engine/test_dense_llm.py."""
+    (kernels/gqa_prefill.py for the prefill-size steps, kernels/gqa_attention.py for the decode steps). Every
+    family's paged steps through the engine against HF: tests/engine/test_dense_llm.py."""
     _, path = hf_case("mistral_window")
     cfg, params = _load(path)
     ids = np.random.default_rng(4).integers(0, cfg.vocab_size, (3, 30))
