@@ -24,6 +24,7 @@ divides N, split_k * block_k divides K (split_k need not be a power of two: it o
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -47,14 +48,23 @@ def largest_pow2_divisor(n: int, cap: int) -> int:
     return b
 
 
-def plan(K: int, N: int) -> tuple[int, int, int] | None:
-    """(block_n, block_k, split_k) for a [K, N] weight, or None when no power-of-two tiling of at
-    least 16 fits (the caller then keeps XLA's GEMM)."""
+class Launch(NamedTuple):
+    """One decode projection's launch: its tiles, K chunks and Triton's warps and pipeline stages."""
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+def plan(K: int, N: int) -> Launch | None:
+    """The launch for a [K, N] weight, or None when no power-of-two tiling of at least 16 fits (the
+    caller then keeps XLA's GEMM)."""
     block_n = largest_pow2_divisor(N, 128)
     block_k = largest_pow2_divisor(K, 64)
     if block_n < 16 or block_k < 16:
         return None
-    return block_n, block_k, fewest_chunks(N // block_n, K // block_k)
+    return Launch(block_n, block_k, fewest_chunks(N // block_n, K // block_k))
 
 
 def fewest_chunks(tiles: int, steps: int) -> int:
@@ -83,10 +93,10 @@ def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages",
                                              "reduce", "interpret"))
-def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_warps=4, num_stages=4,
+def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_warps=None, num_stages=None,
                   reduce=True, interpret=False):
     """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
-    Tiles left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
+    Launch parameters left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
     fp32 instead (rows: T padded to a power of two of at least 16), for a launch that adds them up itself
     (kernels/residual_route.py, kernels/route_experts.py)."""
     T, K = x.shape
@@ -95,7 +105,8 @@ def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_
     auto = plan(K, N)
     if auto is None:
         raise ValueError(f"decode_matmul: no power-of-two tiling for a [{K}, {N}] weight")
-    block_n, block_k, split_k = (a if v is None else v for v, a in zip((block_n, block_k, split_k), auto))
+    block_n, block_k, split_k, num_warps, num_stages = (
+        a if v is None else v for v, a in zip((block_n, block_k, split_k, num_warps, num_stages), auto))
     rows = max(16, 1 << (T - 1).bit_length())
     xp = x.astype(w.dtype)
     if rows != T:

@@ -32,11 +32,11 @@ def test_kernel_matches_reference(T, K, N, dtype):
 
 def test_plan_fills_the_gpu_and_divides_the_weight():
     for K, N in [(2048, 2048), (2048, 3072), (2048, 576), (10944, 2048), (2048, 21888), (1536, 3072)]:
-        block_n, block_k, split_k = plan(K, N)
+        block_n, block_k, split_k, *_ = plan(K, N)
         assert N % block_n == 0 and K % (block_k * split_k) == 0
         assert (N // block_n) * split_k >= 128 or split_k == K // block_k
-    assert plan(2048, 2048) == (128, 64, 8)  # o_proj of V2-Lite: 16 column tiles x 8 K chunks
-    assert plan(10944, 2048) == (128, 64, 9)  # V2-Lite's dense MLP down: 171 K steps split 9 ways
+    assert plan(2048, 2048)[:3] == (128, 64, 8)  # o_proj of V2-Lite: 16 column tiles x 8 K chunks
+    assert plan(10944, 2048)[:3] == (128, 64, 9)  # V2-Lite's dense MLP down: 171 K steps split 9 ways
     assert plan(100, 2048) is None  # no power-of-two K tile of at least 16
     assert plan(2048, 40) is None  # nor N tile
     assert supported(64, 2048, 2048) and not supported(65, 2048, 2048)
