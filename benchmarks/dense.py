@@ -16,8 +16,8 @@ number of step programs; the batch's prefill (the same prompts with 1 output tok
 and temperature 1, and the decode step (the run less its prefill, over the output tokens after the first) beside
 its weight-read floor (weight bytes / HBM bandwidth). Each timing is the better of two runs. vLLM's figures on the
 same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--no-decode-projection-kernel`,
-`--unroll-max-tokens`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to compare start-up and
-steps under. `--decode-matmul-plans FILE`: kernels/decode_matmul.py's launches from decode_matmul_tiles.py's --json
+`--unroll-max-tokens`, `--prefill-layers`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to
+compare start-up and steps under. `--decode-matmul-plans FILE`: kernels/decode_matmul.py's launches from decode_matmul_tiles.py's --json
 in place of its `plan` for the weights the file names.
 """
 
@@ -108,7 +108,7 @@ def run_shape(name: str, args) -> dict:
               max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
               enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
               max_num_batched_tokens=args.max_num_batched_tokens or None, unroll_max_tokens=args.unroll_max_tokens,
-              decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
+              prefill_layers=args.prefill_layers, decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
               compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
     start = time.time() - t0
     rng = np.random.default_rng(1)
@@ -232,6 +232,8 @@ def main() -> None:
                          "under, as offline.py's Protocol A does (0: LLM's own default, 2048 at this batch)")
     ap.add_argument("--unroll-max-tokens", type=int, default=None,
                     help="RunnerConfig.unroll_max_tokens (default: 256 on a GPU)")
+    ap.add_argument("--prefill-layers", choices=["scan", "indexed"], default=None,
+                    help="RunnerConfig.prefill_layers: how steps above unroll_max_tokens run their layers")
     ap.add_argument("--layers", type=int, default=0, help="cut the shape to this many layers (a smoke run on a CPU)")
     ap.add_argument("--compilation-cache-dir", default="default",
                     help="LLM's compilation_cache_dir ('none': off, every start cold; 'default': a later start on the "

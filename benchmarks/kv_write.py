@@ -6,11 +6,12 @@ GPU time a layer (profiler trace; wall time on a CPU) and the bytes written a se
 The cache is [L, P, page, *row] (the dense family's row: k and v of each KV head, [2, KVH, hd]; DeepSeek's:
 the 576-wide latent), the step's T tokens land on shuffled pages as a prefill's do, padding tokens on the null
 page. Ways:
-- `pages`: `cache.at[layer, page, offset].set(kv)`, two scatter indices a token (models/dense.py `write_kv`,
-  models/deepseek.py `write_latents`);
+- `pages`: `cache.at[layer, page, offset].set(kv)`, two scatter indices a token;
+- `pages unique`: the same with `unique_indices=True` (the null page's duplicates are padding, never read):
+  models/cache.py `write_slots`, which both families' cache writes use;
 - `slots`: the cache seen as one row a slot over every layer, `.at[layer * P * page + slot].set(kv)`, one index
   a token;
-- `slots unique`: the same with `unique_indices=True` (the null page's duplicates are padding, never read).
+- `slots unique`: the same, unique.
 Each way's result is checked against `pages` first.
 """
 
@@ -51,15 +52,15 @@ def main(argv=None) -> int:
         kv = jax.random.normal(jax.random.key(1), (T, *row), jnp.bfloat16)
         width = int(np.prod(row))
 
-        def pages_way(cache, layer, kv, slot):
-            return cache.at[layer, slot // ps, slot % ps].set(kv)
+        def pages_way(cache, layer, kv, slot, unique=False):
+            return cache.at[layer, slot // ps, slot % ps].set(kv, unique_indices=unique)
 
         def slots_way(cache, layer, kv, slot, unique=False):
             flat = cache.reshape(-1, width)
             idx = layer * (P * ps) + slot
             return flat.at[idx].set(kv.reshape(T, width), unique_indices=unique).reshape(cache.shape)
 
-        ways = {"pages": pages_way, "slots": slots_way, "slots unique": lambda *x: slots_way(*x, unique=True)}
+        ways = {"pages": pages_way, "pages unique": lambda *x: pages_way(*x, unique=True), "slots": slots_way, "slots unique": lambda *x: slots_way(*x, unique=True)}
         want = None
         for name, fn in ways.items():
             f = jax.jit(fn, donate_argnums=0)

@@ -38,6 +38,18 @@ def to_cache_dtype(latent: jax.Array, dtype) -> jax.Array:
     return latent.astype(dtype)
 
 
+def write_slots(kv_cache: jax.Array, layer, slot_mapping: jax.Array, rows: jax.Array) -> jax.Array:
+    """rows [T, *row] into their cache slots `slot_mapping` [T] (page * page_size + offset) of layer `layer` of
+    kv_cache [L, P, page_size, *row], cast to the cache's dtype.
+
+    Declared unique: every real token of a step has a slot of its own, and the padding tokens' repeated slots lie
+    on the null page, which no one reads. XLA then writes the rows in parallel, where a scatter that may meet
+    duplicates ran at a sixth of the speed (benchmarks/kv_write.py)."""
+    page_size = kv_cache.shape[2]
+    return kv_cache.at[layer, slot_mapping // page_size, slot_mapping % page_size].set(
+        rows.astype(kv_cache.dtype), unique_indices=True)
+
+
 def init_kv_cache(cfg: ModelConfig, num_pages: int, page_size: int, dtype=jnp.bfloat16) -> jax.Array:
     return jnp.zeros(kv_cache_shape(cfg, num_pages, page_size), dtype)
 

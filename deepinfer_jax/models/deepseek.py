@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.mla_reference import paged_mla_attention_reference
 from deepinfer_jax.models import dsa, mla
-from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype
+from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype, write_slots
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
     decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_stacked_splits, decode_value_weights,
@@ -237,9 +237,7 @@ def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, s
 
 def write_latents(kv_cache, layer, meta: StepMetadata, latent):
     """This step's latents [T, R + dr] into their cache slots (meta.slot_mapping) of layer `layer`."""
-    page_size = kv_cache.shape[2]
-    page, offset = meta.slot_mapping // page_size, meta.slot_mapping % page_size
-    return kv_cache.at[layer, page, offset].set(latent)
+    return write_slots(kv_cache, layer, meta.slot_mapping, latent)
 
 
 def write_and_attend_sharded(mr: MeshRules, q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata,

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from deepinfer_jax.config import ModelConfig
 from deepinfer_jax.kernels.dsa_reference import index_scores, paged_dsa_attention_reference, topk_mask
 from deepinfer_jax.models import mla
-from deepinfer_jax.models.cache import StepMetadata
+from deepinfer_jax.models.cache import StepMetadata, write_slots
 from deepinfer_jax.models.layers import linear, weight
 
 # HF builds the indexer's k_norm (a LayerNorm with bias) with a fixed eps.
@@ -101,9 +101,8 @@ def write_and_attend_sparse(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, k
     longest context of the step."""
     q_nope, q_pe, c_kv, k_pe = mla.project_qkv(p, cfg, x, cos, sin)
     iq, iw, ik = indexer_inputs(p, cfg, x, cos, sin)
-    entry = jnp.concatenate([c_kv, k_pe, ik], axis=-1).astype(kv_cache.dtype)  # [T, R + dr + Di]
-    page_size = kv_cache.shape[2]
-    kv_cache = kv_cache.at[layer, meta.slot_mapping // page_size, meta.slot_mapping % page_size].set(entry)
+    entry = jnp.concatenate([c_kv, k_pe, ik], axis=-1)  # [T, R + dr + Di]
+    kv_cache = write_slots(kv_cache, layer, meta.slot_mapping, entry)
     q_lat = mla.absorb_query(p, cfg, q_nope)  # [T, H, R]
     if attn_impl == "reference":
         o_lat = paged_dsa_attention_reference(
@@ -116,7 +115,7 @@ def write_and_attend_sparse(p: dict, cfg: ModelConfig, x: jax.Array, cos, sin, k
         scores = dsa_indexer.paged_index_scores(iq, iw, kv_cache, layer, meta.seq_ids, meta.positions,
                                                 meta.page_table, key_start=cfg.latent_dim, interpret=interpret)
         idx, valid = dsa_indexer.select_topk(scores, meta.positions, cfg.index_topk)
-        slots, ok = mla_sparse.selected_slots(idx, valid, meta.seq_ids, meta.page_table, page_size,
+        slots, ok = mla_sparse.selected_slots(idx, valid, meta.seq_ids, meta.page_table, kv_cache.shape[2],
                                               mla_sparse.BLOCK_KEYS)
         o_lat = mla_sparse.sparse_mla_attention(q_lat, q_pe, kv_cache, layer, slots, ok, cfg.softmax_scale,
                                                 interpret=interpret)

@@ -380,3 +380,14 @@ def test_latent_write_into_an_fp8_cache_lowers_for_sm90(triton_modules):
             s((L, 40000, PS, R + DR), jnp.float8_e4m3fn), s((32,), jnp.int32))
     (ir,) = triton_modules(fn, *args)
     assert ir.count("tt.store") == 6 and "tt.fp_to_fp" in ir
+
+
+def test_decode_projections_in_one_launch_lower_for_sm90(triton_modules):
+    """q_proj and kv_proj of Qwen2.5-7B (3,584 -> 3,584 and 1,024) read in place in one decode launch: each column
+    tile's program takes the weight its tile falls in (two guarded branches), one dot each."""
+    from deepinfer_jax.kernels.decode_matmul import decode_matmul
+
+    s = jax.ShapeDtypeStruct
+    args = (s((32, 3584), jnp.bfloat16), s((28, 3584, 3584), jnp.bfloat16), s((28, 3584, 1024), jnp.bfloat16))
+    (ir,) = triton_modules(lambda x, wq, wkv: decode_matmul(x, (wq, wkv), 5), *args)
+    assert ir.count("tt.dot") == 2 and ir.count("scf.if") >= 2
