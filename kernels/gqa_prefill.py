@@ -9,12 +9,18 @@ sequence row: a block starts where the row changes or `block_q` tokens of the ru
 tokens over S sequence rows has at most T // block_q + S + 1 of them (`max_blocks`); unused blocks hold no token
 and do no work. They are the same for every layer of a step: `query_block_layout` lays them out once.
 
-A program (block, KV head) holds its block's tokens' G query heads as a row block [block_q * Gp, hd] (G padded to
-a power of two, rows in token-major order) and walks its sequence's key blocks through the page table once, from
-the first key any of its rows sees to the last (its largest position), each K / V tile [block_keys, hd] read once
-for all the rows and masked per row to keys <= the row's position (and inside its window). fp32 online softmax
+A program (block, KV head) reads q [T, H, hd] in place: a tile of block_q tokens x Gp query heads (G padded to a
+power of two), rows in token-major order [block_q * Gp, hd]. The tile starts at the block's first token and its
+KV head's first query head, moved back where it would pass the end of q (at most T - block_q, H - Gp: so T >=
+block_q and H >= Gp, `applies`); the block's tokens and the KV head's G heads are the tile's valid rows, the others
+are computed and dropped. The program walks its sequence's key blocks through the page table once, from the first
+key any valid row sees to the last (their largest position), each K / V tile [block_keys, hd] read once for all
+the rows and masked per row to keys <= the row's position (and inside its window). fp32 online softmax
 (kernels/mla_decode.py `softmax_step`; a row's own key is always in the walk, so every valid row sees a key),
-normalized in the kernel: one pass, no context splits. A gather puts the rows back in token order.
+normalized in the kernel: one pass, no context splits. It stores its valid rows in place into the output [T, H,
+hd] (a masked store); every token is in one block, so every row of the output is written once. Neither q nor the
+output is copied into or out of a block layout (a transpose and a gather, 10 ms of Llama-3.1-8B's 16,384-token
+prefill on an H100).
 
 Against kernels/gqa_attention.py (a program per token, its G heads padded to 16 rows): a prefill's K / V tiles are
 read once per `block_q` tokens instead of once per token, and the tensor cores see `block_q * Gp` real rows.
@@ -31,6 +37,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from deepinfer_jax.kernels.mla_decode import EXACT, NEG, softmax_step
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -49,32 +56,27 @@ def max_blocks(num_tokens: int, num_seq_rows: int, block_q: int) -> int:
 
 
 def query_blocks(seq_ids: jax.Array, block_q: int, num_blocks: int):
-    """seq_ids [T] -> (blk [T] each token's block, row [T] its place in the block, start [NB] each block's first
-    token (T where empty), count [NB] its tokens, seq [NB] its sequence row). Invariant: at most `num_blocks`
-    blocks (`max_blocks` for contiguous sequence rows)."""
+    """seq_ids [T] -> (start [NB] each block's first token (T where empty), count [NB] its tokens, seq [NB] its
+    sequence row). Invariant: at most `num_blocks` blocks (`max_blocks` for contiguous sequence rows)."""
     T = seq_ids.shape[0]
     t = jnp.arange(T, dtype=jnp.int32)
     new_run = jnp.concatenate([jnp.ones((1,), bool), seq_ids[1:] != seq_ids[:-1]])
     run_start = jax.lax.cummax(jnp.where(new_run, t, 0))
-    row = (t - run_start) % block_q
-    first = new_run | (row == 0)
-    blk = jnp.cumsum(first.astype(jnp.int32)) - 1
+    first = new_run | ((t - run_start) % block_q == 0)
+    blk = jnp.cumsum(first.astype(jnp.int32)) - 1  # each token's block
     start = jnp.full((num_blocks,), T, jnp.int32).at[jnp.where(first, blk, num_blocks)].set(t, mode="drop")
     count = jnp.zeros((num_blocks,), jnp.int32).at[blk].add(1, mode="drop")
     seq = jnp.zeros((num_blocks,), jnp.int32).at[blk].set(seq_ids.astype(jnp.int32), mode="drop")
-    return blk, row, start, count, seq
+    return start, count, seq
 
 
 class QueryBlocks(NamedTuple):
-    """A step's query blocks (`query_block_layout`), the same for every layer: blk [T], row [T], start [NB],
-    count [NB], seq [NB] (`query_blocks`) and row_pos [(T + block_q) * Gp] each query row's position."""
+    """A step's query blocks (`query_block_layout`), the same for every layer: start [NB], count [NB], seq [NB]
+    (`query_blocks`)."""
 
-    blk: jax.Array
-    row: jax.Array
     start: jax.Array
     count: jax.Array
     seq: jax.Array
-    row_pos: jax.Array
 
 
 def _tile(groups: int, rows: int) -> tuple[int, int]:
@@ -83,31 +85,42 @@ def _tile(groups: int, rows: int) -> tuple[int, int]:
     return gp, max(1, rows // gp)
 
 
-def query_block_layout(seq_ids: jax.Array, positions: jax.Array, num_seq_rows: int, groups: int,
-                       rows: int = ROWS) -> QueryBlocks:
-    """The query blocks of a step of tokens seq_ids / positions [T] over `num_seq_rows` sequence rows, for G =
-    `groups` query heads a KV head: what `ragged_gqa_attention` needs besides the layer's q and cache, laid out once
-    a step for all its layers."""
+def applies(num_tokens: int, num_heads: int, groups: int, rows: int = ROWS) -> bool:
+    """Whether a step of `num_tokens` token slots with `num_heads` query heads, `groups` a KV head, takes the kernel:
+    a program's tile of block_q tokens and Gp heads must lie inside q [T, H, hd] (the module docstring)."""
     gp, block_q = _tile(groups, rows)
-    nb = max_blocks(seq_ids.shape[0], num_seq_rows, block_q)
-    row_pos = jnp.repeat(jnp.pad(positions.astype(jnp.int32), (0, block_q)), gp)
-    return QueryBlocks(*query_blocks(seq_ids, block_q, nb), row_pos)
+    return num_tokens >= block_q and num_heads >= gp and block_q * gp >= 16
+
+
+def query_block_layout(seq_ids: jax.Array, num_seq_rows: int, groups: int, rows: int = ROWS) -> QueryBlocks:
+    """The query blocks of a step of tokens seq_ids [T] over `num_seq_rows` sequence rows, for G = `groups` query
+    heads a KV head: what `ragged_gqa_attention` needs besides the layer's q and cache, laid out once a step for all
+    its layers."""
+    _, block_q = _tile(groups, rows)
+    return QueryBlocks(*query_blocks(seq_ids, block_q, max_blocks(seq_ids.shape[0], num_seq_rows, block_q)))
 
 
 def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv_ref, o_ref, *,
-            page_size, block_keys, groups, scale, window):
+            page_size, block_keys, groups, heads, block_q, scale, window):
     b, k = pl.program_id(0), pl.program_id(1)
     layer, seq, start, count = layer_ref[0], seq_ref[b], start_ref[b], count_ref[b]
-    rows = o_ref.shape[2]
-    q = q_ref[k, pl.ds(start * groups, rows), :]  # [rows, hd]
-    div = lambda a, d: jax.lax.div(a, jnp.int32(d))  # noqa: E731 - operands >= 0 (jnp // and % failed to lower)
-    valid = div(jnp.arange(rows, dtype=jnp.int32), groups) < count
-    pos = jnp.where(valid, pos_ref[pl.ds(start * groups, rows)], -1)  # [rows]; -1: a row of no token, sees nothing
+    T, H, hd = q_ref.shape
+    rows = block_q * heads
+    # The tile: tokens [t0, t0 + block_q) x query heads [h0, h0 + heads) of q [T, H, hd], inside q; the block's
+    # tokens and this KV head's query heads are the valid part of it, at offsets dt and dh.
+    t0, h0 = jnp.minimum(start, T - block_q), jnp.minimum(k * groups, H - heads)
+    dt, dh = start - t0, k * groups - h0
+    ti = jax.lax.broadcasted_iota(jnp.int32, (block_q, heads), 0)
+    hi = jax.lax.broadcasted_iota(jnp.int32, (block_q, heads), 1)
+    valid = (ti >= dt) & (ti < dt + count) & (hi >= dh) & (hi < dh + groups)  # [block_q, heads]
+    q = q_ref[pl.ds(t0, block_q), pl.ds(h0, heads), :].reshape(rows, hd)
+    pos = jnp.where(valid, pos_ref[pl.ds(t0, block_q)][:, None], -1).reshape(rows)  # -1: a row that sees nothing
     top = jnp.max(pos)
-    hi = jnp.where(count > 0, div(jnp.maximum(top, 0), block_keys) + 1, 0)
+    div = lambda a, d: jax.lax.div(a, jnp.int32(d))  # noqa: E731 - operands >= 0 (jnp // and % failed to lower)
+    hi_key = jnp.where(count > 0, div(jnp.maximum(top, 0), block_keys) + 1, 0)
     lo = 0
     if window is not None:
-        low = jnp.min(jnp.where(valid, pos, top))
+        low = jnp.min(jnp.where(pos >= 0, pos, top))
         lo = div(jnp.maximum(low - window + 1, 0), block_keys)
     per_page = page_size // block_keys
 
@@ -123,10 +136,10 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
             visible = visible & (key_pos[None, :] > pos[:, None] - window)
         return softmax_step(jnp.where(visible, s, NEG), vb, carry)
 
-    hd = q.shape[1]
     init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
-    acc, _, l = jax.lax.fori_loop(lo, jnp.maximum(hi, lo), body, init)
-    o_ref[0, 0] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    acc, _, l = jax.lax.fori_loop(lo, jnp.maximum(hi_key, lo), body, init)
+    out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(block_q, heads, hd)
+    plgpu.store(o_ref.at[pl.ds(t0, block_q), pl.ds(h0, heads), :], out, mask=jnp.broadcast_to(valid[:, :, None], out.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows", "block_keys", "num_warps",
@@ -135,37 +148,31 @@ def ragged_gqa_attention(q, kv_cache, layer, seq_ids, positions, page_table, sca
                          rows=ROWS, block_keys=None, num_warps=NUM_WARPS, num_stages=NUM_STAGES, interpret=False,
                          blocks: QueryBlocks | None = None):
     """q [T, H, hd] roped, kv_cache [L, P, ps, 2, KVH, hd] (the whole cache), layer int32 scalar -> [T, H, hd] in
-    q's dtype. Each sequence row's tokens contiguous (module docstring). `rows`: query rows a program holds
-    (block_q = rows // Gp tokens, at least one). `blocks`: the step's `query_block_layout` at the same `rows`
-    (None: laid out here)."""
+    q's dtype. Each sequence row's tokens contiguous (module docstring); `applies(T, H, G, rows)`. `rows`: query
+    rows a program holds (block_q = rows // Gp tokens, at least one). `blocks`: the step's `query_block_layout` at
+    the same `rows` (None: laid out here)."""
     T, H, hd = q.shape
     _, _, ps, _, KVH, _ = kv_cache.shape
     G = H // KVH
     Gp, block_q = _tile(G, rows)
-    rows = block_q * Gp
+    assert applies(T, H, G, rows), (T, H, G, rows)
     bk = min(block_keys or BLOCK_KEYS, ps)
     assert ps % bk == 0, (ps, bk)
     if blocks is None:
-        blocks = query_block_layout(seq_ids, positions, page_table.shape[0], G, rows)
-    assert blocks.row_pos.shape[0] == (T + block_q) * Gp, "query blocks laid out for another tile"
-    blk, row, start, count, seq, row_pos = blocks
-    nb = start.shape[0]
-    # q as [KVH, (T + block_q) * Gp, hd]: a block's rows are one slice from its first token, whole past the end
-    qg = jnp.pad(q.reshape(T, KVH, G, hd), ((0, block_q), (0, 0), (0, Gp - G), (0, 0)))
-    qg = qg.transpose(1, 0, 2, 3).reshape(KVH, (T + block_q) * Gp, hd)
+        blocks = query_block_layout(seq_ids, page_table.shape[0], G, rows)
+    start, count, seq = blocks
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    kernel = functools.partial(_kernel, page_size=ps, block_keys=bk, groups=Gp, scale=scale, window=sliding_window)
+    kernel = functools.partial(_kernel, page_size=ps, block_keys=bk, groups=G, heads=Gp, block_q=block_q,
+                               scale=scale, window=sliding_window)
     full = lambda a: pl.BlockSpec(a.shape, lambda b, k: (0,) * a.ndim)  # noqa: E731
     stages = num_stages if kv_cache.dtype.itemsize < 4 else 1
-    out = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
-        grid=(nb, KVH),
-        in_specs=[full(layer), full(seq), full(start), full(count), full(page_table), full(row_pos), full(qg),
+        grid=(start.shape[0], KVH),
+        in_specs=[full(layer), full(seq), full(start), full(count), full(page_table), full(positions), full(q),
                   full(kv_cache)],
-        out_specs=pl.BlockSpec((1, 1, rows, hd), lambda b, k: (b, k, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((nb, KVH, rows, hd), q.dtype),
+        out_specs=full(q),
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
         compiler_params=compiler_params(num_warps, stages, interpret),
         interpret=interpret,
-    )(layer, seq, start, count, page_table, row_pos, qg, kv_cache)
-    out = out.reshape(nb, KVH, block_q, Gp, hd)[blk, :, row]  # [T, KVH, Gp, hd] back in token order
-    return out[:, :, :G].reshape(T, H, hd)
+    )(layer, seq, start, count, page_table, positions.astype(jnp.int32), q, kv_cache)

@@ -278,13 +278,15 @@ def _pallas_attention(cfg: ModelConfig, kv_cache: jax.Array, attn_impl: str, sha
 
 def prefill_blocks(meta: StepMetadata, cfg: ModelConfig, kv_cache: jax.Array, attn_impl: str, sharded: bool):
     """The step's query blocks (kernels/gqa_prefill.py `query_block_layout`), laid out once for all its layers,
-    where a prefill-size step (more token slots than sequence rows) runs the Pallas kernels; None otherwise."""
+    where a prefill-size step (more token slots than sequence rows) runs the Pallas kernels and the query-block
+    kernel takes its shape (`gqa_prefill.applies`); None otherwise."""
     from deepinfer_jax.kernels import gqa_prefill
 
-    if not _pallas_attention(cfg, kv_cache, attn_impl, sharded) or meta.token_ids.shape[0] <= meta.page_table.shape[0]:
+    T, H, G = meta.token_ids.shape[0], cfg.num_attention_heads, cfg.num_attention_heads // cfg.num_key_value_heads
+    if (not _pallas_attention(cfg, kv_cache, attn_impl, sharded) or T <= meta.page_table.shape[0]
+            or not gqa_prefill.applies(T, H, G)):
         return None
-    return gqa_prefill.query_block_layout(meta.seq_ids, meta.positions, meta.page_table.shape[0],
-                                          cfg.num_attention_heads // cfg.num_key_value_heads)
+    return gqa_prefill.query_block_layout(meta.seq_ids, meta.page_table.shape[0], G)
 
 
 def paged_attention(q, kv_cache, layer, meta: StepMetadata, cfg: ModelConfig, attn_impl: str, sharded: bool,

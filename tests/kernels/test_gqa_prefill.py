@@ -37,7 +37,7 @@ def _case(G, seed=0):
 
 
 @pytest.mark.parametrize("G, window, rows, block_keys", [(4, None, 32, 8), (3, None, 16, 8), (4, 7, 32, 4),
-                                                         (3, 13, 64, 8), (1, None, 8, 8)])
+                                                         (3, 13, 64, 8), (1, None, 16, 8)])
 def test_kernel_equals_reference(G, window, rows, block_keys):
     q, cache, seq, pos, table = _case(G)
     ref = paged_gqa_attention_reference(q, cache, 1, seq, pos, table, 0.25, window)
@@ -58,10 +58,8 @@ def test_bf16_cache():
 def test_query_blocks_cut_runs():
     seq = jnp.asarray([0] * 5 + [1] * 2 + [2] * 9 + [0] * 3, jnp.int32)  # three rows and a padding run
     nb = max_blocks(len(seq), 3, 4)
-    blk, row, start, count, sid = (np.asarray(x) for x in query_blocks(seq, 4, nb))
-    assert blk.tolist() == [0, 0, 0, 0, 1, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 6, 6, 6]
-    assert row.tolist() == [0, 1, 2, 3, 0, 0, 1, 0, 1, 2, 3, 0, 1, 2, 3, 0, 0, 1, 2]
-    used = blk.max() + 1
+    start, count, sid = (np.asarray(x) for x in query_blocks(seq, 4, nb))
+    used = 7
     assert used <= nb
     assert start[:used].tolist() == [0, 4, 5, 7, 11, 15, 16] and (start[used:] == len(seq)).all()
     assert count[:used].tolist() == [4, 1, 2, 4, 4, 1, 3] and (count[used:] == 0).all()

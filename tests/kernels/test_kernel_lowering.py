@@ -382,6 +382,21 @@ def test_latent_write_into_an_fp8_cache_lowers_for_sm90(triton_modules):
     assert ir.count("tt.store") == 6 and "tt.fp_to_fp" in ir
 
 
+@pytest.mark.parametrize("heads, kv_heads, window", [(32, 8, None), (28, 4, None), (32, 8, 4096)])
+def test_dense_prefill_attention_lowers_for_sm90(triton_modules, heads, kv_heads, window):
+    """The dense family's query-block prefill attention at Llama-3.1-8B's heads (G = 4), Qwen2.5-7B's (G = 7: the
+    tile's heads padded to 8 and moved back at the last KV head) and Mistral's window, a 16,384-token step: q read
+    in place as [block_q, Gp, hd] tiles and the output stored in place with a mask, one QK^T and one PV dot."""
+    from deepinfer_jax.kernels.gqa_prefill import ragged_gqa_attention
+
+    s, Tp = jax.ShapeDtypeStruct, 16384
+    args = (s((Tp, heads, 128), jnp.bfloat16), s((32, 300, PS, 2, kv_heads, 128), jnp.bfloat16), s((), jnp.int32),
+            s((Tp,), jnp.int32), s((Tp,), jnp.int32), s((32, 16), jnp.int32))
+    (ir,) = triton_modules(lambda *a: ragged_gqa_attention(*a, 0.088, window), *args)
+    assert ir.count("tt.dot") == 2
+    assert "tt.reshape" in ir  # the [block_q, Gp, hd] tile as [block_q * Gp, hd] rows and back
+
+
 def test_decode_projections_in_one_launch_lower_for_sm90(triton_modules):
     """q_proj and kv_proj of Qwen2.5-7B (3,584 -> 3,584 and 1,024) read in place in one decode launch: each column
     tile's program takes the weight its tile falls in (two guarded branches), one dot each."""
