@@ -331,6 +331,9 @@ def run_layers(body, carry, scanned: dict, layer_ids: np.ndarray, local_ids: np.
     layer = jax.jit(body)
     ys = []
     for li, j in zip(ids[:n], ids[n:]):
+        # The layer's index passes a barrier with the previous layer's outputs: its weight slices are copied out in
+        # turn, one layer's at a time, not all of them up front.
+        (li, j), carry = jax.lax.optimization_barrier(((li, j), carry))
         lp = jax.tree.map(lambda a, j=j: jax.lax.dynamic_index_in_dim(a, j, keepdims=False), scanned)
         carry, y = layer(carry, (lp, li, j))
         ys.append(y)
