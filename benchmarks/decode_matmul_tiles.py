@@ -29,14 +29,11 @@ from benchmarks.fp8_kernels import _check, timed  # noqa: E402
 
 # (name, K, N) of each model's decode projections as kernels/decode_matmul.py sees them: the dense family's
 # q_proj, kv_proj, o_proj, gate_up, down (models/dense.py STACKABLE); DeepSeek's o_proj and dense MLP
-# (models/decode_kernels.py STACKABLE). A tuple N: weights that share one launch (the kernel's tuple form; cuBLAS
-# gets them as one concatenated weight).
+# (models/decode_kernels.py STACKABLE).
 MODELS = {
-    "llama-3.1-8b": [("q_proj", 4096, 4096), ("kv_proj", 4096, 2048), ("q_proj + kv_proj", 4096, (4096, 2048)),
-                     ("o_proj", 4096, 4096),
+    "llama-3.1-8b": [("q_proj", 4096, 4096), ("kv_proj", 4096, 2048), ("o_proj", 4096, 4096),
                      ("gate_up", 4096, 28672), ("down", 14336, 4096)],
-    "qwen2.5-7b": [("q_proj", 3584, 3584), ("kv_proj", 3584, 1024), ("q_proj + kv_proj", 3584, (3584, 1024)),
-                   ("o_proj", 3584, 3584),
+    "qwen2.5-7b": [("q_proj", 3584, 3584), ("kv_proj", 3584, 1024), ("o_proj", 3584, 3584),
                    ("gate_up", 3584, 37888), ("down", 18944, 3584)],
     "deepseek-v2-lite": [("o_proj", 2048, 2048), ("mlp gate_up", 2048, 21888), ("mlp down", 10944, 2048)],
 }
@@ -66,8 +63,7 @@ def main(argv=None) -> int:
     if a.plan_only:
         variants = []
     if a.cpu_smoke:
-        models, variants, stream, a.models = ({"tiny": [("o_proj", 256, 256), ("q + kv", 256, (256, 128))]},
-                                              VARIANTS[:2], 0, "tiny")
+        models, variants, stream, a.models = {"tiny": [("o_proj", 256, 256)]}, VARIANTS[:2], 0, "tiny"
     import jax
     import jax.numpy as jnp
 
@@ -79,25 +75,21 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
         for name, K, N in models[model]:
-            widths = N if isinstance(N, tuple) else (N,)
-            L = max(2, int(-(-stream // (2 * K * sum(widths)))))
-            parts = tuple((jax.random.normal(jax.random.fold_in(key, K * n), (L, K, n), jnp.float32) * 0.02).astype(
-                jnp.bfloat16) for n in widths)
-            w = parts if isinstance(N, tuple) else parts[0]
-            whole = jnp.concatenate(parts, axis=-1)
-            ws = [whole[i] + 0 for i in range(L)]  # each layer its own array
+            L = max(2, int(-(-stream // (2 * K * N))))
+            w = (jax.random.normal(jax.random.fold_in(key, K * N), (L, K, N), jnp.float32) * 0.02).astype(jnp.bfloat16)
+            ws = [w[i] + 0 for i in range(L)]  # each layer its own array
             for T in (int(t) for t in a.tokens.split(",")):
                 x = jax.random.normal(jax.random.fold_in(key, T), (T, K), jnp.bfloat16)
                 ref = decode_matmul_reference(x, w, 1)
                 launches = {"plan": plan(K, N)}
-                for bn, bk, progs, nw, ns in variants if not isinstance(N, tuple) else ():
+                for bn, bk, progs, nw, ns in variants:
                     if N % bn == 0 and K % bk == 0:
                         launches[f"bn{bn} bk{bk} p{progs} w{nw} s{ns}"] = Launch(
                             bn, bk, chunks(N // bn, K // bk, progs), nw, ns)
                 runs = {"cublas unstacked": timed(jax.jit(lambda x, *ws: tuple(
                     jnp.dot(x, wl, preferred_element_type=jnp.float32) for wl in ws)), x, *ws) / L,
                         "xla stacked": timed(jax.jit(lambda x, w: tuple(
-                            jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(L))), x, whole) / L}
+                            jnp.dot(x, w[i], preferred_element_type=jnp.float32) for i in range(L))), x, w) / L}
                 for label, lc in launches.items():
                     try:
                         one = jax.jit(lambda x, w, lc=lc: decode_matmul(x, w, 1, **lc._asdict(), interpret=a.cpu_smoke))
@@ -110,14 +102,13 @@ def main(argv=None) -> int:
                               f"{type(e).__name__}: {str(e)[:160]} | | |", flush=True)
                 fastest = min((k for k in runs if k in launches), key=runs.get, default=None)
                 if fastest is not None:
-                    if not isinstance(N, tuple):
-                        best[f"{K},{N}"] = list(launches[fastest])
+                    best[f"{K},{N}"] = list(launches[fastest])
                 for label, us in runs.items():
                     shown = f"{label} {tuple(launches[label])}" if label in launches else label
                     mark = " **fastest**" if label == fastest else ""
                     print(f"| {model} | {name} | {K} x {N} | {T} | {shown}{mark} | {us:.1f} | "
-                          f"{2 * K * sum(widths) / us / 1e6:.2f} | {runs['cublas unstacked'] / us:.2f}x |", flush=True)
-            del w, ws, parts, whole
+                          f"{2 * K * N / us / 1e6:.2f} | {runs['cublas unstacked'] / us:.2f}x |", flush=True)
+            del w, ws
     if a.json:
         with open(a.json, "w") as f:
             json.dump(best, f, indent=1)

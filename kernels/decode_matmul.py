@@ -7,20 +7,13 @@ The model keeps each projection's weights stacked over layers for `lax.scan`. At
 projection is a weight stream (T rows against K x N weights). XLA sent o_proj to cuBLAS, which cannot
 take a slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then
 multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md).
-DeepSeek uses it for o_proj and the dense MLP (models/decode_kernels.py: STACKABLE); its q / kv_a
-projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches). The
-dense family uses it for every projection (models/dense.py: STACKABLE), q_proj and kv_proj in one launch.
+The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
+projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches).
 
 Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile
 n] in block_k steps, fp32 accumulation, and writes its partial sum; the split_k partials [split_k, T, N]
 fp32 are added in JAX, where XLA fuses the sum into the consumer. `plan` picks the tiles so that about
 128 programs stream the weight at once.
-
-Several weights of one K (the dense family's q_proj and kv_proj) go through one launch: their column tiles
-are one grid, each program reading the weight its tile falls in, and the output holds their columns side by
-side. A small projection alone streams below the HBM's rate (Llama-3.1-8B's kv_proj, 16.8 MB: 1.65 TB/s on an
-H100, against 2.1 for q_proj and 2.9 for gate_up: benchmarks/decode_matmul_tiles.py); one launch for both
-pays the ramp-up and tail once.
 
 Three parts (ARCHITECTURE.md rule 6): `decode_matmul` (the kernel; `interpret=True` runs it on the CPU)
 and `decode_matmul_reference` (pure JAX, the same result up to fp32 summation order). Invariants: T is
@@ -64,15 +57,14 @@ class Launch(NamedTuple):
     num_stages: int = 4
 
 
-def plan(K: int, N: int | tuple[int, ...]) -> Launch | None:
-    """The launch for a [K, N] weight (N a tuple: weights [K, N_i] in one launch, a column tile dividing each),
-    or None when no power-of-two tiling of at least 16 fits (the caller then keeps XLA's GEMM)."""
-    widths = N if isinstance(N, tuple) else (N,)
-    block_n = min(largest_pow2_divisor(n, 128) for n in widths)
+def plan(K: int, N: int) -> Launch | None:
+    """The launch for a [K, N] weight, or None when no power-of-two tiling of at least 16 fits (the
+    caller then keeps XLA's GEMM)."""
+    block_n = largest_pow2_divisor(N, 128)
     block_k = largest_pow2_divisor(K, 64)
     if block_n < 16 or block_k < 16:
         return None
-    return Launch(block_n, block_k, fewest_chunks(sum(widths) // block_n, K // block_k))
+    return Launch(block_n, block_k, fewest_chunks(N // block_n, K // block_k))
 
 
 def fewest_chunks(tiles: int, steps: int) -> int:
@@ -85,72 +77,52 @@ def supported(num_tokens: int, K: int, N: int) -> bool:
     return num_tokens <= MAX_TOKENS and plan(K, N) is not None
 
 
-def _decode_matmul_kernel(layer_ref, x_ref, *refs, tiles, block_n, block_k, k_steps):
-    """refs: the weights' refs, then the output's. Column tile n lies in weight i for the tiles[i] tiles after
-    the earlier weights' tiles."""
-    *w_refs, o_ref = refs
+def _decode_matmul_kernel(layer_ref, x_ref, w_ref, o_ref, *, block_n, block_k, k_steps):
     n, s = pl.program_id(0), pl.program_id(1)
     layer = layer_ref[0]
+    cols = pl.ds(n * block_n, block_n)
 
-    def tile(w_ref, first):
-        cols = pl.ds((n - first) * block_n, block_n)
+    def body(i, acc):
+        ks = pl.ds((s * k_steps + i) * block_k, block_k)
+        return acc + jnp.dot(x_ref[:, ks], w_ref[layer, ks, cols], preferred_element_type=jnp.float32,
+                             precision=EXACT)
 
-        def body(i, acc):
-            ks = pl.ds((s * k_steps + i) * block_k, block_k)
-            return acc + jnp.dot(x_ref[:, ks], w_ref[layer, ks, cols], preferred_element_type=jnp.float32,
-                                 precision=EXACT)
-
-        acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
-        o_ref[s, :, pl.ds(n * block_n, block_n)] = acc
-
-    if len(w_refs) == 1:
-        return tile(w_refs[0], 0)
-    first = 0
-    for w_ref, t in zip(w_refs, tiles):
-        pl.when((n >= first) & (n < first + t))(functools.partial(tile, w_ref, first))
-        first += t
+    acc = jax.lax.fori_loop(0, k_steps, body, jnp.zeros((x_ref.shape[0], block_n), jnp.float32))
+    o_ref[s, :, cols] = acc
 
 
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "split_k", "num_warps", "num_stages",
                                              "reduce", "interpret"))
 def decode_matmul(x, w, layer, *, block_n=None, block_k=None, split_k=None, num_warps=None, num_stages=None,
                   reduce=True, interpret=False):
-    """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32. w may be a
-    tuple of such weights [L, K, N_i] of one dtype: their products side by side, [T, sum N_i], in one launch.
-    Launch parameters left as None come from `plan(K, N)` (N: the tuple of widths for several weights). `reduce=False`: the split-K partials [split_k, rows, N]
+    """x [T, K], w [L, K, N] (stacked over layers), layer: int32 scalar -> x @ w[layer], [T, N] fp32.
+    Launch parameters left as None come from `plan(K, N)`. `reduce=False`: the split-K partials [split_k, rows, N]
     fp32 instead (rows: T padded to a power of two of at least 16), for a launch that adds them up itself
     (kernels/residual_route.py, kernels/route_experts.py)."""
-    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     T, K = x.shape
-    assert all(wi.shape[1] == K and wi.dtype == ws[0].dtype for wi in ws), (x.shape, [wi.shape for wi in ws])
-    widths = tuple(wi.shape[2] for wi in ws)
-    N = sum(widths)
-    auto = plan(K, widths if len(ws) > 1 else N)
+    _, K2, N = w.shape
+    assert K == K2, (x.shape, w.shape)
+    auto = plan(K, N)
     if auto is None:
-        raise ValueError(f"decode_matmul: no power-of-two tiling for a [{K}, {widths}] weight")
+        raise ValueError(f"decode_matmul: no power-of-two tiling for a [{K}, {N}] weight")
     block_n, block_k, split_k, num_warps, num_stages = (
         a if v is None else v for v, a in zip((block_n, block_k, split_k, num_warps, num_stages), auto))
     rows = max(16, 1 << (T - 1).bit_length())
-    dtype = ws[0].dtype
-    assert all(n % block_n == 0 for n in widths) and K % (split_k * block_k) == 0, (widths, K, block_n, split_k)
-    xp = x.astype(dtype)
+    xp = x.astype(w.dtype)
     if rows != T:
-        xp = jnp.zeros((rows, K), dtype).at[:T].set(xp)
+        xp = jnp.zeros((rows, K), w.dtype).at[:T].set(xp)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
-    stages = num_stages if dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
+    stages = num_stages if w.dtype.itemsize < 4 else 1  # fp32 tiles: one stage fits in shared memory
     params = compiler_params(num_warps, stages, interpret)
     part = pl.pallas_call(
-        functools.partial(_decode_matmul_kernel, tiles=tuple(n // block_n for n in widths), block_n=block_n,
-                          block_k=block_k, k_steps=K // (split_k * block_k)),
+        functools.partial(_decode_matmul_kernel, block_n=block_n, block_k=block_k, k_steps=K // (split_k * block_k)),
         grid=(N // block_n, split_k), out_shape=jax.ShapeDtypeStruct((split_k, rows, N), jnp.float32),
         compiler_params=params, interpret=interpret,
-    )(layer, xp, *ws)
+    )(layer, xp, w)
     return part.sum(axis=0)[:T] if reduce else part
 
 
 def decode_matmul_reference(x, w, layer):
-    """Pure JAX: x [T, K] @ w[layer] [K, N] -> [T, N] fp32 (w a tuple: the weights' columns side by side)."""
-    if isinstance(w, (tuple, list)):
-        return jnp.concatenate([decode_matmul_reference(x, wi, layer) for wi in w], axis=-1)
+    """Pure JAX: x [T, K] @ w[layer] [K, N] -> [T, N] fp32."""
     wl = jax.lax.dynamic_index_in_dim(w, layer, keepdims=False)
     return jnp.dot(x.astype(wl.dtype), wl, preferred_element_type=jnp.float32, precision=EXACT)

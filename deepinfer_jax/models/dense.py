@@ -35,8 +35,7 @@ import numpy as np
 from deepinfer_jax.config import ModelConfig, yarn_get_mscale
 from deepinfer_jax.kernels.gqa_reference import MASK_VALUE, paged_gqa_attention_reference
 from deepinfer_jax.models.cache import StepMetadata, write_slots
-from deepinfer_jax.models.layers import (StackedWeight, linear, rms_norm, stacked_matmul, stacked_matmuls, swiglu_mlp,
-                                        weight)
+from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, stacked_matmul, swiglu_mlp, weight
 from deepinfer_jax.models.moe import moe_block
 from deepinfer_jax.models.params import ParamSpec
 from deepinfer_jax.models.quant import is_quantized
@@ -157,13 +156,9 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def project_qkv(p: dict, cfg: ModelConfig, x: jax.Array, cos: jax.Array, sin: jax.Array):
     """x [..., D] -> q [..., H, hd] roped, kv [..., 2, KVH, hd] (k roped). cos/sin [..., hd/2]. A projection may be
-    a StackedWeight (`decode_projections`, float weights only); q_proj and kv_proj both so run in one launch."""
-    wq, wkv = p["q_proj"], p["kv_proj"]
-    if isinstance(wq, StackedWeight) and isinstance(wkv, StackedWeight):
-        q, kv = stacked_matmuls(x, (wq, wkv))
-    else:
-        q = project(x, wq, "...d,dhk->...hk")
-        kv = project(x, wkv, "...d,dgkh->...gkh")
+    a StackedWeight (`decode_projections`)."""
+    q = project(x, p["q_proj"], "...d,dhk->...hk")
+    kv = project(x, p["kv_proj"], "...d,dgkh->...gkh")
     if cfg.attention_bias:
         q, kv = q + p["q_bias"].astype(x.dtype), kv + p["kv_bias"].astype(x.dtype)
     k, v = kv[..., 0, :, :], kv[..., 1, :, :]

@@ -62,19 +62,6 @@ def stacked_matmul(x: jax.Array, w: StackedWeight, in_dims: int = 1) -> jax.Arra
     return y.astype(x.dtype).reshape(*lead, *shape[in_dims:])
 
 
-def stacked_matmuls(x: jax.Array, ws: tuple[StackedWeight, ...]) -> tuple[jax.Array, ...]:
-    """x [..., K] through one layer of several float stacked weights [L, K, *out_i] sharing x and the layer ->
-    ([..., *out_i] in x's dtype for each), all in one launch of the decode-projection kernel (its tuple form)."""
-    from deepinfer_jax.kernels.decode_matmul import decode_matmul
-
-    K = x.shape[-1]
-    outs = [w.stacked.shape[2:] for w in ws]
-    y = decode_matmul(x.reshape(-1, K), tuple(w.stacked.reshape(w.stacked.shape[0], K, -1) for w in ws),
-                      ws[0].layer, interpret=ws[0].interpret).astype(x.dtype)
-    ends = np.cumsum([math.prod(o) for o in outs])
-    return tuple(y[:, e - math.prod(o):e].reshape(*x.shape[:-1], *o) for e, o in zip(ends, outs))
-
-
 def fp8_stacked_matmul(x: jax.Array, f, layer: jax.Array, in_dims: int = 1, out_dtype=None,
                        interpret: bool = False) -> jax.Array:
     """x [..., *in] through layer `layer` of the stacked Fp8Weight f (logical [L, *in, *out]; HF's [L, (2,) N, K]

@@ -30,24 +30,6 @@ def test_kernel_matches_reference(T, K, N, dtype):
     assert not np.allclose(np.asarray(decode_matmul(x, w, 1, interpret=True)), np.asarray(want), atol=1e-3)
 
 
-@pytest.mark.parametrize("T, K, widths, block_n", [
-    (32, 256, (128, 64), 64),  # q_proj and kv_proj: column tiles of 64 in both
-    (5, 192, (48, 16, 80), 16),  # three weights, rows padded to 16
-])
-def test_several_weights_in_one_launch_match_the_reference(T, K, widths, block_n):
-    assert plan(K, widths).block_n == block_n  # a column tile divides every weight
-    key = jax.random.key(T + K)
-    x = jax.random.normal(key, (T, K), jnp.float32)
-    ws = tuple(jax.random.normal(jax.random.fold_in(key, i), (3, K, n), jnp.float32) * 0.05
-               for i, n in enumerate(widths))
-    got = decode_matmul(x, ws, 2, interpret=True)
-    assert got.shape == (T, sum(widths))
-    for i, w in enumerate(ws):  # each weight's columns where the tuple puts them, from layer 2
-        lo = sum(widths[:i])
-        np.testing.assert_allclose(np.asarray(got[:, lo:lo + widths[i]]), np.asarray(x @ w[2]), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(got), np.asarray(decode_matmul_reference(x, ws, 2)), rtol=1e-5, atol=1e-5)
-
-
 def test_plan_fills_the_gpu_and_divides_the_weight():
     for K, N in [(2048, 2048), (2048, 3072), (2048, 576), (10944, 2048), (2048, 21888), (1536, 3072)]:
         block_n, block_k, split_k, *_ = plan(K, N)
