@@ -2,7 +2,7 @@
 alternatives (tiles, K chunks, warps, pipeline stages) against cuBLAS, as weight bytes streamed per second.
 
     python benchmarks/decode_matmul_tiles.py [--tokens 32] [--models llama-3.1-8b,qwen2.5-7b,deepseek-v2-lite]
-                                             [--json best.json]
+                                             [--plan-only]
 
 A decode projection is a weight stream: T rows against a [K, N] weight read once. Each shape's weight is
 stacked over enough layers to be several times the L2 cache, and one timed call runs every layer once (static
@@ -12,14 +12,12 @@ kernel and the sum of its split-K partials), per layer. Rows:
   chunks `fewest_chunks` gives for that many), warps, stages;
 - `cublas unstacked`: XLA's dot on each layer's own array (no slice to copy: the floor of the GEMM library);
 - `xla stacked`: XLA's dot on static slices of the stacked array (what straight-line layers would run).
-Each kernel launch is checked against the reference first. `--json`: the fastest kernel launch of each [K, N]
-({"K,N": [block_n, block_k, split_k, warps, stages]}), which `dense.py --decode-matmul-plans` applies.
+Each kernel launch is checked against the reference first.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -54,7 +52,6 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32")
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--json", default="", help="write the fastest launch of each [K, N] here")
     ap.add_argument("--plan-only", action="store_true", help="only the planned launch beside cuBLAS")
     ap.add_argument("--cpu-smoke", action="store_true", help="a [256, 256] weight in interpret mode (the script's "
                     "own check on a CPU)")
@@ -70,7 +67,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.kernels.decode_matmul import Launch, decode_matmul, decode_matmul_reference, plan
 
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
-    key, best = jax.random.key(0), {}
+    key = jax.random.key(0)
     print("| model | weight | K x N | T | launch | us a layer | weight TB/s | vs cuBLAS |")
     print("|---|---|---|---|---|---|---|---|")
     for model in a.models.split(","):
@@ -101,18 +98,12 @@ def main(argv=None) -> int:
                         print(f"| {model} | {name} | {K} x {N} | {T} | {label} {tuple(lc)} | failed: "
                               f"{type(e).__name__}: {str(e)[:160]} | | |", flush=True)
                 fastest = min((k for k in runs if k in launches), key=runs.get, default=None)
-                if fastest is not None:
-                    best[f"{K},{N}"] = list(launches[fastest])
                 for label, us in runs.items():
                     shown = f"{label} {tuple(launches[label])}" if label in launches else label
                     mark = " **fastest**" if label == fastest else ""
                     print(f"| {model} | {name} | {K} x {N} | {T} | {shown}{mark} | {us:.1f} | "
                           f"{2 * K * N / us / 1e6:.2f} | {runs['cublas unstacked'] / us:.2f}x |", flush=True)
             del w, ws
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(best, f, indent=1)
-        print(f"wrote {a.json}: {len(best)} launches")
     return 0
 
 

@@ -17,8 +17,7 @@ and temperature 1, and the decode step (the run less its prefill, over the outpu
 its weight-read floor (weight bytes / HBM bandwidth). Each timing is the better of two runs. vLLM's figures on the
 same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--no-decode-projection-kernel`,
 `--unroll-max-tokens`, `--prefill-layers`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to
-compare start-up and steps under. `--decode-matmul-plans FILE`: kernels/decode_matmul.py's launches from decode_matmul_tiles.py's --json
-in place of its `plan` for the weights the file names.
+compare start-up and steps under.
 """
 
 from __future__ import annotations
@@ -208,17 +207,6 @@ def trace_decode(llm, prompts, trace_dir: str, steps: int) -> None:
     print_trace(trace_dir, steps, f"decode trace, {steps} steps")
 
 
-def use_decode_matmul_plans(path: str) -> None:
-    """kernels/decode_matmul.py's `plan` answers from the file for the weights it names."""
-    from deepinfer_jax.kernels import decode_matmul
-
-    with open(path) as f:
-        table = {tuple(int(v) for v in kn.split(",")): decode_matmul.Launch(*lc) for kn, lc in json.load(f).items()}
-    base = decode_matmul.plan
-    decode_matmul.plan = lambda K, N: table.get((K, N)) or base(K, N)
-    print(f"decode_matmul launches from {path}: {table}")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
@@ -247,12 +235,7 @@ def main() -> None:
     ap.add_argument("--trace-steps", type=int, default=16)
     ap.add_argument("--trace-prefill", default="", help="then trace the batch's prefill into this folder and print "
                     "where the device's time went")
-    ap.add_argument("--decode-matmul-plans", default="",
-                    help="a JSON file of decode_matmul launches by weight ({\"K,N\": [bn, bk, split, warps, stages]}, "
-                         "decode_matmul_tiles.py --json) to use in place of the kernel's plan")
     args = ap.parse_args()
-    if args.decode_matmul_plans:
-        use_decode_matmul_plans(args.decode_matmul_plans)
     rows = [run_shape(s, args) for s in args.shapes]
     keys = list(rows[0])
     print(" | ".join(keys))

@@ -19,9 +19,9 @@
 #   protocol_a_dense dense.py: Protocol A-dense at DENSE_SHAPES (default llama-3.1-8b qwen2.5-7b), 16,384-token steps
 #                    (vLLM's LLM default on an 80 GB GPU, as offline.py)
 #   vllm_dense       vllm_peer.py --dense at the same shapes, vLLM's LLM on the same machine (its bundle, as vllm_peer)
-#   dense_prefill    dense.py at the Llama shape four ways, each with its prefill traced: 2,048-token steps (LLM's
+#   dense_prefill    dense.py at the Llama shape three ways, each with its prefill traced: 2,048-token steps (LLM's
 #                    default), 16,384 (dense.py's, vLLM's LLM on an H100), 16,384 with straight-line layers
-#                    (--unroll-max-tokens), 16,384 with XLA's dynamic-slice fusion (no weight-slice copies)
+#                    (--unroll-max-tokens: no weight-slice copies)
 #   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
 #   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
 #   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
@@ -71,9 +71,7 @@ run_part() {
     dense_prefill) local d="python3 benchmarks/dense.py --shapes llama-3.1-8b --hbm $hbm"
       $d --max-num-batched-tokens 0 --trace-prefill "$out/trace_2048" > "$out/dense_prefill_2048.log" 2>&1
       $d --trace-prefill "$out/trace_16384" > "$out/dense_prefill_16384.log" 2>&1
-      $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1
-      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" $d \
-        --trace-prefill "$out/trace_dsf" > "$out/dense_prefill_dsf.log" 2>&1 ;;
+      $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1 ;;
     protocol_a_high) for b in 128 256; do
         python3 benchmarks/offline.py --preset "$preset" --batch $b --buckets $b,16384 --max-num-batched-tokens 16384 \
           --json "$out/protocol_a_$b.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$b.log" 2>&1; done ;;
