@@ -108,7 +108,8 @@ def run_shape(name: str, args) -> dict:
               max_model_len=args.prompt_len + args.output_len + 16, page_size=args.page_size, progress=False,
               enable_prefix_caching=False,  # as vllm_peer.py's vLLM: every run prefills its prompts whole
               max_num_batched_tokens=args.max_num_batched_tokens or None, unroll_max_tokens=args.unroll_max_tokens,
-              prefill_layers=args.prefill_layers, decode_shared_forward=args.decode_shared_forward, decode_projection_kernel=args.decode_projection_kernel,
+              prefill_layers=args.prefill_layers, decode_shared_forward=args.decode_shared_forward,
+              decode_projection_kernel=args.decode_projection_kernel,
               compilation_cache_dir=None if args.compilation_cache_dir == "none" else args.compilation_cache_dir)
     start = time.time() - t0
     rng = np.random.default_rng(1)

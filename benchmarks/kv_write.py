@@ -60,7 +60,8 @@ def main(argv=None) -> int:
             idx = layer * (P * ps) + slot
             return flat.at[idx].set(kv.reshape(T, width), unique_indices=unique).reshape(cache.shape)
 
-        ways = {"pages": pages_way, "pages unique": lambda *x: pages_way(*x, unique=True), "slots": slots_way, "slots unique": lambda *x: slots_way(*x, unique=True)}
+        ways = {"pages": pages_way, "pages unique": lambda *x: pages_way(*x, unique=True), "slots": slots_way,
+                "slots unique": lambda *x: slots_way(*x, unique=True)}
         want = None
         for name, fn in ways.items():
             f = jax.jit(fn, donate_argnums=0)

@@ -139,7 +139,8 @@ def _kernel(layer_ref, seq_ref, start_ref, count_ref, pt_ref, pos_ref, q_ref, kv
     init = (jnp.zeros((rows, hd), jnp.float32), jnp.full((rows,), NEG, jnp.float32), jnp.zeros((rows,), jnp.float32))
     acc, _, l = jax.lax.fori_loop(lo, jnp.maximum(hi_key, lo), body, init)
     out = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype).reshape(block_q, heads, hd)
-    plgpu.store(o_ref.at[pl.ds(t0, block_q), pl.ds(h0, heads), :], out, mask=jnp.broadcast_to(valid[:, :, None], out.shape))
+    plgpu.store(o_ref.at[pl.ds(t0, block_q), pl.ds(h0, heads), :], out,
+                mask=jnp.broadcast_to(valid[:, :, None], out.shape))
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "rows", "block_keys", "num_warps",

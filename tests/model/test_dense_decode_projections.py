@@ -36,7 +36,7 @@ def test_decode_projections_read_in_place_give_hf_logits(tmp_path):
     kw = dict(attn_impl="pallas_interpret", decode_projection_kernel=True)
     fwd = jax.jit(lambda p, c, m: family_of(cfg).forward_paged(p, cfg, c, m, **kw))
     jaxpr = str(jax.make_jaxpr(fwd)(params, cache, _meta(ids, pages, [(0, 11), (0, 1), (0, 9)], 24)))
-    assert jaxpr.count("name=decode_matmul") == 5  # kernels/decode_matmul.py in the scanned layer's body, each projection
+    assert jaxpr.count("name=decode_matmul") == 5  # kernels/decode_matmul.py in the scanned layer, each projection
     logits, cache = step(params, cfg, cache, ids, pages, [(0, 11), (0, 1), (0, 9)], pad_to=24, fwd=fwd)
     np.testing.assert_allclose(np.asarray(logits), ref[[0, 1, 2], [10, 0, 8]], atol=1e-4)
     logits, cache = step(params, cfg, cache, ids, pages, [(11, 12), (1, 1), (9, 17)], fwd=fwd)
