@@ -19,9 +19,11 @@
 #   protocol_a_dense dense.py: Protocol A-dense at DENSE_SHAPES (default llama-3.1-8b qwen2.5-7b), 16,384-token steps
 #                    (vLLM's LLM default on an 80 GB GPU, as offline.py)
 #   vllm_dense       vllm_peer.py --dense at the same shapes, vLLM's LLM on the same machine (its bundle, as vllm_peer)
-#   dense_prefill    dense.py at the Llama shape three ways, each with its prefill traced: 2,048-token steps (LLM's
+#   dense_prefill    dense.py at the Llama shape four ways, each with its prefill traced: 2,048-token steps (LLM's
 #                    default), 16,384 (dense.py's, vLLM's LLM on an H100), 16,384 with straight-line layers
-#                    (--unroll-max-tokens: no weight-slice copies)
+#                    (--unroll-max-tokens: weight slices at constant offsets), 16,384 with the layers scanned and
+#                    XLA's dynamic-slice fusion (offsets from the loop's counter, which the fusion takes; the
+#                    straight-line loop's runtime indices it did not)
 #   dense_projections dense.py at both dense shapes three ways: every decode projection on kernels/decode_matmul.py
 #                    (the default), only down and kv_proj on it (the others on cuBLAS over static slices, faster
 #                    for those weights alone in decode_matmul_tiles.py), and none on it
@@ -74,7 +76,9 @@ run_part() {
     dense_prefill) local d="python3 benchmarks/dense.py --shapes llama-3.1-8b --hbm $hbm"
       $d --max-num-batched-tokens 0 --trace-prefill "$out/trace_2048" > "$out/dense_prefill_2048.log" 2>&1
       $d --trace-prefill "$out/trace_16384" > "$out/dense_prefill_16384.log" 2>&1
-      $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1 ;;
+      $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1
+      XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" $d --prefill-layers scan \
+        --trace-prefill "$out/trace_scan_dsf" > "$out/dense_prefill_scan_dsf.log" 2>&1 ;;
     dense_projections) for shape in llama-3.1-8b qwen2.5-7b; do
         local d="python3 benchmarks/dense.py --shapes $shape --hbm $hbm"
         $d > "$out/dense_proj_${shape}_all.log" 2>&1
