@@ -13,7 +13,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jax
 import jax.numpy as jnp
 
 from deepinfer_jax.config import FORWARD_SWITCHES, MODEL_FAMILIES, ModelConfig

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from deepinfer_jax.config_v4 import CSA, HCA, SLIDING, V4Config
+from deepinfer_jax.config_v4 import CSA, SLIDING, V4Config
 from deepinfer_jax.models.params import ParamSpec, is_spec, spec_dtype
 
 
