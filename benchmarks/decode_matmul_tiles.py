@@ -43,11 +43,6 @@ VARIANTS = [(128, 64, 128, 4, 4), (128, 64, 264, 4, 4), (128, 64, 528, 4, 4), (6
 STREAM_BYTES = 400e6  # each shape's stack holds at least this many weight bytes (the H100's L2: 50 MB)
 
 
-def chunks(tiles: int, steps: int, programs: int) -> int:
-    """The fewest K chunks (a divisor of the K steps) that bring `tiles` column tiles to `programs` programs."""
-    return next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= programs), steps)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="32")
@@ -64,7 +59,8 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from deepinfer_jax.kernels.decode_matmul import Launch, decode_matmul, decode_matmul_reference, plan
+    from deepinfer_jax.kernels.decode_matmul import (Launch, decode_matmul, decode_matmul_reference, fewest_chunks,
+                                                      plan)
 
     print(f"device: {jax.devices()[0].device_kind}; jax {jax.__version__}")
     key = jax.random.key(0)
@@ -82,7 +78,7 @@ def main(argv=None) -> int:
                 for bn, bk, progs, nw, ns in variants:
                     if N % bn == 0 and K % bk == 0:
                         launches[f"bn{bn} bk{bk} p{progs} w{nw} s{ns}"] = Launch(
-                            bn, bk, chunks(N // bn, K // bk, progs), nw, ns)
+                            bn, bk, fewest_chunks(N // bn, K // bk, progs), nw, ns)
                 runs = {"cublas unstacked": timed(jax.jit(lambda x, *ws: tuple(
                     jnp.dot(x, wl, preferred_element_type=jnp.float32) for wl in ws)), x, *ws) / L,
                         "xla stacked": timed(jax.jit(lambda x, w: tuple(

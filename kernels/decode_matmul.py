@@ -67,10 +67,10 @@ def plan(K: int, N: int) -> Launch | None:
     return Launch(block_n, block_k, fewest_chunks(N // block_n, K // block_k))
 
 
-def fewest_chunks(tiles: int, steps: int) -> int:
-    """The fewest K chunks (a divisor of the K steps) that bring `tiles` column tiles to TARGET_PROGRAMS
-    programs, or every step its own chunk."""
-    return next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= TARGET_PROGRAMS), steps)
+def fewest_chunks(tiles: int, steps: int, programs: int = TARGET_PROGRAMS) -> int:
+    """The fewest K chunks (a divisor of the K steps) that bring `tiles` column tiles to `programs` programs, or
+    every step its own chunk."""
+    return next((d for d in range(1, steps + 1) if steps % d == 0 and tiles * d >= programs), steps)
 
 
 def supported(num_tokens: int, K: int, N: int) -> bool:
