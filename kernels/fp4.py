@@ -3,12 +3,18 @@
 
 A packed byte holds two e2m1 codes, the low nibble first (the even element). A code is sign (bit 3), exponent
 (bits 2-1) and mantissa (bit 0): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. An e8m0 byte s is 2 ** (s - 127).
+
+`nibble_values` is what the kernels decode with: on the GPU it is one PTX block a 4 bytes (`PAIRS_PTX`),
+elsewhere (interpret mode, fp32 activations) the integer ops of `e2m1_to_float`; both give the same values.
 """
 
 from __future__ import annotations
 
+import threading
+
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
 
 FP4_GROUP = 32  # DeepSeek-V4's routed experts: one e8m0 scale per 1 x 32 group
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -46,3 +52,83 @@ def fp4_rows(q: jax.Array, scale: jax.Array, group: int = FP4_GROUP) -> jax.Arra
     v = fp4_unpack(q)
     s = jnp.repeat(e8m0_to_float(scale), group, axis=-1)[..., : v.shape[-1]]
     return v * s
+
+
+# Four packed bytes ($4) and their scales as bf16 pairs ($5: bytes 0-1, $6: bytes 2-3) -> the low nibbles' bf16
+# values x scale ($0: bytes 0-1, $1: bytes 2-3) and the high nibbles' ($2, $3). The word's eight codes, nibble i
+# = byte i // 2's low (even i) or high nibble, are decoded by byte lookups: `prmt` takes each selector nibble's
+# low 3 bits as a byte index into its two table words, so with the signs masked off the codes index the bf16
+# magnitudes' low bytes (0.0 0.5 1.0 1.5 | 2.0 3.0 4.0 6.0 -> 00 00 80 C0 | 00 40 80 C0) and high bytes (00 3F 3F
+# 3F | 40 40 40 40); the sign bits, moved to bit 0 of their nibbles, select 0x80 or 0x00. Two more `prmt`s
+# a result gather each value's two bytes, and one fma with -0 applies the scales (exact: a power of two times
+# an e2m1 value is a bf16; -0 keeps a +0 product +0). 22 instructions for 8 values.
+PAIRS_PTX = """{
+.reg .b32 mag, mag_hi, sgn, sgn_hi, lo_a, lo_b, hi_a, hi_b, nz;
+and.b32 mag, $4, 0x77777777;
+shr.u32 mag_hi, mag, 16;
+and.b32 sgn, $4, 0x88888888;
+shr.u32 sgn_hi, sgn, 19;
+shr.u32 sgn, sgn, 3;
+prmt.b32 lo_a, 0xC0800000, 0xC0804000, mag;
+prmt.b32 lo_b, 0xC0800000, 0xC0804000, mag_hi;
+prmt.b32 hi_a, 0x3F3F3F00, 0x40404040, mag;
+prmt.b32 hi_b, 0x3F3F3F00, 0x40404040, mag_hi;
+prmt.b32 sgn, 0x00008000, 0, sgn;
+prmt.b32 sgn_hi, 0x00008000, 0, sgn_hi;
+or.b32 hi_a, hi_a, sgn;
+or.b32 hi_b, hi_b, sgn_hi;
+prmt.b32 $0, lo_a, hi_a, 0x6240;
+prmt.b32 $1, lo_b, hi_b, 0x6240;
+prmt.b32 $2, lo_a, hi_a, 0x7351;
+prmt.b32 $3, lo_b, hi_b, 0x7351;
+mov.b32 nz, 0x80008000;
+fma.rn.bf16x2 $0, $0, $5, nz;
+fma.rn.bf16x2 $1, $1, $6, nz;
+fma.rn.bf16x2 $2, $2, $5, nz;
+fma.rn.bf16x2 $3, $3, $6, nz;
+}"""
+
+
+_lock = threading.Lock()
+
+
+def multi_result_inline_asm() -> bool:
+    """Let Pallas-Triton's `elementwise_inline_asm` return several results (idempotent, thread-safe; False where
+    the lowering has another form). The pinned jax's rule wraps the op's result list in a one-element list, which
+    the lowering then rejects for more than one result; the patch unwraps it (kernels/triton_offsets.py's
+    convention for patching that lowering)."""
+    with _lock:
+        try:
+            from jax._src.pallas.triton import lowering
+            from jax._src.pallas.triton.primitives import elementwise_inline_asm_p
+        except ImportError:
+            return False
+        rule = lowering.triton_lowering_rules.get(elementwise_inline_asm_p)
+        if rule is None:
+            return False
+        if getattr(rule, "_multi_result", False):
+            return True
+
+        def unwrapped(ctx, *args, **params):
+            out = rule(ctx, *args, **params)
+            if len(ctx.avals_out) > 1 and len(out) == 1:
+                out = list(out[0])
+            return out
+
+        unwrapped._multi_result = True
+        lowering.triton_lowering_rules[elementwise_inline_asm_p] = unwrapped
+        return True
+
+
+def nibble_values(b: jax.Array, scale: jax.Array, dtype, *, asm: bool) -> tuple[jax.Array, jax.Array]:
+    """Packed bytes b (uint8) and each byte's scale as a float (same shape) -> (low nibbles' values, high nibbles')
+    x scale, each b's shape in `dtype`: the even and the odd elements. `asm` (inside a GPU kernel, bf16 out):
+    `PAIRS_PTX`; else integer ops and an fp32 multiply (exact in bf16 too: e2m1 times a power of two)."""
+    if asm and dtype == jnp.bfloat16 and multi_result_inline_asm():
+        lo, hi = plgpu.elementwise_inline_asm(
+            PAIRS_PTX, args=[b.astype(jnp.uint8), scale.astype(jnp.bfloat16)], constraints="=r,=r,=r,=r,r,r,r",
+            pack=4, result_shape_dtypes=[jax.ShapeDtypeStruct(b.shape, jnp.bfloat16)] * 2)
+        return lo, hi
+    i = b.astype(jnp.int32)
+    s = scale.astype(jnp.float32)
+    return (e2m1_to_float(i & 15) * s).astype(dtype), (e2m1_to_float(i >> 4) * s).astype(dtype)

@@ -23,12 +23,13 @@ multiplied by the transposed tile in the kernel, so no transposed copy is made.
   models/quant.py `dequantize`), and multiplies them by x's even and odd columns (strided loads).
 - fp4 (W4A16, DeepSeek-V4's routed experts, models/quant_fp4.py): two e2m1 codes a byte along K (low nibble =
   even column), one e8m0 scale per row and 1 x g group. A K step is tk columns, the largest power of two dividing
-  K up to block_k (whole groups, or within one): its [tn, tk / 2] bytes unpack into the even and the odd
-  columns, each decoded by integer ops (kernels/fp4.py, no table) and scaled in fp32 by its group's
-  2 ** (s - 127) (the step's [tn, G] scales broadcast to [tn, G, g / 2] and reshaped along K in registers), then
-  rounded to x's dtype (exact in bf16: e2m1 times a power of two) and interleaved back into K order (a join and
-  a reshape), so a step is one tk-deep dot on x's contiguous columns with fp32 accumulation: few loop trips and
-  wide MMAs (one 32-column group a step would be two 16-deep dots).
+  K up to block_k (whole groups, or within one): its [tn, tk / 2] bytes decode into two tiles, the step's even
+  and its odd columns, each value times its group's 2 ** (s - 127) in x's dtype (exact in bf16: e2m1 times a
+  power of two; the step's [tn, G] scales broadcast to each byte), by a PTX byte-lookup block on the GPU
+  (kernels/fp4.py `nibble_values`: about 3 instructions a value, where integer ops and an fp32 multiply took
+  about 13). x (h for down) arrives with each step's columns split the same
+  way (`split_pairs`, a JAX reorder of the activations), so a step is two tk / 2-deep dots on contiguous halves
+  of x's step with fp32 accumulation, and the weight tile is never interleaved back into K order.
 - fp8, act="bf16" (W8A16): q widened to bf16 (exact), each K step's product scaled by its block's scale.
 - fp8, act="fp8" (W8A8, FP8 tensor cores): x quantized per token group of 1 x bk (`fp8_gemm.quantize_act`)
   beside the gate_up kernel; the gate_up kernel quantizes h the same way in its epilogue when its column tile is
@@ -52,7 +53,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from deepinfer_jax.kernels.decode_matmul import largest_pow2_divisor
-from deepinfer_jax.kernels.fp4 import e2m1_to_float, e8m0_to_float, fp4_rows
+from deepinfer_jax.kernels.fp4 import e8m0_to_float, fp4_rows, nibble_values
 from deepinfer_jax.kernels.fp8_gemm import FP8, FP8_MAX, dequant_fp8, dot_nk, quantize_act
 from deepinfer_jax.kernels.moe_gmm import EXACT, align_tokens, cols_first_for, combine_rows, tile_config
 from deepinfer_jax.kernels.triton_params import compiler_params
@@ -102,13 +103,23 @@ def _tiles(f: WeightFormat, K: int, N: int, block_n: int, block_k: int) -> tuple
     return (tk, tn) if tk >= 16 and tn >= 16 else None
 
 
+FP4_STEP_BYTES = 8192  # an FP4 K step's weight bytes a tile (tn x tk / 2)
+
+
+def fp4_block_k(tn: int) -> int:
+    """The FP4 kernels' K-step cap for column tiles of tn: FP4_STEP_BYTES of bytes a step. On an H100 at V4-Flash's
+    experts (benchmarks/fp4_experts.py): 128-column steps of 128-wide tiles took 2.13 / 9.08 ms at 32 / 4,096
+    tokens against 2.33 / 13.37 with 64; 256-wide tiles (128 tokens) took 4.63 ms with 64 against 7.99 with 128."""
+    return max(32, 2 * FP4_STEP_BYTES // tn)
+
+
 def supported(fmt_gu: WeightFormat, fmt_down: WeightFormat, D: int, I: int, num_copies: int) -> bool:
     """Whether the kernels take experts of hidden size D, width I in these formats at this step size."""
     _, block_n, block_k, _, _ = tile_config(num_copies)
     return _tiles(fmt_gu, D, I, block_n, block_k) is not None and _tiles(fmt_down, I, D, block_n, block_k) is not None
 
 
-def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
+def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False):
     """The fp32 [bm, tn] product of K step i: x_at(k slice) -> x's rows [bm, tk] (strided slices for INT4),
     xs_at(block) -> their FP8 scales [bm], q_at(k slice) -> the stored weight tile, s_at(k index, column
     index) -> scales (a slice, an index array or a block number)."""
@@ -132,15 +143,11 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at):
         return dot(x_even, lo) + dot(x_at(pl.ds(k0 + 1, half, stride=2)), hi)
     if f.kind == "fp4":  # [tn, tk / 2] bytes of the "nk" tile; the step's G groups' scales [tn, G]
         half, per = tk // 2, min(tk, f.group) // 2  # bytes a row, bytes a scale covers within the step
-        b = q_at(pl.ds(k0 // 2, half)).astype(jnp.int32)
         s = e8m0_to_float(s_at(pl.ds(k0 // f.group, half // per), pl.ds(n * tn, tn)))  # [tn, G]
-        if half > per:  # each byte's scale: [tn, G] -> [tn, G, per] -> [tn, tk / 2]
-            s = jnp.broadcast_to(s[:, :, None], (tn, half // per, per)).reshape(tn, half)
-        x = x_at(pl.ds(k0, tk))  # [bm, tk], contiguous
-        lo = (e2m1_to_float(b & 15) * s).astype(x.dtype)  # the even columns, exact in bf16 (e2m1 x 2 ** k)
-        hi = (e2m1_to_float(b >> 4) * s).astype(x.dtype)
-        w = jnp.stack([lo, hi], axis=-1).reshape(tn, tk)  # interleaved back into K order (Triton's join)
-        return dot_nk(x, w, precision=EXACT)
+        s = jnp.broadcast_to(s[:, :, None], (tn, half // per, per)).reshape(tn, half)  # each byte's scale
+        x_even = x_at(pl.ds(k0, half))  # x's columns come pairs-split (`split_pairs`): the step's even ones,
+        lo, hi = nibble_values(q_at(pl.ds(k0 // 2, half)), s, x_even.dtype, asm=asm)
+        return dot_nk(x_even, lo, precision=EXACT) + dot_nk(x_at(pl.ds(k0 + half, half)), hi, precision=EXACT)
     kb = k0 // f.group
     scale = s_at(kb, (n * tn) // f.block_n)
     w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
@@ -157,7 +164,7 @@ def _block_and_tile(cols_first):
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, f, bm, tk, tn, K, E, cols_first,
-                    quant_h, limit):
+                    quant_h, limit, asm):
     """h[rows, tile n] = silu(x @ W_gate[e][:, n]) * (x @ W_up[e][:, n]) for row block b (x gathered [M_pad, D]);
     with quant_h, h in e4m3 and its scale per row hs[rows, n] (the tile is one 1 x tn group)."""
     b, n = _block_and_tile(cols_first)
@@ -176,7 +183,7 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
                     (lambda ks, g=g: q_ref[layer, e, g, cols, ks]) if nk else (
                         lambda ks, g=g: q_ref[layer, e, ks, g, cols]),
                     (lambda ki, ci, g=g: s_ref[layer, e, g, ci, ki]) if nk else (
-                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci])))
+                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci]), asm))
             return tuple(out)
 
         zero = jnp.zeros((bm, tn), jnp.float32)
@@ -201,7 +208,7 @@ def swiglu(gate, up, limit):
     return jax.nn.silu(gate) * up
 
 
-def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first):
+def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first, asm):
     """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b."""
     b, n = _block_and_tile(cols_first)
     layer, e = layer_ref[0], be_ref[b]
@@ -215,7 +222,7 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
             return acc + _partial(
                 f, i, tk, tn, n, lambda ks: h_ref[rows, ks], lambda kb: hs_ref[rows, kb],
                 (lambda ks: q_ref[layer, e, cols, ks]) if nk else (lambda ks: q_ref[layer, e, ks, cols]),
-                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]))
+                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]), asm)
 
         acc = jax.lax.fori_loop(0, K // tk, body, jnp.zeros((bm, tn), jnp.float32))
         if f.kind == "int8":
@@ -240,10 +247,14 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
     auto = tile_config(T * k)
     bm, bn, bk, warps, stages = (a if v is None else v
                                  for v, a in zip((block_m, block_n, block_k, num_warps, num_stages), auto))
-    t1, t2 = _tiles(fmt_gu, D, I, bn, bk), _tiles(fmt_down, I, D, bn, bk)
+    bk_gu, bk_down = (fp4_block_k(largest_pow2_divisor(N, bn)) if f.kind == "fp4" and block_k is None else bk
+                      for f, N in ((fmt_gu, I), (fmt_down, D)))
+    t1, t2 = _tiles(fmt_gu, D, I, bn, bk_gu), _tiles(fmt_down, I, D, bn, bk_down)
     if t1 is None or t2 is None:
         raise ValueError(f"moe_experts_quant: no tiling for D {D}, I {I} in formats {fmt_gu}, {fmt_down}")
     cols_first = cols_first_for(T * k) if cols_first is None else cols_first
+    if fmt_gu.kind == "fp4":
+        x = split_pairs(x, t1[0])
     row_copy, block_expert, row_of = align_tokens(idx, E, bm)
     m_pad, nb = row_copy.shape[0], block_expert.shape[0]
     tok = jnp.where(row_copy >= 0, row_copy // k, 0)
@@ -263,7 +274,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h_shape.append(jax.ShapeDtypeStruct((m_pad, I // fmt_down.group), jnp.float32))
     out = pl.pallas_call(
         functools.partial(_gate_up_kernel, f=fmt_gu, bm=bm, tk=t1[0], tn=t1[1], K=D, E=E, cols_first=cols_first,
-                          quant_h=quant_h, limit=swiglu_limit),
+                          quant_h=quant_h, limit=swiglu_limit, asm=not interpret),
         grid=grid(I // t1[1]), out_shape=tuple(h_shape), compiler_params=params, interpret=interpret,
     )(layer, block_expert, xk, xs, gu_q, gu_s if fmt_gu.kind == "fp4" else gu_s.astype(jnp.float32))
     if quant_h:
@@ -272,12 +283,24 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h, hs = quantize_act(out[0], fmt_down.group)
     else:
         h, hs = out[0], jnp.zeros((m_pad, 1), jnp.float32)
+    if fmt_down.kind == "fp4":
+        h = split_pairs(h, t2[0])
     y = pl.pallas_call(
-        functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first),
+        functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first,
+                          asm=not interpret),
         grid=grid(D // t2[1]), out_shape=jax.ShapeDtypeStruct((m_pad, D), x.dtype), compiler_params=params,
         interpret=interpret,
     )(layer, block_expert, h, hs, down_q, down_s if fmt_down.kind == "fp4" else down_s.astype(jnp.float32))
     return combine_rows(y, row_of, weights, T, k, D, x.dtype)
+
+
+def split_pairs(a: jax.Array, tk: int) -> jax.Array:
+    """a [M, K] with each tk-column K step's columns reordered: its even columns, then its odd ones. The FP4 kernels
+    read their x / h so, since a step's bytes decode into its even and its odd columns as two tiles (one dot
+    each on a contiguous half of x's step, where interleaving them back into K order would cost a layout shuffle
+    of the whole weight tile)."""
+    M, K = a.shape
+    return a.reshape(M, K // tk, tk // 2, 2).swapaxes(-1, -2).reshape(M, K)
 
 
 def dequant_expert(q, s, f: WeightFormat, n_out: int) -> jax.Array:

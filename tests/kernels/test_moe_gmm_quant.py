@@ -12,7 +12,7 @@ import pytest
 
 from deepinfer_jax.kernels.fp8_gemm import FP8
 from deepinfer_jax.kernels.moe_gmm import moe_experts_reference
-from deepinfer_jax.kernels.moe_gmm_quant import (WeightFormat, _tiles, dequant_expert, moe_experts_quant,
+from deepinfer_jax.kernels.moe_gmm_quant import (WeightFormat, _tiles, dequant_expert, fp4_block_k, moe_experts_quant,
                                                  moe_experts_quant_reference, supported)
 from deepinfer_jax.models.quant import dequantize, quantize
 
@@ -218,6 +218,8 @@ def test_fp4_formats():
     f = WeightFormat("fp4", 32, layout="nk")
     # K steps: the largest power of two dividing K up to block_k, whole groups each
     assert [_tiles(f, 4096, 2048, 128, bk) for bk in (32, 64, 256)] == [(32, 128), (64, 128), (256, 128)]
+    # the default cap: 8 KiB of bytes a tile a step (128-wide tiles: 128 columns; 256-wide: 64), never under a group
+    assert [fp4_block_k(tn) for tn in (16, 128, 256, 1024)] == [1024, 128, 64, 32]
     assert _tiles(f, 96, 128, 128, 64) == (32, 128) and _tiles(f, 192, 128, 128, 256) == (64, 128)
     # a 64-column group (not DeepSeek's): steps inside one group or of whole ones, never straddling two
     assert _tiles(WeightFormat("fp4", 64, layout="nk"), 192, 128, 128, 128) == (64, 128)
@@ -228,8 +230,9 @@ def test_fp4_formats():
 
 def test_fp4_kernels_lower_for_sm90(triton_asm):
     """V4-Flash's routed experts (D 4096, I 2048, 256 experts, top-6) in FP4 at a decode size: both kernels lower
-    and read 1-byte weights and scales (no float copy of the experts), one 64-deep dot a K step for each output
-    (two 32-column groups, both nibble halves)."""
+    and read 1-byte weights and scales (no float copy of the experts), decode them in the PTX block (never
+    interleaving the nibble halves), and run two 64-deep dots a K step for each output (`fp4_block_k`: a
+    128-column step of 128-wide tiles, four 32-column groups; its even columns and its odd ones)."""
     S = jax.ShapeDtypeStruct
     Dv, Iv, Ev, T4 = 4096, 2048, 256, 32
     f = WeightFormat("fp4", 32, layout="nk")
@@ -239,7 +242,8 @@ def test_fp4_kernels_lower_for_sm90(triton_asm):
     mods = triton_asm(lambda x, a, b, c, d, w, i: moe_experts_quant(x, a, b, c, d, w, i, fmt_gu=f, fmt_down=f,
                                                                     swiglu_limit=10.0), *args)
     assert len(mods) == 2
-    for asm, n_dots in zip(mods, (2, 1)):  # gate and up; down
+    for asm, n_dots in zip(mods, (4, 2)):  # gate and up; down
         dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
-        assert "tt.ptr<i8>" in asm and "tt.join" in asm  # the nibble halves interleaved in registers
-        assert len(dots) == n_dots and all("tensor<16x64xbf16> * tensor<64x128xbf16>" in ln for ln in dots)
+        assert "tt.ptr<i8>" in asm and "tt.join" not in asm
+        assert asm.count("tt.elementwise_inline_asm") == n_dots // 2 and "prmt.b32" in asm
+        assert len(dots) == n_dots and all("tensor<16x64xbf16> * tensor<64x128xbf16>" in ln for ln in dots), dots
