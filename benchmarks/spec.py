@@ -208,7 +208,7 @@ def main(argv=None) -> int:
     elif draft != "none":
         draft_dir, draft_label = draft, f"draft_model ({os.path.basename(draft.rstrip('/'))})"
 
-    def engine(k: int, draft_model: str | None = None, overlap: bool = False) -> LLMEngine:
+    def engine(k: int, draft_model: str | None = None, overlap: bool | None = None) -> LLMEngine:
         t = time.time()
         spec = ({"method": "draft_model", "model": draft_model, "num_speculative_tokens": k} if draft_model else
                 {"method": "deepseek_mtp", "num_speculative_tokens": k} if mtp else
@@ -224,7 +224,7 @@ def main(argv=None) -> int:
                                                    token_buckets=buckets, spec_overlap=overlap),
                         progress=False, speculative_config=None if k == 0 else spec,
                         load_format="auto" if args.model else "dummy")
-        print(f"K={k}{' ' + draft_label if draft_model else ''}{' overlapped' if overlap else ''}: ready in {time.time() - t:.1f} s "
+        print(f"K={k}{' ' + draft_label if draft_model else ''}{' overlapped' if eng.spec_overlap else ''}: ready in {time.time() - t:.1f} s "
               f"({eng.num_warmup_compiles} programs)", flush=True)
         return eng
 

@@ -105,7 +105,8 @@ class LLM:
     same arguments and its own node_rank; runner/multihost.py; on ranks other than 0 `LLM(...)` runs rank 0's
     steps and returns once rank 0 calls `shutdown()` or exits), prefill_shared_forward (prefill buckets' sampling
     variants share one forward program; on by default,
-    RunnerConfig), decode_shared_forward (with it, decode buckets' too; off by default, RunnerConfig), token_buckets (the step sizes in token slots; (): powers of two, runner/inputs.py), warmup_runs
+    RunnerConfig), decode_shared_forward (with it, decode buckets' too; off by default, RunnerConfig), spec_overlap
+    (`deepseek_mtp` steps planned before the one in flight is fetched; None: wherever it can run, RunnerConfig), token_buckets (the step sizes in token slots; (): powers of two, runner/inputs.py), warmup_runs
     (runs of each step program at warm-up; None: RunnerConfig's), chat_template,
     compilation_cache_dir ("default": $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer-jax/xla; None: off;
     it holds JAX's compilation cache and, in `programs/`, the compiled step programs that let a second
@@ -128,7 +129,7 @@ class LLM:
                  decode_projection_kernel: bool = True, decode_output_kernel: bool = True,
                  decode_absorb_kernel: bool = True, decode_latent_kernel: bool = True,
                  prefill_context_variant: bool = True, greedy_variant: bool = True, prefill_shared_forward: bool = True, progress: bool = True,
-                 decode_shared_forward: bool = False,
+                 decode_shared_forward: bool = False, spec_overlap: bool | None = None,
                  token_buckets: Sequence[int] = (), warmup_runs: int | None = None, nnodes: int = 1,
                  node_rank: int = 0, master_addr: str | None = None, master_port: int | None = None,
                  speculative_config: dict | str | None = None, kv_offloading_size: float = 0.0,
@@ -279,7 +280,7 @@ class LLM:
                               decode_latent_kernel=decode_latent_kernel,
                               prefill_context_variant=prefill_context_variant,
                               greedy_variant=greedy_variant, prefill_shared_forward=prefill_shared_forward,
-                              decode_shared_forward=decode_shared_forward,
+                              decode_shared_forward=decode_shared_forward, spec_overlap=spec_overlap,
                               token_buckets=tuple(token_buckets),
                               **({} if warmup_runs is None else {"warmup_runs": warmup_runs}),
                               program_cache_dir=None if cache_dir is None else os.path.join(cache_dir, "programs"),

@@ -122,9 +122,11 @@ class LLMEngine:
             how += f" per data-parallel rank, {sharding.num_ranks} ranks"
         if self.num_host_blocks:
             how += f"; host tier {self.num_host_blocks} pages ({cache_config.kv_offloading_size} GiB)"
-        # RunnerConfig.spec_overlap: the overlapped speculating loop (engine/spec_overlap.py), or a one-line refusal
+        # RunnerConfig.spec_overlap: the overlapped speculating loop (engine/spec_overlap.py), or a one-line refusal;
+        # the runner gets the decision
         self.spec_overlap = spec_overlap.check(self.spec, runner_config, sharding, self.cache_pools,
                                                bool(self.num_host_blocks))
+        runner_config = dataclasses.replace(runner_config, spec_overlap=self.spec_overlap)
         self._overlap = None  # its optimistic step in flight: (plan, (HostStep, StepOut), {request id: row})
         self.num_overlapped_steps = 0  # steps planned before the one in flight was fetched
         log.info("KV cache: %s", how)

@@ -24,18 +24,23 @@ from deepinfer_jax.types import RequestOutput
 
 
 def check(spec, runner_config, sharding, kv_pools, host_tier: bool) -> bool:
-    """Whether the engine runs the overlapped loop; refuses, in one line, what it does not run with."""
-    if not runner_config.spec_overlap:
+    """Whether the engine runs the overlapped loop. RunnerConfig.spec_overlap None (the default): wherever it can;
+    True: there, and refused in one line where it cannot; False: never."""
+    want = runner_config.spec_overlap
+    if want is False:
         return False
+    why = None
     if spec is None or spec.method != "deepseek_mtp":
-        raise ValueError("spec_overlap needs speculative_config method 'deepseek_mtp' (its drafts stay on the device)")
-    if sharding is not None and sharding.num_ranks > 1:
-        raise ValueError("spec_overlap is not supported with data-parallel attention (--data-parallel-size > 1)")
-    if kv_pools is not None:
-        raise ValueError("spec_overlap is not supported on DeepSeek-V4's per-group cache")
-    if host_tier:
-        raise ValueError("spec_overlap is not supported with kv_offloading_size (the KV cache's host tier)")
-    return True
+        why = "spec_overlap needs speculative_config method 'deepseek_mtp' (its drafts stay on the device)"
+    elif sharding is not None and sharding.num_ranks > 1:
+        why = "spec_overlap is not supported with data-parallel attention (--data-parallel-size > 1)"
+    elif kv_pools is not None:
+        why = "spec_overlap is not supported on DeepSeek-V4's per-group cache"
+    elif host_tier:
+        why = "spec_overlap is not supported with kv_offloading_size (the KV cache's host tier)"
+    if why is not None and want:
+        raise ValueError(why)
+    return why is None
 
 
 def _overlappable(engine, req, k: int) -> bool:

@@ -38,6 +38,14 @@ def llm():
                **ARGS)
 
 
+@pytest.fixture(scope="module")
+def plain():
+    # the speculating loop that fetches every step before planning the next (the default overlaps them:
+    # test_spec_overlap.py), whose drafts the chain test follows step by step
+    return LLM(DEFAULT, num_pages=33, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": K},
+               spec_overlap=False, **ARGS)
+
+
 def test_plan_counts_the_mtp_layers_cache_rows(llm):
     """`deepinfer plan --speculative-config` with deepseek_mtp: KV bytes a token those of the cache the runner
     allocated ([L + 1, pages, page_size, R + dr], the MTP layer's latents as layer L); without it, L layers'."""
@@ -121,6 +129,7 @@ def test_greedy_output_is_that_without_speculation(llm):
     assert stats.num_draft_tokens <= K * stats.num_drafts
     assert eng.runner.compiles_after_warmup == 0
     assert eng.scheduler.kv_cache_manager.usage == 0.0  # every page back in the pool
+    assert eng.spec_overlap and eng.num_overlapped_steps > 0  # the default: the overlapped loop
 
 
 def _check_drafts(llm, ids, drafts):
@@ -145,10 +154,12 @@ def _check_drafts(llm, ids, drafts):
         nxt[n - 1 + k] = d
 
 
-def test_drafts_are_the_dense_mtp_chain(llm):
+def test_drafts_are_the_dense_mtp_chain(plain):
     """Step by step, one request after another: the first fills the prefix cache, the second hits it (5 full
     pages) and is prefilled in chunks; after every step each request's drafts equal the dense chain's."""
+    llm = plain
     eng = llm.engine
+    assert not eng.spec_overlap
     rng = np.random.default_rng(8)
     shared = rng.integers(2, 2000, 44).tolist()
     for i, prompt in enumerate([shared + [5, 6], shared + rng.integers(2, 2000, 40).tolist()]):

@@ -171,3 +171,21 @@ def test_refused_with_another_method(engines):
     ref, _ = engines
     with pytest.raises(ValueError, match="spec_overlap needs speculative_config method 'deepseek_mtp'"):
         _engine(ref, spec={"method": "ngram", "num_speculative_tokens": K}, spec_overlap=True)
+
+
+def test_default_runs_it_wherever_it_can():
+    """RunnerConfig.spec_overlap None (the default) runs the overlapped loop with `deepseek_mtp` and the plain loop
+    where it cannot run, without a word; True is refused there in one line; False never runs it."""
+    from deepinfer_jax.config import RunnerConfig, SpeculativeConfig
+    from deepinfer_jax.engine.spec_overlap import check
+
+    mtp, ngram = SpeculativeConfig("deepseek_mtp", K), SpeculativeConfig("ngram", K, prompt_lookup_min=1,
+                                                                          prompt_lookup_max=3)
+    auto, on, off = RunnerConfig(), RunnerConfig(spec_overlap=True), RunnerConfig(spec_overlap=False)
+    assert auto.spec_overlap is None
+    assert check(mtp, auto, None, None, False) and check(mtp, on, None, None, False)
+    assert not check(mtp, off, None, None, False)
+    for spec, host_tier in ((ngram, False), (None, False), (mtp, True)):
+        assert not check(spec, auto, None, None, host_tier)
+        with pytest.raises(ValueError, match="^spec_overlap "):
+            check(spec, on, None, None, host_tier)

@@ -53,7 +53,8 @@ def run(model_dir: str, case: str, ps: list[list[int]]) -> dict:
     llm = LLM(model_dir, dtype="float32", max_num_seqs=MAX_SEQS, max_num_batched_tokens=BUDGET, page_size=PAGE,
               max_model_len=MODEL_LEN, token_buckets=(BUDGET,), attn_impl="reference", moe_impl="ragged",
               skip_tokenizer_init=True, compilation_cache_dir=None, progress=False, speculative_config=spec,
-              tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep)
+              tensor_parallel_size=tp, data_parallel_size=dp, enable_expert_parallel=ep,
+              spec_overlap=False)  # data-parallel attention runs the plain loop: every case runs it
     outs = llm.generate([{"prompt_token_ids": p} for p in ps],
                         [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in MAX_TOKENS])
     eng = llm.engine
