@@ -17,7 +17,7 @@ from collections import defaultdict
 CATEGORIES = [  # (category, regex over kernel names), first match wins
     ("MoE grouped GEMM (Pallas)", r"gate_up|_down_kernel|down_kernel|_single_launch_kernel"),
     ("decode projections (Pallas)", r"decode_matmul"),
-    ("MLA attention (Pallas)", r"mla|_kernel"),
+    ("attention (Pallas: MLA, GQA)", r"mla|_kernel"),
     ("memcpy", r"[Mm]emcpy|copy"),
     ("collectives", r"nccl|all_reduce|all_gather|reduce_scatter|all-reduce|all-gather"),
     ("cuBLAS / cutlass GEMM", r"gemm|cutlass|xmma|cublas|sm90_|sm80_"),
