@@ -17,8 +17,7 @@ and temperature 1, and the decode step (the run less its prefill, over the outpu
 its weight-read floor (weight bytes / HBM bandwidth). Each timing is the better of two runs. vLLM's figures on the
 same machine go beside these in benchmarks/RESULTS.md. `--decode-shared-forward`, `--no-decode-projection-kernel`,
 `--unroll-max-tokens`, `--prefill-layers`, `--max-num-batched-tokens`: the RunnerConfig / scheduler settings to
-compare start-up and steps under; `--kernel-projections`: which decode projections take kernels/decode_matmul.py
-(an experiment: per weight, cuBLAS on a static slice was faster for some, benchmarks/decode_matmul_tiles.py).
+compare start-up and steps under.
 """
 
 from __future__ import annotations
@@ -230,9 +229,6 @@ def main() -> None:
                          "same machine loads its programs)")
     ap.add_argument("--decode-projection-kernel", action=argparse.BooleanOptionalAction, default=True,
                     help="RunnerConfig.decode_projection_kernel: decode steps read the projections in place")
-    ap.add_argument("--kernel-projections", default="",
-                    help="with the kernel on, only these of models/dense.py STACKABLE take it (comma-separated names, "
-                         "e.g. down,kv_proj); the others go to XLA's GEMMs on their layers' static slices")
     ap.add_argument("--decode-shared-forward", action="store_true",
                     help="RunnerConfig.decode_shared_forward: decode buckets' variants share one compiled forward")
     ap.add_argument("--trace", default="", help="then trace greedy decode steps into this folder and print where "
@@ -241,14 +237,6 @@ def main() -> None:
     ap.add_argument("--trace-prefill", default="", help="then trace the batch's prefill into this folder and print "
                     "where the device's time went")
     args = ap.parse_args()
-    if args.kernel_projections:  # an experiment: a subset of the decode projections on the kernel
-        from deepinfer_jax.models import dense
-
-        names = set(args.kernel_projections.split(","))
-        unknown = names - {n for _, n, _ in dense.STACKABLE}
-        if unknown:
-            ap.error(f"--kernel-projections: no projection {sorted(unknown)} in models/dense.py STACKABLE")
-        dense.STACKABLE = tuple(e for e in dense.STACKABLE if e[1] in names)
     rows = [run_shape(s, args) for s in args.shapes]
     keys = list(rows[0])
     print(" | ".join(keys))

@@ -24,9 +24,6 @@
 #                    (--unroll-max-tokens: weight slices at constant offsets), 16,384 with the layers scanned and
 #                    XLA's dynamic-slice fusion (offsets from the loop's counter, which the fusion takes; the
 #                    straight-line loop's runtime indices it did not)
-#   dense_projections dense.py at both dense shapes three ways: every decode projection on kernels/decode_matmul.py
-#                    (the default), only down and kv_proj on it (the others on cuBLAS over static slices, faster
-#                    for those weights alone in decode_matmul_tiles.py), and none on it
 #   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
 #   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
 #   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
@@ -79,11 +76,6 @@ run_part() {
       $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" $d --prefill-layers scan \
         --trace-prefill "$out/trace_scan_dsf" > "$out/dense_prefill_scan_dsf.log" 2>&1 ;;
-    dense_projections) for shape in llama-3.1-8b qwen2.5-7b; do
-        local d="python3 benchmarks/dense.py --shapes $shape --hbm $hbm"
-        $d > "$out/dense_proj_${shape}_all.log" 2>&1
-        $d --kernel-projections down,kv_proj > "$out/dense_proj_${shape}_down_kv.log" 2>&1
-        $d --no-decode-projection-kernel > "$out/dense_proj_${shape}_none.log" 2>&1; done ;;
     protocol_a_high) for b in 128 256; do
         python3 benchmarks/offline.py --preset "$preset" --batch $b --buckets $b,16384 --max-num-batched-tokens 16384 \
           --json "$out/protocol_a_$b.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$b.log" 2>&1; done ;;
