@@ -378,6 +378,9 @@ def forward_paged(params: Any, cfg: ModelConfig, kv_cache: tuple, meta: StepMeta
         if layer_fetch is not None and holds_host(lp):
             streams = _streamed_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules, layer_fetch)
         else:
+            # The layer's weights pass a barrier with the previous layer's streams, so what XLA derives from them
+            # (dequantized copies on the XLA paths) is made in turn, one layer's at a time, not all up front.
+            lp, streams = jax.lax.optimization_barrier((lp, streams))
             streams = paged_block(v4, i, lp, streams, cache, meta, attn_impl, moe_impl, mesh_rules)
     h = hyper_head(v4, params["hc_head"], streams[meta.logits_indices])
     logits = linear(rms_norm(h, params["final_norm"], v4.rms_norm_eps), params["lm_head"]).astype(jnp.float32)

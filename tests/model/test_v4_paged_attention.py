@@ -90,3 +90,33 @@ def test_paged_attention_matches_whole_sequence(v4, attn_impl, monkeypatch):
     prefill, decode = _run(v4, attn_impl)
     np.testing.assert_allclose(prefill, v4[3], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(decode, v4[4], atol=1e-4, rtol=1e-4)
+
+
+def test_layers_make_their_weights_derived_temporaries_in_turn():
+    """Each layer's weights pass a barrier with the previous layer's streams, so what XLA derives from them (the FP4
+    experts and FP8 linears dequantized on the XLA paths) is made one layer at a time: the compiled prefill step's
+    temporaries (XLA's memory analysis, CPU) grow by well under a layer's dequantized experts a layer. Without the
+    barrier XLA made them up front, and a V4 step's temporaries grew by about that much a layer."""
+    from hf_models_v4 import V4_TINY
+
+    from deepinfer_jax.weights.release_random import pending_release_params, release_quant
+
+    def temp_bytes(layers):
+        hf = dict(V4_TINY, model_type="deepseek_v4", hidden_size=256, moe_intermediate_size=256, n_routed_experts=16,
+                  num_hidden_layers=layers, layer_types=["compressed_sparse_attention"] * layers,
+                  mlp_layer_types=["moe"] * layers, expert_dtype="fp4",
+                  quantization_config={"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0",
+                                       "activation_scheme": "dynamic", "weight_block_size": [128, 128]})
+        cfg = ModelConfig.from_hf_dict(hf)
+        params = pending_release_params(cfg, release_quant(hf, cfg), jnp.float32).abstract
+        tables = _tables(cfg)
+        cache = tuple(jax.ShapeDtypeStruct((t.size + 1, len(g.layers) * g.rows_per_page(PS) * g.row_bytes),
+                                           jnp.float32) for g, t in zip(v4_cache_groups(cfg.v4, 1), tables))
+        n = 32
+        meta = _meta(cfg, tables, np.ones(n, int), np.arange(n), np.zeros(n, int), [n - 1])
+        fn = jax.jit(lambda p, c, m: v4_paged.forward_paged(p, cfg, c, m, moe_impl="ragged"), donate_argnums=1)
+        return fn.lower(params, cache, meta).compile().memory_analysis().temp_size_in_bytes, cfg
+
+    (few, cfg), (many, _) = temp_bytes(2), temp_bytes(6)
+    experts = 3 * cfg.v4.n_routed_experts * cfg.v4.hidden_size * cfg.v4.moe_intermediate_size * 4  # fp32, a layer
+    assert (many - few) / 4 < experts / 4, (few, many, experts)
