@@ -10,8 +10,9 @@ uint8 packed e2m1 pairs + [E, 2, I, D / 32] e8m0 scale bytes, down [E, D, I / 2]
 experts, uniform random routing. Columns as benchmarks/fp8_kernels.py's: us (GPU time from a profiler trace, or
 wall time), TB/s of the weight bytes the step touches (scales included), TFLOP/s (2 x copies x 3 x D x I), and the
 ratio to bf16. The checks run first at 16 experts of the same shape and stop the script on a miss.
---fp4-block-k adds FP4 rows ("fp4@128") at other K-step caps than the tile config's block_k (the FP4 kernels' K
-step is the largest power of two dividing K up to it: whole 32-column groups, one dot a step).
+--fp4-block-k adds FP4 rows ("fp4@128") at other K-step caps than `fp4_block_k`'s (the FP4 kernels' K step is the
+largest power of two dividing K up to it: whole 32-column groups). --fp4-swap-ab adds a row of each FP4 kind with
+the kernels' `swap_ab` experiment ("fp4~swap": the decoded tile as the MMA's first operand).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 D, I, E, TOPK, LIMIT = 4096, 2048, 256, 6, 10.0
 INTERPRET = False  # --cpu-smoke: interpret mode at tiny shapes (the script's own check on a CPU)
-KINDS = ["fp4", "fp8/fp8", "fp8/bf16"]  # "fp4@128": FP4 at block_k 128 (--fp4-block-k)
+KINDS = ["fp4", "fp8/fp8", "fp8/bf16"]  # "fp4@128": FP4 at block_k 128 (--fp4-block-k); "~swap": swap_ab
 
 
 def _routes(key, T, n_exp):
@@ -36,8 +37,12 @@ def _routes(key, T, n_exp):
 
 
 def _block_k(kind):
-    """The block_k a kind's row asks for ("fp4@128"), or None: the tile config's."""
-    return int(kind.split("@")[1]) if "@" in kind else None
+    """The block_k a kind's row asks for ("fp4@128"), or None: the kernels' own."""
+    return int(kind.split("~")[0].split("@")[1]) if "@" in kind else None
+
+
+def _swap(kind) -> bool:
+    return kind.endswith("~swap")
 
 
 def _weights(key, kind, n_exp):
@@ -74,7 +79,7 @@ def checks(key) -> None:
     for kind in KINDS:
         gq, gs, dq, ds, f = _weights(jax.random.fold_in(key, 1), kind, n_exp)
         out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f, swiglu_limit=LIMIT,
-                                block_k=_block_k(kind), interpret=INTERPRET)
+                                block_k=_block_k(kind), swap_ab=_swap(kind), interpret=INTERPRET)
         _check(f"moe {kind}", out, moe_experts_quant_reference(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f,
                                                                swiglu_limit=LIMIT))
 
@@ -104,8 +109,9 @@ def table(tokens: list[int]) -> None:
             per_expert = 2 * 3 * D * I
         else:
             *args, fmt = _weights(key, kind, E)
-            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, bk=_block_k(kind): moe_experts_quant(
-                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, block_k=bk, interpret=INTERPRET))
+            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, bk=_block_k(kind), sw=_swap(kind): moe_experts_quant(
+                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, block_k=bk, swap_ab=sw,
+                interpret=INTERPRET))
             per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
         for T, (x, idx, w) in routes.items():
             try:
@@ -115,13 +121,13 @@ def table(tokens: list[int]) -> None:
                 us = float("nan")
             times[(kind, T)] = (us, per_expert * len(np.unique(np.asarray(idx))))
         del args
-    print(f"\n{'tokens':>6} {'experts':>7} {'kernel':<9} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'vs bf16':>8}")
+    print(f"\n{'tokens':>6} {'experts':>7} {'kernel':<12} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'vs bf16':>8}")
     for T, (_, idx, _) in routes.items():
         n = len(np.unique(np.asarray(idx)))
         flops = 2 * T * TOPK * 3 * D * I
         for kind in ["bf16", *KINDS]:
             us, nbytes = times[(kind, T)]
-            print(f"{T:>6} {n:>7} {kind:<9} {us:>8.1f} {nbytes / us / 1e6:>6.2f} {flops / us / 1e6:>8.1f} "
+            print(f"{T:>6} {n:>7} {kind:<12} {us:>8.1f} {nbytes / us / 1e6:>6.2f} {flops / us / 1e6:>8.1f} "
                   f"{times[('bf16', T)][0] / us:>7.2f}x")
 
 
@@ -130,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="32,128,4096", help="rows (tokens) a step, comma-separated")
     ap.add_argument("--fp4-block-k", default="",
                     help="extra FP4 rows at these K-step caps (comma-separated powers of two >= 32, e.g. 128,256)")
+    ap.add_argument("--fp4-swap-ab", action="store_true",
+                    help="also each FP4 row with moe_experts_quant's swap_ab experiment")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)
@@ -138,6 +146,9 @@ def main(argv=None) -> int:
         if int(bk) < 32 or int(bk) & (int(bk) - 1):
             ap.error(f"--fp4-block-k: {bk} is not a power of two >= 32")
         KINDS.insert(KINDS.index("fp4") + 1, f"fp4@{int(bk)}")
+    if a.fp4_swap_ab:
+        fp4 = [k for k in KINDS if k.startswith("fp4")]
+        KINDS[len(fp4):len(fp4)] = [f"{k}~swap" for k in fp4]
     if a.cpu_smoke:
         global D, I, E, INTERPRET
         D, I, E, INTERPRET = 256, 128, 16, True

@@ -119,7 +119,7 @@ def supported(fmt_gu: WeightFormat, fmt_down: WeightFormat, D: int, I: int, num_
     return _tiles(fmt_gu, D, I, block_n, block_k) is not None and _tiles(fmt_down, I, D, block_n, block_k) is not None
 
 
-def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False):
+def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False, swap=False):
     """The fp32 [bm, tn] product of K step i: x_at(k slice) -> x's rows [bm, tk] (strided slices for INT4),
     xs_at(block) -> their FP8 scales [bm], q_at(k slice) -> the stored weight tile, s_at(k index, column
     index) -> scales (a slice, an index array or a block number)."""
@@ -147,7 +147,10 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False):
         s = jnp.broadcast_to(s[:, :, None], (tn, half // per, per)).reshape(tn, half)  # each byte's scale
         x_even = x_at(pl.ds(k0, half))  # x's columns come pairs-split (`split_pairs`): the step's even ones,
         lo, hi = nibble_values(q_at(pl.ds(k0 // 2, half)), s, x_even.dtype, asm=asm)
-        return dot_nk(x_even, lo, precision=EXACT) + dot_nk(x_at(pl.ds(k0 + half, half)), hi, precision=EXACT)
+        x_odd = x_at(pl.ds(k0 + half, half))
+        if swap:
+            return dot_nk(lo, x_even, precision=EXACT) + dot_nk(hi, x_odd, precision=EXACT)
+        return dot_nk(x_even, lo, precision=EXACT) + dot_nk(x_odd, hi, precision=EXACT)
     kb = k0 // f.group
     scale = s_at(kb, (n * tn) // f.block_n)
     w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
@@ -164,7 +167,7 @@ def _block_and_tile(cols_first):
 
 
 def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, f, bm, tk, tn, K, E, cols_first,
-                    quant_h, limit, asm):
+                    quant_h, limit, asm, swap):
     """h[rows, tile n] = silu(x @ W_gate[e][:, n]) * (x @ W_up[e][:, n]) for row block b (x gathered [M_pad, D]);
     with quant_h, h in e4m3 and its scale per row hs[rows, n] (the tile is one 1 x tn group)."""
     b, n = _block_and_tile(cols_first)
@@ -183,15 +186,17 @@ def _gate_up_kernel(layer_ref, be_ref, x_ref, xs_ref, q_ref, s_ref, h_ref, *hs, 
                     (lambda ks, g=g: q_ref[layer, e, g, cols, ks]) if nk else (
                         lambda ks, g=g: q_ref[layer, e, ks, g, cols]),
                     (lambda ki, ci, g=g: s_ref[layer, e, g, ci, ki]) if nk else (
-                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci]), asm))
+                        lambda ki, ci, g=g: s_ref[layer, e, ki, g, ci]), asm, swap))
             return tuple(out)
 
-        zero = jnp.zeros((bm, tn), jnp.float32)
+        zero = jnp.zeros((tn, bm) if swap else (bm, tn), jnp.float32)
         gate, up = jax.lax.fori_loop(0, K // tk, body, (zero, zero))
         if f.kind == "int8":  # the per-column scale, after the K loop
             gate = gate * s_ref[layer, e, pl.ds(0, 1), 0, cols]
             up = up * s_ref[layer, e, pl.ds(0, 1), 1, cols]
         h = swiglu(gate, up, limit)
+        if swap:
+            h = h.T
         if quant_h:  # DeepSeek's act_quant of this row group in the epilogue
             amax = jnp.max(jnp.abs(h), axis=1)
             hscale = jnp.where(amax > 0, amax / FP8_MAX, 1.0)
@@ -208,7 +213,8 @@ def swiglu(gate, up, limit):
     return jax.nn.silu(gate) * up
 
 
-def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first, asm):
+def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm, tk, tn, K, E, cols_first, asm,
+                 swap):
     """y[rows, tile n] = h[rows] @ W_down[e][:, n] for row block b."""
     b, n = _block_and_tile(cols_first)
     layer, e = layer_ref[0], be_ref[b]
@@ -222,22 +228,30 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
             return acc + _partial(
                 f, i, tk, tn, n, lambda ks: h_ref[rows, ks], lambda kb: hs_ref[rows, kb],
                 (lambda ks: q_ref[layer, e, cols, ks]) if nk else (lambda ks: q_ref[layer, e, ks, cols]),
-                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]), asm)
+                (lambda ki, ci: s_ref[layer, e, ci, ki]) if nk else (lambda ki, ci: s_ref[layer, e, ki, ci]), asm,
+                swap)
 
-        acc = jax.lax.fori_loop(0, K // tk, body, jnp.zeros((bm, tn), jnp.float32))
+        acc = jax.lax.fori_loop(0, K // tk, body, jnp.zeros((tn, bm) if swap else (bm, tn), jnp.float32))
+        if swap:
+            acc = acc.T
         if f.kind == "int8":
             acc = acc * s_ref[layer, e, pl.ds(0, 1), cols]
         y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt_gu", "fmt_down", "block_m", "block_n", "block_k", "num_warps",
-                                             "num_stages", "cols_first", "swiglu_limit", "interpret"))
+                                             "num_stages", "cols_first", "swiglu_limit", "swap_ab", "interpret"))
 def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *, fmt_gu, fmt_down, block_m=None,
                       block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
-                      swiglu_limit=None, interpret=False):
+                      swiglu_limit=None, swap_ab=False, interpret=False):
     """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
     else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
-    None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`)."""
+    None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`). `swap_ab` (an
+    experiment, FP4 only, benchmarks/fp4_experts.py --fp4-swap-ab): the FP4 kernels multiply the decoded weight tile
+    by x's transposed tile, [tn, bm] products transposed in the epilogue, so the decoded tile is the MMA's first
+    operand (which Hopper's wgmma reads from registers) rather than its second (read from shared memory)."""
+    if swap_ab and "fp4" not in (fmt_gu.kind, fmt_down.kind):
+        raise ValueError("moe_experts_quant: swap_ab applies to FP4 weights only")
     if layer is None:
         gu_q, gu_s, down_q, down_s, layer = gu_q[None], gu_s[None], down_q[None], down_s[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -274,7 +288,8 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h_shape.append(jax.ShapeDtypeStruct((m_pad, I // fmt_down.group), jnp.float32))
     out = pl.pallas_call(
         functools.partial(_gate_up_kernel, f=fmt_gu, bm=bm, tk=t1[0], tn=t1[1], K=D, E=E, cols_first=cols_first,
-                          quant_h=quant_h, limit=swiglu_limit, asm=not interpret),
+                          quant_h=quant_h, limit=swiglu_limit, asm=not interpret,
+                          swap=swap_ab and fmt_gu.kind == "fp4"),
         grid=grid(I // t1[1]), out_shape=tuple(h_shape), compiler_params=params, interpret=interpret,
     )(layer, block_expert, xk, xs, gu_q, gu_s if fmt_gu.kind == "fp4" else gu_s.astype(jnp.float32))
     if quant_h:
@@ -287,7 +302,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h = split_pairs(h, t2[0])
     y = pl.pallas_call(
         functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first,
-                          asm=not interpret),
+                          asm=not interpret, swap=swap_ab and fmt_down.kind == "fp4"),
         grid=grid(D // t2[1]), out_shape=jax.ShapeDtypeStruct((m_pad, D), x.dtype), compiler_params=params,
         interpret=interpret,
     )(layer, block_expert, h, hs, down_q, down_s if fmt_down.kind == "fp4" else down_s.astype(jnp.float32))

@@ -180,11 +180,12 @@ def _fp4(wgu, wd):
     return jnp.asarray(a.q), jnp.asarray(a.scale), jnp.asarray(b.q), jnp.asarray(b.scale), f, f, a, b
 
 
-@pytest.mark.parametrize("hidden, block_k", [(64, None), (128, 128)])
-def test_fp4_kernels_match_reference(case, hidden, block_k):
+@pytest.mark.parametrize("hidden, block_k, swap_ab", [(64, None, False), (128, 128, False), (128, 128, True)])
+def test_fp4_kernels_match_reference(case, hidden, block_k, swap_ab):
     """FP4 experts read in place (layer 1 of two, V4's swiglu_limit) against the reference on that layer; the
     reference's dequant is models/quant_fp4.py's (exact). gate_up's K steps are 64 (two 32-column groups) at the
-    default tiles, 128 (four) at block_k 128; down's K (width 96) is no multiple of either: 32-column steps."""
+    default tiles, 128 (four) at block_k 128; down's K (width 96) is no multiple of either: 32-column steps. With
+    swap_ab the products are the transposed ones, [tn, bm], transposed back in the epilogues."""
     from deepinfer_jax.models.quant_fp4 import fp4_dequantize
 
     x, idx, w, wgu, wd = case
@@ -194,7 +195,7 @@ def test_fp4_kernels_match_reference(case, hidden, block_k):
     assert _tiles(fd, I, hidden, 128, block_k or 64)[0] == 32
     assert supported(fg, fd, hidden, I, T * K)
     out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, swiglu_limit=0.3,
-                            block_k=block_k, interpret=True)
+                            block_k=block_k, swap_ab=swap_ab, interpret=True)
     ref = moe_experts_quant_reference(x, gq[1], gs[1], dq[1], ds[1], w, idx, fmt_gu=fg, fmt_down=fd,
                                       swiglu_limit=0.3)
     _close(out, ref)
@@ -228,11 +229,13 @@ def test_fp4_formats():
         WeightFormat("fp4", 32)
 
 
-def test_fp4_kernels_lower_for_sm90(triton_asm):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_fp4_kernels_lower_for_sm90(triton_asm, swap_ab):
     """V4-Flash's routed experts (D 4096, I 2048, 256 experts, top-6) in FP4 at a decode size: both kernels lower
     and read 1-byte weights and scales (no float copy of the experts), decode them in the PTX block (never
     interleaving the nibble halves), and run two 64-deep dots a K step for each output (`fp4_block_k`: a
-    128-column step of 128-wide tiles, four 32-column groups; its even columns and its odd ones)."""
+    128-column step of 128-wide tiles, four 32-column groups; its even columns and its odd ones); with swap_ab the
+    decoded tile is each dot's first operand."""
     S = jax.ShapeDtypeStruct
     Dv, Iv, Ev, T4 = 4096, 2048, 256, 32
     f = WeightFormat("fp4", 32, layout="nk")
@@ -240,10 +243,11 @@ def test_fp4_kernels_lower_for_sm90(triton_asm):
             S((Ev, Dv, Iv // 2), jnp.uint8), S((Ev, Dv, Iv // 32), jnp.uint8), S((T4, 6), jnp.float32),
             S((T4, 6), jnp.int32))
     mods = triton_asm(lambda x, a, b, c, d, w, i: moe_experts_quant(x, a, b, c, d, w, i, fmt_gu=f, fmt_down=f,
-                                                                    swiglu_limit=10.0), *args)
+                                                                    swiglu_limit=10.0, swap_ab=swap_ab), *args)
     assert len(mods) == 2
+    shapes = "tensor<128x64xbf16> * tensor<64x16xbf16>" if swap_ab else "tensor<16x64xbf16> * tensor<64x128xbf16>"
     for asm, n_dots in zip(mods, (4, 2)):  # gate and up; down
         dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
         assert "tt.ptr<i8>" in asm and "tt.join" not in asm
         assert asm.count("tt.elementwise_inline_asm") == n_dots // 2 and "prmt.b32" in asm
-        assert len(dots) == n_dots and all("tensor<16x64xbf16> * tensor<64x128xbf16>" in ln for ln in dots), dots
+        assert len(dots) == n_dots and all(shapes in ln for ln in dots), dots
