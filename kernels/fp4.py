@@ -4,7 +4,7 @@
 A packed byte holds two e2m1 codes, the low nibble first (the even element). A code is sign (bit 3), exponent
 (bits 2-1) and mantissa (bit 0): magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6. An e8m0 byte s is 2 ** (s - 127).
 
-`nibble_values` is what the kernels decode with: on the GPU it is one PTX block a 4 bytes (`PAIRS_PTX`),
+`nibble_values` is what the kernels decode with: on the GPU it is one PTX block a word of 4 bytes (`PAIRS_PTX`),
 elsewhere (interpret mode, fp32 activations) the integer ops of `e2m1_to_float`; both give the same values.
 """
 
@@ -59,9 +59,9 @@ def fp4_rows(q: jax.Array, scale: jax.Array, group: int = FP4_GROUP) -> jax.Arra
 # = byte i // 2's low (even i) or high nibble, are decoded by byte lookups: `prmt` takes each selector nibble's
 # low 3 bits as a byte index into its two table words, so with the signs masked off the codes index the bf16
 # magnitudes' low bytes (0.0 0.5 1.0 1.5 | 2.0 3.0 4.0 6.0 -> 00 00 80 C0 | 00 40 80 C0) and high bytes (00 3F 3F
-# 3F | 40 40 40 40); the sign bits, moved to bit 0 of their nibbles, select 0x80 or 0x00. Two more `prmt`s
-# a result gather each value's two bytes, and one fma with -0 applies the scales (exact: a power of two times
-# an e2m1 value is a bf16; -0 keeps a +0 product +0). 22 instructions for 8 values.
+# 3F | 40 40 40 40); the sign bits, moved to bit 0 of their nibbles, select 0x80 or 0x00. A `prmt` for each result
+# register then gathers its two values' bytes, and an fma with -0 applies their scales (exact: a power of two
+# times an e2m1 value is a bf16; adding -0 keeps a +0 product +0). 22 instructions for 8 values.
 PAIRS_PTX = """{
 .reg .b32 mag, mag_hi, sgn, sgn_hi, lo_a, lo_b, hi_a, hi_b, nz;
 and.b32 mag, $4, 0x77777777;

@@ -145,7 +145,7 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False, swap=False):
         half, per = tk // 2, min(tk, f.group) // 2  # bytes a row, bytes a scale covers within the step
         s = e8m0_to_float(s_at(pl.ds(k0 // f.group, half // per), pl.ds(n * tn, tn)))  # [tn, G]
         s = jnp.broadcast_to(s[:, :, None], (tn, half // per, per)).reshape(tn, half)  # each byte's scale
-        x_even = x_at(pl.ds(k0, half))  # x's columns come pairs-split (`split_pairs`): the step's even ones,
+        x_even = x_at(pl.ds(k0, half))  # x arrives pairs-split (`split_pairs`): the step's even columns, then odd
         lo, hi = nibble_values(q_at(pl.ds(k0 // 2, half)), s, x_even.dtype, asm=asm)
         x_odd = x_at(pl.ds(k0 + half, half))
         if swap:
@@ -246,7 +246,8 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
                       swiglu_limit=None, swap_ab=False, interpret=False):
     """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
     else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
-    None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`). `swap_ab` (an
+    None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`); FP4's block_k
+    from `fp4_block_k`. `swap_ab` (an
     experiment, FP4 only, benchmarks/fp4_experts.py --fp4-swap-ab): the FP4 kernels multiply the decoded weight tile
     by x's transposed tile, [tn, bm] products transposed in the epilogue, so the decoded tile is the MMA's first
     operand (which Hopper's wgmma reads from registers) rather than its second (read from shared memory)."""
