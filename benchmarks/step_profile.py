@@ -62,8 +62,7 @@ def main(argv=None) -> int:
                     help="bm,bn,bk,warps,stages for the MoE kernels below 2,048 token copies (moe_gmm.tile_config)")
     ap.add_argument("--decode-matmul-plan", default="",
                     help="K,N=bn,bk,split[,warps,stages]: kernels/decode_matmul.py's launch for a [K, N] weight "
-                         "(its `plan`), e.g. "
-                         "2048,2048=16,256,1 for o_proj without a split K")
+                         "(its `plan`), e.g. 2048,2048=16,256,1 for o_proj without a split K")
     ap.add_argument("--absorb-full-width-max-tokens", type=int, default=-1,
                     help="override models/mla.py's ABSORB_FULL_WIDTH_MAX_TOKENS (0: always slice W_UK)")
     ap.add_argument("--label", default="")

@@ -7,8 +7,9 @@ The model keeps each projection's weights stacked over layers for `lax.scan`. At
 projection is a weight stream (T rows against K x N weights). XLA sent o_proj to cuBLAS, which cannot
 take a slice of the stacked array, so every layer first copied its 8 MB slice (5.0 us) and then
 multiplied (4.1 us); this kernel does both in 4.8 us (H200, V2-Lite, batch 32; benchmarks/RESULTS.md).
-The model uses it for o_proj and the dense MLP (models/deepseek.py: STACKABLE); the q / kv_a
-projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches).
+DeepSeek uses it for o_proj and the dense MLP (models/decode_kernels.py: STACKABLE); its q / kv_a
+projections stay with XLA's fused split-K GEMM (7.5 us, against 10.5 for this kernel's two launches). The
+dense families use it for every projection (models/dense.py: STACKABLE).
 
 Grid (N // block_n, split_k). Program (n, s) multiplies x[:, K chunk s] by W[layer, chunk s, column tile
 n] in block_k steps, fp32 accumulation, and writes its partial sum; the split_k partials [split_k, T, N]
