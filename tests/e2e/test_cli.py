@@ -73,7 +73,7 @@ def test_serve_default_model_yaml_and_sigterm(tmp_path, xla_cache_dir):
                     body = await r.json()
                     assert r.status == 200 and body["choices"][0]["message"]["role"] == "assistant"
                 # a long stream is in flight when SIGTERM arrives: it must still finish
-                r = await s.post("/v1/completions", json={"prompt": "The", "max_tokens": 1000, "ignore_eos": True,
+                r = await s.post("/v1/completions", json={"prompt": "The", "max_tokens": 400, "ignore_eos": True,
                                                           "stream": True})
                 await r.content.readline()
                 proc.p.send_signal(signal.SIGTERM)
