@@ -11,8 +11,9 @@ experts, uniform random routing. Columns as benchmarks/fp8_kernels.py's: us (GPU
 wall time), TB/s of the weight bytes the step touches (scales included), TFLOP/s (2 x copies x 3 x D x I), and the
 ratio to bf16. The checks run first at 16 experts of the same shape and stop the script on a miss.
 --fp4-block-k adds FP4 rows ("fp4@128") at other K-step caps than `fp4_block_k`'s (the FP4 kernels' K step is the
-largest power of two dividing K up to it: whole 32-column groups). --fp4-swap-ab adds a row of each FP4 kind with
-the kernels' `swap_ab` experiment ("fp4~swap": the decoded tile as the MMA's first operand).
+largest power of two dividing K up to it: whole 32-column groups). The FP4 rows take the kernels' own `swap_ab`
+(`swaps_ab`: the decoded tile as the MMA's first operand at decode sizes); --fp4-swap-ab adds a row of each FP4
+kind with it the other way ("fp4~swap").
 """
 
 from __future__ import annotations
@@ -41,8 +42,14 @@ def _block_k(kind):
     return int(kind.split("~")[0].split("@")[1]) if "@" in kind else None
 
 
-def _swap(kind) -> bool:
-    return kind.endswith("~swap")
+def _swap(kind, tokens: int = 1):
+    """A kind's swap_ab: None (the kernels' own, `swaps_ab`), or its opposite for a "~swap" row at `tokens`."""
+    if not kind.endswith("~swap"):
+        return None
+    from deepinfer_jax.kernels.moe_gmm import tile_config
+    from deepinfer_jax.kernels.moe_gmm_quant import swaps_ab
+
+    return not swaps_ab(tile_config(tokens * TOPK)[0])
 
 
 def _weights(key, kind, n_exp):
@@ -79,7 +86,7 @@ def checks(key) -> None:
     for kind in KINDS:
         gq, gs, dq, ds, f = _weights(jax.random.fold_in(key, 1), kind, n_exp)
         out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f, swiglu_limit=LIMIT,
-                                block_k=_block_k(kind), swap_ab=_swap(kind), interpret=INTERPRET)
+                                block_k=_block_k(kind), swap_ab=_swap(kind, T), interpret=INTERPRET)
         _check(f"moe {kind}", out, moe_experts_quant_reference(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f,
                                                                swiglu_limit=LIMIT))
 
@@ -109,9 +116,9 @@ def table(tokens: list[int]) -> None:
             per_expert = 2 * 3 * D * I
         else:
             *args, fmt = _weights(key, kind, E)
-            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, bk=_block_k(kind), sw=_swap(kind): moe_experts_quant(
-                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, block_k=bk, swap_ab=sw,
-                interpret=INTERPRET))
+            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, bk=_block_k(kind), kind=kind: moe_experts_quant(
+                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, swiglu_limit=LIMIT, block_k=bk,
+                swap_ab=_swap(kind, x.shape[0]), interpret=INTERPRET))
             per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
         for T, (x, idx, w) in routes.items():
             try:
@@ -137,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--fp4-block-k", default="",
                     help="extra FP4 rows at these K-step caps (comma-separated powers of two >= 32, e.g. 128,256)")
     ap.add_argument("--fp4-swap-ab", action="store_true",
-                    help="also each FP4 row with moe_experts_quant's swap_ab experiment")
+                    help="also each FP4 row with moe_experts_quant's swap_ab the other way")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)

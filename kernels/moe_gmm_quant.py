@@ -239,18 +239,25 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
         y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
 
+def swaps_ab(block_m: int) -> bool:
+    """Whether the FP4 kernels take the decoded tile as the MMA's first operand (`moe_experts_quant`'s swap_ab) at
+    this row block: at decode sizes' 16-row blocks. H100, V4-Flash's experts (benchmarks/fp4_experts.py): 1,931
+    against 2,119 us at 32 tokens, 4,536 against 4,631 at 128; at 4,096 tokens (128-row blocks) 9,528 against 9,082."""
+    return block_m < 64
+
+
 @functools.partial(jax.jit, static_argnames=("fmt_gu", "fmt_down", "block_m", "block_n", "block_k", "num_warps",
                                              "num_stages", "cols_first", "swiglu_limit", "swap_ab", "interpret"))
 def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *, fmt_gu, fmt_down, block_m=None,
                       block_n=None, block_k=None, num_warps=None, num_stages=None, cols_first=None,
-                      swiglu_limit=None, swap_ab=False, interpret=False):
+                      swiglu_limit=None, swap_ab=None, interpret=False):
     """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
     else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
     None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`); FP4's block_k
-    from `fp4_block_k`. `swap_ab` (an
-    experiment, FP4 only, benchmarks/fp4_experts.py --fp4-swap-ab): the FP4 kernels multiply the decoded weight tile
-    by x's transposed tile, [tn, bm] products transposed in the epilogue, so the decoded tile is the MMA's first
-    operand (which Hopper's wgmma reads from registers) rather than its second (read from shared memory)."""
+    from `fp4_block_k`. `swap_ab` (FP4 only; None: where the row block is under 64, `swaps_ab`): the FP4
+    kernels multiply the decoded weight tile by x's transposed tile, [tn, bm] products transposed in the epilogue,
+    so the decoded tile is the MMA's first operand (Hopper's wgmma reads it from registers; its M is then the
+    tile's width, not a 16-row block)."""
     if swap_ab and "fp4" not in (fmt_gu.kind, fmt_down.kind):
         raise ValueError("moe_experts_quant: swap_ab applies to FP4 weights only")
     if layer is None:
@@ -268,6 +275,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
     if t1 is None or t2 is None:
         raise ValueError(f"moe_experts_quant: no tiling for D {D}, I {I} in formats {fmt_gu}, {fmt_down}")
     cols_first = cols_first_for(T * k) if cols_first is None else cols_first
+    swap_ab = swaps_ab(bm) if swap_ab is None else swap_ab
     if fmt_gu.kind == "fp4":
         x = split_pairs(x, t1[0])
     row_copy, block_expert, row_of = align_tokens(idx, E, bm)

@@ -229,13 +229,13 @@ def test_fp4_formats():
         WeightFormat("fp4", 32)
 
 
-@pytest.mark.parametrize("swap_ab", [False, True])
+@pytest.mark.parametrize("swap_ab", [False, True, None])
 def test_fp4_kernels_lower_for_sm90(triton_asm, swap_ab):
     """V4-Flash's routed experts (D 4096, I 2048, 256 experts, top-6) in FP4 at a decode size: both kernels lower
     and read 1-byte weights and scales (no float copy of the experts), decode them in the PTX block (never
     interleaving the nibble halves), and run two 64-deep dots a K step for each output (`fp4_block_k`: a
     128-column step of 128-wide tiles, four 32-column groups; its even columns and its odd ones); with swap_ab the
-    decoded tile is each dot's first operand."""
+    decoded tile is each dot's first operand, as by default (None) at this size's 16-row blocks."""
     S = jax.ShapeDtypeStruct
     Dv, Iv, Ev, T4 = 4096, 2048, 256, 32
     f = WeightFormat("fp4", 32, layout="nk")
@@ -245,7 +245,8 @@ def test_fp4_kernels_lower_for_sm90(triton_asm, swap_ab):
     mods = triton_asm(lambda x, a, b, c, d, w, i: moe_experts_quant(x, a, b, c, d, w, i, fmt_gu=f, fmt_down=f,
                                                                     swiglu_limit=10.0, swap_ab=swap_ab), *args)
     assert len(mods) == 2
-    shapes = "tensor<128x64xbf16> * tensor<64x16xbf16>" if swap_ab else "tensor<16x64xbf16> * tensor<64x128xbf16>"
+    swapped = swap_ab is not False
+    shapes = "tensor<128x64xbf16> * tensor<64x16xbf16>" if swapped else "tensor<16x64xbf16> * tensor<64x128xbf16>"
     for asm, n_dots in zip(mods, (4, 2)):  # gate and up; down
         dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
         assert "tt.ptr<i8>" in asm and "tt.join" not in asm
