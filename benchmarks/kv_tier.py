@@ -4,7 +4,7 @@ fixed concurrency. TTFT and throughput with the host tier against without it (th
 
     python benchmarks/kv_tier.py                                  # GPU: deepseek-v2-lite shape, random weights
     python benchmarks/kv_tier.py --preset tiny-deepseek-v2 --prefix-len 64 --suffix-len 8 --output-len 4 \\
-        --device-prefixes 2 --requests 16 --attn-impl reference --moe-impl dense --dtype float32   # CPU smoke run
+        --device-prefixes 2 --concurrency 2 --requests 16 --attn-impl reference --moe-impl dense --dtype float32   # CPU smoke run
 
 First the host link: host-to-device and device-to-host copy bandwidth of a 256 MiB buffer, pageable and pinned
 (the tier's pool is pinned where the backend allows: a line says which). Then correctness: with the tier on,
@@ -102,6 +102,11 @@ def main(argv=None) -> int:
     ap.add_argument("--requests", type=positive_int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
     args = ap.parse_args(argv)
+    if args.device_prefixes < args.concurrency:
+        ap.error(f"--device-prefixes ({args.device_prefixes}) must be at least --concurrency ({args.concurrency})")
+    if args.requests < 8 * args.device_prefixes:
+        ap.error(f"--requests ({args.requests}) must be at least twice the prefixes ({4 * args.device_prefixes}, 4x "
+                 f"--device-prefixes): requests cycle over the prefixes, and only a prefix's returns can hit a tier")
 
     from deepinfer_jax.xla_env import use_host_memory
 
@@ -129,8 +134,6 @@ def main(argv=None) -> int:
     ps = args.page_size
     req_len = args.prefix_len + args.suffix_len + args.output_len
     req_pages = -(-req_len // ps)
-    if args.device_prefixes < args.concurrency:
-        ap.error(f"--device-prefixes ({args.device_prefixes}) must be at least --concurrency ({args.concurrency})")
     # the cached prefixes' pages, plus each request's own pages past its prefix
     own_pages = -(-(req_len - args.prefix_len // ps * ps) // ps)
     num_pages = args.device_prefixes * (args.prefix_len // ps) + args.concurrency * own_pages + 1

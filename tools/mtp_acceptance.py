@@ -72,7 +72,8 @@ def timed(model_dir: str, n: int, ks: list[int], max_tokens: int, engine_args: d
     rows, want = [], None
     for k in [0, *ks]:
         spec = {"speculative_config": {"method": "deepseek_mtp", "num_speculative_tokens": k}} if k else {}
-        llm = LLM(model_dir, max_model_len=1024, max_num_seqs=4, page_size=16, progress=False, **engine_args, **spec)
+        llm = LLM(model_dir, max_model_len=1024, max_num_seqs=4, page_size=16, progress=False,
+                  enable_prefix_caching=False, **engine_args, **spec)  # the full run must not reuse the first's pages
         for _ in range(2):  # untimed: the first requests' host paths
             llm.chat([items[0][1]], full, tools=items[0][2])
         got, busy, steps = [], 0.0, 0
