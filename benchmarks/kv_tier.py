@@ -4,7 +4,8 @@ fixed concurrency. TTFT and throughput with the host tier against without it (th
 
     python benchmarks/kv_tier.py                                  # GPU: deepseek-v2-lite shape, random weights
     python benchmarks/kv_tier.py --preset tiny-deepseek-v2 --prefix-len 64 --suffix-len 8 --output-len 4 \\
-        --device-prefixes 2 --concurrency 2 --requests 16 --attn-impl reference --moe-impl dense --dtype float32   # CPU smoke run
+        --device-prefixes 2 --concurrency 2 --requests 16 --attn-impl reference --moe-impl dense \\
+        --dtype float32   # CPU smoke run
 
 First the host link: host-to-device and device-to-host copy bandwidth of a 256 MiB buffer, pageable and pinned
 (the tier's pool is pinned where the backend allows: a line says which). Then correctness: with the tier on,
