@@ -36,9 +36,8 @@ is chunked differently); anything else stops the script before the table. Then, 
 - TTFT of the returning request, and where its context came from (device / host hits, computed);
 - bytes copied to and from the host tier (both rounds); the device memory saved: all-resident pool less the small
   pool, in pages and GiB.
-Before the timed runs each engine serves a short warm-up and compiles the tier's copy programs for each batch size
-(pinned: 1 to 64 pages, runner/kv_transfer.py), which otherwise compile on first use inside the timings. The three
-engines share one process and so its XLA flags (the tier's pinned pool needs XLA's default allocator, docs/kv-tier.md).
+Before the timed runs each engine serves a short warm-up (its start compiled the tier's copy programs, every size
+class: runner/kv_transfer.py `KVTransfer.warm`). The three engines share one process and so its XLA flags (the tier's pinned pool needs XLA's default allocator, docs/kv-tier.md).
 """
 
 from __future__ import annotations
@@ -137,26 +136,13 @@ def compare(ref: dict, got: dict) -> tuple[int, list, list]:
 
 
 def warm(eng, vocab: int, ps: int, params: SamplingParams) -> float:
-    """A short workload (prefill, prefill with context, decode, the sampler's logprobs), then every copy program of
-    the tier on null-page copies: loads into the device's null page 0 (garbage by design) and saves into host blocks
-    that no hash names yet. The prefix cache of both tiers is emptied after."""
-    from deepinfer_jax.runner import kv_transfer
-    from deepinfer_jax.scheduler.host_tier import KVTransfers
-
+    """A short workload (prefill, prefill with context, decode, the sampler's logprobs; the engine compiled the tier's
+    copy programs at its warm-up). The prefix cache of both tiers is emptied after."""
     t = time.perf_counter()
     rng = np.random.default_rng(7)
     p = rng.integers(2, vocab, 3 * ps).tolist()
     drive(eng, [p, rng.integers(2, vocab, 2 * ps + 1).tolist()], params, "w")
     drive(eng, [p + rng.integers(2, vocab, ps).tolist()], params, "w2")
-    tier = eng.runner.kv_transfer
-    if tier is not None:
-        top = kv_transfer.MAX_PINNED_PAGES if tier.pinned else 1 << (eng.runner.num_pages - 1).bit_length()
-        n = 1
-        while n <= top:
-            eng.runner.apply_kv_transfers(KVTransfers(saves=[(0, 0)] * n, loads=[(0, 0)] * n))
-            n *= 2
-        tier.flush()
-        tier.bytes_to_host = tier.bytes_to_device = 0
     if not eng.scheduler.kv_cache_manager.reset_prefix_cache():
         raise RuntimeError("the prefix cache could not be reset (pages still held)")
     return time.perf_counter() - t
@@ -345,7 +331,7 @@ def run(argv=None) -> dict:
         pool = "" if eng.runner.kv_transfer is None else (
             f"; tier pool in {'pinned' if eng.runner.kv_transfer.pinned else 'pageable'} host memory")
         stamp(f"{kind} engine: started in {time.perf_counter() - t:.1f} s{pool}")
-        stamp(f"{kind} engine: warm-up and copy programs {warm(eng, cfg.vocab_size, ps, params_s):.1f} s")
+        stamp(f"{kind} engine: warm-up {warm(eng, cfg.vocab_size, ps, params_s):.1f} s")
         for w in work:
             results[w["context"]][kind] = run_context(eng, kind, w, params_s)
         del eng

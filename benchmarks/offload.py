@@ -170,7 +170,6 @@ def main(argv=None) -> int:
     gib = args.offload_gib if args.offload_gib is not None else args.expert_fraction * experts / 2**30
     print(f"{args.preset}: weights {total / 2**30:.2f} GiB, routed experts {experts / 2**30:.2f} GiB; "
           f"--cpu-offload-gb {gib:.3f}", flush=True)
-    rng = np.random.default_rng(0)
     max_len = args.prompt_len + args.output_len
 
     def engine(offload_gib):

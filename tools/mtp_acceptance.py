@@ -62,7 +62,6 @@ def timed(model_dir: str, n: int, ks: list[int], max_tokens: int, engine_args: d
     """`--timed`: per K (0 first), each held-out prompt alone; -> rows of k, mean_acceptance_length, tpot_ms (the
     tokens-weighted mean of (wall - wall at max_tokens 1) / (tokens - 1)), tokens, same_output (against K = 0)."""
     import default_eval
-    import default_model_data as data
 
     from deepinfer_jax import LLM, SamplingParams
 

@@ -110,6 +110,22 @@ class KVTransfer:
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
+    def warm(self, kv_cache: Any, max_pages: int) -> tuple[Any, int]:
+        """Run every copy program once at each size class a batch of at most `max_pages` copies can take (the pinned
+        pool's runs of at most MAX_PINNED_PAGES), on null-page copies: loads into the device's null page (garbage by
+        design) from host block 0 and saves of the null page into host block 0, which no block hash names before the
+        first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
+        from deepinfer_jax.scheduler.host_tier import KVTransfers
+
+        top = _pow2(min(max_pages, MAX_PINNED_PAGES) if self.pinned else max_pages)
+        n, classes = 1, 0
+        while n <= top:
+            kv_cache = self.apply(kv_cache, KVTransfers(saves=[(NULL_PAGE, 0)] * n, loads=[(0, NULL_PAGE)] * n))
+            n, classes = 2 * n, classes + 1
+        self.flush()
+        self.bytes_to_host = self.bytes_to_device = 0
+        return kv_cache, classes
+
     def flush(self) -> None:
         """Land every save in flight in `storage` (waits for their copies; the pageable pool's)."""
         for host_ids, pages in self._inflight:

@@ -179,6 +179,11 @@ class ModelRunner:
         """Compile every step program and run each step on padding (runner/warmup.py: `warm_up`); returns the
         number of programs compiled or loaded."""
         n = warmup.warm_up(self, progress)
+        if self.kv_transfer is not None:  # the host tier's copy programs, every size class a step's copies can take
+            t = time.perf_counter()
+            self.kv_cache, classes = self.kv_transfer.warm(self.kv_cache, self.num_pages)
+            log.info("warm-up: the KV host tier's copy programs at %d sizes in %.1f s", classes,
+                     time.perf_counter() - t)
         self._warm = True
         self.reset_expert_load()  # warm-up's steps are padding, counted as none; start from zero all the same
         return n
@@ -229,9 +234,15 @@ class ModelRunner:
         self.kv_transfer = KVTransfer(self.kv_cache, num_host_blocks)
 
     def apply_kv_transfers(self, transfers) -> None:
-        """Queue a plan's page copies (scheduler/host_tier.py KVTransfers) before its step; None: nothing."""
+        """Queue a plan's page copies (scheduler/host_tier.py KVTransfers) before its step; None: nothing. Their
+        programs were compiled at warm-up (KVTransfer.warm); a compile here counts in `compiles_after_warmup`."""
         if transfers:
+            before = CompileCounter.count()
             self.kv_cache = self.kv_transfer.apply(self.kv_cache, transfers)
+            if self._warm and CompileCounter.count() != before:
+                self.compiles_after_warmup += CompileCounter.count() - before
+                log.warning("compiled a KV host-tier copy program after warm-up (%d loads, %d saves)",
+                            len(transfers.loads), len(transfers.saves))
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None, masks: bool = True) -> HostStep:
