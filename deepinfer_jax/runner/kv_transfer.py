@@ -22,8 +22,9 @@ page is contiguous there). Two kinds of pool:
   Nothing here waits for the device except step 1's copies of a batch already in flight.
 
 Copy counts are padded to powers of two, so each program has one executable per size class; `warm` runs every class
-a step's copies can reach once at warm-up (null-page copies), so serving compiles none. Padding rows repeat the batch's first copy in the pinned pool (the same page written twice with the same bytes), and in
-the pageable one read or write the null page 0 (garbage by design). The pinned programs copy page by page
+a step's copies can reach once at warm-up (null-page copies), so serving compiles none. Padding rows repeat the
+batch's first copy in the pinned pool (the same page written twice with the same bytes), and in the pageable one
+read or write the null page 0 (garbage by design). The pinned programs copy page by page
 (unrolled), so their compile time grows with the count (~50 ms a page on a CPU): a batch of more than
 `MAX_PINNED_PAGES` pages (a long context coming back: 2,048 pages at 128K tokens) runs as programs of at most that
 many, all its fetches first, then all its saves, then all its scatters, so the order above holds across them.
