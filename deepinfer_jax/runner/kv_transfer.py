@@ -33,7 +33,7 @@ many, all its fetches first, then all its saves, then all its scatters, so the o
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,11 @@ from deepinfer_jax.xla_env import use_host_memory
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
 MAX_PINNED_PAGES = 64  # pages a pinned fetch or save program copies at most (module doc)
+
+
+class _Copies(NamedTuple):  # what `apply` reads of scheduler/host_tier.py's KVTransfers (runner imports no scheduler)
+    saves: list
+    loads: list
 
 
 def _pow2(n: int) -> int:
@@ -116,12 +121,10 @@ class KVTransfer:
         pool's runs of at most MAX_PINNED_PAGES), on null-page copies: loads into the device's null page (garbage by
         design) from host block 0 and saves of the null page into host block 0, which no block hash names before the
         first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
-        from deepinfer_jax.scheduler.host_tier import KVTransfers
-
         top = _pow2(min(max_pages, MAX_PINNED_PAGES) if self.pinned else max_pages)
         n, classes = 1, 0
         while n <= top:
-            kv_cache = self.apply(kv_cache, KVTransfers(saves=[(NULL_PAGE, 0)] * n, loads=[(0, NULL_PAGE)] * n))
+            kv_cache = self.apply(kv_cache, _Copies(saves=[(NULL_PAGE, 0)] * n, loads=[(0, NULL_PAGE)] * n))
             n, classes = 2 * n, classes + 1
         self.flush()
         self.bytes_to_host = self.bytes_to_device = 0
