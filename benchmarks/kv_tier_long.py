@@ -37,7 +37,8 @@ is chunked differently); anything else stops the script before the table. Then, 
 - bytes copied to and from the host tier (both rounds); the device memory saved: all-resident pool less the small
   pool, in pages and GiB.
 Before the timed runs each engine serves a short warm-up (its start compiled the tier's copy programs, every size
-class: runner/kv_transfer.py `KVTransfer.warm`). The three engines share one process and so its XLA flags (the tier's pinned pool needs XLA's default allocator, docs/kv-tier.md).
+class: runner/kv_transfer.py `KVTransfer.warm`). The three engines share one process and so its XLA flags (the
+tier's pinned pool needs XLA's default allocator, docs/kv-tier.md).
 """
 
 from __future__ import annotations

@@ -148,6 +148,7 @@ def main(argv=None) -> int:
     from deepinfer_jax.engine.llm_engine import LLMEngine
     from deepinfer_jax.runner.compile_cache import enable_compilation_cache
     from deepinfer_jax.runner.weight_offload import host_bytes, param_leaves
+    from kv_tier import agreement  # the tier's benchmark, beside this file
     from deepinfer_jax.weights.random_init import random_params
 
     enable_compilation_cache("default")
@@ -191,8 +192,6 @@ def main(argv=None) -> int:
         if first is None:
             first = check
         else:
-            from kv_tier import agreement  # the tier's benchmark, beside this file
-
             print(f"correctness: greedy tokens against the all-on-device engine's: "
                   f"{agreement([first[k] for k in first], [check[k] for k in first])} (bf16: the two engines' "
                   f"programs differ, so a near tie of random weights may part them)", flush=True)

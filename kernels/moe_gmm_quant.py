@@ -120,9 +120,9 @@ def supported(fmt_gu: WeightFormat, fmt_down: WeightFormat, D: int, I: int, num_
 
 
 def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False, swap=False):
-    """The fp32 [bm, tn] product of K step i: x_at(k slice) -> x's rows [bm, tk] (strided slices for INT4),
-    xs_at(block) -> their FP8 scales [bm], q_at(k slice) -> the stored weight tile, s_at(k index, column
-    index) -> scales (a slice, an index array or a block number)."""
+    """The fp32 [bm, tn] product of K step i ([tn, bm], its transpose, with `swap`): x_at(k slice) -> x's rows
+    [bm, tk] (strided slices for INT4), xs_at(block) -> their FP8 scales [bm], q_at(k slice) -> the stored weight
+    tile, s_at(k index, column index) -> scales (a slice, an index array or a block number)."""
     k0 = i * tk
     if f.kind == "int8":
         x = x_at(pl.ds(k0, tk))

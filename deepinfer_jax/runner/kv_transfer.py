@@ -15,19 +15,18 @@ page is contiguous there). Two kinds of pool:
   1. finish the saves of earlier batches: their gathered pages are copied into `storage` (they were dispatched a
      step ago with an asynchronous device-to-host copy, so this rarely waits);
   2. read the loads' pages out of `storage` (a host-side copy, so a save landing later cannot change them);
-  3. gather the saves' pages on the device (one program; the KV cache is only read) and start their copy to the
-     host without waiting;
-  4. put the loads' pages on the device (asynchronous) and scatter them into the cache (one program, the cache
-     donated), after the gather in dispatch order.
+  3. gather the saves' pages on the device (a program a run, below; the KV cache is only read) and start their
+     copy to the host without waiting;
+  4. put the loads' pages on the device (asynchronous) and scatter them into the cache (a program a run, the
+     cache donated), after the gathers in dispatch order.
   Nothing here waits for the device except step 1's copies of a batch already in flight.
 
-Copy counts are padded to powers of two, so each program has one executable per size class; `warm` runs every class
-a step's copies can reach once at warm-up (null-page copies), so serving compiles none. Padding rows repeat the
-batch's first copy in the pinned pool (the same page written twice with the same bytes), and in the pageable one
-read or write the null page 0 (garbage by design). The pinned programs copy page by page
-(unrolled), so their compile time grows with the count (~50 ms a page on a CPU): a batch of more than
-`MAX_PINNED_PAGES` pages (a long context coming back: 2,048 pages at 128K tokens) runs as programs of at most that
-many, all its fetches first, then all its saves, then all its scatters, so the order above holds across them.
+A batch of more than `MAX_COPY_PAGES` copies (a long context coming back: 2,048 pages at 128K tokens) runs as
+programs of at most that many, all its loads' reads first, then all its saves, then all its scatters, so the order
+above holds across them (the pinned programs copy page by page, unrolled, so their compile time grows with the
+count: ~50 ms a page on a CPU). Each run's count is padded to a power of two, padding rows repeating its first copy
+(the same page written twice with the same bytes), so a program has one executable per size class; `warm` runs
+every class once at warm-up (null-page copies), so serving compiles none.
 """
 
 from __future__ import annotations
@@ -44,7 +43,7 @@ from deepinfer_jax.xla_env import use_host_memory
 
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
-MAX_PINNED_PAGES = 64  # pages a pinned fetch or save program copies at most (module doc)
+MAX_COPY_PAGES = 64  # pages a copy program moves at most (module doc)
 
 
 class _Copies(NamedTuple):  # what `apply` reads of scheduler/host_tier.py's KVTransfers (runner imports no scheduler)
@@ -117,11 +116,11 @@ class KVTransfer:
         self.bytes_to_device = 0
 
     def warm(self, kv_cache: Any, max_pages: int) -> tuple[Any, int]:
-        """Run every copy program once at each size class a batch of at most `max_pages` copies can take (the pinned
-        pool's runs of at most MAX_PINNED_PAGES), on null-page copies: loads into the device's null page (garbage by
+        """Run every copy program once at each size class a batch of at most `max_pages` copies can take (runs of at
+        most MAX_COPY_PAGES), on null-page copies: loads into the device's null page (garbage by
         design) from host block 0 and saves of the null page into host block 0, which no block hash names before the
         first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
-        top = _pow2(min(max_pages, MAX_PINNED_PAGES) if self.pinned else max_pages)
+        top = _pow2(min(max_pages, MAX_COPY_PAGES))
         n, classes = 1, 0
         while n <= top:
             kv_cache = self.apply(kv_cache, _Copies(saves=[(NULL_PAGE, 0)] * n, loads=[(0, NULL_PAGE)] * n))
@@ -141,32 +140,23 @@ class KVTransfer:
         if self.pinned:
             return self._apply_pinned(kv_cache, transfers)
         self.flush()
-        loads = None
-        if transfers.loads:
-            k = len(transfers.loads)
-            n = _pow2(k)
-            host_ids = np.full((n,), transfers.loads[0][0], np.int64)  # padding rows land in the null page
-            host_ids[:k] = [h for h, _ in transfers.loads]
-            dev_ids = np.full((n,), NULL_PAGE, np.int32)
-            dev_ids[:k] = [d for _, d in transfers.loads]
-            loads = (dev_ids, np.take(self.storage, host_ids, axis=0))  # one host copy, padding included
-            self.bytes_to_device += k * self.page_bytes
-        if transfers.saves:
-            n = _pow2(len(transfers.saves))
-            dev_ids = np.full((n,), NULL_PAGE, np.int32)
-            dev_ids[: len(transfers.saves)] = [d for d, _ in transfers.saves]
+        loads = []
+        for part in _parts(transfers.loads):  # one host copy a run, padding included
+            host_ids, dev_ids = _padded(part)
+            loads.append((dev_ids, np.take(self.storage, host_ids, axis=0)))
+        for part in _parts(transfers.saves):
+            dev_ids, host_ids = _padded(part)
             gathered = self._gather(kv_cache, dev_ids)
             gathered.copy_to_host_async()
-            self._inflight.append((np.array([h for _, h in transfers.saves], np.int64), gathered))
-            self.bytes_to_host += len(transfers.saves) * self.page_bytes
-        if loads is not None:
-            dev_ids, pages = loads
-            devices = list(kv_cache.sharding.device_set)
+            self._inflight.append((host_ids[: len(part)], gathered))
+        devices = list(kv_cache.sharding.device_set)
+        for dev_ids, pages in loads:
             if len(devices) == 1:  # queue the host-to-device copy now; sharded, the jit places the pages
                 pages = jax.device_put(pages, devices[0])
             kv_cache = self._scatter(kv_cache, dev_ids, pages)
+        self.bytes_to_device += len(transfers.loads) * self.page_bytes
+        self.bytes_to_host += len(transfers.saves) * self.page_bytes
         return kv_cache
-
 
     def _apply_pinned(self, kv_cache: Any, transfers) -> Any:
         """`apply` on the pinned pool (module doc): fetch the loads, save the saves, scatter the loads."""
@@ -185,8 +175,8 @@ class KVTransfer:
 
 
 def _parts(pairs) -> list:
-    """`pairs` in runs of at most MAX_PINNED_PAGES."""
-    return [pairs[i:i + MAX_PINNED_PAGES] for i in range(0, len(pairs), MAX_PINNED_PAGES)]
+    """`pairs` in runs of at most MAX_COPY_PAGES."""
+    return [pairs[i:i + MAX_COPY_PAGES] for i in range(0, len(pairs), MAX_COPY_PAGES)]
 
 
 def _padded(pairs) -> tuple[np.ndarray, np.ndarray]:

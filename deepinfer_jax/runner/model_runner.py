@@ -239,10 +239,16 @@ class ModelRunner:
         if transfers:
             before = CompileCounter.count()
             self.kv_cache = self.kv_transfer.apply(self.kv_cache, transfers)
-            if self._warm and CompileCounter.count() != before:
-                self.compiles_after_warmup += CompileCounter.count() - before
-                log.warning("compiled a KV host-tier copy program after warm-up (%d loads, %d saves)",
-                            len(transfers.loads), len(transfers.saves))
+            self._count_compiles(before, "a KV host-tier copy program (%d loads, %d saves)", len(transfers.loads),
+                                 len(transfers.saves))
+
+    def _count_compiles(self, before: int, what: str, *args) -> None:
+        """After warm-up: add the compiles since CompileCounter read `before` to `compiles_after_warmup`, with a
+        warning naming `what` (a %-format of `args`)."""
+        n = CompileCounter.count() - before
+        if self._warm and n:
+            self.compiles_after_warmup += n
+            log.warning("compiled " + what + " after warm-up", *args)
 
     # ---- execution -------------------------------------------------------------------------------
     def prepare(self, plan_seqs, requests, seeds, ranks=None, masks: bool = True) -> HostStep:
@@ -389,9 +395,7 @@ class ModelRunner:
         # Start the results' device-to-host copy now: it runs as soon as the step ends, and `fetch`
         # (called after the next step is queued) finds them on the host.
         out.copy_to_host_async()
-        if self._warm and CompileCounter.count() != before:
-            self.compiles_after_warmup += CompileCounter.count() - before
-            log.warning("compiled a new step shape after warm-up (bucket %d, %s)", host.bucket, host.variant)
+        self._count_compiles(before, "a new step shape (bucket %d, %s)", host.bucket, host.variant)
         return host, out
 
     def score_prompt(self, token_ids: list[int]):

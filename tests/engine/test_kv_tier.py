@@ -96,7 +96,7 @@ def test_kv_transfer_copies_pages_exactly(pool, monkeypatch):
     if pool == "pageable":
         monkeypatch.setattr(kv_transfer, "_pinned_programs", lambda kv, n: None)
     if pool == "pinned, 1-page programs":
-        monkeypatch.setattr(kv_transfer, "MAX_PINNED_PAGES", 1)
+        monkeypatch.setattr(kv_transfer, "MAX_COPY_PAGES", 1)
     L, P, D = 2, 6, 3
     kv = jnp.arange(L * P * PAGE * D, dtype=jnp.float32).reshape(L, P, PAGE, D)
     ref = np.array(kv)

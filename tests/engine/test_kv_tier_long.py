@@ -16,7 +16,7 @@ def test_long_context_smoke(monkeypatch, capsys):
     from deepinfer_jax.runner import kv_transfer
 
     # 4-page copy programs: the returning request's loads run as several (the 128K case), and few sizes compile
-    monkeypatch.setattr(kv_transfer, "MAX_PINNED_PAGES", 4)
+    monkeypatch.setattr(kv_transfer, "MAX_COPY_PAGES", 4)
     results = kv_tier_long.run(["--smoke"])
     out = capsys.readouterr().out
     assert sorted(results) == [256, 512]
