@@ -25,10 +25,11 @@ cache of both tiers emptied. The prefills dominate the time (attention's work gr
 at 128K every engine prefills two whole contexts, recompute a third for the returning one); `--contexts` and
 `--kinds` (e.g. host-tier,recompute: the tier's tokens are then checked against recompute's) split the run.
 
-Correctness first: every request's greedy tokens (all runs ask for the top two log-probs: the sampler's full variant)
-with the tier, and with recompute, are compared with the all-resident run's: equal, or parting only at a near tie
-(each run's token among the other's two most likely, as bf16 rounds differently where a preempted request's prefill
-is chunked differently); anything else stops the script before the table. Then, per context, the table:
+Correctness first: every request's greedy tokens (all runs ask for the five most likely tokens' log-probs: the
+sampler's full variant) with the tier, and with recompute, are compared with the all-resident run's: equal, or parting
+only at a near tie (each run's token among the other's five most likely, as bf16 rounds differently where a preempted
+request's prefill is chunked differently); anything else prints both runs' log-probs at the parting and stops the
+script before the table. Then, per context, the table:
 - tok/s: round 1's prompt + output tokens over its wall time; decode tok/s: the sequences stepped in the steps
   that computed only decodes, over those steps' time (a step's time: the `step` call after it, which waits for it);
 - computed: round 1's step input tokens (prompts, each output fed back, and what preemption and eviction made the
@@ -63,6 +64,7 @@ from deepinfer_jax.scheduler.kv_cache_manager import cdiv  # noqa: E402
 from deepinfer_jax.types import RequestOutputKind, SamplingParams  # noqa: E402
 
 KINDS = ("all-resident", "host-tier", "recompute")
+LOGPROBS = 5  # each step's most likely tokens asked for: a parting among them is a near tie
 T0 = time.perf_counter()
 
 
@@ -116,9 +118,14 @@ def drive(eng, prompts: list, params: SamplingParams, tag: str) -> dict:
                 compiles=CompileCounter.count() - compiles, **{k: after[k] - before[k] for k in after})
 
 
+def most_likely(lps: dict) -> str:
+    """A step's asked-for log-probs, most likely first: 'token: logprob, ...'."""
+    return ", ".join(f"{t}: {x.logprob:.3f}" for t, x in sorted(lps.items(), key=lambda kv: -kv[1].logprob))
+
+
 def compare(ref: dict, got: dict) -> tuple[int, list, list]:
-    """(requests with identical tokens, [(request, position, gap)] partings at a near tie, [(request, position)]
-    partings that are not)."""
+    """(requests with identical tokens, [(request, position, gap)] partings at a near tie, [(request, position, how)]
+    partings that are not: `how` gives each run's most likely log-probs there, to tell noise from a fault)."""
     same, near, bad = 0, [], []
     for j, (a, b) in enumerate(zip(ref["tokens"], got["tokens"])):
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
@@ -126,13 +133,13 @@ def compare(ref: dict, got: dict) -> tuple[int, list, list]:
             same += 1
             continue
         if i is None:
-            bad.append((j, min(len(a), len(b))))
+            bad.append((j, min(len(a), len(b)), "lengths differ"))
             continue
         la, lb = ref["logprobs"][j][i], got["logprobs"][j][i]
         if b[i] in la and a[i] in lb:
             near.append((j, i, la[a[i]].logprob - la[b[i]].logprob))
         else:
-            bad.append((j, i))
+            bad.append((j, i, f"reference {{{most_likely(la)}}}, this run {{{most_likely(lb)}}}"))
     return same, near, bad
 
 
@@ -189,7 +196,7 @@ def check(w: dict, res: dict, ps: int) -> None:
             print(f"check (context {ctx:,}, {'round 1' if rnd == 'r1' else 'returning'}): {kind} against "
                   f"{ref}: {same}/{n} requests' greedy tokens identical"
                   + (f", near ties: {parts}" if near else "")
-                  + (f", NOT near ties: {bad}" if bad else ""), flush=True)
+                  + "".join(f"\n  NOT a near tie: request {j} parts at token {i}: {how}" for j, i, how in bad), flush=True)
             failed += bad
             if rnd == "r1" and (near or bad) and 0 in [j for j, *_ in near + bad]:
                 print("  (sequence 0 parted in round 1: the returning prompts differ, round 2 not compared)")
@@ -316,7 +323,7 @@ def run(argv=None) -> dict:
           f"pools: all-resident {pages['all-resident']:,} pages ({pages['all-resident'] * page_bytes / 2**30:.2f} "
           f"GiB), small {small:,} ({small * page_bytes / 2**30:.2f} GiB); host tier {tier_pages:,} pages "
           f"({tier_gib:.2f} GiB); sequences " + ", ".join(f"{len(w['prompts'])} x {w['context']:,}" for w in work))
-    params_s = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, logprobs=2,
+    params_s = SamplingParams(temperature=0.0, max_tokens=out, ignore_eos=True, logprobs=LOGPROBS,
                               output_kind=RequestOutputKind.DELTA)
     runner_kw = dict(dtype=args.dtype, attn_impl=args.attn_impl, moe_impl=args.moe_impl, token_buckets=buckets)
     results = {w["context"]: {} for w in work}
