@@ -253,9 +253,11 @@ def run(argv=None) -> dict:
     ap.add_argument("--oversubscribe", type=positive_float, default=1.2,
                     help="the sequences' contexts together, over the small pool's tokens (at least this)")
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    ap.add_argument("--token-buckets", default="32,512,8192",
-                    help="the step sizes the engines compile (comma-separated): decodes (32: the decode MoE launch's "
-                         "size), the returning request's new tokens, full prefill chunks; fewer, a shorter start")
+    ap.add_argument("--token-buckets", default="2,512,8192",
+                    help="the step sizes the engines compile (comma-separated): decodes (at most two sequences: a "
+                         "bucket of 2 gives the decode attention its most context splits, kernels/mla_decode.py "
+                         "auto_splits; 32 would give 4, 4x slower at 32K), the returning request's new tokens, full "
+                         "prefill chunks; fewer, a shorter start")
     ap.add_argument("--kinds", default=",".join(KINDS),
                     help=f"the engines to run, of {', '.join(KINDS)}: host-tier and a reference (all-resident, "
                          "else recompute)")
@@ -263,7 +265,7 @@ def run(argv=None) -> dict:
     if args.smoke:
         ap.set_defaults(preset="tiny-deepseek-v2", dtype="float32", attn_impl="reference", moe_impl="dense",
                         page_size=16, contexts="256,512", output_len=8, turn_len=16, max_num_batched_tokens=128,
-                        token_buckets="16,128")
+                        token_buckets="2,16,128")
         args = ap.parse_args(argv)
     kinds = [k.strip() for k in args.kinds.split(",")]
     if set(kinds) - set(KINDS) or "host-tier" not in kinds or len(set(kinds)) < 2:
