@@ -169,7 +169,9 @@ def moe_checks(key) -> None:
         _check(f"moe {kind}", out, moe_experts_quant_reference(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f))
 
 
-def moe_table(tokens: list[int]) -> None:
+def moe_table(tokens: list[int], variants: list[tuple[int, int, int]] = ()) -> None:
+    """The MoE table; `variants` (block_k, num_stages, num_warps; 0 = the default): extra FP8 W8A8 rows with those
+    tiles (`--fp8-moe-tiles`)."""
     import jax
     import jax.numpy as jnp
 
@@ -183,8 +185,17 @@ def moe_table(tokens: list[int]) -> None:
         x = jax.random.normal(jax.random.fold_in(key, T), (T, D), jnp.bfloat16)
         routes[T] = (x, _routes(jax.random.fold_in(key, 10_000 + T), T, E), jax.random.uniform(key, (T, TOPK)))
     times = {}
-    for kind in ("bf16",) + KINDS:
-        if kind == "bf16":
+    names = {f"fp8 k{bk or '-'}s{st or '-'}w{wp or '-'}": (bk, st, wp) for bk, st, wp in variants}
+    kinds = ("bf16",) + KINDS + tuple(names)
+    for kind in kinds:
+        if kind in names:
+            gq, gs, dq, ds, fmt = _moe_weights(key, "fp8/fp8", E)
+            tiles = {k: v or None for k, v in zip(("block_k", "num_stages", "num_warps"), names[kind])}
+            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, tiles=tiles: moe_experts_quant(
+                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, interpret=INTERPRET, **tiles))
+            args = (gq, gs, dq, ds)
+            per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
+        elif kind == "bf16":
             wgu = _draw(key, (E, D, 2, I), jnp.bfloat16, 0, 0)
             wd = _draw(jax.random.fold_in(key, 1), (E, I, D), jnp.bfloat16, 0, 0)
             f = jax.jit(functools.partial(moe_experts, interpret=INTERPRET))
@@ -203,13 +214,13 @@ def moe_table(tokens: list[int]) -> None:
             del wgu, wd
         else:
             del gq, gs, dq, ds
-    print(f"\n{'tokens':>6} {'experts':>7} {'kernel':<9} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'vs bf16':>8}")
+    print(f"\n{'tokens':>6} {'experts':>7} {'kernel':<13} {'us':>8} {'TB/s':>6} {'TFLOP/s':>8} {'vs bf16':>8}")
     for T, (_, idx, _) in routes.items():
         n = len(np.unique(np.asarray(idx)))
         flops = 2 * T * TOPK * 3 * D * I
-        for kind in ("bf16",) + KINDS:
+        for kind in kinds:
             us, nbytes = times[(kind, T)]
-            print(f"{T:>6} {n:>7} {kind:<9} {us:>8.1f} {nbytes / us / 1e6:>6.2f} {flops / us / 1e6:>8.1f} "
+            print(f"{T:>6} {n:>7} {kind:<13} {us:>8.1f} {nbytes / us / 1e6:>6.2f} {flops / us / 1e6:>8.1f} "
                   f"{times[('bf16', T)][0] / us:>7.2f}x")
 
 
@@ -219,6 +230,9 @@ def main(argv=None) -> int:
     ap.add_argument("--tokens", default="32,128,4096", help="rows (tokens) a step, comma-separated")
     ap.add_argument("--quick", action="store_true", help="decode sizes only (32 tokens)")
     ap.add_argument("--tp", type=int, default=1, help="dense projections at one device's slice under TP of this size")
+    ap.add_argument("--fp8-moe-tiles", default="",
+                    help="extra FP8 W8A8 MoE rows with other tiles: comma-separated block_k:num_stages[:num_warps] "
+                         "(0 keeps the default), e.g. 128:3,128:4")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)
@@ -238,7 +252,8 @@ def main(argv=None) -> int:
     if a.only in (None, "dense"):
         dense_table(tokens)
     if a.only in (None, "moe"):
-        moe_table(tokens)
+        variants = [tuple(int(v) for v in (t.split(":") + ["0", "0"])[:3]) for t in a.fp8_moe_tiles.split(",") if t]
+        moe_table(tokens, variants)
     return 0
 
 
