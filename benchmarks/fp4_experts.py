@@ -47,9 +47,9 @@ def _swap(kind, tokens: int = 1):
     if not kind.endswith("~swap"):
         return None
     from deepinfer_jax.kernels.moe_gmm import tile_config
-    from deepinfer_jax.kernels.moe_gmm_quant import swaps_ab
+    from deepinfer_jax.kernels.moe_gmm_quant import WeightFormat, swaps_ab
 
-    return not swaps_ab(tile_config(tokens * TOPK)[0])
+    return not swaps_ab(tile_config(tokens * TOPK)[0], WeightFormat("fp4", 32, layout="nk"))
 
 
 def _weights(key, kind, n_exp):

@@ -169,9 +169,9 @@ def moe_checks(key) -> None:
         _check(f"moe {kind}", out, moe_experts_quant_reference(x, gq, gs, dq, ds, w, idx, fmt_gu=f, fmt_down=f))
 
 
-def moe_table(tokens: list[int], variants: list[tuple[int, int, int]] = ()) -> None:
-    """The MoE table; `variants` (block_k, num_stages, num_warps; 0 = the default): extra FP8 W8A8 rows with those
-    tiles (`--fp8-moe-tiles`)."""
+def moe_table(tokens: list[int], variants: list[tuple[int, int, int, int]] = ()) -> None:
+    """The MoE table; `variants` (block_k, num_stages, num_warps, swap_ab; 0 = the default): extra FP8 W8A8 rows
+    with those tiles (`--fp8-moe-tiles`)."""
     import jax
     import jax.numpy as jnp
 
@@ -185,12 +185,13 @@ def moe_table(tokens: list[int], variants: list[tuple[int, int, int]] = ()) -> N
         x = jax.random.normal(jax.random.fold_in(key, T), (T, D), jnp.bfloat16)
         routes[T] = (x, _routes(jax.random.fold_in(key, 10_000 + T), T, E), jax.random.uniform(key, (T, TOPK)))
     times = {}
-    names = {f"fp8 k{bk or '-'}s{st or '-'}w{wp or '-'}": (bk, st, wp) for bk, st, wp in variants}
+    names = {f"fp8 k{bk or '-'}s{st or '-'}w{wp or '-'}{'x' if sw else ''}": (bk, st, wp, sw)
+             for bk, st, wp, sw in variants}
     kinds = ("bf16",) + KINDS + tuple(names)
     for kind in kinds:
         if kind in names:
             gq, gs, dq, ds, fmt = _moe_weights(key, "fp8/fp8", E)
-            tiles = {k: v or None for k, v in zip(("block_k", "num_stages", "num_warps"), names[kind])}
+            tiles = {k: v or None for k, v in zip(("block_k", "num_stages", "num_warps", "swap_ab"), names[kind])}
             f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, tiles=tiles: moe_experts_quant(
                 x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, interpret=INTERPRET, **tiles))
             args = (gq, gs, dq, ds)
@@ -231,8 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="decode sizes only (32 tokens)")
     ap.add_argument("--tp", type=int, default=1, help="dense projections at one device's slice under TP of this size")
     ap.add_argument("--fp8-moe-tiles", default="",
-                    help="extra FP8 W8A8 MoE rows with other tiles: comma-separated block_k:num_stages[:num_warps] "
-                         "(0 keeps the default), e.g. 128:3,128:4")
+                    help="extra FP8 W8A8 MoE rows with other tiles: comma-separated "
+                         "block_k:num_stages[:num_warps[:swap_ab]] (0 keeps the default; swap_ab 1: the weight tile as "
+                         "the MMA's first operand), e.g. 128:3,128:4,0:0:0:1")
     ap.add_argument("--cpu-smoke", action="store_true",
                     help="tiny shapes, kernels in interpret mode: checks that the script runs, times nothing useful")
     a = ap.parse_args(argv)
@@ -252,7 +254,7 @@ def main(argv=None) -> int:
     if a.only in (None, "dense"):
         dense_table(tokens)
     if a.only in (None, "moe"):
-        variants = [tuple(int(v) for v in (t.split(":") + ["0", "0"])[:3]) for t in a.fp8_moe_tiles.split(",") if t]
+        variants = [tuple(int(v) for v in (t.split(":") + ["0"] * 3)[:4]) for t in a.fp8_moe_tiles.split(",") if t]
         moe_table(tokens, variants)
     return 0
 

@@ -155,6 +155,10 @@ def _partial(f, i, tk, tn, n, x_at, xs_at, q_at, s_at, asm=False, swap=False):
     scale = s_at(kb, (n * tn) // f.block_n)
     w = q_at(pl.ds(k0, tk))  # [tk, tn], or [tn, tk] for "nk"
     x = x_at(pl.ds(k0, tk))
+    if swap:  # "nk" only (`swappable`): [tn, tk] . [bm, tk] -> [tn, bm], both operands K-major as stored
+        if f.act == "fp8":
+            return dot_nk(w, x) * (xs_at(kb)[None, :] * scale)
+        return dot_nk(w.astype(x.dtype), x, precision=EXACT) * scale
     dot = dot_nk if f.layout == "nk" else functools.partial(jnp.dot, preferred_element_type=jnp.float32)
     if f.act == "fp8":
         return dot(x, w) * (xs_at(kb)[:, None] * scale)
@@ -239,11 +243,19 @@ def _down_kernel(layer_ref, be_ref, h_ref, hs_ref, q_ref, s_ref, y_ref, *, f, bm
         y_ref[rows, cols] = acc.astype(y_ref.dtype)
 
 
-def swaps_ab(block_m: int) -> bool:
-    """Whether the FP4 kernels take the decoded tile as the MMA's first operand (`moe_experts_quant`'s swap_ab) at
-    this row block: at decode sizes' 16-row blocks. H100, V4-Flash's experts (benchmarks/fp4_experts.py): 1,931
-    against 2,119 us at 32 tokens, 4,536 against 4,631 at 128; at 4,096 tokens (128-row blocks) 9,528 against 9,082."""
-    return block_m < 64
+def swappable(f: WeightFormat) -> bool:
+    """Whether a kernel over weights in format f can take the weight tile as the MMA's first operand (`swap_ab`):
+    FP4 (the decoded tile) and FP8 in the checkpoint's "nk" orientation (its [tn, tk] tile K-major as stored, as
+    FP8 tensor cores need both operands)."""
+    return f.kind == "fp4" or (f.kind == "fp8" and f.layout == "nk")
+
+
+def swaps_ab(block_m: int, f: WeightFormat) -> bool:
+    """Whether the kernels over weights in format f take the weight tile as the MMA's first operand by default
+    (`moe_experts_quant`'s swap_ab None) at this row block: FP4 at decode sizes' 16-row blocks. H100, V4-Flash's
+    experts (benchmarks/fp4_experts.py): 1,931 against 2,119 us at 32 tokens, 4,536 against 4,631 at 128; at 4,096
+    tokens (128-row blocks) 9,528 against 9,082. FP8 "nk" swaps only when asked (`swap_ab=True`): unmeasured."""
+    return block_m < 64 and f.kind == "fp4"
 
 
 @functools.partial(jax.jit, static_argnames=("fmt_gu", "fmt_down", "block_m", "block_n", "block_k", "num_warps",
@@ -254,12 +266,12 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
     """x [T, D], the experts' stored weights (module docstring; stacked [L, E, ..] with `layer` an int32 scalar,
     else [E, ..]), weights / idx [T, k] -> [T, D] in x's dtype. Ids outside [0, E) are skipped. Tiles left as
     None come from `moe_gmm.tile_config(T * k)`, narrowed to what each format allows (`supported`); FP4's block_k
-    from `fp4_block_k`. `swap_ab` (FP4 only; None: where the row block is under 64, `swaps_ab`): the FP4
-    kernels multiply the decoded weight tile by x's transposed tile, [tn, bm] products transposed in the epilogue,
-    so the decoded tile is the MMA's first operand (Hopper's wgmma reads it from registers; its M is then the
-    tile's width, not a 16-row block)."""
-    if swap_ab and "fp4" not in (fmt_gu.kind, fmt_down.kind):
-        raise ValueError("moe_experts_quant: swap_ab applies to FP4 weights only")
+    from `fp4_block_k`. `swap_ab` (FP4 and FP8 "nk", `swappable`; None: `swaps_ab`): the kernels multiply the
+    weight tile by x's transposed tile, [tn, bm] products transposed in the epilogue, so the weight tile is the
+    MMA's first operand (Hopper's wgmma reads it from registers or shared memory; its M is then the tile's width,
+    not a 16-row block)."""
+    if swap_ab and not (swappable(fmt_gu) or swappable(fmt_down)):
+        raise ValueError("moe_experts_quant: swap_ab applies to FP4 and FP8 \"nk\" weights only")
     if layer is None:
         gu_q, gu_s, down_q, down_s, layer = gu_q[None], gu_s[None], down_q[None], down_s[None], 0
     layer = jnp.asarray(layer, jnp.int32).reshape(1)
@@ -275,7 +287,8 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
     if t1 is None or t2 is None:
         raise ValueError(f"moe_experts_quant: no tiling for D {D}, I {I} in formats {fmt_gu}, {fmt_down}")
     cols_first = cols_first_for(T * k) if cols_first is None else cols_first
-    swap_ab = swaps_ab(bm) if swap_ab is None else swap_ab
+    swap_gu, swap_down = ((swaps_ab(bm, f) if swap_ab is None else swap_ab) and swappable(f)
+                          for f in (fmt_gu, fmt_down))
     if fmt_gu.kind == "fp4":
         x = split_pairs(x, t1[0])
     row_copy, block_expert, row_of = align_tokens(idx, E, bm)
@@ -298,7 +311,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
     out = pl.pallas_call(
         functools.partial(_gate_up_kernel, f=fmt_gu, bm=bm, tk=t1[0], tn=t1[1], K=D, E=E, cols_first=cols_first,
                           quant_h=quant_h, limit=swiglu_limit, asm=not interpret,
-                          swap=swap_ab and fmt_gu.kind == "fp4"),
+                          swap=swap_gu),
         grid=grid(I // t1[1]), out_shape=tuple(h_shape), compiler_params=params, interpret=interpret,
     )(layer, block_expert, xk, xs, gu_q, gu_s if fmt_gu.kind == "fp4" else gu_s.astype(jnp.float32))
     if quant_h:
@@ -311,7 +324,7 @@ def moe_experts_quant(x, gu_q, gu_s, down_q, down_s, weights, idx, layer=None, *
         h = split_pairs(h, t2[0])
     y = pl.pallas_call(
         functools.partial(_down_kernel, f=fmt_down, bm=bm, tk=t2[0], tn=t2[1], K=I, E=E, cols_first=cols_first,
-                          asm=not interpret, swap=swap_ab and fmt_down.kind == "fp4"),
+                          asm=not interpret, swap=swap_down),
         grid=grid(D // t2[1]), out_shape=jax.ShapeDtypeStruct((m_pad, D), x.dtype), compiler_params=params,
         interpret=interpret,
     )(layer, block_expert, h, hs, down_q, down_s if fmt_down.kind == "fp4" else down_s.astype(jnp.float32))

@@ -62,16 +62,19 @@ def _nk(gq, gs, dq, ds, fg, fd):
     return t(gq), t(gs), jnp.swapaxes(dq, -1, -2), jnp.swapaxes(ds, -1, -2), fmt(fg), fmt(fd)
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4", "fp8nk-bf16", "fp8-fp8"])
-def test_kernels_match_reference(case, kind):
+@pytest.mark.parametrize("kind, swap_ab", [("int8", None), ("int4", None), ("fp8nk-bf16", None), ("fp8-fp8", None),
+                                           ("fp8nk-fp8", True), ("fp8nk-bf16", True)])
+def test_kernels_match_reference(case, kind, swap_ab):
     """Layer 1 of the stacked weights, read in place, against the reference on that layer's weights; FP8 "nk"
-    weights (HF's orientation, read as stored) against the reference on the same weights in "kn"."""
+    weights (HF's orientation, read as stored) against the reference on the same weights in "kn"; with swap_ab the
+    FP8 products are the transposed ones, [tn, bm] (the weight tile first), transposed back in the epilogues."""
     x, idx, w, wgu, wd = case
     gq, gs, dq, ds, fg, fd = ref_w = _weights(kind.replace("nk", ""), wgu, wd)
     if "nk" in kind:
         gq, gs, dq, ds, fg, fd = _nk(*ref_w)
     assert supported(fg, fd, D, I, T * K)
-    out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, interpret=True)
+    out = moe_experts_quant(x, gq, gs, dq, ds, w, idx, jnp.int32(1), fmt_gu=fg, fmt_down=fd, swap_ab=swap_ab,
+                            interpret=True)
     rq = [a[1] for a in ref_w[:4]]
     ref = moe_experts_quant_reference(x, *rq, w, idx, fmt_gu=ref_w[4], fmt_down=ref_w[5])
     _close(out, ref)
@@ -134,7 +137,8 @@ def triton_asm(cuda_lowering, monkeypatch):
     return lambda fn, *args: (cuda_lowering(fn, *args), captured)[1]
 
 
-@pytest.mark.parametrize("kind, tokens", [("fp8-fp8", 32), ("fp8nk-fp8", 4096), ("int8", 32), ("int4", 32)])
+@pytest.mark.parametrize("kind, tokens", [("fp8-fp8", 32), ("fp8nk-fp8", 4096), ("fp8nk-fp8", 32), ("int8", 32),
+                                          ("int4", 32)])
 def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
     """V3-shaped experts (D 7168, I 2048, 256 experts, top-8; INT4 in 128-row groups) at decode and prefill
     sizes: both kernels lower, FP8 ones multiplying e4m3 by e4m3, the INT ones reading 1-byte weights."""
@@ -158,8 +162,9 @@ def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
               S((L, Ev, Iv // 2, Dv), jnp.uint8), S((L, Ev, Iv // 128, Dv), jnp.float32))
     args = (S((tokens, Dv), jnp.bfloat16), *ws, S((tokens, 8), jnp.float32), S((tokens, 8), jnp.int32),
             S((), jnp.int32))
-    mods = triton_asm(lambda x, a, b, c, d, w, i, l: moe_experts_quant(x, a, b, c, d, w, i, l, fmt_gu=f, fmt_down=f),
-                      *args)
+    swap = kind == "fp8nk-fp8" and tokens < 256
+    mods = triton_asm(lambda x, a, b, c, d, w, i, l: moe_experts_quant(x, a, b, c, d, w, i, l, fmt_gu=f, fmt_down=f,
+                                                                       swap_ab=swap or None), *args)
     assert len(mods) == 2  # gate_up, down
     for asm in mods:
         dots = [ln for ln in asm.splitlines() if "tt.dot" in ln]
@@ -168,6 +173,8 @@ def test_kernels_lower_for_sm90(triton_asm, kind, tokens):
             assert all(ln.count("f8E4M3FN>") >= 2 for ln in dots)
         else:
             assert "tt.ptr<i8>" in asm and "f8E4M3FN" not in asm
+        if swap:  # the weight tile first: [128, 64] e4m3 times x's [64, 16] (the transposed 16-row block)
+            assert all("tensor<128x64xf8E4M3FN> * tensor<64x16xf8E4M3FN>" in ln for ln in dots), dots
 
 
 def _fp4(wgu, wd):
