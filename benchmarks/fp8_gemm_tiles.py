@@ -4,6 +4,9 @@ may route to), at DeepSeek-V3's projection shapes (FP8 weights in HF's [out, in]
 
     python benchmarks/fp8_gemm_tiles.py [--tokens 128,512,4096] [--shapes o_proj,mlp_gate_up]
 
+"m64split" variants split K over programs above decode sizes too (fp32 partials summed), for the projections whose
+output tiles alone give few programs at 128-256 rows (q_a: 1,536 columns, 24 programs of 64 x 128).
+
 Each kernel variant is checked against the reference first (stops on a miss). Columns: us (GPU time from a
 profiler trace, else wall time), TFLOP/s, ratio to the bf16 dot.
 """
@@ -20,13 +23,28 @@ from benchmarks.fp8_kernels import BLOCK, DENSE, _check, _fp8_weight, timed  # n
 
 VARIANTS = {"plan": {}, "m64w4s4": dict(tile_m=64, num_warps=4, num_stages=4),
             "m64w4s3": dict(tile_m=64, num_warps=4, num_stages=3), "m128w8s3": dict(tile_m=128, num_warps=8, num_stages=3),
-            "m128w8s4": dict(tile_m=128, num_warps=8, num_stages=4), "m128w4s3": dict(tile_m=128, num_warps=4, num_stages=3)}
+            "m128w8s4": dict(tile_m=128, num_warps=8, num_stages=4), "m128w4s3": dict(tile_m=128, num_warps=4, num_stages=3),
+            # K split over programs until about 128 stream the weight (as at decode sizes), fp32 partials summed
+            "m64split": dict(tile_m=64, num_warps=4, num_stages=4, split_programs=128),
+            "m64split256": dict(tile_m=64, num_warps=4, num_stages=4, split_programs=256)}
+
+
+def resolve(kw: dict, M: int, K: int, N: int) -> dict:
+    """A variant's fp8_matmul arguments at this shape: `split_programs` P becomes the split_k that brings the
+    output tiles to P programs (kernels/decode_matmul.py `fewest_chunks`, 128-wide K steps and column tiles)."""
+    from deepinfer_jax.kernels.decode_matmul import fewest_chunks
+
+    kw = dict(kw)
+    if "split_programs" in kw:
+        tiles = (N // BLOCK[1]) * -(-M // kw["tile_m"])
+        kw["split_k"] = fewest_chunks(tiles, K // BLOCK[0], kw.pop("split_programs"))
+    return kw
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="128,512,4096")
-    ap.add_argument("--shapes", default="q_b,o_proj,mlp_gate_up,mlp_down")
+    ap.add_argument("--shapes", default="q_a,q_b,o_proj,mlp_gate_up,mlp_down")
     ap.add_argument("--variants", default=",".join(VARIANTS))
     a = ap.parse_args(argv)
     import jax
@@ -49,7 +67,7 @@ def main(argv=None) -> int:
             runs["dequant"] = timed(deq, x, q, s)
             ref = fp8_matmul_reference(x, q, s, BLOCK, jnp.int32(0), act_quant=True, layout="nk")
             for v in a.variants.split(","):
-                f = jax.jit(lambda x, q, s, kw=VARIANTS[v]: fp8_matmul(x, q, s, jnp.int32(0), block=BLOCK,
+                f = jax.jit(lambda x, q, s, kw=resolve(VARIANTS[v], M, K, N): fp8_matmul(x, q, s, jnp.int32(0), block=BLOCK,
                                                                          layout="nk", **kw))
                 _check(f"{name} M={M} {v}", f(x, q, s), ref)
                 runs[v] = timed(f, x, q, s)
