@@ -8,11 +8,11 @@ fixed concurrency. TTFT and throughput with the host tier against without it (th
         --dtype float32   # CPU smoke run
 
 First the host link: host-to-device and device-to-host copy bandwidth of a 256 MiB buffer, pageable and pinned
-(the tier's pool is pinned where the backend allows: a line says which). Then correctness: with the tier on,
-every prefix is served once cold and once from the host tier (after other prefixes evicted it from the device),
-and the greedy tokens of the two are compared (they must match; bf16 chunking differences would show as a match
-rate below 1). Then the timed runs:
-the same request stream without and with the tier, TTFT p50 / p90 and mean, output tokens/s, bytes moved.
+(the tier's pool is pinned where the backend allows: a line says which). Then the timed runs: the same request
+stream without and with the tier, TTFT p50 / p90 and mean, output tokens/s, bytes moved. Then correctness, on the
+tier's engine with its prefix cache emptied: every prefix is served once cold and once from the host tier (after
+other prefixes evicted it from the device), and the greedy tokens of the two are compared (they must match; bf16
+chunking differences would show as a match rate below 1, as in the device-cache control printed beside).
 The device cache is fixed at --device-prefixes prefixes' pages (--num-pages derived), the prefixes number 4x that.
 """
 
@@ -82,6 +82,27 @@ def agreement(cold: list, warm: list) -> str:
     common = np.mean([next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
                       for a, b in zip(cold, warm)])
     return f"all equal {same:.0%}, first token {first:.0%}, common start {common:.1f} tokens of {len(cold)} requests"
+
+
+def check_tier(eng, check: list, args) -> None:
+    """Correctness (module doc) on the timed tier engine, its prefix cache emptied: each prefix cold, then (the others
+    having evicted it) from the host tier; beside it, the same comparison for hits in the device cache (each prompt
+    twice in a row, one at a time), which tells bf16's differences between a whole prefill and a prefill of the
+    suffix alone from a defect of the tier."""
+    if not eng.scheduler.kv_cache_manager.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset (pages still held)")
+    pairs = [p for p in check[:args.concurrency] for _ in range(2)]
+    res = closed_loop(eng, pairs, 1, args.output_len)
+    device_hit = agreement([res["tokens"][f"r{2 * i}"] for i in range(len(pairs) // 2)],
+                           [res["tokens"][f"r{2 * i + 1}"] for i in range(len(pairs) // 2)])
+    hits0 = eng.stats().host_tier_hits
+    res = closed_loop(eng, check + check, args.concurrency, args.output_len)  # the same prompts again, evicted
+    n, st = len(check), eng.stats()
+    cold, warm = ([res["tokens"][f"r{i}"] for i in range(a, a + n)] for a in (0, n))
+    print(f"correctness: host-tier hits {st.host_tier_hits - hits0} tokens; greedy tokens after a hit against the "
+          f"cold run's, host tier: {agreement(cold, warm)}; device cache (the control): {device_hit}", flush=True)
+    if st.host_tier_hits == hits0:
+        print("WARNING: the host tier served no hit in the correctness pass", flush=True)
 
 
 def main(argv=None) -> int:
@@ -161,34 +182,21 @@ def main(argv=None) -> int:
     print(f"{num_prefixes} prefixes of {args.prefix_len} tokens ({prefix_gib:.2f} GiB of KV), device cache {num_pages} "
           f"pages ({num_pages * page_bytes / 2**30:.2f} GiB), host tier {tier_gib:.2f} GiB", flush=True)
 
-    # correctness: each prefix cold, then (the others having evicted it) from the host tier; beside it, the same
-    # comparison for hits in the device cache (each prompt twice in a row, one at a time), which tells bf16's
-    # differences between a whole prefill and a prefill of the suffix alone from a defect of the tier
-    eng = engine(tier_gib)
-    print(f"host tier pool: {'pinned' if eng.runner.kv_transfer.pinned else 'pageable'} host memory", flush=True)
-    check = stream(num_prefixes, 1)
-    pairs = [p for p in check[:args.concurrency] for _ in range(2)]
-    res = closed_loop(eng, pairs, 1, args.output_len)
-    device_hit = agreement([res["tokens"][f"r{2 * i}"] for i in range(len(pairs) // 2)],
-                           [res["tokens"][f"r{2 * i + 1}"] for i in range(len(pairs) // 2)])
-    hits0 = eng.stats().host_tier_hits
-    res = closed_loop(eng, check + check, args.concurrency, args.output_len)  # the same prompts again, evicted
-    cold = [res["tokens"][f"r{i}"] for i in range(num_prefixes)]
-    warm = [res["tokens"][f"r{num_prefixes + i}"] for i in range(num_prefixes)]
-    st = eng.stats()
-    print(f"correctness: host-tier hits {st.host_tier_hits - hits0} tokens; greedy tokens after a hit against the "
-          f"cold run's, host tier: {agreement(cold, warm)}; device cache (the control): {device_hit}", flush=True)
-    if st.host_tier_hits == 0:
-        print("WARNING: the host tier served no hit; the figures below do not measure it", flush=True)
-
     rows = []
     for name, gib in (("recompute (no tier)", 0.0), ("host tier", tier_gib)):
+        t = time.perf_counter()
         eng = engine(gib)
         closed_loop(eng, stream(args.concurrency, 2), args.concurrency, args.output_len)  # warm the programs
         res = closed_loop(eng, stream(args.requests, 3), args.concurrency, args.output_len)
         mem = eng.memory_report()
         moved = (mem.get("kv_offload_to_host", 0), mem.get("kv_offload_to_device", 0))
         rows.append((name, res, moved))
+        print(f"{name}: {time.perf_counter() - t:.1f} s (engine start, warm-up, {args.requests} requests)", flush=True)
+        if gib:
+            print(f"host tier pool: {'pinned' if eng.runner.kv_transfer.pinned else 'pageable'} host memory",
+                  flush=True)
+            check_tier(eng, stream(num_prefixes, 1), args)
+        del eng
     print(f"\n{'':22}{'TTFT p50 ms':>12}{'p90 ms':>10}{'mean ms':>10}{'out tok/s':>11}{'to host GB':>12}"
           f"{'to dev GB':>11}")
     for name, res, moved in rows:
