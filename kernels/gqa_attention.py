@@ -27,6 +27,7 @@ from deepinfer_jax.kernels.mla_decode import EXACT, NEG, auto_splits, merge_spli
 from deepinfer_jax.kernels.triton_params import compiler_params
 
 BLOCK_KEYS = 32  # keys a program reads per loop step, at most a page
+GQA_MAX_SPLITS = 16  # auto_splits' cap here: each split is KVH programs a token (8 for Llama-3.1-8B)
 
 
 def _pow2(n: int) -> bool:
@@ -74,14 +75,16 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, q_ref, kv_ref, o_ref, 
 def paged_gqa_attention(q, kv_cache, layer, seq_ids, positions, page_table, scale, sliding_window=None, *,
                         num_splits=None, block_keys=None, num_warps=4, num_stages=2, interpret=False):
     """q [T, H, hd] roped, kv_cache [L, P, ps, 2, KVH, hd] (the whole cache), layer int32 scalar -> [T, H, hd] in
-    q's dtype. num_splits None: mla_decode.auto_splits(T)."""
+    q's dtype. num_splits None: mla_decode.auto_splits(T, cap=GQA_MAX_SPLITS) (a step has KVH times MLA's programs a
+    split)."""
     T, H, hd = q.shape
     _, _, ps, _, KVH, _ = kv_cache.shape
     G = H // KVH
     rows = max(16, 1 << (G - 1).bit_length())  # the row block: G padded to a power of two >= 16
     bk = block_keys or min(BLOCK_KEYS, ps)
     assert ps % bk == 0, (ps, bk)
-    splits = max(1, min(auto_splits(T) if num_splits is None else num_splits, page_table.shape[1] * (ps // bk)))
+    splits = max(1, min(auto_splits(T, GQA_MAX_SPLITS) if num_splits is None else num_splits,
+                        page_table.shape[1] * (ps // bk)))
     longest = jnp.max(positions) // bk + 1
     pps = ((longest + splits - 1) // splits).astype(jnp.int32).reshape(1)
     layer = jnp.asarray(layer, jnp.int32).reshape(1)

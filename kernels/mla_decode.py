@@ -144,13 +144,16 @@ def _kernel(layer_ref, pps_ref, seq_ref, pos_ref, pt_ref, ql_ref, qp_ref, kv_ref
     l_ref[0, 0, 0] = l
 
 
-def auto_splits(num_tokens: int) -> int:
-    """Context splits for a step of `num_tokens` query tokens: about 128 (token, split) programs, so a
-    few long sequences still spread over the GPU's 132 SMs; at most 16, the most measured (1-8 tokens
-    -> 16 splits, 32 -> 4, >= 128 -> 1). H200 sweep in benchmarks/RESULTS.md (8 warps): batch 1 at 32K
-    context 602 us with 4 splits, 235 with 16; batch 8 at 4K 228 / 150; batch 256 at 2K 315 with 1
-    split, 493 with 2."""
-    return max(1, min(16, 128 // max(1, num_tokens)))
+def auto_splits(num_tokens: int, cap: int = 128) -> int:
+    """Context splits for a step of `num_tokens` query tokens: about 128 (token, split) programs, so a few long
+    sequences still spread over the GPU's 132 SMs; at most `cap` (1 token -> 128 splits, 2 -> 64, 8 -> 16, 32 -> 4,
+    >= 128 -> 1; the page table's key blocks bound it further). H100 (`benchmarks/attn_sweep.py`, device time a
+    layer): batch 1 at 32K context 80.3 us with 16 splits, 42.3 with 32, 24.3 with 64, 19.0 with 128; batch 2 at
+    32K 80.6 / 43.7 / 32.5 / 34.7; batch 1 at 128K 310.1 / 155.7 / 81.1 / 56.7 (16 programs stream at about
+    0.5 TB/s, 128 at 2-2.7). H200 sweep (8 warps): batch 8 at 4K 228 us with 4 splits, 150 with 16; batch 256 at
+    2K 315 with 1 split, 493 with 2. A split past a short context's blocks runs no iterations but still writes
+    its empty partial (splits x 16 x 512 fp32 a token), which the merge reads."""
+    return max(1, min(cap, 128 // max(1, num_tokens)))
 
 
 PAGES_PER_STEP = 1  # pages a program walks per loop step (the model's default; `pages_per_step`)

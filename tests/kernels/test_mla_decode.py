@@ -69,7 +69,8 @@ def test_splits_follow_the_longest_context_not_the_table_width(splits):
 def test_auto_splits_spread_small_batches_and_keep_large_ones_whole():
     from deepinfer_jax.kernels.mla_decode import auto_splits
 
-    assert [auto_splits(t) for t in (1, 8, 16, 32, 64, 128, 256, 8192)] == [16, 16, 8, 4, 2, 1, 1, 1]
+    assert [auto_splits(t) for t in (1, 2, 8, 16, 32, 64, 128, 256, 8192)] == [128, 64, 16, 8, 4, 2, 1, 1, 1]
+    assert [auto_splits(t, 16) for t in (1, 8, 16)] == [16, 16, 8]  # the GQA kernel's cap
     ql, qp, kv, sid, pos, pt = _case(4, T=1)  # one token: the auto default splits its 3 pages
     ref = paged_mla_attention_reference(ql, qp, kv, 0, sid, pos, pt, 0.17)
     out = paged_mla_attention(ql, qp, kv, 0, sid, pos, pt, 0.17, block_h=8, interpret=True)
