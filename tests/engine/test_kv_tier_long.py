@@ -50,5 +50,7 @@ def test_check_allows_a_parting_only_at_a_near_tie():
     assert kv_tier_long.compare(ref, ref) == (1, [], [])
     near = kv_tier_long.compare(ref, run([5, 8, 2], [(5, 9), (8, 6), (2, 3)]))
     assert near[0] == 0 and [(j, i) for j, i, _ in near[1]] == [(0, 1)] and near[2] == []
-    assert kv_tier_long.compare(ref, run([5, 3, 2], [(5, 9), (3, 6), (2, 3)])) == (0, [], [(0, 1)])  # 3 not ref's top 2
-    assert kv_tier_long.compare(ref, run([5, 6], [(5, 9), (6, 8)])) == (0, [], [(0, 2)])  # fewer tokens
+    # 3 is not among ref's most likely: a fault, printed with both runs' log-probs at the parting, most likely first
+    assert kv_tier_long.compare(ref, run([5, 3, 2], [(5, 9), (3, 6), (2, 3)])) == (
+        0, [], [(0, 1, "reference {6: -0.100, 8: -0.200}, this run {3: -0.100, 6: -0.200}")])
+    assert kv_tier_long.compare(ref, run([5, 6], [(5, 9), (6, 8)])) == (0, [], [(0, 2, "lengths differ")])
