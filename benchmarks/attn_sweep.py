@@ -50,8 +50,8 @@ VARIANTS = {  # name -> paged_mla_attention_splits keyword arguments
     "bk64_s2": {"block_keys": 64, "num_stages": 2},
     "bk64_w8": {"block_keys": 64, "num_warps": 8},
     "bk64_c1": {"block_keys": 64, "qk_chunks": 1},
-    # more context splits than auto_splits' cap of 16, for one or two long sequences (16 or 32 programs stream the
-    # whole cache at 16 splits); the kernel's time only: the merge reads splits x 16 x 512 fp32 a token
+    # fixed context splits for one or two long sequences (16 splits: 16 or 32 programs stream the whole cache); the
+    # kernel's time only: the merge reads splits x 16 x 512 fp32 a token
     "s32": {"splits": 32},
     "s64": {"splits": 64},
     "s128": {"splits": 128},

@@ -67,8 +67,8 @@ def main(argv=None) -> int:
             runs["dequant"] = timed(deq, x, q, s)
             ref = fp8_matmul_reference(x, q, s, BLOCK, jnp.int32(0), act_quant=True, layout="nk")
             for v in a.variants.split(","):
-                f = jax.jit(lambda x, q, s, kw=resolve(VARIANTS[v], M, K, N): fp8_matmul(x, q, s, jnp.int32(0), block=BLOCK,
-                                                                         layout="nk", **kw))
+                kw = resolve(VARIANTS[v], M, K, N)
+                f = jax.jit(lambda x, q, s, kw=kw: fp8_matmul(x, q, s, jnp.int32(0), block=BLOCK, layout="nk", **kw))
                 _check(f"{name} M={M} {v}", f(x, q, s), ref)
                 runs[v] = timed(f, x, q, s)
             for k, us in runs.items():

@@ -188,23 +188,23 @@ def moe_table(tokens: list[int], variants: list[tuple[int, int, int, int]] = ())
     names = {f"fp8 k{bk or '-'}s{st or '-'}w{wp or '-'}{'x' if sw else ''}": (bk, st, wp, sw)
              for bk, st, wp, sw in variants}
     kinds = ("bf16",) + KINDS + tuple(names)
+    variant_weights = None  # the FP8 W8A8 experts, drawn once for every variant row
     for kind in kinds:
-        if kind in names:
-            gq, gs, dq, ds, fmt = _moe_weights(key, "fp8/fp8", E)
-            tiles = {k: v or None for k, v in zip(("block_k", "num_stages", "num_warps", "swap_ab"), names[kind])}
-            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, tiles=tiles: moe_experts_quant(
-                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, interpret=INTERPRET, **tiles))
-            args = (gq, gs, dq, ds)
-            per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
-        elif kind == "bf16":
+        if kind == "bf16":
             wgu = _draw(key, (E, D, 2, I), jnp.bfloat16, 0, 0)
             wd = _draw(jax.random.fold_in(key, 1), (E, I, D), jnp.bfloat16, 0, 0)
             f = jax.jit(functools.partial(moe_experts, interpret=INTERPRET))
             args, per_expert = (wgu, wd), 2 * 3 * D * I
         else:
-            gq, gs, dq, ds, fmt = _moe_weights(key, kind, E)
-            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt: moe_experts_quant(
-                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, interpret=INTERPRET))
+            tiles = {}
+            if kind in names:
+                variant_weights = variant_weights or _moe_weights(key, "fp8/fp8", E)
+                gq, gs, dq, ds, fmt = variant_weights
+                tiles = {k: v or None for k, v in zip(("block_k", "num_stages", "num_warps", "swap_ab"), names[kind])}
+            else:
+                gq, gs, dq, ds, fmt = _moe_weights(key, kind, E)
+            f = jax.jit(lambda x, a, b, c, d, w, i, fmt=fmt, tiles=tiles: moe_experts_quant(
+                x, a, b, c, d, w, i, fmt_gu=fmt, fmt_down=fmt, interpret=INTERPRET, **tiles))
             args = (gq, gs, dq, ds)
             per_expert = sum(a[0].size * a.dtype.itemsize for a in args)
         for T, (x, idx, w) in routes.items():

@@ -196,7 +196,8 @@ def check(w: dict, res: dict, ps: int) -> None:
             print(f"check (context {ctx:,}, {'round 1' if rnd == 'r1' else 'returning'}): {kind} against "
                   f"{ref}: {same}/{n} requests' greedy tokens identical"
                   + (f", near ties: {parts}" if near else "")
-                  + "".join(f"\n  NOT a near tie: request {j} parts at token {i}: {how}" for j, i, how in bad), flush=True)
+                  + "".join(f"\n  NOT a near tie: request {j} parts at token {i}: {how}" for j, i, how in bad),
+                  flush=True)
             failed += bad
             if rnd == "r1" and (near or bad) and 0 in [j for j, *_ in near + bad]:
                 print("  (sequence 0 parted in round 1: the returning prompts differ, round 2 not compared)")

@@ -148,8 +148,8 @@ def main(argv=None) -> int:
     from deepinfer_jax.engine.llm_engine import LLMEngine
     from deepinfer_jax.runner.compile_cache import enable_compilation_cache
     from deepinfer_jax.runner.weight_offload import host_bytes, param_leaves
-    from kv_tier import agreement  # the tier's benchmark, beside this file
     from deepinfer_jax.weights.random_init import random_params
+    from kv_tier import agreement  # the tier's benchmark, beside this file
 
     enable_compilation_cache("default")
     dev = jax.devices()[0]
