@@ -80,7 +80,7 @@ def _prefill_cases():
     Lm, E, I, k = 26, 64, 1408, 6
     bf, f32, i32 = jnp.bfloat16, jnp.float32, jnp.int32
 
-    def split(qn, qp, kv, kp, ql, cache, sid, pos, pt):  # models/deepseek.py attend_split's two kernels
+    def split(qn, qp, kv, kp, ql, cache, sid, pos, pt):  # models/mla_split.py attend_split's kernels
         rs = mla_prefill.run_starts(sid, pos)
         blocks = mla_prefill.query_blocks(sid, pos, 64, mla_prefill.num_query_blocks_bound(T, S, 64))
         chunk = mla_chunk.chunk_attention(qn, qp, kv, kp, rs, blocks, 0.1, block_q=64)

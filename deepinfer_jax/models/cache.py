@@ -68,7 +68,7 @@ class StepMetadata:
     has_context: static (pytree metadata, part of a step program's key): whether some sequence of the step
         has cached tokens before its first one here (a later chunk, a prefix-cache hit, a decode), as the
         host knows it; None: not given, and a prefill-bucket step decides on the device
-        (models/deepseek.py attend_split). False is exact: no token of the step may see a cached key.
+        (models/mla_split.py attend_split). False is exact: no token of the step may see a cached key.
     groups: a per-group cache (DeepSeek-V4, models/v4_paged.py): per cache group (page_table [S, pages],
         slot_mapping [T]), the group's pages of each sequence and the row slot each token writes; None otherwise.
     next_token_ids [S] or None: with MTP speculation only (models/mtp.py mtp_propose), per sequence row the token

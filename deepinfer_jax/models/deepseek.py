@@ -37,8 +37,9 @@ from deepinfer_jax.models.cache import StepMetadata, to_cache_dtype, write_slots
 from deepinfer_jax.models.decode_kernels import (
     decode_absorb_weights, decode_attention_output, decode_kernel_step, decode_latent_weights,
     decode_moe_launch_applies, decode_route_weights, decode_stacked, decode_stacked_splits, decode_value_weights,
-    merged_qkv_applies, oproj_partials, pallas_one_device, residual_route_step, route_experts_step)
-from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp, weight
+    merged_qkv_applies, oproj_partials, residual_route_step, route_experts_step)
+from deepinfer_jax.models.layers import StackedWeight, linear, rms_norm, rope_cos_sin, swiglu_mlp
+from deepinfer_jax.models.mla_split import attend_split, chunk_split_plan
 from deepinfer_jax.models.moe import moe_block, shared_into_kernels
 from deepinfer_jax.models.parallel import MeshRules
 from deepinfer_jax.models.params import layer_segments
@@ -152,80 +153,6 @@ def paged_attention(
             interpret=attn_impl == "pallas_interpret",
         )
     raise ValueError(f"attn_impl {attn_impl!r} is not one of 'reference', 'pallas', 'pallas_interpret'")
-
-
-# Query block of the expanded chunk attention (kernels/mla_chunk.py): 64 tokens x one head per program.
-CHUNK_BLOCK_Q = 64
-
-
-def splits_prefill_attention(cfg: ModelConfig, attn_impl: str, mesh_rules: MeshRules | None,
-                             prefill_attention: str) -> bool:
-    """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" on the Pallas
-    path, one device, head dims the chunk kernel supports; never with sparse attention (models/dsa.py), whose
-    steps attend to their selected keys alike at every size."""
-    from deepinfer_jax.kernels import mla_chunk
-
-    if prefill_attention not in ("expanded", "absorbed"):
-        raise ValueError(f"prefill_attention {prefill_attention!r} is not 'expanded' or 'absorbed'")
-    return (prefill_attention == "expanded" and not cfg.has_indexer and pallas_one_device(attn_impl, mesh_rules)
-            and mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
-                                    interpret=attn_impl == "pallas_interpret"))
-
-
-def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_rules: MeshRules | None,
-                     prefill_attention: str):
-    """For a prefill-bucket step where `splits_prefill_attention`: the step-wide inputs of the split
-    prefill attention (`attend_split`): (run_start [T], query blocks, visible_to [T], their block_q);
-    else None."""
-    from deepinfer_jax.kernels import mla_prefill
-
-    T, S = meta.token_ids.shape[0], meta.page_table.shape[0]
-    if not splits_prefill_attention(cfg, attn_impl, mesh_rules, prefill_attention) or decode_kernel_step(meta):
-        return None
-    rs = mla_prefill.run_starts(meta.seq_ids, meta.positions)
-    bq = mla_prefill.effective_block_q(T, CHUNK_BLOCK_Q)
-    blocks = mla_prefill.query_blocks(meta.seq_ids, meta.positions, bq, mla_prefill.num_query_blocks_bound(T, S, bq))
-    return rs, blocks, meta.positions[rs] - 1, bq
-
-
-def attend_split(p: dict, cfg: ModelConfig, q_nope, q_pe, latent, kv_cache, layer, meta: StepMetadata, plan,
-                 attn_impl: str) -> jax.Array:
-    """Prefill attention in two parts (kernels/mla_chunk.py): each token against the new tokens of its
-    own chunk in the expanded form (keys and values rebuilt from this step's latents), and against
-    the cached context before its chunk in the absorbed form; merged by log-sum-exp.
-    latent [T, R + dr] as written to the cache; kv_cache already holds it. -> [T, H, dv] in q's dtype.
-
-    The context part (the query's absorption through W_UK, the context kernel, W_UV, the merge) runs only
-    where some token of the step has cached context (`jax.lax.cond` on the device): a step of fresh prompts
-    takes the chunk part alone, normalised in the kernel, which is what the merge gives when the context
-    kernel saw no key (o = 0, m = NEG, l = 0: weights 1 and 0, exactly; `mla_chunk.normalise`). On an H200
-    the context part cost a Protocol A prefill step ~10 ms of its 166 (benchmarks/RESULTS.md). The price: XLA's
-    GPU runtime reads each layer's predicate on the host, so the host enqueues a layer only once the one before
-    has run and queues the next step only when this one ends (1-2 ms of a Protocol A run; in serving, no overlap
-    of the engine's bookkeeping with a prefill-bucket step). Where the host gives
-    `meta.has_context` (RunnerConfig.prefill_context_variant), its program takes the one branch it names."""
-    from deepinfer_jax.kernels import mla_chunk, mla_prefill
-
-    rs, blocks, visible_to, bq = plan
-    interpret = attn_impl == "pallas_interpret"
-    R, scale = cfg.kv_lora_rank, cfg.softmax_scale
-    c_kv, k_pe = latent[:, :R].astype(q_nope.dtype), latent[:, R:].astype(q_nope.dtype)
-    kv = jnp.einsum("tr,rhe->the", c_kv, weight(p["kv_b_proj"], c_kv.dtype))  # [T, H, dn + dv]
-    chunk = functools.partial(mla_chunk.chunk_attention, q_nope, q_pe, kv, k_pe, rs, blocks, scale, block_q=bq,
-                              interpret=interpret)
-
-    def with_context():
-        acc, m1, l1 = chunk()
-        q_lat = mla.absorb_query(p, cfg, q_nope)  # [T, H, R]
-        o_ctx, m2, l2 = mla_prefill.paged_mla_prefill_attention(
-            q_lat, q_pe, kv_cache, layer, meta.seq_ids, meta.positions, meta.page_table, scale,
-            visible_to=visible_to, return_lse=True, interpret=interpret)
-        o_ctx = mla.absorbed_output(p, cfg, o_ctx)  # [T, H, dv]
-        return mla_chunk.merge_with_context(acc, m1, l1, o_ctx, m2, l2).astype(q_nope.dtype)
-
-    if meta.has_context is not None:  # known on the host: no branch on the device
-        return with_context() if meta.has_context else chunk(out_dtype=q_nope.dtype)
-    return jax.lax.cond(jnp.any(visible_to >= 0), with_context, lambda: chunk(out_dtype=q_nope.dtype))
 
 
 def write_and_attend(q_lat, q_pe, latent, kv_cache, layer, meta: StepMetadata, scale: float, attn_impl: str):
@@ -381,7 +308,8 @@ def forward_paged(
     `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel.
     `prefill_attention`: "expanded" splits a prefill-bucket step's attention on the Pallas path (one
     device) into the new tokens' chunk in the expanded form and the cached context in the absorbed
-    form (`attend_split`); "absorbed" keeps the whole of it absorbed.
+    form; "expanded_context" takes the context of long runs in the expanded form too (models/mla_split.py);
+    "absorbed" keeps the whole of it absorbed.
     `decode_projection_kernel`: where `decode_stacked` allows (decode-size steps on the Pallas path, one
     device), o_proj and the dense MLP read their layer's weights in place through
     kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`).

@@ -32,7 +32,7 @@ class ModelFamily:
         """Whether prefill steps carry StepMetadata.has_context (models/deepseek.py; no other family uses it)."""
         if self.name != "deepseek":
             return False
-        from deepinfer_jax.models.deepseek import splits_prefill_attention
+        from deepinfer_jax.models.mla_split import splits_prefill_attention
 
         return splits_prefill_attention(cfg, attn_impl, mesh_rules, prefill_attention)
 

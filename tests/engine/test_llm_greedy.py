@@ -9,7 +9,7 @@ import pytest
 from hf_models import random_prompts
 from deepinfer_jax import LLM, SamplingParams
 from deepinfer_jax.config import ModelConfig
-from deepinfer_jax.models.deepseek import splits_prefill_attention
+from deepinfer_jax.models.mla_split import splits_prefill_attention
 from deepinfer_jax.runner.step_programs import program_kind
 
 LENGTHS = [1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 64, 65, 100, 129, 200, 255, 300, 5, 33, 180]

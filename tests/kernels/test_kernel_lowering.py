@@ -395,3 +395,24 @@ def test_dense_prefill_attention_lowers_for_sm90(triton_modules, heads, kv_heads
     (ir,) = triton_modules(lambda *a: ragged_gqa_attention(*a, 0.088, window), *args)
     assert ir.count("tt.dot") == 2
     assert "tt.reshape" in ir  # the [block_q, Gp, hd] tile as [block_q * Gp, hd] rows and back
+
+
+def test_expanded_context_window_lowers_for_sm90(triton_modules):
+    """The expanded context kernel at V2-Lite's head dims over an 8,192-key window, its softmax state aliased in
+    and out, in an 8,192-token prefill bucket."""
+    from deepinfer_jax.kernels.mla_context import window_attention
+    from deepinfer_jax.kernels.mla_prefill import num_query_blocks_bound, query_blocks
+
+    s = jax.ShapeDtypeStruct
+    Tp, S, W = 8192, 32, 8192
+
+    def window(qn, qp, kv, kp, sid, pos, lo, hi, acc, m, l):
+        blocks = query_blocks(sid, pos, 64, num_query_blocks_bound(Tp, S, 64))
+        return window_attention(qn, qp, kv, kp, blocks, lo, hi, 0.1, acc, m, l, block_q=64)
+
+    nb = num_query_blocks_bound(Tp, S, 64)
+    args = (s((Tp, H, 128), jnp.bfloat16), s((Tp, H, DR), jnp.bfloat16), s((W, H, 256), jnp.bfloat16),
+            s((W, DR), jnp.bfloat16), s((Tp,), jnp.int32), s((Tp,), jnp.int32), s((nb,), jnp.int32),
+            s((nb,), jnp.int32), s((Tp, H, 128), jnp.float32), s((Tp, H), jnp.float32), s((Tp, H), jnp.float32))
+    (ir,) = triton_modules(window, *args)
+    assert ir.count("tt.dot") == 3  # q_nope . k_nope, q_pe . k_pe, p . v

@@ -139,7 +139,7 @@ def test_context_only_pass_with_splits_equals_one_split():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fresh_prompts_need_no_context_part(dtype):
     """A step of fresh prompts (and padding): no token sees cached context (the predicate of
-    models/deepseek.py attend_split's cond), and the chunk part alone, normalised (in JAX, and in the kernel
+    models/mla_split.py attend_split's cond), and the chunk part alone, normalised (in JAX, and in the kernel
     with `out_dtype`), equals the merge with the real context kernel's empty output bit for bit."""
     T, chunks = 32, [(0, 9), (0, 13), (0, 1)]
     kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(3, chunks, T, dtype=dtype)
@@ -167,3 +167,74 @@ def test_fresh_prompts_need_no_context_part(dtype):
     # One token of cached context anywhere in the step makes the predicate true.
     sid2, pos2 = _runs([(0, 9), (1, 13)], T)
     assert bool(jnp.any(pos2[run_starts(sid2, pos2)] - 1 >= 0))
+
+
+# Long runs over long contexts: a prefix hit of 30 new tokens over 40 cached, a second chunk of 20 over 36,
+# a decode token, a fresh prompt, a short run of 3 over 9 cached; padding after.
+LONG = [(40, 30), (36, 20), (44, 1), (0, 9), (9, 3)]
+
+
+def _long_split(seed, window, min_queries, block_q=16, block_k=16, dtype=jnp.float32):
+    """The split attention with the expanded context (kernels/mla_context.py) for the runs of at least
+    `min_queries` tokens, the absorbed context for the rest, against full absorbed attention."""
+    from deepinfer_jax.kernels import mla_context
+
+    T = 128
+    kv_cache, pt, sid, pos, latent, w_uk, w_uv, q_nope, q_pe = _mixed_cache(seed, LONG, T, 12, dtype)
+    q_lat = jnp.einsum("thd,rhd->thr", q_nope, w_uk, precision="highest")
+    full = paged_mla_attention_reference(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15)
+    want = jnp.einsum("thr,rhv->thv", full, w_uv, precision="highest")
+
+    def up(c):
+        return jnp.concatenate([jnp.einsum("tr,rhd->thd", c, w_uk, precision="highest"),
+                                jnp.einsum("tr,rhv->thv", c, w_uv, precision="highest")], axis=-1)
+
+    rs = run_starts(sid, pos)
+    bq = effective_block_q(T, block_q)
+    blocks = query_blocks(sid, pos, bq, num_query_blocks_bound(T, len(LONG), bq))
+    picked, cu = mla_context.plan(sid, pos, rs, len(LONG), min_queries)
+    state = chunk_attention(q_nope, q_pe, up(latent[:, :R]), latent[:, R:], rs, blocks, 0.15, block_q=bq,
+                            block_k=block_k, interpret=True)
+    ref = mla_context.expanded_context_reference(q_nope, q_pe, kv_cache, 0, pt, sid, pos, picked, up, 0.15, state)
+    state = mla_context.expanded_context(q_nope, q_pe, kv_cache, 0, pt, sid, picked, cu, blocks, up, 0.15, state,
+                                         block_q=bq, window=window, interpret=True)
+    vis = jnp.where(picked, -1, pos[rs] - 1)
+    o_ctx, m2, l2 = paged_mla_prefill_attention(q_lat, q_pe, kv_cache, 0, sid, pos, pt, 0.15, block_q=4,
+                                                block_h=2, visible_to=vis, return_lse=True, interpret=True)
+    o_ctx = jnp.einsum("thr,rhv->thv", o_ctx, w_uv, precision="highest")
+    got = merge_with_context(*state, o_ctx, m2, l2)
+    return got, want, state, ref, picked, cu
+
+
+@pytest.mark.parametrize("window,min_queries", [(16, 8), (64, 8), (16, 25), (64, 1000)])
+def test_expanded_context_equals_full_absorbed_attention(window, min_queries):
+    """Runs of min_queries+ tokens take their context window by window in the expanded form (contexts longer
+    than a window, a window holding two sequences' contexts), the rest absorbed; merged, the step equals full
+    absorbed attention, and the kernel's state equals its pure-JAX reference."""
+    got, want, state, ref, picked, cu = _long_split(4, window, min_queries)
+    real = sum(n for _, n in LONG)
+    np.testing.assert_allclose(np.asarray(got)[:real], np.asarray(want)[:real], rtol=2e-5, atol=2e-5)
+    for g, r in zip(state, ref):
+        np.testing.assert_allclose(np.asarray(g)[:real], np.asarray(r)[:real], rtol=2e-5, atol=2e-5)
+    long_runs = [row for row, (start, n) in enumerate(LONG) if n >= min_queries and start > 0]
+    ctx = np.zeros(len(LONG), np.int64)
+    ctx[long_runs] = [LONG[row][0] for row in long_runs]
+    np.testing.assert_array_equal(np.asarray(cu), np.concatenate([[0], np.cumsum(ctx)]))
+    owner = np.repeat(np.arange(len(LONG)), [n for _, n in LONG])
+    np.testing.assert_array_equal(np.asarray(picked)[:real], np.isin(owner, long_runs))
+    assert not np.asarray(picked)[real:].any()  # padding: row 0 at position 0, no context
+
+
+def test_expanded_context_in_bfloat16_is_close():
+    got, want, *_ = _long_split(5, 32, 8, dtype=jnp.bfloat16)
+    real = sum(n for _, n in LONG)
+    np.testing.assert_allclose(np.asarray(got, np.float32)[:real], np.asarray(want, np.float32)[:real],
+                               rtol=3e-2, atol=3e-2)
+
+
+def test_context_window_size():
+    from deepinfer_jax.kernels.mla_context import window_size
+
+    assert window_size(16, 256, 2) == 8192  # V2-Lite
+    assert window_size(128, 256, 2) == 1024  # V3
+    assert window_size(128, 256, 4) == 512

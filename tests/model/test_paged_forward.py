@@ -39,13 +39,16 @@ def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [29 + t, 2 + t, 29 + t]], atol=2e-5)
 
 
-@pytest.mark.parametrize("prefill_attention", ["expanded", "absorbed"])
+@pytest.mark.parametrize("prefill_attention", ["expanded", "expanded_context", "absorbed"])
 def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention, monkeypatch):
     """attn_impl="pallas_interpret": steps with more token slots than sequence rows run the prefill
     path (chunks over cached prefixes, decode tokens, padding): split into each chunk in the expanded
-    form plus its cached context (kernels/mla_chunk.py), or all absorbed (kernels/mla_prefill.py); the
+    form plus its cached context (kernels/mla_chunk.py; with "expanded_context" the runs of 8+ tokens take their
+    context in the expanded form too, kernels/mla_context.py), or all absorbed (kernels/mla_prefill.py); the
     unpadded decode step runs the decode kernel; all give the full forward's logits."""
-    from deepinfer_jax.models import deepseek
+    from deepinfer_jax.models import deepseek, mla_split
+
+    monkeypatch.setattr(mla_split, "CONTEXT_MIN_QUERIES", 8)
 
     _, path = hf_case("v2_greedy_yarn")
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
@@ -55,14 +58,23 @@ def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention,
     cache = init_kv_cache(cfg, 24, PAGE, jnp.float32)
     splits = []
     plan = deepseek.chunk_split_plan
-    monkeypatch.setattr(deepseek, "chunk_split_plan", lambda *a: splits.append(plan(*a) is not None) or plan(*a))
+    contexts = []
+
+    def spy(*a):
+        out = plan(*a)
+        splits.append(out is not None)
+        contexts.append(out is not None and out[4] is not None)
+        return out
+
+    monkeypatch.setattr(deepseek, "chunk_split_plan", spy)
     for chunks, pad_to, rows in [([(0, 17), (0, 1), (0, 9)], 32, [16, 0, 8]),
                                  ([(17, 12), (1, 1), (9, 20)], None, [28, 1, 28]),
                                  ([(29, 1), (2, 1), (29, 1)], None, [29, 2, 29])]:  # T == S: the decode kernel
         logits, cache = _step(params, cfg, cache, ids, pages, chunks, pad_to, attn_impl="pallas_interpret",
                               prefill_attention=prefill_attention)
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], rows], atol=2e-5)
-    assert splits == ([True, True, False] if prefill_attention == "expanded" else [False] * 3)
+    assert splits == ([False] * 3 if prefill_attention == "absorbed" else [True, True, False])
+    assert contexts == ([True, True, False] if prefill_attention == "expanded_context" else [False] * 3)
 
 
 def test_paged_forward_under_jit_with_donation(hf_case):
