@@ -39,7 +39,7 @@ def add_variant_flags(ap: argparse.ArgumentParser) -> None:
         default = RunnerConfig.__dataclass_fields__[field].default
         ap.add_argument("--" + field.replace("_", "-"), action=argparse.BooleanOptionalAction, default=default,
                         help=f"{what} (RunnerConfig.{field})")
-    ap.add_argument("--prefill-attention", choices=["expanded", "expanded_context", "absorbed"], default=RunnerConfig.prefill_attention,
+    ap.add_argument("--prefill-attention", choices=["expanded", "absorbed"], default=RunnerConfig.prefill_attention,
                     help="prefill steps' attention form (RunnerConfig.prefill_attention)")
     ap.add_argument("--decode-moe-launch-tokens", type=_token_counts, default=RunnerConfig.decode_moe_launch_tokens,
                     help="the step sizes (token slots, comma-separated, or 'all') the route-and-experts launch runs "

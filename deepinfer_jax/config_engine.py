@@ -99,10 +99,10 @@ class RunnerConfig:
 
     # ---- attention kernels (Pallas, one device) ------------------------------------------------------------------
     # Prefill-bucket steps: "expanded" attends each token to its own chunk in the expanded form (kernels/mla_chunk.py,
-    # 3.4x fewer FLOPs) and to the cached context in the absorbed form; "expanded_context" also takes the runs of 256+
-    # new tokens to their cached context in the expanded form (kernels/mla_context.py: the context up-projected window
-    # by window); "absorbed" runs all of it absorbed (kernels/mla_prefill.py, the path sharded steps and unsupported
-    # head sizes take anyway).
+    # 3.4x fewer FLOPs) and to the cached context in the expanded form too for runs of 256+ new tokens
+    # (kernels/mla_context.py: the context up-projected window by window), in the absorbed form for the rest;
+    # "absorbed" runs all of it absorbed (kernels/mla_prefill.py, the path sharded steps and unsupported head sizes
+    # take anyway).
     prefill_attention: str = "expanded"
     # Decode-size steps read o_proj and the dense MLP's weights in place (kernels/decode_matmul.py) instead of XLA
     # copying o_proj's slice every layer and padding the MLP's down weight every step (models/decode_kernels.py);

@@ -17,6 +17,12 @@ CPU_BUCKET_FACTOR = 16  # a small model's token buckets on a CPU: each 16x the l
 # request 1.28 s with decode steps of 32 rows, 0.51 s with 16; a one-request prefill step of 16 token slots 15 ms,
 # 32 slots 38 ms, 64, 128 or 256 slots ~75 ms (so buckets (16, 256) cost a 17-32 token prompt ~40 ms, no other).
 CPU_SMALL_MAX_NUM_SEQS = 16
+# A server's step budget on a GPU of at least LARGE_GPU_BYTES (an 80 GB H100, an H200): vLLM's API server takes 8,192
+# tokens a step there (EngineArgs' defaults; 2,048 on smaller GPUs, as `LLM` here). Long prompts then prefill in
+# a quarter of the steps, each reading the cached context once: Protocol B-long's 16K prompts and B-high's
+# concurrency 512 (benchmarks/RESULTS.md).
+LARGE_GPU_BYTES = 70 * 2**30
+LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 
 
 def num_params(cfg: ModelConfig) -> int:
@@ -31,7 +37,8 @@ def num_params(cfg: ModelConfig) -> int:
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
 
 
-def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> tuple[dict[str, Any], str]:
+def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any],
+                     device_total: int | None = None) -> tuple[dict[str, Any], str]:
     """The engine arguments `deepinfer serve / chat / generate` choose where the user set none (`given`: the
     arguments set, by name), and one line saying which and why.
 
@@ -41,8 +48,9 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
     ladder (runner/inputs.py coarse_token_buckets: 16 and 256 token slots, not 16 to 256 in powers of two) and no
     greedy sampling variant (the base variant's draw costs it nothing that shows): 5 step programs to compile
     instead of 11, each seconds on a CPU. On a CPU every model runs each step program once at warm-up, not RunnerConfig's 3
-    (those record the GPU's CUDA graphs; on a CPU one run leaves nothing to compile). Otherwise LLM's defaults
-    (vLLM's). A set flag always wins."""
+    (those record the GPU's CUDA graphs; on a CPU one run leaves nothing to compile). Other models on a GPU of
+    `device_total` >= LARGE_GPU_BYTES get LARGE_GPU_MAX_NUM_BATCHED_TOKENS tokens a step, as vLLM's server. Otherwise
+    LLM's defaults (vLLM's). A set flag always wins."""
     from deepinfer_jax.runner.inputs import coarse_token_buckets, token_buckets
 
     n = num_params(cfg)
@@ -55,6 +63,9 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
             out["max_num_batched_tokens"] = max(SMALL_SIZES["max_num_batched_tokens"], given["max_num_seqs"])
         if "max_model_len" in out:
             out["max_model_len"] = min(out["max_model_len"], cfg.max_position_embeddings)
+    large_gpu = platform == "gpu" and not small and (device_total or 0) >= LARGE_GPU_BYTES
+    if large_gpu and given.get("max_num_batched_tokens") is None:
+        out["max_num_batched_tokens"] = max(LARGE_GPU_MAX_NUM_BATCHED_TOKENS, given.get("max_num_seqs") or 0)
     chosen = [f"{k} {v}" for k, v in out.items()]
     if small and cpu:
         seqs = given.get("max_num_seqs") or out.get("max_num_seqs")
@@ -75,6 +86,8 @@ def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any]) -> 
             ", seconds each on a CPU, while a step padded to a larger bucket costs such a model little" if cpu else ""))
     if cpu:
         why.append("no CUDA graph to record on a CPU")
+    if large_gpu and "max_num_batched_tokens" in out:
+        why.append(f"a GPU of {device_total / 2**30:.0f} GiB: vLLM's server budget there")
     what = f"a small model ({n / 1e6:.1f}M parameters)" if small else f"a model of {n / 1e6:,.0f}M parameters"
     line = f"engine defaults for {what} on {platform}: {', '.join(chosen)} ({'; '.join(why)})"
     return out, line

@@ -307,9 +307,9 @@ def forward_paged(
     Pallas expert kernels (read in place from its stacked weights) instead of as XLA GEMMs.
     `fuse_moe_routing`: where `moe.routing_into_kernels` allows, routing and alignment run in one kernel.
     `prefill_attention`: "expanded" splits a prefill-bucket step's attention on the Pallas path (one
-    device) into the new tokens' chunk in the expanded form and the cached context in the absorbed
-    form; "expanded_context" takes the context of long runs in the expanded form too (models/mla_split.py);
-    "absorbed" keeps the whole of it absorbed.
+    device) into the new tokens' chunk in the expanded form and the cached context, in the expanded form for runs
+    of many new tokens and the absorbed form for the rest (models/mla_split.py); "absorbed" keeps the whole of it
+    absorbed.
     `decode_projection_kernel`: where `decode_stacked` allows (decode-size steps on the Pallas path, one
     device), o_proj and the dense MLP read their layer's weights in place through
     kernels/decode_matmul.py instead of XLA's GEMMs (`STACKABLE`).

@@ -1,7 +1,9 @@
 """A prefill step's MLA attention split by key set (kernels/mla_chunk.py, kernels/mla_context.py,
 kernels/mla_prefill.py): each token against the new tokens of its own chunk in the expanded form, and against
-the cached context before its chunk in the expanded form (runs of many new tokens: `CONTEXT_MIN_QUERIES`, with
-`prefill_attention` "expanded_context") or the absorbed form (the rest); the parts merged by log-sum-exp.
+the cached context before its chunk in the expanded form (runs of many new tokens: `CONTEXT_MIN_QUERIES`) or the
+absorbed form (the rest); the parts merged by log-sum-exp. One layer's attention of an 8,192-token chunk over 8K-120K
+cached tokens ran 2.9-4.6x faster with the context expanded than absorbed on an H100 (benchmarks/prefill_context.py,
+benchmarks/RESULTS.md).
 
 Pure functions of the layer's params and the step's metadata, called from models/deepseek.py's layer body on
 the Pallas path on one device.
@@ -26,19 +28,19 @@ CHUNK_BLOCK_Q = 64
 # A run (a sequence's new tokens in the step) of at least this many tokens attends to its cached context in the
 # expanded form: up-projecting a context token pays back from 171 query tokens on (kernels/mla_context.py).
 CONTEXT_MIN_QUERIES = 256
-PREFILL_ATTENTION = ("expanded", "expanded_context", "absorbed")
+PREFILL_ATTENTION = ("expanded", "absorbed")
 
 
 def splits_prefill_attention(cfg: ModelConfig, attn_impl: str, mesh_rules: MeshRules | None,
                              prefill_attention: str) -> bool:
-    """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" or "expanded_context"
-    on the Pallas path, one device, head dims the chunk kernel supports; never with sparse attention
+    """Whether prefill-bucket steps take the split attention (`attend_split`): "expanded" on the Pallas path, one
+    device, head dims the chunk kernel supports; never with sparse attention
     (models/dsa.py), whose steps attend to their selected keys alike at every size."""
     from deepinfer_jax.kernels import mla_chunk
 
     if prefill_attention not in PREFILL_ATTENTION:
         raise ValueError(f"prefill_attention {prefill_attention!r} is not one of {', '.join(PREFILL_ATTENTION)}")
-    return (prefill_attention != "absorbed" and not cfg.has_indexer and pallas_one_device(attn_impl, mesh_rules)
+    return (prefill_attention == "expanded" and not cfg.has_indexer and pallas_one_device(attn_impl, mesh_rules)
             and mla_chunk.supported(cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim,
                                     interpret=attn_impl == "pallas_interpret"))
 
@@ -57,7 +59,7 @@ def chunk_split_plan(cfg: ModelConfig, meta: StepMetadata, attn_impl: str, mesh_
     bq = mla_prefill.effective_block_q(T, CHUNK_BLOCK_Q)
     blocks = mla_prefill.query_blocks(meta.seq_ids, meta.positions, bq, mla_prefill.num_query_blocks_bound(T, S, bq))
     ctx = None
-    if prefill_attention == "expanded_context" and T >= CONTEXT_MIN_QUERIES:
+    if T >= CONTEXT_MIN_QUERIES:
         ctx = mla_context.plan(meta.seq_ids, meta.positions, rs, S, CONTEXT_MIN_QUERIES)
     return rs, blocks, meta.positions[rs] - 1, bq, ctx
 

@@ -417,7 +417,15 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         platform = jax.default_backend()
     model_dir, _ = resolve_model(ns)
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
-    auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given)
+    device_total = None
+    if platform == "gpu":
+        import jax
+
+        from deepinfer_jax.runner.device_memory import device_memory
+
+        mem = device_memory(jax.devices()[0])
+        device_total = mem and mem.device_total
+    auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given, device_total)
     kw: dict[str, Any] = dict(
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
         gpu_memory=ns.gpu_memory,

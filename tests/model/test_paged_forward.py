@@ -39,16 +39,16 @@ def test_prefill_chunks_then_decode_equal_full_forward(hf_case, case_name):
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], [29 + t, 2 + t, 29 + t]], atol=2e-5)
 
 
-@pytest.mark.parametrize("prefill_attention", ["expanded", "expanded_context", "absorbed"])
-def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention, monkeypatch):
+@pytest.mark.parametrize("prefill_attention,min_queries", [("expanded", 8), ("expanded", 1000), ("absorbed", 8)])
+def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention, min_queries, monkeypatch):
     """attn_impl="pallas_interpret": steps with more token slots than sequence rows run the prefill
     path (chunks over cached prefixes, decode tokens, padding): split into each chunk in the expanded
-    form plus its cached context (kernels/mla_chunk.py; with "expanded_context" the runs of 8+ tokens take their
-    context in the expanded form too, kernels/mla_context.py), or all absorbed (kernels/mla_prefill.py); the
+    form plus its cached context (kernels/mla_chunk.py; runs of min_queries+ tokens take their context in the
+    expanded form too, kernels/mla_context.py), or all absorbed (kernels/mla_prefill.py); the
     unpadded decode step runs the decode kernel; all give the full forward's logits."""
     from deepinfer_jax.models import deepseek, mla_split
 
-    monkeypatch.setattr(mla_split, "CONTEXT_MIN_QUERIES", 8)
+    monkeypatch.setattr(mla_split, "CONTEXT_MIN_QUERIES", min_queries)
 
     _, path = hf_case("v2_greedy_yarn")
     cfg, params = load_hf_checkpoint(path, ModelConfig.from_model_dir(path), jnp.float32, progress=False)
@@ -74,7 +74,7 @@ def test_pallas_attention_kernels_equal_full_forward(hf_case, prefill_attention,
                               prefill_attention=prefill_attention)
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1, 2], rows], atol=2e-5)
     assert splits == ([False] * 3 if prefill_attention == "absorbed" else [True, True, False])
-    assert contexts == ([True, True, False] if prefill_attention == "expanded_context" else [False] * 3)
+    assert contexts == ([True, True, False] if prefill_attention == "expanded" and min_queries == 8 else [False] * 3)
 
 
 def test_paged_forward_under_jit_with_donation(hf_case):

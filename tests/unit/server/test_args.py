@@ -76,6 +76,24 @@ def test_defaults_and_vllm_names(model_dirs):
     assert kw["greedy_variant"] is False
 
 
+def test_large_gpu_server_step_budget(model_dirs):
+    """On a GPU of 70+ GiB a large model's server takes 8,192 tokens a step (vLLM's API server there); smaller GPUs,
+    small models and a set flag keep theirs."""
+    from deepinfer_jax.config import ModelConfig
+    from deepinfer_jax.engine.serving_defaults import serving_defaults
+
+    copy, large = model_dirs
+    big, small = (ModelConfig.from_model_dir(d) for d in (large, copy))
+    out, note = serving_defaults(big, "gpu", {}, 80 * 2**30)
+    assert out == {"max_num_batched_tokens": 8192}
+    assert note.endswith("on gpu: max_num_batched_tokens 8192 (a GPU of 80 GiB: vLLM's server budget there)")
+    assert serving_defaults(big, "gpu", {"max_num_seqs": 1024}, 141 * 2**30)[0] == {"max_num_batched_tokens": 8192}
+    assert serving_defaults(big, "gpu", {"max_num_batched_tokens": 2048}, 80 * 2**30) == ({}, "")
+    assert serving_defaults(big, "gpu", {}, 24 * 2**30) == ({}, "")
+    assert serving_defaults(big, "gpu", {}, None) == ({}, "")
+    assert serving_defaults(small, "gpu", {}, 80 * 2**30)[0]["max_num_batched_tokens"] == 256
+
+
 def test_cpu_defaults_by_model_size(model_dirs):
     """On a CPU a small model, embedded or not, also gets fewer step programs: two token buckets (a decode one
     holding every sequence row, then the step's budget) and no greedy sampling variant; flags still win. Every model
