@@ -17,10 +17,11 @@ CPU_BUCKET_FACTOR = 16  # a small model's token buckets on a CPU: each 16x the l
 # request 1.28 s with decode steps of 32 rows, 0.51 s with 16; a one-request prefill step of 16 token slots 15 ms,
 # 32 slots 38 ms, 64, 128 or 256 slots ~75 ms (so buckets (16, 256) cost a 17-32 token prompt ~40 ms, no other).
 CPU_SMALL_MAX_NUM_SEQS = 16
-# A server's step budget on a GPU of at least LARGE_GPU_BYTES (an 80 GB H100, an H200): vLLM's API server takes 8,192
-# tokens a step there (EngineArgs' defaults; 2,048 on smaller GPUs, as `LLM` here). Long prompts then prefill in
-# a quarter of the steps, each reading the cached context once: Protocol B-long's 16K prompts and B-high's
-# concurrency 512 (benchmarks/RESULTS.md).
+# A server's step budget on a GPU of at least LARGE_GPU_BYTES (an 80 GB H100, an H200; server/args.py leaves out the
+# A100, as vLLM does): vLLM 0.26's API server takes 8,192 tokens a step there (EngineArgs.get_batch_defaults; 2,048
+# on smaller GPUs, as `LLM` here). Long prompts then prefill in
+# a quarter of the steps, each reading the cached context once. Protocol B compares the two servers at their defaults
+# (benchmarks/gpu.sh), so they take the same budget.
 LARGE_GPU_BYTES = 70 * 2**30
 LARGE_GPU_MAX_NUM_BATCHED_TOKENS = 8192
 

@@ -423,8 +423,10 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
 
         from deepinfer_jax.runner.device_memory import device_memory
 
-        mem = device_memory(jax.devices()[0])
-        device_total = mem and mem.device_total
+        dev = jax.devices()[0]
+        mem = device_memory(dev)
+        # as vLLM, not on an A100, where a larger budget lowered its throughput
+        device_total = mem and "a100" not in dev.device_kind.lower() and mem.device_total or None
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given, device_total)
     kw: dict[str, Any] = dict(
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,
