@@ -27,7 +27,7 @@
 #   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
 #   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
 #   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
-#   protocol_b_long  long contexts: 4K in / 512 out and 16K in / 256 out at concurrency 16, 32, 64
+#   protocol_b_long  long contexts: 4K in / 512 out and 16K in / 256 out at concurrency 16, 32, 64, 64 prompts a level
 #   vllm_serve_long  the same against vLLM's server
 #   protocol_c       Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32,
 #                    prefix caching on and then off (TTFT is the figure)
@@ -152,7 +152,8 @@ protocol_b() {  # [NAME] [MAX_MODEL_LEN]
 
 b_high_client="--input-len 512 --output-len 128 --max-concurrency 1,32,128,256,512"
 b_long_lens="4096:512 16384:256"  # input:output
-b_long_client() { echo "--input-len ${1%%:*} --output-len ${1##*:} --max-concurrency 16,32,64"; }
+# 64 prompts a level (4 x concurrency would be 256 prompts of 16K at 64: minutes of prefill a level, past a 10-minute call)
+b_long_client() { echo "--input-len ${1%%:*} --output-len ${1##*:} --max-concurrency 16,32,64 --num-prompts 64"; }
 
 vllm_serve() {  # NAME [MAX_MODEL_LEN]: vLLM's defaults otherwise (prefix caching on, as ours; its dummy weights
                 # drawn from U(+-0.05))
