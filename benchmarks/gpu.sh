@@ -24,6 +24,9 @@
 #                    (--unroll-max-tokens: weight slices at constant offsets), 16,384 with the layers scanned and
 #                    XLA's dynamic-slice fusion (offsets from the loop's counter, which the fusion takes; the
 #                    straight-line loop's runtime indices it did not)
+#   protocol_a_quant offline.py's Protocol A (greedy) with the weights in bf16, FP8 (128 x 128 blocks), INT8 and INT4
+#                    (--quantization), each beside the decode step's weight-byte floor
+#   vllm_quant       vllm_peer.py --preset: vLLM's Protocol A in bf16 and with its online FP8 (--quantization fp8)
 #   protocol_a_high  offline.py at batch 128 and 256 (Protocol A's 512 in / 256 out), decode step against its floors
 #   protocol_b_high  Protocol B-high: concurrency 1, 32, 128, 256, 512, 512 in / 128 out (--max-num-seqs 512)
 #   vllm_serve_high  the same client against vLLM's server (--max-num-seqs 512)
@@ -76,6 +79,11 @@ run_part() {
       $d --unroll-max-tokens 16384 --trace-prefill "$out/trace_unrolled" > "$out/dense_prefill_unrolled.log" 2>&1
       XLA_FLAGS="${XLA_FLAGS:+$XLA_FLAGS }--xla_gpu_enable_dynamic_slice_fusion=true" $d --prefill-layers scan \
         --trace-prefill "$out/trace_scan_dsf" > "$out/dense_prefill_scan_dsf.log" 2>&1 ;;
+    protocol_a_quant) for q in none fp8 int8 int4; do python3 benchmarks/offline.py --preset "$preset" --buckets 32,16384 \
+        --temperatures 0 --quantization $q --json "$out/protocol_a_$q.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$q.log" 2>&1
+        done ;;
+    vllm_quant) vllm_unpack && for q in "" "--quantization fp8"; do PYTHONPATH=$vllm/pkgs:$vllm/site \
+        python3 benchmarks/vllm_peer.py --preset "$preset" --batches 32 $q > "$out/vllm_quant${q:+_fp8}.log" 2>&1; done ;;
     protocol_a_high) for b in 128 256; do
         python3 benchmarks/offline.py --preset "$preset" --batch $b --buckets $b,16384 --max-num-batched-tokens 16384 \
           --json "$out/protocol_a_$b.json" ${OFFLINE_ARGS:-} > "$out/protocol_a_$b.log" 2>&1; done ;;
@@ -188,6 +196,8 @@ has kernels && grep -h -E "^\| (32|2048|8192) \||16 prompts|512 after" "$out/ker
 has gpu_vs_cpu && grep -h -E "^\| GPU" "$out/gpu_vs_cpu.log"
 has protocol_a && grep -h -E "Protocol A|prefill [0-9]|start-up|peak|engine loop|in use after" "$out/protocol_a.log"
 has protocol_a_high && grep -H -E "Protocol A|prefill [0-9]|decode step" "$out"/protocol_a_128.log "$out"/protocol_a_256.log
+has protocol_a_quant && grep -H -E "^weights:|Protocol A|decode step|Error" "$out"/protocol_a_{none,fp8,int8,int4}.log
+has vllm_quant && grep -H -E "^vLLM|^ +32 |Error" "$out"/vllm_quant*.log
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
 has sharded && grep -h -E "^\|" "$out/sharded.log"

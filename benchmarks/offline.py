@@ -35,20 +35,20 @@ HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (GPU.md)
 BF16_FLOPS = 587e12  # measured XLA bf16 matmul on the H200
 
 
-def weight_bytes_per_decode_step(cfg: ModelConfig, distinct_experts: float, itemsize: int = 2) -> float:
-    """Bytes a decode step must read: every weight except unused experts and all but `batch` embedding rows."""
-    from deepinfer_jax.models.params import is_spec, param_specs
+def weight_bytes_per_decode_step(cfg: ModelConfig, params, distinct_experts: float) -> float:
+    """Bytes a decode step must read: every weight array of `params` (quantized codes and scales as stored) except
+    unused experts and all but `batch` embedding rows."""
     import jax
 
     total = 0
-    for path, spec in jax.tree.flatten_with_path(param_specs(cfg), is_leaf=is_spec)[0]:
+    for path, x in jax.tree.flatten_with_path(params)[0]:
         name = jax.tree_util.keystr(path)
-        n = int(np.prod(spec.shape))
+        n = int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
         if "'embed'" in name and "segments" not in name:
             continue
         if "experts" in name:
             n = n * distinct_experts / cfg.n_routed_experts
-        total += n * itemsize
+        total += n
     return total
 
 
@@ -71,6 +71,41 @@ def cuda_stack_limit(device, new: int | None = None) -> str:
         cuda.cuCtxGetLimit(ctypes.byref(value), 0)
         text += f", set to {new}: {value.value} bytes (rc {rc})"
     return text
+
+
+def quantized_params(cfg: ModelConfig, params, method: str, dtype, scale: float = 0.05, seed: int = 1):
+    """Protocol A's weights in a quantized format (`--quantization`), drawn on the device at the float dummy's scale
+    (about U(-scale, scale) once dequantized): "fp8" as an FP8 release of the shape (128 x 128 blocks, every leaf the
+    loader keeps as FP8: weights/release_random.py; the format `--quantization fp8` gives a float checkpoint online);
+    "int8" / "int4" as the QuantizedWeight codes of models/quant.py's layouts (per-channel INT8, INT4 in groups of at
+    most 128, as `convert --quantize` writes them) in place of `params`' float leaves."""
+    import jax
+    import jax.numpy as jnp
+
+    from deepinfer_jax.models.quant import METHODS, QuantizedWeight, quant_layout, quantized_shapes
+
+    if method == "fp8":  # `params` unused (None)
+        from deepinfer_jax.weights.release_random import Fp8Release, pending_release_params
+
+        return pending_release_params(cfg, Fp8Release((128, 128)), dtype, seed=seed, scale=scale).load()
+    bits = METHODS[method]
+    key = jax.random.key(seed)
+
+    def one(path, leaf):
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        lay = quant_layout(keys)
+        if lay is None:
+            return leaf
+        q_shape, s_shape, g = quantized_shapes(leaf.shape, bits, lay[0], lay[1], 128)
+        k = jax.random.fold_in(key, hash(keys) % 2**31)
+        if bits == 8:  # codes in [-127, 127] x scale / 127
+            q = jax.random.randint(k, q_shape, -127, 128, jnp.int8)
+        else:  # two codes a byte, each in [0, 15] (value code - 8) x scale / 8
+            q = jax.random.randint(k, q_shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        s = jnp.full(s_shape, scale / (127 if bits == 8 else 8), jnp.float32)
+        return QuantizedWeight(q, s, bits, g, lay[1])
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(os.path.dirname(HERE), "configs", "models"))
@@ -105,6 +140,9 @@ def main(argv=None, prog: str | None = None) -> int:
     ap.add_argument("--prompt-len", type=positive_int, default=512)
     ap.add_argument("--output-len", type=positive_int, default=256)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    ap.add_argument("--quantization", default="none", choices=["none", "fp8", "int8", "int4"],
+                    help="weights drawn in this format (`quantized_params`): fp8 as an FP8 block-scaled release, "
+                         "int8 / int4 as `convert --quantize` writes them; none: float weights in --dtype")
     ap.add_argument("--attn-impl", default="pallas", choices=["pallas", "pallas_interpret", "reference"])
     ap.add_argument("--moe-impl", default="pallas", choices=["pallas", "pallas_interpret", "ragged", "dense"])
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=16384,
@@ -168,8 +206,14 @@ def main(argv=None, prog: str | None = None) -> int:
     sharding = None if parallel.is_single_device else build_sharding(cfg, parallel)
     dp = args.data_parallel_size
     t0 = time.time()
-    params = random_params(cfg, jnp.dtype(args.dtype), seed=0,
-                           shardings=None if sharding is None else sharding.param_shardings(cfg))
+    if args.quantization != "none" and sharding is not None:
+        ap.error("--quantization runs on one device")
+    params = None
+    if args.quantization != "fp8":
+        params = random_params(cfg, jnp.dtype(args.dtype), seed=0,
+                               shardings=None if sharding is None else sharding.param_shardings(cfg))
+    if args.quantization != "none":
+        params = quantized_params(cfg, params, args.quantization, jnp.dtype(args.dtype))
     jax.block_until_ready(params)
     t_weights = time.time() - t0
     # With data-parallel attention the scheduler limits and buckets hold per rank.
@@ -190,6 +234,10 @@ def main(argv=None, prog: str | None = None) -> int:
     t_ready = time.time() - t0
     if dev.platform == "gpu":
         print(f"CUDA stack limit after warm-up: {cuda_stack_limit(dev, args.cuda_stack_limit)}", flush=True)
+    from deepinfer_jax.models.quant import weights_nbytes
+
+    print(f"weights: {args.quantization if args.quantization != 'none' else args.dtype}, "
+          f"{weights_nbytes(params) / 2**30:.2f} GiB", flush=True)
     print(f"start-up: weights {t_weights:.1f}s, ready {t_ready:.1f}s ({eng.num_warmup_compiles} shapes), "
           f"KV cache {eng.kv_cache_report}", flush=True)
 
@@ -300,7 +348,7 @@ def main(argv=None, prog: str | None = None) -> int:
         best = min(r[0] for r in runs)
         experts, distinct = runs[0][1], runs[0][2]
         tps = args.batch * args.output_len / best
-        floor_step = weight_bytes_per_decode_step(cfg, experts) / HBM_BYTES_PER_S
+        floor_step = weight_bytes_per_decode_step(cfg, params, experts) / HBM_BYTES_PER_S
         limit = args.batch / floor_step
         print(f"Protocol A temp={temp}: {best:.2f}s -> {tps:,.0f} output tok/s (decode-only limit at the "
               f"H200's 4.3 TB/s {limit:,.0f}; runs {', '.join(f'{r[0]:.2f}' for r in runs)}); "

@@ -5,6 +5,7 @@ greedy and temperature 1.0. Run it with vLLM importable (its bundle, ../shared/p
     python benchmarks/vllm_peer.py --dense llama-3.1-8b --batches 32
     python benchmarks/vllm_peer.py --dir /path/to/protocol-f-v3-fp8 --batches 32,128
     python benchmarks/vllm_peer.py --v4 14 --batches 32     # V4-Flash's width cut to 14 layers, as v4_offline.py
+    python benchmarks/vllm_peer.py --preset deepseek-v2-lite --quantization fp8   # Protocol A, vLLM's online FP8
 
 Prints start-up (load + compile + CUDA graphs) and, per batch and temperature, output tokens/s and how many
 distinct tokens the batch produced (a handful means collapsed dummy weights: an invalid run). A quantized
@@ -12,6 +13,8 @@ checkpoint needs compressed-tensors and loguru beside the bundle (benchmarks/vll
 prompts (seeded ids) as benchmarks/dense.py and benchmarks/protocol_f.py draw. `--v4 N`: benchmarks/v4_offline.py's
 model (HF's DeepseekV4Config cut to its first N layers, V4's release quantization_config: FP8 linears, FP4 experts)
 with vLLM's dummy weights; vLLM's V4 keeps its cache in its fp8_ds_mla layout, so the KV cache is FP8 there.
+`--preset NAME`: a model of configs/models with dummy weights (Protocol A's V2-Lite); `--quantization fp8` has vLLM
+quantize its weights online, as `vllm serve --quantization fp8` (its own FP8 format: per-tensor scales).
 """
 
 from __future__ import annotations
@@ -35,6 +38,8 @@ def main(argv=None) -> int:
     src.add_argument("--dense", help="a shape of benchmarks/dense.py (dummy weights)")
     src.add_argument("--dir", help="a checkpoint directory (its own weights and quantization_config)")
     src.add_argument("--v4", type=int, metavar="LAYERS", help="v4_offline.py's V4-Flash model cut to LAYERS layers")
+    src.add_argument("--preset", help="a model of configs/models (dummy weights)")
+    ap.add_argument("--quantization", default=None, choices=["fp8"], help="vLLM's online quantization of the weights")
     ap.add_argument("--batches", default="32")
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=256)
@@ -54,6 +59,12 @@ def main(argv=None) -> int:
         cfg = dict(cut(base_config(None, False), a.v4, False), architectures=["DeepseekV4ForCausalLM"],
                    torch_dtype="bfloat16")
         d, fmt = write_config(cfg, tempfile.mkdtemp(), "v4"), "dummy"
+    elif a.preset:
+        d, fmt = tempfile.mkdtemp(prefix=f"vllm-{a.preset}-"), "dummy"
+        with open(os.path.join(os.path.dirname(HERE), "configs", "models", f"{a.preset}.json")) as f:
+            preset = json.load(f)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump({**preset, "torch_dtype": "bfloat16"}, f)
     else:
         d, fmt = a.dir, "auto"
     with open(os.path.join(d, "config.json")) as f:
@@ -66,8 +77,10 @@ def main(argv=None) -> int:
     t0 = time.time()
     llm = LLM(model=d, load_format=fmt, skip_tokenizer_init=True, dtype="bfloat16", max_num_seqs=max(batches),
               max_model_len=a.prompt_len + a.output_len + 64, enable_prefix_caching=False,
-              gpu_memory_utilization=a.gpu_memory_utilization, **({"kv_cache_dtype": "fp8"} if a.v4 else {}))
-    print(f"vLLM {__import__('vllm').__version__} ({fmt} weights, {os.path.basename(d.rstrip('/'))}): start-up "
+              gpu_memory_utilization=a.gpu_memory_utilization, **({"kv_cache_dtype": "fp8"} if a.v4 else {}),
+              **({"quantization": a.quantization} if a.quantization else {}))
+    print(f"vLLM {__import__('vllm').__version__} ({fmt} weights{', ' + a.quantization if a.quantization else ''}, "
+          f"{os.path.basename(d.rstrip('/'))}): start-up "
           f"{time.time() - t0:.1f}s", flush=True)
     rng = np.random.default_rng(1)
     hi = min(100000, vocab)
