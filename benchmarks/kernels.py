@@ -99,6 +99,11 @@ def moe_tables(quick: bool, tokens: list[int] | None = None):
         configs = [(16, 128, 64, 4, 3, False, False), (16, 128, 64, 4, 3, True, False),
                    (16, 128, 64, 4, 3, False, True), (16, 256, 64, 4, 3, False, False),
                    (16, 256, 64, 4, 3, True, False), (16, 128, 64, 4, 5, False, False)]
+        if 128 <= T < 1024:  # 128-512 sequences a decode step (issue 54): ~12-48 rows an expert, so a 16-row block
+            # reads an expert's weights 1-3 times; 32 / 64-row blocks read them once, padding the rows instead
+            configs += [(32, 256, 64, 4, 3, False, False), (32, 128, 64, 4, 3, False, False),
+                        (64, 128, 64, 4, 3, False, False), (64, 256, 64, 8, 3, False, False),
+                        (64, 128, 64, 8, 4, True, False)]
         if T >= 1024:
             configs = [(128, 128, 64, 8, 4, False, False), (128, 128, 64, 8, 4, True, False),
                        (128, 128, 64, 8, 4, True, True), (128, 128, 64, 8, 4, False, True),
