@@ -35,6 +35,17 @@
 #   protocol_c       Protocol C: a 2,048-token shared prefix + 64 unique tokens, 128 out, concurrency 1, 8, 32,
 #                    prefix caching on and then off (TTFT is the figure)
 #   vllm_protocol_c  the same client against vLLM's server (prefix caching on, its default)
+#   protocol_c_large kv_tier.py --requests 128: the KV host tier against recomputing, 64 prefixes over a device cache of
+#                    16, TTFT of the returning requests and the tier's copy rate against the pinned link (issue 53)
+#   kv_tier_long     kv_tier_long.py: 32K and 128K contexts with the host tier and with recompute
+#   prefill_context  prefill_context.py: a chunk's attention over its cached context, absorbed against expanded
+#   protocol_f       protocol_f.py: DeepSeek-V3's width in FP8 against bf16 (writes its checkpoint to /tmp/v3-fp8 once;
+#                    PROTOCOL_F_ARGS, e.g. --skip-bf16: the bf16 run dequantizes on the host for minutes)
+#   vllm_protocol_f  vLLM on the same directory (vllm_peer.py --dir, its bundle as vllm_peer; after protocol_f on the
+#                    same machine)
+#   fp8_kernels      fp8_kernels.py: the FP8 / INT8 / INT4 GEMMs and grouped GEMMs against bf16, then their tile sweeps
+#   v32_v4           v32_offline.py and v4_offline.py --layers 14: V3.2's and V4-Flash's widths, Protocol A and long
+#                    contexts (issue 46)
 #   serve_start      serve_start.sh: `deepinfer serve` from start to /health on an empty, a warm and a
 #                    tuned-only compilation cache (writes OUTDIR/serve_start/autotune.tgz)
 #   sharded          sharded_check.py on two GPUs: TP=2 and DP=2 x EP=2 against one GPU, bf16
@@ -96,6 +107,17 @@ run_part() {
     vllm_serve) vllm_serve ;;
     protocol_c) protocol_c ;;
     vllm_protocol_c) client_args=$protocol_c_client vllm_serve vllm_protocol_c $protocol_c_len ;;
+    protocol_c_large) python3 benchmarks/kv_tier.py --requests 128 > "$out/protocol_c_large.log" 2>&1 ;;
+    kv_tier_long) python3 benchmarks/kv_tier_long.py --contexts 32768,131072 --kinds host-tier,recompute \
+      --output-len 64 > "$out/kv_tier_long.log" 2>&1 ;;
+    prefill_context) python3 benchmarks/prefill_context.py > "$out/prefill_context.log" 2>&1 ;;
+    protocol_f) python3 benchmarks/protocol_f.py --dir /tmp/v3-fp8 --batches 32,128 ${PROTOCOL_F_ARGS:-} \
+      > "$out/protocol_f.log" 2>&1 ;;
+    vllm_protocol_f) vllm_unpack && PYTHONPATH=$vllm/pkgs:$vllm/site python3 benchmarks/vllm_peer.py --dir /tmp/v3-fp8 \
+        --batches 32,128 > "$out/vllm_protocol_f.log" 2>&1 ;;
+    fp8_kernels) python3 benchmarks/fp8_kernels.py --tokens 32,128,4096 > "$out/fp8_kernels.log" 2>&1 ;;
+    v32_v4) python3 benchmarks/v32_offline.py > "$out/v32_offline.log" 2>&1
+      python3 benchmarks/v4_offline.py --layers 14 --batch 2 --check-moe-impl ragged > "$out/v4_offline.log" 2>&1 ;;
     serve_start) bash benchmarks/serve_start.sh "$out/serve_start" "$preset" > "$out/serve_start.log" 2>&1 ;;
     sharded) python3 benchmarks/sharded_check.py --layouts tp2,dp2ep2 --preset "$preset" > "$out/sharded.log" 2>&1 ;;
     pipeline) python3 benchmarks/pipeline_check.py --layouts pp2,pp2tp2 --preset "$preset" > "$out/pipeline.log" 2>&1 ;;
@@ -200,6 +222,9 @@ has protocol_a_quant && grep -H -E "^weights:|Protocol A|decode step|Error" "$ou
 has vllm_quant && grep -H -E "^vLLM|^ +32 |Error" "$out"/vllm_quant*.log
 has hf_peer && grep -h -E "^HF transformers" "$out/hf_peer.log"
 has serve_start && grep -h -E "from start to /health" "$out/serve_start.log"
+for part in protocol_c_large kv_tier_long prefill_context protocol_f vllm_protocol_f fp8_kernels v32_offline v4_offline; do
+  [[ -f "$out/$part.log" ]] && echo "-- $part" && grep -v -E "^[WIE][0-9]{4} " "$out/$part.log" | tail -n 16
+done
 has sharded && grep -h -E "^\|" "$out/sharded.log"
 has pipeline && grep -h -E "^\|" "$out/pipeline.log"
 has pipeline_groups && grep -h -E "^\|" "$out/pipeline_groups.log"
