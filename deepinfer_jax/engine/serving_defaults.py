@@ -17,8 +17,8 @@ CPU_BUCKET_FACTOR = 16  # a small model's token buckets on a CPU: each 16x the l
 # request 1.28 s with decode steps of 32 rows, 0.51 s with 16; a one-request prefill step of 16 token slots 15 ms,
 # 32 slots 38 ms, 64, 128 or 256 slots ~75 ms (so buckets (16, 256) cost a 17-32 token prompt ~40 ms, no other).
 CPU_SMALL_MAX_NUM_SEQS = 16
-# A server's step budget on a GPU of at least LARGE_GPU_BYTES (an 80 GB H100, an H200; server/args.py leaves out the
-# A100, as vLLM does): vLLM 0.26's API server takes 8,192 tokens a step there (EngineArgs.get_batch_defaults; 2,048
+# A server's step budget on a GPU of at least LARGE_GPU_BYTES (an 80 GB H100, an H200; `large_gpu_total` leaves out
+# the A100, as vLLM does): vLLM 0.26's API server takes 8,192 tokens a step there (EngineArgs.get_batch_defaults; 2,048
 # on smaller GPUs, as `LLM` here). Long prompts then prefill in
 # a quarter of the steps, each reading the cached context once. Protocol B compares the two servers at their defaults
 # (benchmarks/gpu.sh), so they take the same budget.
@@ -36,6 +36,20 @@ def num_params(cfg: ModelConfig) -> int:
     from deepinfer_jax.models.registry import param_specs
 
     return sum(math.prod(s.shape) for s in jax.tree.leaves(param_specs(cfg), is_leaf=is_spec))
+
+
+def large_gpu_total() -> int | None:
+    """The first device's total memory in bytes where it is a GPU other than an A100 (where vLLM keeps the smaller
+    budget: a larger one lowered its throughput there), from the CUDA driver; else None."""
+    import jax
+
+    from deepinfer_jax.runner.device_memory import device_memory
+
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or "a100" in dev.device_kind.lower():
+        return None
+    mem = device_memory(dev)
+    return None if mem is None else mem.device_total
 
 
 def serving_defaults(cfg: ModelConfig, platform: str, given: dict[str, Any],

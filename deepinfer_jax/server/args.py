@@ -406,7 +406,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
     not set (by the model's size and the platform: `platform`, or JAX's default backend), and that
     function's line saying which and why ("" when none)."""
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.engine.serving_defaults import serving_defaults
+    from deepinfer_jax.engine.serving_defaults import large_gpu_total, serving_defaults
 
     if platform is None:
         import jax
@@ -417,16 +417,7 @@ def engine_kwargs(ns: argparse.Namespace, *, progress: bool = True,
         platform = jax.default_backend()
     model_dir, _ = resolve_model(ns)
     given = {k: getattr(ns, k) for k in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "greedy_variant")}
-    device_total = None
-    if platform == "gpu":
-        import jax
-
-        from deepinfer_jax.runner.device_memory import device_memory
-
-        dev = jax.devices()[0]
-        mem = device_memory(dev)
-        # as vLLM, not on an A100, where a larger budget lowered its throughput
-        device_total = mem and "a100" not in dev.device_kind.lower() and mem.device_total or None
+    device_total = large_gpu_total() if platform == "gpu" else None
     auto, note = serving_defaults(ModelConfig.from_model_dir(model_dir), platform, given, device_total)
     kw: dict[str, Any] = dict(
         dtype=ns.dtype, quantization=ns.quantization, kv_cache_dtype=ns.kv_cache_dtype, page_size=ns.page_size,

@@ -80,8 +80,9 @@ def test_large_gpu_server_step_budget(model_dirs):
     """On a GPU of 70+ GiB a large model's server takes 8,192 tokens a step (vLLM's API server there); smaller GPUs,
     small models and a set flag keep theirs."""
     from deepinfer_jax.config import ModelConfig
-    from deepinfer_jax.engine.serving_defaults import serving_defaults
+    from deepinfer_jax.engine.serving_defaults import large_gpu_total, serving_defaults
 
+    assert large_gpu_total() is None  # this CPU machine
     copy, large = model_dirs
     big, small = (ModelConfig.from_model_dir(d) for d in (large, copy))
     out, note = serving_defaults(big, "gpu", {}, 80 * 2**30)
