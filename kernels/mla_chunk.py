@@ -42,6 +42,16 @@ def supported(dn: int, dr: int, dv: int, interpret: bool = False) -> bool:
     return interpret or all(d >= 16 and d & (d - 1) == 0 for d in (dn, dr, dv))
 
 
+def key_block(qn, qp, kv_ref, kpe_ref, h, k0, block_k: int, dn: int, dv: int):
+    """The query tile (qn [bq, dn], qp [bq, dr]) against keys k0 .. k0 + block_k - 1 of kv_ref [N, H, dn + dv] (head
+    h's k_nope | v) and kpe_ref [N, dr] (the shared roped k_pe): -> (scores [bq, bk] fp32, unscaled; values [bk, dv])."""
+    kn = kv_ref[pl.ds(k0, block_k), h, pl.ds(0, dn)]  # [bk, dn]
+    v = kv_ref[pl.ds(k0, block_k), h, pl.ds(dn, dv)]  # [bk, dv]
+    kp = kpe_ref[pl.ds(k0, block_k), :]  # [bk, dr]
+    s = jnp.dot(qn, kn.T, preferred_element_type=jnp.float32, precision=EXACT)
+    return s + jnp.dot(qp, kp.T, preferred_element_type=jnp.float32, precision=EXACT), v
+
+
 def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref, *lse_refs,
             block_q, block_k, dn, dv, num_tokens, scale):
     b, h = pl.program_id(0), pl.program_id(1)
@@ -60,11 +70,7 @@ def _kernel(first_ref, count_ref, rs_ref, qn_ref, qp_ref, kv_ref, kpe_ref, o_ref
             lo = start + j * block_k
             k0 = jnp.minimum(lo, num_tokens - block_k)
             ki = k0 + jnp.arange(block_k)
-            kn = kv_ref[pl.ds(k0, block_k), h, pl.ds(0, dn)]  # [bk, dn]
-            v = kv_ref[pl.ds(k0, block_k), h, pl.ds(dn, dv)]  # [bk, dv]
-            kp = kpe_ref[pl.ds(k0, block_k), :]  # [bk, dr]
-            s = jnp.dot(qn, kn.T, preferred_element_type=jnp.float32, precision=EXACT)
-            s = s + jnp.dot(qp, kp.T, preferred_element_type=jnp.float32, precision=EXACT)  # [bq, bk]
+            s, v = key_block(qn, qp, kv_ref, kpe_ref, h, k0, block_k, dn, dv)
             ok = (ki[None, :] >= lo) & (ki[None, :] <= qi[:, None])
             return softmax_step(jnp.where(ok, s * scale, NEG), v, carry)
 

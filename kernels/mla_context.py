@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from deepinfer_jax.kernels.mla_chunk import key_block
 from deepinfer_jax.kernels.mla_decode import EXACT, NEG, softmax_step
 from deepinfer_jax.kernels.triton_params import compiler_params
 
@@ -94,11 +95,7 @@ def _kernel(first_ref, count_ref, lo_ref, hi_ref, qn_ref, qp_ref, kv_ref, kpe_re
             lo = k_lo + j * block_k
             k0 = jnp.minimum(lo, window - block_k)
             ki = k0 + jnp.arange(block_k)
-            kn = kv_ref[pl.ds(k0, block_k), h, pl.ds(0, dn)]  # [bk, dn]
-            v = kv_ref[pl.ds(k0, block_k), h, pl.ds(dn, dv)]  # [bk, dv]
-            kp = kpe_ref[pl.ds(k0, block_k), :]  # [bk, dr]
-            s = jnp.dot(qn, kn.T, preferred_element_type=jnp.float32, precision=EXACT)
-            s = s + jnp.dot(qp, kp.T, preferred_element_type=jnp.float32, precision=EXACT)  # [bq, bk]
+            s, v = key_block(qn, qp, kv_ref, kpe_ref, h, k0, block_k, dn, dv)
             ok = (ki[None, :] >= lo) & (ki[None, :] < k_hi)
             return softmax_step(jnp.where(ok, s * scale, NEG), v, carry)
 
