@@ -57,8 +57,8 @@
 # shapes), KERNELS_ARGS (default --quick), OFFLINE_ARGS / SERVING_ARGS (more flags for offline.py / serving.py),
 # SERVE_ARGS (more flags for protocol_b's server), READY_LIMIT (seconds a server may take to answer /health, default
 # 600), SHARED_PREFIX (Protocol C's shared prefix, default 2,048 tokens), VLLM_PART (a folder of vLLM's bundle that
-# this call carries, copied into /tmp/vllm first: benchmarks/README.md). Write what you measure into
-# benchmarks/results/.
+# this call carries, copied into /tmp/vllm first: benchmarks/README.md), VLLM_SERVE_DEPS (vllm_serve_deps.sh's folder,
+# default .peers/serve_deps, copied there where carried). Write what you measure into benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-bench-out}"; mkdir -p "$out"
@@ -132,6 +132,9 @@ run_part() {
 vllm=/tmp/vllm
 if [[ -n ${VLLM_PART:-} ]]; then  # a folder of the bundle carried by this call: its files join the others in $vllm
   mkdir -p $vllm && cp "$VLLM_PART"/* $vllm/ && echo "vLLM bundle: $(ls $vllm | tr '\n' ' ')"
+fi
+if [[ -d ${VLLM_SERVE_DEPS:-.peers/serve_deps} ]]; then  # the server's wheels (vllm_serve_deps.sh), where carried
+  mkdir -p $vllm/serve_deps && cp "${VLLM_SERVE_DEPS:-.peers/serve_deps}"/* $vllm/serve_deps/
 fi
 vllm_unpack() {  # the bundle's parts (and the server's dependencies, where carried) into $vllm/site, $vllm/pkgs
   if [[ ! -d $vllm/site ]]; then
