@@ -91,13 +91,13 @@ def quantized_params(cfg: ModelConfig, params, method: str, dtype, scale: float 
     bits = METHODS[method]
     key = jax.random.key(seed)
 
-    def one(path, leaf):
+    def one(i, path, leaf):  # leaf i of the tree's order: the same draws in every process
         keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
         lay = quant_layout(keys)
         if lay is None:
             return leaf
         q_shape, s_shape, g = quantized_shapes(leaf.shape, bits, lay[0], lay[1], 128)
-        k = jax.random.fold_in(key, hash(keys) % 2**31)
+        k = jax.random.fold_in(key, i)
         if bits == 8:  # codes in [-127, 127] x scale / 127
             q = jax.random.randint(k, q_shape, -127, 128, jnp.int8)
         else:  # two codes a byte, each in [0, 15] (value code - 8) x scale / 8
@@ -105,7 +105,8 @@ def quantized_params(cfg: ModelConfig, params, method: str, dtype, scale: float 
         s = jnp.full(s_shape, scale / (127 if bits == 8 else 8), jnp.float32)
         return QuantizedWeight(q, s, bits, g, lay[1])
 
-    return jax.tree_util.tree_map_with_path(one, params)
+    leaves, treedef = jax.tree.flatten_with_path(params)
+    return jax.tree.unflatten(treedef, [one(i, path, leaf) for i, (path, leaf) in enumerate(leaves)])
 
 
 PRESETS = sorted(f[:-5] for f in os.listdir(os.path.join(os.path.dirname(HERE), "configs", "models"))
