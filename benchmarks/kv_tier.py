@@ -144,7 +144,9 @@ def main(argv=None) -> int:
     ap.add_argument("--concurrency", type=positive_int, default=8)
     ap.add_argument("--requests", type=positive_int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
-    ap.add_argument("--token-buckets", default="8,128,512,4096,8192",
+    from offline import _csv
+
+    ap.add_argument("--token-buckets", type=_csv("positive integers", positive_int), default=(8, 128, 512, 4096, 8192),
                     help="the step sizes the engines compile (comma-separated), those of the default power-of-two "
                          "buckets this workload reaches: decodes (--concurrency), tier hits' suffixes with decodes, "
                          "cold prefixes (one 2,112-token prompt pads to 4,096 as with the default buckets) and full "
@@ -156,10 +158,7 @@ def main(argv=None) -> int:
         ap.error(f"--requests ({args.requests}) must be at least twice the prefixes ({4 * args.device_prefixes}, 4x "
                  f"--device-prefixes): requests cycle over the prefixes, and only a prefix's returns can hit a tier")
 
-    try:
-        buckets = tuple(sorted({int(b) for b in args.token_buckets.split(",")}))
-    except ValueError:
-        ap.error(f"--token-buckets must be comma-separated integers, got {args.token_buckets!r}")
+    buckets = tuple(sorted(set(args.token_buckets)))
     from deepinfer_jax.xla_env import use_host_memory
 
     use_host_memory(None, 1.0)  # pinned host memory: no VMM allocator, set before JAX starts (xla_env.py)
