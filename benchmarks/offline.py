@@ -14,6 +14,7 @@ would make both small and the speed meaningless).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -31,7 +32,8 @@ from deepinfer_jax.types import RequestOutputKind, SamplingParams  # noqa: E402
 
 FINAL_ONLY = RequestOutputKind.FINAL_ONLY  # only finished outputs are read, as vLLM's LLM.generate
 
-HBM_BYTES_PER_S = 4.3e12  # measured device-to-device copy on the H200 (GPU.md)
+HBM_BYTES_PER_S = {"H200": 4.3e12, "H100": 3.35e12}  # the H200's measured device-to-device copy (GPU.md), the
+# H100's datasheet: the decode step's weight-byte floor on the card that runs
 BF16_FLOPS = 587e12  # measured XLA bf16 matmul on the H200
 
 
@@ -97,13 +99,21 @@ def quantized_params(cfg: ModelConfig, params, method: str, dtype, scale: float 
         if lay is None:
             return leaf
         q_shape, s_shape, g = quantized_shapes(leaf.shape, bits, lay[0], lay[1], 128)
-        k = jax.random.fold_in(key, i)
-        if bits == 8:  # codes in [-127, 127] x scale / 127
-            q = jax.random.randint(k, q_shape, -127, 128, jnp.int8)
-        else:  # two codes a byte, each in [0, 15] (value code - 8) x scale / 8
-            q = jax.random.randint(k, q_shape, 0, 256, jnp.int32).astype(jnp.uint8)
+        q = codes(jax.random.fold_in(key, i), q_shape)
+        leaf.delete()  # the float leaf's bytes back before the next draw: both trees at once would not fit
         s = jnp.full(s_shape, scale / (127 if bits == 8 else 8), jnp.float32)
         return QuantizedWeight(q, s, bits, g, lay[1])
+
+    def draw(k, shape):
+        if bits == 8:  # codes in [-127, 127] x scale / 127
+            return jax.random.randint(k, shape, -127, 128, jnp.int8)
+        return jax.random.randint(k, shape, 0, 256, jnp.int32).astype(jnp.uint8)  # two codes a byte, each in [0, 15]
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def codes(k, shape):  # a stacked leaf a slice at a time: the draw's 32-bit temporaries stay one slice's
+        if len(shape) < 3:
+            return draw(k, shape)
+        return jax.lax.map(lambda kk: draw(kk, shape[1:]), jax.random.split(k, shape[0]))
 
     leaves, treedef = jax.tree.flatten_with_path(params)
     return jax.tree.unflatten(treedef, [one(i, path, leaf) for i, (path, leaf) in enumerate(leaves)])
@@ -200,6 +210,8 @@ def main(argv=None, prog: str | None = None) -> int:
     enable_compilation_cache("default")
     cfg = ModelConfig.from_json_file(os.path.join(os.path.dirname(HERE), "configs", "models", f"{args.preset}.json"))
     dev = jax.devices()[0]
+    card = "H100" if "H100" in dev.device_kind else "H200"  # other cards: the H200's floor, so named
+    hbm = HBM_BYTES_PER_S[card]
     print(f"device: {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}", flush=True)
     from deepinfer_jax.sharding import ParallelConfig, build_sharding
 
@@ -349,10 +361,10 @@ def main(argv=None, prog: str | None = None) -> int:
         best = min(r[0] for r in runs)
         experts, distinct = runs[0][1], runs[0][2]
         tps = args.batch * args.output_len / best
-        floor_step = weight_bytes_per_decode_step(cfg, params, experts) / HBM_BYTES_PER_S
+        floor_step = weight_bytes_per_decode_step(cfg, params, experts) / hbm
         limit = args.batch / floor_step
         print(f"Protocol A temp={temp}: {best:.2f}s -> {tps:,.0f} output tok/s (decode-only limit at the "
-              f"H200's 4.3 TB/s {limit:,.0f}; runs {', '.join(f'{r[0]:.2f}' for r in runs)}); "
+              f"{card}'s {hbm / 1e12:.2f} TB/s {limit:,.0f}; runs {', '.join(f'{r[0]:.2f}' for r in runs)}); "
               f"distinct experts/layer/step {experts:.1f} of "
               f"{cfg.n_routed_experts}; distinct tokens (last 64 steps) {distinct}", flush=True)
         # A decode step's floors at this batch: its weight bytes over HBM bandwidth, its FLOPs over the bf16

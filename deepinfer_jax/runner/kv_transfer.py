@@ -7,7 +7,9 @@ page is contiguous there). Two kinds of pool:
   compile (checked once, `_pinned_programs`); the copies are DMA from and to page-locked memory, and nothing on
   the host touches the pages. `apply(kv_cache, transfers)` queues three programs, in this order: the loads' pages
   read out of `storage` onto the device (`_fetch`: a dynamic slice of host memory a page, each copied to the
-  device), so a save later in the batch cannot change them; the saves' pages gathered on the device and written
+  device; where `RUN_PAGES` loads in a row read consecutive host blocks, ascending or descending, as a prefix's
+  pages saved together lie, one slice of them all, so a copy moves `RUN_PAGES` pages), so a save later in the
+  batch cannot change them; the saves' pages gathered on the device and written
   into `storage` (`_save`: each page copied to host memory and updated in place there, `storage` donated); the
   loaded pages scattered into the cache (the cache donated), after the gather in dispatch order, so a page
   saved and reused in the same batch is read first. The host waits for none of them.
@@ -44,6 +46,7 @@ from deepinfer_jax.xla_env import use_host_memory
 log = logging.getLogger(__name__)
 HOST_KIND = "pinned_host"
 MAX_COPY_PAGES = 64  # pages a copy program moves at most (module doc)
+RUN_PAGES = 8  # consecutive host blocks a pinned fetch copies at once (module doc)
 
 
 class _Copies(NamedTuple):  # what `apply` reads of scheduler/host_tier.py's KVTransfers (runner imports no scheduler)
@@ -63,9 +66,11 @@ def _scatter(kv, ids, pages):  # pages [n, L, ps, D] -> kv with kv[:, ids[i]] = 
     return kv.at[:, ids].set(jnp.moveaxis(pages, 0, 1).astype(kv.dtype))
 
 
-def _fetch(storage, ids):  # storage [N, L, ps, D] in host memory, ids [n] -> its pages [n, L, ps, D] on the device
-    return jnp.concatenate([jax.device_put(jax.lax.dynamic_slice_in_dim(storage, ids[i], 1, 0), jax.memory.Space.Device)
-                            for i in range(ids.shape[0])])
+def _fetch(storage, ids, run: int = 1):
+    """storage [N, L, ps, D] in host memory, ids [n] -> pages [n * run, L, ps, D] on the device: blocks ids[i] ..
+    ids[i] + run - 1, one copy each i."""
+    return jnp.concatenate([jax.device_put(jax.lax.dynamic_slice_in_dim(storage, ids[i], run, 0),
+                                           jax.memory.Space.Device) for i in range(ids.shape[0])])
 
 
 def _save(storage, ids, pages):  # pages [n, L, ps, D] on the device -> storage with storage[ids[i]] = pages[i]
@@ -84,7 +89,7 @@ def _pinned_programs(kv_cache: Any, num_host_blocks: int):
     use_host_memory(None, 1.0)  # a clear error, not a crash, under the VMM allocator (xla_env.py)
     host = jax.sharding.SingleDeviceSharding(devices[0], memory_kind=HOST_KIND)
     L, _, ps, D = kv_cache.shape
-    fetch = jax.jit(_fetch)
+    fetch = jax.jit(_fetch, static_argnums=2)
     save = jax.jit(_save, donate_argnums=0, out_shardings=host)
     try:
         storage = jax.device_put(np.zeros((num_host_blocks, L, ps, D), np.dtype(kv_cache.dtype)), host)
@@ -112,18 +117,25 @@ class KVTransfer:
         self._gather = jax.jit(_gather)
         self._scatter = jax.jit(_scatter, donate_argnums=0)
         self._inflight: list[tuple[np.ndarray, Any]] = []  # (host blocks, gathered pages) not yet in storage
+        # pages a fetch of consecutive host blocks copies; 1: page by page
+        self.run = RUN_PAGES if self.pinned and 1 < RUN_PAGES <= min(num_host_blocks, MAX_COPY_PAGES) else 1
         self.bytes_to_host = 0
         self.bytes_to_device = 0
 
     def warm(self, kv_cache: Any, max_pages: int) -> tuple[Any, int]:
         """Run every copy program once at each size class a batch of at most `max_pages` copies can take (runs of at
         most MAX_COPY_PAGES), on null-page copies: loads into the device's null page (garbage by
-        design) from host block 0 and saves of the null page into host block 0, which no block hash names before the
-        first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
+        design) from host block 0 (blocks 0 .. run - 1 for the fetches of runs) and saves of the null page into host
+        block 0, which no block hash names before the first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
         top = _pow2(min(max_pages, MAX_COPY_PAGES))
         n, classes = 1, 0
         while n <= top:
             kv_cache = self.apply(kv_cache, _Copies(saves=[(NULL_PAGE, 0)] * n, loads=[(0, NULL_PAGE)] * n))
+            n, classes = 2 * n, classes + 1
+        runs = min(max_pages, MAX_COPY_PAGES) // self.run if self.run > 1 else 0
+        n = 1
+        while n <= _pow2(runs) and runs:  # the fetches of runs: blocks 0 .. run - 1, n times
+            kv_cache = self.apply(kv_cache, _Copies(saves=[], loads=[(h, NULL_PAGE) for h in range(self.run)] * n))
             n, classes = 2 * n, classes + 1
         self.flush()
         self.bytes_to_host = self.bytes_to_device = 0
@@ -161,9 +173,13 @@ class KVTransfer:
     def _apply_pinned(self, kv_cache: Any, transfers) -> Any:
         """`apply` on the pinned pool (module doc): fetch the loads, save the saves, scatter the loads."""
         fetched = []
-        for part in _parts(transfers.loads):
+        runs, singles = _runs(transfers.loads, self.run)
+        for part in _parts(runs, MAX_COPY_PAGES // self.run):
+            starts, dev_ids = _padded(part)
+            fetched.append((np.concatenate(dev_ids), self._fetch(self.storage, starts, self.run)))
+        for part in _parts(singles):
             host_ids, dev_ids = _padded(part)
-            fetched.append((dev_ids, self._fetch(self.storage, host_ids)))
+            fetched.append((dev_ids, self._fetch(self.storage, host_ids, 1)))
         for part in _parts(transfers.saves):
             src, dst = _padded(part)
             self.storage = self._save(self.storage, dst, self._gather(kv_cache, src))
@@ -174,17 +190,38 @@ class KVTransfer:
         return kv_cache
 
 
-def _parts(pairs) -> list:
-    """`pairs` in runs of at most MAX_COPY_PAGES."""
-    return [pairs[i:i + MAX_COPY_PAGES] for i in range(0, len(pairs), MAX_COPY_PAGES)]
+def _parts(pairs, most: int | None = None) -> list:
+    """`pairs` in runs of at most `most` (MAX_COPY_PAGES)."""
+    most = most or MAX_COPY_PAGES
+    return [pairs[i:i + most] for i in range(0, len(pairs), most)]
+
+
+def _runs(loads, run: int) -> tuple[list, list]:
+    """Loads (host block, device block) -> (runs, singles): each run (first host block, its `run` device blocks in
+    host-block order) stands for `run` loads in a row whose host blocks are consecutive, ascending or descending;
+    singles are the other loads. run 1: no runs."""
+    runs, singles, i = [], [], 0
+    while i < len(loads):
+        seg = loads[i:i + run]
+        h = [x for x, _ in seg]
+        if run > 1 and len(seg) == run and (h == list(range(h[0], h[0] + run)) or h == list(range(h[0], h[0] - run, -1))):
+            runs.append((min(h), np.array([d for _, d in sorted(seg)], np.int32)))
+            i += run
+        else:
+            singles.append(loads[i])
+            i += 1
+    return runs, singles
 
 
 def _padded(pairs) -> tuple[np.ndarray, np.ndarray]:
-    """(a, b) pairs -> two int32 arrays of a power-of-two length, padded with the first pair."""
+    """(a, b) pairs -> (an int32 array of the a's, the b's: an int32 array, or a list of arrays where each b is one),
+    of a power-of-two length, padded with the first pair."""
     n = _pow2(len(pairs))
     a = np.full((n,), pairs[0][0], np.int32)
-    b = np.full((n,), pairs[0][1], np.int32)
     a[: len(pairs)] = [x for x, _ in pairs]
+    if isinstance(pairs[0][1], np.ndarray):
+        return a, [y for _, y in pairs] + [pairs[0][1]] * (n - len(pairs))
+    b = np.full((n,), pairs[0][1], np.int32)
     b[: len(pairs)] = [y for _, y in pairs]
     return a, b
 

@@ -119,3 +119,41 @@ def test_kv_transfer_copies_pages_exactly(pool, monkeypatch):
     for p in (1, 2, 5):
         np.testing.assert_array_equal(out[:, p], ref[:, p])
     assert t.bytes_to_host == 4 * t.page_bytes and t.bytes_to_device == 2 * t.page_bytes
+
+
+@pytest.mark.parametrize("run", [1, 2, 3])
+def test_kv_transfer_fetches_runs_of_host_blocks(run, monkeypatch):
+    """Pinned fetches of consecutive host blocks as one copy (RUN_PAGES): ascending and descending runs, loads
+    between them that make no run, and more loads than a program takes (MAX_COPY_PAGES) all land on their own
+    device pages; warm-up compiles every program a batch can take, so this batch compiles none."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from deepinfer_jax.runner import kv_transfer
+    from deepinfer_jax.runner.compile_cache import CompileCounter
+    from deepinfer_jax.scheduler.host_tier import KVTransfers
+
+    monkeypatch.setattr(kv_transfer, "RUN_PAGES", run)
+    monkeypatch.setattr(kv_transfer, "MAX_COPY_PAGES", 4)
+    CompileCounter.install()
+    L, P, H, D = 2, 12, 9, 3
+    kv = jax.device_put(jnp.zeros((L, P, PAGE, D), jnp.float32), jax.devices()[0])  # committed, as the cache
+    t = kv_transfer.KVTransfer(kv, num_host_blocks=H)
+    assert t.pinned and t.run == run
+    kv, _ = t.warm(kv, P)
+    host = np.arange(H * L * PAGE * D, dtype=np.float32).reshape(H, L, PAGE, D) + 1.0
+    t.storage = jax.device_put(host, t.storage.sharding)  # pinned host memory, as the saves leave it
+    # host blocks 2, 3, 4 ascending; 8, 7, 6 descending; 0 alone; 5, 1 no run
+    loads = [(2, 1), (3, 2), (4, 3), (8, 4), (7, 5), (6, 6), (0, 7), (5, 8), (1, 9)]
+    before = CompileCounter.count()
+    kv = t.apply(kv, KVTransfers(loads=loads))
+    out = np.array(kv)
+    assert CompileCounter.count() == before
+    for h, d in loads:
+        np.testing.assert_array_equal(out[:, d], host[h])
+    for d in (0, 10, 11):  # untouched (page 0: the null page the warm-up wrote)
+        if d:
+            assert not out[:, d].any()
+    runs, singles = kv_transfer._runs(loads, run)
+    assert len(runs) == {1: 0, 2: 2, 3: 2}[run] and len(runs) * run + len(singles) == len(loads)
