@@ -46,6 +46,8 @@
 #   fp8_kernels      fp8_kernels.py: the FP8 / INT8 / INT4 GEMMs and grouped GEMMs against bf16, then their tile sweeps
 #   v32_v4           v32_offline.py and v4_offline.py --layers 14: V3.2's and V4-Flash's widths, Protocol A and long
 #                    contexts (issue 46)
+#   host_ceiling     host_ceiling.sh: the server's host path alone (a tiny model on the CPU) at concurrency 256 and 512,
+#                    the output tokens/s its Python sustains on this machine's CPU (the ceiling B-high meets)
 #   serve_start      serve_start.sh: `deepinfer serve` from start to /health on an empty, a warm and a
 #                    tuned-only compilation cache (writes OUTDIR/serve_start/autotune.tgz)
 #   sharded          sharded_check.py on two GPUs: TP=2 and DP=2 x EP=2 against one GPU, bf16
@@ -118,6 +120,7 @@ run_part() {
     fp8_kernels) python3 benchmarks/fp8_kernels.py --tokens 32,128,4096 > "$out/fp8_kernels.log" 2>&1 ;;
     v32_v4) python3 benchmarks/v32_offline.py > "$out/v32_offline.log" 2>&1
       python3 benchmarks/v4_offline.py --layers 14 --batch 2 --check-moe-impl ragged > "$out/v4_offline.log" 2>&1 ;;
+    host_ceiling) bash benchmarks/host_ceiling.sh "$out/host_ceiling" 256,512 > "$out/host_ceiling.log" 2>&1 ;;
     serve_start) bash benchmarks/serve_start.sh "$out/serve_start" "$preset" > "$out/serve_start.log" 2>&1 ;;
     sharded) python3 benchmarks/sharded_check.py --layouts tp2,dp2ep2 --preset "$preset" > "$out/sharded.log" 2>&1 ;;
     pipeline) python3 benchmarks/pipeline_check.py --layouts pp2,pp2tp2 --preset "$preset" > "$out/pipeline.log" 2>&1 ;;
