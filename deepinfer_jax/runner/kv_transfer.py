@@ -126,7 +126,8 @@ class KVTransfer:
         """Run every copy program once at each size class a batch of at most `max_pages` copies can take (runs of at
         most MAX_COPY_PAGES), on null-page copies: loads into the device's null page (garbage by
         design) from host block 0 (blocks 0 .. run - 1 for the fetches of runs) and saves of the null page into host
-        block 0, which no block hash names before the first request. -> (the new KV cache, size classes run); the byte counters stay at zero."""
+        block 0, which no block hash names before the first request. -> (the new KV cache, size classes run); the
+        byte counters stay at zero."""
         top = _pow2(min(max_pages, MAX_COPY_PAGES))
         n, classes = 1, 0
         while n <= top:
@@ -204,7 +205,8 @@ def _runs(loads, run: int) -> tuple[list, list]:
     while i < len(loads):
         seg = loads[i:i + run]
         h = [x for x, _ in seg]
-        if run > 1 and len(seg) == run and (h == list(range(h[0], h[0] + run)) or h == list(range(h[0], h[0] - run, -1))):
+        step = 1 if len(h) > 1 and h[1] > h[0] else -1
+        if run > 1 and len(seg) == run and h == list(range(h[0], h[0] + step * run, step)):
             runs.append((min(h), np.array([d for _, d in sorted(seg)], np.int32)))
             i += run
         else:
