@@ -53,9 +53,9 @@ def link_bandwidth(mib: int = 256, runs: int = 5) -> tuple[float, float]:
 
 def closed_loop(eng, prompts, concurrency: int, output_len: int) -> dict:
     """Serve `prompts` in order, `concurrency` in flight: TTFT per request, the engine steps each request waited for
-    its first token, tokens, wall time, steps."""
+    its first token and each `step()` call's seconds, tokens, wall time, steps."""
     params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
-    added, first, tokens = {}, {}, {}
+    added, first, tokens, calls = {}, {}, {}, []
     nxt, done, steps = 0, 0, 0
     t0 = time.perf_counter()
     while done < len(prompts):
@@ -64,7 +64,9 @@ def closed_loop(eng, prompts, concurrency: int, output_len: int) -> dict:
             eng.add_request(rid, prompts[nxt], params)
             added[rid] = (time.perf_counter(), steps)
             nxt += 1
+        t = time.perf_counter()
         outs = eng.step()
+        calls.append(time.perf_counter() - t)
         steps += 1
         for out in outs:
             if out.request_id not in first and out.outputs[0].token_ids:
@@ -75,8 +77,19 @@ def closed_loop(eng, prompts, concurrency: int, output_len: int) -> dict:
     wall = time.perf_counter() - t0
     ttft = np.array([first[r][0] - added[r][0] for r in added])
     waited = np.array([first[r][1] - added[r][1] for r in added])
-    return {"ttft": ttft, "steps_to_first": waited, "tokens": tokens, "wall": wall, "steps": steps,
+    return {"ttft": ttft, "steps_to_first": waited, "first_step": np.array([added[r][1] for r in added]),
+            "calls": np.array(calls), "tokens": tokens, "wall": wall, "steps": steps,
             "out_tok_s": sum(map(len, tokens.values())) / wall}
+
+
+def waited_calls(res: dict, which: np.ndarray) -> str:
+    """The mean seconds of each `step()` call the `which` requests waited through for their first token, in order
+    (the first plans the request's step and returns the step before it; the next returns the request's step, so it
+    lasts about that step's time on the device)."""
+    n = int(res["steps_to_first"][which].max())
+    cols = [[res["calls"][s + k] * 1e3 for s, w in zip(res["first_step"][which], res["steps_to_first"][which])
+             if k < w] for k in range(n)]
+    return ", ".join(f"call {k + 1} {np.mean(c):.1f} ms" for k, c in enumerate(cols))
 
 
 def agreement(cold: list, warm: list) -> str:
@@ -253,7 +266,8 @@ def main(argv=None) -> int:
               f"{res['out_tok_s']:11.1f}{moved[0] / 1e9:12.2f}{moved[1] / 1e9:11.2f}")
     for name, res, _ in rows:  # TTFT = steps waited x their time: which of the two the tier shortens
         print(f"{name}: the returning requests waited {res['steps_to_first'][back].mean():.1f} engine steps for their "
-              f"first token; a step took {res['wall'] / res['steps'] * 1e3:.1f} ms on average over the run")
+              f"first token ({waited_calls(res, back)}); a step took {res['wall'] / res['steps'] * 1e3:.1f} ms on "
+              f"average over the run")
     base, tier = (r[1]["ttft"][back].mean() for r in rows[:2])
     print(f"\nmean TTFT of the returning requests ({back.sum()}), recompute / host tier: {base / tier:.2f}x (target "
           f">= 3x at concurrency {args.concurrency}); over all {args.requests}: "
