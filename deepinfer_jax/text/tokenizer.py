@@ -172,6 +172,8 @@ class Tokenizer:
     def skipped_ids(self, keep_special_tokens: Iterable[str] = ()) -> frozenset[int]:
         """The ids `decode(skip_special_tokens=True, keep_special_tokens=...)` drops."""
         keep = {self._backend.token_to_id(t) for t in keep_special_tokens}
+        if not keep:  # the common case, once a request: no copy of a set that can hold a vocabulary's worth of ids
+            return self.all_special_ids
         return frozenset(i for i in self.all_special_ids if i not in keep)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
