@@ -36,11 +36,16 @@ log = logging.getLogger(__name__)
 STATS_LOG_INTERVAL_S = 10.0  # the loop's periodic stats line, while requests run
 
 
-def stats_line(stats, last_spec) -> str:
-    """The periodic log line: running / waiting sequences, KV cache use and, when speculating, the mean acceptance
-    length since `last_spec` (the SpecDecodeStats of the previous line, or None)."""
+def stats_line(stats, last_spec, steps: tuple[int, float, float] | None = None) -> str:
+    """The periodic log line: running / waiting sequences, KV cache use, the engine steps since the previous line
+    (`steps`: their count, seconds in `step()` and seconds of those waiting for the device's results; a step that
+    hardly waits found its device idle, waiting for the host) and, when speculating, the mean acceptance length since
+    `last_spec` (the SpecDecodeStats of the previous line, or None)."""
     line = (f"running {stats.num_running}, waiting {stats.num_waiting}, KV cache {100 * stats.kv_cache_usage:.1f}%, "
             f"preemptions {stats.num_preemptions}")
+    if steps is not None and steps[0]:
+        n, seconds, waited = steps
+        line += f", {n} steps of {1e3 * seconds / n:.1f} ms ({1e3 * waited / n:.1f} ms of it waiting for the device)"
     sd = stats.spec_decode
     if sd is not None:
         drafts = sd.num_drafts - (last_spec.num_drafts if last_spec else 0)
@@ -167,7 +172,7 @@ class AsyncEngine:
     """
 
     def __init__(self, build: Callable[[], Any], *, max_queue_len: int | None = None,
-                 max_num_seqs: int | None = None):
+                 max_num_seqs: int | None = None, log_stats: bool = True):
         self._build = build
         self.max_queue_len = max_queue_len
         self.max_num_seqs = max_num_seqs
@@ -179,6 +184,8 @@ class AsyncEngine:
         self.stats: Any = None  # the latest SchedulerStats snapshot, written by the loop thread
         self._logged_at = time.monotonic()  # the last periodic stats line (`stats_line`)
         self._logged_spec = None
+        self._logged_steps = (0, 0.0, 0.0)  # the engine's step counters at the last line
+        self.log_stats = log_stats  # the periodic line (serve --disable-log-stats: off)
         self._cond = threading.Condition()
         self._adds: list[tuple] = []
         self._aborts: list[str] = []
@@ -350,12 +357,17 @@ class AsyncEngine:
     def _log_stats(self) -> None:
         """The periodic stats line (`stats_line`), every STATS_LOG_INTERVAL_S while requests run."""
         now = time.monotonic()
-        if now - self._logged_at < STATS_LOG_INTERVAL_S or self.stats is None:
+        if not self.log_stats or now - self._logged_at < STATS_LOG_INTERVAL_S or self.stats is None:
             return
         self._logged_at = now
+        counters = getattr(self.engine, "step_counters", None)
+        counters = counters() if counters is not None else None
         if self.stats.num_running or self.stats.num_waiting:
-            log.info("%s", stats_line(self.stats, self._logged_spec))
+            steps = None if counters is None else tuple(a - b for a, b in zip(counters, self._logged_steps))
+            log.info("%s", stats_line(self.stats, self._logged_spec, steps))
             self._logged_spec = getattr(self.stats, "spec_decode", None)
+        if counters is not None:
+            self._logged_steps = counters
 
     def _iteration(self, eng, adds, aborts, stopping: bool, pushes) -> bool:
         """Apply the commands and run one step; False once the loop should end."""

@@ -160,6 +160,7 @@ class LLMEngine:
         self._child_parent: dict[str, str] = {}
         self._counter = itertools.count()
         self._pending = None  # (in-flight step, [(request, placeholder index)]) not yet fetched
+        self.num_steps, self.step_seconds = 0, 0.0  # `step` calls and their seconds (step_counters)
         self._spec_unemitted: list = []  # speculation: the last fetched step's tokens, emitted after the next dispatch
         self.max_steps_in_flight = 0
         # one decode group a pipeline stage: the next group to step, and each group's `_pending`
@@ -294,9 +295,19 @@ class LLMEngine:
         work is dropped (the scheduler skips finished requests). Outputs are those of step N-1.
         With speculative decoding each step is planned, run and fetched in turn, its text and outputs made while
         the next one runs (engine/speculative.py)."""
-        if self.spec is not None:
-            return spec_overlap.overlapped_step(self) if self.spec_overlap else speculative_step(self)
-        return self._step() if self.groups == 1 else grouped_step(self)
+        t = time.perf_counter()
+        try:
+            if self.spec is not None:
+                return spec_overlap.overlapped_step(self) if self.spec_overlap else speculative_step(self)
+            return self._step() if self.groups == 1 else grouped_step(self)
+        finally:
+            self.num_steps += 1
+            self.step_seconds += time.perf_counter() - t
+
+    def step_counters(self) -> tuple[int, float, float]:
+        """(`step` calls, seconds in them, seconds of those in the runner's `fetch`, waiting for the device's
+        results) since the engine started: the host's share of a step is the difference."""
+        return self.num_steps, self.step_seconds, self.runner.fetch_seconds
 
     def set_decode_groups(self, n: int) -> None:
         """Steps in flight with pipeline parallelism: `n` groups, 1 (one step at a time) up to the stages (the

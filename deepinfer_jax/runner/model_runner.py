@@ -131,6 +131,7 @@ class ModelRunner:
         self.last_routing = None
         self.last_num_tokens = 0
         self.compiles_after_warmup = 0  # compilations seen while this runner executed steps after warm-up
+        self.fetch_seconds = 0.0  # time spent in `fetch`: waiting for dispatched steps' results
         self.steps_by_variant: Counter[str] = Counter()  # steps dispatched, by sampling variant (HostStep.variant)
         # The host's structured-output bitmask fills done while a step's forward ran (`run`'s before_sampling):
         # how many, their rows and seconds in all, and the last one's seconds.
@@ -411,7 +412,12 @@ class ModelRunner:
         return self._scorer.score(self.params, token_ids)
 
     def fetch(self, inflight: tuple[HostStep, Any]) -> StepResult:
-        return self.collect(*inflight)
+        """A dispatched step's results on the host (waits for the device); its seconds add to `fetch_seconds`."""
+        t = time.perf_counter()
+        try:
+            return self.collect(*inflight)
+        finally:
+            self.fetch_seconds += time.perf_counter() - t
 
     def execute(self, plan_seqs, requests, seeds, ranks=None) -> StepResult:
         return self.fetch(self.dispatch(plan_seqs, requests, seeds, ranks))

@@ -359,7 +359,7 @@ async def start_server(ns, *, build: Callable[[], Any] | None = None, tokenizer:
         log.warning("%s", defaults.log_line())
     names = list(ns.served_model_name or [default_name])
     plugins = load_plugins(ns.plugin)  # a plugin that cannot be loaded stops the start (ValueError)
-    engine = AsyncEngine(build, max_queue_len=ns.max_queue_len)
+    engine = AsyncEngine(build, max_queue_len=ns.max_queue_len, log_stats=not getattr(ns, "disable_log_stats", False))
     config = ServingConfig(served_model_names=names, model_path=model_dir, max_model_len=ns.max_model_len,
                            reasoning_parser=ns.reasoning_parser, tool_call_parser=ns.tool_call_parser,
                            max_request_sequences=ns.max_request_sequences,

@@ -235,6 +235,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM, seconds to let in-flight requests finish; the rest end with an error (a stream: "
                         "a final error event and [DONE])")
     g.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    g.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic statistics line in the log (every 10 s while requests run: sequences, KV cache, "
+                        "engine steps); /metrics and /dashboard keep theirs")
     g.add_argument("--uvicorn-log-level", default=None, choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="log level of the HTTP server's own loggers (aiohttp's; vLLM's flag, for uvicorn; trace is "
                         "debug; default: --log-level)")

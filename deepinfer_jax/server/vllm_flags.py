@@ -22,7 +22,7 @@ SAME = set("""
 --tool-call-parser --enable-auto-tool-choice --shutdown-timeout --config --quantization --kv-cache-dtype --kv-offloading-size
 --cpu-offload-gb
 --nnodes --node-rank --master-addr --master-port --speculative-config --pipeline-parallel-size --all2all-backend
---enable-eplb --eplb-config --generation-config --uvicorn-log-level
+--enable-eplb --eplb-config --generation-config --uvicorn-log-level --disable-log-stats
 """.split())
 
 # Accepted, and change nothing here: {flag: why}. Boolean flags take no value; their --no- forms are refused
@@ -30,7 +30,6 @@ SAME = set("""
 NOOP: dict[str, str] = {
     "--trust-remote-code": "no remote code runs here: the model code is built in",
     "--enable-chunked-prefill": "prefill is always chunked (by --max-num-batched-tokens)",
-    "--disable-log-stats": "the server logs no periodic statistics (see /metrics and /dashboard)",
     "--max-log-len": "requests are not logged",
     "--disable-uvicorn-access-log": "there is no access log",
     "--disable-fastapi-docs": "there are no OpenAPI docs routes",
@@ -48,7 +47,7 @@ NOOP: dict[str, str] = {
     "--enable-mamba-cache-stochastic-rounding": "the served models have no Mamba layers",
     "--gdn-prefill-backend": "the served models have no gated-delta-net layers",
 }
-NOOP_BOOLEAN = {"--trust-remote-code", "--enable-chunked-prefill", "--disable-log-stats", "--disable-uvicorn-access-log",
+NOOP_BOOLEAN = {"--trust-remote-code", "--enable-chunked-prefill", "--disable-uvicorn-access-log",
                 "--disable-fastapi-docs", "--enable-request-id-headers", "--enable-prompt-tokens-details",
                 "--disable-custom-all-reduce", "--disable-cascade-attn",
                 "--disable-hybrid-kv-cache-manager", "--enable-mamba-cache-stochastic-rounding"}

@@ -232,3 +232,14 @@ def test_best_of_returns_the_highest_cumulative_logprob(llm):
     assert [c.cumulative_logprob for c in with_lp] == pytest.approx([c.cumulative_logprob for c in ranked])
     with pytest.raises(ValueError, match="best_of"):
         SamplingParams(n=3, best_of=2)
+
+
+def test_step_counters_count_the_steps_and_their_waits(llm):
+    """LLMEngine.step_counters (the server's periodic log line): one count a `step` call, its seconds, and the part
+    of them spent waiting in the runner's fetch, which is at most the whole."""
+    eng = llm.engine
+    n0, s0, w0 = eng.step_counters()
+    _gen(llm, random_prompts(23, [9, 17], 320), temperature=0.0, max_tokens=6)
+    n1, s1, w1 = eng.step_counters()
+    assert n1 - n0 >= 6  # a prefill step and five decode steps at least, then the last fetch
+    assert 0.0 < w1 - w0 <= s1 - s0

@@ -23,6 +23,7 @@ class Stats:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     num_preemptions: int = 0
+    spec_decode: object = None  # as SchedulerStats: no speculation
 
 
 class _SchedCfg:

@@ -266,3 +266,24 @@ def test_call_runs_on_the_loop_thread_between_steps():
     eng.shutdown()
     with pytest.raises(EngineNotReadyError):
         asyncio.run(eng.call(lambda e: None))
+
+
+@pytest.mark.parametrize("log_stats", [True, False])
+def test_periodic_stats_line_unless_disabled(log_stats, monkeypatch, caplog):
+    """The engine loop's periodic line (running / waiting, KV cache) while requests run; `log_stats=False` (serve
+    --disable-log-stats) writes none."""
+    from deepinfer_jax.engine import async_engine
+
+    monkeypatch.setattr(async_engine, "STATS_LOG_INTERVAL_S", 0.0)
+    fake = FakeEngine(step_delay=0.002)
+    eng = AsyncEngine(lambda: fake, log_stats=log_stats).start()
+    assert eng.wait_ready(5)
+
+    async def go():
+        return [o async for o in eng.submit("a", [5], SamplingParams(max_tokens=8))]
+
+    with caplog.at_level("INFO", logger="deepinfer_jax.engine.async_engine"):
+        asyncio.run(go())
+    eng.shutdown()
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("running ")]
+    assert bool(lines) == log_stats

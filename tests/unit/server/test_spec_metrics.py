@@ -40,3 +40,9 @@ def test_log_line_gives_the_mean_acceptance_length_of_its_interval():
     b = dataclasses.replace(a, num_drafts=20, num_draft_tokens=40, num_accepted_tokens=25)
     assert "mean acceptance length 2.50, accepted 15 of 20" in stats_line(_stats(b), a)
     assert "spec decode" not in stats_line(_stats(None), None)
+
+
+def test_log_line_gives_the_steps_of_its_interval():
+    line = stats_line(_stats(None), None, (40, 1.0, 0.25))
+    assert "40 steps of 25.0 ms (6.2 ms of it waiting for the device)" in line
+    assert "steps" not in stats_line(_stats(None), None, (0, 0.0, 0.0))  # an interval without steps says nothing
