@@ -177,7 +177,7 @@ class KVTransfer:
         runs, singles = _runs(transfers.loads, self.run)
         for part in _parts(runs, MAX_COPY_PAGES // self.run):
             starts, dev_ids = _padded(part)
-            fetched.append((np.concatenate(dev_ids), self._fetch(self.storage, starts, self.run)))
+            fetched.append((dev_ids, self._fetch(self.storage, starts, self.run)))
         for part in _parts(singles):
             host_ids, dev_ids = _padded(part)
             fetched.append((dev_ids, self._fetch(self.storage, host_ids, 1)))
@@ -216,16 +216,11 @@ def _runs(loads, run: int) -> tuple[list, list]:
 
 
 def _padded(pairs) -> tuple[np.ndarray, np.ndarray]:
-    """(a, b) pairs -> (an int32 array of the a's, the b's: an int32 array, or a list of arrays where each b is one),
-    of a power-of-two length, padded with the first pair."""
-    n = _pow2(len(pairs))
-    a = np.full((n,), pairs[0][0], np.int32)
-    a[: len(pairs)] = [x for x, _ in pairs]
-    if isinstance(pairs[0][1], np.ndarray):
-        return a, [y for _, y in pairs] + [pairs[0][1]] * (n - len(pairs))
-    b = np.full((n,), pairs[0][1], np.int32)
-    b[: len(pairs)] = [y for _, y in pairs]
-    return a, b
+    """(a, b) pairs, each b a block id or a run's array of them -> (the a's, the b's flattened), int32 arrays of a
+    power-of-two count of pairs, padded with the first pair."""
+    pad = list(pairs) + [pairs[0]] * (_pow2(len(pairs)) - len(pairs))
+    return (np.array([x for x, _ in pad], np.int32),
+            np.concatenate([np.atleast_1d(y) for _, y in pad]).astype(np.int32))
 
 
 def host_tier_blocks(cfg, page_size: int, dtype, gib: float) -> int:
